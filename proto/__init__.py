@@ -1,0 +1,72 @@
+"""hbmd wire protocol: typed messages, their msgpack codec and the error table.
+
+Imports only the standard library and msgpack, so both the daemon and the
+client (and anything else) can speak it.
+"""
+
+from .admin import (
+    BufferList,
+    ListBuffers,
+    ListSessions,
+    SessionInfo,
+    SessionList,
+    Status,
+    StatusReply,
+)
+from .buffers import (
+    BufferCreated,
+    BufferInfo,
+    ChunkInfo,
+    Commit,
+    Committed,
+    CreateBuffer,
+    Free,
+    Freed,
+    Release,
+    Released,
+)
+from .codec import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Envelope,
+    ErrorReply,
+    Message,
+    decode_datagram,
+    decode_frames,
+    encode_datagram,
+    encode_frames,
+    from_wire,
+    peek_request_id,
+    to_wire,
+)
+from .errors import (
+    ERROR_CLASSES,
+    Conflict,
+    DaemonUnavailable,
+    DriverError,
+    ErrorCode,
+    HbmdError,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    OutOfBudget,
+    OutOfDeviceMemory,
+    PermissionDenied,
+    ProtocolError,
+    VersionMismatch,
+)
+from .session import FdBatch, Hello, Refused, Welcome
+
+MAX_FDS_PER_DATAGRAM = 250
+"""At most this many FDs ride in one ``SCM_RIGHTS`` datagram (the kernel's SCM_MAX_FD is 253)."""
+
+REPLY_OF: dict[type[Message], type[Message]] = {
+    Status: StatusReply,
+    ListSessions: SessionList,
+    ListBuffers: BufferList,
+    CreateBuffer: BufferCreated,
+    Commit: Committed,
+    Release: Released,
+    Free: Freed,
+}
+"""The reply kind each request expects (an :class:`ErrorReply` may come instead)."""

@@ -1,0 +1,105 @@
+"""Buffer messages: create, commit, release, free.
+
+Sizes are bytes. A buffer of ``capacity`` bytes has ``num_segments`` equal
+segments; committing ``bytes_per_segment`` backs that prefix of every segment.
+"""
+
+from __future__ import annotations
+
+from .codec import Message, message, record
+
+
+@record
+class ChunkInfo:
+    """One physical chunk: ``size`` bytes mapped at ``offset`` of the buffer.
+
+    ``handle_offset`` is where the mapping starts inside the exported handle
+    (0 for a CUDA allocation; the file offset for a host memfd).
+    """
+
+    chunk_id: int
+    offset: int
+    size: int
+    handle_offset: int
+
+
+@record
+class BufferInfo:
+    """What the daemon knows of a buffer (also what ``hbmctl buffers`` prints)."""
+
+    buffer_id: int
+    name: str
+    persistent: bool
+    session_id: int
+    owner_uid: int
+    capacity_bytes: int
+    reserved_bytes: int
+    num_segments: int
+    segment_capacity_bytes: int
+    bytes_per_segment: int
+    physical_bytes: int
+    num_chunks: int
+
+
+@message("buffer.create")
+class CreateBuffer(Message):
+    """Reserve a buffer of ``capacity`` bytes in ``num_segments`` segments; nothing is committed.
+
+    ``shareable`` asks for RDMA-capable chunks where the backend has them.
+    """
+
+    capacity: int
+    num_segments: int = 1
+    name: str = ""
+    persistent: bool = False
+    shareable: bool = False
+
+
+@message("buffer.created")
+class BufferCreated(Message):
+    buffer: BufferInfo
+
+
+@message("buffer.commit")
+class Commit(Message):
+    """Grow every segment's committed prefix to ``bytes_per_segment`` (grow-only).
+
+    The new chunks' FDs arrive on the handle plane, in ``FdBatch`` datagrams
+    tagged with this request's id, before the reply.
+    """
+
+    buffer_id: int
+    bytes_per_segment: int
+
+
+@message("buffer.committed")
+class Committed(Message):
+    buffer: BufferInfo
+    chunks: list[ChunkInfo]
+    fd_batches: int
+
+
+@message("buffer.release")
+class Release(Message):
+    """Drop every chunk of the buffer, keep the reservation (sleep)."""
+
+    buffer_id: int
+
+
+@message("buffer.released")
+class Released(Message):
+    buffer: BufferInfo
+    freed_bytes: int
+
+
+@message("buffer.free")
+class Free(Message):
+    """Drop the buffer entirely."""
+
+    buffer_id: int
+
+
+@message("buffer.freed")
+class Freed(Message):
+    buffer_id: int
+    freed_bytes: int

@@ -1,0 +1,226 @@
+"""Message registry and msgpack codec.
+
+A message is a frozen dataclass registered under a ``KIND`` string. On the
+wire it is a string-keyed msgpack map of its fields; fields the receiver does
+not know are ignored (so a minor version can add fields), missing required
+fields and values of the wrong type are a :class:`ProtocolError`. Never pickle.
+
+Control-plane frames are ``[kind, payload]`` where ``payload`` is a map
+``{"id": request id, "token": session token, "body": fields}``; routing reads
+only the ``kind`` frame. Handle-plane datagrams are one map
+``{"kind": kind, "body": fields}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from .errors import HbmdError, ProtocolError, error_from_wire
+
+PROTOCOL_VERSION = (1, 0)
+MAX_FRAME_BYTES = 4 << 20
+
+M = TypeVar("M", bound="Message")
+
+_KINDS: dict[str, type["Message"]] = {}
+
+
+class Message:
+    """Base of every wire message; subclasses are made with :func:`message`."""
+
+    KIND: ClassVar[str] = ""
+
+
+def message(kind: str):
+    """Class decorator: make a frozen dataclass and register it under ``kind``."""
+
+    def register(cls: type[M]) -> type[M]:
+        if kind in _KINDS:
+            raise ValueError(f"message kind {kind!r} registered twice")
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        cls.KIND = kind
+        _KINDS[kind] = cls
+        return cls
+
+    return register
+
+
+def record(cls: type[M]) -> type[M]:
+    """Class decorator for a plain frozen value nested inside messages."""
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+def kind_class(kind: str) -> type[Message]:
+    try:
+        return _KINDS[kind]
+    except KeyError:
+        raise ProtocolError(f"unknown message kind {kind!r}") from None
+
+
+def to_wire(value: Any) -> Any:
+    """Turn a message or record (recursively) into msgpack-ready values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
+    return value
+
+
+def from_wire(cls: type[M], data: Any) -> M:
+    """Build ``cls`` from a decoded map, checking every field's type."""
+    return _convert(cls, data, cls.__name__)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        hints = _hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name in value:
+                kwargs[f.name] = _convert(hints[f.name], value[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{where}: missing field {f.name!r}")
+        return tp(**kwargs)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _convert(option, value, where)
+            except ProtocolError:
+                continue
+        raise ProtocolError(f"{where}: {value!r:.40} matches none of {tp}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        key_tp, val_tp = typing.get_args(tp)
+        return {
+            _convert(key_tp, k, f"{where} key"): _convert(val_tp, v, f"{where}[{k!r}]")
+            for k, v in value.items()
+        }
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    # bool is an int subclass: an int field must not accept True, nor a bool field 1.
+    if type(value) is not tp:
+        raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def packb(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def unpackb(data: bytes) -> Any:
+    if len(data) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise ProtocolError(f"malformed msgpack: {type(exc).__name__}") from None
+
+
+def encode_frames(msg: Message, request_id: int, token: str = "") -> list[bytes]:
+    """Control-plane frames for a request or a reply."""
+    payload = {"id": request_id, "token": token, "body": to_wire(msg)}
+    return [msg.KIND.encode(), packb(payload)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Envelope:
+    """A decoded control-plane message with its request id and token."""
+
+    request_id: int
+    token: str
+    body: Message
+
+
+def peek_request_id(frames: list[bytes]) -> int:
+    """Best-effort request id of a frame list, for error replies to garbage (0 if none)."""
+    try:
+        payload = unpackb(frames[1])
+        rid = payload.get("id") if isinstance(payload, dict) else None
+    except (ProtocolError, IndexError):
+        return 0
+    return rid if type(rid) is int and 0 <= rid < 2**63 else 0
+
+
+def decode_frames(frames: list[bytes]) -> Envelope:
+    """Decode ``[kind, payload]``; raises :class:`ProtocolError` on any defect."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    try:
+        kind = frames[0].decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("message kind is not ASCII") from None
+    cls = kind_class(kind)
+    payload = unpackb(frames[1])
+    if not isinstance(payload, dict):
+        raise ProtocolError("payload is not a map")
+    rid, token, body = payload.get("id"), payload.get("token", ""), payload.get("body", {})
+    if type(rid) is not int or not 0 <= rid < 2**63:
+        raise ProtocolError("request id missing or out of range")
+    if type(token) is not str:
+        raise ProtocolError("token is not a string")
+    return Envelope(rid, token, from_wire(cls, body))
+
+
+def encode_datagram(msg: Message) -> bytes:
+    """A handle-plane datagram."""
+    return packb({"kind": msg.KIND, "body": to_wire(msg)})
+
+
+def decode_datagram(data: bytes) -> Message:
+    payload = unpackb(data)
+    if not isinstance(payload, dict) or type(payload.get("kind")) is not str:
+        raise ProtocolError("datagram is not a {kind, body} map")
+    return from_wire(kind_class(payload["kind"]), payload.get("body", {}))
+
+
+@message("error")
+class ErrorReply(Message):
+    """Daemon → client refusal of any request: an error-table ``code`` and a one-line ``message``.
+
+    ``details`` carries the numbers behind it (budget, used, requested, ...).
+    """
+
+    code: str
+    message: str
+    retryable: bool
+    details: dict[str, int | str | bool | float] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, exc: HbmdError) -> "ErrorReply":
+        details = {k: v for k, v in exc.details.items() if isinstance(v, (int, str, bool, float))}
+        return cls(exc.code.wire, exc.message, exc.retryable, details)
+
+    def exception(self) -> HbmdError:
+        return error_from_wire(self.code, self.message, self.details)

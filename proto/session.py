@@ -1,0 +1,69 @@
+"""Session messages: the handshake on the handle plane and the FD batch header.
+
+The handshake travels on the session's Unix ``SOCK_SEQPACKET`` connection, the
+one the daemon identifies with ``SO_PEERCRED``; the token it returns must
+accompany every control-plane request of that session.
+"""
+
+from __future__ import annotations
+
+from .codec import Message, message
+
+
+@message("session.hello")
+class Hello(Message):
+    """Client → daemon, first datagram on a new handle connection.
+
+    ``version`` is ``[major, minor]``; a different major is refused.
+    ``client_name`` labels the session in ``hbmctl``; ``tenant`` is the
+    client-declared tenant name used for quotas (empty: keyed by uid).
+    """
+
+    version: list[int]
+    pid: int
+    client_name: str = ""
+    tenant: str = ""
+
+
+@message("session.welcome")
+class Welcome(Message):
+    """Daemon → client, the answer to :class:`Hello`.
+
+    ``token`` is the session's random capability for control requests;
+    ``granularity`` is the granule in bytes; ``device_uuid``/``device_index``
+    are empty/-1 on the host backend.
+    """
+
+    token: str
+    session_id: int
+    instance: str
+    backend: str
+    granularity: int
+    version: list[int]
+    daemon_version: str
+    device_uuid: str = ""
+    device_index: int = -1
+
+
+@message("session.refused")
+class Refused(Message):
+    """Daemon → client instead of :class:`Welcome`; ``code`` is an error-table wire name."""
+
+    code: str
+    message: str
+
+
+@message("session.fds")
+class FdBatch(Message):
+    """Daemon → client header of a datagram carrying FDs with ``SCM_RIGHTS``.
+
+    The i-th FD attached belongs to ``chunk_ids[i]``; the batches of one
+    request are numbered ``batch`` = 0 .. ``batches`` - 1. A batch whose
+    chunks could not be exported carries no FDs and a non-empty ``error``.
+    """
+
+    request_id: int
+    chunk_ids: list[int]
+    batch: int
+    batches: int
+    error: str = ""

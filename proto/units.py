@@ -1,0 +1,55 @@
+"""Byte sizes as people write them (``96MiB``, ``120GiB``, ``90%``) and as tools print them."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 1000,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 1000**2,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 1000**3,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 1000**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*|%)\s*$")
+
+
+def parse_size(text: str, total: int | None = None) -> int:
+    """Parse ``"96MiB"``, ``"1.5GiB"``, ``"4096"`` or, given ``total``, ``"90%"``.
+
+    Raises ``ValueError`` with the accepted forms on anything else.
+    """
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"bad size {text!r}: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a percentage")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "%":
+        if total is None:
+            raise ValueError(f"bad size {text!r}: a percentage needs a known total")
+        if not 0 < number <= 100:
+            raise ValueError(f"bad size {text!r}: a percentage must be in (0, 100]")
+        return int(total * number / 100)
+    if unit not in _UNITS:
+        raise ValueError(f"bad size {text!r}: unknown unit {match.group(2)!r}")
+    return int(number * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    """``format_bytes(3 << 30) == '3.0 GiB'``; exact bytes below 1 KiB."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            return f"{value:.1f} {unit}"
+    raise AssertionError("unreachable")
