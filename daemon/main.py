@@ -1,0 +1,106 @@
+"""``hbmd``: the per-GPU memory daemon's command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import sys
+
+from hbmd.proto.layout import DEFAULT_RUN_DIR, InstancePaths
+from hbmd.proto.units import format_bytes, parse_size
+
+from .backends import Backend
+from .backends.host import HostBackend
+from .server import DAEMON_VERSION, AlreadyRunning, Server
+from .state import State
+
+log = logging.getLogger("hbmd")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message says why."""
+
+
+def select_backend(kind: str, device: int) -> Backend:
+    """The backend named by ``--backend`` (``auto``: CUDA where usable, else host)."""
+    if kind == "host":
+        return HostBackend()
+    raise BackendUnavailable(f"backend {kind!r} is not available in this build")
+
+
+def raise_fd_limit() -> None:
+    """Lift the soft RLIMIT_NOFILE to the hard one: FDs in flight over SCM_RIGHTS count against it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hbmd",
+        description="Per-GPU memory daemon: owns device memory and serves growable buffers to worker processes.",
+        epilog="example: hbmd --backend host --run-dir /tmp/hbmd --budget 8GiB",
+    )
+    parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto",
+                        help="memory to serve (default: auto, CUDA where a driver and the device are present, else host)")
+    parser.add_argument("--device", type=int, default=0, metavar="N",
+                        help="GPU index as nvidia-smi numbers it (default: 0)")
+    parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR, metavar="DIR",
+                        help=f"directory for the instance's sockets (default: {DEFAULT_RUN_DIR})")
+    parser.add_argument("--budget", metavar="SIZE",
+                        help="most bytes committed at once: 96MiB, 120GiB, 90%% (default: all device memory)")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--version", action="version", version=f"hbmd {DAEMON_VERSION}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s hbmd %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        backend = select_backend(args.backend, args.device)
+    except BackendUnavailable as exc:
+        log.error("%s", exc)
+        return 1
+    try:
+        budget = parse_size(args.budget, backend.total_bytes) if args.budget else backend.total_bytes
+    except ValueError as exc:
+        log.error("--budget: %s", exc)
+        return 2
+    raise_fd_limit()
+    paths = InstancePaths.of(args.run_dir, backend.instance)
+    server = Server(State(backend, budget), paths)
+    try:
+        server.bind()
+    except (AlreadyRunning, ValueError, OSError) as exc:
+        log.error("cannot serve %s: %s", paths.directory, exc)
+        server.close()
+        return 1
+    server.install_signal_handlers()
+    log.info(
+        "hbmd %s serving instance %s: backend %s, granule %s, budget %s of %s; control %s, handles %s",
+        DAEMON_VERSION,
+        backend.instance,
+        backend.name,
+        format_bytes(backend.granularity),
+        format_bytes(budget),
+        format_bytes(backend.total_bytes),
+        paths.endpoint,
+        paths.handles,
+    )
+    try:
+        server.run()
+    finally:
+        server.close()
+        backend.close()
+    log.info("hbmd stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""The daemon's sockets: the ZeroMQ control plane and the Unix handle plane.
+
+One thread, one poll loop, so every request runs to completion before the
+next starts and admission needs no locks. The server decodes, checks the
+session token, calls the :class:`State` and encodes the reply; it never calls
+the driver itself.
+
+Handle plane: each session is one ``SOCK_SEQPACKET`` connection. Its first
+datagram is the :class:`Hello`; the peer's pid/uid/gid come from
+``SO_PEERCRED``; when it closes the session ends and its buffers are freed.
+Exported FDs travel on it in batches, queued per session and sent as the
+socket drains, so a slow reader never blocks the daemon.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import time
+from typing import Callable
+
+import zmq
+
+from hbmd.proto import (
+    MAX_FDS_PER_DATAGRAM,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    BufferCreated,
+    BufferList,
+    Commit,
+    Committed,
+    CreateBuffer,
+    ErrorReply,
+    FdBatch,
+    Free,
+    Freed,
+    Hello,
+    ListBuffers,
+    ListSessions,
+    Message,
+    Refused,
+    Release,
+    Released,
+    SessionList,
+    Status,
+    StatusReply,
+    Welcome,
+    decode_datagram,
+    decode_frames,
+    encode_datagram,
+    encode_frames,
+    peek_request_id,
+)
+from hbmd.proto.errors import HbmdError, InternalError, ProtocolError, VersionMismatch
+from hbmd.proto.layout import InstancePaths
+
+from .state import Buffer, Chunk, Session, State
+
+log = logging.getLogger("hbmd.server")
+
+HELLO_TIMEOUT_S = 5.0
+MAX_DATAGRAM = 64 << 10
+MAX_FDS_IN = 16
+"""FDs accepted (and closed at once) on an inbound datagram; clients send none."""
+DAEMON_VERSION = "0.1.0"
+
+
+class AlreadyRunning(RuntimeError):
+    """Another daemon holds the instance's lock."""
+
+
+@dataclasses.dataclass
+class FdDelivery:
+    """One queued batch of chunk FDs for a session's handle socket."""
+
+    request_id: int
+    buffer: Buffer
+    chunks: list[Chunk]
+    batch: int
+    batches: int
+
+
+@dataclasses.dataclass
+class HandleConnection:
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    accepted_at: float
+    session: Session | None = None
+    outbox: collections.deque[FdDelivery] = dataclasses.field(default_factory=collections.deque)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the peer, from the kernel (``SO_PEERCRED``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+class Server:
+    """Serves one :class:`State` on one instance directory until :meth:`stop`."""
+
+    def __init__(self, state: State, paths: InstancePaths) -> None:
+        self.state = state
+        self.paths = paths
+        self._stopping = False
+        self._lock_fd = -1
+        self._context = zmq.Context.instance()
+        self._router: zmq.Socket | None = None
+        self._listener: socket.socket | None = None
+        self._wake_r = self._wake_w = -1
+        self._poller = zmq.Poller()
+        self._connections: dict[int, HandleConnection] = {}
+        self._by_session: dict[int, HandleConnection] = {}
+        self._handlers: dict[type[Message], Callable[[HandleConnection, int, Message], Message]] = {
+            Status: self._status,
+            ListSessions: self._list_sessions,
+            ListBuffers: self._list_buffers,
+            CreateBuffer: self._create_buffer,
+            Commit: self._commit,
+            Release: self._release,
+            Free: self._free,
+        }
+
+    # lifecycle
+
+    def bind(self) -> None:
+        """Take the instance lock, bind both sockets and publish ``instance.json``."""
+        self.paths.check_lengths()
+        self.paths.directory.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self.paths.directory.mkdir(mode=0o750, exist_ok=True)
+        self._lock_fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise AlreadyRunning(f"another hbmd is already serving {self.paths.directory}") from None
+        for stale in (self.paths.control, self.paths.handles, self.paths.info):
+            stale.unlink(missing_ok=True)
+
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        self._router.bind(self.paths.endpoint)
+        os.chmod(self.paths.control, 0o660)
+
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._listener.bind(os.fspath(self.paths.handles))
+        os.chmod(self.paths.handles, 0o660)
+        self._listener.listen(128)
+        self._listener.setblocking(False)
+
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._listener.fileno(), zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._publish()
+
+    def _publish(self) -> None:
+        backend = self.state.backend
+        info = {
+            "instance": backend.instance,
+            "backend": backend.name,
+            "device_index": backend.device_index,
+            "device_uuid": backend.device_uuid,
+            "pid": os.getpid(),
+            "protocol": list(PROTOCOL_VERSION),
+            "daemon_version": DAEMON_VERSION,
+            "control": self.paths.endpoint,
+            "handles": os.fspath(self.paths.handles),
+        }
+        tmp = self.paths.info.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        os.chmod(tmp, 0o644)
+        tmp.replace(self.paths.info)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the loop; the wake pipe interrupts the poll."""
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def run(self) -> None:
+        while not self._stopping:
+            for fd_or_socket, _ in self._poller.poll(timeout=1000):
+                if fd_or_socket is self._router:
+                    self._drain_control()
+                elif fd_or_socket == self._wake_r:
+                    self._drain_wake()
+                elif self._listener is not None and fd_or_socket == self._listener.fileno():
+                    self._accept()
+                else:
+                    conn = self._connections.get(fd_or_socket)
+                    if conn is not None:
+                        self._on_handle_event(conn)
+            self._expire_pending()
+
+    def close(self) -> None:
+        """End every session, drop the sockets, files and lock."""
+        for conn in list(self._connections.values()):
+            self._close_connection(conn, "daemon stopping")
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._listener is not None:
+            self._listener.close()
+        for path in (self.paths.control, self.paths.handles, self.paths.info):
+            path.unlink(missing_ok=True)
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    # handle plane
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # EMFILE and friends: refuse this peer, keep serving the others.
+                log.warning("accepting a handle connection failed: %s", exc)
+                return
+            sock.setblocking(False)
+            try:
+                pid, uid, gid = peer_credentials(sock)
+            except OSError as exc:
+                log.warning("reading peer credentials failed: %s", exc)
+                sock.close()
+                continue
+            conn = HandleConnection(sock, pid, uid, gid, time.monotonic())
+            self._connections[sock.fileno()] = conn
+            self._poller.register(sock.fileno(), zmq.POLLIN)
+
+    def _expire_pending(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._connections.values()):
+            if conn.session is None and now - conn.accepted_at > HELLO_TIMEOUT_S:
+                self._close_connection(conn, "no hello in time")
+
+    def _receive(self, conn: HandleConnection) -> bytes | None:
+        """One inbound datagram, or None when the peer is gone. Inbound FDs are closed."""
+        try:
+            data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_DATAGRAM, MAX_FDS_IN)
+        except (BlockingIOError, InterruptedError):
+            return b""
+        except OSError:
+            return None
+        for fd in fds:
+            os.close(fd)
+        if fds:
+            log.warning("pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
+        if not data and not fds:
+            return None
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            log.warning("pid %d sent an oversized datagram; dropped", conn.pid)
+            return b""
+        return data
+
+    def _on_handle_event(self, conn: HandleConnection) -> None:
+        if conn.outbox:
+            self._flush(conn)
+        data = self._receive(conn)
+        if data is None:
+            self._close_connection(conn, "connection closed")
+            return
+        if not data:
+            return
+        if conn.session is None:
+            self._handshake(conn, data)
+        else:
+            log.debug("session %d sent an unexpected datagram; ignored", conn.session.session_id)
+
+    def _handshake(self, conn: HandleConnection, data: bytes) -> None:
+        try:
+            hello = decode_datagram(data)
+            if not isinstance(hello, Hello):
+                raise ProtocolError(f"expected a hello, got {hello.KIND}")
+            if not hello.version or hello.version[0] != PROTOCOL_VERSION[0]:
+                raise VersionMismatch(
+                    f"client speaks protocol {'.'.join(map(str, hello.version))}, "
+                    f"this daemon speaks {PROTOCOL_VERSION[0]}.x"
+                )
+        except HbmdError as exc:
+            self._send_quietly(conn, Refused(exc.code.wire, exc.message))
+            self._close_connection(conn, f"refused: {exc.message}")
+            return
+        session = self.state.open_session(conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant)
+        conn.session = session
+        self._by_session[session.session_id] = conn
+        backend = self.state.backend
+        self._send_quietly(
+            conn,
+            Welcome(
+                token=session.token,
+                session_id=session.session_id,
+                instance=backend.instance,
+                backend=backend.name,
+                granularity=backend.granularity,
+                version=list(PROTOCOL_VERSION),
+                daemon_version=DAEMON_VERSION,
+                device_uuid=backend.device_uuid,
+                device_index=backend.device_index,
+            ),
+        )
+        log.info(
+            "session %d opened: pid %d uid %d%s",
+            session.session_id,
+            conn.pid,
+            conn.uid,
+            f" ({hello.client_name})" if hello.client_name else "",
+        )
+
+    def _send_quietly(self, conn: HandleConnection, msg: Message) -> None:
+        try:
+            conn.sock.send(encode_datagram(msg))
+        except OSError as exc:
+            log.debug("sending %s to pid %d failed: %s", msg.KIND, conn.pid, exc)
+
+    def _close_connection(self, conn: HandleConnection, why: str) -> None:
+        fd = conn.sock.fileno()
+        self._connections.pop(fd, None)
+        try:
+            self._poller.unregister(fd)
+        except KeyError:
+            pass
+        conn.outbox.clear()
+        conn.sock.close()
+        if conn.session is not None:
+            self._by_session.pop(conn.session.session_id, None)
+            freed = self.state.close_session(conn.session)
+            log.info("session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
+
+    def _flush(self, conn: HandleConnection) -> None:
+        """Send queued FD batches until the socket is full; close each FD once sent."""
+        while conn.outbox:
+            delivery = conn.outbox[0]
+            header = FdBatch(delivery.request_id, [c.chunk_id for c in delivery.chunks], delivery.batch, delivery.batches)
+            fds: list[int] = []
+            try:
+                if not all(c.live for c in delivery.chunks):
+                    raise InternalError("chunks were released before they were delivered")
+                for chunk in delivery.chunks:
+                    fds.append(self.state.export(delivery.buffer, chunk))
+            except (HbmdError, OSError) as exc:
+                log.warning("export for request %d failed: %s", delivery.request_id, exc)
+                header = dataclasses.replace(header, error=str(exc))
+                for fd in fds:
+                    os.close(fd)
+                fds = []
+            try:
+                socket.send_fds(conn.sock, [encode_datagram(header)], fds)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                    log.warning("sending FDs to pid %d failed: %s", conn.pid, exc)
+                break
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            conn.outbox.popleft()
+        flags = zmq.POLLIN | (zmq.POLLOUT if conn.outbox else 0)
+        self._poller.register(conn.sock.fileno(), flags)
+
+    # control plane
+
+    def _drain_control(self) -> None:
+        while True:
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                self._router.send_multipart([identity, *self._dispatch(body)], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.debug("reply dropped: %s", exc)
+
+    def _dispatch(self, frames: list[bytes]) -> list[bytes]:
+        request_id = peek_request_id(frames)
+        try:
+            envelope = decode_frames(frames)
+            request_id = envelope.request_id
+            handler = self._handlers.get(type(envelope.body))
+            if handler is None:
+                raise ProtocolError(f"{envelope.body.KIND} is not a request")
+            session = self.state.session_for(envelope.token)
+            reply = handler(self._by_session[session.session_id], request_id, envelope.body)
+        except HbmdError as exc:
+            reply = ErrorReply.of(exc)
+        except Exception:
+            log.exception("request %d failed", request_id)
+            reply = ErrorReply.of(InternalError(f"internal error handling request {request_id}; see the daemon log"))
+        return encode_frames(reply, request_id)
+
+    def _status(self, conn: HandleConnection, request_id: int, msg: Status) -> StatusReply:
+        state, backend = self.state, self.state.backend
+        return StatusReply(
+            instance=backend.instance,
+            backend=backend.name,
+            device_index=backend.device_index,
+            device_uuid=backend.device_uuid,
+            pid=os.getpid(),
+            daemon_version=DAEMON_VERSION,
+            granularity=backend.granularity,
+            total_bytes=backend.total_bytes,
+            budget_bytes=state.budget_bytes,
+            committed_bytes=state.committed_bytes,
+            reserved_bytes=state.reserved_bytes,
+            num_sessions=len(state.sessions),
+            num_buffers=len(state.buffers),
+            num_chunks=state.num_chunks,
+            uptime_s=time.monotonic() - state.started_at,
+        )
+
+    def _list_sessions(self, conn: HandleConnection, request_id: int, msg: ListSessions) -> SessionList:
+        return SessionList([self.state.session_info(s) for s in self.state.sessions.values()])
+
+    def _list_buffers(self, conn: HandleConnection, request_id: int, msg: ListBuffers) -> BufferList:
+        buffers = self.state.buffers.values()
+        if msg.session_id != -1:
+            buffers = [b for b in buffers if b.owner is not None and b.owner.session_id == msg.session_id]
+        return BufferList([b.info() for b in buffers])
+
+    def _create_buffer(self, conn: HandleConnection, request_id: int, msg: CreateBuffer) -> BufferCreated:
+        buffer = self.state.create_buffer(
+            conn.session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable
+        )
+        return BufferCreated(buffer.info())
+
+    def _commit(self, conn: HandleConnection, request_id: int, msg: Commit) -> Committed:
+        chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
+        buffer = self.state.buffers[msg.buffer_id]
+        batches = [chunks[i : i + MAX_FDS_PER_DATAGRAM] for i in range(0, len(chunks), MAX_FDS_PER_DATAGRAM)]
+        for index, batch in enumerate(batches):
+            conn.outbox.append(FdDelivery(request_id, buffer, batch, index, len(batches)))
+        if batches:
+            self._flush(conn)
+        return Committed(buffer.info(), [self.state.chunk_info(buffer, c) for c in chunks], len(batches))
+
+    def _release(self, conn: HandleConnection, request_id: int, msg: Release) -> Released:
+        freed = self.state.release(conn.session, msg.buffer_id)
+        return Released(self.state.buffers[msg.buffer_id].info(), freed)
+
+    def _free(self, conn: HandleConnection, request_id: int, msg: Free) -> Freed:
+        return Freed(msg.buffer_id, self.state.free(conn.session, msg.buffer_id))

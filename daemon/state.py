@@ -1,0 +1,355 @@
+"""The daemon's state: sessions, buffers, chunks and the budget.
+
+Everything here is plain data and arithmetic over a :class:`Backend`; nothing
+knows about sockets. Every method either completes or raises with the state
+unchanged, and the budget is checked in exactly one place, :meth:`State.commit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from typing import Any, Iterable
+
+from hbmd.proto import BufferInfo, ChunkInfo, SessionInfo
+from hbmd.proto.errors import HbmdError, InvalidRequest, NotFound, OutOfBudget, PermissionDenied
+from hbmd.proto.units import format_bytes
+
+from .backends import Backend
+
+log = logging.getLogger("hbmd.state")
+
+MAX_CAPACITY = 1 << 50
+"""1 PiB: more than any device, small enough that offsets never overflow."""
+MAX_SEGMENTS = 1 << 16
+MAX_NAME = 128
+
+
+def round_up(n: int, granule: int) -> int:
+    return -(-n // granule) * granule
+
+
+def merge_runs(runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge half-open ``(start, end)`` runs into sorted, disjoint, non-touching runs."""
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in runs if r[0] < r[1]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def subtract_runs(runs: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of sorted disjoint ``runs`` not covered by sorted disjoint ``taken``."""
+    out: list[tuple[int, int]] = []
+    j = 0
+    for start, end in runs:
+        while j < len(taken) and taken[j][1] <= start:
+            j += 1
+        k = j
+        while start < end:
+            if k == len(taken) or taken[k][0] >= end:
+                out.append((start, end))
+                break
+            if taken[k][0] > start:
+                out.append((start, taken[k][0]))
+            start = max(start, taken[k][1])
+            k += 1
+    return out
+
+
+def backed_runs(
+    segment_capacity: int, num_segments: int, bytes_per_segment: int, granule: int
+) -> list[tuple[int, int]]:
+    """Byte runs (granule-aligned, merged) that must be backed to hold ``bytes_per_segment`` of each segment.
+
+    A granule straddling two segments appears once: the runs are merged.
+    """
+    if bytes_per_segment == 0:
+        return []
+    return merge_runs(
+        (
+            i * segment_capacity // granule * granule,
+            round_up(i * segment_capacity + bytes_per_segment, granule),
+        )
+        for i in range(num_segments)
+    )
+
+
+@dataclasses.dataclass
+class Chunk:
+    chunk_id: int
+    offset: int
+    size: int
+    handle: Any
+    live: bool = True
+    """False once released: a queued export of it must not happen."""
+
+
+@dataclasses.dataclass
+class Session:
+    session_id: int
+    token: str
+    pid: int
+    uid: int
+    gid: int
+    client_name: str
+    tenant: str
+    connected_at: float = dataclasses.field(default_factory=time.monotonic)
+    buffers: dict[int, "Buffer"] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Buffer:
+    buffer_id: int
+    name: str
+    persistent: bool
+    shareable: bool
+    owner: Session | None
+    owner_uid: int
+    capacity: int
+    reserved: int
+    num_segments: int
+    arena: Any
+    bytes_per_segment: int = 0
+    chunks: list[Chunk] = dataclasses.field(default_factory=list)
+    physical_bytes: int = 0
+
+    @property
+    def segment_capacity(self) -> int:
+        return self.capacity // self.num_segments
+
+    def info(self) -> BufferInfo:
+        return BufferInfo(
+            buffer_id=self.buffer_id,
+            name=self.name,
+            persistent=self.persistent,
+            session_id=self.owner.session_id if self.owner else 0,
+            owner_uid=self.owner_uid,
+            capacity_bytes=self.capacity,
+            reserved_bytes=self.reserved,
+            num_segments=self.num_segments,
+            segment_capacity_bytes=self.segment_capacity,
+            bytes_per_segment=self.bytes_per_segment,
+            physical_bytes=self.physical_bytes,
+            num_chunks=len(self.chunks),
+        )
+
+
+def _check_int(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name} {value} is out of range [{low}, {high}]", field=name, value=str(value))
+
+
+class State:
+    """Sessions, buffers and the budget of one daemon instance."""
+
+    def __init__(self, backend: Backend, budget_bytes: int) -> None:
+        self.backend = backend
+        self.budget_bytes = budget_bytes
+        self.committed_bytes = 0
+        self.sessions: dict[int, Session] = {}
+        self.buffers: dict[int, Buffer] = {}
+        self._by_token: dict[str, Session] = {}
+        self._next_session = 1
+        self._next_buffer = 1
+        self._next_chunk = 1
+        self.started_at = time.monotonic()
+
+    # sessions
+
+    def open_session(self, pid: int, uid: int, gid: int, client_name: str, tenant: str) -> Session:
+        session = Session(self._next_session, secrets.token_hex(16), pid, uid, gid, client_name[:MAX_NAME], tenant[:MAX_NAME])
+        self._next_session += 1
+        self.sessions[session.session_id] = session
+        self._by_token[session.token] = session
+        return session
+
+    def session_for(self, token: str) -> Session:
+        session = self._by_token.get(token)
+        if session is None:
+            raise PermissionDenied("unknown or expired session token")
+        return session
+
+    def close_session(self, session: Session) -> int:
+        """End a session: free its anonymous buffers. Returns the bytes freed."""
+        freed = 0
+        for buffer in list(session.buffers.values()):
+            freed += self._drop(buffer)
+        self.sessions.pop(session.session_id, None)
+        self._by_token.pop(session.token, None)
+        return freed
+
+    # buffers
+
+    def create_buffer(
+        self,
+        session: Session,
+        capacity: int,
+        num_segments: int,
+        name: str = "",
+        persistent: bool = False,
+        shareable: bool = False,
+    ) -> Buffer:
+        _check_int("capacity", capacity, 1, MAX_CAPACITY)
+        _check_int("num_segments", num_segments, 1, min(MAX_SEGMENTS, capacity))
+        if capacity % num_segments:
+            raise InvalidRequest(
+                f"capacity {capacity} is not divisible by num_segments {num_segments}",
+                field="num_segments",
+            )
+        if len(name) > MAX_NAME or not name.isprintable():
+            raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
+        if persistent:
+            raise InvalidRequest("persistent buffers are not served by this daemon version", field="persistent")
+        reserved = round_up(capacity, self.backend.granularity)
+        arena = self.backend.open_arena(reserved, shareable)
+        buffer = Buffer(
+            buffer_id=self._next_buffer,
+            name=name,
+            persistent=persistent,
+            shareable=shareable,
+            owner=session,
+            owner_uid=session.uid,
+            capacity=capacity,
+            reserved=reserved,
+            num_segments=num_segments,
+            arena=arena,
+        )
+        self._next_buffer += 1
+        self.buffers[buffer.buffer_id] = buffer
+        session.buffers[buffer.buffer_id] = buffer
+        return buffer
+
+    def buffer_of(self, session: Session, buffer_id: int) -> Buffer:
+        """The session's own buffer ``buffer_id``; another session's is refused."""
+        buffer = self.buffers.get(buffer_id)
+        if buffer is None:
+            raise NotFound(f"no buffer {buffer_id}", buffer_id=buffer_id)
+        if buffer.owner is not session:
+            raise PermissionDenied(f"buffer {buffer_id} belongs to another session", buffer_id=buffer_id)
+        return buffer
+
+    def commit(self, session: Session, buffer_id: int, bytes_per_segment: int) -> list[Chunk]:
+        """Grow every segment's committed prefix; returns the new chunks, in offset order.
+
+        One chunk per maximal run of uncommitted granules. The whole growth
+        fits the budget or nothing is allocated.
+        """
+        buffer = self.buffer_of(session, buffer_id)
+        seg = buffer.segment_capacity
+        if bytes_per_segment < 0:
+            raise InvalidRequest(f"bytes_per_segment {bytes_per_segment} is negative", field="bytes_per_segment")
+        if bytes_per_segment > seg:
+            raise InvalidRequest(
+                f"{bytes_per_segment} bytes per segment exceeds the segment capacity of {seg} bytes",
+                field="bytes_per_segment",
+            )
+        if bytes_per_segment < buffer.bytes_per_segment:
+            raise InvalidRequest(
+                f"buffers are grow-only: {bytes_per_segment} bytes per segment is below "
+                f"the {buffer.bytes_per_segment} already committed",
+                field="bytes_per_segment",
+            )
+        granule = self.backend.granularity
+        runs = subtract_runs(
+            backed_runs(seg, buffer.num_segments, bytes_per_segment, granule),
+            backed_runs(seg, buffer.num_segments, buffer.bytes_per_segment, granule),
+        )
+        requested = sum(end - start for start, end in runs)
+        if self.committed_bytes + requested > self.budget_bytes:
+            raise OutOfBudget(
+                f"commit of {format_bytes(requested)} does not fit the budget: "
+                f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(self.committed_bytes)}, "
+                f"requested {format_bytes(requested)}",
+                budget=self.budget_bytes,
+                used=self.committed_bytes,
+                requested=requested,
+            )
+        created: list[Chunk] = []
+        try:
+            for start, end in runs:
+                handle = self.backend.create(buffer.arena, start, end - start)
+                created.append(Chunk(self._next_chunk, start, end - start, handle))
+                self._next_chunk += 1
+        except BaseException:
+            for chunk in created:
+                self._release_chunk(buffer, chunk)
+            raise
+        buffer.chunks.extend(created)
+        buffer.chunks.sort(key=lambda c: c.offset)
+        buffer.bytes_per_segment = bytes_per_segment
+        buffer.physical_bytes += requested
+        self.committed_bytes += requested
+        return created
+
+    def release(self, session: Session, buffer_id: int) -> int:
+        """Drop every chunk, keep the reservation. Returns the bytes freed."""
+        return self._release_all(self.buffer_of(session, buffer_id))
+
+    def free(self, session: Session, buffer_id: int) -> int:
+        """Drop the buffer. Returns the bytes freed."""
+        return self._drop(self.buffer_of(session, buffer_id))
+
+    def chunk_info(self, buffer: Buffer, chunk: Chunk) -> ChunkInfo:
+        return ChunkInfo(chunk.chunk_id, chunk.offset, chunk.size, self.backend.handle_offset(buffer.arena, chunk.handle))
+
+    def export(self, buffer: Buffer, chunk: Chunk) -> int:
+        return self.backend.export(buffer.arena, chunk.handle)
+
+    # inspection
+
+    def session_info(self, session: Session) -> SessionInfo:
+        buffers = session.buffers.values()
+        return SessionInfo(
+            session_id=session.session_id,
+            pid=session.pid,
+            uid=session.uid,
+            gid=session.gid,
+            client_name=session.client_name,
+            tenant=session.tenant,
+            committed_bytes=sum(b.physical_bytes for b in buffers),
+            reserved_bytes=sum(b.reserved for b in buffers),
+            num_buffers=len(session.buffers),
+            num_chunks=sum(len(b.chunks) for b in buffers),
+            connected_s=time.monotonic() - session.connected_at,
+        )
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(b.reserved for b in self.buffers.values())
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(len(b.chunks) for b in self.buffers.values())
+
+    # internals
+
+    def _release_chunk(self, buffer: Buffer, chunk: Chunk) -> None:
+        chunk.live = False
+        try:
+            self.backend.release(buffer.arena, chunk.handle)
+        except (HbmdError, OSError):
+            # The memory is lost to this process until exit, but the state stays consistent.
+            log.exception("releasing chunk %d of buffer %d failed", chunk.chunk_id, buffer.buffer_id)
+
+    def _release_all(self, buffer: Buffer) -> int:
+        for chunk in buffer.chunks:
+            self._release_chunk(buffer, chunk)
+        freed = buffer.physical_bytes
+        self.committed_bytes -= freed
+        buffer.chunks = []
+        buffer.physical_bytes = 0
+        buffer.bytes_per_segment = 0
+        return freed
+
+    def _drop(self, buffer: Buffer) -> int:
+        freed = self._release_all(buffer)
+        self.backend.close_arena(buffer.arena)
+        del self.buffers[buffer.buffer_id]
+        if buffer.owner is not None:
+            buffer.owner.buffers.pop(buffer.buffer_id, None)
+        return freed
