@@ -1,0 +1,78 @@
+"""Host-side mapping: a ``PROT_NONE`` reservation filled with ``MAP_SHARED|MAP_FIXED`` chunk mappings."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+from hbmd.proto import ChunkInfo
+
+from .dlpack import KDL_CPU, uint8_view
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munmap.restype = ctypes.c_int
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_NONE = 0
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+
+
+def _mmap(addr: int, size: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    result = _libc.mmap(addr or None, size, prot, flags, fd, offset)
+    if result == _MAP_FAILED or result is None:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    return result
+
+
+class HostMapper:
+    """Maps host-backend chunks (memfd ranges) into one reserved address range per buffer."""
+
+    kind = "cpu"
+
+    def __init__(self, granularity: int) -> None:
+        self.granularity = granularity
+
+    def reserve(self, size: int) -> int:
+        """An inaccessible, granule-aligned address range of ``size`` bytes."""
+        span = size + self.granularity
+        raw = _mmap(0, span, _PROT_NONE, _RESERVE_FLAGS, -1, 0)
+        base = -(-raw // self.granularity) * self.granularity
+        # Trim the alignment slack so that exactly [base, base + size) stays reserved.
+        if base > raw:
+            _libc.munmap(raw, base - raw)
+        if raw + span > base + size:
+            _libc.munmap(base + size, raw + span - base - size)
+        return base
+
+    def map(self, base: int, chunk: ChunkInfo, fd: int) -> None:
+        _mmap(
+            base + chunk.offset,
+            chunk.size,
+            mmap.PROT_READ | mmap.PROT_WRITE,
+            mmap.MAP_SHARED | _MAP_FIXED,
+            fd,
+            chunk.handle_offset,
+        )
+
+    def unmap(self, base: int, offset: int, size: int) -> None:
+        """Put the range back to reserved-but-inaccessible, atomically."""
+        _mmap(base + offset, size, _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0)
+
+    def zero(self, address: int, size: int) -> None:
+        ctypes.memset(address, 0, size)
+
+    def unreserve(self, base: int, size: int) -> None:
+        _libc.munmap(base, size)
+
+    def view(self, base: int, size: int):
+        return uint8_view(base, size, KDL_CPU, 0)
+
+    def synchronize(self) -> None:
+        """Host writes are visible at once; nothing to wait for."""

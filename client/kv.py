@@ -1,0 +1,60 @@
+"""``ExtensibleKVCacheBuffers``: the KV-cache buffers of an engine, grown block by block together."""
+
+from __future__ import annotations
+
+from .tensor import ExtensibleTensor
+
+
+class ExtensibleKVCacheBuffers:
+    """Several :class:`ExtensibleTensor` sized in KV blocks, committed in lockstep.
+
+    ``buffers`` is a list of ``(tensor, bytes_per_block_per_segment)``;
+    nothing is committed at construction.
+    """
+
+    def __init__(self, buffers: list[tuple[ExtensibleTensor, int]], num_blocks_capacity: int) -> None:
+        if num_blocks_capacity < 0:
+            raise ValueError(f"num_blocks_capacity {num_blocks_capacity} is negative")
+        for tensor, per_block in buffers:
+            if per_block <= 0:
+                raise ValueError(f"bytes per block per segment must be positive, got {per_block}")
+            if per_block * num_blocks_capacity > tensor.segment_capacity_bytes:
+                raise ValueError(
+                    f"{num_blocks_capacity} blocks of {per_block} bytes exceed the segment capacity "
+                    f"of {tensor.segment_capacity_bytes} bytes"
+                )
+        self.buffers = buffers
+        self.num_blocks_capacity = num_blocks_capacity
+        self.num_blocks_committed = 0
+        self._blocks_before_release = 0
+
+    def commit(self, num_blocks: int) -> None:
+        """Grow every buffer to hold ``num_blocks`` blocks (new blocks read as zero); a smaller request is ignored."""
+        if num_blocks > self.num_blocks_capacity:
+            raise ValueError(f"{num_blocks} blocks exceed the capacity of {self.num_blocks_capacity} blocks")
+        if num_blocks <= self.num_blocks_committed:
+            return
+        for tensor, per_block in self.buffers:
+            tensor.resize_per_segment_(num_blocks * per_block, zero_new=True)
+        self.num_blocks_committed = num_blocks
+
+    @property
+    def physical_bytes(self) -> int:
+        return sum(tensor.physical_bytes for tensor, _ in self.buffers)
+
+    def release_physical(self) -> None:
+        """Drop every buffer's pages, keep the address ranges; :meth:`recommit` restores the size."""
+        for tensor, _ in self.buffers:
+            tensor.release_physical()
+        self._blocks_before_release = max(self._blocks_before_release, self.num_blocks_committed)
+        self.num_blocks_committed = 0
+
+    def recommit(self) -> None:
+        """Commit again the block count held before :meth:`release_physical`, with zeroed pages."""
+        self.commit(self._blocks_before_release)
+        self._blocks_before_release = 0
+
+    def free(self) -> None:
+        for tensor, _ in self.buffers:
+            tensor.free()
+        self.num_blocks_committed = 0

@@ -1,0 +1,233 @@
+"""``Client``: one session with one daemon instance."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from hbmd.proto import (
+    PROTOCOL_VERSION,
+    BufferCreated,
+    BufferInfo,
+    BufferList,
+    ChunkInfo,
+    Commit,
+    Committed,
+    CreateBuffer,
+    Free,
+    Freed,
+    Hello,
+    ListBuffers,
+    ListSessions,
+    Release,
+    Released,
+    SessionInfo,
+    SessionList,
+    Status,
+    StatusReply,
+)
+from hbmd.proto.errors import DriverError, HbmdError, NotFound
+from hbmd.proto.layout import InstancePaths, list_instances, resolve_run_dir
+
+from .devices import parse_device
+from .transport import ControlChannel, HandleChannel
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class ForkedClient(HbmdError):
+    """A client was used in a child process after ``fork()``; connect anew there."""
+
+
+class Client:
+    """A session with one daemon instance: the handle socket, the control socket and a mapper.
+
+    Use :func:`connect` to find the instance for a device. Not fork-safe: a
+    child process must connect again (using the parent's client raises
+    :class:`ForkedClient`).
+    """
+
+    def __init__(
+        self,
+        paths: InstancePaths,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        client_name: str = "",
+        tenant: str = "",
+    ) -> None:
+        self.paths = paths
+        self.timeout = timeout
+        self._pid = os.getpid()
+        self._handles = HandleChannel(paths, timeout)
+        try:
+            self.welcome = self._handles.handshake(
+                Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant)
+            )
+            self._control = ControlChannel(paths, self.welcome.token, timeout)
+        except BaseException:
+            self._handles.close()
+            raise
+        self._mapper: Any = None
+        self.closed = False
+
+    # identity
+
+    @property
+    def instance(self) -> str:
+        return self.welcome.instance
+
+    @property
+    def backend(self) -> str:
+        return self.welcome.backend
+
+    @property
+    def granularity(self) -> int:
+        return self.welcome.granularity
+
+    @property
+    def session_id(self) -> int:
+        return self.welcome.session_id
+
+    @property
+    def mapper(self) -> Any:
+        """Maps this instance's chunks into the process: host ``mmap`` or CUDA VMM."""
+        if self._mapper is None:
+            if self.backend == "host":
+                from .host import HostMapper
+
+                self._mapper = HostMapper(self.granularity)
+            else:
+                from .cuda import CudaMapper
+
+                self._mapper = CudaMapper(self.welcome.device_uuid, self.granularity)
+        return self._mapper
+
+    # requests
+
+    def _call(self, msg: Any, reply_type: type, timeout: float | None = None) -> Any:
+        if os.getpid() != self._pid:
+            raise ForkedClient("this hbmd client belongs to the parent process; call hbmd.client.connect() in the child")
+        if self.closed:
+            raise HbmdError("this hbmd client is closed")
+        return self._control.call(msg, reply_type, timeout)
+
+    def status(self) -> StatusReply:
+        return self._call(Status(), StatusReply)
+
+    def sessions(self) -> list[SessionInfo]:
+        return self._call(ListSessions(), SessionList).sessions
+
+    def buffers(self, session_id: int = -1) -> list[BufferInfo]:
+        return self._call(ListBuffers(session_id), BufferList).buffers
+
+    def create_buffer(
+        self, capacity: int, num_segments: int = 1, *, name: str = "", persistent: bool = False, shareable: bool = False
+    ) -> BufferInfo:
+        return self._call(CreateBuffer(capacity, num_segments, name, persistent, shareable), BufferCreated).buffer
+
+    def commit(
+        self, buffer_id: int, bytes_per_segment: int, on_chunk: Callable[[ChunkInfo, int], None]
+    ) -> Committed:
+        """Grow the buffer; ``on_chunk(chunk, fd)`` maps each new chunk (the FD is closed after it returns).
+
+        Every FD that arrives is closed even when ``on_chunk`` raises; the first
+        such error is raised once all batches are in.
+        """
+        reply: Committed = self._call(Commit(buffer_id, bytes_per_segment), Committed)
+        request_id = self._control.last_request_id
+        chunks = {c.chunk_id: c for c in reply.chunks}
+        deadline = time.monotonic() + self.timeout
+        failure: BaseException | None = None
+        for _ in range(reply.fd_batches):
+            batch, fds = self._handles.receive_fds(request_id, deadline)
+            if batch.error and failure is None:
+                failure = DriverError(f"daemon could not export chunks: {batch.error}")
+            for chunk_id, fd in zip(batch.chunk_ids, fds):
+                try:
+                    if failure is None:
+                        on_chunk(chunks[chunk_id], fd)
+                except BaseException as exc:
+                    failure = exc
+                finally:
+                    os.close(fd)
+        if failure is not None:
+            raise failure
+        return reply
+
+    def release(self, buffer_id: int) -> Released:
+        return self._call(Release(buffer_id), Released)
+
+    def free(self, buffer_id: int) -> Freed:
+        return self._call(Free(buffer_id), Freed)
+
+    def close(self) -> None:
+        """End the session: the daemon frees its anonymous buffers."""
+        if not self.closed:
+            self.closed = True
+            self._control.close()
+            self._handles.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _program_name() -> str:
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+def instance_for(device: Any, run_dir: str | os.PathLike | None) -> str:
+    """The instance that serves ``device`` under ``run_dir``."""
+    kind, index = parse_device(device)
+    if kind == "cpu":
+        return "host"
+    from .cuda import instance_for_cuda_device
+
+    return instance_for_cuda_device(index, run_dir)
+
+
+def connect(
+    device: Any = None,
+    run_dir: str | os.PathLike | None = None,
+    *,
+    instance: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    client_name: str = "",
+    tenant: str = "",
+) -> Client:
+    """Open a session with the daemon serving ``device`` (or the named ``instance``).
+
+    ``run_dir`` defaults to ``$HBMD_RUN_DIR``, then ``/run/hbmd``. Raises
+    :class:`DaemonUnavailable` when nothing answers there.
+    """
+    if instance is None:
+        instance = instance_for(device, run_dir)
+    return Client(InstancePaths.of(run_dir, instance), timeout=timeout, client_name=client_name, tenant=tenant)
+
+
+def only_instance(run_dir: str | os.PathLike | None) -> str:
+    """The single instance under ``run_dir``; raises when there are none or several."""
+    found = list_instances(run_dir)
+    if len(found) == 1:
+        return found[0]
+    root = resolve_run_dir(run_dir)
+    if not found:
+        raise NotFound(f"no hbmd instance under {root}")
+    raise NotFound(f"several hbmd instances under {root} ({', '.join(found)}): choose one with --instance")
+
+
+_defaults: dict[tuple[str, str], Client] = {}
+
+
+def default_client(device: Any) -> Client:
+    """The process-wide client for ``device``'s instance, connected on first use (and again after fork)."""
+    instance = instance_for(device, None)
+    key = (os.fspath(resolve_run_dir(None)), instance)
+    client = _defaults.get(key)
+    if client is None or client.closed or client._pid != os.getpid():
+        client = _defaults[key] = connect(instance=instance)
+    return client

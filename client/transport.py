@@ -1,0 +1,153 @@
+"""The client's two connections to a daemon instance.
+
+:class:`HandleChannel` is the session: a Unix ``SOCK_SEQPACKET`` connection
+that carries the handshake and, afterwards, the chunk FDs (``SCM_RIGHTS``).
+:class:`ControlChannel` is a ZeroMQ DEALER with a request id per call, a
+poll with a timeout, stale replies dropped and the socket rebuilt after a
+timeout, so a call on a dead or silent daemon fails in bounded time with a
+message naming the socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+
+import zmq
+
+from hbmd.proto import (
+    MAX_FDS_PER_DATAGRAM,
+    ErrorReply,
+    FdBatch,
+    Hello,
+    Message,
+    Refused,
+    Welcome,
+    decode_datagram,
+    decode_frames,
+    encode_datagram,
+    encode_frames,
+)
+from hbmd.proto.errors import DaemonUnavailable, ProtocolError, error_from_wire
+from hbmd.proto.layout import InstancePaths
+
+MAX_DATAGRAM = 64 << 10
+
+
+class HandleChannel:
+    """The session's handle-plane connection."""
+
+    def __init__(self, paths: InstancePaths, timeout: float) -> None:
+        self.path = os.fspath(paths.handles)
+        self.timeout = timeout
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            self.sock.close()
+            raise DaemonUnavailable(f"no hbmd is serving {self.path}: {exc.strerror}", path=self.path) from None
+        except PermissionError:
+            self.sock.close()
+            raise DaemonUnavailable(
+                f"permission denied connecting to {self.path}: is this user in the daemon's group?", path=self.path
+            ) from None
+        except OSError as exc:
+            self.sock.close()
+            raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}", path=self.path) from None
+
+    def handshake(self, hello: Hello) -> Welcome:
+        try:
+            self.sock.send(encode_datagram(hello))
+            reply = decode_datagram(self._recv(timeout=self.timeout)[0])
+        except (OSError, ProtocolError) as exc:
+            raise DaemonUnavailable(f"handshake with hbmd at {self.path} failed: {exc}", path=self.path) from None
+        if isinstance(reply, Refused):
+            raise error_from_wire(reply.code, reply.message, {"path": self.path})
+        if not isinstance(reply, Welcome):
+            raise ProtocolError(f"expected a welcome from {self.path}, got {reply.KIND}")
+        return reply
+
+    def _recv(self, timeout: float) -> tuple[bytes, list[int]]:
+        self.sock.settimeout(timeout)
+        try:
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_DATAGRAM, MAX_FDS_PER_DATAGRAM)
+        except socket.timeout:
+            raise DaemonUnavailable(f"hbmd at {self.path} sent nothing within {timeout:.1f}s", path=self.path) from None
+        if not data and not fds:
+            raise DaemonUnavailable(f"hbmd at {self.path} closed the session", path=self.path)
+        return data, fds
+
+    def receive_fds(self, request_id: int, deadline: float) -> tuple[FdBatch, list[int]]:
+        """The next FD batch of ``request_id``; stale batches are dropped and their FDs closed."""
+        while True:
+            data, fds = self._recv(timeout=max(0.001, deadline - time.monotonic()))
+            try:
+                msg = decode_datagram(data)
+            except ProtocolError:
+                msg = None
+            if isinstance(msg, FdBatch) and msg.request_id == request_id:
+                if len(fds) != (0 if msg.error else len(msg.chunk_ids)):
+                    _close_all(fds)
+                    raise ProtocolError(f"batch of {len(msg.chunk_ids)} chunks came with {len(fds)} FDs")
+                return msg, fds
+            _close_all(fds)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+class ControlChannel:
+    """Request/reply over a ZeroMQ DEALER; one call in flight at a time."""
+
+    def __init__(self, paths: InstancePaths, token: str, timeout: float) -> None:
+        self.endpoint = paths.endpoint
+        self.token = token
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self.last_request_id = 0
+        self._context = zmq.Context.instance()
+        self._socket = self._open()
+
+    def _open(self) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def call(self, msg: Message, reply_type: type[Message], timeout: float | None = None) -> Message:
+        """Send ``msg`` and return its reply; raise the daemon's error, or
+        :class:`DaemonUnavailable` when no reply comes within ``timeout``."""
+        timeout = self.timeout if timeout is None else timeout
+        request_id = self.last_request_id = next(self._ids)
+        self._socket.send_multipart(encode_frames(msg, request_id, self.token))
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1):
+                # A late reply would answer the wrong call: start over on a new socket.
+                self._socket.close(linger=0)
+                self._socket = self._open()
+                raise DaemonUnavailable(
+                    f"hbmd at {self.endpoint} did not answer {msg.KIND} within {timeout:.1f}s",
+                    path=self.endpoint,
+                )
+            envelope = decode_frames(self._socket.recv_multipart())
+            if envelope.request_id != request_id:
+                continue
+            reply = envelope.body
+            if isinstance(reply, ErrorReply):
+                raise reply.exception()
+            if not isinstance(reply, reply_type):
+                raise ProtocolError(f"expected {reply_type.KIND} in reply to {msg.KIND}, got {reply.KIND}")
+            return reply
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
