@@ -28,7 +28,7 @@ from hbmd.proto import (
     Status,
     StatusReply,
 )
-from hbmd.proto.errors import DriverError, HbmdError, NotFound
+from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError
 from hbmd.proto.layout import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
@@ -210,14 +210,14 @@ def connect(
 
 
 def only_instance(run_dir: str | os.PathLike | None) -> str:
-    """The single instance under ``run_dir``; raises when there are none or several."""
+    """The single instance under ``run_dir``; :class:`DaemonUnavailable` when there are none or several."""
     found = list_instances(run_dir)
     if len(found) == 1:
         return found[0]
     root = resolve_run_dir(run_dir)
     if not found:
-        raise NotFound(f"no hbmd instance under {root}")
-    raise NotFound(f"several hbmd instances under {root} ({', '.join(found)}): choose one with --instance")
+        raise DaemonUnavailable(f"no hbmd instance under {root}", path=str(root))
+    raise DaemonUnavailable(f"several hbmd instances under {root} ({', '.join(found)}): choose one with --instance")
 
 
 _defaults: dict[tuple[str, str], Client] = {}

@@ -59,7 +59,7 @@ from hbmd.proto import (
     encode_frames,
     peek_request_id,
 )
-from hbmd.proto.errors import HbmdError, InternalError, ProtocolError, VersionMismatch
+from hbmd.proto.errors import HbmdError, InternalError, NotFound, ProtocolError, VersionMismatch
 from hbmd.proto.layout import InstancePaths
 
 from .state import Buffer, Chunk, Session, State
@@ -440,10 +440,12 @@ class Server:
         return SessionList([self.state.session_info(s) for s in self.state.sessions.values()])
 
     def _list_buffers(self, conn: HandleConnection, request_id: int, msg: ListBuffers) -> BufferList:
-        buffers = self.state.buffers.values()
-        if msg.session_id != -1:
-            buffers = [b for b in buffers if b.owner is not None and b.owner.session_id == msg.session_id]
-        return BufferList([b.info() for b in buffers])
+        if msg.session_id == -1:
+            return BufferList([b.info() for b in self.state.buffers.values()])
+        session = self.state.sessions.get(msg.session_id)
+        if session is None:
+            raise NotFound(f"no session {msg.session_id}", session_id=msg.session_id)
+        return BufferList([b.info() for b in session.buffers.values()])
 
     def _create_buffer(self, conn: HandleConnection, request_id: int, msg: CreateBuffer) -> BufferCreated:
         buffer = self.state.create_buffer(

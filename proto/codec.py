@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
-from .errors import HbmdError, ProtocolError, error_from_wire
+from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
 PROTOCOL_VERSION = (1, 0)
 MAX_FRAME_BYTES = 4 << 20
@@ -136,7 +136,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
 
 
 def packb(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True)
+    try:
+        return msgpack.packb(value, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"value cannot be encoded: {exc}") from None
 
 
 def unpackb(data: bytes) -> Any:
