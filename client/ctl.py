@@ -1,0 +1,185 @@
+"""``hbmctl``: inspect an hbmd instance. A thin client of :mod:`hbmd.client`.
+
+Exit codes: 0 ok, 1 daemon unreachable or timed out, 2 usage error, 3 the
+daemon refused the request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, Callable
+
+from hbmd.proto.errors import DaemonUnavailable, HbmdError
+from hbmd.proto.layout import DEFAULT_RUN_DIR, InstancePaths
+from hbmd.proto.units import format_bytes
+
+from .session import Client, only_instance
+
+EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def render_table(headers: list[str], rows: list[list[Any]]) -> str:
+    """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], (int, float)) or _looks_numeric(str(row[i])) for row in rows) for i in range(len(headers))]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(headers)] + [line(r) for r in cells])
+
+
+def _looks_numeric(text: str) -> bool:
+    return bool(text) and (text[0].isdigit() or text == "-")
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    return dataclasses.asdict(obj)
+
+
+# commands: each is one client call plus formatting
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    s = client.status()
+    free = max(0, s.budget_bytes - s.committed_bytes)
+    data = _as_dict(s) | {"free_bytes": free, "num_sessions": s.num_sessions - 1}
+    device = f"GPU {s.device_index} ({s.device_uuid})" if s.device_index >= 0 else "host memory"
+    share = 100 * s.committed_bytes / s.budget_bytes if s.budget_bytes else 0.0
+    text = "\n".join(
+        [
+            f"● hbmd instance {s.instance} — {s.backend} backend, pid {s.pid}, up {_duration(s.uptime_s)}",
+            f"    device:    {device}",
+            f"    granule:   {format_bytes(s.granularity)}",
+            f"    budget:    {format_bytes(s.budget_bytes)} of {format_bytes(s.total_bytes)}",
+            f"    committed: {format_bytes(s.committed_bytes)} ({share:.1f}% of budget)",
+            f"    free:      {format_bytes(free)}",
+            f"    reserved:  {format_bytes(s.reserved_bytes)} of address space",
+            f"    sessions:  {s.num_sessions - 1}   buffers: {s.num_buffers}   chunks: {s.num_chunks}",
+        ]
+    )
+    return data, text
+
+
+def cmd_sessions(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    sessions = [s for s in client.sessions() if s.session_id != client.session_id]
+    rows = [
+        [s.session_id, s.pid, s.uid, s.client_name or "-", s.tenant or "-", s.num_buffers, s.num_chunks,
+         format_bytes(s.committed_bytes), format_bytes(s.reserved_bytes), _duration(s.connected_s)]
+        for s in sessions
+    ]
+    headers = ["SESSION", "PID", "UID", "NAME", "TENANT", "BUFFERS", "CHUNKS", "COMMITTED", "RESERVED", "AGE"]
+    text = render_table(headers, rows) if rows else "no sessions"
+    return {"sessions": [_as_dict(s) for s in sessions]}, text
+
+
+def cmd_buffers(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    buffers = client.buffers(args.session)
+    rows = [
+        [b.buffer_id, b.session_id or "-", b.name or "-", "yes" if b.persistent else "no", b.num_segments,
+         format_bytes(b.bytes_per_segment), format_bytes(b.segment_capacity_bytes),
+         format_bytes(b.physical_bytes), b.num_chunks]
+        for b in buffers
+    ]
+    headers = ["BUFFER", "SESSION", "NAME", "PERSISTENT", "SEGMENTS", "PER-SEGMENT", "SEG-CAPACITY", "COMMITTED", "CHUNKS"]
+    text = render_table(headers, rows) if rows else "no buffers"
+    return {"buffers": [_as_dict(b) for b in buffers]}, text
+
+
+def cmd_watch(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Redraw status, sessions and buffers every ``--interval`` seconds until Ctrl-C."""
+    try:
+        while True:
+            frame = "\n\n".join(render(client, args)[1] for render in (cmd_status, cmd_sessions, cmd_buffers))
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S") + f"  every {args.interval}s, Ctrl-C to leave\n\n" + frame + "\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return {}, ""
+
+
+COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], tuple[dict[str, Any], str]], str, str]] = {
+    "status": (cmd_status, "budget, committed, free and reserved bytes of the instance", "hbmctl status"),
+    "sessions": (cmd_sessions, "connected worker sessions and what each holds", "hbmctl sessions --json"),
+    "buffers": (cmd_buffers, "buffers with their segments, committed bytes and chunk counts", "hbmctl buffers --session 3"),
+    "watch": (cmd_watch, "live view of status, sessions and buffers (Ctrl-C to leave)", "hbmctl watch --interval 2"),
+}
+
+
+def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options every command takes, before or after its name.
+
+    A subcommand's copy defaults to SUPPRESS so it does not overwrite a value
+    given before the command name.
+    """
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--run-dir", metavar="DIR", default=default(None),
+                        help=f"daemon run directory (default: $HBMD_RUN_DIR, else {DEFAULT_RUN_DIR})")
+    parser.add_argument("--instance", metavar="NAME", default=default(None),
+                        help="instance to ask: gpu0, gpu1, ..., host (default: the only one)")
+    parser.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
+    parser.add_argument("--timeout", type=float, default=default(5.0), metavar="S",
+                        help="seconds to wait for the daemon (default: 5)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hbmctl",
+        description="Inspect an hbmd memory daemon instance.",
+        epilog="exit codes: 0 ok, 1 daemon unreachable or timed out, 2 usage error, 3 request refused",
+    )
+    _add_common(parser, defaults=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, summary, example) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=summary, epilog=f"example: {example}")
+        _add_common(p, defaults=False)
+        if name == "buffers":
+            p.add_argument("--session", type=int, default=-1, metavar="ID", help="only this session's buffers")
+        if name == "watch":
+            p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (default: 1)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = COMMANDS[args.command][0]
+    try:
+        instance = args.instance or only_instance(args.run_dir)
+        with Client(InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl") as client:
+            data, text = handler(client, args)
+    except DaemonUnavailable as exc:
+        print(f"hbmctl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except HbmdError as exc:
+        print(f"hbmctl: refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    if args.json:
+        json.dump(data, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    elif text:
+        print(text)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
