@@ -1,0 +1,152 @@
+"""The wire protocol: round trips, golden bytes, strict decoding, and purity."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from hbmd import proto
+from hbmd.proto import codec
+from hbmd.proto.errors import ERROR_CLASSES, ErrorCode, OutOfBudget, ProtocolError
+
+pytestmark = pytest.mark.unit
+
+BUFFER = proto.BufferInfo(7, "kv", False, 3, 1000, 64 << 20, 64 << 20, 2, 32 << 20, 4 << 20, 8 << 20, 2)
+EXAMPLES = [
+    proto.Hello([1, 0], 4242, "worker", "team-a"),
+    proto.Welcome("ab" * 16, 3, "gpu0", "cuda", 2 << 20, [1, 0], "0.1.0", "GPU-1234", 0),
+    proto.Refused("version_mismatch", "speak 1.x"),
+    proto.FdBatch(9, [1, 2, 3], 0, 1),
+    proto.CreateBuffer(64 << 20, 2, "kv", False, True),
+    proto.BufferCreated(BUFFER),
+    proto.Commit(7, 4 << 20),
+    proto.Committed(BUFFER, [proto.ChunkInfo(11, 0, 4 << 20, 0), proto.ChunkInfo(12, 32 << 20, 4 << 20, 0)], 1),
+    proto.Release(7),
+    proto.Released(BUFFER, 8 << 20),
+    proto.Free(7),
+    proto.Freed(7, 0),
+    proto.Status(),
+    proto.ListSessions(),
+    proto.SessionList([proto.SessionInfo(3, 4242, 1000, 1000, "worker", "", 1, 2, 1, 2, 0.5)]),
+    proto.ListBuffers(3),
+    proto.BufferList([BUFFER]),
+    proto.ErrorReply("out_of_budget", "does not fit", True, {"budget": 1, "used": 2, "requested": 3}),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
+def test_control_frames_round_trip(msg):
+    frames = proto.encode_frames(msg, 42, "tok")
+    assert frames[0] == msg.KIND.encode()
+    envelope = proto.decode_frames(frames)
+    assert envelope == proto.Envelope(42, "tok", msg)
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
+def test_datagrams_round_trip(msg):
+    assert proto.decode_datagram(proto.encode_datagram(msg)) == msg
+
+
+def test_golden_bytes_of_a_commit():
+    # The exact bytes are the contract with every client ever shipped: change them only with a new major.
+    frames = proto.encode_frames(proto.Commit(buffer_id=7, bytes_per_segment=4 << 20), 42, "tok")
+    assert frames == [
+        b"buffer.commit",
+        bytes.fromhex("83a269642aa5746f6b656ea3746f6ba4626f647982a96275666665725f696407b1627974"
+                      "65735f7065725f7365676d656e74ce00400000"),
+    ]
+
+
+def test_golden_bytes_of_a_hello():
+    assert proto.encode_datagram(proto.Hello([1, 0], 4242, "w", "")) == bytes.fromhex(
+        "82a46b696e64ad73657373696f6e2e68656c6c6fa4626f647984a776657273696f6e920100a3706964cd1092"
+        "ab636c69656e745f6e616d65a177a674656e616e74a0"
+    )
+
+
+def test_unknown_fields_are_ignored_within_a_major():
+    payload = {"id": 1, "token": "t", "body": {"buffer_id": 7, "bytes_per_segment": 5, "future_field": [1, 2]}}
+    envelope = proto.decode_frames([b"buffer.commit", msgpack.packb(payload)])
+    assert envelope.body == proto.Commit(7, 5)
+
+
+def test_defaults_fill_missing_optional_fields():
+    payload = {"id": 1, "token": "t", "body": {"capacity": 4096}}
+    assert proto.decode_frames([b"buffer.create", msgpack.packb(payload)]).body == proto.CreateBuffer(4096)
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"buffer.commit"],
+        [b"buffer.commit", b"\xc1"],
+        [b"no.such.kind", msgpack.packb({"id": 1, "token": "", "body": {}})],
+        [b"\xff\xfe", msgpack.packb({"id": 1})],
+        [b"buffer.commit", msgpack.packb([1, 2, 3])],
+        [b"buffer.commit", msgpack.packb({"id": -1, "token": "", "body": {"buffer_id": 1, "bytes_per_segment": 1}})],
+        [b"buffer.commit", msgpack.packb({"id": 1, "token": 5, "body": {"buffer_id": 1, "bytes_per_segment": 1}})],
+        [b"buffer.commit", msgpack.packb({"id": 1, "token": "", "body": {"buffer_id": 1}})],
+        [b"buffer.commit", msgpack.packb({"id": 1, "token": "", "body": {"buffer_id": "1", "bytes_per_segment": 1}})],
+        [b"buffer.commit", msgpack.packb({"id": 1, "token": "", "body": {"buffer_id": True, "bytes_per_segment": 1}})],
+        [b"buffer.create", msgpack.packb({"id": 1, "token": "", "body": {"capacity": 1, "persistent": 1}})],
+        [b"buffer.commit", msgpack.packb({"id": 1, "token": "", "body": {1: 2}}, strict_types=False)],
+        [b"buffer.commit", b"\x00" * (proto.MAX_FRAME_BYTES + 1)],
+    ],
+)
+def test_malformed_frames_raise_protocol_error(frames):
+    with pytest.raises(ProtocolError):
+        proto.decode_frames(frames)
+
+
+def test_peek_request_id_survives_garbage():
+    assert proto.peek_request_id([b"x", b"\xc1"]) == 0
+    assert proto.peek_request_id([b"x", msgpack.packb({"id": 17})]) == 17
+    assert proto.peek_request_id([b"x"]) == 0
+
+
+def test_error_table_round_trips_every_code():
+    for code, cls in ERROR_CLASSES.items():
+        exc = cls("boom", function="cuMemCreate", result="CUDA_ERROR_OUT_OF_MEMORY")
+        reply = proto.ErrorReply.of(exc)
+        assert reply.code == code.wire and reply.retryable == code.retryable
+        back = proto.decode_datagram(proto.encode_datagram(reply)).exception()
+        assert type(back) is cls and back.message == "boom"
+        assert back.details["function"] == "cuMemCreate"
+
+
+def test_retryable_families():
+    assert ErrorCode.OUT_OF_MEMORY.retryable and ErrorCode.OUT_OF_BUDGET.retryable
+    assert not ErrorCode.INVALID.retryable and not ErrorCode.PROTOCOL.retryable
+    assert isinstance(OutOfBudget("x"), MemoryError)
+
+
+def test_unknown_error_code_becomes_internal():
+    assert type(proto.ErrorReply("from_the_future", "x", False).exception()) is proto.InternalError
+
+
+def test_every_request_has_a_reply_kind():
+    requests = {cls for cls in codec._KINDS.values() if cls in proto.REPLY_OF}
+    assert requests == set(proto.REPLY_OF)
+    for reply in proto.REPLY_OF.values():
+        assert dataclasses.is_dataclass(reply)
+
+
+def test_proto_imports_only_stdlib_and_msgpack():
+    # Block zmq, torch and cuda: importing the protocol must not need them.
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('zmq', 'torch', 'cuda', 'numpy'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import hbmd.proto, hbmd.proto.units, hbmd.proto.layout\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,193 @@
+"""The daemon's state machine over the real host backend: granule arithmetic, chunk runs, budget, rollback."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from helpers import GRANULE, MiB
+
+from hbmd.daemon.backends.host import HostBackend
+from hbmd.daemon.state import State, backed_runs, merge_runs, subtract_runs
+from hbmd.proto.errors import InvalidRequest, NotFound, OutOfBudget, OutOfDeviceMemory, PermissionDenied
+
+pytestmark = pytest.mark.unit
+
+
+class FailingHostBackend(HostBackend):
+    """Host memory whose ``create`` fails at call number ``fail_at`` (1-based); counts live chunks."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.calls = 0
+        self.live = 0
+        self.arenas = 0
+
+    def open_arena(self, reserved_bytes, shareable):
+        self.arenas += 1
+        return super().open_arena(reserved_bytes, shareable)
+
+    def close_arena(self, arena):
+        self.arenas -= 1
+        super().close_arena(arena)
+
+    def create(self, arena, offset, size):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise OutOfDeviceMemory("injected failure")
+        chunk = super().create(arena, offset, size)
+        self.live += 1
+        return chunk
+
+    def release(self, arena, chunk):
+        self.live -= 1
+        super().release(arena, chunk)
+
+
+@pytest.fixture
+def state():
+    s = State(HostBackend(), budget_bytes=64 * MiB)
+    return s
+
+
+@pytest.fixture
+def session(state):
+    return state.open_session(pid=1, uid=1000, gid=1000, client_name="t", tenant="")
+
+
+def test_merge_and_subtract_runs():
+    assert merge_runs([(4, 6), (0, 2), (2, 3), (10, 10)]) == [(0, 3), (4, 6)]
+    assert subtract_runs([(0, 10), (20, 30)], [(2, 4), (8, 22), (29, 40)]) == [(0, 2), (4, 8), (22, 29)]
+    assert subtract_runs([(0, 10)], []) == [(0, 10)]
+    assert subtract_runs([(0, 10)], [(0, 10)]) == []
+
+
+def test_backed_runs_merge_a_straddling_granule():
+    # Segments of 3 MiB: segment 1 starts inside granule 1, which segment 0's prefix also needs.
+    seg = 3 * MiB
+    assert backed_runs(seg, 2, 3 * MiB, GRANULE) == [(0, 6 * MiB)]
+    # Segment 0 needs granule 0, segment 1 (starting at 3 MiB) needs granule 1: touching runs merge.
+    assert backed_runs(seg, 2, 1 * MiB, GRANULE) == [(0, 4 * MiB)]
+    assert backed_runs(seg, 2, 0, GRANULE) == []
+
+
+def test_backed_runs_of_two_segments_are_two_runs():
+    assert backed_runs(32 * MiB, 2, 3 * MiB, GRANULE) == [(0, 4 * MiB), (32 * MiB, 36 * MiB)]
+
+
+def test_commit_makes_one_chunk_per_run_not_per_granule(state, session):
+    buf = state.create_buffer(session, 64 * MiB, 1)
+    chunks = state.commit(session, buf.buffer_id, 40 * MiB)
+    assert [(c.offset, c.size) for c in chunks] == [(0, 40 * MiB)]
+    chunks = state.commit(session, buf.buffer_id, 41 * MiB)
+    assert [(c.offset, c.size) for c in chunks] == [(40 * MiB, 2 * MiB)]
+    assert buf.physical_bytes == 42 * MiB and state.committed_bytes == 42 * MiB
+
+
+def test_segments_grow_in_lockstep(state, session):
+    buf = state.create_buffer(session, 64 * MiB, 2)
+    chunks = state.commit(session, buf.buffer_id, 3 * MiB)
+    assert [(c.offset, c.size) for c in chunks] == [(0, 4 * MiB), (32 * MiB, 4 * MiB)]
+    chunks = state.commit(session, buf.buffer_id, 5 * MiB)
+    assert [(c.offset, c.size) for c in chunks] == [(4 * MiB, 2 * MiB), (36 * MiB, 2 * MiB)]
+    assert buf.bytes_per_segment == 5 * MiB
+
+
+def test_a_straddling_granule_is_backed_exactly_once(state, session):
+    # 2 segments of 3 MiB: granule [2, 4) MiB holds the end of segment 0 and the start of segment 1.
+    buf = state.create_buffer(session, 6 * MiB, 2)
+    first = state.commit(session, buf.buffer_id, 1 * MiB)
+    assert [(c.offset, c.size) for c in first] == [(0, 4 * MiB)]
+    second = state.commit(session, buf.buffer_id, 3 * MiB)
+    assert [(c.offset, c.size) for c in second] == [(4 * MiB, 2 * MiB)]
+    assert buf.physical_bytes == 6 * MiB == buf.reserved
+    granules = [g for c in buf.chunks for g in range(c.offset // GRANULE, (c.offset + c.size) // GRANULE)]
+    assert sorted(granules) == [0, 1, 2]
+
+
+def test_capacity_is_rounded_to_granules(state, session):
+    buf = state.create_buffer(session, 5 * MiB + 1, 1)
+    assert buf.reserved == 6 * MiB and buf.capacity == 5 * MiB + 1
+    state.commit(session, buf.buffer_id, 5 * MiB + 1)
+    assert buf.physical_bytes == 6 * MiB
+
+
+@pytest.mark.parametrize(
+    "capacity, segments",
+    [(0, 1), (-1, 1), (1 << 51, 1), (MiB, 0), (MiB, -2), (MiB, 3), (4, 5), (MiB, 1 << 17)],
+)
+def test_bad_buffer_shapes_are_refused(state, session, capacity, segments):
+    with pytest.raises(InvalidRequest):
+        state.create_buffer(session, capacity, segments)
+    assert state.buffers == {}
+
+
+def test_commit_errors_change_nothing(state, session):
+    buf = state.create_buffer(session, 16 * MiB, 2)
+    state.commit(session, buf.buffer_id, 2 * MiB)
+    before = (buf.bytes_per_segment, list(buf.chunks), state.committed_bytes)
+    with pytest.raises(InvalidRequest, match="grow-only"):
+        state.commit(session, buf.buffer_id, MiB)
+    with pytest.raises(InvalidRequest, match="exceeds the segment capacity"):
+        state.commit(session, buf.buffer_id, 8 * MiB + 1)
+    with pytest.raises(InvalidRequest):
+        state.commit(session, buf.buffer_id, -1)
+    with pytest.raises(NotFound):
+        state.commit(session, 999, MiB)
+    assert (buf.bytes_per_segment, list(buf.chunks), state.committed_bytes) == before
+
+
+def test_budget_refuses_the_whole_commit(state, session):
+    buf = state.create_buffer(session, 128 * MiB, 2)
+    with pytest.raises(OutOfBudget, match="budget") as info:
+        state.commit(session, buf.buffer_id, 33 * MiB)
+    assert info.value.details == {"budget": 64 * MiB, "used": 0, "requested": 68 * MiB}
+    assert buf.chunks == [] and state.committed_bytes == 0
+    state.commit(session, buf.buffer_id, 32 * MiB)
+    assert state.committed_bytes == 64 * MiB  # the whole budget is usable
+
+
+def test_another_sessions_buffer_is_refused(state, session):
+    other = state.open_session(pid=2, uid=1000, gid=1000, client_name="", tenant="")
+    buf = state.create_buffer(session, 8 * MiB, 1)
+    for op in (lambda: state.commit(other, buf.buffer_id, MiB), lambda: state.release(other, buf.buffer_id),
+               lambda: state.free(other, buf.buffer_id)):
+        with pytest.raises(PermissionDenied):
+            op()
+    assert buf.buffer_id in state.buffers
+
+
+def test_release_keeps_the_reservation_and_close_frees_everything(state, session):
+    buf = state.create_buffer(session, 16 * MiB, 1)
+    state.commit(session, buf.buffer_id, 8 * MiB)
+    assert state.release(session, buf.buffer_id) == 8 * MiB
+    assert buf.buffer_id in state.buffers and buf.chunks == [] and state.committed_bytes == 0
+    state.commit(session, buf.buffer_id, 4 * MiB)
+    assert state.close_session(session) == 4 * MiB
+    assert state.buffers == {} and state.sessions == {} and state.committed_bytes == 0
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_failing_create_undoes_the_chunks_already_made(fail_at):
+    backend = FailingHostBackend(fail_at)
+    state = State(backend, budget_bytes=1 << 30)
+    session = state.open_session(1, 1000, 1000, "", "")
+    buf = state.create_buffer(session, 3 * 8 * MiB, 3)  # three segments: three runs, three creates
+    with pytest.raises(OutOfDeviceMemory):
+        state.commit(session, buf.buffer_id, 2 * MiB)
+    assert backend.live == 0 and buf.chunks == [] and state.committed_bytes == 0 and buf.bytes_per_segment == 0
+    state.close_session(session)
+    assert backend.arenas == 0
+
+
+def test_host_memory_is_really_backed_and_punched():
+    backend = HostBackend()
+    arena = backend.open_arena(8 * MiB, False)
+    try:
+        chunk = backend.create(arena, 2 * MiB, 4 * MiB)
+        assert os.fstat(arena.fd).st_blocks * 512 == 4 * MiB
+        backend.release(arena, chunk)
+        assert os.fstat(arena.fd).st_blocks == 0
+    finally:
+        backend.close_arena(arena)
