@@ -12,6 +12,7 @@ from hbmd.proto.units import format_bytes, parse_size
 
 from .backends import Backend
 from .backends.host import HostBackend
+from .notify import SystemdNotifier
 from .server import DAEMON_VERSION, AlreadyRunning, Server
 from .state import State
 
@@ -22,11 +23,24 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why."""
 
 
-def select_backend(kind: str, device: int) -> Backend:
-    """The backend named by ``--backend`` (``auto``: CUDA where usable, else host)."""
+def select_backend(kind: str, device: int) -> tuple[Backend, str]:
+    """The backend named by ``--backend`` and a note on why it was chosen.
+
+    ``auto`` takes CUDA where a driver and the device are usable, else host.
+    """
     if kind == "host":
-        return HostBackend()
-    raise BackendUnavailable(f"backend {kind!r} is not available in this build")
+        return HostBackend(), "as asked"
+    from hbmd.driver import CudaUnavailable
+    from hbmd.proto.errors import HbmdError
+
+    from .backends.cuda import CudaBackend
+
+    try:
+        return CudaBackend(device), "as asked" if kind == "cuda" else "auto: CUDA driver and device found"
+    except (CudaUnavailable, HbmdError) as exc:
+        if kind == "cuda":
+            raise BackendUnavailable(f"CUDA backend unusable for GPU {device}: {exc}") from None
+        return HostBackend(), f"auto: CUDA unusable ({exc})"
 
 
 def raise_fd_limit() -> None:
@@ -63,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        backend = select_backend(args.backend, args.device)
+        backend, why = select_backend(args.backend, args.device)
     except BackendUnavailable as exc:
         log.error("%s", exc)
         return 1
@@ -74,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     raise_fd_limit()
     paths = InstancePaths.of(args.run_dir, backend.instance)
-    server = Server(State(backend, budget), paths)
+    notifier = SystemdNotifier.from_environment()
+    server = Server(State(backend, budget), paths, notifier)
     try:
         server.bind()
     except (AlreadyRunning, ValueError, OSError) as exc:
@@ -83,21 +98,26 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     server.install_signal_handlers()
     log.info(
-        "hbmd %s serving instance %s: backend %s, granule %s, budget %s of %s; control %s, handles %s",
+        "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s",
         DAEMON_VERSION,
         backend.instance,
         backend.name,
+        why,
+        f", {backend.device_uuid}" if backend.device_uuid else "",
         format_bytes(backend.granularity),
         format_bytes(budget),
         format_bytes(backend.total_bytes),
         paths.endpoint,
         paths.handles,
     )
+    notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(budget)}")
     try:
         server.run()
     finally:
+        notifier.stopping()
         server.close()
         backend.close()
+        notifier.close()
     log.info("hbmd stopped")
     return 0
 

@@ -1,0 +1,79 @@
+"""CUDA backend: chunks are ``cuMemCreate`` allocations exported as POSIX FDs.
+
+The daemon calls ``cuInit`` and nothing that needs a context, so it holds no
+CUDA context and costs no GPU memory of its own. It keeps each chunk's
+allocation handle (not an FD): exported FDs are closed as soon as they are
+sent, so a 10,000-chunk buffer costs no descriptors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from hbmd import driver
+from hbmd.proto.errors import DriverError
+from hbmd.proto.layout import gpu_instance
+
+from . import Backend
+
+log = logging.getLogger("hbmd.cuda")
+
+
+@dataclasses.dataclass
+class CudaArena:
+    rdma: bool
+    """Whether this buffer's chunks are GPU-direct-RDMA capable."""
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, index: int) -> None:
+        driver.pin_device_order()
+        driver.init()
+        count = driver.device_count()
+        if not 0 <= index < count:
+            raise driver.CudaUnavailable(f"no GPU {index}: this node has {count}")
+        self.device_index = index
+        self.instance = gpu_instance(index)
+        self.device_uuid = driver.device_uuid(index)
+        self.device_name = driver.device_name(index)
+        self.total_bytes = driver.total_memory(index)
+        self.granularity = driver.granularity(index)
+        self._rdma_refused = False
+        # Prove POSIX-FD allocations work here before serving anyone.
+        probe = driver.create(index, self.granularity, rdma=False)
+        try:
+            os.close(driver.export_fd(probe))
+        finally:
+            driver.release(probe)
+
+    def open_arena(self, reserved_bytes: int, shareable: bool) -> CudaArena:
+        return CudaArena(rdma=shareable and not self._rdma_refused)
+
+    def create(self, arena: CudaArena, offset: int, size: int) -> Any:
+        if arena.rdma:
+            try:
+                return driver.create(self.device_index, size, rdma=True)
+            except DriverError as exc:
+                # Some systems refuse RDMA-capable allocations; the buffer still works without.
+                log.warning("GPU %d refuses RDMA-capable allocations (%s); shareable buffers fall back to plain ones",
+                            self.device_index, exc.result)
+                self._rdma_refused = True
+                arena.rdma = False
+        return driver.create(self.device_index, size, rdma=False)
+
+    def handle_offset(self, arena: CudaArena, chunk: Any) -> int:
+        return 0
+
+    def export(self, arena: CudaArena, chunk: Any) -> int:
+        return driver.export_fd(chunk)
+
+    def release(self, arena: CudaArena, chunk: Any) -> None:
+        driver.release(chunk)
+
+    def close_arena(self, arena: CudaArena) -> None:
+        """Nothing per buffer to drop: each chunk is its own allocation."""

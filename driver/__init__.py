@@ -1,0 +1,219 @@
+"""The one module that talks to the CUDA driver (``cuda.bindings.driver``).
+
+Both the daemon's CUDA backend and the client's CUDA mapper call through
+here. :func:`check` turns the bindings' ``(CUresult, *values)`` tuples into
+values or a :class:`~hbmd.proto.errors.DriverError` whose ``function`` and
+``result`` fields name the call and the CUresult; an out-of-memory result
+becomes the retryable :class:`~hbmd.proto.errors.OutOfDeviceMemory`.
+
+Nothing here creates a context: the daemon only ever calls the functions
+that work after ``cuInit`` alone. The client makes the device's primary
+context current (the one torch uses) before mapping.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from hbmd.proto.errors import DriverError, OutOfDeviceMemory
+
+
+class CudaUnavailable(RuntimeError):
+    """No usable CUDA driver, device or VMM support here; the message says which."""
+
+
+@functools.cache
+def _bindings() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise CudaUnavailable(f"cuda-bindings is not installed ({exc})") from None
+    return driver
+
+
+def check(result: Any, function: str) -> Any:
+    """Unwrap ``(CUresult, *values)``: nothing, the one value, or a tuple of them."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    cu = _bindings()
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = cu.CUresult(err).name
+        cls = OutOfDeviceMemory if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY else DriverError
+        raise cls(f"{function} failed: {name}", function=function, result=name)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def call(function: str, *args: Any) -> Any:
+    """``check(cuda.<function>(*args), function)``."""
+    return check(getattr(_bindings(), function)(*args), function)
+
+
+@functools.cache
+def init() -> None:
+    """``cuInit(0)``; :class:`CudaUnavailable` with the reason where it cannot work.
+
+    Without a driver the bindings raise rather than return an error code.
+    """
+    cu = _bindings()
+    try:
+        err, = cu.cuInit(0)
+    except Exception as exc:  # the bindings raise their own loader errors
+        raise CudaUnavailable(f"no NVIDIA driver: {exc}") from None
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaUnavailable(f"cuInit failed: {cu.CUresult(err).name}")
+
+
+def device_count() -> int:
+    init()
+    return call("cuDeviceGetCount")
+
+
+def device(ordinal: int) -> Any:
+    init()
+    return call("cuDeviceGet", ordinal)
+
+
+def device_uuid(ordinal: int) -> str:
+    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``, as nvidia-smi prints it."""
+    raw = bytes(call("cuDeviceGetUuid", device(ordinal)).bytes)
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def ordinal_of_uuid(uuid: str) -> int:
+    """This process's CUDA ordinal of the GPU with ``uuid`` (it depends on ``CUDA_VISIBLE_DEVICES``)."""
+    for ordinal in range(device_count()):
+        if device_uuid(ordinal) == uuid:
+            return ordinal
+    raise CudaUnavailable(f"GPU {uuid} is not visible to this process (check CUDA_VISIBLE_DEVICES)")
+
+
+def device_name(ordinal: int) -> str:
+    return call("cuDeviceGetName", 96, device(ordinal)).split(b"\0", 1)[0].decode()
+
+
+def total_memory(ordinal: int) -> int:
+    return call("cuDeviceTotalMem", device(ordinal))
+
+
+def _allocation_prop(ordinal: int, rdma: bool) -> Any:
+    cu = _bindings()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    if rdma:
+        prop.allocFlags.gpuDirectRDMACapable = 1
+    return prop
+
+
+def granularity(ordinal: int) -> int:
+    cu = _bindings()
+    return call(
+        "cuMemGetAllocationGranularity",
+        _allocation_prop(ordinal, False),
+        cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+    )
+
+
+def create(ordinal: int, size: int, rdma: bool) -> Any:
+    """A physical allocation exportable as a POSIX FD (and RDMA-capable if asked)."""
+    return call("cuMemCreate", size, _allocation_prop(ordinal, rdma), 0)
+
+
+def export_fd(handle: Any) -> int:
+    cu = _bindings()
+    return int(
+        call(
+            "cuMemExportToShareableHandle",
+            handle,
+            cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    )
+
+
+def import_fd(fd: int) -> Any:
+    cu = _bindings()
+    return call(
+        "cuMemImportFromShareableHandle", fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
+
+
+def release(handle: Any) -> None:
+    call("cuMemRelease", handle)
+
+
+def reserve(size: int, alignment: int) -> int:
+    return int(call("cuMemAddressReserve", size, alignment, 0, 0))
+
+
+def unreserve(address: int, size: int) -> None:
+    call("cuMemAddressFree", address, size)
+
+
+def map(address: int, size: int, handle: Any) -> None:  # noqa: A001 - the driver's own verb
+    call("cuMemMap", address, size, 0, handle, 0)
+
+
+def unmap(address: int, size: int) -> None:
+    call("cuMemUnmap", address, size)
+
+
+def set_access(address: int, size: int, ordinals: list[int]) -> None:
+    """Grant read-write access to ``[address, address + size)`` from each device in ``ordinals``."""
+    cu = _bindings()
+    descs = []
+    for ordinal in ordinals:
+        desc = cu.CUmemAccessDesc()
+        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = ordinal
+        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        descs.append(desc)
+    call("cuMemSetAccess", address, size, descs, len(descs))
+
+
+def use_primary_context(ordinal: int) -> Any:
+    """Retain the device's primary context (torch's) and make it current on this thread."""
+    ctx = call("cuDevicePrimaryCtxRetain", device(ordinal))
+    call("cuCtxSetCurrent", ctx)
+    return ctx
+
+
+def make_current(ctx: Any) -> None:
+    call("cuCtxSetCurrent", ctx)
+
+
+def create_stream() -> Any:
+    cu = _bindings()
+    return call("cuStreamCreate", cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+
+
+def memset_async(address: int, size: int, stream: Any) -> None:
+    call("cuMemsetD8Async", address, 0, size, stream)
+
+
+def stream_synchronize(stream: Any) -> None:
+    call("cuStreamSynchronize", stream)
+
+
+def context_synchronize() -> None:
+    call("cuCtxSynchronize")
+
+
+def memory_info() -> tuple[int, int]:
+    """``(free, total)`` of the current context's device."""
+    return call("cuMemGetInfo")
+
+
+def pin_device_order() -> None:
+    """Make CUDA ordinals equal nvidia-smi indices in this process (PCI bus order, all GPUs visible).
+
+    The daemon is addressed by nvidia-smi index; must run before :func:`init`.
+    """
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
