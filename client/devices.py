@@ -26,7 +26,7 @@ def parse_device(device: Any) -> tuple[str, int]:
         return "cuda", device
     text = str(device)
     kind, _, index = text.partition(":")
-    if kind == "cpu" and not index:
+    if kind == "cpu" and index in ("", "0"):
         return "cpu", -1
     if kind == "cuda":
         if not index:

@@ -1,0 +1,91 @@
+"""GPU-side mapping: import each chunk FD, map it into a reserved VA range, grant access.
+
+Runs in the device's primary context (the one torch uses), made current
+before every group of driver calls. Each chunk is imported, mapped at its
+offset and given read-write access, and its imported handle released at
+once: the mapping keeps the memory alive, so unmapping is what frees it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from hbmd import driver
+from hbmd.proto import ChunkInfo
+from hbmd.proto.errors import NotFound
+from hbmd.proto.layout import list_instances, resolve_run_dir
+
+from .dlpack import KDL_CUDA, uint8_view
+
+
+def instance_for_cuda_device(ordinal: int, run_dir: str | os.PathLike | None) -> str:
+    """The instance serving this process's CUDA device ``ordinal``, matched by GPU UUID.
+
+    Matching by UUID (not by index) keeps ``CUDA_VISIBLE_DEVICES`` remapping
+    from connecting a worker to another GPU's daemon.
+    """
+    uuid = driver.device_uuid(ordinal)
+    root = resolve_run_dir(run_dir)
+    for instance in list_instances(root):
+        try:
+            info = json.loads((root / instance / "instance.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if info.get("device_uuid") == uuid:
+            return instance
+    raise NotFound(f"no hbmd instance under {root} serves cuda:{ordinal} ({uuid})", device_uuid=uuid)
+
+
+class CudaMapper:
+    """Maps CUDA-backend chunks into one reserved VA range per buffer."""
+
+    kind = "cuda"
+
+    def __init__(self, device_uuid: str, granularity: int) -> None:
+        self.ordinal = driver.ordinal_of_uuid(device_uuid)
+        self.granularity = granularity
+        self._ctx = driver.use_primary_context(self.ordinal)
+        self._stream = driver.create_stream()
+
+    def reserve(self, size: int) -> int:
+        driver.make_current(self._ctx)
+        return driver.reserve(size, self.granularity)
+
+    def map(self, base: int, chunk: ChunkInfo, fd: int) -> None:
+        """Import, map and grant access; a failed step undoes the ones before it."""
+        driver.make_current(self._ctx)
+        address = base + chunk.offset
+        handle = driver.import_fd(fd)
+        try:
+            driver.map(address, chunk.size, handle)
+            try:
+                driver.set_access(address, chunk.size, [self.ordinal])
+            except BaseException:
+                driver.unmap(address, chunk.size)
+                raise
+        finally:
+            # On success too: the mapping now holds the memory, the handle is not needed.
+            driver.release(handle)
+
+    def unmap(self, base: int, offset: int, size: int) -> None:
+        driver.make_current(self._ctx)
+        driver.unmap(base + offset, size)
+
+    def zero(self, address: int, size: int) -> None:
+        """Queue zeroing on the mapper's stream; :meth:`synchronize` waits for it."""
+        driver.make_current(self._ctx)
+        driver.memset_async(address, size, self._stream)
+
+    def unreserve(self, base: int, size: int) -> None:
+        driver.make_current(self._ctx)
+        driver.unreserve(base, size)
+
+    def view(self, base: int, size: int) -> Any:
+        return uint8_view(base, size, KDL_CUDA, self.ordinal)
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device in this context: before unmapping, nothing may be in flight."""
+        driver.make_current(self._ctx)
+        driver.context_synchronize()
