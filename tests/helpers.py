@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 MiB = 1 << 20
@@ -17,3 +18,27 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+def cuda_vmm_status() -> tuple[bool, str]:
+    """Whether this machine can run the GPU tier: a driver, a device, POSIX-FD VMM allocations, CUDA torch."""
+    from hbmd import driver
+
+    try:
+        driver.init()
+        if driver.device_count() == 0:
+            return False, "no CUDA device"
+        handle = driver.create(0, driver.granularity(0), rdma=False)
+        try:
+            os.close(driver.export_fd(handle))
+        finally:
+            driver.release(handle)
+    except Exception as exc:  # any failure here means: not a GPU machine for these tests
+        return False, f"CUDA VMM with POSIX-FD handles unavailable: {exc}"
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "torch has no CUDA"
+    return True, ""

@@ -1,0 +1,256 @@
+"""The GPU tier: the same promises on a real CUDA device, plus what only a GPU can show.
+
+Skipped, with the reason, where CUDA VMM with POSIX-FD handles is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+from helpers import MiB, cuda_vmm_status, wait_until
+
+from hbmd import driver
+from hbmd.client import DriverError, ExtensibleKVCacheBuffers, ExtensibleTensor, OutOfDeviceMemory, connect
+
+GPU_OK, GPU_REASON = cuda_vmm_status()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)]
+
+if GPU_OK:
+    import torch
+
+
+@pytest.fixture
+def gpu_daemon(start_daemon):
+    return start_daemon("--device", "0", "--budget", "16GiB", backend="cuda")
+
+
+@pytest.fixture
+def gpu_client(gpu_daemon):
+    torch.cuda.init()
+    client = connect("cuda:0", run_dir=gpu_daemon.run_dir, client_name="gpu-test")
+    yield client
+    client.close()
+
+
+def test_the_daemon_serves_gpu0_by_uuid_and_says_so(gpu_daemon, gpu_client):
+    info = json.loads((gpu_daemon.run_dir / "gpu0" / "instance.json").read_text())
+    assert info["device_index"] == 0 and info["backend"] == "cuda"
+    assert info["device_uuid"] == driver.device_uuid(0) == gpu_client.welcome.device_uuid
+    first = gpu_daemon.log().splitlines()[0]
+    assert "backend cuda" in first and "instance gpu0" in first and info["device_uuid"] in first
+    status = gpu_client.status()
+    assert status.granularity == 2 * MiB and status.total_bytes > 0 and status.budget_bytes == 16 << 30
+
+
+def test_growth_keeps_data_and_the_base_pointer(gpu_client):
+    t = ExtensibleTensor(256 * MiB, "cuda", client=gpu_client)
+    view = t.full_view()
+    assert view.is_cuda and view.dtype == torch.uint8 and view.numel() == 256 * MiB
+    base = view.data_ptr()
+    t.resize_(4 * MiB)
+    pattern = torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8, device="cuda")
+    view[: 4 * MiB].copy_(pattern)
+    t.resize_(200 * MiB)
+    assert t.full_view().data_ptr() == base == t.base_ptr
+    assert torch.equal(view[: 4 * MiB], pattern)
+    view[199 * MiB : 200 * MiB].fill_(3)
+    torch.cuda.synchronize()
+    assert t.physical_bytes == 200 * MiB and t.num_chunks == 2
+
+
+def test_kv_split_segments_grow_in_lockstep_with_a_straddling_granule(gpu_client):
+    # Two 3 MiB segments: granule [2, 4) MiB is shared by both and mapped once.
+    t = ExtensibleTensor(6 * MiB, "cuda", num_segments=2, client=gpu_client)
+    view = t.full_view()
+    t.resize_per_segment_(MiB, zero_new=True)
+    view[:MiB].fill_(1)
+    view[3 * MiB : 4 * MiB].fill_(2)
+    t.resize_per_segment_(3 * MiB, zero_new=True)
+    assert int(view[:MiB].sum()) == MiB and int(view[3 * MiB : 4 * MiB].sum()) == 2 * MiB
+    assert int(view[MiB : 3 * MiB].sum()) == 0 and int(view[4 * MiB :].sum()) == 0
+    assert t.physical_bytes == 6 * MiB and t.num_chunks == 2
+
+
+def test_value_errors_on_gpu(gpu_client):
+    with pytest.raises(ValueError):
+        ExtensibleTensor(-1, "cuda", client=gpu_client)
+    with pytest.raises(ValueError):
+        ExtensibleTensor(MiB, "cuda", num_segments=0, client=gpu_client)
+    with pytest.raises(ValueError):
+        ExtensibleTensor(MiB + 1, "cuda", num_segments=2, client=gpu_client)
+    with pytest.raises(ValueError, match="cannot be served"):
+        ExtensibleTensor(MiB, "cpu", client=gpu_client)
+    t = ExtensibleTensor(16 * MiB, "cuda", num_segments=2, client=gpu_client)
+    t.resize_per_segment_(2 * MiB)
+    with pytest.raises(ValueError, match="grow-only"):
+        t.resize_per_segment_(MiB)
+    with pytest.raises(ValueError, match="exceeds the segment capacity"):
+        t.resize_per_segment_(8 * MiB + 1)
+    with pytest.raises(ValueError, match="single-segment"):
+        t.resize_(4 * MiB)
+    assert t.physical_bytes == 4 * MiB
+
+
+def test_release_and_recommit_return_and_restore_memory(gpu_client):
+    k = ExtensibleTensor(64 * MiB, "cuda", num_segments=2, client=gpu_client)
+    kv = ExtensibleKVCacheBuffers([(k, 2 * MiB)], num_blocks_capacity=16)
+    kv.commit(8)
+    k.full_view()[: 16 * MiB].fill_(5)
+    assert gpu_client.status().committed_bytes == 32 * MiB
+    kv.release_physical()
+    assert gpu_client.status().committed_bytes == 0 and k.physical_bytes == 0
+    kv.recommit()
+    assert kv.num_blocks_committed == 8 and gpu_client.status().committed_bytes == 32 * MiB
+    assert int(k.full_view()[: 16 * MiB].sum()) == 0
+    kv.free()
+    assert gpu_client.status().num_buffers == 0
+
+
+def test_a_cuda_graph_captured_before_growth_writes_the_new_blocks(gpu_client):
+    block = 2 * MiB
+    t = ExtensibleTensor(32 * block, "cuda", client=gpu_client)
+    t.resize_(block, zero_new=True)
+    blocks = t.full_view().view(32, block)
+    index = torch.zeros(1, dtype=torch.long, device="cuda")
+    source = torch.full((1, block), 7, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        blocks.index_copy_(0, index, source)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        blocks.index_copy_(0, index, source)
+    # Only block 0 was mapped at capture time; grow under the graph, then aim it at the last block.
+    t.resize_(32 * block, zero_new=True)
+    index.fill_(31)
+    source.fill_(9)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((blocks[31] == 9).all()) and bool((blocks[0] == 7).all()) and int(blocks[1:31].sum()) == 0
+
+
+def test_attention_over_a_kv_layout_matches_cudamalloc_memory(gpu_client):
+    num_blocks, block_size, heads, head_dim = 64, 16, 8, 128
+    per_block = block_size * heads * head_dim * 2  # fp16 bytes per block per segment
+    t = ExtensibleTensor(2 * num_blocks * per_block, "cuda", num_segments=2, client=gpu_client)
+    t.resize_per_segment_(40 * per_block, zero_new=True)
+    kv = t.full_view().view(torch.float16).view(2, num_blocks, block_size, heads, head_dim)
+    torch.manual_seed(0)
+    reference = torch.randn(2, 40, block_size, heads, head_dim, dtype=torch.float16, device="cuda")
+    kv[:, :40].copy_(reference)
+    block_table = torch.tensor([3, 17, 39, 0, 25], device="cuda")
+    query = torch.randn(1, heads, 4, head_dim, dtype=torch.float16, device="cuda")
+
+    def attend(cache):
+        k = cache[0, block_table].reshape(-1, heads, head_dim).transpose(0, 1).unsqueeze(0)
+        v = cache[1, block_table].reshape(-1, heads, head_dim).transpose(0, 1).unsqueeze(0)
+        return torch.nn.functional.scaled_dot_product_attention(query, k, v)
+
+    assert torch.equal(attend(kv), attend(reference.clone()))
+
+
+WORKER = """
+import sys, torch
+from hbmd.client import ExtensibleTensor, connect
+c = connect("cuda:0", client_name="gpu-worker")
+t = ExtensibleTensor(64 << 20, "cuda", client=c)
+t.resize_(int(sys.argv[1]) << 20 if len(sys.argv) > 1 else 32 << 20, zero_new=True)
+t.full_view()[: 32 << 20].fill_(11)
+torch.cuda.synchronize()
+print(t.physical_bytes, flush=True)
+sys.stdin.readline()
+print(int(t.full_view()[: 32 << 20].float().mean().item()), flush=True)
+"""
+
+
+def test_two_worker_processes_map_one_daemon_at_once(gpu_daemon, gpu_client, spawn_worker):
+    workers = [spawn_worker(gpu_daemon, WORKER) for _ in range(2)]
+    assert [int(w.readline()) for w in workers] == [32 * MiB, 32 * MiB]
+    assert gpu_client.status().committed_bytes == 64 * MiB
+    for w in workers:
+        w.send("go")
+        assert w.readline() == "11"
+        assert w.wait() == 0
+    wait_until(lambda: gpu_client.status().committed_bytes == 0)
+
+
+def test_a_sigkilled_gpu_worker_gives_its_memory_back(gpu_daemon, gpu_client, spawn_worker):
+    worker = spawn_worker(gpu_daemon, WORKER)
+    worker.readline()
+    free_before_kill = torch.cuda.mem_get_info()[0]
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    worker.wait()
+    wait_until(lambda: gpu_client.status().committed_bytes == 0)
+    # The daemon released its handles and the dead worker's mappings are gone: the pages are free.
+    wait_until(lambda: torch.cuda.mem_get_info()[0] >= free_before_kill + 32 * MiB)
+
+
+def test_the_daemon_holds_no_cuda_context(gpu_daemon, gpu_client):
+    t = ExtensibleTensor(1 << 30, "cuda", client=gpu_client)
+    t.resize_(1 << 30)
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    used = {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.stdout.strip().splitlines())}
+    print(f"nvidia-smi compute apps (pid: MiB): {used}; daemon pid {gpu_daemon.pid}")
+    assert os.getpid() in used  # this process holds a context, so the query does list processes
+    assert used.get(gpu_daemon.pid, 0) == 0
+
+
+def test_a_failed_set_access_undoes_the_import_and_the_map(gpu_client, monkeypatch):
+    t = ExtensibleTensor(8 * MiB, "cuda", client=gpu_client)
+    mapper = gpu_client.mapper
+    real_set_access = driver.set_access
+    attempts = []
+
+    def map_twice(chunk, fd):
+        def failing(*args):
+            raise DriverError("injected", function="cuMemSetAccess", result="CUDA_ERROR_UNKNOWN")
+
+        monkeypatch.setattr(driver, "set_access", failing)
+        with pytest.raises(DriverError):
+            mapper.map(t.base_ptr, chunk, fd)
+        monkeypatch.setattr(driver, "set_access", real_set_access)
+        # Had the failed attempt left its mapping, mapping the same range again would fail.
+        mapper.map(t.base_ptr, chunk, fd)
+        t._mapped.append((chunk.offset, chunk.size))
+        attempts.append(chunk.chunk_id)
+
+    reply = gpu_client.commit(t.buffer_id, 4 * MiB, map_twice)
+    t._info = reply.buffer
+    assert len(attempts) == 1
+    t.full_view()[: 4 * MiB].fill_(1)
+    assert int(t.full_view()[: 4 * MiB].sum()) == 4 * MiB
+
+
+def test_a_failing_create_in_the_cuda_backend_leaks_no_device_memory():
+    from hbmd.daemon.backends.cuda import CudaBackend
+    from hbmd.daemon.state import State
+
+    class FailingCuda(CudaBackend):
+        calls = 0
+
+        def create(self, arena, offset, size):
+            FailingCuda.calls += 1
+            if FailingCuda.calls == 3:
+                raise OutOfDeviceMemory("injected", function="cuMemCreate", result="CUDA_ERROR_OUT_OF_MEMORY")
+            return super().create(arena, offset, size)
+
+    torch.cuda.init()
+    backend = FailingCuda(0)
+    state = State(backend, budget_bytes=64 << 30)
+    session = state.open_session(os.getpid(), 0, 0, "", "")
+    buf = state.create_buffer(session, 8 * (1 << 30), 4)
+    free_before = torch.cuda.mem_get_info()[0]
+    with pytest.raises(OutOfDeviceMemory):
+        state.commit(session, buf.buffer_id, 1 << 30)  # four separate 1 GiB runs; the third create fails
+    assert state.committed_bytes == 0 and buf.chunks == []
+    assert torch.cuda.mem_get_info()[0] >= free_before - 64 * MiB  # the two created GiB were released
+    state.close_session(session)
