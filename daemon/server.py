@@ -62,6 +62,7 @@ from hbmd.proto import (
 from hbmd.proto.errors import HbmdError, InternalError, NotFound, ProtocolError, VersionMismatch
 from hbmd.proto.layout import InstancePaths
 
+from .notify import SystemdNotifier
 from .state import Buffer, Chunk, Session, State
 
 log = logging.getLogger("hbmd.server")
@@ -109,9 +110,10 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 class Server:
     """Serves one :class:`State` on one instance directory until :meth:`stop`."""
 
-    def __init__(self, state: State, paths: InstancePaths) -> None:
+    def __init__(self, state: State, paths: InstancePaths, notifier: SystemdNotifier | None = None) -> None:
         self.state = state
         self.paths = paths
+        self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
         self._context = zmq.Context.instance()
@@ -207,6 +209,7 @@ class Server:
                     if conn is not None:
                         self._on_handle_event(conn)
             self._expire_pending()
+            self._notifier.watchdog()
 
     def close(self) -> None:
         """End every session, drop the sockets, files and lock."""
