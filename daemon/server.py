@@ -33,13 +33,17 @@ from hbmd.proto import (
     MAX_FDS_PER_DATAGRAM,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    Attach,
     BufferCreated,
     BufferList,
     Commit,
     Committed,
     CreateBuffer,
+    Defragment,
+    Delete,
     ErrorReply,
     FdBatch,
+    FinishDefragment,
     Free,
     Freed,
     Hello,
@@ -131,6 +135,10 @@ class Server:
             Commit: self._commit,
             Release: self._release,
             Free: self._free,
+            Attach: self._attach,
+            Delete: self._delete,
+            Defragment: self._defragment,
+            FinishDefragment: self._finish_defragment,
         }
 
     # lifecycle
@@ -437,6 +445,7 @@ class Server:
             num_buffers=len(state.buffers),
             num_chunks=state.num_chunks,
             uptime_s=time.monotonic() - state.started_at,
+            device_free_bytes=backend.free_bytes(),
         )
 
     def _list_sessions(self, conn: HandleConnection, request_id: int, msg: ListSessions) -> SessionList:
@@ -458,7 +467,19 @@ class Server:
 
     def _commit(self, conn: HandleConnection, request_id: int, msg: Commit) -> Committed:
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
-        buffer = self.state.buffers[msg.buffer_id]
+        return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
+    def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
+        buffer = self.state.attach(conn.session, msg.name)
+        log.info("session %d attached persistent buffer %r (%d bytes)", conn.session.session_id, msg.name, buffer.physical_bytes)
+        return self._deliver(conn, request_id, buffer, buffer.chunks)
+
+    def _defragment(self, conn: HandleConnection, request_id: int, msg: Defragment) -> Committed:
+        chunks = self.state.defragment(conn.session, msg.buffer_id, msg.preserve)
+        return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
+    def _deliver(self, conn: HandleConnection, request_id: int, buffer: Buffer, chunks: list[Chunk]) -> Committed:
+        """Queue the chunks' FDs on the session's handle socket and describe them in the reply."""
         batches = [chunks[i : i + MAX_FDS_PER_DATAGRAM] for i in range(0, len(chunks), MAX_FDS_PER_DATAGRAM)]
         for index, batch in enumerate(batches):
             conn.outbox.append(FdDelivery(request_id, buffer, batch, index, len(batches)))
@@ -466,9 +487,18 @@ class Server:
             self._flush(conn)
         return Committed(buffer.info(), [self.state.chunk_info(buffer, c) for c in chunks], len(batches))
 
+    def _finish_defragment(self, conn: HandleConnection, request_id: int, msg: FinishDefragment) -> Released:
+        freed = self.state.finish_defragment(conn.session, msg.buffer_id, msg.keep_new)
+        return Released(self.state.buffers[msg.buffer_id].info(), freed)
+
     def _release(self, conn: HandleConnection, request_id: int, msg: Release) -> Released:
         freed = self.state.release(conn.session, msg.buffer_id)
         return Released(self.state.buffers[msg.buffer_id].info(), freed)
 
     def _free(self, conn: HandleConnection, request_id: int, msg: Free) -> Freed:
         return Freed(msg.buffer_id, self.state.free(conn.session, msg.buffer_id))
+
+    def _delete(self, conn: HandleConnection, request_id: int, msg: Delete) -> Freed:
+        buffer_id, freed = self.state.delete(conn.session, msg.name)
+        log.info("session %d deleted persistent buffer %r", conn.session.session_id, msg.name)
+        return Freed(buffer_id, freed)

@@ -2,7 +2,8 @@
 
 Everything here is plain data and arithmetic over a :class:`Backend`; nothing
 knows about sockets. Every method either completes or raises with the state
-unchanged, and the budget is checked in exactly one place, :meth:`State.commit`.
+unchanged, and the budget is checked in exactly one place,
+:meth:`State._create_runs`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from typing import Any, Iterable
 
 from hbmd.proto import BufferInfo, ChunkInfo, SessionInfo
-from hbmd.proto.errors import HbmdError, InvalidRequest, NotFound, OutOfBudget, PermissionDenied
+from hbmd.proto.errors import Conflict, HbmdError, InvalidRequest, NotFound, OutOfBudget, PermissionDenied
 from hbmd.proto.units import format_bytes
 
 from .backends import Backend
@@ -117,6 +118,8 @@ class Buffer:
     bytes_per_segment: int = 0
     chunks: list[Chunk] = dataclasses.field(default_factory=list)
     physical_bytes: int = 0
+    pending: list[Chunk] = dataclasses.field(default_factory=list)
+    """New chunks of a preserving defragment, until the client confirms its remap."""
 
     @property
     def segment_capacity(self) -> int:
@@ -154,6 +157,7 @@ class State:
         self.sessions: dict[int, Session] = {}
         self.buffers: dict[int, Buffer] = {}
         self._by_token: dict[str, Session] = {}
+        self._persistent: dict[tuple[int, str], Buffer] = {}
         self._next_session = 1
         self._next_buffer = 1
         self._next_chunk = 1
@@ -175,10 +179,19 @@ class State:
         return session
 
     def close_session(self, session: Session) -> int:
-        """End a session: free its anonymous buffers. Returns the bytes freed."""
+        """End a session: free its anonymous buffers, orphan its persistent ones. Returns the bytes freed.
+
+        A persistent buffer caught mid-defragment keeps its old chunks, the
+        ones holding the data: the unconfirmed new ones are dropped.
+        """
         freed = 0
         for buffer in list(session.buffers.values()):
-            freed += self._drop(buffer)
+            if buffer.persistent:
+                freed += self._release_chunks(buffer, buffer.pending)
+                buffer.pending = []
+                buffer.owner = None
+            else:
+                freed += self._drop(buffer)
         self.sessions.pop(session.session_id, None)
         self._by_token.pop(session.token, None)
         return freed
@@ -204,7 +217,14 @@ class State:
         if len(name) > MAX_NAME or not name.isprintable():
             raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
         if persistent:
-            raise InvalidRequest("persistent buffers are not served by this daemon version", field="persistent")
+            if not name:
+                raise InvalidRequest("a persistent buffer needs a name", field="name")
+            existing = self._persistent.get((session.uid, name))
+            if existing is not None:
+                raise Conflict(
+                    f"a persistent buffer named {name!r} already exists; attach to it or delete it",
+                    buffer_id=existing.buffer_id,
+                )
         reserved = round_up(capacity, self.backend.granularity)
         arena = self.backend.open_arena(reserved, shareable)
         buffer = Buffer(
@@ -222,6 +242,41 @@ class State:
         self._next_buffer += 1
         self.buffers[buffer.buffer_id] = buffer
         session.buffers[buffer.buffer_id] = buffer
+        if persistent:
+            self._persistent[(session.uid, name)] = buffer
+        return buffer
+
+    def attach(self, session: Session, name: str) -> Buffer:
+        """Give an orphaned persistent buffer of the session's user to the session.
+
+        Names are per user: another user's buffer of the same name is not found.
+        """
+        buffer = self._named(session, name)
+        if buffer.owner is not None:
+            raise Conflict(
+                f"persistent buffer {name!r} is attached by session {buffer.owner.session_id} "
+                f"(pid {buffer.owner.pid})",
+                session_id=buffer.owner.session_id,
+            )
+        buffer.owner = session
+        session.buffers[buffer.buffer_id] = buffer
+        return buffer
+
+    def delete(self, session: Session, name: str) -> tuple[int, int]:
+        """Free an orphaned persistent buffer of the session's user by name. Returns its id and the bytes freed."""
+        buffer = self._named(session, name)
+        if buffer.owner is not None:
+            raise Conflict(
+                f"persistent buffer {name!r} is attached by session {buffer.owner.session_id} "
+                f"(pid {buffer.owner.pid}); it can be deleted once orphaned",
+                session_id=buffer.owner.session_id,
+            )
+        return buffer.buffer_id, self._drop(buffer)
+
+    def _named(self, session: Session, name: str) -> Buffer:
+        buffer = self._persistent.get((session.uid, name))
+        if buffer is None:
+            raise NotFound(f"no persistent buffer named {name!r} for uid {session.uid}", name=name)
         return buffer
 
     def buffer_of(self, session: Session, buffer_id: int) -> Buffer:
@@ -239,7 +294,7 @@ class State:
         One chunk per maximal run of uncommitted granules. The whole growth
         fits the budget or nothing is allocated.
         """
-        buffer = self.buffer_of(session, buffer_id)
+        buffer = self._idle_buffer(session, buffer_id)
         seg = buffer.segment_capacity
         if bytes_per_segment < 0:
             raise InvalidRequest(f"bytes_per_segment {bytes_per_segment} is negative", field="bytes_per_segment")
@@ -259,10 +314,69 @@ class State:
             backed_runs(seg, buffer.num_segments, bytes_per_segment, granule),
             backed_runs(seg, buffer.num_segments, buffer.bytes_per_segment, granule),
         )
+        created = self._create_runs(buffer, runs, "commit")
+        buffer.chunks.extend(created)
+        buffer.bytes_per_segment = bytes_per_segment
+        buffer.physical_bytes += sum(c.size for c in created)
+        return created
+
+    def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk]:
+        """Re-back each run of the committed prefixes with one chunk; returns the new chunks.
+
+        ``preserve``: the new chunks are created beside the old ones (the
+        budget must hold both) and stay pending until :meth:`finish_defragment`,
+        so a client that dies mid-way loses nothing. Otherwise the old chunks
+        are released first: the caller has unmapped them and drops the data.
+        Where every run already is one chunk nothing changes: a preserving
+        defragment returns ``[]``, a discarding one the chunks as they are
+        (the caller unmapped them and maps them again).
+        """
+        buffer = self._idle_buffer(session, buffer_id)
+        runs = backed_runs(buffer.segment_capacity, buffer.num_segments, buffer.bytes_per_segment, self.backend.granularity)
+        if len(buffer.chunks) == len(runs):
+            return [] if preserve else buffer.chunks
+        if preserve:
+            buffer.pending = self._create_runs(buffer, runs, "defragment (old and new chunks coexist until the copy is done)")
+            return buffer.pending
+        self._release_chunks(buffer, buffer.chunks)
+        buffer.chunks = []
+        try:
+            buffer.chunks = self._create_runs(buffer, runs, "defragment")
+        except BaseException:
+            buffer.bytes_per_segment = 0  # the old pages are gone: the buffer is released
+            raise
+        buffer.physical_bytes = sum(c.size for c in buffer.chunks)
+        return buffer.chunks
+
+    def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
+        """Swap in the pending chunks (``keep_new``) or drop them; returns the bytes freed."""
+        buffer = self.buffer_of(session, buffer_id)
+        if not buffer.pending:
+            raise InvalidRequest(f"buffer {buffer_id} has no defragment in progress", buffer_id=buffer_id)
+        if keep_new:
+            freed = self._release_chunks(buffer, buffer.chunks)
+            buffer.chunks = buffer.pending
+            buffer.physical_bytes = sum(c.size for c in buffer.chunks)
+        else:
+            freed = self._release_chunks(buffer, buffer.pending)
+        buffer.pending = []
+        return freed
+
+    def _idle_buffer(self, session: Session, buffer_id: int) -> Buffer:
+        buffer = self.buffer_of(session, buffer_id)
+        if buffer.pending:
+            raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
+        return buffer
+
+    def _create_runs(self, buffer: Buffer, runs: list[tuple[int, int]], purpose: str) -> list[Chunk]:
+        """One new chunk per run, admitted against the budget as a whole; none on any failure.
+
+        This is the one place the budget is checked.
+        """
         requested = sum(end - start for start, end in runs)
         if self.committed_bytes + requested > self.budget_bytes:
             raise OutOfBudget(
-                f"commit of {format_bytes(requested)} does not fit the budget: "
+                f"{purpose} of {format_bytes(requested)} does not fit the budget: "
                 f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(self.committed_bytes)}, "
                 f"requested {format_bytes(requested)}",
                 budget=self.budget_bytes,
@@ -279,16 +393,12 @@ class State:
             for chunk in created:
                 self._release_chunk(buffer, chunk)
             raise
-        buffer.chunks.extend(created)
-        buffer.chunks.sort(key=lambda c: c.offset)
-        buffer.bytes_per_segment = bytes_per_segment
-        buffer.physical_bytes += requested
         self.committed_bytes += requested
         return created
 
     def release(self, session: Session, buffer_id: int) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""
-        return self._release_all(self.buffer_of(session, buffer_id))
+        return self._release_all(self._idle_buffer(session, buffer_id))
 
     def free(self, session: Session, buffer_id: int) -> int:
         """Drop the buffer. Returns the bytes freed."""
@@ -336,13 +446,21 @@ class State:
             # The memory is lost to this process until exit, but the state stays consistent.
             log.exception("releasing chunk %d of buffer %d failed", chunk.chunk_id, buffer.buffer_id)
 
-    def _release_all(self, buffer: Buffer) -> int:
-        for chunk in buffer.chunks:
+    def _release_chunks(self, buffer: Buffer, chunks: list[Chunk]) -> int:
+        """Release ``chunks`` (the buffer's own or its pending ones); returns their bytes."""
+        freed = 0
+        for chunk in chunks:
             self._release_chunk(buffer, chunk)
-        freed = buffer.physical_bytes
+            freed += chunk.size
         self.committed_bytes -= freed
+        if chunks is buffer.chunks:
+            buffer.physical_bytes -= freed
+        return freed
+
+    def _release_all(self, buffer: Buffer) -> int:
+        freed = self._release_chunks(buffer, buffer.chunks) + self._release_chunks(buffer, buffer.pending)
         buffer.chunks = []
-        buffer.physical_bytes = 0
+        buffer.pending = []
         buffer.bytes_per_segment = 0
         return freed
 
@@ -352,4 +470,6 @@ class State:
         del self.buffers[buffer.buffer_id]
         if buffer.owner is not None:
             buffer.owner.buffers.pop(buffer.buffer_id, None)
+        if buffer.persistent:
+            self._persistent.pop((buffer.owner_uid, buffer.name), None)
         return freed

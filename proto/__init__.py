@@ -14,12 +14,16 @@ from .admin import (
     StatusReply,
 )
 from .buffers import (
+    Attach,
     BufferCreated,
     BufferInfo,
     ChunkInfo,
     Commit,
     Committed,
     CreateBuffer,
+    Defragment,
+    Delete,
+    FinishDefragment,
     Free,
     Freed,
     Release,
@@ -68,5 +72,9 @@ REPLY_OF: dict[type[Message], type[Message]] = {
     Commit: Committed,
     Release: Released,
     Free: Freed,
+    Attach: Committed,
+    Delete: Freed,
+    Defragment: Committed,
+    FinishDefragment: Released,
 }
 """The reply kind each request expects (an :class:`ErrorReply` may come instead)."""

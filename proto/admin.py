@@ -13,7 +13,7 @@ class Status(Message):
 
 @message("admin.status_reply")
 class StatusReply(Message):
-    """Totals of one daemon instance, in bytes."""
+    """Totals of one daemon instance, in bytes; ``device_free_bytes`` is -1 where unknown."""
 
     instance: str
     backend: str
@@ -30,6 +30,7 @@ class StatusReply(Message):
     num_buffers: int
     num_chunks: int
     uptime_s: float
+    device_free_bytes: int = -1
 
 
 @record

@@ -74,6 +74,11 @@ class Commit(Message):
 
 @message("buffer.committed")
 class Committed(Message):
+    """Reply to commit, attach and defragment: the buffer and the chunks to map now.
+
+    Their FDs arrive in ``fd_batches`` :class:`FdBatch` datagrams.
+    """
+
     buffer: BufferInfo
     chunks: list[ChunkInfo]
     fd_batches: int
@@ -103,3 +108,38 @@ class Free(Message):
 class Freed(Message):
     buffer_id: int
     freed_bytes: int
+
+
+@message("buffer.attach")
+class Attach(Message):
+    """Take over an orphaned persistent buffer of this user by ``name``; every chunk comes back to map."""
+
+    name: str
+
+
+@message("buffer.delete")
+class Delete(Message):
+    """Free an orphaned persistent buffer of this user by ``name``."""
+
+    name: str
+
+
+@message("buffer.defragment")
+class Defragment(Message):
+    """Re-back each committed run with one chunk.
+
+    ``preserve``: the new chunks come beside the old ones; the client copies
+    the data over, remaps, and sends :class:`FinishDefragment`. Otherwise the
+    client has already unmapped the old chunks and their data is dropped.
+    """
+
+    buffer_id: int
+    preserve: bool = True
+
+
+@message("buffer.finish_defragment")
+class FinishDefragment(Message):
+    """The client remapped onto the new chunks (``keep_new``) or gave up; the daemon drops the others."""
+
+    buffer_id: int
+    keep_new: bool = True

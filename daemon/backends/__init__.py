@@ -52,5 +52,9 @@ class Backend(abc.ABC):
     def close_arena(self, arena: Any) -> None:
         """Drop the per-buffer state once its last chunk is released."""
 
+    @abc.abstractmethod
+    def free_bytes(self) -> int:
+        """Memory free on the device right now, as its driver or kernel reports it."""
+
     def close(self) -> None:
         """Release the backend itself at shutdown."""

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from hbmd import driver
+from hbmd.driver import nvml
 from hbmd.proto.errors import DriverError
 from hbmd.proto.layout import gpu_instance
 
@@ -77,3 +78,11 @@ class CudaBackend(Backend):
 
     def close_arena(self, arena: CudaArena) -> None:
         """Nothing per buffer to drop: each chunk is its own allocation."""
+
+    def free_bytes(self) -> int:
+        """From NVML, which needs no context; -1 where NVML is unavailable."""
+        try:
+            return nvml.free_bytes(self.device_uuid)
+        except nvml.NvmlUnavailable as exc:
+            log.debug("free memory unknown: %s", exc)
+            return -1

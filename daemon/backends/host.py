@@ -1,11 +1,15 @@
 """Host backend: real memory from memfd files, mapped by clients with ``mmap``.
 
-Each buffer owns one sparse memfd as large as its reservation. A chunk is a
-range of that file, backed with ``fallocate`` (so the pages are really there,
-and counted, when the commit returns) and given back with
+Each buffer owns one sparse memfd twice as large as its reservation. A chunk
+is a range of that file, backed with ``fallocate`` (so the pages are really
+there, and counted, when the commit returns) and given back with
 ``FALLOC_FL_PUNCH_HOLE``. The daemon thus holds one FD per *buffer*, not per
 chunk, and a 10,000-chunk buffer costs it one descriptor; each exported FD is
 a ``dup`` of the buffer's memfd, closed as soon as it is sent.
+
+A chunk for buffer offset ``o`` lives at file offset ``o`` of the first half,
+or of the second half while the first is taken there: that is where a
+defragment's new chunks go, beside the old ones whose data they copy.
 
 The granule is 2 MiB rather than the 4 KiB page: it is the GPU granule, so a
 buffer's chunk layout, its straddling granules and its sizes are the same on
@@ -21,7 +25,7 @@ import dataclasses
 import errno
 import os
 
-from hbmd.proto.errors import OutOfDeviceMemory
+from hbmd.proto.errors import InternalError, OutOfDeviceMemory
 from . import Backend
 
 GRANULE = 2 << 20
@@ -43,16 +47,29 @@ def _fallocate(fd: int, mode: int, offset: int, size: int) -> None:
 @dataclasses.dataclass
 class HostArena:
     fd: int
+    reserved: int
+    taken: tuple[bytearray, bytearray]
+    """Per half of the file, one byte per granule: 1 where a live chunk holds it."""
 
 
 @dataclasses.dataclass(frozen=True)
 class HostChunk:
-    offset: int
+    file_offset: int
     size: int
+    half: int
 
 
 def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_available_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo: what can be allocated without swapping."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class HostBackend(Backend):
@@ -66,34 +83,46 @@ class HostBackend(Backend):
     def open_arena(self, reserved_bytes: int, shareable: bool) -> HostArena:
         fd = os.memfd_create("hbmd-buffer", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, reserved_bytes)
+            os.ftruncate(fd, 2 * reserved_bytes)
         except BaseException:
             os.close(fd)
             raise
-        return HostArena(fd)
+        granules = reserved_bytes // GRANULE
+        return HostArena(fd, reserved_bytes, (bytearray(granules), bytearray(granules)))
 
     def create(self, arena: HostArena, offset: int, size: int) -> HostChunk:
+        first, last = offset // GRANULE, (offset + size) // GRANULE
+        half = next((h for h in (0, 1) if arena.taken[h].find(1, first, last) == -1), None)
+        if half is None:
+            raise InternalError(f"buffer range at {offset} is already backed twice")
+        file_offset = half * arena.reserved + offset
         try:
-            _fallocate(arena.fd, 0, offset, size)
+            _fallocate(arena.fd, 0, file_offset, size)
         except OSError as exc:
             # A failed fallocate may leave part of the range allocated.
-            _fallocate(arena.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, size)
+            _fallocate(arena.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, file_offset, size)
             if exc.errno in (errno.ENOMEM, errno.ENOSPC):
                 raise OutOfDeviceMemory(
                     f"host memory exhausted backing {size} bytes: {exc.strerror}",
                     requested=size,
                 ) from None
             raise
-        return HostChunk(offset, size)
+        arena.taken[half][first:last] = b"\x01" * (last - first)
+        return HostChunk(file_offset, size, half)
 
     def handle_offset(self, arena: HostArena, chunk: HostChunk) -> int:
-        return chunk.offset
+        return chunk.file_offset
 
     def export(self, arena: HostArena, chunk: HostChunk) -> int:
         return os.dup(arena.fd)
 
     def release(self, arena: HostArena, chunk: HostChunk) -> None:
-        _fallocate(arena.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, chunk.offset, chunk.size)
+        _fallocate(arena.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, chunk.file_offset, chunk.size)
+        first = (chunk.file_offset - chunk.half * arena.reserved) // GRANULE
+        arena.taken[chunk.half][first : first + chunk.size // GRANULE] = bytes(chunk.size // GRANULE)
 
     def close_arena(self, arena: HostArena) -> None:
         os.close(arena.fd)
+
+    def free_bytes(self) -> int:
+        return host_available_bytes()
