@@ -16,13 +16,15 @@ from hbmd.proto.errors import (
 )
 
 from .kv import ExtensibleKVCacheBuffers
-from .session import Client, ForkedClient, connect, default_client
+from .layout import bytes_per_block_per_segment, kv_blocks_that_fit, kv_view, narrow_blocks, num_segments
+from .session import Client, DeviceMemory, ForkedClient, connect, default_client
 from .tensor import ExtensibleTensor
 
 __all__ = [
     "Client",
     "Conflict",
     "DaemonUnavailable",
+    "DeviceMemory",
     "DriverError",
     "ExtensibleKVCacheBuffers",
     "ExtensibleTensor",
@@ -36,6 +38,11 @@ __all__ = [
     "PermissionDenied",
     "ProtocolError",
     "VersionMismatch",
+    "bytes_per_block_per_segment",
     "connect",
     "default_client",
+    "kv_blocks_that_fit",
+    "kv_view",
+    "narrow_blocks",
+    "num_segments",
 ]

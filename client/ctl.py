@@ -102,6 +102,14 @@ def cmd_buffers(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any
     return {"buffers": [_as_dict(b) for b in buffers]}, text
 
 
+def cmd_delete(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    freed = client.delete(args.name)
+    return (
+        {"name": args.name, "buffer_id": freed.buffer_id, "freed_bytes": freed.freed_bytes},
+        f"deleted persistent buffer {args.name!r} (buffer {freed.buffer_id}), freed {format_bytes(freed.freed_bytes)}",
+    )
+
+
 def cmd_watch(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Redraw status, sessions and buffers every ``--interval`` seconds until Ctrl-C."""
     try:
@@ -118,6 +126,7 @@ COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], tuple[dict[str,
     "status": (cmd_status, "budget, committed, free and reserved bytes of the instance", "hbmctl status"),
     "sessions": (cmd_sessions, "connected worker sessions and what each holds", "hbmctl sessions --json"),
     "buffers": (cmd_buffers, "buffers with their segments, committed bytes and chunk counts", "hbmctl buffers --session 3"),
+    "delete": (cmd_delete, "delete an orphaned persistent buffer by name (yours only)", "hbmctl delete kv-cache-layer0"),
     "watch": (cmd_watch, "live view of status, sessions and buffers (Ctrl-C to leave)", "hbmctl watch --interval 2"),
 }
 
@@ -154,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_common(p, defaults=False)
         if name == "buffers":
             p.add_argument("--session", type=int, default=-1, metavar="ID", help="only this session's buffers")
+        if name == "delete":
+            p.add_argument("name", metavar="NAME", help="the persistent buffer's name")
         if name == "watch":
             p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (default: 1)")
     return parser

@@ -53,10 +53,9 @@ class CudaMapper:
         driver.make_current(self._ctx)
         return driver.reserve(size, self.granularity)
 
-    def map(self, base: int, chunk: ChunkInfo, fd: int) -> None:
-        """Import, map and grant access; a failed step undoes the ones before it."""
+    def map(self, address: int, chunk: ChunkInfo, fd: int) -> None:
+        """Import ``chunk``'s FD, map it at ``address`` and grant access; a failed step undoes the ones before it."""
         driver.make_current(self._ctx)
-        address = base + chunk.offset
         handle = driver.import_fd(fd)
         try:
             driver.map(address, chunk.size, handle)
@@ -69,9 +68,15 @@ class CudaMapper:
             # On success too: the mapping now holds the memory, the handle is not needed.
             driver.release(handle)
 
-    def unmap(self, base: int, offset: int, size: int) -> None:
+    def unmap(self, address: int, size: int) -> None:
         driver.make_current(self._ctx)
-        driver.unmap(base + offset, size)
+        driver.unmap(address, size)
+
+    def copy(self, destination: int, source: int, size: int) -> None:
+        """Device-to-device copy, finished when this returns."""
+        driver.make_current(self._ctx)
+        driver.copy_async(destination, source, size, self._stream)
+        driver.stream_synchronize(self._stream)
 
     def zero(self, address: int, size: int) -> None:
         """Queue zeroing on the mapper's stream; :meth:`synchronize` waits for it."""

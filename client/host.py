@@ -51,9 +51,10 @@ class HostMapper:
             _libc.munmap(base + size, raw + span - base - size)
         return base
 
-    def map(self, base: int, chunk: ChunkInfo, fd: int) -> None:
+    def map(self, address: int, chunk: ChunkInfo, fd: int) -> None:
+        """Map ``chunk`` (from its FD) at ``address``."""
         _mmap(
-            base + chunk.offset,
+            address,
             chunk.size,
             mmap.PROT_READ | mmap.PROT_WRITE,
             mmap.MAP_SHARED | _MAP_FIXED,
@@ -61,9 +62,12 @@ class HostMapper:
             chunk.handle_offset,
         )
 
-    def unmap(self, base: int, offset: int, size: int) -> None:
+    def unmap(self, address: int, size: int) -> None:
         """Put the range back to reserved-but-inaccessible, atomically."""
-        _mmap(base + offset, size, _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0)
+        _mmap(address, size, _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0)
+
+    def copy(self, destination: int, source: int, size: int) -> None:
+        ctypes.memmove(destination, source, size)
 
     def zero(self, address: int, size: int) -> None:
         ctypes.memset(address, 0, size)

@@ -28,15 +28,29 @@ class ExtensibleKVCacheBuffers:
         self.num_blocks_committed = 0
         self._blocks_before_release = 0
 
-    def commit(self, num_blocks: int) -> None:
-        """Grow every buffer to hold ``num_blocks`` blocks (new blocks read as zero); a smaller request is ignored."""
+    def commit(self, num_blocks: int, defragment: bool = False, preserve: bool = False) -> None:
+        """Grow every buffer to hold ``num_blocks`` blocks (new blocks read as zero); a smaller request is ignored.
+
+        ``defragment`` then re-backs each segment prefix with one chunk: by
+        default discarding the data (the blocks read as zero again), as meant
+        for right after warm-up; with ``preserve`` keeping it.
+        """
         if num_blocks > self.num_blocks_capacity:
             raise ValueError(f"{num_blocks} blocks exceed the capacity of {self.num_blocks_capacity} blocks")
-        if num_blocks <= self.num_blocks_committed:
-            return
-        for tensor, per_block in self.buffers:
-            tensor.resize_per_segment_(num_blocks * per_block, zero_new=True)
-        self.num_blocks_committed = num_blocks
+        if num_blocks > self.num_blocks_committed:
+            for tensor, per_block in self.buffers:
+                tensor.resize_per_segment_(num_blocks * per_block, zero_new=True)
+            self.num_blocks_committed = num_blocks
+        if defragment:
+            for tensor, _ in self.buffers:
+                tensor.defragment(preserve=preserve)
+                if not preserve:
+                    tensor.zero_()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block costs across every buffer and segment (what sizing divides by)."""
+        return sum(per_block * tensor.num_segments for tensor, per_block in self.buffers)
 
     @property
     def physical_bytes(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -9,6 +10,7 @@ from typing import Any, Callable
 
 from hbmd.proto import (
     PROTOCOL_VERSION,
+    Attach,
     BufferCreated,
     BufferInfo,
     BufferList,
@@ -16,6 +18,9 @@ from hbmd.proto import (
     Commit,
     Committed,
     CreateBuffer,
+    Defragment,
+    Delete,
+    FinishDefragment,
     Free,
     Freed,
     Hello,
@@ -35,6 +40,22 @@ from .devices import parse_device
 from .transport import ControlChannel, HandleChannel
 
 DEFAULT_TIMEOUT_S = 10.0
+
+OnChunk = Callable[[ChunkInfo, int], None]
+"""Maps one chunk from its FD; the FD is closed by the caller once it returns."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    total: int
+    free: int
+    committed: int
+    budget: int
+    budget_left: int
+
+    def available(self) -> int:
+        """What a commit can take now: the budget left, capped by the device's free memory where known."""
+        return self.budget_left if self.free < 0 else min(self.budget_left, self.free)
 
 
 class ForkedClient(HbmdError):
@@ -127,19 +148,46 @@ class Client:
     ) -> BufferInfo:
         return self._call(CreateBuffer(capacity, num_segments, name, persistent, shareable), BufferCreated).buffer
 
-    def commit(
-        self, buffer_id: int, bytes_per_segment: int, on_chunk: Callable[[ChunkInfo, int], None]
-    ) -> Committed:
-        """Grow the buffer; ``on_chunk(chunk, fd)`` maps each new chunk (the FD is closed after it returns).
+    def commit(self, buffer_id: int, bytes_per_segment: int, on_chunk: OnChunk) -> Committed:
+        """Grow the buffer; ``on_chunk(chunk, fd)`` maps each new chunk (the FD is closed after it returns)."""
+        return self._call_with_chunks(Commit(buffer_id, bytes_per_segment), on_chunk)
 
-        Every FD that arrives is closed even when ``on_chunk`` raises; the first
+    def attach(self, name: str, on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None) -> Committed:
+        """Take over this user's orphaned persistent buffer ``name``; every chunk comes to ``on_chunk``.
+
+        ``on_reply`` sees the reply (the buffer's layout) before the first chunk.
+        """
+        return self._call_with_chunks(Attach(name), on_chunk, on_reply)
+
+    def defragment(self, buffer_id: int, preserve: bool, on_chunk: OnChunk) -> Committed:
+        """Ask for one chunk per committed run; the new chunks come to ``on_chunk``."""
+        return self._call_with_chunks(Defragment(buffer_id, preserve), on_chunk)
+
+    def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
+        return self._call(FinishDefragment(buffer_id, keep_new), Released)
+
+    def delete(self, name: str) -> Freed:
+        """Free this user's orphaned persistent buffer ``name``."""
+        return self._call(Delete(name), Freed)
+
+    def _call_with_chunks(
+        self, msg: Any, on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None
+    ) -> Committed:
+        """Send a request answered by :class:`Committed`, then take its chunk FDs off the handle socket.
+
+        Every FD that arrives is closed even when a callback raises; the first
         such error is raised once all batches are in.
         """
-        reply: Committed = self._call(Commit(buffer_id, bytes_per_segment), Committed)
+        reply: Committed = self._call(msg, Committed)
         request_id = self._control.last_request_id
         chunks = {c.chunk_id: c for c in reply.chunks}
         deadline = time.monotonic() + self.timeout
         failure: BaseException | None = None
+        if on_reply is not None:
+            try:
+                on_reply(reply)
+            except BaseException as exc:
+                failure = exc
         for _ in range(reply.fd_batches):
             batch, fds = self._handles.receive_fds(request_id, deadline)
             if batch.error and failure is None:
@@ -155,6 +203,23 @@ class Client:
         if failure is not None:
             raise failure
         return reply
+
+    def device_memory(self) -> DeviceMemory:
+        """What an engine sizes its KV cache from after warm-up (all in bytes).
+
+        ``free`` is the device's free memory (NVML on a GPU, no context needed;
+        ``MemAvailable`` on the host; -1 where unknown), ``committed`` what
+        hbmd has committed for every session, ``budget_left`` what more the
+        daemon will admit.
+        """
+        s = self.status()
+        return DeviceMemory(
+            total=s.total_bytes,
+            free=s.device_free_bytes,
+            committed=s.committed_bytes,
+            budget=s.budget_bytes,
+            budget_left=max(0, s.budget_bytes - s.committed_bytes),
+        )
 
     def release(self, buffer_id: int) -> Released:
         return self._call(Release(buffer_id), Released)

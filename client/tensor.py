@@ -8,6 +8,7 @@ them stay correct) as the buffer grows.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from hbmd.proto import BufferInfo, ChunkInfo
@@ -46,21 +47,33 @@ class ExtensibleTensor:
             raise ValueError(f"num_segments must be a positive int, got {num_segments!r}")
         if max_num_bytes % num_segments:
             raise ValueError(f"max_num_bytes {max_num_bytes} is not divisible by num_segments {num_segments}")
-        kind, index = parse_device(device)
-        self._client = client if client is not None else default_client(device)
-        self._check_backend(kind)
-        self._device = (kind, index)
+        self._bind(device, client)
         info = self._client.create_buffer(
             max_num_bytes, num_segments, name=name or "", persistent=persistent, shareable=shareable
         )
         self._adopt(info)
 
-    def _check_backend(self, kind: str) -> None:
+    @classmethod
+    def attach(cls, name: str, device: Any = None, *, client: Client | None = None) -> "ExtensibleTensor":
+        """Map this user's persistent buffer ``name`` in this process, with its data and layout, without a copy.
+
+        Raises ``NotFound`` for an unknown name and ``Conflict`` while another
+        live session holds it.
+        """
+        self = cls.__new__(cls)
+        self._bind(device, client)
+        self._client.attach(name, self._map_chunk, on_reply=lambda reply: self._adopt(reply.buffer))
+        return self
+
+    def _bind(self, device: Any, client: Client | None) -> None:
+        kind, index = parse_device(device)
+        self._client = client if client is not None else default_client(device)
         served = "cpu" if self._client.backend == "host" else "cuda"
         if served != kind:
             raise ValueError(
                 f"device {kind!r} cannot be served by instance {self._client.instance!r} ({self._client.backend} backend)"
             )
+        self._device = (kind, index)
 
     def _adopt(self, info: BufferInfo) -> None:
         self._info = info
@@ -174,14 +187,24 @@ class ExtensibleTensor:
         reply = self._client.commit(self.buffer_id, bytes_per_segment, self._map_chunk)
         self._info = reply.buffer
         if zero_new:
-            seg = self._info.segment_capacity_bytes
-            for i in range(self.num_segments):
-                self._mapper.zero(self._base + i * seg + old, bytes_per_segment - old)
-            self._mapper.synchronize()
+            self._zero_prefixes(old)
+        return self
+
+    def _zero_prefixes(self, start: int) -> None:
+        """Zero bytes ``[start, bytes_per_segment)`` of every segment."""
+        seg, end = self._info.segment_capacity_bytes, self._info.bytes_per_segment
+        for i in range(self.num_segments):
+            self._mapper.zero(self._base + i * seg + start, end - start)
+        self._mapper.synchronize()
+
+    def zero_(self) -> "ExtensibleTensor":
+        """Zero every committed byte."""
+        self._check_live()
+        self._zero_prefixes(0)
         return self
 
     def _map_chunk(self, chunk: ChunkInfo, fd: int) -> None:
-        self._mapper.map(self._base, chunk, fd)
+        self._mapper.map(self._base + chunk.offset, chunk, fd)
         self._mapped.append((chunk.offset, chunk.size))
 
     def resize_(self, num_bytes: int, zero_new: bool = False) -> "ExtensibleTensor":
@@ -195,6 +218,56 @@ class ExtensibleTensor:
         start = self.num_bytes
         self.resize_per_segment_(start + num_bytes, zero_new)
         return self.full_view()[start : start + num_bytes]
+
+    # defragment
+
+    def defragment(self, preserve: bool = True) -> "ExtensibleTensor":
+        """Re-back each segment's committed prefix with one chunk, at the same addresses.
+
+        ``preserve``: each new chunk is mapped at a temporary address, the data
+        copied into it, then mapped in place of the old chunks; the daemon
+        drops the old chunks only once told the remap is done, so a worker
+        killed mid-way loses nothing (this needs budget for both at once).
+        Otherwise the old chunks go first and the contents are undefined:
+        what an engine does right after warm-up, before RDMA registration.
+        """
+        self._check_live()
+        if not preserve:
+            self._unmap_all()
+            self._info = self._client.defragment(self.buffer_id, False, self._map_chunk).buffer
+            return self
+        fresh: list[tuple[ChunkInfo, int]] = []
+        try:
+            self._client.defragment(self.buffer_id, True, lambda chunk, fd: fresh.append((chunk, os.dup(fd))))
+            if fresh:
+                self._move_into(fresh)
+        finally:
+            for _, fd in fresh:
+                os.close(fd)
+        return self
+
+    def _move_into(self, fresh: list[tuple[ChunkInfo, int]]) -> None:
+        """Copy the data into the new chunks, remap them in place of the old, and confirm."""
+        try:
+            for chunk, fd in fresh:
+                scratch = self._mapper.reserve(chunk.size)
+                try:
+                    self._mapper.map(scratch, chunk, fd)
+                    self._mapper.synchronize()
+                    self._mapper.copy(scratch, self._base + chunk.offset, chunk.size)
+                    self._mapper.unmap(scratch, chunk.size)
+                finally:
+                    self._mapper.unreserve(scratch, chunk.size)
+        except BaseException:
+            self._client.finish_defragment(self.buffer_id, keep_new=False)
+            raise
+        # From here the new chunks hold the data: the daemon keeps them whatever happens next.
+        try:
+            self._unmap_all()
+            for chunk, fd in fresh:
+                self._map_chunk(chunk, fd)
+        finally:
+            self._info = self._client.finish_defragment(self.buffer_id, keep_new=True).buffer
 
     # sleep and teardown
 
@@ -222,7 +295,7 @@ class ExtensibleTensor:
     def _unmap_all(self) -> None:
         self._mapper.synchronize()
         for offset, size in self._mapped:
-            self._mapper.unmap(self._base, offset, size)
+            self._mapper.unmap(self._base + offset, size)
         self._mapped = []
 
     def _check_live(self) -> None:

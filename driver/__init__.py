@@ -197,6 +197,10 @@ def memset_async(address: int, size: int, stream: Any) -> None:
     call("cuMemsetD8Async", address, 0, size, stream)
 
 
+def copy_async(destination: int, source: int, size: int, stream: Any) -> None:
+    call("cuMemcpyDtoDAsync", destination, source, size, stream)
+
+
 def stream_synchronize(stream: Any) -> None:
     call("cuStreamSynchronize", stream)
 
