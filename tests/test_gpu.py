@@ -216,10 +216,10 @@ def test_a_failed_set_access_undoes_the_import_and_the_map(gpu_client, monkeypat
 
         monkeypatch.setattr(driver, "set_access", failing)
         with pytest.raises(DriverError):
-            mapper.map(t.base_ptr, chunk, fd)
+            mapper.map(t.base_ptr + chunk.offset, chunk, fd)
         monkeypatch.setattr(driver, "set_access", real_set_access)
         # Had the failed attempt left its mapping, mapping the same range again would fail.
-        mapper.map(t.base_ptr, chunk, fd)
+        mapper.map(t.base_ptr + chunk.offset, chunk, fd)
         t._mapped.append((chunk.offset, chunk.size))
         attempts.append(chunk.chunk_id)
 

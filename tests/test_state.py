@@ -9,7 +9,7 @@ from helpers import GRANULE, MiB
 
 from hbmd.daemon.backends.host import HostBackend
 from hbmd.daemon.state import State, backed_runs, merge_runs, subtract_runs
-from hbmd.proto.errors import InvalidRequest, NotFound, OutOfBudget, OutOfDeviceMemory, PermissionDenied
+from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, OutOfBudget, OutOfDeviceMemory, PermissionDenied
 
 pytestmark = pytest.mark.unit
 
@@ -191,3 +191,43 @@ def test_host_memory_is_really_backed_and_punched():
         assert os.fstat(arena.fd).st_blocks == 0
     finally:
         backend.close_arena(arena)
+
+
+def test_persistent_names_are_scoped_per_user(state, session):
+    buf = state.create_buffer(session, 8 * MiB, 1, name="kv", persistent=True)
+    state.close_session(session)
+    stranger = state.open_session(pid=9, uid=2000, gid=2000, client_name="", tenant="")
+    with pytest.raises(NotFound):
+        state.attach(stranger, "kv")
+    with pytest.raises(NotFound):
+        state.delete(stranger, "kv")
+    state.create_buffer(stranger, 8 * MiB, 1, name="kv", persistent=True)  # its own, same name
+    owner_again = state.open_session(pid=10, uid=1000, gid=1000, client_name="", tenant="")
+    assert state.attach(owner_again, "kv") is buf
+
+
+def test_a_session_ending_mid_defragment_keeps_the_old_chunks(state, session):
+    buf = state.create_buffer(session, 16 * MiB, 1, name="kv", persistent=True)
+    for size in (2 * MiB, 4 * MiB, 6 * MiB):
+        state.commit(session, buf.buffer_id, size)
+    old = list(buf.chunks)
+    new = state.defragment(session, buf.buffer_id, preserve=True)
+    assert [(c.offset, c.size) for c in new] == [(0, 6 * MiB)] and state.committed_bytes == 12 * MiB
+    with pytest.raises(Conflict):
+        state.commit(session, buf.buffer_id, 8 * MiB)
+    state.close_session(session)
+    assert buf.chunks == old and buf.pending == [] and state.committed_bytes == 6 * MiB and buf.owner is None
+
+
+def test_finish_defragment_swaps_or_drops(state, session):
+    buf = state.create_buffer(session, 16 * MiB, 1)
+    for size in (2 * MiB, 4 * MiB):
+        state.commit(session, buf.buffer_id, size)
+    state.defragment(session, buf.buffer_id, preserve=True)
+    assert state.finish_defragment(session, buf.buffer_id, keep_new=False) == 4 * MiB
+    assert len(buf.chunks) == 2 and buf.physical_bytes == 4 * MiB
+    state.defragment(session, buf.buffer_id, preserve=True)
+    assert state.finish_defragment(session, buf.buffer_id, keep_new=True) == 4 * MiB
+    assert len(buf.chunks) == 1 and buf.physical_bytes == 4 * MiB and state.committed_bytes == 4 * MiB
+    with pytest.raises(InvalidRequest):
+        state.finish_defragment(session, buf.buffer_id, keep_new=True)
