@@ -254,3 +254,81 @@ def test_a_failing_create_in_the_cuda_backend_leaks_no_device_memory():
     assert state.committed_bytes == 0 and buf.chunks == []
     assert torch.cuda.mem_get_info()[0] >= free_before - 64 * MiB  # the two created GiB were released
     state.close_session(session)
+
+
+GPU_CREATOR = """
+import os, sys, torch
+from hbmd.client import ExtensibleTensor, connect
+c = connect("cuda:0")
+t = ExtensibleTensor(256 << 20, "cuda", num_segments=2, client=c, name="gpu-kv", persistent=True)
+for step in range(1, 9):
+    t.resize_per_segment_(step * (8 << 20))
+g = torch.Generator(device="cuda").manual_seed(3)
+t.full_view()[: 64 << 20].copy_(torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda", generator=g))
+t.full_view()[128 << 20 : 192 << 20].fill_(77)
+torch.cuda.synchronize()
+print(os.getpid(), t.num_chunks, flush=True)
+if len(sys.argv) > 1:
+    def stall(fresh):
+        print("copying", flush=True)
+        sys.stdin.readline()
+    ExtensibleTensor._move_into = lambda self, fresh: stall(fresh)
+    t.defragment(preserve=True)
+sys.stdin.readline()
+"""
+
+
+def expected_gpu_data():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    return torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda", generator=g)
+
+
+def test_a_sigkilled_gpu_workers_persistent_buffer_is_attached_with_its_data(gpu_daemon, gpu_client, spawn_worker):
+    worker = spawn_worker(gpu_daemon, GPU_CREATOR)
+    pid, chunks = map(int, worker.readline().split())
+    assert chunks == 16
+    os.kill(pid, signal.SIGKILL)
+    worker.wait()
+    wait_until(lambda: all(s.pid != pid for s in gpu_client.sessions()))
+    t = ExtensibleTensor.attach("gpu-kv", "cuda", client=gpu_client)
+    assert (t.max_num_bytes, t.num_segments, t.bytes_per_segment, t.num_chunks) == (256 * MiB, 2, 64 * MiB, 16)
+    view = t.full_view()
+    assert torch.equal(view[: 64 * MiB], expected_gpu_data())
+    assert bool((view[128 * MiB : 192 * MiB] == 77).all())
+    t.defragment(preserve=True)
+    assert t.num_chunks == 2 and view.data_ptr() == t.base_ptr
+    assert torch.equal(view[: 64 * MiB], expected_gpu_data()) and bool((view[128 * MiB : 192 * MiB] == 77).all())
+    assert gpu_client.status().committed_bytes == 128 * MiB
+
+
+def test_a_gpu_worker_killed_mid_defragment_loses_nothing(gpu_daemon, gpu_client, spawn_worker):
+    worker = spawn_worker(gpu_daemon, GPU_CREATOR.replace("if len(sys.argv) > 1:", "if True:"))
+    pid, _ = map(int, worker.readline().split())
+    assert worker.readline() == "copying"
+    assert gpu_client.status().committed_bytes == 256 * MiB
+    os.kill(pid, signal.SIGKILL)
+    worker.wait()
+    wait_until(lambda: gpu_client.status().committed_bytes == 128 * MiB)
+    t = ExtensibleTensor.attach("gpu-kv", "cuda", client=gpu_client)
+    assert t.num_chunks == 16 and torch.equal(t.full_view()[: 64 * MiB], expected_gpu_data())
+
+
+def test_defragment_discarding_and_kv_commit_on_gpu(gpu_client):
+    k = ExtensibleTensor(64 * MiB, "cuda", num_segments=2, client=gpu_client)
+    kv = ExtensibleKVCacheBuffers([(k, 2 * MiB)], num_blocks_capacity=16)
+    for n in range(1, 9):
+        kv.commit(n)
+    k.full_view()[: 16 * MiB].fill_(1)
+    kv.commit(10, defragment=True)
+    assert k.num_chunks == 2 and int(k.full_view()[: 20 * MiB].sum()) == 0
+    assert int(k.full_view()[32 * MiB : 52 * MiB].sum()) == 0
+
+
+def test_device_memory_comes_from_nvml_and_follows_commits(gpu_client):
+    before = gpu_client.device_memory()
+    assert 0 < before.free <= before.total
+    t = ExtensibleTensor(4 << 30, "cuda", client=gpu_client)
+    t.resize_(4 << 30)
+    after = gpu_client.device_memory()
+    assert after.committed == before.committed + (4 << 30)
+    assert before.free - after.free >= (4 << 30) - 64 * MiB
