@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import grp
 import logging
 import resource
 import sys
@@ -12,6 +13,7 @@ from hbmd.proto.units import format_bytes, parse_size
 
 from .backends import Backend
 from .backends.host import HostBackend
+from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier
 from .server import DAEMON_VERSION, AlreadyRunning, Server
 from .state import State
@@ -64,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"directory for the instance's sockets (default: {DEFAULT_RUN_DIR})")
     parser.add_argument("--budget", metavar="SIZE",
                         help="most bytes committed at once: 96MiB, 120GiB, 90%% (default: all device memory)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with access rules and per-tenant quotas")
+    parser.add_argument("--group", metavar="NAME",
+                        help="group owning the instance directory and sockets; its members may connect")
+    parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
+                        help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--version", action="version", version=f"hbmd {DAEMON_VERSION}")
     return parser
@@ -86,10 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("--budget: %s", exc)
         return 2
+    try:
+        config = load_config(args.config, backend.total_bytes, budget) if args.config else Config()
+    except ConfigError as exc:
+        log.error("--config: %s", exc)
+        return 2
+    try:
+        group = grp.getgrnam(args.group).gr_gid if args.group else None
+    except KeyError:
+        log.error("--group: no group named %r", args.group)
+        return 2
     raise_fd_limit()
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
-    server = Server(State(backend, budget), paths, notifier)
+    server = Server(State(backend, budget, config, args.reclaim_timeout), paths, notifier, group)
     try:
         server.bind()
     except (AlreadyRunning, ValueError, OSError) as exc:

@@ -14,11 +14,20 @@ import secrets
 import time
 from typing import Any, Iterable
 
-from hbmd.proto import BufferInfo, ChunkInfo, SessionInfo
-from hbmd.proto.errors import Conflict, HbmdError, InvalidRequest, NotFound, OutOfBudget, PermissionDenied
+from hbmd.proto import BufferInfo, ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto.errors import (
+    Conflict,
+    HbmdError,
+    InvalidRequest,
+    NotFound,
+    OutOfBudget,
+    OutOfDeviceMemory,
+    PermissionDenied,
+)
 from hbmd.proto.units import format_bytes
 
 from .backends import Backend
+from .config import Config
 
 log = logging.getLogger("hbmd.state")
 
@@ -90,6 +99,42 @@ class Chunk:
     """False once released: a queued export of it must not happen."""
 
 
+RECLAIM_PATIENCE_S = 30.0
+"""By default a reclaim request unanswered this long is reported as ignored (the session is never killed for it)."""
+
+
+@dataclasses.dataclass
+class Tenant:
+    """Whom commits are charged to: a configured or client-declared name, else ``uid:<N>``."""
+
+    name: str
+    max_bytes: int | None = None
+    guaranteed_bytes: int = 0
+    used_bytes: int = 0
+
+    @property
+    def unmet_guarantee(self) -> int:
+        return max(0, self.guaranteed_bytes - self.used_bytes)
+
+
+@dataclasses.dataclass
+class Reclaim:
+    """The last request to a session to give memory back, and its outcome."""
+
+    reclaim_id: int
+    requested_bytes: int
+    reason: str
+    asked_at: float = dataclasses.field(default_factory=time.monotonic)
+    released_bytes: int | None = None
+    reported: bool = False
+    """Whether the daemon already logged it as ignored."""
+
+    def outcome(self, now: float, patience_s: float) -> str:
+        if self.released_bytes is not None:
+            return "answered"
+        return "ignored" if now - self.asked_at > patience_s else "pending"
+
+
 @dataclasses.dataclass
 class Session:
     session_id: int
@@ -98,9 +143,11 @@ class Session:
     uid: int
     gid: int
     client_name: str
-    tenant: str
+    tenant: Tenant
+    admin: bool = False
     connected_at: float = dataclasses.field(default_factory=time.monotonic)
     buffers: dict[int, "Buffer"] = dataclasses.field(default_factory=dict)
+    reclaim: Reclaim | None = None
 
 
 @dataclasses.dataclass
@@ -111,6 +158,7 @@ class Buffer:
     shareable: bool
     owner: Session | None
     owner_uid: int
+    tenant: Tenant
     capacity: int
     reserved: int
     num_segments: int
@@ -150,9 +198,23 @@ def _check_int(name: str, value: int, low: int, high: int) -> None:
 class State:
     """Sessions, buffers and the budget of one daemon instance."""
 
-    def __init__(self, backend: Backend, budget_bytes: int) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        budget_bytes: int,
+        config: Config | None = None,
+        reclaim_patience_s: float = RECLAIM_PATIENCE_S,
+    ) -> None:
         self.backend = backend
+        self.reclaim_patience_s = reclaim_patience_s
         self.budget_bytes = budget_bytes
+        self.config = config or Config()
+        self.tenants: dict[str, Tenant] = {
+            t.name: Tenant(t.name, t.max_bytes, t.guaranteed_bytes) for t in self.config.tenants
+        }
+        self.reclaims_due: list[tuple[Session, Reclaim]] = []
+        """Reclaim requests made by the state, for the server to send."""
+        self._next_reclaim = 1
         self.committed_bytes = 0
         self.sessions: dict[int, Session] = {}
         self.buffers: dict[int, Buffer] = {}
@@ -165,8 +227,34 @@ class State:
 
     # sessions
 
-    def open_session(self, pid: int, uid: int, gid: int, client_name: str, tenant: str) -> Session:
-        session = Session(self._next_session, secrets.token_hex(16), pid, uid, gid, client_name[:MAX_NAME], tenant[:MAX_NAME])
+    def tenant_for(self, uid: int, declared: str) -> Tenant:
+        """The tenant a session of ``uid`` declaring ``declared`` (maybe empty) is charged to.
+
+        A configured name may be limited to some uids; an unknown declared name
+        is a tenant of its own without limits.
+        """
+        if declared:
+            if declared.startswith("uid:") or len(declared) > MAX_NAME or not declared.isprintable():
+                raise PermissionDenied(f"tenant name {declared[:MAX_NAME]!r} is not allowed")
+            limits = next((t for t in self.config.tenants if t.name == declared and t.uid is None), None)
+            if limits is not None and limits.uids is not None and uid not in limits.uids:
+                raise PermissionDenied(f"uid {uid} may not declare tenant {declared!r}")
+            name = declared
+        else:
+            name = f"uid:{uid}"
+        return self.tenants.setdefault(name, Tenant(name))
+
+    def open_session(self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False) -> Session:
+        session = Session(
+            self._next_session,
+            secrets.token_hex(16),
+            pid,
+            uid,
+            gid,
+            client_name[:MAX_NAME],
+            self.tenant_for(uid, tenant),
+            admin,
+        )
         self._next_session += 1
         self.sessions[session.session_id] = session
         self._by_token[session.token] = session
@@ -234,6 +322,7 @@ class State:
             shareable=shareable,
             owner=session,
             owner_uid=session.uid,
+            tenant=session.tenant,
             capacity=capacity,
             reserved=reserved,
             num_segments=num_segments,
@@ -369,32 +458,80 @@ class State:
         return buffer
 
     def _create_runs(self, buffer: Buffer, runs: list[tuple[int, int]], purpose: str) -> list[Chunk]:
-        """One new chunk per run, admitted against the budget as a whole; none on any failure.
-
-        This is the one place the budget is checked.
-        """
+        """One new chunk per run, admitted as a whole; none on any failure."""
         requested = sum(end - start for start, end in runs)
-        if self.committed_bytes + requested > self.budget_bytes:
-            raise OutOfBudget(
-                f"{purpose} of {format_bytes(requested)} does not fit the budget: "
-                f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(self.committed_bytes)}, "
-                f"requested {format_bytes(requested)}",
-                budget=self.budget_bytes,
-                used=self.committed_bytes,
-                requested=requested,
-            )
+        self._admit(buffer.tenant, requested, purpose)
         created: list[Chunk] = []
         try:
             for start, end in runs:
                 handle = self.backend.create(buffer.arena, start, end - start)
                 created.append(Chunk(self._next_chunk, start, end - start, handle))
                 self._next_chunk += 1
-        except BaseException:
+        except BaseException as exc:
             for chunk in created:
                 self._release_chunk(buffer, chunk)
+            if isinstance(exc, OutOfDeviceMemory) and buffer.tenant.used_bytes + requested <= buffer.tenant.guaranteed_bytes:
+                self._reclaim_for(buffer.tenant, requested)
             raise
         self.committed_bytes += requested
+        buffer.tenant.used_bytes += requested
         return created
+
+    def _admit(self, tenant: Tenant, requested: int, purpose: str) -> None:
+        """The one place a commit is checked against the tenant's maximum, the budget and others' guarantees."""
+        if tenant.max_bytes is not None and tenant.used_bytes + requested > tenant.max_bytes:
+            raise OutOfBudget(
+                f"{purpose} of {format_bytes(requested)} exceeds the budget of tenant {tenant.name!r}: "
+                f"max {format_bytes(tenant.max_bytes)}, used {format_bytes(tenant.used_bytes)}, "
+                f"requested {format_bytes(requested)}",
+                tenant=tenant.name,
+                budget=tenant.max_bytes,
+                used=tenant.used_bytes,
+                requested=requested,
+            )
+        held = sum(t.unmet_guarantee for t in self.tenants.values() if t is not tenant)
+        if self.committed_bytes + requested + held > self.budget_bytes:
+            extra = f", {format_bytes(held)} held for other tenants' guaranteed minimums" if held else ""
+            raise OutOfBudget(
+                f"{purpose} of {format_bytes(requested)} does not fit the budget: "
+                f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(self.committed_bytes)}, "
+                f"requested {format_bytes(requested)}{extra}",
+                budget=self.budget_bytes,
+                used=self.committed_bytes,
+                requested=requested,
+                held=held,
+            )
+
+    # reclaim
+
+    def request_reclaim(self, session: Session, requested_bytes: int, reason: str) -> Reclaim:
+        """Record a request that ``session`` give ``requested_bytes`` back; the server delivers it."""
+        _check_int("bytes", requested_bytes, 1, MAX_CAPACITY)
+        session.reclaim = Reclaim(self._next_reclaim, requested_bytes, reason[:200])
+        self._next_reclaim += 1
+        self.reclaims_due.append((session, session.reclaim))
+        return session.reclaim
+
+    def reclaim_answered(self, session: Session, reclaim_id: int, released_bytes: int) -> None:
+        if session.reclaim is None or session.reclaim.reclaim_id != reclaim_id:
+            raise NotFound(f"no reclaim request {reclaim_id} for this session", reclaim_id=reclaim_id)
+        _check_int("released_bytes", released_bytes, 0, MAX_CAPACITY)
+        session.reclaim.released_bytes = released_bytes
+
+    def _reclaim_for(self, tenant: Tenant, needed: int) -> None:
+        """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get."""
+        for other in self.tenants.values():
+            excess = other.used_bytes - other.guaranteed_bytes
+            if other is tenant or excess <= 0:
+                continue
+            for session in self.sessions.values():
+                held = sum(b.physical_bytes for b in session.buffers.values())
+                if session.tenant is not other or held == 0 or needed <= 0:
+                    continue
+                ask = min(excess, held, needed)
+                self.request_reclaim(session, ask, f"tenant {tenant.name!r} needs its guaranteed minimum")
+                needed -= ask
+                excess -= ask
 
     def release(self, session: Session, buffer_id: int) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""
@@ -420,13 +557,29 @@ class State:
             uid=session.uid,
             gid=session.gid,
             client_name=session.client_name,
-            tenant=session.tenant,
+            tenant=session.tenant.name,
             committed_bytes=sum(b.physical_bytes for b in buffers),
             reserved_bytes=sum(b.reserved for b in buffers),
             num_buffers=len(session.buffers),
             num_chunks=sum(len(b.chunks) for b in buffers),
             connected_s=time.monotonic() - session.connected_at,
+            reclaim_requested_bytes=session.reclaim.requested_bytes if session.reclaim else 0,
+            reclaim_released_bytes=(
+                session.reclaim.released_bytes
+                if session.reclaim and session.reclaim.released_bytes is not None
+                else -1
+            ),
+            reclaim_state=session.reclaim.outcome(time.monotonic(), self.reclaim_patience_s) if session.reclaim else "",
         )
+
+    def tenant_infos(self) -> list[TenantInfo]:
+        counts: dict[str, int] = {}
+        for session in self.sessions.values():
+            counts[session.tenant.name] = counts.get(session.tenant.name, 0) + 1
+        return [
+            TenantInfo(t.name, t.used_bytes, t.guaranteed_bytes, -1 if t.max_bytes is None else t.max_bytes, counts.get(t.name, 0))
+            for t in sorted(self.tenants.values(), key=lambda t: t.name)
+        ]
 
     @property
     def reserved_bytes(self) -> int:
@@ -453,6 +606,7 @@ class State:
             self._release_chunk(buffer, chunk)
             freed += chunk.size
         self.committed_bytes -= freed
+        buffer.tenant.used_bytes -= freed
         if chunks is buffer.chunks:
             buffer.physical_bytes -= freed
         return freed

@@ -8,10 +8,13 @@ from .admin import (
     BufferList,
     ListBuffers,
     ListSessions,
+    Reclaim,
+    ReclaimSent,
     SessionInfo,
     SessionList,
     Status,
     StatusReply,
+    TenantInfo,
 )
 from .buffers import (
     Attach,
@@ -59,7 +62,7 @@ from .errors import (
     ProtocolError,
     VersionMismatch,
 )
-from .session import FdBatch, Hello, Refused, Welcome
+from .session import Ack, FdBatch, Hello, ReclaimDone, ReclaimRequest, Refused, Welcome
 
 MAX_FDS_PER_DATAGRAM = 250
 """At most this many FDs ride in one ``SCM_RIGHTS`` datagram (the kernel's SCM_MAX_FD is 253)."""
@@ -76,5 +79,7 @@ REPLY_OF: dict[type[Message], type[Message]] = {
     Delete: Freed,
     Defragment: Committed,
     FinishDefragment: Released,
+    Reclaim: ReclaimSent,
+    ReclaimDone: Ack,
 }
 """The reply kind each request expects (an :class:`ErrorReply` may come instead)."""

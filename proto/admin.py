@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from .buffers import BufferInfo
 from .codec import Message, message, record
+
+
+@record
+class TenantInfo:
+    """A tenant's use against its limits; ``max_bytes`` is -1 for none."""
+
+    name: str
+    used_bytes: int
+    guaranteed_bytes: int
+    max_bytes: int
+    num_sessions: int
 
 
 @message("admin.status")
@@ -31,6 +44,7 @@ class StatusReply(Message):
     num_chunks: int
     uptime_s: float
     device_free_bytes: int = -1
+    tenants: list[TenantInfo] = dataclasses.field(default_factory=list)
 
 
 @record
@@ -46,6 +60,10 @@ class SessionInfo:
     num_buffers: int
     num_chunks: int
     connected_s: float
+    reclaim_requested_bytes: int = 0
+    reclaim_released_bytes: int = -1
+    reclaim_state: str = ""
+    """Of the last reclaim request: "" (none), "pending", "answered" or "ignored"."""
 
 
 @message("admin.sessions")
@@ -68,3 +86,18 @@ class ListBuffers(Message):
 @message("admin.buffer_list")
 class BufferList(Message):
     buffers: list[BufferInfo]
+
+
+@message("admin.reclaim")
+class Reclaim(Message):
+    """Ask session ``session_id`` to give ``bytes`` back (its own user's sessions, or any for an admin)."""
+
+    session_id: int
+    bytes: int
+
+
+@message("admin.reclaim_sent")
+class ReclaimSent(Message):
+    reclaim_id: int
+    session_id: int
+    pid: int

@@ -67,3 +67,29 @@ class FdBatch(Message):
     batch: int
     batches: int
     error: str = ""
+
+
+@message("session.reclaim_request")
+class ReclaimRequest(Message):
+    """Daemon → client on the handle plane: please give back ``bytes`` (why: ``reason``).
+
+    The client's registered callback decides what to release and the client
+    answers with :class:`ReclaimDone`; nothing is taken by force.
+    """
+
+    reclaim_id: int
+    bytes: int
+    reason: str
+
+
+@message("session.reclaim_done")
+class ReclaimDone(Message):
+    """Client → daemon: the outcome of a :class:`ReclaimRequest`."""
+
+    reclaim_id: int
+    released_bytes: int
+
+
+@message("session.ack")
+class Ack(Message):
+    """An empty success reply."""

@@ -197,7 +197,7 @@ def test_budget_refusal_is_whole_and_clear(client):
     t.resize_(200 * MiB)
     with pytest.raises(OutOfBudget, match="budget") as info:
         t.resize_(300 * MiB)
-    assert info.value.details == {"budget": 256 * MiB, "used": 200 * MiB, "requested": 100 * MiB}
+    assert info.value.details == {"budget": 256 * MiB, "used": 200 * MiB, "requested": 100 * MiB, "held": 0}
     assert t.num_bytes == 200 * MiB and client.status().committed_bytes == 200 * MiB
     t.resize_(256 * MiB)
 

@@ -142,7 +142,7 @@ def test_budget_refuses_the_whole_commit(state, session):
     buf = state.create_buffer(session, 128 * MiB, 2)
     with pytest.raises(OutOfBudget, match="budget") as info:
         state.commit(session, buf.buffer_id, 33 * MiB)
-    assert info.value.details == {"budget": 64 * MiB, "used": 0, "requested": 68 * MiB}
+    assert info.value.details == {"budget": 64 * MiB, "used": 0, "requested": 68 * MiB, "held": 0}
     assert buf.chunks == [] and state.committed_bytes == 0
     state.commit(session, buf.buffer_id, 32 * MiB)
     assert state.committed_bytes == 64 * MiB  # the whole budget is usable

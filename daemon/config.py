@@ -1,0 +1,143 @@
+"""The daemon's optional TOML config: who may connect and per-tenant limits.
+
+Example (``hbmd --config /etc/hbmd/gpu0.toml``)::
+
+    [access]
+    allow_uids = [1000, 1001]   # default: anyone who can reach the socket
+    allow_gids = [2000]         # a peer whose primary or supplementary group is listed
+    admin_uids = [0]            # see and steer every session (root and the daemon's uid always may)
+
+    [[tenants]]
+    name = "llama-70b"          # declared by clients: connect(..., tenant="llama-70b")
+    uids = [1000]               # who may declare it (default: anyone allowed in)
+    max = "80GiB"               # burst limit
+    guaranteed = "40GiB"        # no other tenant's commit can eat into this
+
+    [[tenants]]
+    uid = 1001                  # sessions of uid 1001 that declare no tenant
+    max = "50%"
+
+Sizes take the units of ``--budget``; a percentage is of the device's memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from typing import Any
+
+from hbmd.proto.units import parse_size
+
+
+class ConfigError(ValueError):
+    """The config file is unreadable or inconsistent; the message says where."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantLimits:
+    """A configured tenant: by declared ``name`` or by ``uid``."""
+
+    name: str
+    uid: int | None
+    uids: frozenset[int] | None
+    max_bytes: int | None
+    guaranteed_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    allow_uids: frozenset[int] | None = None
+    allow_gids: frozenset[int] | None = None
+    admin_uids: frozenset[int] = frozenset({0})
+
+    def admits(self, uid: int, gids: set[int]) -> bool:
+        if self.allow_uids is None and self.allow_gids is None:
+            return True
+        return uid in self.admin_uids or uid in (self.allow_uids or ()) or bool(gids & (self.allow_gids or set()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    access: Access = Access()
+    tenants: tuple[TenantLimits, ...] = ()
+
+
+def _ids(where: str, value: Any) -> frozenset[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise ConfigError(f"{where} must be a list of non-negative integers")
+    return frozenset(value)
+
+
+def _size(where: str, value: Any, total: int) -> int:
+    if type(value) is int and value >= 0:
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a size like \"40GiB\" or \"25%\"")
+    try:
+        return parse_size(value, total)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "config") -> Config:
+    """Parse and check a config; raises :class:`ConfigError` naming the offending key."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    unknown = set(raw) - {"access", "tenants"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}")
+    access_raw = raw.get("access", {})
+    unknown = set(access_raw) - {"allow_uids", "allow_gids", "admin_uids"}
+    if unknown:
+        raise ConfigError(f"{where}: [access] has unknown key(s) {', '.join(sorted(unknown))}")
+    access = Access(
+        allow_uids=_ids(f"{where}: access.allow_uids", access_raw["allow_uids"]) if "allow_uids" in access_raw else None,
+        allow_gids=_ids(f"{where}: access.allow_gids", access_raw["allow_gids"]) if "allow_gids" in access_raw else None,
+        admin_uids=_ids(f"{where}: access.admin_uids", access_raw.get("admin_uids", [0])) | {0, os.getuid()},
+    )
+    tenants: list[TenantLimits] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(raw.get("tenants", [])):
+        at = f"{where}: tenants[{i}]"
+        unknown = set(entry) - {"name", "uid", "uids", "max", "guaranteed"}
+        if unknown:
+            raise ConfigError(f"{at} has unknown key(s) {', '.join(sorted(unknown))}")
+        if ("name" in entry) == ("uid" in entry):
+            raise ConfigError(f"{at} needs exactly one of name or uid")
+        if "uid" in entry and (type(entry["uid"]) is not int or entry["uid"] < 0):
+            raise ConfigError(f"{at}.uid must be a non-negative integer")
+        if "name" in entry and (not isinstance(entry["name"], str) or not entry["name"] or entry["name"].startswith("uid:")):
+            raise ConfigError(f"{at}.name must be a non-empty string not starting with 'uid:'")
+        name = entry["name"] if "name" in entry else f"uid:{entry['uid']}"
+        if name in seen:
+            raise ConfigError(f"{at}: tenant {name!r} is configured twice")
+        seen.add(name)
+        max_bytes = _size(f"{at}.max", entry["max"], total_bytes) if "max" in entry else None
+        guaranteed = _size(f"{at}.guaranteed", entry.get("guaranteed", 0), total_bytes)
+        if max_bytes is not None and guaranteed > max_bytes:
+            raise ConfigError(f"{at}: guaranteed ({guaranteed}) exceeds max ({max_bytes})")
+        tenants.append(
+            TenantLimits(
+                name=name,
+                uid=entry.get("uid"),
+                uids=_ids(f"{at}.uids", entry["uids"]) if "uids" in entry else None,
+                max_bytes=max_bytes,
+                guaranteed_bytes=guaranteed,
+            )
+        )
+    promised = sum(t.guaranteed_bytes for t in tenants)
+    if promised > budget_bytes:
+        raise ConfigError(f"{where}: guaranteed minimums add up to {promised} bytes, over the budget of {budget_bytes}")
+    return Config(access, tuple(tenants))
+
+
+def load_config(path: str, total_bytes: int, budget_bytes: int) -> Config:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from None
+    return parse_config(text, total_bytes, budget_bytes, where=path)
