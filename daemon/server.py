@@ -50,6 +50,10 @@ from hbmd.proto import (
     ListBuffers,
     ListSessions,
     Message,
+    Reclaim,
+    ReclaimDone,
+    ReclaimRequest,
+    ReclaimSent,
     Refused,
     Release,
     Released,
@@ -57,13 +61,14 @@ from hbmd.proto import (
     Status,
     StatusReply,
     Welcome,
+    Ack,
     decode_datagram,
     decode_frames,
     encode_datagram,
     encode_frames,
     peek_request_id,
 )
-from hbmd.proto.errors import HbmdError, InternalError, NotFound, ProtocolError, VersionMismatch
+from hbmd.proto.errors import HbmdError, InternalError, NotFound, PermissionDenied, ProtocolError, VersionMismatch
 from hbmd.proto.layout import InstancePaths
 
 from .notify import SystemdNotifier
@@ -99,24 +104,41 @@ class HandleConnection:
     pid: int
     uid: int
     gid: int
+    groups: set[int]
     accepted_at: float
     session: Session | None = None
     outbox: collections.deque[FdDelivery] = dataclasses.field(default_factory=collections.deque)
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the peer, from the kernel (``SO_PEERCRED``)."""
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int, set[int]]:
+    """``(pid, uid, gid, groups)`` of the peer, from the kernel (``SO_PEERCRED``, ``SO_PEERGROUPS``)."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
-    return pid, uid, gid
+    groups = {gid}
+    try:
+        extra = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+        groups.update(struct.unpack(f"{len(extra) // 4}I", extra))
+    except OSError:
+        pass  # older kernels: the primary group alone decides
+    return pid, uid, gid, groups
 
 
 class Server:
     """Serves one :class:`State` on one instance directory until :meth:`stop`."""
 
-    def __init__(self, state: State, paths: InstancePaths, notifier: SystemdNotifier | None = None) -> None:
+    def __init__(
+        self,
+        state: State,
+        paths: InstancePaths,
+        notifier: SystemdNotifier | None = None,
+        group: int | None = None,
+    ) -> None:
         self.state = state
         self.paths = paths
+        self.group = group
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
@@ -139,6 +161,8 @@ class Server:
             Delete: self._delete,
             Defragment: self._defragment,
             FinishDefragment: self._finish_defragment,
+            Reclaim: self._reclaim,
+            ReclaimDone: self._reclaim_done,
         }
 
     # lifecycle
@@ -148,6 +172,7 @@ class Server:
         self.paths.check_lengths()
         self.paths.directory.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         self.paths.directory.mkdir(mode=0o750, exist_ok=True)
+        self._set_group(self.paths.directory)
         self._lock_fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -163,10 +188,12 @@ class Server:
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
         self._router.bind(self.paths.endpoint)
         os.chmod(self.paths.control, 0o660)
+        self._set_group(self.paths.control)
 
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.bind(os.fspath(self.paths.handles))
         os.chmod(self.paths.handles, 0o660)
+        self._set_group(self.paths.handles)
         self._listener.listen(128)
         self._listener.setblocking(False)
 
@@ -175,6 +202,11 @@ class Server:
         self._poller.register(self._listener.fileno(), zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._publish()
+
+    def _set_group(self, path: os.PathLike) -> None:
+        """Hand ``path`` to the ``--group``, whose members may then connect (modes 0750/0660)."""
+        if self.group is not None:
+            os.chown(path, -1, self.group)
 
     def _publish(self) -> None:
         backend = self.state.backend
@@ -256,12 +288,12 @@ class Server:
                 return
             sock.setblocking(False)
             try:
-                pid, uid, gid = peer_credentials(sock)
+                pid, uid, gid, groups = peer_credentials(sock)
             except OSError as exc:
                 log.warning("reading peer credentials failed: %s", exc)
                 sock.close()
                 continue
-            conn = HandleConnection(sock, pid, uid, gid, time.monotonic())
+            conn = HandleConnection(sock, pid, uid, gid, groups, time.monotonic())
             self._connections[sock.fileno()] = conn
             self._poller.register(sock.fileno(), zmq.POLLIN)
 
@@ -270,6 +302,14 @@ class Server:
         for conn in list(self._connections.values()):
             if conn.session is None and now - conn.accepted_at > HELLO_TIMEOUT_S:
                 self._close_connection(conn, "no hello in time")
+            elif conn.session is not None and conn.session.reclaim is not None:
+                reclaim = conn.session.reclaim
+                if not reclaim.reported and reclaim.outcome(now, self.state.reclaim_patience_s) == "ignored":
+                    reclaim.reported = True
+                    log.warning(
+                        "session %d (pid %d) has not answered reclaim request %d for %d bytes; it keeps running",
+                        conn.session.session_id, conn.pid, reclaim.reclaim_id, reclaim.requested_bytes,
+                    )
 
     def _receive(self, conn: HandleConnection) -> bytes | None:
         """One inbound datagram, or None when the peer is gone. Inbound FDs are closed."""
@@ -314,11 +354,16 @@ class Server:
                     f"client speaks protocol {'.'.join(map(str, hello.version))}, "
                     f"this daemon speaks {PROTOCOL_VERSION[0]}.x"
                 )
+            access = self.state.config.access
+            if not access.admits(conn.uid, conn.groups):
+                raise PermissionDenied(f"uid {conn.uid} is not allowed to use hbmd instance {self.state.backend.instance}")
+            session = self.state.open_session(
+                conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant, admin=conn.uid in access.admin_uids
+            )
         except HbmdError as exc:
             self._send_quietly(conn, Refused(exc.code.wire, exc.message))
             self._close_connection(conn, f"refused: {exc.message}")
             return
-        session = self.state.open_session(conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant)
         conn.session = session
         self._by_session[session.session_id] = conn
         backend = self.state.backend
@@ -425,6 +470,7 @@ class Server:
         except Exception:
             log.exception("request %d failed", request_id)
             reply = ErrorReply.of(InternalError(f"internal error handling request {request_id}; see the daemon log"))
+        self._send_reclaims()
         return encode_frames(reply, request_id)
 
     def _status(self, conn: HandleConnection, request_id: int, msg: Status) -> StatusReply:
@@ -446,18 +492,46 @@ class Server:
             num_chunks=state.num_chunks,
             uptime_s=time.monotonic() - state.started_at,
             device_free_bytes=backend.free_bytes(),
+            tenants=state.tenant_infos(),
         )
 
     def _list_sessions(self, conn: HandleConnection, request_id: int, msg: ListSessions) -> SessionList:
-        return SessionList([self.state.session_info(s) for s in self.state.sessions.values()])
+        me = conn.session
+        return SessionList([self.state.session_info(s) for s in self.state.sessions.values() if me.admin or s.uid == me.uid])
 
     def _list_buffers(self, conn: HandleConnection, request_id: int, msg: ListBuffers) -> BufferList:
+        me = conn.session
         if msg.session_id == -1:
-            return BufferList([b.info() for b in self.state.buffers.values()])
-        session = self.state.sessions.get(msg.session_id)
-        if session is None:
-            raise NotFound(f"no session {msg.session_id}", session_id=msg.session_id)
-        return BufferList([b.info() for b in session.buffers.values()])
+            buffers = self.state.buffers.values()
+        else:
+            buffers = self._visible_session(me, msg.session_id).buffers.values()
+        return BufferList([b.info() for b in buffers if me.admin or b.owner_uid == me.uid])
+
+    def _visible_session(self, me: Session, session_id: int) -> Session:
+        """Session ``session_id`` if ``me`` may see it: its own user's, or any for an admin."""
+        session = self.state.sessions.get(session_id)
+        if session is None or not (me.admin or session.uid == me.uid):
+            raise NotFound(f"no session {session_id}", session_id=session_id)
+        return session
+
+    def _reclaim(self, conn: HandleConnection, request_id: int, msg: Reclaim) -> ReclaimSent:
+        target = self._visible_session(conn.session, msg.session_id)
+        reclaim = self.state.request_reclaim(target, msg.bytes, f"asked by session {conn.session.session_id} (uid {conn.uid})")
+        log.info("asked session %d (pid %d) to release %d bytes", target.session_id, target.pid, msg.bytes)
+        return ReclaimSent(reclaim.reclaim_id, target.session_id, target.pid)
+
+    def _reclaim_done(self, conn: HandleConnection, request_id: int, msg: ReclaimDone) -> Ack:
+        self.state.reclaim_answered(conn.session, msg.reclaim_id, msg.released_bytes)
+        log.info("session %d answered reclaim %d: released %d bytes", conn.session.session_id, msg.reclaim_id, msg.released_bytes)
+        return Ack()
+
+    def _send_reclaims(self) -> None:
+        """Deliver the reclaim requests the state made, on each session's handle socket."""
+        while self.state.reclaims_due:
+            session, reclaim = self.state.reclaims_due.pop(0)
+            conn = self._by_session.get(session.session_id)
+            if conn is not None:
+                self._send_quietly(conn, ReclaimRequest(reclaim.reclaim_id, reclaim.requested_bytes, reclaim.reason))
 
     def _create_buffer(self, conn: HandleConnection, request_id: int, msg: CreateBuffer) -> BufferCreated:
         buffer = self.state.create_buffer(
