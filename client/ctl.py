@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from hbmd.proto.errors import DaemonUnavailable, HbmdError
 from hbmd.proto.layout import DEFAULT_RUN_DIR, InstancePaths
-from hbmd.proto.units import format_bytes
+from hbmd.proto.units import format_bytes, parse_size
 
 from .session import Client, only_instance
 
@@ -74,6 +74,14 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any]
             f"    sessions:  {s.num_sessions - 1}   buffers: {s.num_buffers}   chunks: {s.num_chunks}",
         ]
     )
+    tenants = [t for t in s.tenants if t.num_sessions or t.used_bytes or t.guaranteed_bytes or t.max_bytes >= 0]
+    if tenants:
+        rows = [
+            [t.name, t.num_sessions, format_bytes(t.used_bytes), format_bytes(t.guaranteed_bytes) if t.guaranteed_bytes else "-",
+             format_bytes(t.max_bytes) if t.max_bytes >= 0 else "-"]
+            for t in tenants
+        ]
+        text += "\n\n" + render_table(["TENANT", "SESSIONS", "USED", "GUARANTEED", "MAX"], rows)
     return data, text
 
 
@@ -81,12 +89,22 @@ def cmd_sessions(client: Client, args: argparse.Namespace) -> tuple[dict[str, An
     sessions = [s for s in client.sessions() if s.session_id != client.session_id]
     rows = [
         [s.session_id, s.pid, s.uid, s.client_name or "-", s.tenant or "-", s.num_buffers, s.num_chunks,
-         format_bytes(s.committed_bytes), format_bytes(s.reserved_bytes), _duration(s.connected_s)]
+         format_bytes(s.committed_bytes), format_bytes(s.reserved_bytes), _duration(s.connected_s), _reclaim(s)]
         for s in sessions
     ]
-    headers = ["SESSION", "PID", "UID", "NAME", "TENANT", "BUFFERS", "CHUNKS", "COMMITTED", "RESERVED", "AGE"]
+    headers = ["SESSION", "PID", "UID", "NAME", "TENANT", "BUFFERS", "CHUNKS", "COMMITTED", "RESERVED", "AGE", "RECLAIM"]
     text = render_table(headers, rows) if rows else "no sessions"
     return {"sessions": [_as_dict(s) for s in sessions]}, text
+
+
+def _reclaim(session: Any) -> str:
+    """The last reclaim request of a session, as a table cell."""
+    if not session.reclaim_state:
+        return "-"
+    asked = format_bytes(session.reclaim_requested_bytes)
+    if session.reclaim_state == "answered":
+        return f"asked {asked}, released {format_bytes(session.reclaim_released_bytes)}"
+    return f"asked {asked}, {session.reclaim_state}"
 
 
 def cmd_buffers(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -110,6 +128,25 @@ def cmd_delete(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any]
     )
 
 
+def cmd_reclaim(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    size = parse_size(args.bytes)
+    sent = client.reclaim(args.session, size)
+    data = {"reclaim_id": sent.reclaim_id, "session_id": sent.session_id, "pid": sent.pid, "requested_bytes": size}
+    text = f"asked session {sent.session_id} (pid {sent.pid}) to release {format_bytes(size)}"
+    if args.wait > 0:
+        deadline = time.monotonic() + args.wait
+        while True:
+            session = next((s for s in client.sessions() if s.session_id == sent.session_id), None)
+            state = session.reclaim_state if session else "ended"
+            if state != "pending" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        released = session.reclaim_released_bytes if session and state == "answered" else -1
+        data |= {"state": state, "released_bytes": released}
+        text += f"; {state}" + (f": released {format_bytes(released)}" if released >= 0 else "")
+    return data, text
+
+
 def cmd_watch(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Redraw status, sessions and buffers every ``--interval`` seconds until Ctrl-C."""
     try:
@@ -127,6 +164,8 @@ COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], tuple[dict[str,
     "sessions": (cmd_sessions, "connected worker sessions and what each holds", "hbmctl sessions --json"),
     "buffers": (cmd_buffers, "buffers with their segments, committed bytes and chunk counts", "hbmctl buffers --session 3"),
     "delete": (cmd_delete, "delete an orphaned persistent buffer by name (yours only)", "hbmctl delete kv-cache-layer0"),
+    "reclaim": (cmd_reclaim, "ask a session to give memory back; its engine decides what to release",
+                "hbmctl reclaim --session 3 --bytes 8GiB --wait 10"),
     "watch": (cmd_watch, "live view of status, sessions and buffers (Ctrl-C to leave)", "hbmctl watch --interval 2"),
 }
 
@@ -165,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--session", type=int, default=-1, metavar="ID", help="only this session's buffers")
         if name == "delete":
             p.add_argument("name", metavar="NAME", help="the persistent buffer's name")
+        if name == "reclaim":
+            p.add_argument("--session", type=int, required=True, metavar="ID", help="the session to ask")
+            p.add_argument("--bytes", required=True, metavar="SIZE", help="how much to ask for: 512MiB, 8GiB, ...")
+            p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                           help="wait up to S seconds for the answer (default: do not wait)")
         if name == "watch":
             p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (default: 1)")
     return parser
@@ -174,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = COMMANDS[args.command][0]
+    if args.command == "reclaim":
+        try:
+            parse_size(args.bytes)
+        except ValueError as exc:
+            parser.error(f"--bytes: {exc}")
     try:
         instance = args.instance or only_instance(args.run_dir)
         with Client(InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl") as client:

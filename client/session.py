@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -26,6 +28,11 @@ from hbmd.proto import (
     Hello,
     ListBuffers,
     ListSessions,
+    Ack,
+    Reclaim,
+    ReclaimDone,
+    ReclaimRequest,
+    ReclaimSent,
     Release,
     Released,
     SessionInfo,
@@ -40,6 +47,8 @@ from .devices import parse_device
 from .transport import ControlChannel, HandleChannel
 
 DEFAULT_TIMEOUT_S = 10.0
+
+log = logging.getLogger("hbmd.client")
 
 OnChunk = Callable[[ChunkInfo, int], None]
 """Maps one chunk from its FD; the FD is closed by the caller once it returns."""
@@ -92,6 +101,9 @@ class Client:
             raise
         self._mapper: Any = None
         self.closed = False
+        # One call at a time: the reclaim listener's callback may call in while the engine does.
+        self._lock = threading.RLock()
+        self._reclaim_thread: threading.Thread | None = None
 
     # identity
 
@@ -132,7 +144,8 @@ class Client:
             raise ForkedClient("this hbmd client belongs to the parent process; call hbmd.client.connect() in the child")
         if self.closed:
             raise HbmdError("this hbmd client is closed")
-        return self._control.call(msg, reply_type, timeout)
+        with self._lock:
+            return self._control.call(msg, reply_type, timeout)
 
     def status(self) -> StatusReply:
         return self._call(Status(), StatusReply)
@@ -178,6 +191,10 @@ class Client:
         Every FD that arrives is closed even when a callback raises; the first
         such error is raised once all batches are in.
         """
+        with self._lock:
+            return self._take_chunks(msg, on_chunk, on_reply)
+
+    def _take_chunks(self, msg: Any, on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None) -> Committed:
         reply: Committed = self._call(msg, Committed)
         request_id = self._control.last_request_id
         chunks = {c.chunk_id: c for c in reply.chunks}
@@ -203,6 +220,49 @@ class Client:
         if failure is not None:
             raise failure
         return reply
+
+    # reclaim
+
+    def reclaim(self, session_id: int, num_bytes: int) -> ReclaimSent:
+        """Ask session ``session_id`` to give ``num_bytes`` back (what ``hbmctl reclaim`` does)."""
+        return self._call(Reclaim(session_id, num_bytes), ReclaimSent)
+
+    def on_reclaim(self, callback: Callable[[ReclaimRequest], int]) -> None:
+        """Answer the daemon's reclaim requests with ``callback``, on a background thread.
+
+        ``callback(request)`` decides what to release (``request.bytes`` is
+        what the daemon would like back) and returns the bytes it released;
+        the client reports that to the daemon. It runs on the listener thread,
+        so the engine synchronises what it touches; client calls from it are
+        serialised with the engine's own.
+        """
+        self._reclaim_callback = callback
+        if self._reclaim_thread is None:
+            self._reclaim_thread = threading.Thread(target=self._listen_for_reclaims, name="hbmd-reclaim", daemon=True)
+            self._reclaim_thread.start()
+
+    def pending_reclaims(self) -> list[ReclaimRequest]:
+        """Reclaim requests received and not yet answered, for engines that poll instead of registering a callback.
+
+        Answer each with :meth:`answer_reclaim`.
+        """
+        if self._reclaim_thread is None:
+            self._handles.poll(0)
+        requests = list(self._handles.reclaims)
+        self._handles.reclaims.clear()
+        return requests
+
+    def answer_reclaim(self, request: ReclaimRequest, released_bytes: int) -> None:
+        self._call(ReclaimDone(request.reclaim_id, released_bytes), Ack)
+
+    def _listen_for_reclaims(self) -> None:
+        while not self.closed and self._handles.poll(0.2):
+            for request in self.pending_reclaims():
+                try:
+                    released = int(self._reclaim_callback(request))
+                    self.answer_reclaim(request, released)
+                except Exception:
+                    log.exception("reclaim callback for %d bytes failed", request.bytes)
 
     def device_memory(self) -> DeviceMemory:
         """What an engine sizes its KV cache from after warm-up (all in bytes).
@@ -231,8 +291,11 @@ class Client:
         """End the session: the daemon frees its anonymous buffers."""
         if not self.closed:
             self.closed = True
-            self._control.close()
-            self._handles.close()
+            if self._reclaim_thread is not None and self._reclaim_thread is not threading.current_thread():
+                self._reclaim_thread.join()
+            with self._lock:
+                self._control.close()
+                self._handles.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -10,9 +10,12 @@ message naming the socket.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import select
 import socket
+import threading
 import time
 
 import zmq
@@ -23,6 +26,7 @@ from hbmd.proto import (
     FdBatch,
     Hello,
     Message,
+    ReclaimRequest,
     Refused,
     Welcome,
     decode_datagram,
@@ -37,11 +41,20 @@ MAX_DATAGRAM = 64 << 10
 
 
 class HandleChannel:
-    """The session's handle-plane connection."""
+    """The session's handle-plane connection.
+
+    Two readers may share it: the caller waiting for a request's FD batches,
+    and the client's reclaim listener. Reads happen under one lock; whichever
+    reader takes a datagram meant for the other leaves it in ``_backlog``
+    (FD batches) or ``reclaims`` (reclaim requests).
+    """
 
     def __init__(self, paths: InstancePaths, timeout: float) -> None:
         self.path = os.fspath(paths.handles)
         self.timeout = timeout
+        self._lock = threading.Lock()
+        self._backlog: list[tuple[FdBatch, list[int]]] = []
+        self.reclaims: collections.deque[ReclaimRequest] = collections.deque()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
@@ -70,30 +83,65 @@ class HandleChannel:
             raise ProtocolError(f"expected a welcome from {self.path}, got {reply.KIND}")
         return reply
 
-    def _recv(self, timeout: float) -> tuple[bytes, list[int]]:
+    def _recv(self, timeout: float, flags: int = 0) -> tuple[bytes, list[int]]:
         self.sock.settimeout(timeout)
         try:
-            data, fds, _, _ = socket.recv_fds(self.sock, MAX_DATAGRAM, MAX_FDS_PER_DATAGRAM)
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_DATAGRAM, MAX_FDS_PER_DATAGRAM, flags)
         except socket.timeout:
             raise DaemonUnavailable(f"hbmd at {self.path} sent nothing within {timeout:.1f}s", path=self.path) from None
         if not data and not fds:
             raise DaemonUnavailable(f"hbmd at {self.path} closed the session", path=self.path)
         return data, fds
 
+    def _sort(self, data: bytes, fds: list[int]) -> FdBatch | None:
+        """File one datagram: reclaim requests to ``reclaims``; returns an FD batch, or None (FDs closed)."""
+        try:
+            msg = decode_datagram(data)
+        except ProtocolError:
+            msg = None
+        if isinstance(msg, FdBatch):
+            if len(fds) != (0 if msg.error else len(msg.chunk_ids)):
+                _close_all(fds)
+                raise ProtocolError(f"batch of {len(msg.chunk_ids)} chunks came with {len(fds)} FDs")
+            return msg
+        _close_all(fds)
+        if isinstance(msg, ReclaimRequest):
+            self.reclaims.append(msg)
+        return None
+
     def receive_fds(self, request_id: int, deadline: float) -> tuple[FdBatch, list[int]]:
         """The next FD batch of ``request_id``; stale batches are dropped and their FDs closed."""
         while True:
-            data, fds = self._recv(timeout=max(0.001, deadline - time.monotonic()))
+            with self._lock:
+                for i, (batch, fds) in enumerate(self._backlog):
+                    if batch.request_id == request_id:
+                        return self._backlog.pop(i)
+                data, fds = self._recv(timeout=max(0.001, deadline - time.monotonic()))
+                batch = self._sort(data, fds)
+            if batch is not None:
+                if batch.request_id == request_id:
+                    return batch, fds
+                _close_all(fds)
+
+    def poll(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for datagrams and file them; False once the daemon has gone."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], timeout)
+        except (OSError, ValueError):
+            return False
+        if not readable:
+            return True
+        with self._lock:
             try:
-                msg = decode_datagram(data)
-            except ProtocolError:
-                msg = None
-            if isinstance(msg, FdBatch) and msg.request_id == request_id:
-                if len(fds) != (0 if msg.error else len(msg.chunk_ids)):
-                    _close_all(fds)
-                    raise ProtocolError(f"batch of {len(msg.chunk_ids)} chunks came with {len(fds)} FDs")
-                return msg, fds
-            _close_all(fds)
+                data, fds = self._recv(timeout=self.timeout, flags=socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return True  # the other reader took it
+            except (DaemonUnavailable, OSError):
+                return False
+            batch = self._sort(data, fds)
+            if batch is not None:
+                self._backlog.append((batch, fds))
+        return True
 
     def close(self) -> None:
         self.sock.close()

@@ -111,7 +111,7 @@ def test_a_refused_request_exits_3(daemon):
     assert out.returncode == 3 and "cannot be encoded" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("command", ["status", "sessions", "buffers", "delete", "watch"])
+@pytest.mark.parametrize("command", ["status", "sessions", "buffers", "delete", "reclaim", "watch"])
 def test_every_subcommand_has_help_with_an_example(command):
     out = hbmctl(command, "--help")
     assert out.returncode == 0 and "example: hbmctl" in out.stdout
