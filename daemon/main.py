@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE", help="TOML file with access rules and per-tenant quotas")
     parser.add_argument("--group", metavar="NAME",
                         help="group owning the instance directory and sockets; its members may connect")
+    parser.add_argument("--metrics-addr", metavar="HOST:PORT",
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
     parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -113,9 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot serve %s: %s", paths.directory, exc)
         server.close()
         return 1
+    if args.metrics_addr:
+        from .metrics import Metrics
+
+        server.metrics = Metrics(server.state, server.lock)
+        try:
+            server.metrics.serve(args.metrics_addr)
+        except (OSError, ValueError) as exc:
+            log.error("--metrics-addr %s: %s", args.metrics_addr, exc)
+            server.close()
+            return 1
     server.install_signal_handlers()
     log.info(
-        "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s",
+        "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s%s",
         DAEMON_VERSION,
         backend.instance,
         backend.name,
@@ -126,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         format_bytes(backend.total_bytes),
         paths.endpoint,
         paths.handles,
+        f", metrics http://{args.metrics_addr}/metrics" if args.metrics_addr else "",
     )
+    server.publish()
     notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(budget)}")
     try:
         server.run()

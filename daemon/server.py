@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import struct
+import threading
 import time
 from typing import Callable
 
@@ -139,6 +140,9 @@ class Server:
         self.state = state
         self.paths = paths
         self.group = group
+        self.lock = threading.Lock()
+        """Held while the loop touches the state, so a metrics scrape on another thread sees it whole."""
+        self.metrics = None
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
@@ -168,7 +172,7 @@ class Server:
     # lifecycle
 
     def bind(self) -> None:
-        """Take the instance lock, bind both sockets and publish ``instance.json``."""
+        """Take the instance lock and bind both sockets."""
         self.paths.check_lengths()
         self.paths.directory.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         self.paths.directory.mkdir(mode=0o750, exist_ok=True)
@@ -201,14 +205,14 @@ class Server:
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._listener.fileno(), zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self._publish()
 
     def _set_group(self, path: os.PathLike) -> None:
         """Hand ``path`` to the ``--group``, whose members may then connect (modes 0750/0660)."""
         if self.group is not None:
             os.chown(path, -1, self.group)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Write ``instance.json``: clients and tools find the instance by it, so it comes once all is up."""
         backend = self.state.backend
         info = {
             "instance": backend.instance,
@@ -237,18 +241,20 @@ class Server:
 
     def run(self) -> None:
         while not self._stopping:
-            for fd_or_socket, _ in self._poller.poll(timeout=1000):
-                if fd_or_socket is self._router:
-                    self._drain_control()
-                elif fd_or_socket == self._wake_r:
-                    self._drain_wake()
-                elif self._listener is not None and fd_or_socket == self._listener.fileno():
-                    self._accept()
-                else:
-                    conn = self._connections.get(fd_or_socket)
-                    if conn is not None:
-                        self._on_handle_event(conn)
-            self._expire_pending()
+            events = self._poller.poll(timeout=1000)
+            with self.lock:
+                for fd_or_socket, _ in events:
+                    if fd_or_socket is self._router:
+                        self._drain_control()
+                    elif fd_or_socket == self._wake_r:
+                        self._drain_wake()
+                    elif self._listener is not None and fd_or_socket == self._listener.fileno():
+                        self._accept()
+                    else:
+                        conn = self._connections.get(fd_or_socket)
+                        if conn is not None:
+                            self._on_handle_event(conn)
+                self._expire_pending()
             self._notifier.watchdog()
 
     def close(self) -> None:
@@ -456,11 +462,14 @@ class Server:
                 log.debug("reply dropped: %s", exc)
 
     def _dispatch(self, frames: list[bytes]) -> list[bytes]:
+        started = time.perf_counter()
         request_id = peek_request_id(frames)
+        operation = "invalid"
         try:
             envelope = decode_frames(frames)
             request_id = envelope.request_id
             handler = self._handlers.get(type(envelope.body))
+            operation = envelope.body.KIND
             if handler is None:
                 raise ProtocolError(f"{envelope.body.KIND} is not a request")
             session = self.state.session_for(envelope.token)
@@ -471,6 +480,8 @@ class Server:
             log.exception("request %d failed", request_id)
             reply = ErrorReply.of(InternalError(f"internal error handling request {request_id}; see the daemon log"))
         self._send_reclaims()
+        if self.metrics is not None:
+            self.metrics.record(operation, reply.code if isinstance(reply, ErrorReply) else "ok", started)
         return encode_frames(reply, request_id)
 
     def _status(self, conn: HandleConnection, request_id: int, msg: Status) -> StatusReply:

@@ -1,0 +1,82 @@
+"""Prometheus metrics scraped over HTTP match what clients committed."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from helpers import MiB, wait_until
+from prometheus_client.parser import text_string_to_metric_families
+
+from hbmd.client import ExtensibleTensor, OutOfBudget
+
+pytestmark = pytest.mark.ipc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples, name, **labels):
+    wanted = tuple(sorted({"instance": "host", **labels}.items()))
+    return samples[(name, wanted)]
+
+
+def test_metrics_match_what_clients_committed(start_daemon):
+    port = free_port()
+    daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    assert f"metrics http://127.0.0.1:{port}/metrics" in daemon.log().splitlines()[0]
+    a = daemon.connect(client_name="engine-a", tenant="team-a")
+    b = daemon.connect(client_name="engine-b")
+    ta = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=a)
+    ta.resize_per_segment_(5 * MiB)  # 6 MiB per segment: 12 MiB, two chunks
+    tb = ExtensibleTensor(128 * MiB, "cpu", client=b)
+    for size in (2, 4, 8):
+        tb.resize_(size * MiB)
+    with pytest.raises(OutOfBudget):
+        ExtensibleTensor(512 * MiB, "cpu", client=b).resize_(512 * MiB)
+
+    samples = scrape(port)
+    assert value(samples, "hbmd_committed_bytes") == 20 * MiB
+    assert value(samples, "hbmd_budget_bytes") == 256 * MiB
+    assert value(samples, "hbmd_reserved_bytes") == (64 + 128 + 512) * MiB
+    assert value(samples, "hbmd_sessions") == 2 and value(samples, "hbmd_chunks") == 5
+    session_a = dict(session=str(a.session_id), pid=str(os.getpid()), client="engine-a", tenant="team-a")
+    assert value(samples, "hbmd_session_committed_bytes", **session_a) == 12 * MiB
+    assert value(samples, "hbmd_tenant_committed_bytes", tenant="team-a") == 12 * MiB
+    assert value(samples, "hbmd_operations_total", operation="buffer.commit", outcome="ok") == 4
+    assert value(samples, "hbmd_operations_total", operation="buffer.commit", outcome="out_of_budget") == 1
+    assert value(samples, "hbmd_operation_seconds_count", operation="buffer.commit") == 5
+
+    tb.free()
+    b.close()
+    wait_until(lambda: value(scrape(port), "hbmd_committed_bytes") == 12 * MiB)
+    a.close()
+
+
+def test_a_busy_metrics_port_is_a_clear_startup_error(run_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir),
+             "--metrics-addr", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert out.returncode == 1 and "--metrics-addr" in out.stderr and "Traceback" not in out.stderr
