@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import grp
 import logging
+import os
 import resource
 import sys
+from pathlib import Path
 
 from hbmd.proto.layout import DEFAULT_RUN_DIR, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
@@ -14,7 +16,8 @@ from hbmd.proto.units import format_bytes, parse_size
 from .backends import Backend
 from .backends.host import HostBackend
 from .config import Config, ConfigError, load_config
-from .notify import SystemdNotifier
+from .notify import SystemdNotifier, listen_fds
+from .persist import Persistence
 from .server import DAEMON_VERSION, AlreadyRunning, Server
 from .state import State
 
@@ -71,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="group owning the instance directory and sockets; its members may connect")
     parser.add_argument("--metrics-addr", metavar="HOST:PORT",
                         help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
+    parser.add_argument("--state-dir", metavar="DIR", default=os.environ.get("STATE_DIRECTORY"),
+                        help="where to journal persistent buffers so they survive a restart under systemd "
+                             "(default: $STATE_DIRECTORY)")
     parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -108,7 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     raise_fd_limit()
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
-    server = Server(State(backend, budget, config, args.reclaim_timeout), paths, notifier, group)
+    state = State(backend, budget, config, args.reclaim_timeout)
+    server = Server(state, paths, notifier, group)
+    passed = listen_fds()
+    if args.state_dir and notifier.enabled:
+        server.persistence = Persistence(state, notifier, Path(args.state_dir) / f"{backend.instance}.journal.json")
+        restored = server.persistence.restore(passed)
+        log.info("persistent buffers are parked with the service manager; %d restored", restored)
+    else:
+        for fd in (fd for fds in passed.values() for fd in fds):
+            os.close(fd)
     try:
         server.bind()
     except (AlreadyRunning, ValueError, OSError) as exc:

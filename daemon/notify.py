@@ -181,3 +181,31 @@ class SystemdNotifier:
                 log.debug("notifying systemd at %s failed: %s", where, exc)
             return False
         return True
+
+
+SD_LISTEN_FDS_START = 3
+
+
+def listen_fds(environ: dict[str, str] | None = None) -> dict[str, list[int]]:
+    """The descriptors the service manager passed at start (``LISTEN_FDS``), by ``FDNAME``.
+
+    Only when ``LISTEN_PID`` names this process; the variables are then
+    removed so children do not take the FDs for theirs. The FDs are marked
+    close-on-exec.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        if int(env.get("LISTEN_PID", "")) != os.getpid():
+            return {}
+        count = int(env.get("LISTEN_FDS", ""))
+    except ValueError:
+        return {}
+    names = env.get("LISTEN_FDNAMES", "").split(":") if env.get("LISTEN_FDNAMES") else []
+    for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        env.pop(key, None)
+    found: dict[str, list[int]] = {}
+    for i in range(count):
+        fd = SD_LISTEN_FDS_START + i
+        os.set_inheritable(fd, False)
+        found.setdefault(names[i] if i < len(names) else "unknown", []).append(fd)
+    return found

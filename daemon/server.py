@@ -143,6 +143,7 @@ class Server:
         self.lock = threading.Lock()
         """Held while the loop touches the state, so a metrics scrape on another thread sees it whole."""
         self.metrics = None
+        self.persistence = None
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
@@ -255,6 +256,8 @@ class Server:
                         if conn is not None:
                             self._on_handle_event(conn)
                 self._expire_pending()
+                if self.persistence is not None:
+                    self.persistence.sync()
             self._notifier.watchdog()
 
     def close(self) -> None:

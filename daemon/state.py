@@ -212,6 +212,8 @@ class State:
         self.tenants: dict[str, Tenant] = {
             t.name: Tenant(t.name, t.max_bytes, t.guaranteed_bytes) for t in self.config.tenants
         }
+        self.changed: set[int] = set()
+        """Persistent buffers whose chunks changed since the persistence layer last synced them."""
         self.reclaims_due: list[tuple[Session, Reclaim]] = []
         """Reclaim requests made by the state, for the server to send."""
         self._next_reclaim = 1
@@ -333,6 +335,45 @@ class State:
         session.buffers[buffer.buffer_id] = buffer
         if persistent:
             self._persistent[(session.uid, name)] = buffer
+            self.changed.add(buffer.buffer_id)
+        return buffer
+
+    def adopt_buffer(
+        self,
+        buffer_id: int,
+        name: str,
+        owner_uid: int,
+        tenant: str,
+        capacity: int,
+        num_segments: int,
+        bytes_per_segment: int,
+        shareable: bool,
+        arena: Any,
+        chunks: list[Chunk],
+    ) -> Buffer:
+        """Bring back an orphaned persistent buffer after a restart; its memory counts whatever the budget."""
+        buffer = Buffer(
+            buffer_id=buffer_id,
+            name=name,
+            persistent=True,
+            shareable=shareable,
+            owner=None,
+            owner_uid=owner_uid,
+            tenant=self.tenants.setdefault(tenant, Tenant(tenant)),
+            capacity=capacity,
+            reserved=round_up(capacity, self.backend.granularity),
+            num_segments=num_segments,
+            arena=arena,
+            bytes_per_segment=bytes_per_segment,
+            chunks=chunks,
+            physical_bytes=sum(c.size for c in chunks),
+        )
+        self.buffers[buffer_id] = buffer
+        self._persistent[(owner_uid, name)] = buffer
+        self.committed_bytes += buffer.physical_bytes
+        buffer.tenant.used_bytes += buffer.physical_bytes
+        self._next_buffer = max(self._next_buffer, buffer_id + 1)
+        self._next_chunk = max([self._next_chunk] + [c.chunk_id + 1 for c in chunks])
         return buffer
 
     def attach(self, session: Session, name: str) -> Buffer:
@@ -475,6 +516,8 @@ class State:
             raise
         self.committed_bytes += requested
         buffer.tenant.used_bytes += requested
+        if buffer.persistent:
+            self.changed.add(buffer.buffer_id)
         return created
 
     def _admit(self, tenant: Tenant, requested: int, purpose: str) -> None:
@@ -609,6 +652,8 @@ class State:
         buffer.tenant.used_bytes -= freed
         if chunks is buffer.chunks:
             buffer.physical_bytes -= freed
+        if buffer.persistent:
+            self.changed.add(buffer.buffer_id)
         return freed
 
     def _release_all(self, buffer: Buffer) -> int:

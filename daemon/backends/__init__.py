@@ -52,6 +52,23 @@ class Backend(abc.ABC):
     def close_arena(self, arena: Any) -> None:
         """Drop the per-buffer state once its last chunk is released."""
 
+    # Parking memory with the service manager across restarts (see daemon/persist.py).
+
+    parks_chunks: bool
+    """True: one FD per chunk keeps the memory alive; False: one FD per buffer (its arena) does."""
+
+    @abc.abstractmethod
+    def parked_fd(self, arena: Any, chunk: Any | None) -> int:
+        """A new FD keeping ``chunk`` (or, with None, the whole arena) alive; the caller closes it."""
+
+    @abc.abstractmethod
+    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> Any:
+        """Rebuild a buffer's backend state after a restart (taking ownership of ``fd``)."""
+
+    @abc.abstractmethod
+    def adopt(self, arena: Any, offset: int, size: int, handle_offset: int, fd: int | None) -> Any:
+        """Rebuild a chunk handle after a restart from its parked FD (which the caller closes)."""
+
     @abc.abstractmethod
     def free_bytes(self) -> int:
         """Memory free on the device right now, as its driver or kernel reports it."""

@@ -79,6 +79,20 @@ class CudaBackend(Backend):
     def close_arena(self, arena: CudaArena) -> None:
         """Nothing per buffer to drop: each chunk is its own allocation."""
 
+    parks_chunks = True  # each chunk is its own allocation
+
+    def parked_fd(self, arena: CudaArena, chunk: Any | None) -> int:
+        return driver.export_fd(chunk)
+
+    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> CudaArena:
+        return CudaArena(rdma=shareable and not self._rdma_refused)
+
+    def adopt(self, arena: CudaArena, offset: int, size: int, handle_offset: int, fd: int | None) -> Any:
+        """Import the parked FD: works after ``cuInit`` alone, so the daemon still has no context."""
+        if fd is None:
+            raise driver.CudaUnavailable("a CUDA chunk cannot be adopted without its FD")
+        return driver.import_fd(fd)
+
     def free_bytes(self) -> int:
         """From NVML, which needs no context; -1 where NVML is unavailable."""
         try:

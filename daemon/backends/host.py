@@ -126,3 +126,20 @@ class HostBackend(Backend):
 
     def free_bytes(self) -> int:
         return host_available_bytes()
+
+    parks_chunks = False  # the buffer's memfd holds every chunk
+
+    def parked_fd(self, arena: HostArena, chunk: HostChunk | None) -> int:
+        return os.dup(arena.fd)
+
+    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> HostArena:
+        if fd is None:
+            raise InternalError("a host buffer cannot be adopted without its memfd")
+        granules = reserved_bytes // GRANULE
+        return HostArena(fd, reserved_bytes, (bytearray(granules), bytearray(granules)))
+
+    def adopt(self, arena: HostArena, offset: int, size: int, handle_offset: int, fd: int | None) -> HostChunk:
+        half = handle_offset // arena.reserved
+        first = offset // GRANULE
+        arena.taken[half][first : first + size // GRANULE] = b"\x01" * (size // GRANULE)
+        return HostChunk(handle_offset, size, half)

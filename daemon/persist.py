@@ -1,0 +1,167 @@
+"""Persistent buffers across daemon restarts, through systemd's file-descriptor store.
+
+While it runs, the daemon parks an FD for the memory of every persistent
+buffer with the service manager (``FDSTORE=1``, one name per FD) and keeps a
+small journal of their layout under its state directory. Neither the
+sockets nor the sessions survive a restart, but the parked FDs keep the
+memory alive: on start the daemon re-adopts the FDs systemd passes back
+(``LISTEN_FDS``/``LISTEN_FDNAMES``), rebuilds each buffer from the journal as
+an orphan, and workers attach to it again by name with its data.
+
+The host backend parks one memfd per buffer; the CUDA backend one exported
+FD per chunk (so ``FileDescriptorStoreMax`` bounds the chunks kept).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from hbmd.proto.errors import HbmdError
+
+from .notify import SystemdNotifier
+from .state import Buffer, Chunk, State
+
+log = logging.getLogger("hbmd.persist")
+
+JOURNAL_VERSION = 1
+
+
+def arena_name(buffer_id: int) -> str:
+    return f"hbmd-a{buffer_id}"
+
+
+def chunk_name(buffer_id: int, chunk_id: int) -> str:
+    return f"hbmd-c{buffer_id}-{chunk_id}"
+
+
+class Persistence:
+    """Mirrors the state's persistent buffers into the FD store and the journal."""
+
+    def __init__(self, state: State, notifier: SystemdNotifier, journal: Path) -> None:
+        self.state = state
+        self.notifier = notifier
+        self.journal = journal
+        self._parked: dict[int, set[str]] = {}
+        """FD-store names parked per buffer id."""
+
+    def sync(self) -> None:
+        """Park what persistent buffers gained, unpark what they lost, rewrite the journal; only if anything changed."""
+        if not self.state.changed:
+            return
+        for buffer_id in sorted(self.state.changed):
+            buffer = self.state.buffers.get(buffer_id)
+            wanted = self._names(buffer) if buffer is not None and buffer.persistent else {}
+            parked = self._parked.setdefault(buffer_id, set())
+            for name in sorted(parked - wanted.keys()):
+                self.notifier.remove_fds(name)
+                parked.discard(name)
+            for name, chunk in wanted.items():
+                if name not in parked and self._park(buffer, chunk, name):
+                    parked.add(name)
+            if not parked:
+                del self._parked[buffer_id]
+        self.state.changed.clear()
+        self._write_journal()
+
+    def _names(self, buffer: Buffer) -> dict[str, Chunk | None]:
+        """What must be parked for ``buffer``: each chunk, or its arena, by FD-store name."""
+        if self.state.backend.parks_chunks:
+            return {chunk_name(buffer.buffer_id, c.chunk_id): c for c in buffer.chunks}
+        return {arena_name(buffer.buffer_id): None}
+
+    def _park(self, buffer: Buffer, chunk: Chunk | None, name: str) -> bool:
+        try:
+            fd = self.state.backend.parked_fd(buffer.arena, chunk.handle if chunk else None)
+        except (HbmdError, OSError) as exc:
+            log.warning("cannot park %s with the service manager: %s", name, exc)
+            return False
+        try:
+            return self.notifier.send_fds([fd], name)
+        finally:
+            os.close(fd)
+
+    def _write_journal(self) -> None:
+        buffers = [
+            {
+                "buffer_id": b.buffer_id,
+                "name": b.name,
+                "owner_uid": b.owner_uid,
+                "tenant": b.tenant.name,
+                "capacity": b.capacity,
+                "num_segments": b.num_segments,
+                "bytes_per_segment": b.bytes_per_segment,
+                "shareable": b.shareable,
+                "chunks": [
+                    [c.chunk_id, c.offset, c.size, self.state.backend.handle_offset(b.arena, c.handle)] for c in b.chunks
+                ],
+            }
+            for b in self.state.buffers.values()
+            if b.persistent
+        ]
+        tmp = self.journal.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": JOURNAL_VERSION, "instance": self.state.backend.instance, "buffers": buffers}))
+        tmp.replace(self.journal)
+
+    def restore(self, passed: dict[str, list[int]]) -> int:
+        """Re-adopt the buffers of the journal from the FDs passed back; returns how many came back.
+
+        FDs nobody claims are closed and removed from the store.
+        """
+        try:
+            journal = json.loads(self.journal.read_text())
+        except FileNotFoundError:
+            journal = {"buffers": []}
+        except (OSError, ValueError) as exc:
+            log.error("journal %s unreadable (%s): persistent buffers are not restored", self.journal, exc)
+            journal = {"buffers": []}
+        fds = {name: fds[0] for name, fds in passed.items()}
+        for name, extra in passed.items():
+            for fd in extra[1:]:
+                os.close(fd)
+        restored = 0
+        for entry in journal.get("buffers", []):
+            try:
+                self._adopt(entry, fds)
+                restored += 1
+            except (HbmdError, OSError, KeyError, ValueError, TypeError) as exc:
+                log.error("persistent buffer %r could not be restored: %s", entry.get("name"), exc)
+        for name, fd in fds.items():
+            # Parked by a run whose journal no longer names it: let it go.
+            os.close(fd)
+            self.notifier.remove_fds(name)
+        self._write_journal()
+        return restored
+
+    def _adopt(self, entry: dict, fds: dict[str, int]) -> None:
+        backend = self.state.backend
+        buffer_id = int(entry["buffer_id"])
+        reserved = -(-int(entry["capacity"]) // backend.granularity) * backend.granularity
+        arena_fd = fds.pop(arena_name(buffer_id), None)
+        arena = backend.adopt_arena(reserved, bool(entry["shareable"]), arena_fd)
+        chunks: list[Chunk] = []
+        parked = {arena_name(buffer_id)} if arena_fd is not None else set()
+        try:
+            for chunk_id, offset, size, handle_offset in entry["chunks"]:
+                name = chunk_name(buffer_id, chunk_id)
+                fd = fds.pop(name, None)
+                try:
+                    handle = backend.adopt(arena, offset, size, handle_offset, fd)
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+                        parked.add(name)
+                chunks.append(Chunk(chunk_id, offset, size, handle))
+        except BaseException:
+            for chunk in chunks:
+                backend.release(arena, chunk.handle)
+            backend.close_arena(arena)
+            raise
+        self.state.adopt_buffer(
+            buffer_id, entry["name"], int(entry["owner_uid"]), entry["tenant"], int(entry["capacity"]),
+            int(entry["num_segments"]), int(entry["bytes_per_segment"]), bool(entry["shareable"]), arena, chunks,
+        )
+        self._parked[buffer_id] = parked
+        log.info("restored persistent buffer %r: %d bytes in %d chunks", entry["name"], sum(c.size for c in chunks), len(chunks))
