@@ -23,16 +23,30 @@ PROCESS_TIMEOUT_S = 60
 class DaemonProcess:
     """An ``hbmd`` subprocess; every one is killed in teardown."""
 
-    def __init__(self, run_dir: Path, *args: str, backend: str = "host") -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *args: str,
+        backend: str = "host",
+        env: dict[str, str] | None = None,
+        launcher: list[str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> None:
         self.run_dir = run_dir
         self.args = ["--backend", backend, "--run-dir", str(run_dir), "--log-level", "debug", *args]
+        self.env = dict(os.environ, **(env or {}))
+        self.launcher = launcher or []
+        self.pass_fds = pass_fds
         self.log_path = run_dir / f"hbmd-{time.monotonic_ns()}.log"
         self.proc: subprocess.Popen | None = None
         self.instance = "host" if backend == "host" else None
 
     def start(self, timeout: float = 20.0) -> "DaemonProcess":
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hbmd.daemon", *self.args], stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, *self.launcher, "-m", "hbmd.daemon", *self.args],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env, pass_fds=self.pass_fds,
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -94,8 +108,8 @@ def run_dir():
 def start_daemon(run_dir):
     started: list[DaemonProcess] = []
 
-    def start(*args: str, backend: str = "host") -> DaemonProcess:
-        daemon = DaemonProcess(run_dir, *args, backend=backend).start()
+    def start(*args: str, backend: str = "host", **launch) -> DaemonProcess:
+        daemon = DaemonProcess(run_dir, *args, backend=backend, **launch).start()
         started.append(daemon)
         return daemon
 

@@ -190,15 +190,20 @@ def test_a_sigkilled_gpu_worker_gives_its_memory_back(gpu_daemon, gpu_client, sp
     wait_until(lambda: torch.cuda.mem_get_info()[0] >= free_before_kill + 32 * MiB)
 
 
-def test_the_daemon_holds_no_cuda_context(gpu_daemon, gpu_client):
-    t = ExtensibleTensor(1 << 30, "cuda", client=gpu_client)
-    t.resize_(1 << 30)
+def compute_apps() -> dict[int, int]:
+    """GPU memory (MiB) per process holding a context, as nvidia-smi lists them."""
     out = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    used = {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.stdout.strip().splitlines())}
+    return {int(pid): int(mib) for pid, mib in (line.split(",") for line in out.stdout.strip().splitlines())}
+
+
+def test_the_daemon_holds_no_cuda_context(gpu_daemon, gpu_client):
+    t = ExtensibleTensor(1 << 30, "cuda", client=gpu_client)
+    t.resize_(1 << 30)
+    used = compute_apps()
     print(f"nvidia-smi compute apps (pid: MiB): {used}; daemon pid {gpu_daemon.pid}")
     assert os.getpid() in used  # this process holds a context, so the query does list processes
     assert used.get(gpu_daemon.pid, 0) == 0
@@ -332,3 +337,45 @@ def test_device_memory_comes_from_nvml_and_follows_commits(gpu_client):
     after = gpu_client.device_memory()
     assert after.committed == before.committed + (4 << 30)
     assert before.free - after.free >= (4 << 30) - 64 * MiB
+
+
+def test_a_restarted_cuda_daemon_re_adopts_its_parked_chunks(start_daemon, spawn_worker, run_dir):
+    from fake_systemd import FakeSystemd
+
+    systemd = FakeSystemd(run_dir / "notify.sock")
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    try:
+        first = start_daemon("--device", "0", "--state-dir", str(state_dir), backend="cuda",
+                             env={"NOTIFY_SOCKET": str(systemd.path)})
+        worker = spawn_worker(first, GPU_CREATOR)
+        worker.readline()
+        worker.send("exit")  # the worker goes, and its mappings with it
+        assert worker.wait() == 0
+        wait_until(lambda: len(systemd.names()) == 16)  # one exported FD per chunk
+        assert first.stop() == 0
+        second = start_daemon("--device", "0", "--state-dir", str(state_dir), backend="cuda", **systemd.relaunch())
+        assert "1 restored" in second.log()
+        torch.cuda.init()
+        with connect("cuda:0", run_dir=run_dir) as client:
+            kv = ExtensibleTensor.attach("gpu-kv", "cuda", client=client)
+            view = kv.full_view()
+            assert kv.num_chunks == 16 and torch.equal(view[: 64 * MiB], expected_gpu_data())
+            assert bool((view[128 * MiB : 192 * MiB] == 77).all())
+            apps = compute_apps()
+            assert os.getpid() in apps and second.pid not in apps  # re-importing the FDs took no context
+    finally:
+        systemd.close()
+
+
+def test_a_driver_out_of_memory_is_distinct_and_retryable(start_daemon):
+    daemon = start_daemon("--device", "0", "--budget", "1TiB", backend="cuda")
+    torch.cuda.init()
+    with connect("cuda:0", run_dir=daemon.run_dir) as client:
+        too_big = ExtensibleTensor(400 << 30, "cuda", client=client)
+        with pytest.raises(OutOfDeviceMemory) as info:
+            too_big.resize_(400 << 30)
+        assert info.value.retryable and info.value.details.get("result") == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert client.status().committed_bytes == 0
+        too_big.resize_(1 << 30)  # nothing half-done: the next commit works
+        assert client.status().committed_bytes == 1 << 30

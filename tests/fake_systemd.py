@@ -1,0 +1,98 @@
+"""A stand-in for systemd's notify socket and file-descriptor store, behaving as systemd does for hbmd."""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+MAX_FDS = 253
+
+# Runs as the relaunched daemon's first program: puts the stored FDs at 3, 4, ... and
+# sets LISTEN_PID to its own pid, which exec keeps, exactly as systemd does.
+LAUNCHER = """
+import fcntl, json, os, sys
+fds = json.loads(sys.argv[1])
+names = json.loads(sys.argv[2])
+high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in fds]
+for fd in fds:
+    os.close(fd)  # systemd passes the FDs at 3, 4, ... only
+for i, fd in enumerate(high):
+    os.dup2(fd, 3 + i)
+for fd in high:
+    os.close(fd)
+os.environ.update(LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=":".join(names), LISTEN_PID=str(os.getpid()))
+os.execv(sys.executable, [sys.executable, *sys.argv[3:]])
+"""
+
+
+class FakeSystemd:
+    """Receives READY/STOPPING/WATCHDOG and keeps FDSTORE descriptors by FDNAME until FDSTOREREMOVE."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.1)
+        self.store: dict[str, list[int]] = {}
+        self.states: list[str] = []
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        fd_bytes = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+        while not self._stop.is_set():
+            try:
+                data, ancdata, _, _ = self.sock.recvmsg(4096, fd_bytes)
+            except socket.timeout:
+                continue
+            fds: list[int] = []
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+            with self.lock:
+                self.states.append(data.decode())
+                name = fields.get("FDNAME", "stored")
+                if fields.get("FDSTORE") == "1":
+                    self.store.setdefault(name, []).extend(fds)
+                    continue
+                if fields.get("FDSTOREREMOVE") == "1":
+                    for fd in self.store.pop(name, []):
+                        os.close(fd)
+                for fd in fds:
+                    os.close(fd)
+
+    def names(self) -> set[str]:
+        with self.lock:
+            return set(self.store)
+
+    def saw(self, state: str) -> bool:
+        with self.lock:
+            return any(state in message.splitlines() for message in self.states)
+
+    def relaunch(self) -> dict:
+        """Keyword arguments for ``start_daemon`` that pass the stored FDs back, as on a restart."""
+        with self.lock:
+            pairs = [(name, fd) for name, fds in sorted(self.store.items()) for fd in fds]
+        fds = [fd for _, fd in pairs]
+        return {
+            "env": {"NOTIFY_SOCKET": str(self.path)},
+            "launcher": ["-c", LAUNCHER, json.dumps(fds), json.dumps([name for name, _ in pairs])],
+            "pass_fds": tuple(fds),
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+        with self.lock:
+            for fds in self.store.values():
+                for fd in fds:
+                    os.close(fd)
+            self.store.clear()

@@ -1,0 +1,90 @@
+"""A daemon restart keeps persistent buffers and their data, through a systemd-like FD store."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from fake_systemd import FakeSystemd
+from helpers import MiB, wait_until
+
+from hbmd.client import ExtensibleTensor
+
+pytestmark = pytest.mark.ipc
+
+WRITER = """
+import torch
+from hbmd.client import ExtensibleTensor, connect
+c = connect("cpu")
+kv = ExtensibleTensor(64 << 20, "cpu", num_segments=2, client=c, name="kv", persistent=True)
+for step in range(1, 4):
+    kv.resize_per_segment_(step * (4 << 20))
+g = torch.Generator().manual_seed(11)
+kv.full_view()[: 12 << 20] = torch.randint(0, 256, (12 << 20,), dtype=torch.uint8, generator=g)
+kv.full_view()[32 << 20 : 44 << 20] = 200
+scratch = ExtensibleTensor(16 << 20, "cpu", client=c)
+scratch.resize_(8 << 20)
+print(kv.buffer_id, flush=True)
+"""
+
+
+@pytest.fixture
+def systemd(run_dir):
+    fake = FakeSystemd(run_dir / "notify.sock")
+    yield fake
+    fake.close()
+
+
+def test_a_restart_keeps_persistent_buffers_and_their_data(start_daemon, spawn_worker, run_dir, systemd):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    first = start_daemon("--budget", "256MiB", "--state-dir", str(state_dir), env={"NOTIFY_SOCKET": str(systemd.path)})
+    wait_until(lambda: systemd.saw("READY=1"))
+    writer = spawn_worker(first, WRITER)
+    buffer_id = int(writer.readline())
+    assert writer.wait() == 0
+    wait_until(lambda: systemd.names() == {f"hbmd-a{buffer_id}"})  # the host backend parks one memfd per buffer
+
+    assert first.stop() == 0
+    assert systemd.saw("STOPPING=1")
+    second = start_daemon(
+        "--budget", "256MiB", "--state-dir", str(state_dir), **systemd.relaunch()
+    )
+    assert "1 restored" in second.log()
+    client = second.connect()
+    assert client.status().committed_bytes == 24 * MiB  # the persistent buffer, not the anonymous one
+    kv = ExtensibleTensor.attach("kv", "cpu", client=client)
+    g = torch.Generator().manual_seed(11)
+    assert torch.equal(kv.full_view()[: 12 * MiB], torch.randint(0, 256, (12 * MiB,), dtype=torch.uint8, generator=g))
+    assert int(kv.full_view()[32 * MiB : 44 * MiB].float().mean()) == 200
+    assert (kv.num_segments, kv.bytes_per_segment, kv.num_chunks) == (2, 12 * MiB, 6)
+
+    # It keeps working after the restart: it grows, and it can be deleted, which unparks it.
+    kv.resize_per_segment_(16 * MiB)
+    assert kv.num_chunks == 8
+    kv.free()
+    wait_until(lambda: systemd.names() == set())
+    client.close()
+
+
+def test_without_a_service_manager_nothing_is_parked(start_daemon, run_dir):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    daemon = start_daemon("--state-dir", str(state_dir))
+    assert "parked" not in daemon.log()
+    assert not any(state_dir.iterdir())
+
+
+def test_unclaimed_fds_are_closed_and_unparked(start_daemon, run_dir, systemd):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    stray_r, stray_w = os.pipe()
+    os.close(stray_w)
+    stray = f"pipe:[{os.fstat(stray_r).st_ino}]"
+    systemd.store["hbmd-a999"] = [stray_r]  # parked by an earlier run, absent from the journal
+    daemon = start_daemon("--state-dir", str(state_dir), **systemd.relaunch())
+    assert "0 restored" in daemon.log()
+    wait_until(lambda: systemd.names() == set())
+    held = {os.readlink(f"/proc/{daemon.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{daemon.pid}/fd")}
+    assert stray not in held
