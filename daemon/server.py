@@ -63,11 +63,12 @@ from hbmd.proto import (
     StatusReply,
     Welcome,
     Ack,
+    decode_body,
     decode_datagram,
-    decode_frames,
     encode_datagram,
     encode_frames,
     peek_request_id,
+    read_envelope,
 )
 from hbmd.proto.errors import HbmdError, InternalError, NotFound, PermissionDenied, ProtocolError, VersionMismatch
 from hbmd.proto.layout import InstancePaths
@@ -245,20 +246,27 @@ class Server:
             events = self._poller.poll(timeout=1000)
             with self.lock:
                 for fd_or_socket, _ in events:
-                    if fd_or_socket is self._router:
-                        self._drain_control()
-                    elif fd_or_socket == self._wake_r:
-                        self._drain_wake()
-                    elif self._listener is not None and fd_or_socket == self._listener.fileno():
-                        self._accept()
-                    else:
-                        conn = self._connections.get(fd_or_socket)
-                        if conn is not None:
-                            self._on_handle_event(conn)
+                    try:
+                        self._on_event(fd_or_socket)
+                    except Exception:
+                        # A bug met by one peer's input must not stop the daemon for every other.
+                        log.exception("handling an event on %r failed", fd_or_socket)
                 self._expire_pending()
                 if self.persistence is not None:
                     self.persistence.sync()
             self._notifier.watchdog()
+
+    def _on_event(self, fd_or_socket: object) -> None:
+        if fd_or_socket is self._router:
+            self._drain_control()
+        elif fd_or_socket == self._wake_r:
+            self._drain_wake()
+        elif self._listener is not None and fd_or_socket == self._listener.fileno():
+            self._accept()
+        else:
+            conn = self._connections.get(fd_or_socket)
+            if conn is not None:
+                self._on_handle_event(conn)
 
     def close(self) -> None:
         """End every session, drop the sockets, files and lock."""
@@ -355,10 +363,20 @@ class Server:
 
     def _handshake(self, conn: HandleConnection, data: bytes) -> None:
         try:
+            self._open_session(conn, data)
+        except Exception:
+            log.exception("handshake with pid %d failed", conn.pid)
+            self._send_quietly(conn, Refused(InternalError.code.wire, "internal error during the handshake"))
+            self._close_connection(conn, "handshake failed")
+
+    def _open_session(self, conn: HandleConnection, data: bytes) -> None:
+        try:
             hello = decode_datagram(data)
             if not isinstance(hello, Hello):
                 raise ProtocolError(f"expected a hello, got {hello.KIND}")
-            if not hello.version or hello.version[0] != PROTOCOL_VERSION[0]:
+            if len(hello.version) != 2 or min(hello.version) < 0:
+                raise VersionMismatch(f"hello version must be [major, minor], got {hello.version[:4]}")
+            if hello.version[0] != PROTOCOL_VERSION[0]:
                 raise VersionMismatch(
                     f"client speaks protocol {'.'.join(map(str, hello.version))}, "
                     f"this daemon speaks {PROTOCOL_VERSION[0]}.x"
@@ -469,14 +487,14 @@ class Server:
         request_id = peek_request_id(frames)
         operation = "invalid"
         try:
-            envelope = decode_frames(frames)
-            request_id = envelope.request_id
-            handler = self._handlers.get(type(envelope.body))
-            operation = envelope.body.KIND
+            kind, request_id, token, raw = read_envelope(frames)
+            handler = self._handlers.get(kind)
             if handler is None:
-                raise ProtocolError(f"{envelope.body.KIND} is not a request")
-            session = self.state.session_for(envelope.token)
-            reply = handler(self._by_session[session.session_id], request_id, envelope.body)
+                raise ProtocolError(f"{kind.KIND} is not a request")
+            operation = kind.KIND
+            # The token before the body: an unknown peer costs no decoding.
+            session = self.state.session_for(token)
+            reply = handler(self._by_session[session.session_id], request_id, decode_body(kind, raw))
         except HbmdError as exc:
             reply = ErrorReply.of(exc)
         except Exception:

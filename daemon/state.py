@@ -404,6 +404,8 @@ class State:
         return buffer.buffer_id, self._drop(buffer)
 
     def _named(self, session: Session, name: str) -> Buffer:
+        if len(name) > MAX_NAME:
+            raise InvalidRequest(f"buffer names have at most {MAX_NAME} characters", field="name")
         buffer = self._persistent.get((session.uid, name))
         if buffer is None:
             raise NotFound(f"no persistent buffer named {name!r} for uid {session.uid}", name=name)

@@ -38,12 +38,14 @@ from .codec import (
     Envelope,
     ErrorReply,
     Message,
+    decode_body,
     decode_datagram,
     decode_frames,
     encode_datagram,
     encode_frames,
     from_wire,
     peek_request_id,
+    read_envelope,
     to_wire,
 )
 from .errors import (

@@ -24,6 +24,8 @@ from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
 PROTOCOL_VERSION = (1, 0)
 MAX_FRAME_BYTES = 4 << 20
+MAX_MESSAGE_CHARS = 1000
+MAX_DETAIL_CHARS = 256
 
 M = TypeVar("M", bound="Message")
 
@@ -59,7 +61,7 @@ def kind_class(kind: str) -> type[Message]:
     try:
         return _KINDS[kind]
     except KeyError:
-        raise ProtocolError(f"unknown message kind {kind!r}") from None
+        raise ProtocolError(f"unknown message kind {kind[:64]!r}") from None
 
 
 def to_wire(value: Any) -> Any:
@@ -111,20 +113,18 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
                 return _convert(option, value, where)
             except ProtocolError:
                 continue
-        raise ProtocolError(f"{where}: {value!r:.40} matches none of {tp}")
+        raise ProtocolError(f"{where}: a {type(value).__name__} matches none of {tp}")
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
         (item,) = typing.get_args(tp)
-        return [_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        where = f"{where}[]"  # one label for every item: a long list costs no string per item
+        return [_convert(item, v, where) for v in value]
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
         key_tp, val_tp = typing.get_args(tp)
-        return {
-            _convert(key_tp, k, f"{where} key"): _convert(val_tp, v, f"{where}[{k!r}]")
-            for k, v in value.items()
-        }
+        return {_convert(key_tp, k, f"{where} key"): _convert(val_tp, v, f"{where}[]") for k, v in value.items()}
     if tp is Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -176,8 +176,11 @@ def peek_request_id(frames: list[bytes]) -> int:
     return rid if type(rid) is int and 0 <= rid < 2**63 else 0
 
 
-def decode_frames(frames: list[bytes]) -> Envelope:
-    """Decode ``[kind, payload]``; raises :class:`ProtocolError` on any defect."""
+def read_envelope(frames: list[bytes]) -> tuple[type[Message], int, str, Any]:
+    """``[kind, payload]`` opened but the body not yet checked: ``(kind class, request id, token, raw body)``.
+
+    Lets a server refuse a kind or a token before it spends time on the body.
+    """
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames, got {len(frames)}")
     try:
@@ -193,7 +196,21 @@ def decode_frames(frames: list[bytes]) -> Envelope:
         raise ProtocolError("request id missing or out of range")
     if type(token) is not str:
         raise ProtocolError("token is not a string")
-    return Envelope(rid, token, from_wire(cls, body))
+    return cls, rid, token, body
+
+
+def decode_body(cls: type[M], body: Any) -> M:
+    """:func:`from_wire` that also turns pathological nesting into a :class:`ProtocolError`."""
+    try:
+        return from_wire(cls, body)
+    except RecursionError:
+        raise ProtocolError(f"{cls.KIND}: nested too deeply") from None
+
+
+def decode_frames(frames: list[bytes]) -> Envelope:
+    """Decode ``[kind, payload]``; raises :class:`ProtocolError` on any defect."""
+    cls, rid, token, body = read_envelope(frames)
+    return Envelope(rid, token, decode_body(cls, body))
 
 
 def encode_datagram(msg: Message) -> bytes:
@@ -205,7 +222,7 @@ def decode_datagram(data: bytes) -> Message:
     payload = unpackb(data)
     if not isinstance(payload, dict) or type(payload.get("kind")) is not str:
         raise ProtocolError("datagram is not a {kind, body} map")
-    return from_wire(kind_class(payload["kind"]), payload.get("body", {}))
+    return decode_body(kind_class(payload["kind"]), payload.get("body", {}))
 
 
 @message("error")
@@ -222,8 +239,13 @@ class ErrorReply(Message):
 
     @classmethod
     def of(cls, exc: HbmdError) -> "ErrorReply":
-        details = {k: v for k, v in exc.details.items() if isinstance(v, (int, str, bool, float))}
-        return cls(exc.code.wire, exc.message, exc.retryable, details)
+        """The reply for ``exc``; echoed input is cut short so the reply always fits a frame."""
+        details = {
+            k: v
+            for k, v in exc.details.items()
+            if isinstance(v, (int, bool, float)) or (isinstance(v, str) and len(v) <= MAX_DETAIL_CHARS)
+        }
+        return cls(exc.code.wire, exc.message[:MAX_MESSAGE_CHARS], exc.retryable, details)
 
     def exception(self) -> HbmdError:
         return error_from_wire(self.code, self.message, self.details)

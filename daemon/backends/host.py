@@ -20,6 +20,7 @@ keeps chunk counts, and so mappings per commit, small.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import dataclasses
 import errno
@@ -48,8 +49,20 @@ def _fallocate(fd: int, mode: int, offset: int, size: int) -> None:
 class HostArena:
     fd: int
     reserved: int
-    taken: tuple[bytearray, bytearray]
-    """Per half of the file, one byte per granule: 1 where a live chunk holds it."""
+    taken: tuple[list[tuple[int, int]], list[tuple[int, int]]] = dataclasses.field(default_factory=lambda: ([], []))
+    """Per half of the file, the sorted ``(start, end)`` buffer ranges of live chunks."""
+
+    def is_free(self, half: int, start: int, end: int) -> bool:
+        runs = self.taken[half]
+        i = bisect.bisect_left(runs, end, key=lambda run: run[0])
+        return i == 0 or runs[i - 1][1] <= start
+
+    def take(self, half: int, start: int, end: int) -> None:
+        bisect.insort(self.taken[half], (start, end))
+
+    def give_back(self, half: int, start: int, end: int) -> None:
+        runs = self.taken[half]
+        del runs[bisect.bisect_left(runs, (start, end))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +100,10 @@ class HostBackend(Backend):
         except BaseException:
             os.close(fd)
             raise
-        granules = reserved_bytes // GRANULE
-        return HostArena(fd, reserved_bytes, (bytearray(granules), bytearray(granules)))
+        return HostArena(fd, reserved_bytes)
 
     def create(self, arena: HostArena, offset: int, size: int) -> HostChunk:
-        first, last = offset // GRANULE, (offset + size) // GRANULE
-        half = next((h for h in (0, 1) if arena.taken[h].find(1, first, last) == -1), None)
+        half = next((h for h in (0, 1) if arena.is_free(h, offset, offset + size)), None)
         if half is None:
             raise InternalError(f"buffer range at {offset} is already backed twice")
         file_offset = half * arena.reserved + offset
@@ -107,7 +118,7 @@ class HostBackend(Backend):
                     requested=size,
                 ) from None
             raise
-        arena.taken[half][first:last] = b"\x01" * (last - first)
+        arena.take(half, offset, offset + size)
         return HostChunk(file_offset, size, half)
 
     def handle_offset(self, arena: HostArena, chunk: HostChunk) -> int:
@@ -118,8 +129,8 @@ class HostBackend(Backend):
 
     def release(self, arena: HostArena, chunk: HostChunk) -> None:
         _fallocate(arena.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, chunk.file_offset, chunk.size)
-        first = (chunk.file_offset - chunk.half * arena.reserved) // GRANULE
-        arena.taken[chunk.half][first : first + chunk.size // GRANULE] = bytes(chunk.size // GRANULE)
+        start = chunk.file_offset - chunk.half * arena.reserved
+        arena.give_back(chunk.half, start, start + chunk.size)
 
     def close_arena(self, arena: HostArena) -> None:
         os.close(arena.fd)
@@ -135,11 +146,9 @@ class HostBackend(Backend):
     def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> HostArena:
         if fd is None:
             raise InternalError("a host buffer cannot be adopted without its memfd")
-        granules = reserved_bytes // GRANULE
-        return HostArena(fd, reserved_bytes, (bytearray(granules), bytearray(granules)))
+        return HostArena(fd, reserved_bytes)
 
     def adopt(self, arena: HostArena, offset: int, size: int, handle_offset: int, fd: int | None) -> HostChunk:
         half = handle_offset // arena.reserved
-        first = offset // GRANULE
-        arena.taken[half][first : first + size // GRANULE] = b"\x01" * (size // GRANULE)
+        arena.take(half, offset, offset + size)
         return HostChunk(handle_offset, size, half)
