@@ -24,6 +24,18 @@ log = logging.getLogger("hbmd.cuda")
 
 
 @dataclasses.dataclass
+class AdoptedChunk:
+    """A chunk taken back after a restart: its parked FD keeps it alive.
+
+    A handle imported from that FD cannot be exported again (the driver
+    answers CUDA_ERROR_INVALID_VALUE, seen on the H200), so the daemon keeps
+    the FD itself and hands out duplicates of it.
+    """
+
+    fd: int
+
+
+@dataclasses.dataclass
 class CudaArena:
     rdma: bool
     """Whether this buffer's chunks are GPU-direct-RDMA capable."""
@@ -71,10 +83,15 @@ class CudaBackend(Backend):
         return 0
 
     def export(self, arena: CudaArena, chunk: Any) -> int:
+        if isinstance(chunk, AdoptedChunk):
+            return os.dup(chunk.fd)
         return driver.export_fd(chunk)
 
     def release(self, arena: CudaArena, chunk: Any) -> None:
-        driver.release(chunk)
+        if isinstance(chunk, AdoptedChunk):
+            os.close(chunk.fd)
+        else:
+            driver.release(chunk)
 
     def close_arena(self, arena: CudaArena) -> None:
         """Nothing per buffer to drop: each chunk is its own allocation."""
@@ -82,16 +99,16 @@ class CudaBackend(Backend):
     parks_chunks = True  # each chunk is its own allocation
 
     def parked_fd(self, arena: CudaArena, chunk: Any | None) -> int:
-        return driver.export_fd(chunk)
+        return self.export(arena, chunk)
 
     def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> CudaArena:
         return CudaArena(rdma=shareable and not self._rdma_refused)
 
-    def adopt(self, arena: CudaArena, offset: int, size: int, handle_offset: int, fd: int | None) -> Any:
-        """Import the parked FD: works after ``cuInit`` alone, so the daemon still has no context."""
+    def adopt(self, arena: CudaArena, offset: int, size: int, handle_offset: int, fd: int | None) -> AdoptedChunk:
+        """Keep (a duplicate of) the parked FD: one descriptor per restored chunk, no driver call, no context."""
         if fd is None:
             raise driver.CudaUnavailable("a CUDA chunk cannot be adopted without its FD")
-        return driver.import_fd(fd)
+        return AdoptedChunk(os.dup(fd))
 
     def free_bytes(self) -> int:
         """From NVML, which needs no context; -1 where NVML is unavailable."""
