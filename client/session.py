@@ -44,7 +44,7 @@ from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError
 from hbmd.proto.layout import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
-from .transport import ControlChannel, HandleChannel
+from .transport import ControlChannel, FdCloser, HandleChannel
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -104,6 +104,7 @@ class Client:
         # One call at a time: the reclaim listener's callback may call in while the engine does.
         self._lock = threading.RLock()
         self._reclaim_thread: threading.Thread | None = None
+        self._closer: FdCloser | None = None
 
     # identity
 
@@ -205,6 +206,8 @@ class Client:
                 on_reply(reply)
             except BaseException as exc:
                 failure = exc
+        if reply.fd_batches and self._closer is None:
+            self._closer = FdCloser()
         for _ in range(reply.fd_batches):
             batch, fds = self._handles.receive_fds(request_id, deadline)
             if batch.error and failure is None:
@@ -216,7 +219,7 @@ class Client:
                 except BaseException as exc:
                     failure = exc
                 finally:
-                    os.close(fd)
+                    self._closer.close_later(fd)
         if failure is not None:
             raise failure
         return reply
@@ -296,6 +299,8 @@ class Client:
             with self._lock:
                 self._control.close()
                 self._handles.close()
+                if self._closer is not None:
+                    self._closer.stop()
 
     def __enter__(self) -> "Client":
         return self

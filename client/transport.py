@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import queue
 import select
 import socket
 import threading
@@ -145,6 +146,32 @@ class HandleChannel:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class FdCloser:
+    """Closes received chunk FDs on a background thread.
+
+    Closing the last reference to an exported CUDA allocation's FD is slow
+    (hundreds of microseconds); once the chunk is mapped nothing waits for
+    it, so it comes off the commit's critical path.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="hbmd-fd-closer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (fd := self._queue.get()) is not None:
+            os.close(fd)
+
+    def close_later(self, fd: int) -> None:
+        self._queue.put(fd)
+
+    def stop(self) -> None:
+        """Close what is queued, then end the thread."""
+        self._queue.put(None)
+        self._thread.join()
 
 
 def _close_all(fds: list[int]) -> None:
