@@ -1,0 +1,118 @@
+"""The in-process baselines: what an engine does without hbmd, step for step the work hbmd splits in two.
+
+:class:`CudaInProcessBuffer` is an engine's own extensible KV buffer: one
+reserved VA range, and per commit one exportable (POSIX-FD) ``cuMemCreate``
+chunk, mapped, given access and zeroed, through the same ``hbmd.driver``
+calls the daemon and the client make. :class:`HostInProcessBuffer` is the
+same on the host: one memfd per buffer, ``fallocate`` per commit, mapped
+``MAP_SHARED|MAP_FIXED`` into a reserved range and zeroed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+from hbmd import driver
+from hbmd.client.host import HostMapper
+from hbmd.proto import ChunkInfo
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
+
+
+def round_up(n: int, granule: int) -> int:
+    return -(-n // granule) * granule
+
+
+class CudaInProcessBuffer:
+    """A reserved range grown by one exportable chunk per :meth:`commit`, in this process's current context."""
+
+    def __init__(self, capacity: int, ordinal: int, granule: int, stream: Any) -> None:
+        self.ordinal = ordinal
+        self.granule = granule
+        self.stream = stream
+        self.capacity = round_up(capacity, granule)
+        self.base = driver.reserve(self.capacity, granule)
+        self.committed = 0
+        self.chunks: list[tuple[int, int, Any]] = []
+
+    def commit(self, num_bytes: int, zero: bool = True) -> None:
+        """Back ``[committed, num_bytes)`` with one chunk; with ``zero`` wait until it reads as zero."""
+        end = round_up(num_bytes, self.granule)
+        size = end - self.committed
+        if size <= 0:
+            return
+        address = self.base + self.committed
+        handle = driver.create(self.ordinal, size, rdma=False)
+        driver.map(address, size, handle)
+        driver.set_access(address, size, [self.ordinal])
+        self.chunks.append((self.committed, size, handle))
+        self.committed = end
+        if zero:
+            driver.memset_async(address, size, self.stream)
+            driver.context_synchronize()
+
+    def release(self) -> None:
+        """Unmap and release every chunk; the range stays reserved."""
+        driver.context_synchronize()
+        for offset, size, handle in self.chunks:
+            driver.unmap(self.base + offset, size)
+            driver.release(handle)
+        self.chunks = []
+        self.committed = 0
+
+    def free(self) -> None:
+        self.release()
+        driver.unreserve(self.base, self.capacity)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+
+def _fallocate(fd: int, mode: int, offset: int, size: int) -> None:
+    if _libc.fallocate(fd, mode, offset, size) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class HostInProcessBuffer:
+    """A memfd-backed reserved range grown by one ``fallocate``d, mapped range per :meth:`commit`."""
+
+    def __init__(self, capacity: int, granule: int) -> None:
+        self.granule = granule
+        self.capacity = round_up(capacity, granule)
+        self.mapper = HostMapper(granule)
+        self.fd = os.memfd_create("bench-in-process", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.capacity)
+        self.base = self.mapper.reserve(self.capacity)
+        self.committed = 0
+
+    def commit(self, num_bytes: int, zero: bool = True) -> None:
+        end = round_up(num_bytes, self.granule)
+        size = end - self.committed
+        if size <= 0:
+            return
+        _fallocate(self.fd, 0, self.committed, size)
+        self.mapper.map(self.base + self.committed, ChunkInfo(0, self.committed, size, self.committed), self.fd)
+        if zero:
+            self.mapper.zero(self.base + self.committed, size)
+        self.committed = end
+
+    def release(self) -> None:
+        """Unmap (back to an inaccessible reservation) and punch the pages out of the memfd."""
+        if self.committed:
+            self.mapper.unmap(self.base, self.committed)
+            _fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.committed)
+        self.committed = 0
+
+    def free(self) -> None:
+        self.release()
+        self.mapper.unreserve(self.base, self.capacity)
+        os.close(self.fd)

@@ -1,0 +1,188 @@
+"""The measurements both benchmarks make, on whichever backend the :class:`Target` serves.
+
+Each runs the hbmd path (:class:`hbmd.client.ExtensibleTensor` through the
+daemon) and the in-process baseline (``baseline.py``) the same number of
+times, interleaved with the order swapped every repetition, and returns the
+two summaries with their ratio. Goals are the caller's: they differ per
+device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from common import Daemon, now_ns, ratio, repeat_ns, side_by_side, summarize_ns, timed_ns
+from workers import echo_round_trips
+
+from hbmd.client import Client, ExtensibleTensor, connect
+from hbmd.proto.units import format_bytes
+
+
+@dataclasses.dataclass
+class Target:
+    """What every case gets: the daemon, a session with it, and how to build the baseline."""
+
+    quick: bool
+    daemon: Daemon
+    client: Client
+    device: str
+    """``cuda:N`` or ``cpu``, as ExtensibleTensor takes it."""
+    granule: int
+    in_process: Callable[[int], Any]
+    """A baseline buffer of the given capacity (``baseline.py``)."""
+    sync: Callable[[], None]
+    """Wait for the device: the end of every timed commit."""
+
+    def reps(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
+
+    def connect(self, name: str, daemon: Daemon | None = None) -> Client:
+        return connect(self.device, run_dir=(daemon or self.daemon).run_dir, client_name=name)
+
+    def tensor(self, capacity: int, client: Client | None = None, **kwargs: Any) -> ExtensibleTensor:
+        return ExtensibleTensor(capacity, self.device, client=client or self.client, **kwargs)
+
+
+def pair(index: int, hbmd: Callable[[], Any], baseline: Callable[[], Any]) -> tuple[Any, Any]:
+    """Run both, the order swapped on every other call so neither always runs second."""
+    if index % 2:
+        b = baseline()
+        return hbmd(), b
+    h = hbmd()
+    return h, baseline()
+
+
+def grow_in_steps(grow: Callable[[int], Any], size: int, step: int) -> None:
+    """Commit ``size`` bytes ``step`` at a time: one chunk per step."""
+    for end in range(step, size + 1, step):
+        grow(end)
+
+
+# commit
+
+
+def fresh_commit_hbmd(t: Target, size: int) -> tuple[int, int]:
+    """(commit, buffer creation + commit) in ns: ``resize_(size, zero_new=True)`` of a new buffer, synchronized."""
+    t0 = now_ns()
+    tensor = t.tensor(size)
+    t1 = now_ns()
+    tensor.resize_(size, zero_new=True)
+    t.sync()
+    t2 = now_ns()
+    tensor.free()
+    return t2 - t1, t2 - t0
+
+
+def fresh_commit_in_process(t: Target, size: int) -> tuple[int, int]:
+    """(commit, reservation + commit) in ns: the same work in this process, synchronized."""
+    t0 = now_ns()
+    buffer = t.in_process(size)
+    t1 = now_ns()
+    buffer.commit(size)
+    t.sync()
+    t2 = now_ns()
+    buffer.free()
+    return t2 - t1, t2 - t0
+
+
+def fresh_commits(t: Target, reps: dict[int, tuple[int, int]]) -> list[dict[str, Any]]:
+    """Per size (``{bytes: (full reps, quick reps)}``): a new buffer grown to it in one commit."""
+    fresh_commit_hbmd(t, t.granule)
+    fresh_commit_in_process(t, t.granule)
+    sizes = []
+    for size, counts in reps.items():
+        n = t.reps(*counts)
+        runs = [pair(i, lambda: fresh_commit_hbmd(t, size), lambda: fresh_commit_in_process(t, size)) for i in range(n)]
+        entry = {
+            "bytes": size,
+            "label": format_bytes(size),
+            "reps": n,
+            "commit": side_by_side([h[0] for h, _ in runs], [b[0] for _, b in runs]),
+            "with_buffer_creation": side_by_side([h[1] for h, _ in runs], [b[1] for _, b in runs]),
+            # Each repetition with which side ran first: a large free can slow the allocation after it.
+            "runs_ms": [
+                {"first": "in_process" if i % 2 else "hbmd", "hbmd": round(h[0] / 1e6, 3), "in_process": round(b[0] / 1e6, 3)}
+                for i, (h, b) in enumerate(runs)
+            ],
+        }
+        print(f"  {entry['label']:>9}: hbmd {entry['commit']['hbmd']['p50_us']} µs, in-process "
+              f"{entry['commit']['in_process']['p50_us']} µs, ratio {entry['commit']['ratio_p50']}", flush=True)
+        sizes.append(entry)
+    return sizes
+
+
+def step_commits(t: Target, n: int) -> dict[str, Any]:
+    """``n`` successive one-granule commits to one buffer: one new chunk each."""
+    step = t.granule
+    tensor, buffer = t.tensor(n * step), t.in_process(n * step)
+    hbmd, base = [], []
+    try:
+        for i in range(n):
+            size = (i + 1) * step
+            h, b = pair(
+                i,
+                lambda: timed_ns(lambda: (tensor.resize_(size, zero_new=True), t.sync())),
+                lambda: timed_ns(lambda: (buffer.commit(size), t.sync())),
+            )
+            hbmd.append(h)
+            base.append(b)
+        chunks = {"hbmd": tensor.num_chunks}
+    finally:
+        tensor.free()
+        buffer.free()
+    return {"commits": n, "step_bytes": step, "chunks": chunks, **side_by_side(hbmd, base)}
+
+
+# release and recommit
+
+
+def release_recommit_hbmd(t: Target, size: int) -> tuple[int, int]:
+    """(release_physical, grow back with zeroing) in ns, on a buffer committed in one call."""
+    tensor = t.tensor(size)
+    tensor.resize_(size, zero_new=True)
+    t.sync()
+    t0 = now_ns()
+    tensor.release_physical()
+    t1 = now_ns()
+    tensor.resize_(size, zero_new=True)
+    t.sync()
+    t2 = now_ns()
+    tensor.free()
+    return t1 - t0, t2 - t1
+
+
+def release_recommit_in_process(t: Target, size: int) -> tuple[int, int]:
+    buffer = t.in_process(size)
+    buffer.commit(size)
+    t0 = now_ns()
+    buffer.release()
+    t1 = now_ns()
+    buffer.commit(size)
+    t.sync()
+    t2 = now_ns()
+    buffer.free()
+    return t1 - t0, t2 - t1
+
+
+def release_recommit(t: Target, size: int, n: int) -> dict[str, Any]:
+    runs = [pair(i, lambda: release_recommit_hbmd(t, size), lambda: release_recommit_in_process(t, size))
+            for i in range(n)]
+    return {
+        "bytes": size,
+        "label": format_bytes(size),
+        "reps": n,
+        "release": side_by_side([h[0] for h, _ in runs], [b[0] for _, b in runs]),
+        "recommit": side_by_side([h[1] for h, _ in runs], [b[1] for _, b in runs]),
+        "release_plus_recommit": side_by_side([sum(h) for h, _ in runs], [sum(b) for _, b in runs]),
+    }
+
+
+# control plane
+
+
+def status_round_trips(t: Target, n: int) -> dict[str, Any]:
+    """``client.status()`` against a bare ZeroMQ echo of the same request: what the daemon's work adds."""
+    status = summarize_ns(repeat_ns(t.client.status, n, warmup=50))
+    floor = echo_round_trips(n)
+    return {"status": status, "zmq_echo_floor": floor, "status_over_floor_p50": ratio(status["p50_us"], floor["p50_us"])}

@@ -1,0 +1,528 @@
+"""hbmd on a GPU against the in-process baseline, side by side in one run.
+
+    python3 bench/gpu_bench.py [--quick] [--cases commit,bandwidth] [--out bench/results/h200-DATE.json]
+
+Starts its own daemon (``python -m hbmd.daemon --backend cuda --device 0``
+in a short /tmp run directory), runs every case with the hbmd path and its
+in-process baseline interleaved (the order swapped on every repetition),
+and writes the figures, the ratios hbmd ÷ baseline and the goal verdicts to
+JSON. bench/README.md says what each case measures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from baseline import CudaInProcessBuffer
+from cases import Target, fresh_commits, grow_in_steps, pair, release_recommit, status_round_trips, step_commits
+from common import (
+    BENCH_DIR,
+    RESULTS_DIR,
+    Bench,
+    Daemon,
+    GiB,
+    MiB,
+    goal,
+    now_ns,
+    gpu_memory_by_pid,
+    gpu_metadata,
+    percentile,
+    process_footprint,
+    ratio,
+    repeat_ns,
+    side_by_side,
+    summarize_ns,
+    timed_ns,
+    today_utc,
+    workers,
+)
+from probe import breakdown, client_probe
+from workers import has_pattern, write_pattern
+
+from hbmd import driver
+from hbmd.client import Client, ExtensibleTensor, connect
+from hbmd.client.dlpack import KDL_CUDA, uint8_view
+from hbmd.proto.units import format_bytes
+
+DEVICE = 0
+"""nvidia-smi index of the GPU the daemon serves, and this process's CUDA ordinal for it."""
+
+bench = Bench("gpu", "hbmd on a GPU against the in-process baseline, side by side")
+
+
+# commit
+
+
+COMMIT_REPS = {2 * MiB: (30, 3), 64 * MiB: (20, 3), 1 * GiB: (10, 2), 8 * GiB: (5, 2), 64 * GiB: (3, 1)}
+
+
+@bench.case("commit")
+def commit_case(t: Target) -> dict[str, Any]:
+    sizes = fresh_commits(t, COMMIT_REPS)
+    goals = [
+        goal(f"commit {s['label']} in one call, hbmd/in-process p50", s["commit"]["ratio_p50"], "<=", 1.05)
+        for s in sizes
+        if s["bytes"] >= 8 * GiB
+    ]
+    return {"sizes": sizes, "goals": goals}
+
+
+@bench.case("commit_2mib_steps")
+def commit_steps_case(t: Target) -> dict[str, Any]:
+    figures = step_commits(t, t.reps(1000, 200))
+    figures["goals"] = [goal("a 2 MiB commit adds (p50)", figures["added_p50_us"], "<=", 250, " µs")]
+    return figures
+
+
+@bench.case("recommit")
+def recommit_case(t: Target) -> dict[str, Any]:
+    figures = release_recommit(t, 64 * GiB, t.reps(5, 2))
+    figures["goals"] = [goal(f"release + recommit {figures['label']}, hbmd/in-process p50",
+                             figures["release_plus_recommit"]["ratio_p50"], "<=", 1.10)]
+    return figures
+
+
+# bandwidth
+
+
+BANDWIDTH_BYTES = 8 * GiB
+
+
+def copy_seconds(view: Any, half: int) -> float:
+    """One device-to-device copy of the first half of ``view`` onto its second half, timed with CUDA events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    view[half : 2 * half].copy_(view[:half])
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+@bench.case("bandwidth")
+def bandwidth_case(t: Target) -> dict[str, Any]:
+    import torch
+
+    size, half, step = BANDWIDTH_BYTES, BANDWIDTH_BYTES // 2, t.granule
+    reps = t.reps(10, 3)
+    views: dict[str, Any] = {}
+    tensors: list[ExtensibleTensor] = []
+    in_process = t.in_process(size)
+    figures: dict[str, Any] = {"bytes_copied": half, "reps": reps}
+    try:
+        views["torch_empty"] = torch.empty(size, dtype=torch.uint8, device=f"cuda:{DEVICE}")
+
+        one = t.tensor(size)
+        tensors.append(one)
+        one.resize_(size, zero_new=True)
+        views["hbmd_one_chunk"] = one.full_view()
+
+        steps = t.tensor(size)
+        tensors.append(steps)
+        grow_in_steps(lambda n: steps.resize_(n, zero_new=True), size, step)
+        views["hbmd_2mib_steps"] = steps.full_view()
+
+        grow_in_steps(in_process.commit, size, step)
+        views["in_process_2mib_steps"] = uint8_view(in_process.base, size, KDL_CUDA, DEVICE)
+        figures["chunks"] = {"hbmd_one_chunk": one.num_chunks, "hbmd_2mib_steps": steps.num_chunks,
+                             "in_process_2mib_steps": in_process.num_chunks}
+
+        if hasattr(ExtensibleTensor, "defragment"):
+            defragmented = t.tensor(size)
+            tensors.append(defragmented)
+            grow_in_steps(lambda n: defragmented.resize_(n, zero_new=True), size, step)
+            write_pattern(defragmented.full_view(), size)
+            chunks_before = defragmented.num_chunks
+            figures["defragment_ms"] = timed_ns(lambda: (defragmented.defragment(preserve=True), t.sync())) / 1e6
+            figures["defragment_chunks"] = [chunks_before, defragmented.num_chunks]
+            figures["defragment_data_intact"] = has_pattern(defragmented.full_view(), size)
+            views["hbmd_2mib_steps_defragmented"] = defragmented.full_view()
+        else:
+            figures["hbmd_2mib_steps_defragmented"] = "not available: ExtensibleTensor.defragment is missing"
+
+        for view in views.values():
+            copy_seconds(view, half)
+            copy_seconds(view, half)
+        samples: dict[str, list[float]] = {name: [] for name in views}
+        names = list(views)
+        for rep in range(reps):
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                samples[name].append(copy_seconds(views[name], half))
+        # Bytes read plus bytes written per second, as copy bandwidth is usually quoted.
+        tbps = {name: round(2 * half / percentile(s, 50) / 1e12, 3) for name, s in samples.items()}
+        figures["copy_tb_per_s_p50"] = tbps
+        figures["ratio_to_torch_empty"] = {name: ratio(v, tbps["torch_empty"]) for name, v in tbps.items()}
+    finally:
+        views.clear()
+        for tensor in tensors:
+            tensor.free()
+        in_process.free()
+        # Hand torch.empty's block back, or nvidia-smi counts it against this process for the rest of the run.
+        torch.cuda.empty_cache()
+    ratios = figures["ratio_to_torch_empty"]
+    figures["goals"] = [goal("copy bandwidth, hbmd one-chunk/torch.empty", ratios["hbmd_one_chunk"], ">=", 0.99)]
+    if "hbmd_2mib_steps_defragmented" in ratios:
+        figures["goals"].append(
+            goal("copy bandwidth, hbmd defragmented/torch.empty", ratios["hbmd_2mib_steps_defragmented"], ">=", 0.99)
+        )
+    return figures
+
+
+# re-attach
+
+
+REATTACH_BYTES = 64 * GiB
+REATTACH_NAME = "bench-kv"
+
+
+def wait_for_sessions(client: Client, count: int, timeout: float = 10.0) -> None:
+    """Until the daemon has seen every other session end (the buffer is orphaned again)."""
+    deadline = time.monotonic() + timeout
+    while len(client.sessions()) > count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the daemon still lists {len(client.sessions())} sessions after {timeout:.0f}s")
+        time.sleep(0.01)
+
+
+@bench.case("reattach")
+def reattach_case(t: Target) -> dict[str, Any]:
+    if not hasattr(ExtensibleTensor, "attach"):
+        return {"status": "not available: ExtensibleTensor.attach is missing"}
+    size = REATTACH_BYTES
+    owner = t.connect("bench-kv-owner")
+    tensor = t.tensor(size, client=owner, name=REATTACH_NAME, persistent=True)
+    figures: dict[str, Any] = {"bytes": size}
+    try:
+        figures["commit_ms"] = timed_ns(lambda: (tensor.resize_(size, zero_new=True), t.sync())) / 1e6
+        if hasattr(ExtensibleTensor, "defragment"):
+            tensor.defragment(preserve=True)
+        write_pattern(tensor.full_view(), size)
+        figures["chunks"] = tensor.num_chunks
+    finally:
+        # Closing the session orphans the persistent buffer; then this process lets go of its mapping.
+        owner.close()
+        tensor.free()
+    sessions = len(t.client.sessions())
+    processes, cycles = t.reps(3, 1), t.reps(3, 2)
+    results = []
+    try:
+        for _ in range(processes):
+            args = ["attach", "--run-dir", str(t.daemon.run_dir), "--name", REATTACH_NAME, "--cycles", str(cycles)]
+            with workers([args]) as (worker,):
+                worker.go()
+                results.append(worker.result(120))
+                worker.proc.wait(30)
+            wait_for_sessions(t.client, sessions)
+    finally:
+        wait_for_sessions(t.client, sessions)
+        t.client.delete(REATTACH_NAME)
+    cold = [r["cycles"][0] for r in results]
+    warm = [c for r in results for c in r["cycles"][1:]]
+
+    def medians(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        if not rows:
+            return {}
+        return {key: round(percentile([r[key] for r in rows], 50), 3) for key in ("connect_ms", "attach_ms", "total_ms")}
+
+    figures.update({
+        "new_process": {"n": len(cold), **medians(cold)},
+        "same_process_again": {"n": len(warm), **medians(warm)},
+        "data_intact": all(c["data_intact"] for r in results for c in r["cycles"]),
+        "attached_chunks": sorted({c["num_chunks"] for r in results for c in r["cycles"]}),
+        "runs": results,
+    })
+    figures["goals"] = [goal(f"re-attach {format_bytes(size)} in a new process (connect+import+map, p50)",
+                             figures["new_process"].get("total_ms"), "<=", 50, " ms")]
+    return figures
+
+
+# control plane
+
+
+CONCURRENT_CLIENTS = (1, 4, 16)
+
+
+@bench.case("control")
+def control_case(t: Target) -> dict[str, Any]:
+    figures = status_round_trips(t, t.reps(2000, 300))
+    seconds = 1.0 if t.quick else 3.0
+    args = ["commit", "--run-dir", str(t.daemon.run_dir), "--device", str(DEVICE), "--capacity", str(GiB)]
+    concurrency = []
+    with workers([args] * max(CONCURRENT_CLIENTS), ready_timeout=240) as pool:
+        for k, clients in enumerate(CONCURRENT_CLIENTS):
+            point: dict[str, Any] = {"clients": clients, "seconds": seconds}
+            for mode in (("hbmd", "in_process") if k % 2 == 0 else ("in_process", "hbmd")):
+                for worker in pool[:clients]:
+                    worker.send(f"{mode} {seconds}")
+                answers = [worker.result(seconds + 120) for worker in pool[:clients]]
+                point[mode] = {
+                    "commits_per_s": round(sum(a["commits"] / a["elapsed_s"] for a in answers), 1),
+                    "commit_p50_us": round(percentile([a["p50_us"] for a in answers], 50), 2),
+                    "commit_p99_us_worst": max(a["p99_us"] for a in answers),
+                }
+            point["ratio_commits_per_s"] = ratio(point["hbmd"]["commits_per_s"], point["in_process"]["commits_per_s"])
+            print(f"  {clients:>2} clients: {point}", flush=True)
+            concurrency.append(point)
+    figures["concurrent_2mib_commits"] = concurrency
+    return figures
+
+
+# footprint and scale
+
+
+FOOTPRINT_CHUNKS = 10_000
+
+
+def daemon_gpu_mib(pid: int) -> dict[str, Any]:
+    usage = gpu_memory_by_pid()
+    return {"listed": pid in usage, "mib": usage.get(pid, 0)}
+
+
+@bench.case("footprint")
+def footprint_case(t: Target) -> dict[str, Any]:
+    step = t.granule
+    with Daemon("--backend", "cuda", "--device", str(DEVICE)) as fresh:
+        figures: dict[str, Any] = {
+            "daemon_idle": process_footprint(fresh.pid),
+            "daemon_gpu_memory_idle_mib": daemon_gpu_mib(fresh.pid),
+        }
+        client = t.connect("bench-footprint", fresh)
+        try:
+            figures["daemon_one_session"] = process_footprint(fresh.pid)
+            tensor = t.tensor(FOOTPRINT_CHUNKS * 2 * step, client=client, num_segments=FOOTPRINT_CHUNKS)
+            figures["commit_10k_chunks_ms"] = timed_ns(
+                lambda: (tensor.resize_per_segment_(step, zero_new=True), t.sync())
+            ) / 1e6
+            figures["chunks"] = tensor.num_chunks
+            figures["committed_bytes"] = tensor.physical_bytes
+            figures["daemon_10k_chunks"] = process_footprint(fresh.pid)
+            figures["bench_process_10k_chunks"] = process_footprint(os.getpid())
+            figures["gpu_memory_mib"] = {
+                "daemon": daemon_gpu_mib(fresh.pid),
+                "bench_process": gpu_memory_by_pid().get(os.getpid(), 0),
+            }
+            tensor.free()
+            figures["daemon_after_free"] = process_footprint(fresh.pid)
+        finally:
+            client.close()
+    added_fds = figures["daemon_10k_chunks"]["open_fds"] - figures["daemon_one_session"]["open_fds"]
+    added_rss = figures["daemon_10k_chunks"]["vmrss_kib"] - figures["daemon_one_session"]["vmrss_kib"]
+    figures["daemon_fds_added_by_10k_chunks"] = added_fds
+    figures["daemon_rss_bytes_per_chunk"] = round(added_rss * 1024 / FOOTPRINT_CHUNKS, 1)
+    figures["goals"] = [
+        goal("daemon GPU memory (nvidia-smi)", figures["gpu_memory_mib"]["daemon"]["mib"], "<=", 0, " MiB"),
+        goal("daemon FDs added by a 10,000-chunk buffer", added_fds, "<=", 0),
+    ]
+    return figures
+
+
+SCALE_POINTS = (10, 100, 1000, 10_000)
+
+
+@bench.case("scale")
+def scale_case(t: Target) -> dict[str, Any]:
+    step, k = t.granule, t.reps(50, 20)
+    capacity = (SCALE_POINTS[-1] + k * len(SCALE_POINTS) + 1) * step
+    tensor, buffer = t.tensor(capacity), t.in_process(capacity)
+    points = []
+    size = 0
+    try:
+        for target in SCALE_POINTS:
+            while tensor.num_chunks < target:
+                size += step
+                tensor.resize_(size)
+                buffer.commit(size, zero=False)
+            hbmd, base = [], []
+            for i in range(k):
+                size += step
+                h, b = pair(
+                    i,
+                    lambda: timed_ns(lambda: (tensor.resize_(size, zero_new=True), t.sync())),
+                    lambda: timed_ns(lambda: (buffer.commit(size), t.sync())),
+                )
+                hbmd.append(h)
+                base.append(b)
+            status = summarize_ns(repeat_ns(t.client.status, 4 * k, warmup=5))
+            point = {
+                "chunks": target,
+                "commit_2mib": side_by_side(hbmd, base),
+                "status": status,
+                "daemon": process_footprint(t.daemon.pid),
+            }
+            print(f"  {target:>6} chunks: commit hbmd {point['commit_2mib']['hbmd']['p50_us']} µs, in-process "
+                  f"{point['commit_2mib']['in_process']['p50_us']} µs, status {status['p50_us']} µs", flush=True)
+            points.append(point)
+    finally:
+        tensor.free()
+        buffer.free()
+    first, last = points[0], points[-1]
+    commit_growth = ratio(last["commit_2mib"]["hbmd"]["p50_us"], first["commit_2mib"]["hbmd"]["p50_us"])
+    status_growth = ratio(last["status"]["p50_us"], first["status"]["p50_us"])
+    return {
+        "points": points,
+        "commit_p50_growth": commit_growth,
+        "status_p50_growth": status_growth,
+        "goals": [
+            goal(f"2 MiB commit p50 at {last['chunks']} ÷ at {first['chunks']} chunks", commit_growth, "<=", 1.25),
+            goal(f"status p50 at {last['chunks']} ÷ at {first['chunks']} chunks", status_growth, "<=", 1.25),
+        ],
+    }
+
+
+# where the time goes
+
+
+BREAKDOWN_SIZES = {8 * GiB: (3, 1), 64 * GiB: (2, 1)}
+
+
+def window(windows: list[tuple[int, int]], fn: Callable[[], Any]) -> None:
+    """Run ``fn`` and record its span on the clock the probes use."""
+    start = time.monotonic_ns()
+    fn()
+    windows.append((start, time.monotonic_ns()))
+
+
+def summarize_windows(events: list[tuple[str, int, int]], windows: list[tuple[int, int]]) -> dict[str, Any]:
+    steps = breakdown(events, windows)
+    total = percentile([(end - start) / 1e3 for start, end in windows], 50)
+    own = sum(us for label, us in steps.items() if label.startswith(("client.", "drv.")))
+    derived = {}
+    if "client.control_call" in steps and "daemon.dispatch" in steps:
+        # ZeroMQ both ways, both codecs and poll wake-ups: the request minus the daemon's handling of it.
+        derived["control_transport_us"] = round(steps["client.control_call"] - steps["daemon.dispatch"], 2)
+    return {"n": len(windows), "total_us": round(total, 2), "steps_p50_us": steps,
+            "unaccounted_us": round(total - own, 2), **derived}
+
+
+def export_in_process(t: Target, n: int) -> dict[str, Any]:
+    """Export and FD close of a 2 MiB chunk in this process, which holds a context (the daemon holds none)."""
+    export, close = [], []
+    for _ in range(n):
+        handle = driver.create(DEVICE, t.granule, rdma=False)
+        try:
+            t0 = now_ns()
+            fd = driver.export_fd(handle)
+            t1 = now_ns()
+            os.close(fd)
+            t2 = now_ns()
+        finally:
+            driver.release(handle)
+        export.append(t1 - t0)
+        close.append(t2 - t1)
+    return {"export_fd": summarize_ns(export), "close_fd": summarize_ns(close)}
+
+
+@bench.case("breakdown")
+def breakdown_case(t: Target) -> dict[str, Any]:
+    """The commit paths again, with timers around each step in this process and in a probed daemon."""
+    step, n = t.granule, t.reps(200, 50)
+    with tempfile.NamedTemporaryFile(prefix="hbmdb-events-", suffix=".json", dir="/tmp", delete=False) as f:
+        events_path = Path(f.name)
+    command = [sys.executable, str(BENCH_DIR / "probe.py"), "--events", str(events_path)]
+    windows: dict[str, dict[str, list[tuple[int, int]]]] = {}
+    try:
+        with Daemon("--backend", "cuda", "--device", str(DEVICE), command=command) as probed:
+            client = t.connect("bench-breakdown", probed)
+            try:
+                with client_probe() as probe:
+                    tensor, buffer = t.tensor(n * step, client=client), t.in_process(n * step)
+                    spans = windows["2 MiB step"] = {"hbmd": [], "in_process": []}
+                    for i in range(n):
+                        size = (i + 1) * step
+                        pair(
+                            i,
+                            lambda: window(spans["hbmd"], lambda: (tensor.resize_(size, zero_new=True), t.sync())),
+                            lambda: window(spans["in_process"], lambda: (buffer.commit(size), t.sync())),
+                        )
+                    tensor.free()
+                    buffer.free()
+                    for size, reps in BREAKDOWN_SIZES.items():
+                        spans = windows[format_bytes(size)] = {"hbmd": [], "in_process": []}
+                        for _ in range(t.reps(*reps)):
+                            tensor = t.tensor(size, client=client)
+                            window(spans["hbmd"], lambda: (tensor.resize_(size, zero_new=True), t.sync()))
+                            tensor.free()
+                            buffer = t.in_process(size)
+                            window(spans["in_process"], lambda: (buffer.commit(size), t.sync()))
+                            buffer.free()
+                    status = windows["status"] = {"hbmd": []}
+                    for _ in range(n):
+                        window(status["hbmd"], client.status)
+                client_events = list(probe.events)
+            finally:
+                client.close()
+        daemon_events = [tuple(e) for e in json.loads(events_path.read_text())]
+    finally:
+        events_path.unlink(missing_ok=True)
+    events = client_events + daemon_events
+    figures: dict[str, Any] = {
+        op: {side: summarize_windows(events, spans) for side, spans in sides.items()} for op, sides in windows.items()
+    }
+    figures["export_2mib_with_context"] = export_in_process(t, n)
+    return figures
+
+
+# entry point
+
+
+@contextlib.contextmanager
+def setup(args: Any):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_bench needs a CUDA GPU (bench/host_bench.py runs anywhere)")
+    # torch creates the primary context first; the client and the baseline then share it.
+    torch.zeros(1, device=f"cuda:{DEVICE}")
+    torch.cuda.synchronize()
+    with Daemon("--backend", "cuda", "--device", str(DEVICE)) as daemon:
+        client = connect(f"cuda:{DEVICE}", run_dir=daemon.run_dir, client_name="gpu_bench")
+        try:
+            client.mapper  # the mapper's context and stream, before any clock starts
+            # The baseline zeroes on a stream of its own, as the client mapper does on its.
+            stream = driver.create_stream()
+            yield Target(
+                quick=args.quick,
+                daemon=daemon,
+                client=client,
+                device=f"cuda:{DEVICE}",
+                granule=client.granularity,
+                in_process=lambda capacity: CudaInProcessBuffer(capacity, DEVICE, client.granularity, stream),
+                # Looked up per call, so that the breakdown's probe sees it.
+                sync=lambda: driver.context_synchronize(),
+            )
+        finally:
+            client.close()
+
+
+def describe(t: Target) -> dict[str, Any]:
+    import torch
+
+    return {
+        **gpu_metadata(DEVICE),
+        "cuda_driver_api_version": driver.call("cuDriverGetVersion"),
+        "torch_cuda": torch.version.cuda,
+        "granule_bytes": t.granule,
+        "daemon_command": " ".join(t.daemon.command),
+    }
+
+
+def default_out() -> Path:
+    name = gpu_metadata(DEVICE).get("gpu_name", "gpu").split()[-1].lower()
+    return RESULTS_DIR / f"{name}-{today_utc()}.json"
+
+
+def main() -> int:
+    args = bench.parser(default_out()).parse_args()
+    return bench.run(args, setup, describe)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

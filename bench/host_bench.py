@@ -1,0 +1,77 @@
+"""hbmd's host backend against the in-process baseline, side by side in one run (about a minute, no GPU).
+
+    python3 bench/host_bench.py [--quick] [--cases commit,release] [--out bench/results/host-DATE.json]
+
+Starts its own daemon (``python -m hbmd.daemon --backend host`` in a short
+/tmp run directory). The baseline does the same work in this process: one
+memfd per buffer, ``fallocate`` per commit, ``mmap MAP_SHARED|MAP_FIXED``
+into a reserved range, ``memset``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+from baseline import HostInProcessBuffer
+from cases import Target, fresh_commits, release_recommit, status_round_trips, step_commits
+from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, today_utc
+
+from hbmd.client import connect
+
+bench = Bench("host", "hbmd's host backend against the in-process baseline, side by side")
+
+COMMIT_REPS = {2 * MiB: (50, 5), 64 * MiB: (20, 3), 1 * GiB: (5, 2)}
+RELEASE_SIZES = (64 * MiB, 1 * GiB)
+
+
+@bench.case("commit")
+def commit_case(t: Target) -> dict[str, Any]:
+    return {"sizes": fresh_commits(t, COMMIT_REPS)}
+
+
+@bench.case("commit_2mib_steps")
+def commit_steps_case(t: Target) -> dict[str, Any]:
+    return step_commits(t, t.reps(500, 100))
+
+
+@bench.case("release")
+def release_case(t: Target) -> dict[str, Any]:
+    return {"sizes": [release_recommit(t, size, t.reps(5, 2)) for size in RELEASE_SIZES]}
+
+
+@bench.case("control")
+def control_case(t: Target) -> dict[str, Any]:
+    return status_round_trips(t, t.reps(2000, 300))
+
+
+@contextlib.contextmanager
+def setup(args: Any):
+    with Daemon("--backend", "host") as daemon:
+        client = connect("cpu", run_dir=daemon.run_dir, client_name="host_bench")
+        try:
+            yield Target(
+                quick=args.quick,
+                daemon=daemon,
+                client=client,
+                device="cpu",
+                granule=client.granularity,
+                in_process=lambda capacity: HostInProcessBuffer(capacity, client.granularity),
+                sync=lambda: None,
+            )
+        finally:
+            client.close()
+
+
+def describe(t: Target) -> dict[str, Any]:
+    return {"backend": "host", "granule_bytes": t.granule, "daemon_command": " ".join(t.daemon.command)}
+
+
+def main() -> int:
+    args = bench.parser(RESULTS_DIR / f"host-{today_utc()}.json").parse_args()
+    return bench.run(args, setup, describe)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Timers around the steps of a commit, in the benchmark process and inside the daemon.
+
+:class:`Probe` wraps functions (module attributes or methods) so that each
+call records ``(label, start, end)`` in ``CLOCK_MONOTONIC`` nanoseconds, a
+clock every process of the machine shares: the daemon's events line up with
+the client's, and :func:`breakdown` sums both per measured operation.
+
+Run as a script it is the daemon, ``python -m hbmd.daemon``, with its side of
+a commit probed (the request dispatch, ``cuMemCreate``, the export, the FD
+send, closing FDs, ``cuMemRelease``, the NVML query behind ``status``); the events are
+written to ``--events FILE`` when it stops::
+
+    python bench/probe.py --events /tmp/ev.json --backend cuda --device 0 --run-dir /tmp/hb
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+from common import percentile
+
+Event = tuple[str, int, int]
+
+
+class Probe:
+    """Records every call of the wrapped functions until :meth:`restore` (or the ``with`` block ends)."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attribute: str, label: str) -> None:
+        original = getattr(owner, attribute)
+        events = self.events
+        clock = time.monotonic_ns
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                events.append((label, start, clock()))
+
+        setattr(owner, attribute, timed)
+        self._undo.append((owner, attribute, original))
+
+    def restore(self) -> None:
+        while self._undo:
+            owner, attribute, original = self._undo.pop()
+            setattr(owner, attribute, original)
+
+    def __enter__(self) -> "Probe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def client_probe() -> Probe:
+    """The client's side of a commit and the in-process baseline's driver calls, probed."""
+    from hbmd import driver
+    from hbmd.client.session import Client
+    from hbmd.client.transport import HandleChannel
+
+    probe = Probe()
+    probe.wrap(Client, "_call", "client.control_call")
+    probe.wrap(os, "close", "client.os_close")
+    probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
+    for name in ("create", "import_fd", "map", "set_access", "release", "memset_async", "context_synchronize",
+                 "make_current"):
+        probe.wrap(driver, name, f"drv.{name}")
+    return probe
+
+
+def daemon_probe() -> Probe:
+    """The daemon's side: nested inside the client's ``client.control_call``."""
+    import socket
+
+    from hbmd import driver
+    from hbmd.daemon.server import Server
+    from hbmd.driver import nvml
+
+    probe = Probe()
+    probe.wrap(Server, "_drain_control", "daemon.drain_control")
+    probe.wrap(Server, "_dispatch", "daemon.dispatch")
+    probe.wrap(os, "close", "daemon.os_close")
+    probe.wrap(driver, "create", "daemon.create")
+    probe.wrap(driver, "export_fd", "daemon.export_fd")
+    probe.wrap(driver, "release", "daemon.release")
+    probe.wrap(socket, "send_fds", "daemon.send_fds")
+    probe.wrap(nvml, "free_bytes", "daemon.nvml_free_bytes")
+    return probe
+
+
+def breakdown(events: list[Event], windows: list[tuple[int, int]]) -> dict[str, float]:
+    """Median over ``windows`` of the time each label's events that start inside a window add up to (µs)."""
+    ordered = sorted(events, key=lambda e: e[1])
+    starts = [e[1] for e in ordered]
+    labels = sorted({e[0] for e in ordered})
+    per_label: dict[str, list[int]] = defaultdict(list)
+    for begin, end in windows:
+        sums: dict[str, int] = defaultdict(int)
+        for label, start, stop in ordered[bisect.bisect_left(starts, begin) : bisect.bisect_left(starts, end)]:
+            sums[label] += stop - start
+        for label in labels:
+            per_label[label].append(sums.get(label, 0))
+    return {label: round(percentile(values, 50) / 1e3, 2) for label, values in per_label.items() if any(values)}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "--events":
+        print("usage: probe.py --events FILE <hbmd arguments>", file=sys.stderr)
+        return 2
+    events_path, daemon_args = argv[1], argv[2:]
+    from hbmd.daemon.main import main as daemon_main
+
+    probe = daemon_probe()
+    try:
+        return daemon_main(daemon_args)
+    finally:
+        probe.restore()
+        with open(events_path, "w") as out:
+            json.dump(probe.events, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
