@@ -26,6 +26,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from hbmd.proto.layout import instance_published_by
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -64,14 +66,10 @@ class Daemon:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"hbmd exited with {self.proc.returncode}:\n{self.log_tail()}")
-            for info in self.run_dir.glob("*/instance.json"):
-                try:
-                    published = json.loads(info.read_text())
-                except (OSError, ValueError):
-                    continue
-                if published.get("pid") == self.proc.pid:
-                    self.instance = published["instance"]
-                    return self
+            instance = instance_published_by(self.run_dir, self.proc.pid)
+            if instance is not None:
+                self.instance = instance
+                return self
             time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"hbmd did not publish instance.json within {timeout:.0f}s:\n{self.log_tail()}")

@@ -381,27 +381,26 @@ class State:
 
         Names are per user: another user's buffer of the same name is not found.
         """
-        buffer = self._named(session, name)
-        if buffer.owner is not None:
-            raise Conflict(
-                f"persistent buffer {name!r} is attached by session {buffer.owner.session_id} "
-                f"(pid {buffer.owner.pid})",
-                session_id=buffer.owner.session_id,
-            )
+        buffer = self._orphan(session, name)
         buffer.owner = session
         session.buffers[buffer.buffer_id] = buffer
         return buffer
 
     def delete(self, session: Session, name: str) -> tuple[int, int]:
         """Free an orphaned persistent buffer of the session's user by name. Returns its id and the bytes freed."""
+        buffer = self._orphan(session, name)
+        return buffer.buffer_id, self._drop(buffer)
+
+    def _orphan(self, session: Session, name: str) -> Buffer:
+        """The session's user's persistent buffer ``name``, refused while a live session holds it."""
         buffer = self._named(session, name)
         if buffer.owner is not None:
             raise Conflict(
                 f"persistent buffer {name!r} is attached by session {buffer.owner.session_id} "
-                f"(pid {buffer.owner.pid}); it can be deleted once orphaned",
+                f"(pid {buffer.owner.pid}); it is free once that session ends",
                 session_id=buffer.owner.session_id,
             )
-        return buffer.buffer_id, self._drop(buffer)
+        return buffer
 
     def _named(self, session: Session, name: str) -> Buffer:
         if len(name) > MAX_NAME:

@@ -9,6 +9,7 @@ what the instance serves (backend, GPU UUID and index, pid). The instance is
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -73,3 +74,15 @@ def list_instances(run_dir: str | os.PathLike | None) -> list[str]:
     except (FileNotFoundError, NotADirectoryError, PermissionError):
         return []
     return entries
+
+
+def instance_published_by(run_dir: str | os.PathLike | None, pid: int) -> str | None:
+    """The instance whose ``instance.json`` names process ``pid``: the daemon's ready signal."""
+    for info in resolve_run_dir(run_dir).glob("*/instance.json"):
+        try:
+            published = json.loads(info.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(published, dict) and published.get("pid") == pid:
+            return str(published.get("instance", info.parent.name))
+    return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hbmd.client import Client, connect
+from hbmd.proto.layout import instance_published_by
 
 PROCESS_TIMEOUT_S = 60
 
@@ -52,14 +52,10 @@ class DaemonProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"hbmd exited with {self.proc.returncode}:\n{self.log()}")
-            for info in self.run_dir.glob("*/instance.json"):
-                try:
-                    published = json.loads(info.read_text())
-                except (OSError, ValueError):
-                    continue
-                if published.get("pid") == self.proc.pid:
-                    self.instance = published["instance"]
-                    return self
+            instance = instance_published_by(self.run_dir, self.proc.pid)
+            if instance is not None:
+                self.instance = instance
+                return self
             time.sleep(0.02)
         self.kill()
         raise RuntimeError(f"hbmd did not come up in {timeout}s:\n{self.log()}")
