@@ -12,11 +12,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from common import Daemon, now_ns, ratio, repeat_ns, side_by_side, summarize_ns, timed_ns
-from workers import echo_round_trips
-
+from common import (
+    Daemon,
+    now_ns,
+    ratio,
+    repeat_ns,
+    side_by_side,
+    summarize_ns,
+    timed_ns,
+)
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.proto.units import format_bytes
+from workers import echo_round_trips
 
 
 @dataclasses.dataclass

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from baseline import CudaInProcessBuffer
-from cases import Target, fresh_commits, grow_in_steps, pair, release_recommit, status_round_trips, step_commits
+from cases import (
+    Target,
+    fresh_commits,
+    grow_in_steps,
+    pair,
+    release_recommit,
+    status_round_trips,
+    step_commits,
+)
 from common import (
     BENCH_DIR,
     RESULTS_DIR,
@@ -30,9 +38,9 @@ from common import (
     GiB,
     MiB,
     goal,
-    now_ns,
     gpu_memory_by_pid,
     gpu_metadata,
+    now_ns,
     percentile,
     process_footprint,
     ratio,
@@ -43,13 +51,12 @@ from common import (
     today_utc,
     workers,
 )
-from probe import breakdown, client_probe
-from workers import has_pattern, write_pattern
-
 from hbmd import driver
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.client.dlpack import KDL_CUDA, uint8_view
 from hbmd.proto.units import format_bytes
+from probe import breakdown, client_probe
+from workers import has_pattern, write_pattern
 
 DEVICE = 0
 """nvidia-smi index of the GPU the daemon serves, and this process's CUDA ordinal for it."""

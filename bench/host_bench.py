@@ -15,9 +15,14 @@ import sys
 from typing import Any
 
 from baseline import HostInProcessBuffer
-from cases import Target, fresh_commits, release_recommit, status_round_trips, step_commits
+from cases import (
+    Target,
+    fresh_commits,
+    release_recommit,
+    status_round_trips,
+    step_commits,
+)
 from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, today_utc
-
 from hbmd.client import connect
 
 bench = Bench("host", "hbmd's host backend against the in-process baseline, side by side")

@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 import zmq
-
 from common import MiB, Worker, now_ns, summarize_ns
 
 PATTERN_BYTES = 64
@@ -52,10 +51,9 @@ def has_pattern(view: Any, num_bytes: int) -> bool:
 
 
 def commit_worker(args: argparse.Namespace) -> None:
+    from baseline import CudaInProcessBuffer
     from hbmd import driver
     from hbmd.client import ExtensibleTensor, connect
-
-    from baseline import CudaInProcessBuffer
 
     client = connect(f"cuda:{args.device}", run_dir=args.run_dir, client_name="bench-commit-worker")
     mapper = client.mapper  # creates this process's context and stream before the clock starts
@@ -97,7 +95,6 @@ def commit_worker(args: argparse.Namespace) -> None:
 
 def attach_worker(args: argparse.Namespace) -> None:
     import torch
-
     from hbmd.client import ExtensibleTensor, connect
 
     # A restarted engine has torch and its CUDA context before it looks for its KV cache.
@@ -106,7 +103,7 @@ def attach_worker(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     cycles = []
-    for cycle in range(args.cycles):
+    for _ in range(args.cycles):
         t0 = now_ns()
         client = connect(f"cuda:{args.device}", run_dir=args.run_dir, client_name="bench-attach-worker")
         t1 = now_ns()

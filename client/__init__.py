@@ -16,7 +16,13 @@ from hbmd.proto.errors import (
 )
 
 from .kv import ExtensibleKVCacheBuffers
-from .layout import bytes_per_block_per_segment, kv_blocks_that_fit, kv_view, narrow_blocks, num_segments
+from .layout import (
+    bytes_per_block_per_segment,
+    kv_blocks_that_fit,
+    kv_view,
+    narrow_blocks,
+    num_segments,
+)
 from .session import Client, DeviceMemory, ForkedClient, connect, default_client
 from .tensor import ExtensibleTensor
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 
-
 def parse_device(device: Any) -> tuple[str, int]:
     """``("cpu", -1)`` or ``("cuda", index)`` for ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``1``, a ``torch.device`` or ``None``.
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from hbmd.proto import (
     PROTOCOL_VERSION,
+    Ack,
     Attach,
     BufferCreated,
     BufferInfo,
@@ -28,7 +29,6 @@ from hbmd.proto import (
     Hello,
     ListBuffers,
     ListSessions,
-    Ack,
     Reclaim,
     ReclaimDone,
     ReclaimRequest,

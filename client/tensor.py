@@ -13,8 +13,8 @@ from typing import Any
 
 from hbmd.proto import BufferInfo, ChunkInfo
 
-from .session import Client, default_client
 from .devices import parse_device
+from .session import Client, default_client
 
 
 class ExtensibleTensor:

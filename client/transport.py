@@ -20,7 +20,6 @@ import threading
 import time
 
 import zmq
-
 from hbmd.proto import (
     MAX_FDS_PER_DATAGRAM,
     ErrorReply,
@@ -114,8 +113,8 @@ class HandleChannel:
         """The next FD batch of ``request_id``; stale batches are dropped and their FDs closed."""
         while True:
             with self._lock:
-                for i, (batch, fds) in enumerate(self._backlog):
-                    if batch.request_id == request_id:
+                for i, (waiting, _) in enumerate(self._backlog):
+                    if waiting.request_id == request_id:
                         return self._backlog.pop(i)
                 data, fds = self._recv(timeout=max(0.001, deadline - time.monotonic()))
                 batch = self._sort(data, fds)

@@ -118,7 +118,7 @@ class Persistence:
             log.error("journal %s unreadable (%s): persistent buffers are not restored", self.journal, exc)
             journal = {"buffers": []}
         fds = {name: fds[0] for name, fds in passed.items()}
-        for name, extra in passed.items():
+        for extra in passed.values():
             for fd in extra[1:]:
                 os.close(fd)
         restored = 0

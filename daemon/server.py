@@ -29,11 +29,11 @@ import time
 from typing import Callable
 
 import zmq
-
 from hbmd.proto import (
     MAX_FDS_PER_DATAGRAM,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    Ack,
     Attach,
     BufferCreated,
     BufferList,
@@ -62,7 +62,6 @@ from hbmd.proto import (
     Status,
     StatusReply,
     Welcome,
-    Ack,
     decode_body,
     decode_datagram,
     encode_datagram,
@@ -70,7 +69,14 @@ from hbmd.proto import (
     peek_request_id,
     read_envelope,
 )
-from hbmd.proto.errors import HbmdError, InternalError, NotFound, PermissionDenied, ProtocolError, VersionMismatch
+from hbmd.proto.errors import (
+    HbmdError,
+    InternalError,
+    NotFound,
+    PermissionDenied,
+    ProtocolError,
+    VersionMismatch,
+)
 from hbmd.proto.layout import InstancePaths
 
 from .notify import SystemdNotifier

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from hbmd.client import Client, connect
 from hbmd.proto.layout import instance_published_by
 

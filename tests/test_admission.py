@@ -10,9 +10,8 @@ import sys
 import threading
 
 import pytest
+from hbmd.client import ExtensibleTensor, connect
 from helpers import MiB, wait_until
-
-from hbmd.client import ExtensibleTensor, NotFound, PermissionDenied, connect
 
 pytestmark = pytest.mark.ipc
 

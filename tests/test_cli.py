@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import MiB
-
 from hbmd.client import ExtensibleTensor
+from helpers import MiB
 
 pytestmark = pytest.mark.cli
 

@@ -16,12 +16,11 @@ import typing
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from hbmd import proto
 from hbmd.proto import codec
 from hbmd.proto.errors import ProtocolError
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.unit
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from helpers import MiB
-
 from hbmd.daemon.backends.host import HostBackend
 from hbmd.daemon.config import Access, ConfigError, parse_config
 from hbmd.daemon.state import State
 from hbmd.proto.errors import OutOfBudget, OutOfDeviceMemory, PermissionDenied
+from helpers import MiB
 
 pytestmark = pytest.mark.unit
 

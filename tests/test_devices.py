@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from hbmd import driver
 from hbmd.client.cuda import instance_for_cuda_device
 from hbmd.client.devices import parse_device

@@ -10,8 +10,6 @@ import sys
 
 import pytest
 import torch
-from helpers import MiB, wait_until
-
 from hbmd.client import (
     Conflict,
     ExtensibleKVCacheBuffers,
@@ -23,6 +21,7 @@ from hbmd.client import (
     kv_view,
     narrow_blocks,
 )
+from helpers import MiB, wait_until
 
 pytestmark = pytest.mark.ipc
 

@@ -21,13 +21,12 @@ import msgpack
 import pytest
 import torch
 import zmq
-from helpers import MiB, wait_until
-
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, PermissionDenied
 from hbmd.proto import codec
 from hbmd.proto.errors import ErrorCode, ProtocolError
 from hbmd.proto.layout import InstancePaths
+from helpers import MiB, wait_until
 
 pytestmark = pytest.mark.ipc
 

@@ -11,10 +11,15 @@ import signal
 import subprocess
 
 import pytest
-from helpers import MiB, cuda_vmm_status, wait_until
-
 from hbmd import driver
-from hbmd.client import DriverError, ExtensibleKVCacheBuffers, ExtensibleTensor, OutOfDeviceMemory, connect
+from hbmd.client import (
+    DriverError,
+    ExtensibleKVCacheBuffers,
+    ExtensibleTensor,
+    OutOfDeviceMemory,
+    connect,
+)
+from helpers import MiB, cuda_vmm_status, wait_until
 
 GPU_OK, GPU_REASON = cuda_vmm_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)]

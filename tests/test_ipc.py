@@ -11,8 +11,6 @@ import time
 
 import pytest
 import torch
-from helpers import GRANULE, MiB, wait_until
-
 from hbmd import proto
 from hbmd.client import (
     DaemonUnavailable,
@@ -26,6 +24,7 @@ from hbmd.client import (
 )
 from hbmd.client.transport import ControlChannel
 from hbmd.proto.layout import InstancePaths
+from helpers import GRANULE, MiB, wait_until
 
 pytestmark = pytest.mark.ipc
 

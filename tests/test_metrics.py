@@ -9,10 +9,9 @@ import sys
 import urllib.request
 
 import pytest
+from hbmd.client import ExtensibleTensor, OutOfBudget
 from helpers import MiB, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-
-from hbmd.client import ExtensibleTensor, OutOfBudget
 
 pytestmark = pytest.mark.ipc
 

@@ -10,8 +10,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
-from hbmd.daemon.notify import MAX_FDS_PER_MESSAGE, SystemdNotifier, watchdog_interval_from
+from hbmd.daemon.notify import (
+    MAX_FDS_PER_MESSAGE,
+    SystemdNotifier,
+    watchdog_interval_from,
+)
 
 pytestmark = pytest.mark.unit
 

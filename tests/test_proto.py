@@ -8,7 +8,6 @@ import sys
 
 import msgpack
 import pytest
-
 from hbmd import proto
 from hbmd.proto import codec
 from hbmd.proto.errors import ERROR_CLASSES, ErrorCode, OutOfBudget, ProtocolError

@@ -7,9 +7,8 @@ import os
 import pytest
 import torch
 from fake_systemd import FakeSystemd
-from helpers import MiB, wait_until
-
 from hbmd.client import ExtensibleTensor
+from helpers import MiB, wait_until
 
 pytestmark = pytest.mark.ipc
 

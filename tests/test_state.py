@@ -5,11 +5,17 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import GRANULE, MiB
-
 from hbmd.daemon.backends.host import HostBackend
 from hbmd.daemon.state import State, backed_runs, merge_runs, subtract_runs
-from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, OutOfBudget, OutOfDeviceMemory, PermissionDenied
+from hbmd.proto.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OutOfBudget,
+    OutOfDeviceMemory,
+    PermissionDenied,
+)
+from helpers import GRANULE, MiB
 
 pytestmark = pytest.mark.unit
 

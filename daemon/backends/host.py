@@ -27,6 +27,7 @@ import errno
 import os
 
 from hbmd.proto.errors import InternalError, OutOfDeviceMemory
+
 from . import Backend
 
 GRANULE = 2 << 20
