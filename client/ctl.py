@@ -59,7 +59,7 @@ def _as_dict(obj: Any) -> dict[str, Any]:
 def cmd_status(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     s = client.status()
     free = max(0, s.budget_bytes - s.committed_bytes)
-    data = _as_dict(s) | {"free_bytes": free, "num_sessions": s.num_sessions - 1}
+    data = _as_dict(s) | {"free_bytes": free}
     device = f"GPU {s.device_index} ({s.device_uuid})" if s.device_index >= 0 else "host memory"
     share = 100 * s.committed_bytes / s.budget_bytes if s.budget_bytes else 0.0
     text = "\n".join(
@@ -71,11 +71,11 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any]
             f"    committed: {format_bytes(s.committed_bytes)} ({share:.1f}% of budget)",
             f"    free:      {format_bytes(free)}",
             f"    reserved:  {format_bytes(s.reserved_bytes)} of address space",
-            f"    sessions:  {s.num_sessions - 1}   buffers: {s.num_buffers}   chunks: {s.num_chunks}",
+            f"    sessions:  {s.num_sessions}   buffers: {s.num_buffers}   chunks: {s.num_chunks}",
         ]
     )
     tenants = [t for t in s.tenants if t.num_sessions or t.used_bytes or t.guaranteed_bytes or t.max_bytes >= 0]
-    if tenants:
+    if len(tenants) > 1 or any(t.guaranteed_bytes or t.max_bytes >= 0 for t in tenants):
         rows = [
             [t.name, t.num_sessions, format_bytes(t.used_bytes), format_bytes(t.guaranteed_bytes) if t.guaranteed_bytes else "-",
              format_bytes(t.max_bytes) if t.max_bytes >= 0 else "-"]
@@ -86,7 +86,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any]
 
 
 def cmd_sessions(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    sessions = [s for s in client.sessions() if s.session_id != client.session_id]
+    sessions = client.sessions()
     rows = [
         [s.session_id, s.pid, s.uid, s.client_name or "-", s.tenant or "-", s.num_buffers, s.num_chunks,
          format_bytes(s.committed_bytes), format_bytes(s.reserved_bytes), _duration(s.connected_s), _reclaim(s)]
@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--bytes: {exc}")
     try:
         instance = args.instance or only_instance(args.run_dir)
-        with Client(InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl") as client:
+        with Client(
+            InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl", observer=True
+        ) as client:
             data, text = handler(client, args)
     except DaemonUnavailable as exc:
         print(f"hbmctl: {exc}", file=sys.stderr)

@@ -76,7 +76,8 @@ class Client:
 
     Use :func:`connect` to find the instance for a device. Not fork-safe: a
     child process must connect again (using the parent's client raises
-    :class:`ForkedClient`).
+    :class:`ForkedClient`). An ``observer`` (a monitoring tool) holds no
+    memory and is not counted among the sessions.
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT_S,
         client_name: str = "",
         tenant: str = "",
+        observer: bool = False,
     ) -> None:
         self.paths = paths
         self.timeout = timeout
@@ -93,7 +95,7 @@ class Client:
         self._handles = HandleChannel(paths, timeout)
         try:
             self.welcome = self._handles.handshake(
-                Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant)
+                Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer)
             )
             self._control = ControlChannel(paths, self.welcome.token, timeout)
         except BaseException:
@@ -331,6 +333,7 @@ def connect(
     timeout: float = DEFAULT_TIMEOUT_S,
     client_name: str = "",
     tenant: str = "",
+    observer: bool = False,
 ) -> Client:
     """Open a session with the daemon serving ``device`` (or the named ``instance``).
 
@@ -339,7 +342,8 @@ def connect(
     """
     if instance is None:
         instance = instance_for(device, run_dir)
-    return Client(InstancePaths.of(run_dir, instance), timeout=timeout, client_name=client_name, tenant=tenant)
+    paths = InstancePaths.of(run_dir, instance)
+    return Client(paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer)
 
 
 def only_instance(run_dir: str | os.PathLike | None) -> str:

@@ -43,7 +43,7 @@ class StateCollector(Collector):
             yield gauge("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes)
             yield gauge("hbmd_device_free_bytes", "Free device memory as the driver reports it (-1 unknown).",
                         backend.free_bytes())
-            yield gauge("hbmd_sessions", "Connected sessions.", len(state.sessions))
+            yield gauge("hbmd_sessions", "Connected worker sessions.", len(state.workers))
             yield gauge("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers))
             yield gauge("hbmd_chunks", "Physical chunks.", state.num_chunks)
 
@@ -61,7 +61,7 @@ class StateCollector(Collector):
             committed = GaugeMetricFamily("hbmd_session_committed_bytes", "Bytes committed per session.", labels=labels)
             reserved = GaugeMetricFamily("hbmd_session_reserved_bytes", "Address space reserved per session.", labels=labels)
             chunks = GaugeMetricFamily("hbmd_session_chunks", "Chunks held per session.", labels=labels)
-            for session in state.sessions.values():
+            for session in state.workers:
                 info = state.session_info(session)
                 values = instance + [str(info.session_id), str(info.pid), info.client_name, info.tenant]
                 committed.add_metric(values, info.committed_bytes)

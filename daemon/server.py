@@ -391,7 +391,13 @@ class Server:
             if not access.admits(conn.uid, conn.groups):
                 raise PermissionDenied(f"uid {conn.uid} is not allowed to use hbmd instance {self.state.backend.instance}")
             session = self.state.open_session(
-                conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant, admin=conn.uid in access.admin_uids
+                conn.pid,
+                conn.uid,
+                conn.gid,
+                hello.client_name,
+                hello.tenant,
+                admin=conn.uid in access.admin_uids,
+                observer=hello.observer,
             )
         except HbmdError as exc:
             self._send_quietly(conn, Refused(exc.code.wire, exc.message))
@@ -525,7 +531,7 @@ class Server:
             budget_bytes=state.budget_bytes,
             committed_bytes=state.committed_bytes,
             reserved_bytes=state.reserved_bytes,
-            num_sessions=len(state.sessions),
+            num_sessions=len(state.workers),
             num_buffers=len(state.buffers),
             num_chunks=state.num_chunks,
             uptime_s=time.monotonic() - state.started_at,
@@ -535,7 +541,7 @@ class Server:
 
     def _list_sessions(self, conn: HandleConnection, request_id: int, msg: ListSessions) -> SessionList:
         me = conn.session
-        return SessionList([self.state.session_info(s) for s in self.state.sessions.values() if me.admin or s.uid == me.uid])
+        return SessionList([self.state.session_info(s) for s in self.state.workers if me.admin or s.uid == me.uid])
 
     def _list_buffers(self, conn: HandleConnection, request_id: int, msg: ListBuffers) -> BufferList:
         me = conn.session

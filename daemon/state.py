@@ -145,6 +145,7 @@ class Session:
     client_name: str
     tenant: Tenant
     admin: bool = False
+    observer: bool = False
     connected_at: float = dataclasses.field(default_factory=time.monotonic)
     buffers: dict[int, "Buffer"] = dataclasses.field(default_factory=dict)
     reclaim: Reclaim | None = None
@@ -246,7 +247,9 @@ class State:
             name = f"uid:{uid}"
         return self.tenants.setdefault(name, Tenant(name))
 
-    def open_session(self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False) -> Session:
+    def open_session(
+        self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False
+    ) -> Session:
         session = Session(
             self._next_session,
             secrets.token_hex(16),
@@ -256,11 +259,17 @@ class State:
             client_name[:MAX_NAME],
             self.tenant_for(uid, tenant),
             admin,
+            observer,
         )
         self._next_session += 1
         self.sessions[session.session_id] = session
         self._by_token[session.token] = session
         return session
+
+    @property
+    def workers(self) -> list[Session]:
+        """The sessions that may hold memory: every one but observers."""
+        return [s for s in self.sessions.values() if not s.observer]
 
     def session_for(self, token: str) -> Session:
         session = self._by_token.get(token)
@@ -297,6 +306,7 @@ class State:
         persistent: bool = False,
         shareable: bool = False,
     ) -> Buffer:
+        self._check_not_observer(session)
         _check_int("capacity", capacity, 1, MAX_CAPACITY)
         _check_int("num_segments", num_segments, 1, min(MAX_SEGMENTS, capacity))
         if capacity % num_segments:
@@ -381,6 +391,7 @@ class State:
 
         Names are per user: another user's buffer of the same name is not found.
         """
+        self._check_not_observer(session)
         buffer = self._orphan(session, name)
         buffer.owner = session
         session.buffers[buffer.buffer_id] = buffer
@@ -390,6 +401,11 @@ class State:
         """Free an orphaned persistent buffer of the session's user by name. Returns its id and the bytes freed."""
         buffer = self._orphan(session, name)
         return buffer.buffer_id, self._drop(buffer)
+
+    @staticmethod
+    def _check_not_observer(session: Session) -> None:
+        if session.observer:
+            raise PermissionDenied("an observer session holds no memory; connect without observer=True")
 
     def _orphan(self, session: Session, name: str) -> Buffer:
         """The session's user's persistent buffer ``name``, refused while a live session holds it."""
@@ -618,7 +634,7 @@ class State:
 
     def tenant_infos(self) -> list[TenantInfo]:
         counts: dict[str, int] = {}
-        for session in self.sessions.values():
+        for session in self.workers:
             counts[session.tenant.name] = counts.get(session.tenant.name, 0) + 1
         return [
             TenantInfo(t.name, t.used_bytes, t.guaranteed_bytes, -1 if t.max_bytes is None else t.max_bytes, counts.get(t.name, 0))

@@ -14,10 +14,14 @@ context current (the one torch uses) before mapping.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
 from hbmd.proto.errors import DriverError, OutOfDeviceMemory
+
+
+log = logging.getLogger("hbmd.driver")
 
 
 class CudaUnavailable(RuntimeError):
@@ -61,7 +65,8 @@ def init() -> None:
     try:
         err, = cu.cuInit(0)
     except Exception as exc:  # the bindings raise their own loader errors
-        raise CudaUnavailable(f"no NVIDIA driver: {exc}") from None
+        log.debug("cuInit raised: %s", exc)
+        raise CudaUnavailable("no NVIDIA driver (libcuda.so.1 could not be loaded)") from None
     if err != cu.CUresult.CUDA_SUCCESS:
         raise CudaUnavailable(f"cuInit failed: {cu.CUresult(err).name}")
 

