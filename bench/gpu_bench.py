@@ -489,7 +489,7 @@ def setup(args: Any):
     # torch creates the primary context first; the client and the baseline then share it.
     torch.zeros(1, device=f"cuda:{DEVICE}")
     torch.cuda.synchronize()
-    with Daemon("--backend", "cuda", "--device", str(DEVICE)) as daemon:
+    with Daemon("--backend", "cuda", "--device", str(DEVICE), "--warm-chunks", str(args.warm_chunks)) as daemon:
         client = connect(f"cuda:{DEVICE}", run_dir=daemon.run_dir, client_name="gpu_bench")
         try:
             client.mapper  # the mapper's context and stream, before any clock starts
@@ -527,8 +527,10 @@ def default_out() -> Path:
 
 
 def main() -> int:
-    args = bench.parser(default_out()).parse_args()
-    return bench.run(args, setup, describe)
+    parser = bench.parser(default_out())
+    parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
+                        help="start the daemon with --warm-chunks N (the commit cases' daemon)")
+    return bench.run(parser.parse_args(), setup, describe)
 
 
 if __name__ == "__main__":

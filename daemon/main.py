@@ -28,7 +28,7 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why."""
 
 
-def select_backend(kind: str, device: int) -> tuple[Backend, str]:
+def select_backend(kind: str, device: int, warm_chunks: int = 0) -> tuple[Backend, str]:
     """The backend named by ``--backend`` and a note on why it was chosen.
 
     ``auto`` takes CUDA where a driver and the device are usable, else host.
@@ -41,7 +41,7 @@ def select_backend(kind: str, device: int) -> tuple[Backend, str]:
     from .backends.cuda import CudaBackend
 
     try:
-        return CudaBackend(device), "as asked" if kind == "cuda" else "auto: CUDA driver and device found"
+        return CudaBackend(device, warm_chunks), "as asked" if kind == "cuda" else "auto: CUDA driver and device found"
     except (CudaUnavailable, HbmdError) as exc:
         if kind == "cuda":
             raise BackendUnavailable(f"CUDA backend unusable for GPU {device}: {exc}") from None
@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"directory for the instance's sockets (default: {DEFAULT_RUN_DIR})")
     parser.add_argument("--budget", metavar="SIZE",
                         help="most bytes committed at once: 96MiB, 120GiB, 90%% (default: all device memory)")
+    parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
+                        help="CUDA: keep N granules created and exported ahead of time, set aside from the budget, "
+                             "so small commits skip the export (default: 0)")
     parser.add_argument("--config", metavar="FILE", help="TOML file with access rules and per-tenant quotas")
     parser.add_argument("--group", metavar="NAME",
                         help="group owning the instance directory and sockets; its members may connect")
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        backend, why = select_backend(args.backend, args.device)
+        backend, why = select_backend(args.backend, args.device, args.warm_chunks)
     except BackendUnavailable as exc:
         log.error("%s", exc)
         return 1
@@ -101,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("--budget: %s", exc)
         return 2
+    held_back = backend.held_back_bytes()
+    if args.warm_chunks < 0 or held_back > budget:
+        log.error("--warm-chunks: %d granules do not fit the budget of %s", args.warm_chunks, format_bytes(budget))
+        return 2
+    budget -= held_back  # the warm pool is device memory too: commits get what is left
     try:
         config = load_config(args.config, backend.total_bytes, budget) if args.config else Config()
     except ConfigError as exc:
@@ -155,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         paths.handles,
         f", metrics http://{args.metrics_addr}/metrics" if args.metrics_addr else "",
     )
+    if held_back:
+        log.info("%s of the budget held back for %d warm chunks", format_bytes(held_back), args.warm_chunks)
+    elif args.warm_chunks:
+        log.warning("--warm-chunks applies to the CUDA backend only; ignored")
     server.publish()
     notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(budget)}")
     try:

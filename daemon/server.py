@@ -248,8 +248,9 @@ class Server:
         self._stopping = True
 
     def run(self) -> None:
+        idle_work = True
         while not self._stopping:
-            events = self._poller.poll(timeout=1000)
+            events = self._poller.poll(timeout=0 if idle_work else 1000)
             with self.lock:
                 for fd_or_socket, _ in events:
                     try:
@@ -260,7 +261,16 @@ class Server:
                 self._expire_pending()
                 if self.persistence is not None:
                     self.persistence.sync()
+                idle_work = self._idle() if not events else True
             self._notifier.watchdog()
+
+    def _idle(self) -> bool:
+        """One step of the backend's background work (the warm pool); False when done or failing."""
+        try:
+            return self.state.backend.idle()
+        except (HbmdError, OSError) as exc:
+            log.debug("background work paused: %s", exc)
+            return False
 
     def _on_event(self, fd_or_socket: object) -> None:
         if fd_or_socket is self._router:

@@ -384,3 +384,26 @@ def test_a_driver_out_of_memory_is_distinct_and_retryable(start_daemon):
         assert client.status().committed_bytes == 0
         too_big.resize_(1 << 30)  # nothing half-done: the next commit works
         assert client.status().committed_bytes == 1 << 30
+
+
+def test_warm_chunks_serve_small_commits_and_come_out_of_the_budget(start_daemon):
+    torch.cuda.init()
+    free_before = torch.cuda.mem_get_info()[0]
+    daemon = start_daemon("--device", "0", "--budget", "1GiB", "--warm-chunks", "4", backend="cuda")
+    with connect("cuda:0", run_dir=daemon.run_dir) as client:
+        assert client.status().budget_bytes == (1 << 30) - 8 * MiB
+        wait_until(lambda: torch.cuda.mem_get_info()[0] <= free_before - 8 * MiB)  # the pool filled while idle
+        t = ExtensibleTensor(64 * MiB, "cuda", num_segments=2, client=client)
+        for step in range(1, 9):  # two single-granule runs per commit: warm chunks, then refills
+            t.resize_per_segment_(step * 2 * MiB, zero_new=True)
+            view = t.full_view()
+            view[(step - 1) * 2 * MiB : step * 2 * MiB].fill_(step)
+            view[32 * MiB + (step - 1) * 2 * MiB : 32 * MiB + step * 2 * MiB].fill_(100 + step)
+        torch.cuda.synchronize()
+        for step in range(1, 9):
+            assert bool((view[(step - 1) * 2 * MiB : step * 2 * MiB] == step).all())
+            assert bool((view[32 * MiB + (step - 1) * 2 * MiB : 32 * MiB + step * 2 * MiB] == 100 + step).all())
+        assert t.num_chunks == 16 and client.status().committed_bytes == 32 * MiB
+        t.free()
+    assert daemon.stop() == 0
+    wait_until(lambda: torch.cuda.mem_get_info()[0] >= free_before - 16 * MiB)  # the pool went with the daemon

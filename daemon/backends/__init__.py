@@ -73,5 +73,13 @@ class Backend(abc.ABC):
     def free_bytes(self) -> int:
         """Memory free on the device right now, as its driver or kernel reports it."""
 
+    def held_back_bytes(self) -> int:
+        """Device memory the backend keeps for itself (a warm pool), taken out of the budget."""
+        return 0
+
+    def idle(self) -> bool:
+        """A little background work while no request waits; True while more remains."""
+        return False
+
     def close(self) -> None:
         """Release the backend itself at shutdown."""

@@ -36,15 +36,34 @@ class AdoptedChunk:
 
 
 @dataclasses.dataclass
+class WarmChunk:
+    """A granule created and exported while the daemon was idle; its FD goes to the first export."""
+
+    handle: Any
+    fd: int
+    """-1 once handed out."""
+
+
+@dataclasses.dataclass
 class CudaArena:
     rdma: bool
     """Whether this buffer's chunks are GPU-direct-RDMA capable."""
 
 
 class CudaBackend(Backend):
+    """One GPU's memory. ``warm_chunks`` granules are kept created and exported ahead of time.
+
+    Exporting a POSIX FD costs about as much as everything else in a small
+    commit (0.5-0.7 ms on the H200), so single-granule runs, the common case
+    of block-by-block growth, take a warm chunk when one is there; the
+    server tops the pool up while idle.
+    """
+
     name = "cuda"
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, warm_chunks: int = 0) -> None:
+        self.warm_target = warm_chunks
+        self._warm: list[WarmChunk] = []
         driver.pin_device_order()
         driver.init()
         count = driver.device_count()
@@ -68,6 +87,8 @@ class CudaBackend(Backend):
         return CudaArena(rdma=shareable and not self._rdma_refused)
 
     def create(self, arena: CudaArena, offset: int, size: int) -> Any:
+        if size == self.granularity and not arena.rdma and self._warm:
+            return self._warm.pop()
         if arena.rdma:
             try:
                 return driver.create(self.device_index, size, rdma=True)
@@ -85,11 +106,20 @@ class CudaBackend(Backend):
     def export(self, arena: CudaArena, chunk: Any) -> int:
         if isinstance(chunk, AdoptedChunk):
             return os.dup(chunk.fd)
+        if isinstance(chunk, WarmChunk):
+            if chunk.fd >= 0:
+                fd, chunk.fd = chunk.fd, -1
+                return fd
+            return driver.export_fd(chunk.handle)
         return driver.export_fd(chunk)
 
     def release(self, arena: CudaArena, chunk: Any) -> None:
         if isinstance(chunk, AdoptedChunk):
             os.close(chunk.fd)
+        elif isinstance(chunk, WarmChunk):
+            if chunk.fd >= 0:
+                os.close(chunk.fd)
+            driver.release(chunk.handle)
         else:
             driver.release(chunk)
 
@@ -109,6 +139,26 @@ class CudaBackend(Backend):
         if fd is None:
             raise driver.CudaUnavailable("a CUDA chunk cannot be adopted without its FD")
         return AdoptedChunk(os.dup(fd))
+
+    def held_back_bytes(self) -> int:
+        return self.warm_target * self.granularity
+
+    def idle(self) -> bool:
+        """Create and export one warm chunk if the pool is short; True while it still is."""
+        if len(self._warm) >= self.warm_target:
+            return False
+        handle = driver.create(self.device_index, self.granularity, rdma=False)
+        try:
+            fd = driver.export_fd(handle)
+        except BaseException:
+            driver.release(handle)
+            raise
+        self._warm.append(WarmChunk(handle, fd))
+        return len(self._warm) < self.warm_target
+
+    def close(self) -> None:
+        while self._warm:
+            self.release(CudaArena(rdma=False), self._warm.pop())
 
     def free_bytes(self) -> int:
         """From NVML, which needs no context; -1 where NVML is unavailable."""
