@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, summary, example) in COMMANDS.items():
         p = sub.add_parser(name, help=summary, description=summary, epilog=f"example: {example}")
         _add_common(p, defaults=False)
-        if name == "buffers":
+        if name in ("buffers", "watch"):
             p.add_argument("--session", type=int, default=-1, metavar="ID", help="only this session's buffers")
         if name == "delete":
             p.add_argument("name", metavar="NAME", help="the persistent buffer's name")

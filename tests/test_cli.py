@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from hbmd.client import ExtensibleTensor, PermissionDenied
@@ -126,3 +127,20 @@ def test_hbmctl_is_an_observer_it_is_neither_counted_nor_listed(daemon, client):
         ExtensibleTensor(4 * MiB, "cpu", client=observer)
     assert client.status().num_sessions == 1
     observer.close()
+
+
+def test_watch_refreshes_until_ctrl_c(daemon, client):
+    ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", "--interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(1.5)
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0, err
+    assert out.count("● hbmd instance host") >= 2 and "committed: 6.0 MiB" in out and "Ctrl-C" in out
