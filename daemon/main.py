@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory to serve (default: auto, CUDA where a driver and the device are present, else host)")
     parser.add_argument("--device", type=int, default=0, metavar="N",
                         help="GPU index as nvidia-smi numbers it (default: 0)")
-    parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR, metavar="DIR",
-                        help=f"directory for the instance's sockets (default: {DEFAULT_RUN_DIR})")
+    parser.add_argument("--run-dir", default=None, metavar="DIR",
+                        help=f"directory for the instance's sockets (default: $HBMD_RUN_DIR, else {DEFAULT_RUN_DIR})")
     parser.add_argument("--budget", metavar="SIZE",
                         help="most bytes committed at once: 96MiB, 120GiB, 90%% (default: all device memory)")
     parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
