@@ -9,7 +9,9 @@ class ExtensibleKVCacheBuffers:
     """Several :class:`ExtensibleTensor` sized in KV blocks, committed in lockstep.
 
     ``buffers`` is a list of ``(tensor, bytes_per_block_per_segment)``;
-    nothing is committed at construction.
+    nothing is committed at construction. Over attached buffers, which
+    arrive committed, ``num_blocks_committed`` starts at the blocks every
+    buffer already holds.
     """
 
     def __init__(self, buffers: list[tuple[ExtensibleTensor, int]], num_blocks_capacity: int) -> None:
@@ -25,7 +27,7 @@ class ExtensibleKVCacheBuffers:
                 )
         self.buffers = buffers
         self.num_blocks_capacity = num_blocks_capacity
-        self.num_blocks_committed = 0
+        self.num_blocks_committed = min((t.bytes_per_segment // per_block for t, per_block in buffers), default=0)
         self._blocks_before_release = 0
 
     def commit(self, num_blocks: int, defragment: bool = False, preserve: bool = False) -> None:

@@ -247,3 +247,18 @@ def test_kv_views_keep_base_pointers_and_strides(client):
     assert blocks_first.stride(1) > blocks_first.stride(0) and blocks_first.data_ptr() == t.base_ptr
     with pytest.raises(ValueError):
         kv_view(t, (2, blocks + 1, block_size, heads, head_dim), (0, 1, 2, 3, 4), torch.float16)
+
+
+def test_kv_buffers_over_attached_tensors_start_at_their_committed_blocks(daemon, client):
+    creator = daemon.connect()
+    kv = ExtensibleKVCacheBuffers(
+        [(ExtensibleTensor(32 * MiB, "cpu", num_segments=2, client=creator, name="kv-a", persistent=True), MiB)], 16
+    )
+    kv.commit(5)
+    creator.close()
+    wait_until(lambda: client.buffers()[0].session_id == 0)
+    attached = ExtensibleKVCacheBuffers([(ExtensibleTensor.attach("kv-a", "cpu", client=client), MiB)], 16)
+    assert attached.num_blocks_committed == 5
+    attached.commit(3)  # smaller: ignored, nothing shrinks
+    attached.commit(8)
+    assert attached.num_blocks_committed == 8 and attached.physical_bytes == 16 * MiB
