@@ -1,0 +1,709 @@
+"""A real decoder whose KV cache lives in hbmd buffers: serve, crash and resume, sleep and wake, share a GPU.
+
+    python examples/engine.py --run-dir DIR MODE [--device cpu|cuda] [--config tiny|gpu] [--start-daemon] [--json] ...
+
+Modes:
+
+- ``generate``: one engine: warm up on a few KV blocks, size the cache from
+  what the daemon has left, prefill a batch of seeded random prompts and
+  greedy-decode. ``--persistent`` names its buffers ``<name>-kv-layerN`` and
+  saves the decode state after every step; ``--kill-after K`` SIGKILLs the
+  process after K decode steps; ``--resume`` attaches the buffers and the
+  state a dead worker left and finishes the request; ``--hold`` keeps the
+  session until a line arrives on stdin.
+- ``crash-resume``: an uninterrupted run, a run killed halfway, a resumed
+  run; are the tokens identical, and how long did resuming take against
+  recomputing the prefix?
+- ``sleep-wake``: serve a request, release the KV cache's pages (the
+  daemon's committed bytes drop), recommit, serve another request and
+  compare it with a fresh engine's answer.
+- ``two-engines``: two engines with different models under one daemon; the
+  second sizes its cache from what the first left. Each declares a tenant,
+  and ``--daemon-config FILE`` starts the daemon with a quota file.
+
+``--start-daemon`` starts ``hbmd`` under the run directory for the run (host
+backend for ``--device cpu``, CUDA for ``cuda``) and stops it at the end;
+otherwise a daemon must be serving there. Progress goes to stderr; the
+result goes to stdout as a short summary or, with ``--json``, as one JSON
+line (the summary then goes to stderr).
+The exit status is 1 when a mode's check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from hbmd.client import Client, connect
+from hbmd.proto.layout import instance_published_by
+from hbmd.proto.units import format_bytes, parse_size
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+WORKLOADS = {
+    # config: (batch, longest prompt, new tokens per sequence)
+    "tiny": (4, 40, 24),
+    "small": (4, 40, 24),
+    "gpu": (8, 2048, 64),
+    "gpu-small": (8, 2048, 64),
+}
+SECOND_CONFIG = {"tiny": "small", "small": "tiny", "gpu": "gpu-small", "gpu-small": "gpu"}
+DEFAULT_BUDGET = {"cpu": "256MiB", "cuda": "50%"}
+DEFAULT_MARGIN = {"cpu": "0", "cuda": "1GiB"}
+
+
+def log(who: str, message: str) -> None:
+    print(f"[{who}] {message}", file=sys.stderr, flush=True)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+# the daemon
+
+
+@contextlib.contextmanager
+def daemon_for(args: argparse.Namespace) -> Iterator[str | None]:
+    """With ``--start-daemon``, an ``hbmd`` subprocess serving the run directory for the block; yields its instance."""
+    if not args.start_daemon:
+        yield None
+        return
+    backend = "cuda" if args.device == "cuda" else "host"
+    budget = args.budget or DEFAULT_BUDGET[args.device]
+    command = [
+        sys.executable,
+        "-m",
+        "hbmd.daemon",
+        "--backend",
+        backend,
+        "--run-dir",
+        str(args.run_dir),
+        "--budget",
+        budget,
+    ]
+    if args.daemon_config:
+        command += ["--config", str(args.daemon_config)]
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = args.run_dir / "hbmd.log"
+    with open(log_path, "ab") as daemon_log:
+        proc = subprocess.Popen(command, stdout=daemon_log, stderr=subprocess.STDOUT)
+    try:
+        instance = _wait_for_instance(args.run_dir, proc, log_path)
+        log("daemon", f"hbmd pid {proc.pid} serves {instance} ({backend} backend, budget {budget}); log in {log_path}")
+        yield instance
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _wait_for_instance(run_dir: Path, proc: subprocess.Popen, log_path: Path, timeout: float = 30.0) -> str:
+    """The instance the daemon ``proc`` published (``<run_dir>/<instance>/instance.json`` naming its pid)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"hbmd exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-2000:]}")
+        instance = instance_published_by(run_dir, proc.pid)
+        if instance is not None:
+            return instance
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"hbmd did not publish its instance within {timeout:.0f}s; see {log_path}")
+
+
+def connect_for(args: argparse.Namespace, instance: str | None, client_name: str, tenant: str = "") -> Client:
+    """A session with the daemon serving ``--device`` under the run directory."""
+    if instance is not None:
+        return connect(run_dir=args.run_dir, instance=instance, client_name=client_name, tenant=tenant)
+    # "cuda:0", not "cuda": naming the index keeps an orchestrator from creating a CUDA context just to ask torch.
+    return connect(
+        "cuda:0" if args.device == "cuda" else "cpu", run_dir=args.run_dir, client_name=client_name, tenant=tenant
+    )
+
+
+# generate: one engine, in this process
+
+
+def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """Serve one batch (or finish a dead worker's batch with ``--resume``); the result as a dict."""
+    import torch
+    from serving import DecodeState, Engine, Sizing, config_named, make_prompts
+
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.init()  # torch's primary context first: hbmd's client maps into it
+    client = connect_for(args, instance, f"engine {args.name}", args.tenant)
+    state_path = args.run_dir / f"{args.name}.state.json"
+    started = time.perf_counter()
+    resumed_at = None
+    if args.resume:
+        load_start = time.perf_counter()
+        state = DecodeState.load(state_path)
+        state_s = time.perf_counter() - load_start
+        engine = Engine(
+            client,
+            config_named(state.config),
+            device,
+            weights_seed=state.weights_seed,
+            batch_size=state.batch_size,
+            name=args.name,
+            persistent=True,
+        )
+        engine.resume(state)
+        engine.timings["state_s"] = state_s
+        engine.timings["resume_s"] = state_s + engine.timings["attach_s"]
+        engine.capture()
+        resumed_at = state.step
+        in_cache = [list(g) for g in state.generated]
+        log(args.name, f"resuming at decode step {state.step} of {state.new_tokens - 1}")
+    else:
+        engine = Engine(
+            client,
+            config_named(args.config),
+            device,
+            weights_seed=args.seed,
+            batch_size=args.batch,
+            name=args.name,
+            persistent=args.persistent,
+        )
+        engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant))
+        prompts = make_prompts(engine.config, args.prompt_seed, args.batch, args.prompt_len)
+        state = engine.prefill(prompts, args.prompt_seed, args.prompt_len, args.new_tokens)
+
+    def checkpoint(state: DecodeState) -> None:
+        if engine.persistent:
+            state.save(state_path)
+        if args.kill_after is not None and state.step == args.kill_after:
+            log(args.name, f"SIGKILL after decode step {state.step}")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if not args.resume:
+        checkpoint(state)
+    engine.decode(state, after_step=checkpoint)
+    if resumed_at is not None:
+        prompts = make_prompts(engine.config, state.prompt_seed, len(state.prompt_lens), state.prompt_len)
+        if [len(p) for p in prompts] != state.prompt_lens:
+            raise RuntimeError("the prompts rebuilt from the saved seed differ from the ones served")
+        engine.timings["recompute_s"] = engine.time_recompute(prompts, in_cache)
+        engine.timings["recompute_tokens"] = sum(len(p) + len(g) - 1 for p, g in zip(prompts, in_cache))
+    engine.timings["total_s"] = time.perf_counter() - started
+    session = next(s for s in client.sessions() if s.session_id == client.session_id)
+    result = {
+        "mode": "generate",
+        "ok": True,
+        "engine": args.name,
+        "pid": os.getpid(),
+        "config": engine.config.name,
+        "device": str(device),
+        "params": engine.num_params,
+        "tenant": session.tenant,
+        "batch": len(state.prompt_lens),
+        "prompt_lens": state.prompt_lens,
+        "new_tokens": state.new_tokens,
+        "resumed_at_step": resumed_at,
+        "graph": engine.step_fn.graph is not None,
+        "tokens": state.generated,
+        "kv": engine.kv_summary(),
+        "session_committed_bytes": session.committed_bytes,
+        "timings": engine.timings,
+    }
+    if args.hold:
+        emit(args, result)
+        sys.stdin.readline()
+    engine.cache.free()
+    if engine.persistent:
+        state_path.unlink(missing_ok=True)
+    client.close()
+    return result
+
+
+def summarize_generate(r: dict[str, Any]) -> str:
+    kv, t = r["kv"], r["timings"]
+    lines = [
+        f"engine {r['engine']} ({r['config']}, {r['params'] / 1e6:.1f}M params, {r['device']}, "
+        f"decode step {'in a CUDA graph' if r['graph'] else 'eager'}): {r['batch']} sequences x {r['new_tokens']} new tokens",
+        f"  KV cache: {kv['num_blocks']} blocks x {format_bytes(kv['bytes_per_block'])} = {format_bytes(kv['physical_bytes'])} "
+        f"in {kv['buffers']} hbmd buffers ({kv['segments']} segments, {kv['chunks']} chunks); "
+        f"session committed {format_bytes(r['session_committed_bytes'])}",
+        f"  decode {t['decode_steps']:.0f} steps in {ms(t['decode_s'])}"
+        + (f", prefill {ms(t['prefill_s'])}" if "prefill_s" in t else ""),
+    ]
+    if r["resumed_at_step"] is not None:
+        lines.append(
+            f"  resumed at step {r['resumed_at_step']}: setup {ms(t['resume_s'])} (attach {ms(t['attach_s'])}) "
+            f"vs recomputing the prefix {ms(t['recompute_s'])} ({t['recompute_tokens']:.0f} tokens)"
+        )
+    return "\n".join(lines)
+
+
+# orchestrated modes: engines as subprocesses
+
+
+def engine_command(args: argparse.Namespace, *extra: str) -> list[str]:
+    """The ``generate`` command line for an engine subprocess, with this run's workload options."""
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--run-dir",
+        str(args.run_dir),
+        "generate",
+        "--json",
+        "--device",
+        args.device,
+        "--config",
+        args.config,
+        "--seed",
+        str(args.seed),
+        "--prompt-seed",
+        str(args.prompt_seed),
+        "--batch",
+        str(args.batch),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--new-tokens",
+        str(args.new_tokens),
+        "--warmup-blocks",
+        str(args.warmup_blocks),
+        "--margin",
+        str(args.margin),
+    ]
+    return command + list(extra)
+
+
+def run_engine(args: argparse.Namespace, *extra: str, killed: bool = False) -> dict[str, Any] | None:
+    """Run an engine to completion (or, with ``killed``, to its SIGKILL); its JSON result."""
+    proc = subprocess.run(engine_command(args, *extra), stdout=subprocess.PIPE, text=True, timeout=args.timeout)
+    if killed:
+        if proc.returncode != -signal.SIGKILL:
+            raise RuntimeError(f"the engine was to die of SIGKILL; it exited with {proc.returncode}")
+        return None
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine {' '.join(extra)} exited with {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class HeldEngine:
+    """An engine subprocess that serves, reports, then holds its session until released (``generate --hold``)."""
+
+    def __init__(self, args: argparse.Namespace, *extra: str) -> None:
+        self.timeout = args.timeout
+        self.proc = subprocess.Popen(
+            engine_command(args, "--hold", *extra), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def result(self) -> dict[str, Any]:
+        selector = selectors.DefaultSelector()
+        selector.register(self.proc.stdout, selectors.EVENT_READ)
+        if not selector.select(self.timeout):
+            raise TimeoutError(f"engine pid {self.proc.pid} reported nothing in {self.timeout}s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine pid {self.proc.pid} exited with {self.proc.wait(5)} before reporting")
+        return json.loads(line)
+
+    def release(self) -> None:
+        self.proc.stdin.write("\n")
+        self.proc.stdin.close()
+        if self.proc.wait(self.timeout) != 0:
+            raise RuntimeError(f"engine pid {self.proc.pid} exited with {self.proc.returncode}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout}s")
+        time.sleep(0.02)
+
+
+def kv_buffers_of(client: Client, engine: str) -> list:
+    from paged_kv import buffer_name
+
+    prefix = buffer_name(engine, 0)[: -len("0")]
+    return [b for b in client.buffers() if b.name.startswith(prefix)]
+
+
+def crash_resume(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """Uninterrupted run, a run SIGKILLed after ``--kill-after`` steps, and its resumption: same tokens?"""
+    kill_after = args.kill_after if args.kill_after is not None else (args.new_tokens - 1) // 2
+    observer = connect_for(args, instance, "crash-resume")
+    for stale in kv_buffers_of(observer, args.name):
+        log("crash-resume", f"deleting {stale.name}, left by an earlier run")
+        observer.delete(stale.name)
+    (args.run_dir / f"{args.name}.state.json").unlink(missing_ok=True)
+
+    log("crash-resume", "1/3 uninterrupted reference run")
+    reference = run_engine(args, "--name", f"{args.name}-reference")
+    log("crash-resume", f"2/3 persistent run, SIGKILLed after {kill_after} decode steps")
+    run_engine(args, "--name", args.name, "--persistent", "--kill-after", str(kill_after), killed=True)
+    # The daemon ends the session when the dead worker's socket closes; until then the buffers are still attached.
+    wait_until(lambda: all(b.session_id == 0 for b in kv_buffers_of(observer, args.name)))
+    orphans = kv_buffers_of(observer, args.name)
+    log(
+        "crash-resume",
+        f"the daemon keeps {len(orphans)} orphaned buffers, "
+        f"{format_bytes(sum(b.physical_bytes for b in orphans))} committed",
+    )
+    log("crash-resume", "3/3 a new worker attaches them and resumes")
+    resumed = run_engine(args, "--name", args.name, "--resume")
+    leftover = kv_buffers_of(observer, args.name)
+    observer.close()
+    t = resumed["timings"]
+    identical = resumed["tokens"] == reference["tokens"]
+    return {
+        "mode": "crash-resume",
+        "ok": identical and resumed["resumed_at_step"] == kill_after and not leftover,
+        "tokens_identical": identical,
+        "config": reference["config"],
+        "device": reference["device"],
+        "killed_at_step": resumed["resumed_at_step"],
+        "decode_steps": args.new_tokens - 1,
+        "orphaned_buffers": len(orphans),
+        "orphaned_bytes": sum(b.physical_bytes for b in orphans),
+        "resume_s": t["resume_s"],
+        "attach_s": t["attach_s"],
+        "recompute_s": t["recompute_s"],
+        "recompute_tokens": t["recompute_tokens"],
+        "saved_s": t["recompute_s"] - t["resume_s"],
+        "buffers_left_after": len(leftover),
+        "reference": reference,
+        "resumed": resumed,
+    }
+
+
+def summarize_crash_resume(r: dict[str, Any]) -> str:
+    res = r["resumed"]
+    return "\n".join(
+        [
+            f"crash-resume ({r['config']} on {r['device']}): "
+            f"SIGKILL after {r['killed_at_step']} of {r['decode_steps']} decode steps; "
+            f"the daemon kept {r['orphaned_buffers']} persistent buffers ({format_bytes(r['orphaned_bytes'])} committed)",
+            f"  tokens identical to an uninterrupted run: {'yes' if r['tokens_identical'] else 'NO'} "
+            f"({res['batch']} sequences x {res['new_tokens']} tokens)",
+            f"  resume setup {ms(r['resume_s'])} (attach {res['kv']['buffers']} buffers {ms(r['attach_s'])}) "
+            f"vs recomputing the prefix "
+            f"{ms(r['recompute_s'])} (prefill of {r['recompute_tokens']:.0f} tokens): "
+            + (f"{ms(r['saved_s'])} saved" if r["saved_s"] >= 0 else f"{ms(-r['saved_s'])} more than recomputing"),
+            f"  bytes committed: {format_bytes(res['kv']['physical_bytes'])} KV cache; "
+            f"buffers left after the run: {r['buffers_left_after']}",
+        ]
+    )
+
+
+def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """Serve, release the KV pages, recommit, serve another request; compare it with a fresh engine."""
+    import torch
+    from paged_kv import BlockTables
+    from serving import Engine, Sizing, config_named, make_prompts
+
+    second_seed = args.prompt_seed + 1
+    # The fresh run first: it can size its cache freely and is gone before this engine takes its share.
+    log("sleep-wake", f"fresh engine serving request B (prompt seed {second_seed}), for comparison")
+    fresh = run_engine(args, "--name", f"{args.name}-fresh", "--prompt-seed", str(second_seed))
+
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.init()
+    client = connect_for(args, instance, f"engine {args.name}", args.tenant)
+    engine = Engine(
+        client, config_named(args.config), device, weights_seed=args.seed, batch_size=args.batch, name=args.name
+    )
+    engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant))
+    base_ptrs = [view.data_ptr() for view in engine.cache.layers]
+
+    def serve(prompt_seed: int) -> list[list[int]]:
+        prompts = make_prompts(engine.config, prompt_seed, args.batch, args.prompt_len)
+        return engine.decode(engine.prefill(prompts, prompt_seed, args.prompt_len, args.new_tokens)).generated
+
+    def committed() -> tuple[int, int]:
+        mine = next(s for s in client.sessions() if s.session_id == client.session_id)
+        return client.status().committed_bytes, mine.committed_bytes
+
+    log("sleep-wake", f"request A (prompt seed {args.prompt_seed})")
+    serve(args.prompt_seed)
+    awake = committed()
+    start = time.perf_counter()
+    engine.cache.release_physical()
+    release_s = time.perf_counter() - start
+    asleep = committed()
+    log("sleep-wake", f"asleep: daemon committed {format_bytes(awake[0])} -> {format_bytes(asleep[0])}")
+    show_hbmctl(args, instance)
+    start = time.perf_counter()
+    engine.cache.recommit()
+    recommit_s = time.perf_counter() - start
+    engine.tables = BlockTables(engine.config.block_size, engine.cache.num_blocks)
+    rewoken = committed()
+    log("sleep-wake", f"awake: {engine.cache.num_blocks} blocks recommitted; request B (prompt seed {second_seed})")
+    second = serve(second_seed)
+    num_blocks = engine.cache.num_blocks
+    same_ptrs = base_ptrs == [view.data_ptr() for view in engine.cache.layers]
+    engine.cache.free()
+    client.close()
+    identical = second == fresh["tokens"]
+    return {
+        "mode": "sleep-wake",
+        "ok": identical and asleep[1] == 0 and rewoken[1] == awake[1] and same_ptrs,
+        "tokens_identical": identical,
+        "config": engine.config.name,
+        "device": str(device),
+        "graph": engine.step_fn.graph is not None,
+        "base_pointers_kept": same_ptrs,
+        "num_blocks": num_blocks,
+        "committed_awake_bytes": awake[0],
+        "committed_asleep_bytes": asleep[0],
+        "committed_rewoken_bytes": rewoken[0],
+        "session_awake_bytes": awake[1],
+        "session_asleep_bytes": asleep[1],
+        "release_s": release_s,
+        "recommit_s": recommit_s,
+        "tokens": second,
+        "fresh_tokens": fresh["tokens"],
+    }
+
+
+def show_hbmctl(args: argparse.Namespace, instance: str | None) -> None:
+    """What an operator sees meanwhile: ``hbmctl status``, to stderr."""
+    command = [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(args.run_dir)]
+    if instance is not None:
+        command += ["--instance", instance]
+    shown = subprocess.run(command + ["status"], capture_output=True, text=True, timeout=60)
+    print(shown.stdout + shown.stderr, file=sys.stderr, end="", flush=True)
+
+
+def summarize_sleep_wake(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"sleep-wake ({r['config']} on {r['device']}, {r['num_blocks']} KV blocks, "
+            f"decode step {'in a CUDA graph' if r['graph'] else 'eager'}):",
+            f"  daemon committed: awake {format_bytes(r['committed_awake_bytes'])}, "
+            f"asleep {format_bytes(r['committed_asleep_bytes'])} (release {ms(r['release_s'])}), "
+            f"awake again {format_bytes(r['committed_rewoken_bytes'])} (recommit {ms(r['recommit_s'])})",
+            f"  base pointers kept: {'yes' if r['base_pointers_kept'] else 'NO'}; "
+            f"request B after wake identical to a fresh engine: {'yes' if r['tokens_identical'] else 'NO'}",
+        ]
+    )
+
+
+def two_engines(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """Engine A takes ``--kv-share`` of what fits; engine B, another model, sizes from what is left."""
+    second_config = args.second_config or SECOND_CONFIG[args.config]
+    tenants = args.tenants.split(",")
+    if len(tenants) != 2:
+        raise ValueError(f"--tenants takes two names, got {args.tenants!r}")
+    batch, prompt_len, new_tokens = WORKLOADS[second_config]
+    held: list[HeldEngine] = []
+    try:
+        log("two-engines", f"engine A: {args.config}, tenant {tenants[0]}, takes {args.kv_share:.0%} of what fits")
+        held.append(HeldEngine(args, "--name", "engine-a", "--tenant", tenants[0], "--kv-share", str(args.kv_share)))
+        first = held[0].result()
+        log("two-engines", f"engine B: {second_config}, tenant {tenants[1]}, takes what is left")
+        held.append(
+            HeldEngine(
+                args,
+                "--name",
+                "engine-b",
+                "--tenant",
+                tenants[1],
+                "--config",
+                second_config,
+                "--batch",
+                str(batch),
+                "--prompt-len",
+                str(prompt_len),
+                "--new-tokens",
+                str(new_tokens),
+            )
+        )
+        second = held[1].result()
+        observer = connect_for(args, instance, "two-engines")
+        status = observer.status()
+        sessions = [s for s in observer.sessions() if s.pid in (first["pid"], second["pid"])]
+        observer.close()
+        for engine in held:
+            engine.release()
+    finally:
+        for engine in held:
+            engine.kill()
+    by_pid = {s.pid: s for s in sessions}
+    rows = [
+        {
+            "engine": r["engine"],
+            "config": r["config"],
+            "params": r["params"],
+            "tenant": by_pid[r["pid"]].tenant,
+            "session_id": by_pid[r["pid"]].session_id,
+            "committed_bytes": by_pid[r["pid"]].committed_bytes,
+            "num_blocks": r["kv"]["num_blocks"],
+            "bytes_per_block": r["kv"]["bytes_per_block"],
+            "tokens": r["kv"]["tokens"],
+            "available_at_sizing": r["kv"]["available_at_sizing"],
+        }
+        for r in (first, second)
+        if r["pid"] in by_pid
+    ]
+    return {
+        "mode": "two-engines",
+        "ok": len(rows) == 2 and all(row["committed_bytes"] > 0 for row in rows),
+        "device": first["device"],
+        "budget_bytes": status.budget_bytes,
+        "committed_bytes": status.committed_bytes,
+        "sessions": rows,
+        "tenants": [
+            {
+                "name": t.name,
+                "used_bytes": t.used_bytes,
+                "guaranteed_bytes": t.guaranteed_bytes,
+                "max_bytes": t.max_bytes,
+            }
+            for t in getattr(status, "tenants", None) or []
+        ],
+        "engines": [first, second],
+    }
+
+
+def summarize_two_engines(r: dict[str, Any]) -> str:
+    lines = [
+        f"two engines under one daemon on {r['device']} (budget {format_bytes(r['budget_bytes'])}, "
+        f"committed {format_bytes(r['committed_bytes'])}):"
+    ]
+    for row in r["sessions"]:
+        lines.append(
+            f"  session {row['session_id']} {row['engine']} "
+            f"({row['config']}, {row['params'] / 1e6:.1f}M params, tenant {row['tenant']}): "
+            f"{row['num_blocks']} blocks x {format_bytes(row['bytes_per_block'])} = {row['tokens']} tokens, "
+            f"committed {format_bytes(row['committed_bytes'])} "
+            f"(saw {format_bytes(row['available_at_sizing'])} left after warm-up)"
+        )
+    for t in r["tenants"]:
+        limit = f", max {format_bytes(t['max_bytes'])}" if t["max_bytes"] >= 0 else ""
+        lines.append(
+            f"  tenant {t['name']}: uses {format_bytes(t['used_bytes'])}, guaranteed {format_bytes(t['guaranteed_bytes'])}{limit}"
+        )
+    return "\n".join(lines)
+
+
+MODES = {
+    "generate": (generate, summarize_generate),
+    "crash-resume": (crash_resume, summarize_crash_resume),
+    "sleep-wake": (sleep_wake, summarize_sleep_wake),
+    "two-engines": (two_engines, summarize_two_engines),
+}
+
+
+def emit(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """The summary on stdout; with ``--json`` the JSON line there instead, and the summary with the progress on stderr."""
+    summary = MODES[result["mode"]][1](result)
+    if args.json:
+        print(summary, file=sys.stderr, flush=True)
+        print(json.dumps(result), flush=True)
+    else:
+        print(summary, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--run-dir", type=Path, required=True, help="the daemon's run directory (short: socket paths)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    common.add_argument(
+        "--config", help="model config: tiny, small (CPU), gpu, gpu-small (default: tiny on cpu, gpu on cuda)"
+    )
+    common.add_argument("--seed", type=int, default=0, help="weights seed")
+    common.add_argument("--prompt-seed", type=int, default=1)
+    common.add_argument("--batch", type=int, help="sequences per request (the decode batch)")
+    common.add_argument("--prompt-len", type=int, help="longest prompt; lengths are drawn from [len/2, len]")
+    common.add_argument("--new-tokens", type=int, help="tokens generated per sequence (the prefill's one included)")
+    common.add_argument("--warmup-blocks", type=int, default=4, help="KV blocks committed for warm-up")
+    common.add_argument("--margin", help="bytes left free when sizing the KV cache (default: 0 on cpu, 1GiB on cuda)")
+    common.add_argument(
+        "--kv-share",
+        type=float,
+        help="fraction of what fits that the engine commits (default: 1, engine A's in two-engines 0.5)",
+    )
+    common.add_argument(
+        "--name", default="engine", help="engine name: labels, persistent buffer names <name>-kv-layerN"
+    )
+    common.add_argument("--tenant", default="", help="tenant declared to the daemon (quota accounting)")
+    common.add_argument("--kill-after", type=int, metavar="K", help="SIGKILL this process after K decode steps")
+    common.add_argument(
+        "--json", action="store_true", help="print one JSON line on stdout (the summary goes to stderr)"
+    )
+    common.add_argument("--start-daemon", action="store_true", help="start hbmd under --run-dir for this run")
+    common.add_argument("--budget", help="the started daemon's --budget (default: 256MiB on cpu, 50%% on cuda)")
+    common.add_argument(
+        "--daemon-config", type=Path, metavar="FILE", help="the started daemon's --config (tenant quotas, TOML)"
+    )
+    common.add_argument("--timeout", type=float, default=300.0, help="seconds an engine subprocess may take")
+    modes = parser.add_subparsers(dest="mode", required=True)
+    gen = modes.add_parser("generate", parents=[common], help="one engine serves a batch")
+    gen.add_argument(
+        "--persistent", action="store_true", help="persistent named buffers and a state file saved every step"
+    )
+    gen.add_argument(
+        "--resume", action="store_true", help="attach the buffers and state a dead worker left, and finish"
+    )
+    gen.add_argument("--hold", action="store_true", help="after reporting, keep the session until a line on stdin")
+    modes.add_parser("crash-resume", parents=[common], help="kill a worker halfway, resume it, compare")
+    modes.add_parser("sleep-wake", parents=[common], help="release and recommit the KV cache between requests")
+    two = modes.add_parser("two-engines", parents=[common], help="two models under one daemon")
+    two.add_argument("--second-config", help="engine B's model (default: small for tiny, gpu-small for gpu)")
+    two.add_argument("--tenants", default="engine-a,engine-b", help="the two engines' tenant names")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.config = args.config or ("gpu" if args.device == "cuda" else "tiny")
+    if args.config not in WORKLOADS:
+        parser.error(f"--config: unknown model {args.config!r}; choose from {', '.join(WORKLOADS)}")
+    batch, prompt_len, new_tokens = WORKLOADS[args.config]
+    args.batch = args.batch or batch
+    args.prompt_len = args.prompt_len or prompt_len
+    args.new_tokens = args.new_tokens or new_tokens
+    try:
+        args.margin = parse_size(args.margin or DEFAULT_MARGIN[args.device])
+    except ValueError as exc:
+        parser.error(f"--margin: {exc}")
+    # Not set_defaults on the two-engines parser: the options' actions are shared by every mode through `common`.
+    args.kv_share = args.kv_share or (0.5 if args.mode == "two-engines" else 1.0)
+    if not 0 < args.kv_share <= 1:
+        parser.error("--kv-share must be in (0, 1]")
+    if args.kill_after is not None and not 0 <= args.kill_after < args.new_tokens - 1:
+        parser.error(f"--kill-after must be below the {args.new_tokens - 1} decode steps")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run, _ = MODES[args.mode]
+    with daemon_for(args) as instance:
+        result = run(args, instance)
+    if not (args.mode == "generate" and args.hold):
+        emit(args, result)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The example engine (``examples/engine.py``) on the host backend: a real decoder whose KV cache lives in hbmd.
+
+Each test runs one mode of the example as a subprocess against a host
+daemon, on the tiny model, and checks what the mode promises: a worker
+SIGKILLed halfway and resumed on its persistent buffers produces the tokens
+of an uninterrupted run; a KV cache released between requests commits
+nothing while asleep and serves correctly after waking; two engines sized
+one after the other both fit and show in the daemon's sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import MiB
+
+pytestmark = pytest.mark.ipc
+
+ENGINE = Path(__file__).resolve().parents[1] / "examples" / "engine.py"
+EXAMPLE_TIMEOUT_S = 120
+
+
+def run_example(daemon, mode: str, *args: str) -> dict:
+    """Run one mode of the example against ``daemon``; its JSON result (the mode's checks must pass)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ENGINE),
+            "--run-dir",
+            str(daemon.run_dir),
+            mode,
+            "--device",
+            "cpu",
+            "--config",
+            "tiny",
+            "--json",
+            "--timeout",
+            "60",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, f"{mode} exited with {proc.returncode}:\n{proc.stderr[-3000:]}\n{proc.stdout[-1000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def small_daemon(start_daemon):
+    return start_daemon("--budget", "64MiB")
+
+
+def test_a_worker_killed_halfway_resumes_on_its_kv_cache_with_identical_tokens(small_daemon):
+    result = run_example(small_daemon, "crash-resume", "--new-tokens", "17", "--kill-after", "8")
+    assert result["tokens_identical"] and result["ok"]
+    assert result["killed_at_step"] == 8 and result["decode_steps"] == 16
+    resumed, reference = result["resumed"], result["reference"]
+    assert resumed["resumed_at_step"] == 8 and reference["resumed_at_step"] is None
+    assert resumed["tokens"] == reference["tokens"] and all(len(seq) == 17 for seq in resumed["tokens"])
+    assert len({tuple(seq) for seq in resumed["tokens"]}) == len(resumed["tokens"])  # a real model: sequences differ
+    # While the worker was dead the daemon kept its two layers' buffers, committed; the resumed run freed them.
+    assert result["orphaned_buffers"] == 2 and result["orphaned_bytes"] == resumed["kv"]["physical_bytes"] > 0
+    assert result["buffers_left_after"] == 0
+    client = small_daemon.connect()
+    assert client.status().committed_bytes == 0 and client.buffers() == []
+    client.close()
+
+
+def test_a_released_kv_cache_commits_nothing_asleep_and_serves_correctly_after_waking(small_daemon):
+    result = run_example(small_daemon, "sleep-wake")
+    assert result["ok"]
+    assert result["committed_awake_bytes"] > 0 and result["committed_asleep_bytes"] == 0
+    assert result["session_asleep_bytes"] == 0
+    assert result["committed_rewoken_bytes"] == result["committed_awake_bytes"]
+    assert result["base_pointers_kept"]
+    assert result["tokens_identical"] and result["tokens"] == result["fresh_tokens"]
+
+
+def test_two_engines_size_from_what_is_left_and_both_show_in_the_sessions(small_daemon):
+    result = run_example(small_daemon, "two-engines", "--tenants", "llama-a,llama-b")
+    assert result["ok"]
+    first, second = result["sessions"]
+    assert (first["engine"], first["config"], first["tenant"]) == ("engine-a", "tiny", "llama-a")
+    assert (second["engine"], second["config"], second["tenant"]) == ("engine-b", "small", "llama-b")
+    assert second["available_at_sizing"] < first["available_at_sizing"]  # the second sees what the first left
+    assert first["committed_bytes"] > 0 and second["committed_bytes"] > 0
+    assert first["committed_bytes"] + second["committed_bytes"] == result["committed_bytes"] <= 64 * MiB
+    for row, engine in zip(result["sessions"], result["engines"]):
+        assert row["committed_bytes"] == engine["kv"]["physical_bytes"] == engine["session_committed_bytes"]
+        assert row["num_blocks"] * row["bytes_per_block"] <= row["committed_bytes"]
+
+
+def test_two_engines_stay_within_their_tenants_quotas(start_daemon, tmp_path):
+    quotas = tmp_path / "tenants.toml"
+    quotas.write_text(
+        '[[tenants]]\nname = "llama-a"\nmax = "24MiB"\n\n[[tenants]]\nname = "llama-b"\nguaranteed = "32MiB"\n'
+    )
+    daemon = start_daemon("--budget", "64MiB", "--config", str(quotas))
+    # Engine A would take the whole budget; its quota caps it and B's guarantee is left alone.
+    result = run_example(daemon, "two-engines", "--tenants", "llama-a,llama-b", "--kv-share", "1")
+    first, second = result["sessions"]
+    assert 0 < first["committed_bytes"] <= 24 * MiB
+    assert second["committed_bytes"] >= 32 * MiB
+    tenants = {t["name"]: t for t in result["tenants"]}
+    assert tenants["llama-a"]["max_bytes"] == 24 * MiB and tenants["llama-b"]["guaranteed_bytes"] == 32 * MiB
