@@ -44,6 +44,7 @@ class Persistence:
         self.state = state
         self.notifier = notifier
         self.journal = journal
+        state.changed = set()
         self._parked: dict[int, set[str]] = {}
         """FD-store names parked per buffer id."""
 

@@ -213,8 +213,9 @@ class State:
         self.tenants: dict[str, Tenant] = {
             t.name: Tenant(t.name, t.max_bytes, t.guaranteed_bytes) for t in self.config.tenants
         }
-        self.changed: set[int] = set()
-        """Persistent buffers whose chunks changed since the persistence layer last synced them."""
+        self.changed: set[int] | None = None
+        """Persistent buffers whose chunks changed since the persistence layer last synced them
+        (None: nobody is tracking, and nothing is recorded)."""
         self.reclaims_due: list[tuple[Session, Reclaim]] = []
         """Reclaim requests made by the state, for the server to send."""
         self._next_reclaim = 1
@@ -345,7 +346,7 @@ class State:
         session.buffers[buffer.buffer_id] = buffer
         if persistent:
             self._persistent[(session.uid, name)] = buffer
-            self.changed.add(buffer.buffer_id)
+            self._mark_changed(buffer)
         return buffer
 
     def adopt_buffer(
@@ -533,8 +534,7 @@ class State:
             raise
         self.committed_bytes += requested
         buffer.tenant.used_bytes += requested
-        if buffer.persistent:
-            self.changed.add(buffer.buffer_id)
+        self._mark_changed(buffer)
         return created
 
     def _admit(self, tenant: Tenant, requested: int, purpose: str) -> None:
@@ -659,6 +659,10 @@ class State:
             # The memory is lost to this process until exit, but the state stays consistent.
             log.exception("releasing chunk %d of buffer %d failed", chunk.chunk_id, buffer.buffer_id)
 
+    def _mark_changed(self, buffer: Buffer) -> None:
+        if buffer.persistent and self.changed is not None:
+            self.changed.add(buffer.buffer_id)
+
     def _release_chunks(self, buffer: Buffer, chunks: list[Chunk]) -> int:
         """Release ``chunks`` (the buffer's own or its pending ones); returns their bytes."""
         freed = 0
@@ -669,8 +673,7 @@ class State:
         buffer.tenant.used_bytes -= freed
         if chunks is buffer.chunks:
             buffer.physical_bytes -= freed
-        if buffer.persistent:
-            self.changed.add(buffer.buffer_id)
+        self._mark_changed(buffer)
         return freed
 
     def _release_all(self, buffer: Buffer) -> int:

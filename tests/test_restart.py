@@ -87,3 +87,20 @@ def test_unclaimed_fds_are_closed_and_unparked(start_daemon, run_dir, systemd):
     wait_until(lambda: systemd.names() == set())
     held = {os.readlink(f"/proc/{daemon.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{daemon.pid}/fd")}
     assert stray not in held
+
+
+def test_a_persistent_buffer_freed_before_any_commit_does_not_come_back(start_daemon, run_dir, systemd):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    first = start_daemon("--state-dir", str(state_dir), env={"NOTIFY_SOCKET": str(systemd.path)})
+    client = first.connect()
+    empty = ExtensibleTensor(8 * MiB, "cpu", client=client, name="empty", persistent=True)
+    wait_until(lambda: systemd.names() == {f"hbmd-a{empty.buffer_id}"})
+    empty.free()
+    wait_until(lambda: systemd.names() == set())
+    client.close()
+    assert first.stop() == 0
+    second = start_daemon("--state-dir", str(state_dir), **systemd.relaunch())
+    assert "0 restored" in second.log()
+    with second.connect() as again:
+        assert again.buffers() == []
