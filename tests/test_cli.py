@@ -136,7 +136,7 @@ def test_watch_refreshes_until_ctrl_c(daemon, client):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        time.sleep(1.5)
+        time.sleep(3)  # start-up plus several 0.1 s refreshes, even on a loaded machine
         watch.send_signal(signal.SIGINT)
         out, err = watch.communicate(timeout=30)
     finally:
