@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
-import tempfile
-from pathlib import Path
 
 import pytest
 from hbmd.daemon.notify import (
@@ -54,16 +51,8 @@ class FakeManager:
 
 
 @pytest.fixture
-def short_dir():
-    # Not pytest's tmp_path: its paths can pass the 108-byte sun_path limit.
-    path = Path(tempfile.mkdtemp(prefix="hbmd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def manager(short_dir):
-    path = short_dir / "notify"
+def manager(run_dir):
+    path = run_dir / "notify"
     fake = FakeManager(str(path), str(path))
     yield fake
     fake.close()
@@ -107,8 +96,8 @@ def test_notify_socket_is_read_from_the_process_environment(manager, monkeypatch
         n.close()
 
 
-def test_abstract_socket_address(short_dir):
-    name = f"hbmd-test-{os.getpid()}-{short_dir.name}"
+def test_abstract_socket_address(run_dir):
+    name = f"hbmd-test-{os.getpid()}-{run_dir.name}"
     fake = FakeManager(b"\0" + name.encode(), "@" + name)
     n = SystemdNotifier.from_environment({"NOTIFY_SOCKET": fake.notify_socket})
     try:
@@ -238,8 +227,8 @@ def test_a_relative_notify_socket_is_ignored(caplog):
     assert "NOTIFY_SOCKET" in caplog.text
 
 
-def test_a_vanished_socket_warns_once_and_never_raises(short_dir, caplog):
-    path = short_dir / "notify"
+def test_a_vanished_socket_warns_once_and_never_raises(run_dir, caplog):
+    path = run_dir / "notify"
     fake = FakeManager(str(path), str(path))
     n = SystemdNotifier.from_environment({"NOTIFY_SOCKET": fake.notify_socket, "WATCHDOG_USEC": "2000000"})
     fake.close()
