@@ -10,24 +10,18 @@ same on the host: one memfd per buffer, ``fallocate`` per commit, mapped
 
 from __future__ import annotations
 
-import ctypes
 import os
 from typing import Any
 
 from hbmd import driver
 from hbmd.client.host import HostMapper
+from hbmd.daemon.backends.host import (
+    FALLOC_FL_KEEP_SIZE,
+    FALLOC_FL_PUNCH_HOLE,
+    fallocate,
+)
 from hbmd.proto import ChunkInfo
-
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-_libc.fallocate.restype = ctypes.c_int
-
-
-def round_up(n: int, granule: int) -> int:
-    return -(-n // granule) * granule
+from hbmd.proto.units import round_up
 
 
 class CudaInProcessBuffer:
@@ -76,12 +70,6 @@ class CudaInProcessBuffer:
         return len(self.chunks)
 
 
-def _fallocate(fd: int, mode: int, offset: int, size: int) -> None:
-    if _libc.fallocate(fd, mode, offset, size) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
 class HostInProcessBuffer:
     """A memfd-backed reserved range grown by one ``fallocate``d, mapped range per :meth:`commit`."""
 
@@ -99,7 +87,7 @@ class HostInProcessBuffer:
         size = end - self.committed
         if size <= 0:
             return
-        _fallocate(self.fd, 0, self.committed, size)
+        fallocate(self.fd, 0, self.committed, size)
         self.mapper.map(self.base + self.committed, ChunkInfo(0, self.committed, size, self.committed), self.fd)
         if zero:
             self.mapper.zero(self.base + self.committed, size)
@@ -109,7 +97,7 @@ class HostInProcessBuffer:
         """Unmap (back to an inaccessible reservation) and punch the pages out of the memfd."""
         if self.committed:
             self.mapper.unmap(self.base, self.committed)
-            _fallocate(self.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, self.committed)
+            fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, self.committed)
         self.committed = 0
 
     def free(self) -> None:

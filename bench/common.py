@@ -17,7 +17,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hbmd.proto.layout import instance_published_by
+from hbmd.daemon.spawn import DaemonProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
@@ -42,69 +41,23 @@ DAEMON_STOP_TIMEOUT_S = 20.0
 # the daemon
 
 
-class Daemon:
-    """An ``hbmd`` subprocess serving from its own short run directory under /tmp.
+class Daemon(DaemonProcess):
+    """An ``hbmd`` subprocess serving from its own short run directory under /tmp, removed when it stops.
 
     ``command`` replaces ``python -m hbmd.daemon`` (the probed daemon of
-    ``probe.py`` uses it). :meth:`stop` (or leaving the ``with`` block)
-    sends SIGTERM, kills after a hard timeout and removes the run directory.
+    ``probe.py`` uses it).
     """
 
     def __init__(self, *args: str, command: list[str] | None = None) -> None:
         # Short and under /tmp: socket paths must fit in 108 bytes.
-        self.run_dir = Path(tempfile.mkdtemp(prefix="hbmdb-", dir="/tmp"))
-        self.command = [*(command or [sys.executable, "-m", "hbmd.daemon"]), *args, "--run-dir", str(self.run_dir)]
-        self.log_path = self.run_dir / "hbmd.log"
-        self.proc: subprocess.Popen | None = None
-        self.instance = ""
+        run_dir = Path(tempfile.mkdtemp(prefix="hbmdb-", dir="/tmp"))
+        super().__init__(run_dir, *args, command=command, log_path=run_dir / "hbmd.log")
 
-    def start(self, timeout: float = DAEMON_START_TIMEOUT_S) -> "Daemon":
-        """Start it and wait for ``<run_dir>/<instance>/instance.json`` naming its pid."""
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hbmd exited with {self.proc.returncode}:\n{self.log_tail()}")
-            instance = instance_published_by(self.run_dir, self.proc.pid)
-            if instance is not None:
-                self.instance = instance
-                return self
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"hbmd did not publish instance.json within {timeout:.0f}s:\n{self.log_tail()}")
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def log_tail(self, size: int = 4000) -> str:
+    def stop(self, timeout: float = DAEMON_STOP_TIMEOUT_S) -> int:
         try:
-            return self.log_path.read_text(errors="replace")[-size:]
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = DAEMON_STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit status."""
-        code = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(5)
-            code = self.proc.returncode
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        return code
-
-    def __enter__(self) -> "Daemon":
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+            return super().stop(timeout)
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 class Worker:

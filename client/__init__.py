@@ -16,7 +16,7 @@ from hbmd.proto.errors import (
 )
 
 from .kv import ExtensibleKVCacheBuffers
-from .layout import (
+from .kv_layout import (
     bytes_per_block_per_segment,
     kv_blocks_that_fit,
     kv_view,

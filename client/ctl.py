@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable
 
 from hbmd.proto.errors import DaemonUnavailable, HbmdError
-from hbmd.proto.layout import DEFAULT_RUN_DIR, InstancePaths
+from hbmd.proto.instance import DEFAULT_RUN_DIR, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
 
 from .session import Client, only_instance

@@ -8,14 +8,18 @@ once: the mapping keeps the memory alive, so unmapping is what frees it.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from hbmd import driver
 from hbmd.proto import ChunkInfo
 from hbmd.proto.errors import NotFound
-from hbmd.proto.layout import list_instances, resolve_run_dir
+from hbmd.proto.instance import (
+    InstanceInfo,
+    InstancePaths,
+    list_instances,
+    resolve_run_dir,
+)
 
 from .dlpack import KDL_CUDA, uint8_view
 
@@ -29,11 +33,8 @@ def instance_for_cuda_device(ordinal: int, run_dir: str | os.PathLike | None) ->
     uuid = driver.device_uuid(ordinal)
     root = resolve_run_dir(run_dir)
     for instance in list_instances(root):
-        try:
-            info = json.loads((root / instance / "instance.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if info.get("device_uuid") == uuid:
+        info = InstanceInfo.read(InstancePaths.of(root, instance).info)
+        if info is not None and info.device_uuid == uuid:
             return instance
     raise NotFound(f"no hbmd instance under {root} serves cuda:{ordinal} ({uuid})", device_uuid=uuid)
 

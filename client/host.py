@@ -7,6 +7,7 @@ import mmap
 import os
 
 from hbmd.proto import ChunkInfo
+from hbmd.proto.units import round_up
 
 from .dlpack import KDL_CPU, uint8_view
 
@@ -43,7 +44,7 @@ class HostMapper:
         """An inaccessible, granule-aligned address range of ``size`` bytes."""
         span = size + self.granularity
         raw = _mmap(0, span, _PROT_NONE, _RESERVE_FLAGS, -1, 0)
-        base = -(-raw // self.granularity) * self.granularity
+        base = round_up(raw, self.granularity)
         # Trim the alignment slack so that exactly [base, base + size) stays reserved.
         if base > raw:
             _libc.munmap(raw, base - raw)

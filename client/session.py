@@ -8,15 +8,12 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from hbmd.proto import (
     PROTOCOL_VERSION,
-    Ack,
     Attach,
-    BufferCreated,
     BufferInfo,
-    BufferList,
     ChunkInfo,
     Commit,
     Committed,
@@ -29,19 +26,20 @@ from hbmd.proto import (
     Hello,
     ListBuffers,
     ListSessions,
+    Message,
     Reclaim,
     ReclaimDone,
     ReclaimRequest,
     ReclaimSent,
     Release,
     Released,
+    Request,
     SessionInfo,
-    SessionList,
     Status,
     StatusReply,
 )
 from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError
-from hbmd.proto.layout import InstancePaths, list_instances, resolve_run_dir
+from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
 from .transport import ControlChannel, FdCloser, HandleChannel
@@ -49,6 +47,8 @@ from .transport import ControlChannel, FdCloser, HandleChannel
 DEFAULT_TIMEOUT_S = 10.0
 
 log = logging.getLogger("hbmd.client")
+
+R = TypeVar("R", bound=Message)
 
 OnChunk = Callable[[ChunkInfo, int], None]
 """Maps one chunk from its FD; the FD is closed by the caller once it returns."""
@@ -142,27 +142,33 @@ class Client:
 
     # requests
 
-    def _call(self, msg: Any, reply_type: type, timeout: float | None = None) -> Any:
+    def call(self, msg: Request[R], timeout: float | None = None) -> R:
+        """Send any request and return its reply, typed by the request; the daemon's refusal is raised.
+
+        Requests whose reply brings chunk FDs (:class:`Committed`) go through
+        :meth:`commit`, :meth:`attach` or :meth:`defragment` instead, which
+        map what arrives.
+        """
         if os.getpid() != self._pid:
             raise ForkedClient("this hbmd client belongs to the parent process; call hbmd.client.connect() in the child")
         if self.closed:
             raise HbmdError("this hbmd client is closed")
         with self._lock:
-            return self._control.call(msg, reply_type, timeout)
+            return self._control.call(msg, timeout)
 
     def status(self) -> StatusReply:
-        return self._call(Status(), StatusReply)
+        return self.call(Status())
 
     def sessions(self) -> list[SessionInfo]:
-        return self._call(ListSessions(), SessionList).sessions
+        return self.call(ListSessions()).sessions
 
     def buffers(self, session_id: int = -1) -> list[BufferInfo]:
-        return self._call(ListBuffers(session_id), BufferList).buffers
+        return self.call(ListBuffers(session_id)).buffers
 
     def create_buffer(
         self, capacity: int, num_segments: int = 1, *, name: str = "", persistent: bool = False, shareable: bool = False
     ) -> BufferInfo:
-        return self._call(CreateBuffer(capacity, num_segments, name, persistent, shareable), BufferCreated).buffer
+        return self.call(CreateBuffer(capacity, num_segments, name, persistent, shareable)).buffer
 
     def commit(self, buffer_id: int, bytes_per_segment: int, on_chunk: OnChunk) -> Committed:
         """Grow the buffer; ``on_chunk(chunk, fd)`` maps each new chunk (the FD is closed after it returns)."""
@@ -180,14 +186,14 @@ class Client:
         return self._call_with_chunks(Defragment(buffer_id, preserve), on_chunk)
 
     def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
-        return self._call(FinishDefragment(buffer_id, keep_new), Released)
+        return self.call(FinishDefragment(buffer_id, keep_new))
 
     def delete(self, name: str) -> Freed:
         """Free this user's orphaned persistent buffer ``name``."""
-        return self._call(Delete(name), Freed)
+        return self.call(Delete(name))
 
     def _call_with_chunks(
-        self, msg: Any, on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None
+        self, msg: Request[Committed], on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None
     ) -> Committed:
         """Send a request answered by :class:`Committed`, then take its chunk FDs off the handle socket.
 
@@ -197,8 +203,10 @@ class Client:
         with self._lock:
             return self._take_chunks(msg, on_chunk, on_reply)
 
-    def _take_chunks(self, msg: Any, on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None) -> Committed:
-        reply: Committed = self._call(msg, Committed)
+    def _take_chunks(
+        self, msg: Request[Committed], on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None
+    ) -> Committed:
+        reply = self.call(msg)
         request_id = self._control.last_request_id
         chunks = {c.chunk_id: c for c in reply.chunks}
         deadline = time.monotonic() + self.timeout
@@ -230,7 +238,7 @@ class Client:
 
     def reclaim(self, session_id: int, num_bytes: int) -> ReclaimSent:
         """Ask session ``session_id`` to give ``num_bytes`` back (what ``hbmctl reclaim`` does)."""
-        return self._call(Reclaim(session_id, num_bytes), ReclaimSent)
+        return self.call(Reclaim(session_id, num_bytes))
 
     def on_reclaim(self, callback: Callable[[ReclaimRequest], int]) -> None:
         """Answer the daemon's reclaim requests with ``callback``, on a background thread.
@@ -258,7 +266,7 @@ class Client:
         return requests
 
     def answer_reclaim(self, request: ReclaimRequest, released_bytes: int) -> None:
-        self._call(ReclaimDone(request.reclaim_id, released_bytes), Ack)
+        self.call(ReclaimDone(request.reclaim_id, released_bytes))
 
     def _listen_for_reclaims(self) -> None:
         while not self.closed and self._handles.poll(0.2):
@@ -287,10 +295,10 @@ class Client:
         )
 
     def release(self, buffer_id: int) -> Released:
-        return self._call(Release(buffer_id), Released)
+        return self.call(Release(buffer_id))
 
     def free(self, buffer_id: int) -> Freed:
-        return self._call(Free(buffer_id), Freed)
+        return self.call(Free(buffer_id))
 
     def close(self) -> None:
         """End the session: the daemon frees its anonymous buffers."""

@@ -18,6 +18,7 @@ import select
 import socket
 import threading
 import time
+from typing import TypeVar
 
 import zmq
 from hbmd.proto import (
@@ -28,6 +29,7 @@ from hbmd.proto import (
     Message,
     ReclaimRequest,
     Refused,
+    Request,
     Welcome,
     decode_datagram,
     decode_frames,
@@ -35,9 +37,11 @@ from hbmd.proto import (
     encode_frames,
 )
 from hbmd.proto.errors import DaemonUnavailable, ProtocolError, error_from_wire
-from hbmd.proto.layout import InstancePaths
+from hbmd.proto.instance import InstancePaths
 
 MAX_DATAGRAM = 64 << 10
+
+R = TypeVar("R", bound=Message)
 
 
 class HandleChannel:
@@ -196,8 +200,8 @@ class ControlChannel:
         sock.connect(self.endpoint)
         return sock
 
-    def call(self, msg: Message, reply_type: type[Message], timeout: float | None = None) -> Message:
-        """Send ``msg`` and return its reply; raise the daemon's error, or
+    def call(self, msg: Request[R], timeout: float | None = None) -> R:
+        """Send ``msg`` and return its reply (of the type the request names); raise the daemon's error, or
         :class:`DaemonUnavailable` when no reply comes within ``timeout``."""
         timeout = self.timeout if timeout is None else timeout
         request_id = self.last_request_id = next(self._ids)
@@ -219,9 +223,9 @@ class ControlChannel:
             reply = envelope.body
             if isinstance(reply, ErrorReply):
                 raise reply.exception()
-            if not isinstance(reply, reply_type):
-                raise ProtocolError(f"expected {reply_type.KIND} in reply to {msg.KIND}, got {reply.KIND}")
-            return reply
+            if not isinstance(reply, msg.Reply):
+                raise ProtocolError(f"expected {msg.Reply.KIND} in reply to {msg.KIND}, got {reply.KIND}")
+            return reply  # type: ignore[return-value]  # checked against msg.Reply, which is R
 
     def close(self) -> None:
         self._socket.close(linger=0)

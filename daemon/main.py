@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import grp
 import logging
 import os
 import resource
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
-from hbmd.proto.layout import DEFAULT_RUN_DIR, InstancePaths
+from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
 
 from .backends import Backend
@@ -18,7 +21,7 @@ from .backends.host import HostBackend
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .persist import Persistence
-from .server import DAEMON_VERSION, AlreadyRunning, Server
+from .server import AlreadyRunning, HandlerTableError, Server
 from .state import State
 
 log = logging.getLogger("hbmd")
@@ -28,7 +31,7 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why."""
 
 
-def select_backend(kind: str, device: int, warm_chunks: int = 0) -> tuple[Backend, str]:
+def select_backend(kind: str, device: int, warm_chunks: int = 0) -> tuple[Backend[Any, Any], str]:
     """The backend named by ``--backend`` and a note on why it was chosen.
 
     ``auto`` takes CUDA where a driver and the device are usable, else host.
@@ -83,84 +86,120 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--version", action="version", version=f"hbmd {DAEMON_VERSION}")
+    parser.add_argument("--version", action="version", version=f"hbmd {VERSION}")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s hbmd %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+class Refusal(Exception):
+    """The daemon must not start: ``message`` says why, ``exit_code`` is 1 (cannot serve) or 2 (usage)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass
+class Daemon:
+    """Everything one instance is made of, built and checked before anything is bound."""
+
+    args: argparse.Namespace
+    backend: Backend[Any, Any]
+    why: str
+    budget: int
+    paths: InstancePaths
+    notifier: SystemdNotifier
+    server: Server
+
+
+def build(args: argparse.Namespace) -> Daemon:
+    """Choose the backend, size the budget, load the config and wire the server; raises :class:`Refusal`."""
     try:
         backend, why = select_backend(args.backend, args.device, args.warm_chunks)
     except BackendUnavailable as exc:
-        log.error("%s", exc)
-        return 1
+        raise Refusal(str(exc), 1) from None
+    try:
+        return _wire(args, backend, why)
+    except BaseException:
+        backend.close()
+        raise
+
+
+def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Daemon:
     try:
         budget = parse_size(args.budget, backend.total_bytes) if args.budget else backend.total_bytes
     except ValueError as exc:
-        log.error("--budget: %s", exc)
-        return 2
+        raise Refusal(f"--budget: {exc}", 2) from None
     held_back = backend.held_back_bytes()
     if args.warm_chunks < 0 or held_back > budget:
-        log.error("--warm-chunks: %d granules do not fit the budget of %s", args.warm_chunks, format_bytes(budget))
-        return 2
+        raise Refusal(f"--warm-chunks: {args.warm_chunks} granules do not fit the budget of {format_bytes(budget)}", 2)
     budget -= held_back  # the warm pool is device memory too: commits get what is left
     try:
         config = load_config(args.config, backend.total_bytes, budget) if args.config else Config()
     except ConfigError as exc:
-        log.error("--config: %s", exc)
-        return 2
+        raise Refusal(f"--config: {exc}", 2) from None
     try:
         group = grp.getgrnam(args.group).gr_gid if args.group else None
     except KeyError:
-        log.error("--group: no group named %r", args.group)
-        return 2
-    raise_fd_limit()
+        raise Refusal(f"--group: no group named {args.group!r}", 2) from None
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, config, args.reclaim_timeout)
-    server = Server(state, paths, notifier, group)
+    lock = threading.Lock()
+    persistence = None
     passed = listen_fds()
     if args.state_dir and notifier.enabled:
-        server.persistence = Persistence(state, notifier, Path(args.state_dir) / f"{backend.instance}.journal.json")
-        restored = server.persistence.restore(passed)
+        persistence = Persistence(state, notifier, Path(args.state_dir) / f"{backend.instance}.journal.json")
+        restored = persistence.restore(passed)
         log.info("persistent buffers are parked with the service manager; %d restored", restored)
     else:
         for fd in (fd for fds in passed.values() for fd in fds):
             os.close(fd)
-    try:
-        server.bind()
-    except (AlreadyRunning, ValueError, OSError) as exc:
-        log.error("cannot serve %s: %s", paths.directory, exc)
-        server.close()
-        return 1
+    metrics = None
     if args.metrics_addr:
         from .metrics import Metrics
 
-        server.metrics = Metrics(server.state, server.lock)
+        metrics = Metrics(state, lock)
+    try:
+        server = Server(
+            state, paths, lock=lock, notifier=notifier, group=group, metrics=metrics, persistence=persistence
+        )
+    except HandlerTableError as exc:
+        raise Refusal(f"this hbmd build is inconsistent: {exc}", 1) from None
+    return Daemon(args, backend, why, budget, paths, notifier, server)
+
+
+def run(daemon: Daemon) -> int:
+    """Bind, publish, serve until SIGTERM, and clean up; returns the exit code."""
+    args, backend, server, notifier = daemon.args, daemon.backend, daemon.server, daemon.notifier
+    try:
+        server.bind()
+    except (AlreadyRunning, ValueError, OSError) as exc:
+        log.error("cannot serve %s: %s", daemon.paths.directory, exc)
+        server.close()
+        backend.close()
+        return 1
+    if server.metrics is not None:
         try:
             server.metrics.serve(args.metrics_addr)
         except (OSError, ValueError) as exc:
             log.error("--metrics-addr %s: %s", args.metrics_addr, exc)
             server.close()
+            backend.close()
             return 1
     server.install_signal_handlers()
+    held_back = backend.held_back_bytes()
     log.info(
         "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s%s",
-        DAEMON_VERSION,
+        VERSION,
         backend.instance,
         backend.name,
-        why,
+        daemon.why,
         f", {backend.device_uuid}" if backend.device_uuid else "",
         format_bytes(backend.granularity),
-        format_bytes(budget),
+        format_bytes(daemon.budget),
         format_bytes(backend.total_bytes),
-        paths.endpoint,
-        paths.handles,
+        daemon.paths.endpoint,
+        daemon.paths.handles,
         f", metrics http://{args.metrics_addr}/metrics" if args.metrics_addr else "",
     )
     if held_back:
@@ -168,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.warm_chunks:
         log.warning("--warm-chunks applies to the CUDA backend only; ignored")
     server.publish()
-    notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(budget)}")
+    notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(daemon.budget)}")
     try:
         server.run()
     finally:
@@ -178,6 +217,22 @@ def main(argv: list[str] | None = None) -> int:
         notifier.close()
     log.info("hbmd stopped")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s hbmd %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    raise_fd_limit()
+    try:
+        daemon = build(args)
+    except Refusal as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    return run(daemon)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from hbmd.proto.errors import HbmdError
+from hbmd.proto.units import round_up
 
 from .notify import SystemdNotifier
 from .state import Buffer, Chunk, State
@@ -139,7 +140,7 @@ class Persistence:
     def _adopt(self, entry: dict, fds: dict[str, int]) -> None:
         backend = self.state.backend
         buffer_id = int(entry["buffer_id"])
-        reserved = -(-int(entry["capacity"]) // backend.granularity) * backend.granularity
+        reserved = round_up(int(entry["capacity"]), backend.granularity)
         arena_fd = fds.pop(arena_name(buffer_id), None)
         arena = backend.adopt_arena(reserved, bool(entry["shareable"]), arena_fd)
         chunks: list[Chunk] = []

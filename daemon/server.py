@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import errno
 import fcntl
-import json
 import logging
 import os
 import signal
@@ -26,7 +25,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import zmq
 from hbmd.proto import (
@@ -58,6 +57,7 @@ from hbmd.proto import (
     Refused,
     Release,
     Released,
+    Request,
     SessionList,
     Status,
     StatusReply,
@@ -68,6 +68,7 @@ from hbmd.proto import (
     encode_frames,
     peek_request_id,
     read_envelope,
+    requests,
 )
 from hbmd.proto.errors import (
     HbmdError,
@@ -77,10 +78,14 @@ from hbmd.proto.errors import (
     ProtocolError,
     VersionMismatch,
 )
-from hbmd.proto.layout import InstancePaths
+from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 
 from .notify import SystemdNotifier
 from .state import Buffer, Chunk, Session, State
+
+if TYPE_CHECKING:  # both are optional collaborators; prometheus_client loads only when metrics are asked for
+    from .metrics import Metrics
+    from .persist import Persistence
 
 log = logging.getLogger("hbmd.server")
 
@@ -88,11 +93,49 @@ HELLO_TIMEOUT_S = 5.0
 MAX_DATAGRAM = 64 << 10
 MAX_FDS_IN = 16
 """FDs accepted (and closed at once) on an inbound datagram; clients send none."""
-DAEMON_VERSION = "0.1.0"
 
 
 class AlreadyRunning(RuntimeError):
     """Another daemon holds the instance's lock."""
+
+
+class HandlerTableError(RuntimeError):
+    """The server's handlers and the protocol's requests do not match one to one: the daemon must not start."""
+
+
+Handler = TypeVar("Handler", bound=Callable[..., Message])
+
+
+def handles(kind: type[Request]) -> Callable[[Handler], Handler]:
+    """Mark a :class:`Server` method as the handler of request ``kind``: ``(conn, request_id, msg) -> kind.Reply``."""
+
+    def mark(method: Handler) -> Handler:
+        method.handles = kind  # type: ignore[attr-defined]
+        return method
+
+    return mark
+
+
+def handler_table(cls: type, request_kinds: list[type[Request]]) -> dict[type[Request], str]:
+    """The method name handling each request kind of ``cls``, checked against ``request_kinds``.
+
+    Raises :class:`HandlerTableError` when a request has no handler, a handler
+    handles something that is not a request, or two handle the same one.
+    """
+    table: dict[type[Request], str] = {}
+    for name in dir(cls):
+        kind = getattr(getattr(cls, name), "handles", None)
+        if kind is None:
+            continue
+        if not (isinstance(kind, type) and issubclass(kind, Request)) or kind not in request_kinds:
+            raise HandlerTableError(f"{cls.__name__}.{name} handles {kind!r}, which is not a request of the protocol")
+        if kind in table:
+            raise HandlerTableError(f"{kind.KIND} is handled twice: by {table[kind]} and {name}")
+        table[kind] = name
+    missing = [kind.KIND for kind in request_kinds if kind not in table]
+    if missing:
+        raise HandlerTableError(f"{cls.__name__} has no handler for {', '.join(missing)}")
+    return table
 
 
 @dataclasses.dataclass
@@ -139,18 +182,27 @@ class Server:
 
     def __init__(
         self,
-        state: State,
+        state: State[Any, Any],
         paths: InstancePaths,
+        *,
+        lock: threading.Lock,
         notifier: SystemdNotifier | None = None,
         group: int | None = None,
+        metrics: Metrics | None = None,
+        persistence: Persistence | None = None,
     ) -> None:
+        """Raises :class:`HandlerTableError` when a request of the protocol has no handler here.
+
+        ``lock`` is held while the loop touches the state, so a metrics scrape
+        on another thread sees it whole.
+        """
+        self._handlers = {kind: getattr(self, name) for kind, name in handler_table(type(self), requests()).items()}
         self.state = state
         self.paths = paths
         self.group = group
-        self.lock = threading.Lock()
-        """Held while the loop touches the state, so a metrics scrape on another thread sees it whole."""
-        self.metrics = None
-        self.persistence = None
+        self.lock = lock
+        self.metrics = metrics
+        self.persistence = persistence
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
@@ -161,21 +213,6 @@ class Server:
         self._poller = zmq.Poller()
         self._connections: dict[int, HandleConnection] = {}
         self._by_session: dict[int, HandleConnection] = {}
-        self._handlers: dict[type[Message], Callable[[HandleConnection, int, Message], Message]] = {
-            Status: self._status,
-            ListSessions: self._list_sessions,
-            ListBuffers: self._list_buffers,
-            CreateBuffer: self._create_buffer,
-            Commit: self._commit,
-            Release: self._release,
-            Free: self._free,
-            Attach: self._attach,
-            Delete: self._delete,
-            Defragment: self._defragment,
-            FinishDefragment: self._finish_defragment,
-            Reclaim: self._reclaim,
-            ReclaimDone: self._reclaim_done,
-        }
 
     # lifecycle
 
@@ -222,19 +259,19 @@ class Server:
     def publish(self) -> None:
         """Write ``instance.json``: clients and tools find the instance by it, so it comes once all is up."""
         backend = self.state.backend
-        info = {
-            "instance": backend.instance,
-            "backend": backend.name,
-            "device_index": backend.device_index,
-            "device_uuid": backend.device_uuid,
-            "pid": os.getpid(),
-            "protocol": list(PROTOCOL_VERSION),
-            "daemon_version": DAEMON_VERSION,
-            "control": self.paths.endpoint,
-            "handles": os.fspath(self.paths.handles),
-        }
+        info = InstanceInfo(
+            instance=backend.instance,
+            backend=backend.name,
+            device_index=backend.device_index,
+            device_uuid=backend.device_uuid,
+            pid=os.getpid(),
+            protocol=list(PROTOCOL_VERSION),
+            daemon_version=VERSION,
+            control=self.paths.endpoint,
+            handles=os.fspath(self.paths.handles),
+        )
         tmp = self.paths.info.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        tmp.write_text(info.to_json())
         os.chmod(tmp, 0o644)
         tmp.replace(self.paths.info)
 
@@ -425,7 +462,7 @@ class Server:
                 backend=backend.name,
                 granularity=backend.granularity,
                 version=list(PROTOCOL_VERSION),
-                daemon_version=DAEMON_VERSION,
+                daemon_version=VERSION,
                 device_uuid=backend.device_uuid,
                 device_index=backend.device_index,
             ),
@@ -527,6 +564,7 @@ class Server:
             self.metrics.record(operation, reply.code if isinstance(reply, ErrorReply) else "ok", started)
         return encode_frames(reply, request_id)
 
+    @handles(Status)
     def _status(self, conn: HandleConnection, request_id: int, msg: Status) -> StatusReply:
         state, backend = self.state, self.state.backend
         return StatusReply(
@@ -535,7 +573,7 @@ class Server:
             device_index=backend.device_index,
             device_uuid=backend.device_uuid,
             pid=os.getpid(),
-            daemon_version=DAEMON_VERSION,
+            daemon_version=VERSION,
             granularity=backend.granularity,
             total_bytes=backend.total_bytes,
             budget_bytes=state.budget_bytes,
@@ -549,10 +587,12 @@ class Server:
             tenants=state.tenant_infos(),
         )
 
+    @handles(ListSessions)
     def _list_sessions(self, conn: HandleConnection, request_id: int, msg: ListSessions) -> SessionList:
         me = conn.session
         return SessionList([self.state.session_info(s) for s in self.state.workers if me.admin or s.uid == me.uid])
 
+    @handles(ListBuffers)
     def _list_buffers(self, conn: HandleConnection, request_id: int, msg: ListBuffers) -> BufferList:
         me = conn.session
         if msg.session_id == -1:
@@ -568,12 +608,14 @@ class Server:
             raise NotFound(f"no session {session_id}", session_id=session_id)
         return session
 
+    @handles(Reclaim)
     def _reclaim(self, conn: HandleConnection, request_id: int, msg: Reclaim) -> ReclaimSent:
         target = self._visible_session(conn.session, msg.session_id)
         reclaim = self.state.request_reclaim(target, msg.bytes, f"asked by session {conn.session.session_id} (uid {conn.uid})")
         log.info("asked session %d (pid %d) to release %d bytes", target.session_id, target.pid, msg.bytes)
         return ReclaimSent(reclaim.reclaim_id, target.session_id, target.pid)
 
+    @handles(ReclaimDone)
     def _reclaim_done(self, conn: HandleConnection, request_id: int, msg: ReclaimDone) -> Ack:
         self.state.reclaim_answered(conn.session, msg.reclaim_id, msg.released_bytes)
         log.info("session %d answered reclaim %d: released %d bytes", conn.session.session_id, msg.reclaim_id, msg.released_bytes)
@@ -587,21 +629,25 @@ class Server:
             if conn is not None:
                 self._send_quietly(conn, ReclaimRequest(reclaim.reclaim_id, reclaim.requested_bytes, reclaim.reason))
 
+    @handles(CreateBuffer)
     def _create_buffer(self, conn: HandleConnection, request_id: int, msg: CreateBuffer) -> BufferCreated:
         buffer = self.state.create_buffer(
             conn.session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable
         )
         return BufferCreated(buffer.info())
 
+    @handles(Commit)
     def _commit(self, conn: HandleConnection, request_id: int, msg: Commit) -> Committed:
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
+    @handles(Attach)
     def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
         buffer = self.state.attach(conn.session, msg.name)
         log.info("session %d attached persistent buffer %r (%d bytes)", conn.session.session_id, msg.name, buffer.physical_bytes)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
+    @handles(Defragment)
     def _defragment(self, conn: HandleConnection, request_id: int, msg: Defragment) -> Committed:
         chunks = self.state.defragment(conn.session, msg.buffer_id, msg.preserve)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
@@ -615,17 +661,21 @@ class Server:
             self._flush(conn)
         return Committed(buffer.info(), [self.state.chunk_info(buffer, c) for c in chunks], len(batches))
 
+    @handles(FinishDefragment)
     def _finish_defragment(self, conn: HandleConnection, request_id: int, msg: FinishDefragment) -> Released:
         freed = self.state.finish_defragment(conn.session, msg.buffer_id, msg.keep_new)
         return Released(self.state.buffers[msg.buffer_id].info(), freed)
 
+    @handles(Release)
     def _release(self, conn: HandleConnection, request_id: int, msg: Release) -> Released:
         freed = self.state.release(conn.session, msg.buffer_id)
         return Released(self.state.buffers[msg.buffer_id].info(), freed)
 
+    @handles(Free)
     def _free(self, conn: HandleConnection, request_id: int, msg: Free) -> Freed:
         return Freed(msg.buffer_id, self.state.free(conn.session, msg.buffer_id))
 
+    @handles(Delete)
     def _delete(self, conn: HandleConnection, request_id: int, msg: Delete) -> Freed:
         buffer_id, freed = self.state.delete(conn.session, msg.name)
         log.info("session %d deleted persistent buffer %r", conn.session.session_id, msg.name)

@@ -2,8 +2,9 @@
 
 Everything here is plain data and arithmetic over a :class:`Backend`; nothing
 knows about sockets. Every method either completes or raises with the state
-unchanged, and the budget is checked in exactly one place,
-:meth:`State._create_runs`.
+unchanged. The budget is checked in exactly one place (:meth:`State._admit`),
+committed bytes change in exactly one place (:meth:`State._account`), and
+:meth:`State.check_invariants` says whether the books balance.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import Any, Iterable
+from typing import Any, Generic, Iterable
 
 from hbmd.proto import BufferInfo, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import (
@@ -24,9 +25,9 @@ from hbmd.proto.errors import (
     OutOfDeviceMemory,
     PermissionDenied,
 )
-from hbmd.proto.units import format_bytes
+from hbmd.proto.units import format_bytes, round_up
 
-from .backends import Backend
+from .backends import A, Backend, C
 from .config import Config
 
 log = logging.getLogger("hbmd.state")
@@ -35,10 +36,6 @@ MAX_CAPACITY = 1 << 50
 """1 PiB: more than any device, small enough that offsets never overflow."""
 MAX_SEGMENTS = 1 << 16
 MAX_NAME = 128
-
-
-def round_up(n: int, granule: int) -> int:
-    return -(-n // granule) * granule
 
 
 def merge_runs(runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -90,11 +87,11 @@ def backed_runs(
 
 
 @dataclasses.dataclass
-class Chunk:
+class Chunk(Generic[C]):
     chunk_id: int
     offset: int
     size: int
-    handle: Any
+    handle: C
     live: bool = True
     """False once released: a queued export of it must not happen."""
 
@@ -147,12 +144,12 @@ class Session:
     admin: bool = False
     observer: bool = False
     connected_at: float = dataclasses.field(default_factory=time.monotonic)
-    buffers: dict[int, "Buffer"] = dataclasses.field(default_factory=dict)
+    buffers: dict[int, "Buffer[Any, Any]"] = dataclasses.field(default_factory=dict)
     reclaim: Reclaim | None = None
 
 
 @dataclasses.dataclass
-class Buffer:
+class Buffer(Generic[A, C]):
     buffer_id: int
     name: str
     persistent: bool
@@ -163,12 +160,14 @@ class Buffer:
     capacity: int
     reserved: int
     num_segments: int
-    arena: Any
+    arena: A
     bytes_per_segment: int = 0
-    chunks: list[Chunk] = dataclasses.field(default_factory=list)
+    chunks: list[Chunk[C]] = dataclasses.field(default_factory=list)
     physical_bytes: int = 0
-    pending: list[Chunk] = dataclasses.field(default_factory=list)
+    """Bytes of ``chunks``: what the owner has mapped."""
+    pending: list[Chunk[C]] = dataclasses.field(default_factory=list)
     """New chunks of a preserving defragment, until the client confirms its remap."""
+    pending_bytes: int = 0
 
     @property
     def segment_capacity(self) -> int:
@@ -191,17 +190,22 @@ class Buffer:
         )
 
 
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise AssertionError(what)
+
+
 def _check_int(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise InvalidRequest(f"{name} {value} is out of range [{low}, {high}]", field=name, value=str(value))
 
 
-class State:
+class State(Generic[A, C]):
     """Sessions, buffers and the budget of one daemon instance."""
 
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend[A, C],
         budget_bytes: int,
         config: Config | None = None,
         reclaim_patience_s: float = RECLAIM_PATIENCE_S,
@@ -221,9 +225,9 @@ class State:
         self._next_reclaim = 1
         self.committed_bytes = 0
         self.sessions: dict[int, Session] = {}
-        self.buffers: dict[int, Buffer] = {}
+        self.buffers: dict[int, Buffer[A, C]] = {}
         self._by_token: dict[str, Session] = {}
-        self._persistent: dict[tuple[int, str], Buffer] = {}
+        self._persistent: dict[tuple[int, str], Buffer[A, C]] = {}
         self._next_session = 1
         self._next_buffer = 1
         self._next_chunk = 1
@@ -287,8 +291,7 @@ class State:
         freed = 0
         for buffer in list(session.buffers.values()):
             if buffer.persistent:
-                freed += self._release_chunks(buffer, buffer.pending)
-                buffer.pending = []
+                freed += self._drop_pending(buffer)
                 buffer.owner = None
             else:
                 freed += self._drop(buffer)
@@ -306,7 +309,7 @@ class State:
         name: str = "",
         persistent: bool = False,
         shareable: bool = False,
-    ) -> Buffer:
+    ) -> Buffer[A, C]:
         self._check_not_observer(session)
         _check_int("capacity", capacity, 1, MAX_CAPACITY)
         _check_int("num_segments", num_segments, 1, min(MAX_SEGMENTS, capacity))
@@ -359,9 +362,9 @@ class State:
         num_segments: int,
         bytes_per_segment: int,
         shareable: bool,
-        arena: Any,
-        chunks: list[Chunk],
-    ) -> Buffer:
+        arena: A,
+        chunks: list[Chunk[C]],
+    ) -> Buffer[A, C]:
         """Bring back an orphaned persistent buffer after a restart; its memory counts whatever the budget."""
         buffer = Buffer(
             buffer_id=buffer_id,
@@ -377,17 +380,15 @@ class State:
             arena=arena,
             bytes_per_segment=bytes_per_segment,
             chunks=chunks,
-            physical_bytes=sum(c.size for c in chunks),
         )
         self.buffers[buffer_id] = buffer
         self._persistent[(owner_uid, name)] = buffer
-        self.committed_bytes += buffer.physical_bytes
-        buffer.tenant.used_bytes += buffer.physical_bytes
+        self._account(buffer, mapped=sum(c.size for c in chunks))
         self._next_buffer = max(self._next_buffer, buffer_id + 1)
         self._next_chunk = max([self._next_chunk] + [c.chunk_id + 1 for c in chunks])
         return buffer
 
-    def attach(self, session: Session, name: str) -> Buffer:
+    def attach(self, session: Session, name: str) -> Buffer[A, C]:
         """Give an orphaned persistent buffer of the session's user to the session.
 
         Names are per user: another user's buffer of the same name is not found.
@@ -408,7 +409,7 @@ class State:
         if session.observer:
             raise PermissionDenied("an observer session holds no memory; connect without observer=True")
 
-    def _orphan(self, session: Session, name: str) -> Buffer:
+    def _orphan(self, session: Session, name: str) -> Buffer[A, C]:
         """The session's user's persistent buffer ``name``, refused while a live session holds it."""
         buffer = self._named(session, name)
         if buffer.owner is not None:
@@ -419,7 +420,7 @@ class State:
             )
         return buffer
 
-    def _named(self, session: Session, name: str) -> Buffer:
+    def _named(self, session: Session, name: str) -> Buffer[A, C]:
         if len(name) > MAX_NAME:
             raise InvalidRequest(f"buffer names have at most {MAX_NAME} characters", field="name")
         buffer = self._persistent.get((session.uid, name))
@@ -427,7 +428,7 @@ class State:
             raise NotFound(f"no persistent buffer named {name!r} for uid {session.uid}", name=name)
         return buffer
 
-    def buffer_of(self, session: Session, buffer_id: int) -> Buffer:
+    def buffer_of(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         """The session's own buffer ``buffer_id``; another session's is refused."""
         buffer = self.buffers.get(buffer_id)
         if buffer is None:
@@ -465,7 +466,7 @@ class State:
         created = self._create_runs(buffer, runs, "commit")
         buffer.chunks.extend(created)
         buffer.bytes_per_segment = bytes_per_segment
-        buffer.physical_bytes += sum(c.size for c in created)
+        self._account(buffer, mapped=sum(c.size for c in created))
         return created
 
     def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk]:
@@ -485,15 +486,15 @@ class State:
             return [] if preserve else buffer.chunks
         if preserve:
             buffer.pending = self._create_runs(buffer, runs, "defragment (old and new chunks coexist until the copy is done)")
+            self._account(buffer, pending=sum(c.size for c in buffer.pending))
             return buffer.pending
-        self._release_chunks(buffer, buffer.chunks)
-        buffer.chunks = []
+        self._drop_mapped(buffer)
         try:
             buffer.chunks = self._create_runs(buffer, runs, "defragment")
         except BaseException:
             buffer.bytes_per_segment = 0  # the old pages are gone: the buffer is released
             raise
-        buffer.physical_bytes = sum(c.size for c in buffer.chunks)
+        self._account(buffer, mapped=sum(c.size for c in buffer.chunks))
         return buffer.chunks
 
     def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
@@ -501,26 +502,24 @@ class State:
         buffer = self.buffer_of(session, buffer_id)
         if not buffer.pending:
             raise InvalidRequest(f"buffer {buffer_id} has no defragment in progress", buffer_id=buffer_id)
-        if keep_new:
-            freed = self._release_chunks(buffer, buffer.chunks)
-            buffer.chunks = buffer.pending
-            buffer.physical_bytes = sum(c.size for c in buffer.chunks)
-        else:
-            freed = self._release_chunks(buffer, buffer.pending)
-        buffer.pending = []
+        if not keep_new:
+            return self._drop_pending(buffer)
+        freed = self._drop_mapped(buffer)
+        buffer.chunks, buffer.pending = buffer.pending, []
+        self._account(buffer, mapped=buffer.pending_bytes, pending=-buffer.pending_bytes)
         return freed
 
-    def _idle_buffer(self, session: Session, buffer_id: int) -> Buffer:
+    def _idle_buffer(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         buffer = self.buffer_of(session, buffer_id)
         if buffer.pending:
             raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
         return buffer
 
-    def _create_runs(self, buffer: Buffer, runs: list[tuple[int, int]], purpose: str) -> list[Chunk]:
-        """One new chunk per run, admitted as a whole; none on any failure."""
+    def _create_runs(self, buffer: Buffer[A, C], runs: list[tuple[int, int]], purpose: str) -> list[Chunk[C]]:
+        """One new chunk per run, admitted as a whole; none on any failure. The caller accounts for them."""
         requested = sum(end - start for start, end in runs)
         self._admit(buffer.tenant, requested, purpose)
-        created: list[Chunk] = []
+        created: list[Chunk[C]] = []
         try:
             for start, end in runs:
                 handle = self.backend.create(buffer.arena, start, end - start)
@@ -529,12 +528,10 @@ class State:
         except BaseException as exc:
             for chunk in created:
                 self._release_chunk(buffer, chunk)
-            if isinstance(exc, OutOfDeviceMemory) and buffer.tenant.used_bytes + requested <= buffer.tenant.guaranteed_bytes:
+            guaranteed = buffer.tenant.used_bytes + requested <= buffer.tenant.guaranteed_bytes
+            if isinstance(exc, OutOfDeviceMemory) and guaranteed:
                 self._reclaim_for(buffer.tenant, requested)
             raise
-        self.committed_bytes += requested
-        buffer.tenant.used_bytes += requested
-        self._mark_changed(buffer)
         return created
 
     def _admit(self, tenant: Tenant, requested: int, purpose: str) -> None:
@@ -601,10 +598,10 @@ class State:
         """Drop the buffer. Returns the bytes freed."""
         return self._drop(self.buffer_of(session, buffer_id))
 
-    def chunk_info(self, buffer: Buffer, chunk: Chunk) -> ChunkInfo:
+    def chunk_info(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> ChunkInfo:
         return ChunkInfo(chunk.chunk_id, chunk.offset, chunk.size, self.backend.handle_offset(buffer.arena, chunk.handle))
 
-    def export(self, buffer: Buffer, chunk: Chunk) -> int:
+    def export(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> int:
         return self.backend.export(buffer.arena, chunk.handle)
 
     # inspection
@@ -649,9 +646,58 @@ class State:
     def num_chunks(self) -> int:
         return sum(len(b.chunks) for b in self.buffers.values())
 
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the first thing that does not add up.
+
+        Committed bytes equal the sum of chunk sizes and the sum of tenant
+        usage; each buffer's chunks lie inside it, on granule boundaries,
+        never back a granule twice and back exactly its committed prefixes
+        (a preserving defragment's pending chunks likewise, on their own);
+        every buffer and session points at the other.
+        """
+        granule = self.backend.granularity
+        chunk_ids: set[int] = set()
+        total = 0
+        for buffer in self.buffers.values():
+            wanted = backed_runs(buffer.segment_capacity, buffer.num_segments, buffer.bytes_per_segment, granule)
+            for label, chunks, accounted in (
+                ("chunks", buffer.chunks, buffer.physical_bytes),
+                ("pending chunks", buffer.pending, buffer.pending_bytes),
+            ):
+                where = f"buffer {buffer.buffer_id} {label}"
+                _require(sum(c.size for c in chunks) == accounted, f"{where}: sizes do not add up to {accounted}")
+                end = 0
+                for chunk in sorted(chunks, key=lambda c: c.offset):
+                    _require(chunk.chunk_id not in chunk_ids, f"{where}: chunk id {chunk.chunk_id} used twice")
+                    chunk_ids.add(chunk.chunk_id)
+                    _require(chunk.size > 0 and chunk.offset % granule == 0 and chunk.size % granule == 0,
+                             f"{where}: chunk {chunk.chunk_id} is not whole granules")
+                    _require(chunk.offset >= end, f"{where}: chunk {chunk.chunk_id} backs a granule twice")
+                    _require(chunk.offset + chunk.size <= buffer.reserved, f"{where}: chunk {chunk.chunk_id} lies outside")
+                    end = chunk.offset + chunk.size
+                if chunks or label == "chunks":
+                    covered = merge_runs((c.offset, c.offset + c.size) for c in chunks)
+                    _require(covered == wanted, f"{where} cover {covered}, not the committed prefixes {wanted}")
+            total += buffer.physical_bytes + buffer.pending_bytes
+            if buffer.owner is not None:
+                _require(buffer.owner.buffers.get(buffer.buffer_id) is buffer, f"buffer {buffer.buffer_id}: owner lost it")
+                _require(self.sessions.get(buffer.owner.session_id) is buffer.owner, f"buffer {buffer.buffer_id}: owner ended")
+            else:
+                _require(buffer.persistent, f"anonymous buffer {buffer.buffer_id} has no owner")
+            if buffer.persistent:
+                named = self._persistent.get((buffer.owner_uid, buffer.name))
+                _require(named is buffer, f"persistent buffer {buffer.buffer_id} is not found by its name")
+        _require(len(self._persistent) == sum(b.persistent for b in self.buffers.values()), "stale persistent names")
+        for session in self.sessions.values():
+            for buffer in session.buffers.values():
+                _require(self.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} holds a dropped buffer")
+        _require(self.committed_bytes == total, f"committed {self.committed_bytes} != {total} in chunks")
+        used = sum(t.used_bytes for t in self.tenants.values())
+        _require(self.committed_bytes == used, f"committed {self.committed_bytes} != {used} used by tenants")
+
     # internals
 
-    def _release_chunk(self, buffer: Buffer, chunk: Chunk) -> None:
+    def _release_chunk(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> None:
         chunk.live = False
         try:
             self.backend.release(buffer.arena, chunk.handle)
@@ -659,31 +705,45 @@ class State:
             # The memory is lost to this process until exit, but the state stays consistent.
             log.exception("releasing chunk %d of buffer %d failed", chunk.chunk_id, buffer.buffer_id)
 
-    def _mark_changed(self, buffer: Buffer) -> None:
+    def _mark_changed(self, buffer: Buffer[A, C]) -> None:
         if buffer.persistent and self.changed is not None:
             self.changed.add(buffer.buffer_id)
 
-    def _release_chunks(self, buffer: Buffer, chunks: list[Chunk]) -> int:
-        """Release ``chunks`` (the buffer's own or its pending ones); returns their bytes."""
-        freed = 0
-        for chunk in chunks:
-            self._release_chunk(buffer, chunk)
-            freed += chunk.size
-        self.committed_bytes -= freed
-        buffer.tenant.used_bytes -= freed
-        if chunks is buffer.chunks:
-            buffer.physical_bytes -= freed
+    def _account(self, buffer: Buffer[A, C], mapped: int = 0, pending: int = 0) -> None:
+        """The one place committed bytes change: a buffer's mapped and pending chunks, its tenant's, the instance's.
+
+        A session's committed bytes are those of its buffers.
+        """
+        buffer.physical_bytes += mapped
+        buffer.pending_bytes += pending
+        self.committed_bytes += mapped + pending
+        buffer.tenant.used_bytes += mapped + pending
         self._mark_changed(buffer)
+
+    def _drop_mapped(self, buffer: Buffer[A, C]) -> int:
+        """Release the buffer's (mapped) chunks; returns their bytes."""
+        for chunk in buffer.chunks:
+            self._release_chunk(buffer, chunk)
+        freed = buffer.physical_bytes
+        buffer.chunks = []
+        self._account(buffer, mapped=-freed)
         return freed
 
-    def _release_all(self, buffer: Buffer) -> int:
-        freed = self._release_chunks(buffer, buffer.chunks) + self._release_chunks(buffer, buffer.pending)
-        buffer.chunks = []
+    def _drop_pending(self, buffer: Buffer[A, C]) -> int:
+        """Release the chunks of an unfinished preserving defragment; returns their bytes."""
+        for chunk in buffer.pending:
+            self._release_chunk(buffer, chunk)
+        freed = buffer.pending_bytes
         buffer.pending = []
+        self._account(buffer, pending=-freed)
+        return freed
+
+    def _release_all(self, buffer: Buffer[A, C]) -> int:
+        freed = self._drop_mapped(buffer) + self._drop_pending(buffer)
         buffer.bytes_per_segment = 0
         return freed
 
-    def _drop(self, buffer: Buffer) -> int:
+    def _drop(self, buffer: Buffer[A, C]) -> int:
         freed = self._release_all(buffer)
         self.backend.close_arena(buffer.arena)
         del self.buffers[buffer.buffer_id]

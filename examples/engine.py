@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hbmd.client import Client, connect
-from hbmd.proto.layout import instance_published_by
+from hbmd.daemon.spawn import DaemonProcess, wait_until
 from hbmd.proto.units import format_bytes, parse_size
 
 HERE = Path(__file__).resolve().parent
@@ -81,48 +81,16 @@ def daemon_for(args: argparse.Namespace) -> Iterator[str | None]:
         return
     backend = "cuda" if args.device == "cuda" else "host"
     budget = args.budget or DEFAULT_BUDGET[args.device]
-    command = [
-        sys.executable,
-        "-m",
-        "hbmd.daemon",
-        "--backend",
-        backend,
-        "--run-dir",
-        str(args.run_dir),
-        "--budget",
-        budget,
-    ]
+    options = ["--backend", backend, "--budget", budget]
     if args.daemon_config:
-        command += ["--config", str(args.daemon_config)]
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = args.run_dir / "hbmd.log"
-    with open(log_path, "ab") as daemon_log:
-        proc = subprocess.Popen(command, stdout=daemon_log, stderr=subprocess.STDOUT)
+        options += ["--config", str(args.daemon_config)]
+    daemon = DaemonProcess(args.run_dir, *options, log_path=args.run_dir / "hbmd.log").start()
     try:
-        instance = _wait_for_instance(args.run_dir, proc, log_path)
-        log("daemon", f"hbmd pid {proc.pid} serves {instance} ({backend} backend, budget {budget}); log in {log_path}")
-        yield instance
+        log("daemon", f"hbmd pid {daemon.pid} serves {daemon.instance} ({backend} backend, budget {budget}); "
+                      f"log in {daemon.log_path}")
+        yield daemon.instance
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-def _wait_for_instance(run_dir: Path, proc: subprocess.Popen, log_path: Path, timeout: float = 30.0) -> str:
-    """The instance the daemon ``proc`` published (``<run_dir>/<instance>/instance.json`` naming its pid)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"hbmd exited with {proc.returncode}:\n{log_path.read_text(errors='replace')[-2000:]}")
-        instance = instance_published_by(run_dir, proc.pid)
-        if instance is not None:
-            return instance
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"hbmd did not publish its instance within {timeout:.0f}s; see {log_path}")
+        daemon.stop()
 
 
 def connect_for(args: argparse.Namespace, instance: str | None, client_name: str, tenant: str = "") -> Client:
@@ -325,14 +293,6 @@ class HeldEngine:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met within {timeout}s")
-        time.sleep(0.02)
 
 
 def kv_buffers_of(client: Client, engine: str) -> list:

@@ -38,6 +38,7 @@ from .codec import (
     Envelope,
     ErrorReply,
     Message,
+    Request,
     decode_body,
     decode_datagram,
     decode_frames,
@@ -46,6 +47,7 @@ from .codec import (
     from_wire,
     peek_request_id,
     read_envelope,
+    requests,
     to_wire,
 )
 from .errors import (
@@ -68,20 +70,3 @@ from .session import Ack, FdBatch, Hello, ReclaimDone, ReclaimRequest, Refused, 
 
 MAX_FDS_PER_DATAGRAM = 250
 """At most this many FDs ride in one ``SCM_RIGHTS`` datagram (the kernel's SCM_MAX_FD is 253)."""
-
-REPLY_OF: dict[type[Message], type[Message]] = {
-    Status: StatusReply,
-    ListSessions: SessionList,
-    ListBuffers: BufferList,
-    CreateBuffer: BufferCreated,
-    Commit: Committed,
-    Release: Released,
-    Free: Freed,
-    Attach: Committed,
-    Delete: Freed,
-    Defragment: Committed,
-    FinishDefragment: Released,
-    Reclaim: ReclaimSent,
-    ReclaimDone: Ack,
-}
-"""The reply kind each request expects (an :class:`ErrorReply` may come instead)."""

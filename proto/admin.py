@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from .buffers import BufferInfo
-from .codec import Message, message, record
+from .codec import Message, Request, message, record
 
 
 @record
@@ -17,11 +17,6 @@ class TenantInfo:
     guaranteed_bytes: int
     max_bytes: int
     num_sessions: int
-
-
-@message("admin.status")
-class Status(Message):
-    """Ask for the instance's totals."""
 
 
 @message("admin.status_reply")
@@ -47,6 +42,11 @@ class StatusReply(Message):
     tenants: list[TenantInfo] = dataclasses.field(default_factory=list)
 
 
+@message("admin.status")
+class Status(Request[StatusReply]):
+    """Ask for the instance's totals."""
+
+
 @record
 class SessionInfo:
     session_id: int
@@ -66,21 +66,14 @@ class SessionInfo:
     """Of the last reclaim request: "" (none), "pending", "answered" or "ignored"."""
 
 
-@message("admin.sessions")
-class ListSessions(Message):
-    """Ask for every live session."""
-
-
 @message("admin.session_list")
 class SessionList(Message):
     sessions: list[SessionInfo]
 
 
-@message("admin.buffers")
-class ListBuffers(Message):
-    """Ask for buffers; ``session_id`` = -1 lists all."""
-
-    session_id: int = -1
+@message("admin.sessions")
+class ListSessions(Request[SessionList]):
+    """Ask for every live session."""
 
 
 @message("admin.buffer_list")
@@ -88,12 +81,11 @@ class BufferList(Message):
     buffers: list[BufferInfo]
 
 
-@message("admin.reclaim")
-class Reclaim(Message):
-    """Ask session ``session_id`` to give ``bytes`` back (its own user's sessions, or any for an admin)."""
+@message("admin.buffers")
+class ListBuffers(Request[BufferList]):
+    """Ask for buffers; ``session_id`` = -1 lists all."""
 
-    session_id: int
-    bytes: int
+    session_id: int = -1
 
 
 @message("admin.reclaim_sent")
@@ -101,3 +93,11 @@ class ReclaimSent(Message):
     reclaim_id: int
     session_id: int
     pid: int
+
+
+@message("admin.reclaim")
+class Reclaim(Request[ReclaimSent]):
+    """Ask session ``session_id`` to give ``bytes`` back (its own user's sessions, or any for an admin)."""
+
+    session_id: int
+    bytes: int

@@ -6,7 +6,7 @@ segments; committing ``bytes_per_segment`` backs that prefix of every segment.
 
 from __future__ import annotations
 
-from .codec import Message, message, record
+from .codec import Message, Request, message, record
 
 
 @record
@@ -41,35 +41,9 @@ class BufferInfo:
     num_chunks: int
 
 
-@message("buffer.create")
-class CreateBuffer(Message):
-    """Reserve a buffer of ``capacity`` bytes in ``num_segments`` segments; nothing is committed.
-
-    ``shareable`` asks for RDMA-capable chunks where the backend has them.
-    """
-
-    capacity: int
-    num_segments: int = 1
-    name: str = ""
-    persistent: bool = False
-    shareable: bool = False
-
-
 @message("buffer.created")
 class BufferCreated(Message):
     buffer: BufferInfo
-
-
-@message("buffer.commit")
-class Commit(Message):
-    """Grow every segment's committed prefix to ``bytes_per_segment`` (grow-only).
-
-    The new chunks' FDs arrive on the handle plane, in ``FdBatch`` datagrams
-    tagged with this request's id, before the reply.
-    """
-
-    buffer_id: int
-    bytes_per_segment: int
 
 
 @message("buffer.committed")
@@ -84,24 +58,10 @@ class Committed(Message):
     fd_batches: int
 
 
-@message("buffer.release")
-class Release(Message):
-    """Drop every chunk of the buffer, keep the reservation (sleep)."""
-
-    buffer_id: int
-
-
 @message("buffer.released")
 class Released(Message):
     buffer: BufferInfo
     freed_bytes: int
-
-
-@message("buffer.free")
-class Free(Message):
-    """Drop the buffer entirely."""
-
-    buffer_id: int
 
 
 @message("buffer.freed")
@@ -110,22 +70,62 @@ class Freed(Message):
     freed_bytes: int
 
 
+@message("buffer.create")
+class CreateBuffer(Request[BufferCreated]):
+    """Reserve a buffer of ``capacity`` bytes in ``num_segments`` segments; nothing is committed.
+
+    ``shareable`` asks for RDMA-capable chunks where the backend has them.
+    """
+
+    capacity: int
+    num_segments: int = 1
+    name: str = ""
+    persistent: bool = False
+    shareable: bool = False
+
+
+@message("buffer.commit")
+class Commit(Request[Committed]):
+    """Grow every segment's committed prefix to ``bytes_per_segment`` (grow-only).
+
+    The new chunks' FDs arrive on the handle plane, in ``FdBatch`` datagrams
+    tagged with this request's id, before the reply.
+    """
+
+    buffer_id: int
+    bytes_per_segment: int
+
+
+@message("buffer.release")
+class Release(Request[Released]):
+    """Drop every chunk of the buffer, keep the reservation (sleep)."""
+
+    buffer_id: int
+
+
+@message("buffer.free")
+class Free(Request[Freed]):
+    """Drop the buffer entirely."""
+
+    buffer_id: int
+
+
 @message("buffer.attach")
-class Attach(Message):
+class Attach(Request[Committed]):
     """Take over an orphaned persistent buffer of this user by ``name``; every chunk comes back to map."""
 
     name: str
 
 
 @message("buffer.delete")
-class Delete(Message):
+class Delete(Request[Freed]):
     """Free an orphaned persistent buffer of this user by ``name``."""
 
     name: str
 
 
 @message("buffer.defragment")
-class Defragment(Message):
+class Defragment(Request[Committed]):
     """Re-back each committed run with one chunk.
 
     ``preserve``: the new chunks come beside the old ones; the client copies
@@ -138,7 +138,7 @@ class Defragment(Message):
 
 
 @message("buffer.finish_defragment")
-class FinishDefragment(Message):
+class FinishDefragment(Request[Released]):
     """The client remapped onto the new chunks (``keep_new``) or gave up; the daemon drops the others."""
 
     buffer_id: int

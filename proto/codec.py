@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgpack
 
@@ -36,6 +36,37 @@ class Message:
     """Base of every wire message; subclasses are made with :func:`message`."""
 
     KIND: ClassVar[str] = ""
+
+
+R = TypeVar("R", bound=Message)
+
+
+class Request(Message, Generic[R]):
+    """A control-plane request answered by a reply of type ``R`` (or an :class:`ErrorReply`).
+
+    The reply type is named once, as the base's parameter
+    (``class Commit(Request[Committed])``), and read back as ``Reply``: the
+    client's typed ``call`` and the daemon's handler table both come from it.
+    """
+
+    Reply: ClassVar[type[Message]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if typing.get_origin(base) is Request:
+                (reply,) = typing.get_args(base)
+                if not (isinstance(reply, type) and issubclass(reply, Message)) or issubclass(reply, Request):
+                    raise TypeError(f"{cls.__name__}: a request's reply must be a message that is not a request")
+                cls.Reply = reply
+                return
+        if not hasattr(cls, "Reply"):
+            raise TypeError(f"{cls.__name__}: name the reply type, as in Request[ReplyMessage]")
+
+
+def requests() -> list[type[Request]]:
+    """Every registered request kind, in kind order: what a server must handle."""
+    return sorted((cls for cls in _KINDS.values() if issubclass(cls, Request)), key=lambda cls: cls.KIND)
 
 
 def message(kind: str):

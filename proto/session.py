@@ -7,7 +7,7 @@ accompany every control-plane request of that session.
 
 from __future__ import annotations
 
-from .codec import Message, message
+from .codec import Message, Request, message
 
 
 @message("session.hello")
@@ -72,6 +72,11 @@ class FdBatch(Message):
     error: str = ""
 
 
+@message("session.ack")
+class Ack(Message):
+    """An empty success reply."""
+
+
 @message("session.reclaim_request")
 class ReclaimRequest(Message):
     """Daemon → client on the handle plane: please give back ``bytes`` (why: ``reason``).
@@ -86,13 +91,8 @@ class ReclaimRequest(Message):
 
 
 @message("session.reclaim_done")
-class ReclaimDone(Message):
+class ReclaimDone(Request[Ack]):
     """Client → daemon: the outcome of a :class:`ReclaimRequest`."""
 
     reclaim_id: int
     released_bytes: int
-
-
-@message("session.ack")
-class Ack(Message):
-    """An empty success reply."""

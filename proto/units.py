@@ -53,3 +53,8 @@ def format_bytes(n: int) -> str:
         if value < 1024 or unit == "PiB":
             return f"{value:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+def round_up(n: int, granule: int) -> int:
+    """``n`` rounded up to a whole number of ``granule``s (the driver's and every chunk's unit)."""
+    return -(-n // granule) * granule

@@ -4,88 +4,24 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from hbmd.client import Client, connect
-from hbmd.proto.layout import instance_published_by
+from hbmd.daemon import spawn
 
 PROCESS_TIMEOUT_S = 60
 
 
-class DaemonProcess:
-    """An ``hbmd`` subprocess; every one is killed in teardown."""
+class DaemonProcess(spawn.DaemonProcess):
+    """An ``hbmd`` subprocess on the host backend (unless told otherwise), logging at debug; killed in teardown."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        *args: str,
-        backend: str = "host",
-        env: dict[str, str] | None = None,
-        launcher: list[str] | None = None,
-        pass_fds: tuple[int, ...] = (),
-    ) -> None:
-        self.run_dir = run_dir
-        self.args = ["--backend", backend, "--run-dir", str(run_dir), "--log-level", "debug", *args]
-        self.env = dict(os.environ, **(env or {}))
-        self.launcher = launcher or []
-        self.pass_fds = pass_fds
-        self.log_path = run_dir / f"hbmd-{time.monotonic_ns()}.log"
-        self.proc: subprocess.Popen | None = None
-        self.instance = "host" if backend == "host" else None
-
-    def start(self, timeout: float = 20.0) -> "DaemonProcess":
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, *self.launcher, "-m", "hbmd.daemon", *self.args],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env, pass_fds=self.pass_fds,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hbmd exited with {self.proc.returncode}:\n{self.log()}")
-            instance = instance_published_by(self.run_dir, self.proc.pid)
-            if instance is not None:
-                self.instance = instance
-                return self
-            time.sleep(0.02)
-        self.kill()
-        raise RuntimeError(f"hbmd did not come up in {timeout}s:\n{self.log()}")
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.pid}/fd"))
-
-    def stop(self, timeout: float = 10.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+    def __init__(self, run_dir: Path, *args: str, backend: str = "host", **launch) -> None:
+        super().__init__(run_dir, "--backend", backend, "--log-level", "debug", *args, **launch)
 
     def connect(self, **kwargs) -> Client:
         return connect(run_dir=self.run_dir, instance=self.instance, **kwargs)

@@ -6,6 +6,7 @@ import array
 import json
 import os
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -83,7 +84,10 @@ class FakeSystemd:
         fds = [fd for _, fd in pairs]
         return {
             "env": {"NOTIFY_SOCKET": str(self.path)},
-            "launcher": ["-c", LAUNCHER, json.dumps(fds), json.dumps([name for name, _ in pairs])],
+            "command": [
+                sys.executable, "-c", LAUNCHER, json.dumps(fds), json.dumps([name for name, _ in pairs]),
+                "-m", "hbmd.daemon",
+            ],
             "pass_fds": tuple(fds),
         }
 

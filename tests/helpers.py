@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import os
-import time
+import subprocess
+import sys
+
+from hbmd.daemon.spawn import wait_until  # noqa: F401 - the tests' one polling helper
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02):
-    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def cuda_vmm_status() -> tuple[bool, str]:
@@ -42,3 +34,10 @@ def cuda_vmm_status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "torch has no CUDA"
     return True, ""
+
+
+def hbmctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``hbmctl ARGS`` as an operator runs it: a subprocess, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "hbmd.client.ctl", *args], capture_output=True, text=True, timeout=timeout
+    )

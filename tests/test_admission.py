@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from hbmd.client import ExtensibleTensor, connect
-from helpers import MiB, wait_until
+from helpers import MiB, hbmctl, wait_until
 
 pytestmark = pytest.mark.ipc
 
@@ -115,13 +115,6 @@ def test_quotas_are_enforced_and_shown(quota_daemon):
         c.close()
 
 
-def hbmctl(daemon, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), *args],
-        capture_output=True, text=True, timeout=60,
-    )
-
-
 def test_a_reclaim_request_reaches_the_engines_callback(quota_daemon):
     engine = quota_daemon.connect(client_name="engine")
     kv = ExtensibleTensor(64 * MiB, "cpu", client=engine)
@@ -135,13 +128,13 @@ def test_a_reclaim_request_reaches_the_engines_callback(quota_daemon):
         return released
 
     engine.on_reclaim(give_back)
-    out = hbmctl(quota_daemon, "--json", "reclaim", "--session", str(engine.session_id), "--bytes", "32MiB", "--wait", "10")
+    out = hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "reclaim", "--session", str(engine.session_id), "--bytes", "32MiB", "--wait", "10")
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["state"] == "answered" and answer["released_bytes"] == 48 * MiB
     assert asked[0][0] == 32 * MiB and "asked by session" in asked[0][1]
     assert engine.status().committed_bytes == 0
-    sessions = hbmctl(quota_daemon, "sessions").stdout
+    sessions = hbmctl("--run-dir", str(quota_daemon.run_dir), "sessions").stdout
     assert "asked 32.0 MiB, released 48.0 MiB" in sessions
     engine.close()
 
@@ -150,7 +143,7 @@ def test_an_ignored_reclaim_is_reported_and_the_session_lives_on(quota_daemon):
     idle = quota_daemon.connect(client_name="idle")
     t = ExtensibleTensor(16 * MiB, "cpu", client=idle)
     t.resize_(16 * MiB)
-    out = hbmctl(quota_daemon, "--json", "reclaim", "--session", str(idle.session_id), "--bytes", "8MiB", "--wait", "3")
+    out = hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "reclaim", "--session", str(idle.session_id), "--bytes", "8MiB", "--wait", "3")
     assert json.loads(out.stdout)["state"] == "ignored"
     wait_until(lambda: "has not answered reclaim request" in quota_daemon.log())
     assert idle.status().committed_bytes == 16 * MiB and t.physical_bytes == 16 * MiB  # nothing taken by force
@@ -162,9 +155,9 @@ def test_an_ignored_reclaim_is_reported_and_the_session_lives_on(quota_daemon):
 
 
 def test_reclaim_of_an_unknown_session_is_refused(quota_daemon):
-    out = hbmctl(quota_daemon, "reclaim", "--session", "999", "--bytes", "1MiB")
+    out = hbmctl("--run-dir", str(quota_daemon.run_dir), "reclaim", "--session", "999", "--bytes", "1MiB")
     assert out.returncode == 3 and "no session 999" in out.stderr
-    assert hbmctl(quota_daemon, "reclaim", "--session", "1", "--bytes", "lots").returncode == 2
+    assert hbmctl("--run-dir", str(quota_daemon.run_dir), "reclaim", "--session", "1", "--bytes", "lots").returncode == 2
 
 
 def test_an_unknown_config_is_a_clear_startup_error(run_dir):

@@ -11,15 +11,9 @@ import time
 
 import pytest
 from hbmd.client import ExtensibleTensor, PermissionDenied
-from helpers import MiB
+from helpers import MiB, hbmctl
 
 pytestmark = pytest.mark.cli
-
-
-def hbmctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hbmd.client.ctl", *args], capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_json_numbers_match_what_clients_committed(daemon, spawn_worker):

@@ -40,20 +40,37 @@ SCALARS = {
 }
 
 
+def derive(tp: typing.Any, *, scalar, record, union, listing, mapping) -> typing.Any:
+    """Fold a field type (scalars, ``list``, ``dict``, unions, nested records) into a value or a strategy.
+
+    A field type the ``scalar`` table does not know fails here, loudly, rather than going untested.
+    """
+    def walk(tp: typing.Any) -> typing.Any:
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            return record(tp, {f.name: walk(hints[f.name]) for f in dataclasses.fields(tp)})
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if origin in (typing.Union, types.UnionType):
+            return union([walk(arg) for arg in args])
+        if origin is list:
+            return listing(walk(args[0]))
+        if origin is dict:
+            return mapping(walk(args[0]), walk(args[1]))
+        return scalar[tp]
+
+    return walk(tp)
+
+
 def strategy_for(tp: typing.Any) -> st.SearchStrategy:
-    """Valid values of a field type: the scalars, ``list``, ``dict``, unions and nested records."""
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        return st.builds(tp, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(tp)})
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return st.one_of([strategy_for(arg) for arg in args])
-    if origin is list:
-        return st.lists(strategy_for(args[0]), max_size=4)
-    if origin is dict:
-        return st.dictionaries(strategy_for(args[0]), strategy_for(args[1]), max_size=4)
-    # A field type this table does not know fails here, loudly, rather than going untested.
-    return SCALARS[tp]
+    """Valid values of a field type."""
+    return derive(
+        tp,
+        scalar=SCALARS,
+        record=lambda cls, fields: st.builds(cls, **fields),
+        union=st.one_of,
+        listing=lambda item: st.lists(item, max_size=4),
+        mapping=lambda key, value: st.dictionaries(key, value, max_size=4),
+    )
 
 
 MSGPACK_SCALARS = (
@@ -161,17 +178,14 @@ def test_a_valid_message_with_a_field_of_the_wrong_type_is_decoded_or_refused(cl
 
 def sample(tp: typing.Any) -> typing.Any:
     """One valid value of a field type, with one element in every list and map (so they can be replaced)."""
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        return tp(**{f.name: sample(hints[f.name]) for f in dataclasses.fields(tp)})
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return sample(args[0])
-    if origin is list:
-        return [sample(args[0])]
-    if origin is dict:
-        return {"k": sample(args[1])}
-    return {int: 1, str: "s", bool: True, float: 0.5, type(None): None}[tp]
+    return derive(
+        tp,
+        scalar={int: 1, str: "s", bool: True, float: 0.5, type(None): None},
+        record=lambda cls, fields: cls(**fields),
+        union=lambda options: options[0],
+        listing=lambda item: [item],
+        mapping=lambda key, value: {"k": value},
+    )
 
 
 PLACEHOLDER = "\x00placeholder\x00"

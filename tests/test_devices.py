@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hbmd import driver
 from hbmd.client.cuda import instance_for_cuda_device
 from hbmd.client.devices import parse_device
 from hbmd.proto.errors import NotFound
+from hbmd.proto.instance import InstanceInfo, InstancePaths
 
 pytestmark = pytest.mark.unit
 
@@ -34,8 +33,11 @@ def test_unsupported_devices_are_value_errors(device):
 
 
 def publish(root, instance, uuid, index):
-    (root / instance).mkdir()
-    (root / instance / "instance.json").write_text(json.dumps({"instance": instance, "device_uuid": uuid, "device_index": index}))
+    paths = InstancePaths.of(root, instance)
+    paths.directory.mkdir()
+    backend = "cuda" if index >= 0 else "host"
+    info = InstanceInfo(instance, backend, index, uuid, 4242, [1, 0], "0", paths.endpoint, str(paths.handles))
+    paths.info.write_text(info.to_json())
 
 
 def test_a_gpu_is_matched_to_its_instance_by_uuid_not_index(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ import os, random, signal, socket, sys, time
 import zmq
 from hbmd import proto
 from hbmd.client import connect
-from hbmd.proto.layout import InstancePaths
+from hbmd.proto.instance import InstancePaths
 
 SEGMENTS = %(segments)d
 MiB = 1 << 20
@@ -129,7 +129,7 @@ def wait_for_only_this_session(client, what: str) -> None:
 
     try:
         wait_until(settled, timeout=5)
-    except AssertionError:
+    except TimeoutError:
         status = client.status()
         raise AssertionError(
             f"{what}: 5 s after the kill the daemon still has {status.num_sessions} sessions, "
@@ -173,7 +173,7 @@ def test_workers_killed_at_any_point_leave_nothing_behind(start_daemon, spawn_wo
 
         try:
             wait_until(lambda: daemon.open_fds() == fds_before, timeout=10)
-        except AssertionError:
+        except TimeoutError:
             pass  # reported below, with the count
         status = client.status()
         leaked_fds = daemon.open_fds() - fds_before

@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
-import torch
 from hbmd.client import (
     Conflict,
     ExtensibleKVCacheBuffers,
@@ -21,13 +18,16 @@ from hbmd.client import (
     kv_view,
     narrow_blocks,
 )
-from helpers import MiB, wait_until
+from helpers import MiB, hbmctl, wait_until
+
+torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.ipc
 
 CREATOR = """
 import os, sys, torch
 from hbmd.client import ExtensibleTensor, connect
+
 c = connect("cpu", client_name="creator")
 t = ExtensibleTensor(64 << 20, "cpu", num_segments=2, client=c, name="kv-layer0", persistent=True)
 for step in range(1, 6):
@@ -102,10 +102,6 @@ def test_session_end_frees_anonymous_buffers_and_keeps_persistent_ones(daemon, c
     assert [b.name for b in client.buffers()] == ["keep"]
 
 
-def hbmctl(*args):
-    return subprocess.run([sys.executable, "-m", "hbmd.client.ctl", *args], capture_output=True, text=True, timeout=60)
-
-
 def test_hbmctl_deletes_an_orphan_but_not_a_live_buffer(daemon, client, spawn_worker):
     worker, pid, _ = start_creator(daemon, spawn_worker)
     rd = str(daemon.run_dir)
@@ -177,6 +173,7 @@ def test_kv_commit_grows_and_defragments_in_one_step(client):
 MID_DEFRAGMENT = """
 import os, sys, torch
 from hbmd.client import ExtensibleTensor, connect
+
 c = connect("cpu")
 t = ExtensibleTensor(64 << 20, "cpu", num_segments=2, client=c, name="kv-defrag", persistent=True)
 for step in range(1, 9):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -133,11 +132,33 @@ def test_unknown_error_code_becomes_internal():
     assert type(proto.ErrorReply("from_the_future", "x", False).exception()) is proto.InternalError
 
 
-def test_every_request_has_a_reply_kind():
-    requests = {cls for cls in codec._KINDS.values() if cls in proto.REPLY_OF}
-    assert requests == set(proto.REPLY_OF)
-    for reply in proto.REPLY_OF.values():
-        assert dataclasses.is_dataclass(reply)
+def test_every_request_names_a_reply_that_is_a_registered_message_and_not_a_request():
+    kinds = set(codec._KINDS.values())
+    for request in proto.requests():
+        assert request.Reply in kinds, request.KIND
+        assert not issubclass(request.Reply, proto.Request), request.KIND
+
+
+def test_the_requests_are_the_ones_clients_send():
+    # The protocol's request set is the daemon's contract: a kind dropped from it (or one that stops
+    # naming its reply) leaves a shipped client without an answer.
+    assert {cls.KIND for cls in proto.requests()} == {
+        "admin.status", "admin.sessions", "admin.buffers", "admin.reclaim", "buffer.create", "buffer.commit",
+        "buffer.release", "buffer.free", "buffer.attach", "buffer.delete", "buffer.defragment",
+        "buffer.finish_defragment", "session.reclaim_done",
+    }
+
+
+def test_a_request_that_names_no_reply_is_refused_at_definition():
+    with pytest.raises(TypeError, match="name the reply type"):
+
+        class NoReply(proto.Request):  # noqa: F841 - defining it is the test
+            pass
+
+    with pytest.raises(TypeError, match="not a request"):
+
+        class RepliesWithARequest(proto.Request[proto.Status]):  # noqa: F841
+            pass
 
 
 def test_proto_imports_only_stdlib_and_msgpack():
@@ -149,7 +170,7 @@ def test_proto_imports_only_stdlib_and_msgpack():
         "        if name.split('.')[0] in ('zmq', 'torch', 'cuda', 'numpy'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import hbmd.proto, hbmd.proto.units, hbmd.proto.layout\n"
+        "import hbmd.proto, hbmd.proto.units, hbmd.proto.instance\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

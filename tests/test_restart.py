@@ -5,16 +5,18 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 from fake_systemd import FakeSystemd
 from hbmd.client import ExtensibleTensor
 from helpers import MiB, wait_until
+
+torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.ipc
 
 WRITER = """
 import torch
 from hbmd.client import ExtensibleTensor, connect
+
 c = connect("cpu")
 kv = ExtensibleTensor(64 << 20, "cpu", num_segments=2, client=c, name="kv", persistent=True)
 for step in range(1, 4):

@@ -1,17 +1,24 @@
 """Memory backends: where the daemon's physical chunks come from.
 
 A backend creates, exports and releases chunks; it knows nothing of sessions,
-budgets or sockets. Each backend lives in its own module behind this one
-interface, so the state and the server are the same for host and GPU memory.
+budgets or sockets. Each backend lives in its own module behind these two
+small interfaces, so the state and the server are the same for host and GPU
+memory: :class:`Backend`, generic over its per-buffer *arena* and its
+*chunk* types, and :class:`ParkableBackend`, what persistence across a
+restart needs on top.
 """
 
 from __future__ import annotations
 
-import abc
-from typing import Any
+from typing import Protocol, TypeVar
+
+A = TypeVar("A")
+"""A backend's per-buffer state (its arena)."""
+C = TypeVar("C")
+"""A backend's chunk handle."""
 
 
-class Backend(abc.ABC):
+class Backend(Protocol[A, C]):
     """One device's (or the host's) physical memory."""
 
     name: str
@@ -25,53 +32,36 @@ class Backend(abc.ABC):
     device_uuid: str = ""
     device_index: int = -1
 
-    @abc.abstractmethod
-    def open_arena(self, reserved_bytes: int, shareable: bool) -> Any:
+    def open_arena(self, reserved_bytes: int, shareable: bool) -> A:
         """Per-buffer backend state, made when a buffer is created."""
+        ...
 
-    @abc.abstractmethod
-    def create(self, arena: Any, offset: int, size: int) -> Any:
+    def create(self, arena: A, offset: int, size: int) -> C:
         """Back ``size`` bytes at ``offset`` of the buffer; returns a chunk handle.
 
         Raises ``OutOfDeviceMemory`` when the memory is not there.
         """
+        ...
 
-    @abc.abstractmethod
-    def handle_offset(self, arena: Any, chunk: Any) -> int:
+    def handle_offset(self, arena: A, chunk: C) -> int:
         """Where the chunk's mapping starts inside its exported handle."""
+        ...
 
-    @abc.abstractmethod
-    def export(self, arena: Any, chunk: Any) -> int:
+    def export(self, arena: A, chunk: C) -> int:
         """A new file descriptor for the chunk; the caller closes it once sent."""
+        ...
 
-    @abc.abstractmethod
-    def release(self, arena: Any, chunk: Any) -> None:
+    def release(self, arena: A, chunk: C) -> None:
         """Return the chunk's memory; must not fail for a chunk that was created."""
+        ...
 
-    @abc.abstractmethod
-    def close_arena(self, arena: Any) -> None:
+    def close_arena(self, arena: A) -> None:
         """Drop the per-buffer state once its last chunk is released."""
+        ...
 
-    # Parking memory with the service manager across restarts (see daemon/persist.py).
-
-    parks_chunks: bool
-    """True: one FD per chunk keeps the memory alive; False: one FD per buffer (its arena) does."""
-
-    @abc.abstractmethod
-    def parked_fd(self, arena: Any, chunk: Any | None) -> int:
-        """A new FD keeping ``chunk`` (or, with None, the whole arena) alive; the caller closes it."""
-
-    @abc.abstractmethod
-    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> Any:
-        """Rebuild a buffer's backend state after a restart (taking ownership of ``fd``)."""
-
-    @abc.abstractmethod
-    def adopt(self, arena: Any, offset: int, size: int, handle_offset: int, fd: int | None) -> Any:
-        """Rebuild a chunk handle after a restart from its parked FD (which the caller closes)."""
-
-    @abc.abstractmethod
     def free_bytes(self) -> int:
         """Memory free on the device right now, as its driver or kernel reports it."""
+        ...
 
     def held_back_bytes(self) -> int:
         """Device memory the backend keeps for itself (a warm pool), taken out of the budget."""
@@ -83,3 +73,22 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release the backend itself at shutdown."""
+
+
+class ParkableBackend(Backend[A, C], Protocol[A, C]):
+    """A backend whose memory can be parked with the service manager across restarts (see ``daemon/persist.py``)."""
+
+    parks_chunks: bool
+    """True: one FD per chunk keeps the memory alive; False: one FD per buffer (its arena) does."""
+
+    def parked_fd(self, arena: A, chunk: C | None) -> int:
+        """A new FD keeping ``chunk`` (or, with None, the whole arena) alive; the caller closes it."""
+        ...
+
+    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> A:
+        """Rebuild a buffer's backend state after a restart (taking ownership of ``fd``)."""
+        ...
+
+    def adopt(self, arena: A, offset: int, size: int, handle_offset: int, fd: int | None) -> C:
+        """Rebuild a chunk handle after a restart from its parked FD (which the caller closes)."""
+        ...

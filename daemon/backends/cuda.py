@@ -15,33 +15,43 @@ from typing import Any
 
 from hbmd import driver
 from hbmd.driver import nvml
-from hbmd.proto.errors import DriverError
-from hbmd.proto.layout import gpu_instance
+from hbmd.proto.errors import DriverError, InternalError
+from hbmd.proto.instance import gpu_instance
 
-from . import Backend
+from . import ParkableBackend
 
 log = logging.getLogger("hbmd.cuda")
 
 
 @dataclasses.dataclass
-class AdoptedChunk:
-    """A chunk taken back after a restart: its parked FD keeps it alive.
+class CudaChunk:
+    """One ``cuMemCreate`` allocation, and an exported FD of it where the daemon holds one.
 
-    A handle imported from that FD cannot be exported again (the driver
-    answers CUDA_ERROR_INVALID_VALUE, seen on the H200), so the daemon keeps
-    the FD itself and hands out duplicates of it.
+    A chunk restored after a restart has no handle: its parked FD is what
+    keeps it alive, and a handle imported from that FD could not be
+    exported again (the driver answers CUDA_ERROR_INVALID_VALUE, seen on the
+    H200), so every export is a duplicate of the FD. A warm chunk, created
+    and exported while the daemon was idle, gives its ready FD to its first
+    export and is exported anew after that.
     """
 
-    fd: int
+    handle: Any | None
+    fd: int = -1
 
+    def export(self) -> int:
+        if self.handle is None:
+            return os.dup(self.fd)
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            return fd
+        return driver.export_fd(self.handle)
 
-@dataclasses.dataclass
-class WarmChunk:
-    """A granule created and exported while the daemon was idle; its FD goes to the first export."""
-
-    handle: Any
-    fd: int
-    """-1 once handed out."""
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.handle is not None:
+            driver.release(self.handle)
 
 
 @dataclasses.dataclass
@@ -50,7 +60,7 @@ class CudaArena:
     """Whether this buffer's chunks are GPU-direct-RDMA capable."""
 
 
-class CudaBackend(Backend):
+class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
     """One GPU's memory. ``warm_chunks`` granules are kept created and exported ahead of time.
 
     Exporting a POSIX FD costs about as much as everything else in a small
@@ -63,7 +73,7 @@ class CudaBackend(Backend):
 
     def __init__(self, index: int, warm_chunks: int = 0) -> None:
         self.warm_target = warm_chunks
-        self._warm: list[WarmChunk] = []
+        self._warm: list[CudaChunk] = []
         driver.pin_device_order()
         driver.init()
         count = driver.device_count()
@@ -86,59 +96,47 @@ class CudaBackend(Backend):
     def open_arena(self, reserved_bytes: int, shareable: bool) -> CudaArena:
         return CudaArena(rdma=shareable and not self._rdma_refused)
 
-    def create(self, arena: CudaArena, offset: int, size: int) -> Any:
+    def create(self, arena: CudaArena, offset: int, size: int) -> CudaChunk:
         if size == self.granularity and not arena.rdma and self._warm:
             return self._warm.pop()
         if arena.rdma:
             try:
-                return driver.create(self.device_index, size, rdma=True)
+                return CudaChunk(driver.create(self.device_index, size, rdma=True))
             except DriverError as exc:
                 # Some systems refuse RDMA-capable allocations; the buffer still works without.
                 log.warning("GPU %d refuses RDMA-capable allocations (%s); shareable buffers fall back to plain ones",
                             self.device_index, exc.result)
                 self._rdma_refused = True
                 arena.rdma = False
-        return driver.create(self.device_index, size, rdma=False)
+        return CudaChunk(driver.create(self.device_index, size, rdma=False))
 
-    def handle_offset(self, arena: CudaArena, chunk: Any) -> int:
+    def handle_offset(self, arena: CudaArena, chunk: CudaChunk) -> int:
         return 0
 
-    def export(self, arena: CudaArena, chunk: Any) -> int:
-        if isinstance(chunk, AdoptedChunk):
-            return os.dup(chunk.fd)
-        if isinstance(chunk, WarmChunk):
-            if chunk.fd >= 0:
-                fd, chunk.fd = chunk.fd, -1
-                return fd
-            return driver.export_fd(chunk.handle)
-        return driver.export_fd(chunk)
+    def export(self, arena: CudaArena, chunk: CudaChunk) -> int:
+        return chunk.export()
 
-    def release(self, arena: CudaArena, chunk: Any) -> None:
-        if isinstance(chunk, AdoptedChunk):
-            os.close(chunk.fd)
-        elif isinstance(chunk, WarmChunk):
-            if chunk.fd >= 0:
-                os.close(chunk.fd)
-            driver.release(chunk.handle)
-        else:
-            driver.release(chunk)
+    def release(self, arena: CudaArena, chunk: CudaChunk) -> None:
+        chunk.release()
 
     def close_arena(self, arena: CudaArena) -> None:
         """Nothing per buffer to drop: each chunk is its own allocation."""
 
     parks_chunks = True  # each chunk is its own allocation
 
-    def parked_fd(self, arena: CudaArena, chunk: Any | None) -> int:
-        return self.export(arena, chunk)
+    def parked_fd(self, arena: CudaArena, chunk: CudaChunk | None) -> int:
+        if chunk is None:
+            raise InternalError("a CUDA buffer is parked chunk by chunk, never as a whole")
+        return chunk.export()
 
     def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> CudaArena:
         return CudaArena(rdma=shareable and not self._rdma_refused)
 
-    def adopt(self, arena: CudaArena, offset: int, size: int, handle_offset: int, fd: int | None) -> AdoptedChunk:
+    def adopt(self, arena: CudaArena, offset: int, size: int, handle_offset: int, fd: int | None) -> CudaChunk:
         """Keep (a duplicate of) the parked FD: one descriptor per restored chunk, no driver call, no context."""
         if fd is None:
             raise driver.CudaUnavailable("a CUDA chunk cannot be adopted without its FD")
-        return AdoptedChunk(os.dup(fd))
+        return CudaChunk(None, os.dup(fd))
 
     def held_back_bytes(self) -> int:
         return self.warm_target * self.granularity
@@ -153,12 +151,12 @@ class CudaBackend(Backend):
         except BaseException:
             driver.release(handle)
             raise
-        self._warm.append(WarmChunk(handle, fd))
+        self._warm.append(CudaChunk(handle, fd))
         return len(self._warm) < self.warm_target
 
     def close(self) -> None:
         while self._warm:
-            self.release(CudaArena(rdma=False), self._warm.pop())
+            self._warm.pop().release()
 
     def free_bytes(self) -> int:
         """From NVML, which needs no context; -1 where NVML is unavailable."""

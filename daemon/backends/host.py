@@ -28,19 +28,20 @@ import os
 
 from hbmd.proto.errors import InternalError, OutOfDeviceMemory
 
-from . import Backend
+from . import ParkableBackend
 
 GRANULE = 2 << 20
 
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _libc.fallocate.restype = ctypes.c_int
 
 
-def _fallocate(fd: int, mode: int, offset: int, size: int) -> None:
+def fallocate(fd: int, mode: int, offset: int, size: int) -> None:
+    """``fallocate(2)``; ``OSError`` on failure."""
     if _libc.fallocate(fd, mode, offset, size) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -86,7 +87,7 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-class HostBackend(Backend):
+class HostBackend(ParkableBackend[HostArena, HostChunk]):
     name = "host"
     instance = "host"
     granularity = GRANULE
@@ -109,10 +110,10 @@ class HostBackend(Backend):
             raise InternalError(f"buffer range at {offset} is already backed twice")
         file_offset = half * arena.reserved + offset
         try:
-            _fallocate(arena.fd, 0, file_offset, size)
+            fallocate(arena.fd, 0, file_offset, size)
         except OSError as exc:
             # A failed fallocate may leave part of the range allocated.
-            _fallocate(arena.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, file_offset, size)
+            fallocate(arena.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, file_offset, size)
             if exc.errno in (errno.ENOMEM, errno.ENOSPC):
                 raise OutOfDeviceMemory(
                     f"host memory exhausted backing {size} bytes: {exc.strerror}",
@@ -129,7 +130,7 @@ class HostBackend(Backend):
         return os.dup(arena.fd)
 
     def release(self, arena: HostArena, chunk: HostChunk) -> None:
-        _fallocate(arena.fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, chunk.file_offset, chunk.size)
+        fallocate(arena.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, chunk.file_offset, chunk.size)
         start = chunk.file_offset - chunk.half * arena.reserved
         arena.give_back(chunk.half, start, start + chunk.size)
 

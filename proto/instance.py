@@ -1,17 +1,31 @@
-"""Where a daemon instance puts its sockets: the contract clients find it by.
+"""Instance discovery: where a daemon instance puts its sockets, and what it publishes there.
 
 ``<run_dir>/<instance>/control.sock`` is the ZeroMQ control endpoint,
 ``handles.sock`` the Unix ``SOCK_SEQPACKET`` handle plane, ``instance.json``
-what the instance serves (backend, GPU UUID and index, pid). The instance is
-``host`` for the host backend and ``gpu<N>`` for the GPU with index N.
+an :class:`InstanceInfo` saying what the instance serves (backend, GPU UUID
+and index, pid). The instance is ``host`` for the host backend and
+``gpu<N>`` for the GPU with index N.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 from pathlib import Path
+from typing import Any
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("hbmd")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+VERSION = _package_version()
+"""The installed hbmd's version, from the package metadata: what the daemon reports and both CLIs print."""
 
 DEFAULT_RUN_DIR = "/run/hbmd"
 RUN_DIR_ENV = "HBMD_RUN_DIR"
@@ -66,6 +80,48 @@ class InstancePaths:
                 )
 
 
+@dataclasses.dataclass(frozen=True)
+class InstanceInfo:
+    """The contents of ``instance.json``: a running instance, as clients and tools find it.
+
+    ``device_index`` is -1 and ``device_uuid`` empty on the host backend.
+    The daemon writes it last, once it serves: its presence naming a live
+    pid is the ready signal.
+    """
+
+    instance: str
+    backend: str
+    device_index: int
+    device_uuid: str
+    pid: int
+    protocol: list[int]
+    daemon_version: str
+    control: str
+    handles: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "InstanceInfo":
+        """Parse ``instance.json``; ``ValueError`` when it is not one (unknown keys are ignored)."""
+        data: Any = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("instance.json is not an object")
+        try:
+            return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        except KeyError as exc:
+            raise ValueError(f"instance.json has no {exc.args[0]!r}") from None
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "InstanceInfo | None":
+        """The info at ``path``, or None where it is missing or unreadable."""
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+
+
 def list_instances(run_dir: str | os.PathLike | None) -> list[str]:
     """Instances with a published ``instance.json`` under the run directory, sorted."""
     root = resolve_run_dir(run_dir)
@@ -78,11 +134,8 @@ def list_instances(run_dir: str | os.PathLike | None) -> list[str]:
 
 def instance_published_by(run_dir: str | os.PathLike | None, pid: int) -> str | None:
     """The instance whose ``instance.json`` names process ``pid``: the daemon's ready signal."""
-    for info in resolve_run_dir(run_dir).glob("*/instance.json"):
-        try:
-            published = json.loads(info.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(published, dict) and published.get("pid") == pid:
-            return str(published.get("instance", info.parent.name))
+    for path in resolve_run_dir(run_dir).glob("*/instance.json"):
+        info = InstanceInfo.read(path)
+        if info is not None and info.pid == pid:
+            return info.instance
     return None

@@ -1,0 +1,117 @@
+"""Start an ``hbmd`` subprocess and wait until it serves: the one way tests, benchmarks and examples do it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from hbmd.proto.instance import instance_published_by
+
+T = TypeVar("T")
+
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02) -> T:
+    """Poll ``predicate`` until it returns a truthy value, and return it; ``TimeoutError`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout}s")
+        time.sleep(interval)
+
+
+class DaemonProcess:
+    """An ``hbmd`` subprocess serving under ``run_dir``, its output in a log file.
+
+    ``args`` are the daemon's options (``--run-dir`` is added); ``command``
+    replaces ``python -m hbmd.daemon`` (a wrapper such as a stand-in service
+    manager). :meth:`start` returns once ``instance.json`` names the process
+    (the daemon's ready signal); :meth:`stop` sends SIGTERM and kills after a
+    hard timeout. As a context manager it starts and stops.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *args: str,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+        log_path: str | os.PathLike | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.command = [*(command or [sys.executable, "-m", "hbmd.daemon"]), "--run-dir", str(self.run_dir), *args]
+        self.env = {**os.environ, **(env or {})}
+        self.pass_fds = pass_fds
+        self.log_path = Path(log_path) if log_path else self.run_dir / f"hbmd-{time.monotonic_ns()}.log"
+        self.proc: subprocess.Popen | None = None
+        self.instance = ""
+
+    def start(self, timeout: float = START_TIMEOUT_S) -> "DaemonProcess":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, pass_fds=self.pass_fds
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"hbmd exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            instance = instance_published_by(self.run_dir, self.proc.pid)
+            if instance is not None:
+                self.instance = instance
+                return self
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"hbmd did not publish its instance within {timeout:.0f}s:\n{self.log()[-4000:]}")
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("the daemon was not started")
+        return self.proc.pid
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit status (negative: killed by that signal)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def __enter__(self) -> "DaemonProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,250 @@
+"""The state's books balance after any sequence of requests, failed ones included.
+
+A hypothesis state machine drives :class:`State` as sessions would (open,
+create, commit, release, defragment both ways, finish, attach, delete, free,
+close) over a backend that fails on demand in ``create`` and ``export``, and
+checks :meth:`State.check_invariants` after every step, plus two promises of
+its own: a refused request changes nothing, and no chunk the backend made is
+leaked or released twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from hbmd.daemon.state import State
+from hbmd.proto.errors import HbmdError, InternalError, OutOfDeviceMemory
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+pytestmark = pytest.mark.unit
+
+GRANULE = 2 << 20
+BUDGET = 24 * GRANULE
+
+
+class FlakyBackend:
+    """Chunks are numbers; ``create`` and ``export`` fail when armed. Tracks every live chunk and arena."""
+
+    name = "flaky"
+    instance = "test"
+    granularity = GRANULE
+    total_bytes = 64 * GRANULE
+    device_uuid = ""
+    device_index = -1
+
+    def __init__(self) -> None:
+        self.fail_create_in: int | None = None
+        """Fail the create call after this many more succeed."""
+        self.fail_export = False
+        self.live: set[int] = set()
+        self.arenas: set[int] = set()
+        self._ids = itertools.count(1)
+
+    def open_arena(self, reserved_bytes: int, shareable: bool) -> int:
+        arena = next(self._ids)
+        self.arenas.add(arena)
+        return arena
+
+    def create(self, arena: int, offset: int, size: int) -> int:
+        if self.fail_create_in is not None:
+            if self.fail_create_in == 0:
+                self.fail_create_in = None
+                raise OutOfDeviceMemory("injected create failure")
+            self.fail_create_in -= 1
+        chunk = next(self._ids)
+        self.live.add(chunk)
+        return chunk
+
+    def handle_offset(self, arena: int, chunk: int) -> int:
+        return 0
+
+    def export(self, arena: int, chunk: int) -> int:
+        if chunk not in self.live:
+            raise AssertionError(f"export of released chunk {chunk}")
+        if self.fail_export:
+            raise InternalError("injected export failure")
+        return -1
+
+    def release(self, arena: int, chunk: int) -> None:
+        if chunk not in self.live:
+            raise AssertionError(f"chunk {chunk} released twice")
+        self.live.remove(chunk)
+
+    def close_arena(self, arena: int) -> None:
+        self.arenas.remove(arena)
+
+    def free_bytes(self) -> int:
+        return -1
+
+    def held_back_bytes(self) -> int:
+        return 0
+
+    def idle(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def snapshot(state: State) -> tuple:
+    """What a refused request must leave as it was."""
+    return (
+        state.committed_bytes,
+        {t.name: t.used_bytes for t in state.tenants.values()},
+        {
+            b.buffer_id: (b.bytes_per_segment, b.physical_bytes, b.pending_bytes, b.owner and b.owner.session_id,
+                          [dataclasses.astuple(c) for c in b.chunks], [dataclasses.astuple(c) for c in b.pending])
+            for b in state.buffers.values()
+        },
+        sorted(state.sessions),
+    )
+
+
+class StateMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backend = FlakyBackend()
+        self.state = State(self.backend, BUDGET)
+        self.uids = itertools.cycle([1000, 1001])
+        self.names = itertools.count()
+
+    # helpers
+
+    def session(self, data: st.DataObject):
+        return data.draw(st.sampled_from(sorted(self.state.sessions.values(), key=lambda s: s.session_id)))
+
+    def owned(self, data: st.DataObject):
+        owned = [b for b in self.state.buffers.values() if b.owner is not None]
+        return data.draw(st.sampled_from(sorted(owned, key=lambda b: b.buffer_id)))
+
+    def attempt(self, call, *args) -> None:
+        """Run one request; a refusal must change nothing (a discarding defragment has dropped its old pages first, by design)."""
+        before = snapshot(self.state)
+        try:
+            call(*args)
+        except HbmdError as exc:
+            assert not isinstance(exc, InternalError), exc
+            if not (call == self.state.defragment and not args[2]):
+                assert snapshot(self.state) == before, f"{call.__name__}{args[1:]} refused ({exc}) but changed the state"
+
+    # rules
+
+    @rule(tenant=st.sampled_from(["", "team-a"]))
+    def open_session(self, tenant):
+        self.state.open_session(4242, next(self.uids), 100, "worker", tenant)
+
+    @precondition(lambda self: self.state.sessions)
+    @rule(data=st.data())
+    def close_session(self, data):
+        self.state.close_session(self.session(data))
+
+    @precondition(lambda self: self.state.sessions)
+    @rule(data=st.data(), granules=st.integers(1, 12), segments=st.integers(1, 3), extra=st.integers(0, GRANULE - 1),
+          persistent=st.booleans())
+    def create_buffer(self, data, granules, segments, extra, persistent):
+        capacity = (granules * GRANULE + extra) // segments * segments
+        name = f"b{next(self.names)}" if persistent else ""
+        self.attempt(self.state.create_buffer, self.session(data), capacity, segments, name, persistent)
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), fraction=st.floats(0, 1), fail_after=st.none() | st.integers(0, 2))
+    def commit(self, data, fraction, fail_after):
+        buffer = self.owned(data)
+        target = buffer.bytes_per_segment + int((buffer.segment_capacity - buffer.bytes_per_segment) * fraction)
+        self.backend.fail_create_in = fail_after
+        self.attempt(self.state.commit, buffer.owner, buffer.buffer_id, target)
+        self.backend.fail_create_in = None
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), bytes_per_segment=st.integers(-1, 64 * GRANULE))
+    def commit_anything(self, data, bytes_per_segment):
+        buffer = self.owned(data)
+        self.attempt(self.state.commit, buffer.owner, buffer.buffer_id, bytes_per_segment)
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), preserve=st.booleans(), fail_after=st.none() | st.integers(0, 2))
+    def defragment(self, data, preserve, fail_after):
+        buffer = self.owned(data)
+        self.backend.fail_create_in = fail_after
+        self.attempt(self.state.defragment, buffer.owner, buffer.buffer_id, preserve)
+        self.backend.fail_create_in = None
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), keep_new=st.booleans())
+    def finish_defragment(self, data, keep_new):
+        buffer = self.owned(data)
+        self.attempt(self.state.finish_defragment, buffer.owner, buffer.buffer_id, keep_new)
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data())
+    def release(self, data):
+        buffer = self.owned(data)
+        self.attempt(self.state.release, buffer.owner, buffer.buffer_id)
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data())
+    def free(self, data):
+        buffer = self.owned(data)
+        self.attempt(self.state.free, buffer.owner, buffer.buffer_id)
+
+    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @rule(data=st.data())
+    def attach_or_delete_by_name(self, data):
+        session = self.session(data)
+        buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
+        call = data.draw(st.sampled_from([self.state.attach, self.state.delete]))
+        self.attempt(call, session, buffer.name)
+
+    @precondition(lambda self: any(b.chunks for b in self.state.buffers.values()))
+    @rule(data=st.data(), fail=st.booleans())
+    def export(self, data, fail):
+        buffer = data.draw(st.sampled_from([b for b in self.state.buffers.values() if b.chunks]))
+        chunk = data.draw(st.sampled_from(buffer.chunks))
+        self.backend.fail_export = fail
+        try:
+            self.state.export(buffer, chunk)
+        except InternalError:
+            assert fail
+        finally:
+            self.backend.fail_export = False
+
+    # promises
+
+    @invariant()
+    def books_balance(self):
+        self.state.check_invariants()
+
+    @invariant()
+    def every_chunk_the_backend_holds_is_in_the_state(self):
+        held = {c.handle for b in self.state.buffers.values() for c in (*b.chunks, *b.pending)}
+        assert held == self.backend.live
+        assert {b.arena for b in self.state.buffers.values()} == self.backend.arenas
+
+    @invariant()
+    def the_budget_holds(self):
+        assert self.state.committed_bytes <= BUDGET
+
+
+StateMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestStateMachine = StateMachine.TestCase
+
+
+def test_check_invariants_notices_books_that_do_not_balance():
+    state = State(FlakyBackend(), BUDGET)
+    session = state.open_session(1, 1000, 100, "w", "")
+    buffer = state.create_buffer(session, 8 * GRANULE, 2)
+    state.commit(session, buffer.buffer_id, GRANULE)
+    state.check_invariants()
+    buffer.tenant.used_bytes += 1
+    with pytest.raises(AssertionError, match="used by tenants"):
+        state.check_invariants()
+    buffer.tenant.used_bytes -= 1
+    buffer.chunks.append(dataclasses.replace(buffer.chunks[0], chunk_id=999))
+    with pytest.raises(AssertionError):
+        state.check_invariants()
