@@ -40,6 +40,9 @@ class StatusReply(Message):
     uptime_s: float
     device_free_bytes: int = -1
     tenants: list[TenantInfo] = dataclasses.field(default_factory=list)
+    admissible_bytes: int = -1
+    """What more the daemon would admit for the asking session now: its tenant's maximum, the budget and
+    others' guaranteed minimums all counted (1.1; -1 from older daemons)."""
 
 
 @message("admin.status")
