@@ -18,7 +18,6 @@ from hbmd.proto import BufferInfo, ChunkInfo
 from .devices import parse_device
 from .session import Client, default_client
 
-
 EXPORT_POSIX_FD = 0x1
 EXPORT_FABRIC = 0x8
 """``export_handle_types`` bits, as the driver and vLLM number them."""

@@ -139,6 +139,56 @@ def test_a_cuda_graph_captured_before_growth_writes_the_new_blocks(gpu_client):
     assert bool((blocks[31] == 9).all()) and bool((blocks[0] == 7).all()) and int(blocks[1:31].sum()) == 0
 
 
+def test_uneven_segments_grow_on_their_own_and_keep_data_on_gpu(gpu_client):
+    capacities = [3 * MiB, 8 * MiB, 5 * MiB]  # segment 1 starts and segment 2 starts inside shared granules
+    t = ExtensibleTensor(sum(capacities), "cuda", segment_capacities=capacities, client=gpu_client)
+    assert t.segment_offsets == [0, 3 * MiB, 11 * MiB]
+    base = t.full_view().data_ptr()
+    t.resize_segments_([MiB, 2 * MiB, 0], zero_new=True)
+    t.segment_view(0).fill_(1)
+    t.segment_view(1).fill_(2)
+    t.resize_segments_(capacities, zero_new=True)
+    assert t.full_view().data_ptr() == base == t.base_ptr
+    assert int(t.segment_view(0)[:MiB].float().mean()) == 1 and int(t.segment_view(0)[MiB:].sum()) == 0
+    assert int(t.segment_view(1)[: 2 * MiB].float().mean()) == 2 and int(t.segment_view(1)[2 * MiB :].sum()) == 0
+    assert int(t.segment_view(2).sum()) == 0 and t.physical_bytes == 16 * MiB
+    assert not all(t.segments_backed_by_one_chunk(capacities))
+    t.defragment(preserve=True)
+    assert all(t.segments_backed_by_one_chunk(capacities))
+    assert int(t.segment_view(1)[: 2 * MiB].float().mean()) == 2
+    with pytest.raises(ValueError, match="grow-only"):
+        t.resize_segments_([0, 8 * MiB, 5 * MiB])
+    t.free()
+
+
+def test_a_cuda_graph_captured_over_uneven_segments_writes_them_after_growth(gpu_client):
+    # Per-layer segments of different strides, as vLLM 0.34 lays them out: 4 MiB and 8 MiB blocks.
+    strides = [4 * MiB, 8 * MiB]
+    t = ExtensibleTensor(16 * sum(strides), "cuda", segment_capacities=[16 * s for s in strides], client=gpu_client)
+    t.resize_segments_(strides, zero_new=True)  # one block of each
+    layers = [t.full_view()[offset : offset + 16 * stride].view(16, stride)
+              for offset, stride in zip(t.segment_offsets, strides)]
+    index = torch.zeros(1, dtype=torch.long, device="cuda")
+    sources = [torch.full((1, stride), 5 + i, dtype=torch.uint8, device="cuda") for i, stride in enumerate(strides)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for layer, source in zip(layers, sources):
+            layer.index_copy_(0, index, source)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer, source in zip(layers, sources):
+            layer.index_copy_(0, index, source)
+    t.resize_segments_([16 * s for s in strides], zero_new=True)
+    index.fill_(15)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, layer in enumerate(layers):
+        assert bool((layer[15] == 5 + i).all()) and bool((layer[0] == 5 + i).all()) and int(layer[1:15].sum()) == 0
+    t.free()
+
+
 def test_attention_over_a_kv_layout_matches_cudamalloc_memory(gpu_client):
     num_blocks, block_size, heads, head_dim = 64, 16, 8, 128
     per_block = block_size * heads * head_dim * 2  # fp16 bytes per block per segment
