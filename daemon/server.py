@@ -37,8 +37,8 @@ from hbmd.proto import (
     BufferCreated,
     BufferList,
     Commit,
-    Committed,
     CommitSegments,
+    Committed,
     CreateBuffer,
     Defragment,
     Delete,
@@ -590,6 +590,7 @@ class Server:
             device_free_bytes=backend.free_bytes(),
             tenants=state.tenant_infos(),
             admissible_bytes=state.admissible_bytes(conn.session.tenant),
+            held_back_bytes=backend.held_back_bytes(),
         )
 
     @handles(ListSessions)

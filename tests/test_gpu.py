@@ -441,7 +441,9 @@ def test_warm_chunks_serve_small_commits_and_come_out_of_the_budget(start_daemon
     free_before = torch.cuda.mem_get_info()[0]
     daemon = start_daemon("--device", "0", "--budget", "1GiB", "--warm-chunks", "4", backend="cuda")
     with connect("cuda:0", run_dir=daemon.run_dir) as client:
-        assert client.status().budget_bytes == (1 << 30) - 8 * MiB
+        status = client.status()
+        assert status.budget_bytes == (1 << 30) - 10 * MiB  # four warm granules and the export sentinel
+        assert status.held_back_bytes == 10 * MiB
         wait_until(lambda: torch.cuda.mem_get_info()[0] <= free_before - 8 * MiB)  # the pool filled while idle
         t = ExtensibleTensor(64 * MiB, "cuda", num_segments=2, client=client)
         for step in range(1, 9):  # two single-granule runs per commit: warm chunks, then refills
@@ -457,3 +459,16 @@ def test_warm_chunks_serve_small_commits_and_come_out_of_the_budget(start_daemon
         t.free()
     assert daemon.stop() == 0
     wait_until(lambda: torch.cuda.mem_get_info()[0] >= free_before - 16 * MiB)  # the pool went with the daemon
+
+
+def test_the_export_sentinel_is_held_out_of_the_budget_unless_turned_off(start_daemon):
+    held = start_daemon("--device", "0", "--budget", "1GiB", backend="cuda")
+    with connect("cuda:0", run_dir=held.run_dir) as client:
+        status = client.status()
+        assert status.held_back_bytes == 2 * MiB and status.budget_bytes == (1 << 30) - 2 * MiB
+    assert held.stop() == 0
+    plain = start_daemon("--device", "0", "--budget", "1GiB", "--no-export-sentinel", backend="cuda")
+    with connect("cuda:0", run_dir=plain.run_dir) as client:
+        status = client.status()
+        assert status.held_back_bytes == 0 and status.budget_bytes == 1 << 30
+
