@@ -129,7 +129,7 @@ def bandwidth_case(t: Target) -> dict[str, Any]:
 
         one = t.tensor(size)
         tensors.append(one)
-        one.resize_(size, zero_new=True)
+        one.resize_per_segment_(size, zero_new=True)
         views["hbmd_one_chunk"] = one.full_view()
 
         steps = t.tensor(size)
