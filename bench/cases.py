@@ -70,7 +70,7 @@ def grow_in_steps(grow: Callable[[int], Any], size: int, step: int) -> None:
 
 
 def fresh_commit_hbmd(t: Target, size: int) -> tuple[int, int]:
-    """(commit, buffer creation + commit) in ns: ``resize_(size, zero_new=True)`` of a new buffer, synchronized."""
+    """(commit, buffer creation + commit) in ns: ``resize_per_segment_(size, zero_new=True)`` of a new buffer, synchronized."""
     t0 = now_ns()
     tensor = t.tensor(size)
     t1 = now_ns()

@@ -208,7 +208,7 @@ def reattach_case(t: Target) -> dict[str, Any]:
     tensor = t.tensor(size, client=owner, name=REATTACH_NAME, persistent=True)
     figures: dict[str, Any] = {"bytes": size}
     try:
-        figures["commit_ms"] = timed_ns(lambda: (tensor.resize_(size, zero_new=True), t.sync())) / 1e6
+        figures["commit_ms"] = timed_ns(lambda: (tensor.resize_per_segment_(size, zero_new=True), t.sync())) / 1e6
         if hasattr(ExtensibleTensor, "defragment"):
             tensor.defragment(preserve=True)
         write_pattern(tensor.full_view(), size)
