@@ -437,7 +437,8 @@ def test_a_driver_out_of_memory_is_distinct_and_retryable(start_daemon):
 
 
 def test_warm_chunks_serve_small_commits_and_come_out_of_the_budget(start_daemon):
-    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # this process's context first: its ~500 MiB must not count as the pool's
+    torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     daemon = start_daemon("--device", "0", "--budget", "1GiB", "--warm-chunks", "4", backend="cuda")
     with connect("cuda:0", run_dir=daemon.run_dir) as client:
