@@ -1,5 +1,7 @@
 """hbmd client: connect to a daemon instance and use its memory as growable tensors."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from hbmd.proto.errors import (
     Conflict,
     DaemonUnavailable,
@@ -26,6 +28,11 @@ from .layout import (
 from .session import Client, DeviceMemory, ForkedClient, connect, default_client
 from .tensor import ExtensibleTensor
 
+try:
+    __version__ = version("hbmd")
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "Client",
     "Conflict",
@@ -44,6 +51,7 @@ __all__ = [
     "PermissionDenied",
     "ProtocolError",
     "VersionMismatch",
+    "__version__",
     "bytes_per_block_per_segment",
     "connect",
     "default_client",
