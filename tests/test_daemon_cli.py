@@ -100,3 +100,15 @@ def test_sighup_without_a_config_is_harmless(daemon, client):
     os.kill(daemon.pid, signal.SIGHUP)
     reloads(daemon, 1, "no --config to reload")
     assert daemon.alive() and client.status().num_sessions == 1
+
+
+def test_the_log_names_who_was_refused_and_keeps_observers_quiet(start_daemon, run_dir):
+    daemon = start_daemon("--budget", "32MiB", "--log-level", "info")
+    with daemon.connect(client_name="engine", tenant="team-a") as worker:
+        with pytest.raises(OutOfBudget):
+            ExtensibleTensor(64 * MiB, "cpu", client=worker).resize_(64 * MiB)
+        daemon.connect(observer=True).close()
+        wait_until(lambda: "WARNING refused buffer.commit" in daemon.log())
+    refusal = next(line for line in daemon.log().splitlines() if "refused buffer.commit" in line)
+    assert f"pid {os.getpid()}" in refusal and "tenant 'team-a'" in refusal and "requested 64.0 MiB" in refusal
+    assert daemon.log().count("opened") == 1  # the worker's; the observer's went to DEBUG
