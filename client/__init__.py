@@ -14,6 +14,7 @@ from hbmd.proto.errors import (
     ProtocolError,
     VersionMismatch,
 )
+from hbmd.proto.instance import VERSION
 
 from .kv import ExtensibleKVCacheBuffers
 from .kv_layout import (
@@ -25,6 +26,8 @@ from .kv_layout import (
 )
 from .session import Client, DeviceMemory, ForkedClient, connect, default_client
 from .tensor import ExtensibleTensor
+
+__version__ = VERSION
 
 __all__ = [
     "Client",
@@ -44,6 +47,7 @@ __all__ = [
     "PermissionDenied",
     "ProtocolError",
     "VersionMismatch",
+    "__version__",
     "bytes_per_block_per_segment",
     "connect",
     "default_client",

@@ -1,23 +1,32 @@
-"""``hbmctl``: inspect an hbmd instance. A thin client of :mod:`hbmd.client`.
+"""``hbmctl``: inspect hbmd instances. A thin client of :mod:`hbmd.client`.
 
-Exit codes: 0 ok, 1 daemon unreachable or timed out, 2 usage error, 3 the
-daemon refused the request.
+Exit codes: 0 ok, 1 daemon unreachable or timed out, 2 usage error (an
+ambiguous instance included), 3 the daemon refused the request.
+
+Output: a table for people (``-o wide`` adds columns), ``--json`` (or
+``-o json``) and ``-o csv`` for scripts; csv cells are plain numbers of
+bytes and seconds. ``status`` with several instances under the run directory
+shows one row per instance, as ``nvidia-smi`` shows one per GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
+import io
 import json
+import signal
 import sys
 import time
 from typing import Any, Callable
 
-from hbmd.proto.errors import DaemonUnavailable, HbmdError
-from hbmd.proto.instance import DEFAULT_RUN_DIR, InstancePaths
+from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound
+from hbmd.proto.instance import DEFAULT_RUN_DIR, InstancePaths, list_instances, resolve_run_dir
 from hbmd.proto.units import format_bytes, parse_size
 
-from .session import Client, only_instance
+from . import __version__
+from .session import Client
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
 
@@ -33,7 +42,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
-def render_table(headers: list[str], rows: list[list[Any]]) -> str:
+def render_table(headers: list[str], rows: list[list[Any]], with_headers: bool = True) -> str:
     """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
@@ -42,7 +51,7 @@ def render_table(headers: list[str], rows: list[list[Any]]) -> str:
     def line(values: list[str]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
 
-    return "\n".join([line(headers)] + [line(r) for r in cells])
+    return "\n".join(([line(headers)] if with_headers else []) + [line(r) for r in cells])
 
 
 def _looks_numeric(text: str) -> bool:
@@ -53,84 +62,232 @@ def _as_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
+class UsageError(Exception):
+    """The command line is ambiguous or contradictory; hbmctl exits 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column of a listing: its header, its cell for people, its cell for csv, and whether only ``-o wide`` shows it."""
+
+    header: str
+    human: Callable[[Any], Any]
+    raw: Callable[[Any], Any]
+    wide: bool = False
+
+
+@dataclasses.dataclass
+class Output:
+    """What a command found: ``data`` for JSON; ``text``, or rows of ``items`` under ``columns``, for people and csv."""
+
+    data: dict[str, Any]
+    text: str = ""
+    columns: list[Column] = dataclasses.field(default_factory=list)
+    items: list[Any] = dataclasses.field(default_factory=list)
+    empty: str = ""
+    """What the table says when there are no rows."""
+
+
+def render(output: Output, fmt: str, with_headers: bool) -> str:
+    """``output`` as ``fmt`` (table, wide, json or csv) says."""
+    if fmt == "json":
+        return json.dumps(output.data, indent=2, sort_keys=True)
+    columns = output.columns or [Column(key, lambda d, k=key: d[k], lambda d, k=key: d[k]) for key in output.data]
+    items = output.items if output.columns else [output.data]
+    if fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        if with_headers:
+            writer.writerow([c.header.lower() for c in columns])
+        writer.writerows([[c.raw(item) for c in columns] for item in items])
+        return buffer.getvalue().rstrip("\n")
+    if output.columns and (fmt == "wide" or not output.text):
+        shown = [c for c in columns if fmt == "wide" or not c.wide]
+        if not items:
+            return output.empty
+        return render_table([c.header for c in shown], [[c.human(item) for c in shown] for item in items], with_headers)
+    return output.text
+
+
+def _bytes_column(header: str, key: str, wide: bool = False) -> Column:
+    """Bytes as ``1.5 GiB`` for people and as a plain integer for csv; "-" where the figure is missing."""
+    return Column(
+        header,
+        lambda r: "-" if r.get(key) is None else format_bytes(r[key]),
+        lambda r: "" if r.get(key) is None else r[key],
+        wide,
+    )
+
+
+def _plain_column(header: str, key: str, wide: bool = False, human: Callable[[Any], Any] | None = None) -> Column:
+    return Column(
+        header,
+        lambda r: "-" if r.get(key) in (None, "") else (human or str)(r[key]),
+        lambda r: "" if r.get(key) is None else r[key],
+        wide,
+    )
+
+
 # commands: each is one client call plus formatting
 
 
-def cmd_status(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def status_record(client: Client) -> dict[str, Any]:
+    """An instance's status as JSON, in the words the table uses: budget left, device free."""
     s = client.status()
-    free = max(0, s.budget_bytes - s.committed_bytes)
-    data = _as_dict(s) | {"free_bytes": free}
-    device = f"GPU {s.device_index} ({s.device_uuid})" if s.device_index >= 0 else "host memory"
-    share = 100 * s.committed_bytes / s.budget_bytes if s.budget_bytes else 0.0
+    record = _as_dict(s)
+    record["budget_left_bytes"] = max(0, s.budget_bytes - s.committed_bytes)
+    record["device_free_bytes"] = s.device_free_bytes if s.device_free_bytes >= 0 else None
+    for tenant in record["tenants"]:
+        tenant["max_bytes"] = tenant["max_bytes"] if tenant["max_bytes"] >= 0 else None
+    return record
+
+
+def _device(r: dict[str, Any]) -> str:
+    if "backend" not in r:
+        return "-"
+    return f"gpu {r['device_index']}" if r["device_index"] >= 0 else "host memory"
+
+
+STATUS_COLUMNS = [
+    _plain_column("INSTANCE", "instance"),
+    Column("BACKEND", lambda r: r.get("backend", "unreachable"), lambda r: r.get("backend", "unreachable")),
+    Column("DEVICE", _device, lambda r: r.get("device_index", "")),
+    _bytes_column("BUDGET", "budget_bytes"),
+    _bytes_column("COMMITTED", "committed_bytes"),
+    _bytes_column("BUDGET-LEFT", "budget_left_bytes"),
+    _bytes_column("DEVICE-FREE", "device_free_bytes"),
+    _plain_column("SESSIONS", "num_sessions"),
+    _bytes_column("RESERVED", "reserved_bytes", wide=True),
+    _plain_column("BUFFERS", "num_buffers", wide=True),
+    _plain_column("CHUNKS", "num_chunks", wide=True),
+    _plain_column("PID", "pid", wide=True),
+    Column("UP", lambda r: _duration(r["uptime_s"]) if "uptime_s" in r else "-", lambda r: r.get("uptime_s", ""), True),
+    _plain_column("VERSION", "daemon_version", wide=True),
+    _plain_column("UUID", "device_uuid", wide=True),
+]
+
+
+def cmd_status(client: Client, args: argparse.Namespace) -> Output:
+    r = status_record(client)
+    device = f"GPU {r['device_index']} ({r['device_uuid']})" if r["device_index"] >= 0 else "host memory"
+    share = 100 * r["committed_bytes"] / r["budget_bytes"] if r["budget_bytes"] else 0.0
+    device_free = "unknown" if r["device_free_bytes"] is None else format_bytes(r["device_free_bytes"])
     text = "\n".join(
         [
-            f"● hbmd instance {s.instance} — {s.backend} backend, pid {s.pid}, up {_duration(s.uptime_s)}",
-            f"    device:    {device}",
-            f"    granule:   {format_bytes(s.granularity)}",
-            f"    budget:    {format_bytes(s.budget_bytes)} of {format_bytes(s.total_bytes)}",
-            f"    committed: {format_bytes(s.committed_bytes)} ({share:.1f}% of budget)",
-            f"    free:      {format_bytes(free)}",
-            f"    reserved:  {format_bytes(s.reserved_bytes)} of address space",
-            f"    sessions:  {s.num_sessions}   buffers: {s.num_buffers}   chunks: {s.num_chunks}",
+            f"● hbmd instance {r['instance']} — {r['backend']} backend, pid {r['pid']}, up {_duration(r['uptime_s'])}",
+            f"    device:      {device}",
+            f"    granule:     {format_bytes(r['granularity'])}",
+            f"    budget:      {format_bytes(r['budget_bytes'])} of {format_bytes(r['total_bytes'])}",
+            f"    committed:   {format_bytes(r['committed_bytes'])} ({share:.1f}% of budget)",
+            f"    budget left: {format_bytes(r['budget_left_bytes'])}",
+            f"    device free: {device_free} (all processes, as the driver reports it)",
+            f"    reserved:    {format_bytes(r['reserved_bytes'])} of address space",
+            f"    sessions:    {r['num_sessions']}   buffers: {r['num_buffers']}   chunks: {r['num_chunks']}",
         ]
     )
-    tenants = [t for t in s.tenants if t.num_sessions or t.used_bytes or t.guaranteed_bytes or t.max_bytes >= 0]
-    if len(tenants) > 1 or any(t.guaranteed_bytes or t.max_bytes >= 0 for t in tenants):
+    tenants = [t for t in r["tenants"] if t["num_sessions"] or t["used_bytes"] or t["guaranteed_bytes"] or t["max_bytes"] is not None]
+    if len(tenants) > 1 or any(t["guaranteed_bytes"] or t["max_bytes"] is not None for t in tenants):
         rows = [
-            [t.name, t.num_sessions, format_bytes(t.used_bytes), format_bytes(t.guaranteed_bytes) if t.guaranteed_bytes else "-",
-             format_bytes(t.max_bytes) if t.max_bytes >= 0 else "-"]
+            [t["name"], t["num_sessions"], format_bytes(t["used_bytes"]),
+             format_bytes(t["guaranteed_bytes"]) if t["guaranteed_bytes"] else "-",
+             format_bytes(t["max_bytes"]) if t["max_bytes"] is not None else "-"]
             for t in tenants
         ]
         text += "\n\n" + render_table(["TENANT", "SESSIONS", "USED", "GUARANTEED", "MAX"], rows)
-    return data, text
+    return Output(r, text, STATUS_COLUMNS, [r])
 
 
-def cmd_sessions(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    sessions = client.sessions()
-    rows = [
-        [s.session_id, s.pid, s.uid, s.client_name or "-", s.tenant or "-", s.num_buffers, s.num_chunks,
-         format_bytes(s.committed_bytes), format_bytes(s.reserved_bytes), _duration(s.connected_s), _reclaim(s)]
-        for s in sessions
-    ]
-    headers = ["SESSION", "PID", "UID", "NAME", "TENANT", "BUFFERS", "CHUNKS", "COMMITTED", "RESERVED", "AGE", "RECLAIM"]
-    text = render_table(headers, rows) if rows else "no sessions"
-    return {"sessions": [_as_dict(s) for s in sessions]}, text
+def status_of_all(args: argparse.Namespace, names: list[str]) -> tuple[Output, list[str]]:
+    """One row per instance, and the complaints about those that did not answer."""
+    records, failures = [], []
+    for name in names:
+        try:
+            with open_client(args, name) as client:
+                records.append(status_record(client))
+        except HbmdError as exc:
+            records.append({"instance": name, "error": exc.message})
+            failures.append(f"{name}: {exc.message}")
+    return Output({"instances": records}, "", STATUS_COLUMNS, records), failures
 
 
-def _reclaim(session: Any) -> str:
+SESSION_COLUMNS = [
+    _plain_column("SESSION", "session_id"),
+    _plain_column("PID", "pid"),
+    _plain_column("UID", "uid"),
+    _plain_column("GID", "gid", wide=True),
+    _plain_column("NAME", "client_name"),
+    _plain_column("TENANT", "tenant"),
+    _plain_column("BUFFERS", "num_buffers"),
+    _plain_column("CHUNKS", "num_chunks"),
+    _bytes_column("COMMITTED", "committed_bytes"),
+    _bytes_column("RESERVED", "reserved_bytes"),
+    Column("AGE", lambda r: _duration(r["connected_s"]), lambda r: r["connected_s"]),
+    Column("RECLAIM", lambda r: _reclaim(r), lambda r: r["reclaim_state"]),
+]
+
+
+def cmd_sessions(client: Client, args: argparse.Namespace) -> Output:
+    sessions = [_as_dict(s) for s in client.sessions()]
+    return Output({"sessions": sessions}, "", SESSION_COLUMNS, sessions, "no sessions")
+
+
+def _reclaim(session: dict[str, Any]) -> str:
     """The last reclaim request of a session, as a table cell."""
-    if not session.reclaim_state:
+    if not session["reclaim_state"]:
         return "-"
-    asked = format_bytes(session.reclaim_requested_bytes)
-    if session.reclaim_state == "answered":
-        return f"asked {asked}, released {format_bytes(session.reclaim_released_bytes)}"
-    return f"asked {asked}, {session.reclaim_state}"
+    asked = format_bytes(session["reclaim_requested_bytes"])
+    if session["reclaim_state"] == "answered":
+        return f"asked {asked}, released {format_bytes(session['reclaim_released_bytes'])}"
+    return f"asked {asked}, {session['reclaim_state']}"
 
 
-def cmd_buffers(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    buffers = client.buffers(args.session)
-    rows = [
-        [b.buffer_id, b.session_id or "-", b.name or "-", "yes" if b.persistent else "no", b.num_segments,
-         format_bytes(b.bytes_per_segment), format_bytes(b.segment_capacity_bytes),
-         format_bytes(b.physical_bytes), b.num_chunks]
-        for b in buffers
-    ]
-    headers = ["BUFFER", "SESSION", "NAME", "PERSISTENT", "SEGMENTS", "PER-SEGMENT", "SEG-CAPACITY", "COMMITTED", "CHUNKS"]
-    text = render_table(headers, rows) if rows else "no buffers"
-    return {"buffers": [_as_dict(b) for b in buffers]}, text
+BUFFER_COLUMNS = [
+    _plain_column("BUFFER", "buffer_id"),
+    Column("SESSION", lambda r: r["session_id"] or "-", lambda r: r["session_id"] or ""),
+    _plain_column("NAME", "name"),
+    Column("PERSISTENT", lambda r: "yes" if r["persistent"] else "no", lambda r: int(r["persistent"])),
+    _plain_column("OWNER", "owner_uid", wide=True),
+    _plain_column("SEGMENTS", "num_segments"),
+    _bytes_column("PER-SEGMENT", "bytes_per_segment"),
+    _bytes_column("SEG-CAPACITY", "segment_capacity_bytes"),
+    _bytes_column("COMMITTED", "physical_bytes"),
+    _bytes_column("RESERVED", "reserved_bytes", wide=True),
+    _plain_column("CHUNKS", "num_chunks"),
+]
 
 
-def cmd_delete(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def cmd_buffers(client: Client, args: argparse.Namespace) -> Output:
+    buffers = [_as_dict(b) for b in client.buffers(args.session)]
+    return Output({"buffers": buffers}, "", BUFFER_COLUMNS, buffers, "no buffers")
+
+
+def cmd_delete(client: Client, args: argparse.Namespace) -> Output:
     freed = client.delete(args.name)
-    return (
+    return Output(
         {"name": args.name, "buffer_id": freed.buffer_id, "freed_bytes": freed.freed_bytes},
         f"deleted persistent buffer {args.name!r} (buffer {freed.buffer_id}), freed {format_bytes(freed.freed_bytes)}",
     )
 
 
-def cmd_reclaim(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def reclaim_target(client: Client, args: argparse.Namespace) -> int:
+    """The session named by ``--session``, or the one session with ``--pid`` or client ``--name``."""
+    if args.session is not None:
+        return args.session
+    if args.pid is not None:
+        what, matches = f"pid {args.pid}", [s for s in client.sessions() if s.pid == args.pid]
+    else:
+        what, matches = f"client name {args.name!r}", [s for s in client.sessions() if s.client_name == args.name]
+    if not matches:
+        raise NotFound(f"no session with {what}")
+    if len(matches) > 1:
+        ids = ", ".join(str(s.session_id) for s in matches)
+        raise UsageError(f"{what} matches sessions {ids}: choose one with --session")
+    return matches[0].session_id
+
+
+def cmd_reclaim(client: Client, args: argparse.Namespace) -> Output:
     size = parse_size(args.bytes)
-    sent = client.reclaim(args.session, size)
+    sent = client.reclaim(reclaim_target(client, args), size)
     data = {"reclaim_id": sent.reclaim_id, "session_id": sent.session_id, "pid": sent.pid, "requested_bytes": size}
     text = f"asked session {sent.session_id} (pid {sent.pid}) to release {format_bytes(size)}"
     if args.wait > 0:
@@ -142,32 +299,64 @@ def cmd_reclaim(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any
                 break
             time.sleep(0.1)
         released = session.reclaim_released_bytes if session and state == "answered" else -1
-        data |= {"state": state, "released_bytes": released}
+        data |= {"state": state, "released_bytes": released if released >= 0 else None}
         text += f"; {state}" + (f": released {format_bytes(released)}" if released >= 0 else "")
-    return data, text
+    return Output(data, text)
 
 
-def cmd_watch(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """Redraw status, sessions and buffers every ``--interval`` seconds until Ctrl-C."""
+def watch(args: argparse.Namespace, instance: str | None, names: list[str]) -> int:
+    """Show status (and, for one instance, sessions and buffers) every ``--interval`` seconds until Ctrl-C.
+
+    On a terminal each frame replaces the last; elsewhere frames follow one
+    another, and ``--json`` writes one JSON object per frame and line.
+    """
+    if args.output == "csv":
+        raise UsageError("watch writes a table or JSON lines, not csv")
+    fmt = "json" if args.json else args.output
+    redraw = sys.stdout.isatty() and fmt != "json"
+    client = open_client(args, instance) if instance is not None else None
     try:
         while True:
-            frame = "\n\n".join(render(client, args)[1] for render in (cmd_status, cmd_sessions, cmd_buffers))
-            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S") + f"  every {args.interval}s, Ctrl-C to leave\n\n" + frame + "\n")
+            failures: list[str] = []
+            if client is not None:
+                outputs = {"status": cmd_status(client, args), "sessions": cmd_sessions(client, args),
+                           "buffers": cmd_buffers(client, args)}
+            else:
+                everyone, failures = status_of_all(args, names)
+                outputs = {"status": everyone}
+            stamp = time.strftime("%H:%M:%S")
+            if fmt == "json":
+                # One instance: {"status": {...}, "sessions": [...], "buffers": [...]}; several: {"instances": [...]}.
+                record = {"time": time.time()}
+                for key, output in outputs.items():
+                    record |= {"status": output.data} if key == "status" and client is not None else output.data
+                frame = json.dumps(record, sort_keys=True)
+            else:
+                header = f"{stamp}  every {args.interval}s, Ctrl-C to leave"
+                body = "\n\n".join(render(o, fmt, not args.no_headers) for o in outputs.values())
+                frame = ("\x1b[H\x1b[2J" if redraw else "") + "\n".join([header, "", body, *failures])
+            sys.stdout.write(frame + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)
     except KeyboardInterrupt:
-        return {}, ""
+        return EXIT_OK
+    finally:
+        if client is not None:
+            client.close()
 
 
-COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], tuple[dict[str, Any], str]], str, str]] = {
-    "status": (cmd_status, "budget, committed, free and reserved bytes of the instance", "hbmctl status"),
+COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], Output] | None, str, str]] = {
+    "status": (cmd_status, "budget, committed, budget left and device free bytes; one row per instance when there are several",
+               "hbmctl status"),
     "sessions": (cmd_sessions, "connected worker sessions and what each holds", "hbmctl sessions --json"),
     "buffers": (cmd_buffers, "buffers with their segments, committed bytes and chunk counts", "hbmctl buffers --session 3"),
     "delete": (cmd_delete, "delete an orphaned persistent buffer by name (yours only)", "hbmctl delete kv-cache-layer0"),
     "reclaim": (cmd_reclaim, "ask a session to give memory back; its engine decides what to release",
-                "hbmctl reclaim --session 3 --bytes 8GiB --wait 10"),
-    "watch": (cmd_watch, "live view of status, sessions and buffers (Ctrl-C to leave)", "hbmctl watch --interval 2"),
+                "hbmctl reclaim --pid 4242 --bytes 8GiB --wait 10"),
+    "watch": (None, "live view of status, sessions and buffers (Ctrl-C to leave)", "hbmctl watch --interval 2"),
 }
+MULTI_INSTANCE = {"status", "watch"}
+"""Commands that show every instance when none is chosen; the others need exactly one."""
 
 
 def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -183,8 +372,12 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
     parser.add_argument("--run-dir", metavar="DIR", default=default(None),
                         help=f"daemon run directory (default: $HBMD_RUN_DIR, else {DEFAULT_RUN_DIR})")
     parser.add_argument("--instance", metavar="NAME", default=default(None),
-                        help="instance to ask: gpu0, gpu1, ..., host (default: the only one)")
-    parser.add_argument("--json", action="store_true", default=default(False), help="machine-readable output")
+                        help="instance to ask: gpu0, gpu1, ..., host (default: the only one; status and watch: all)")
+    parser.add_argument("--json", action="store_true", default=default(False), help="machine-readable output (-o json)")
+    parser.add_argument("-o", "--output", choices=("table", "wide", "json", "csv"), default=default("table"),
+                        help="table (default), wide (more columns), json, or csv (plain numbers of bytes and seconds)")
+    parser.add_argument("--no-headers", action="store_true", default=default(False),
+                        help="leave out the header row of tables and csv")
     parser.add_argument("--timeout", type=float, default=default(5.0), metavar="S",
                         help="seconds to wait for the daemon (default: 5)")
 
@@ -192,9 +385,10 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hbmctl",
-        description="Inspect an hbmd memory daemon instance.",
+        description="Inspect hbmd memory daemon instances.",
         epilog="exit codes: 0 ok, 1 daemon unreachable or timed out, 2 usage error, 3 request refused",
     )
+    parser.add_argument("--version", action="version", version=f"hbmctl {__version__}")
     _add_common(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, summary, example) in COMMANDS.items():
@@ -205,7 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "delete":
             p.add_argument("name", metavar="NAME", help="the persistent buffer's name")
         if name == "reclaim":
-            p.add_argument("--session", type=int, required=True, metavar="ID", help="the session to ask")
+            which = p.add_mutually_exclusive_group(required=True)
+            which.add_argument("--session", type=int, metavar="ID", help="the session to ask")
+            which.add_argument("--pid", type=int, metavar="PID", help="the session of this process")
+            which.add_argument("--name", metavar="CLIENT", help="the session with this client name")
             p.add_argument("--bytes", required=True, metavar="SIZE", help="how much to ask for: 512MiB, 8GiB, ...")
             p.add_argument("--wait", type=float, default=0.0, metavar="S",
                            help="wait up to S seconds for the answer (default: do not wait)")
@@ -214,34 +411,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def open_client(args: argparse.Namespace, instance: str) -> Client:
+    return Client(InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl", observer=True)
+
+
+def choose_instance(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The instance to ask (None: several, none chosen) and every instance under the run directory."""
+    if args.instance:
+        return args.instance, [args.instance]
+    names = list_instances(args.run_dir)
+    root = resolve_run_dir(args.run_dir)
+    if not names:
+        raise DaemonUnavailable(f"no hbmd instance under {root}", path=str(root))
+    if len(names) == 1:
+        return names[0], names
+    if args.command not in MULTI_INSTANCE:
+        raise UsageError(f"several hbmd instances under {root} ({', '.join(names)}): choose one with --instance")
+    return None, names
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Die quietly like any Unix filter when the reader goes away (hbmctl sessions | head).
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     parser = build_parser()
     args = parser.parse_args(argv)
-    handler = COMMANDS[args.command][0]
+    fmt = "json" if args.json else args.output
     if args.command == "reclaim":
         try:
             parse_size(args.bytes)
         except ValueError as exc:
             parser.error(f"--bytes: {exc}")
+    failures: list[str] = []
     try:
-        instance = args.instance or only_instance(args.run_dir)
-        with Client(
-            InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl", observer=True
-        ) as client:
-            data, text = handler(client, args)
+        instance, names = choose_instance(args)
+        if args.command == "watch":
+            return watch(args, instance, names)
+        if instance is None:
+            output, failures = status_of_all(args, names)
+        else:
+            with open_client(args, instance) as client:
+                output = COMMANDS[args.command][0](client, args)
+    except UsageError as exc:
+        print(f"hbmctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except DaemonUnavailable as exc:
         print(f"hbmctl: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except HbmdError as exc:
         print(f"hbmctl: refused: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    if args.json:
-        json.dump(data, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
-    elif text:
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    text = render(output, fmt, not args.no_headers)
+    if text:
         print(text)
-    return EXIT_OK
-
+    for failure in failures:
+        print(f"hbmctl: {failure}", file=sys.stderr)
+    return EXIT_UNREACHABLE if failures else EXIT_OK
 
 if __name__ == "__main__":
     sys.exit(main())

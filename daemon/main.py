@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import grp
+import ipaddress
 import logging
 import os
+import re
 import resource
 import sys
 import threading
@@ -21,10 +23,47 @@ from .backends.host import HostBackend
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .persist import Persistence
+from .reload import ConfigReloader
 from .server import AlreadyRunning, HandlerTableError, Server
 from .state import State
 
 log = logging.getLogger("hbmd")
+
+HOST_DEFAULT_BUDGET = "50%"
+"""The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
+kernel, the engines and their page cache need too."""
+INSTANCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+
+
+def metrics_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as ``(host, port)``; an argparse type.
+
+    The host is required: a bare port would listen on every interface, which
+    an operator should ask for by name (``0.0.0.0:PORT``).
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT, e.g. 127.0.0.1:9464 or [::1]:9464")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r}: port must be a number from 1 to 65535")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: {host!r} is not an IPv6 address") from None
+    elif ":" in host:
+        raise argparse.ArgumentTypeError(f"{text!r}: write an IPv6 host in brackets, e.g. [::1]:9464")
+    return host, int(port)
+
+
+def instance_name(text: str) -> str:
+    """An instance directory name other than the backend's own; an argparse type."""
+    if not INSTANCE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: 1 to 32 of lower-case letters, digits, '-' and '_', starting with a letter"
+        )
+    return text
 
 
 class BackendUnavailable(RuntimeError):
@@ -74,18 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help=f"directory for the instance's sockets (default: $HBMD_RUN_DIR, else {DEFAULT_RUN_DIR})")
     parser.add_argument("--budget", metavar="SIZE",
-                        help="most bytes committed at once: 96MiB, 120GiB, 90%% (default: all device memory)")
+                        help="most bytes committed at once: 96MiB, 120GiB, 90%% (default: all device memory; "
+                             f"host backend: {HOST_DEFAULT_BUDGET.replace('%', '%%')} of RAM)")
+    parser.add_argument("--instance-name", type=instance_name, metavar="NAME",
+                        help="serve under <run-dir>/NAME instead of gpu<N> or host, e.g. a second host pool")
     parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
                         help="CUDA: keep N granules created and exported ahead of time, set aside from the budget, "
                              "so small commits skip the export (default: 0)")
     parser.add_argument("--no-export-sentinel", action="store_true",
                         help="CUDA: do not hold the one exported granule that keeps the driver's FD export and close "
                              "on their fast path (a 2 MiB granule out of the budget; default: held)")
-    parser.add_argument("--config", metavar="FILE", help="TOML file with access rules and per-tenant quotas")
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML file with access rules and per-tenant quotas; SIGHUP reloads it")
     parser.add_argument("--group", metavar="NAME",
                         help="group owning the instance directory and sockets; its members may connect")
-    parser.add_argument("--metrics-addr", metavar="HOST:PORT",
-                        help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
+    parser.add_argument("--metrics-addr", type=metrics_address, metavar="HOST:PORT",
+                        help="serve Prometheus metrics on http://HOST:PORT/metrics and a health check on "
+                             "/healthz, e.g. 127.0.0.1:9464 (default: off)")
+    parser.add_argument("--metrics-sessions", action="store_true",
+                        help="also export per-session series (labelled by session id and pid: a new series "
+                             "per worker restart, so off by default)")
     parser.add_argument("--state-dir", metavar="DIR", default=os.environ.get("STATE_DIRECTORY"),
                         help="where to journal persistent buffers so they survive a restart under systemd "
                              "(default: $STATE_DIRECTORY)")
@@ -131,10 +178,15 @@ def build(args: argparse.Namespace) -> Daemon:
 
 
 def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Daemon:
+    if args.instance_name:
+        backend.instance = args.instance_name
+    default_budget = HOST_DEFAULT_BUDGET if backend.name == "host" else "100%"
     try:
-        budget = parse_size(args.budget, backend.total_bytes) if args.budget else backend.total_bytes
+        budget = parse_size(args.budget or default_budget, backend.total_bytes)
     except ValueError as exc:
         raise Refusal(f"--budget: {exc}", 2) from None
+    if budget <= 0:
+        raise Refusal(f"--budget: {args.budget} admits nothing; give a positive size", 2)
     held_back = backend.held_back_bytes()
     if args.warm_chunks < 0 or held_back > budget:
         raise Refusal(
@@ -168,7 +220,7 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
     if args.metrics_addr:
         from .metrics import Metrics
 
-        metrics = Metrics(state, lock)
+        metrics = Metrics(state, lock, VERSION, per_session=args.metrics_sessions)
     try:
         server = Server(
             state, paths, lock=lock, notifier=notifier, group=group, metrics=metrics, persistence=persistence
@@ -188,15 +240,19 @@ def run(daemon: Daemon) -> int:
         server.close()
         backend.close()
         return 1
+    metrics_url = ""
     if server.metrics is not None:
+        host, port = args.metrics_addr
+        metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
         try:
-            server.metrics.serve(args.metrics_addr)
-        except (OSError, ValueError) as exc:
-            log.error("--metrics-addr %s: %s", args.metrics_addr, exc)
+            server.metrics.serve(host, port)
+        except OSError as exc:
+            log.error("--metrics-addr %s:%d: %s", host, port, exc)
             server.close()
             backend.close()
             return 1
     server.install_signal_handlers()
+    ConfigReloader(args.config, server.state, server.lock, notifier).install()
     held_back = backend.held_back_bytes()
     log.info(
         "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s%s",
@@ -210,7 +266,7 @@ def run(daemon: Daemon) -> int:
         format_bytes(backend.total_bytes),
         daemon.paths.endpoint,
         daemon.paths.handles,
-        f", metrics http://{args.metrics_addr}/metrics" if args.metrics_addr else "",
+        f", metrics {metrics_url}" if metrics_url else "",
     )
     if held_back:
         log.info("%s of the budget held back for %d warm chunks and the export sentinel",

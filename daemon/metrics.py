@@ -1,96 +1,171 @@
-"""Prometheus metrics, served by the official client library on ``--metrics-addr``.
+"""Prometheus metrics and a health check, served on ``--metrics-addr``.
 
 Gauges are read from the :class:`State` at scrape time by a collector, under
-the server's lock (the HTTP server runs on its own thread); operation
+the server's lock (the HTTP server runs on its own threads); operation
 counters and latency histograms are recorded by the server as it answers.
+
+Conventions, so the series sit beside dcgm-exporter's: a GPU instance labels
+every series with ``gpu`` (the nvidia-smi index) and ``UUID``, exactly the
+label names dcgm-exporter uses, so ``hbmd_committed_bytes`` joins
+``DCGM_FI_DEV_FB_USED`` on ``UUID``; a host instance has no device labels.
+There is no ``instance`` label of our own (Prometheus gives each target one),
+no ``-1`` for "unknown" (the series is left out), no ``_created`` series, and
+no per-session series unless asked for: session ids and pids are new label
+values at every worker restart.
 """
 
 from __future__ import annotations
 
+import platform
+import socket
+import socketserver
 import threading
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, disable_created_metrics, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .state import State
 
 LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 5.0)
+HEALTH_LOCK_TIMEOUT_S = 2.0
+"""/healthz fails when the server loop has held the state this long: it is stuck inside a request."""
+
+
+def device_labels(state: State) -> dict[str, str]:
+    """``gpu`` and ``UUID`` as dcgm-exporter names them; nothing for the host backend."""
+    backend = state.backend
+    if backend.device_index < 0:
+        return {}
+    return {"gpu": str(backend.device_index), "UUID": backend.device_uuid}
 
 
 class StateCollector(Collector):
-    """Bytes, chunks and sessions per instance, tenant and session, as they are at scrape time."""
+    """Bytes, chunks and sessions of the instance and its tenants (and sessions, if asked), at scrape time."""
 
-    def __init__(self, state: State, lock: threading.Lock) -> None:
+    def __init__(self, state: State, lock: threading.Lock, version: str, per_session: bool) -> None:
         self.state = state
         self.lock = lock
+        self.version = version
+        self.per_session = per_session
+        self.device = device_labels(state)
+
+    def _family(self, name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=[*self.device, *labels])
+
+    def _add(self, family: GaugeMetricFamily, value: float, *labels: str) -> GaugeMetricFamily:
+        family.add_metric([*self.device.values(), *labels], value)
+        return family
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self.lock:
             state, backend = self.state, self.state.backend
-            instance = [backend.instance]
+            info = self._family("hbmd_build_info", "Version and backend of the daemon; always 1.",
+                                ["version", "backend", "hbmd_instance", "python_version"])
+            yield self._add(info, 1, self.version, backend.name, backend.instance, platform.python_version())
+            for name, doc, value in (
+                ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes),
+                ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes),
+                ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes),
+                ("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes),
+                ("hbmd_sessions", "Connected worker sessions.", len(state.workers)),
+                ("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers)),
+                ("hbmd_chunks", "Physical chunks.", state.num_chunks),
+            ):
+                yield self._add(self._family(name, doc), value)
+            free = backend.free_bytes()
+            if free >= 0:
+                yield self._add(self._family("hbmd_device_free_bytes", "Free device memory as the driver reports it."), free)
+            yield from self._tenants()
+            if self.per_session:
+                yield from self._sessions()
 
-            def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-                family = GaugeMetricFamily(name, doc, labels=["instance"])
-                family.add_metric(instance, value)
-                return family
+    def _tenants(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["tenant"]
+        used = self._family("hbmd_tenant_committed_bytes", "Bytes committed per tenant.", labels)
+        guaranteed = self._family("hbmd_tenant_guaranteed_bytes", "Guaranteed minimum per tenant.", labels)
+        limit = self._family("hbmd_tenant_max_bytes", "Burst maximum per tenant that has one.", labels)
+        sessions = self._family("hbmd_tenant_sessions", "Connected worker sessions per tenant.", labels)
+        for tenant in self.state.tenant_infos():
+            self._add(used, tenant.used_bytes, tenant.name)
+            self._add(guaranteed, tenant.guaranteed_bytes, tenant.name)
+            self._add(sessions, tenant.num_sessions, tenant.name)
+            if tenant.max_bytes >= 0:
+                self._add(limit, tenant.max_bytes, tenant.name)
+        yield from (used, guaranteed, limit, sessions)
 
-            yield gauge("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes)
-            yield gauge("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes)
-            yield gauge("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes)
-            yield gauge("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes)
-            yield gauge("hbmd_device_free_bytes", "Free device memory as the driver reports it (-1 unknown).",
-                        backend.free_bytes())
-            yield gauge("hbmd_sessions", "Connected worker sessions.", len(state.workers))
-            yield gauge("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers))
-            yield gauge("hbmd_chunks", "Physical chunks.", state.num_chunks)
+    def _sessions(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["session", "pid", "client", "tenant"]
+        committed = self._family("hbmd_session_committed_bytes", "Bytes committed per session.", labels)
+        reserved = self._family("hbmd_session_reserved_bytes", "Address space reserved per session.", labels)
+        chunks = self._family("hbmd_session_chunks", "Chunks held per session.", labels)
+        for session in self.state.workers:
+            info = self.state.session_info(session)
+            values = (str(info.session_id), str(info.pid), info.client_name, info.tenant)
+            self._add(committed, info.committed_bytes, *values)
+            self._add(reserved, info.reserved_bytes, *values)
+            self._add(chunks, info.num_chunks, *values)
+        yield from (committed, reserved, chunks)
 
-            labels = ["instance", "tenant"]
-            used = GaugeMetricFamily("hbmd_tenant_committed_bytes", "Bytes committed per tenant.", labels=labels)
-            guaranteed = GaugeMetricFamily("hbmd_tenant_guaranteed_bytes", "Guaranteed minimum per tenant.", labels=labels)
-            limit = GaugeMetricFamily("hbmd_tenant_max_bytes", "Burst maximum per tenant (-1 none).", labels=labels)
-            for tenant in state.tenant_infos():
-                used.add_metric(instance + [tenant.name], tenant.used_bytes)
-                guaranteed.add_metric(instance + [tenant.name], tenant.guaranteed_bytes)
-                limit.add_metric(instance + [tenant.name], tenant.max_bytes)
-            yield from (used, guaranteed, limit)
 
-            labels = ["instance", "session", "pid", "client", "tenant"]
-            committed = GaugeMetricFamily("hbmd_session_committed_bytes", "Bytes committed per session.", labels=labels)
-            reserved = GaugeMetricFamily("hbmd_session_reserved_bytes", "Address space reserved per session.", labels=labels)
-            chunks = GaugeMetricFamily("hbmd_session_chunks", "Chunks held per session.", labels=labels)
-            for session in state.workers:
-                info = state.session_info(session)
-                values = instance + [str(info.session_id), str(info.pid), info.client_name, info.tenant]
-                committed.add_metric(values, info.committed_bytes)
-                reserved.add_metric(values, info.reserved_bytes)
-                chunks.add_metric(values, info.num_chunks)
-            yield from (committed, reserved, chunks)
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes every few seconds would drown the daemon's log."""
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
 
 
 class Metrics:
-    """The daemon's registry: state gauges plus per-operation counters and latencies."""
+    """The daemon's registry: state gauges, per-operation counters and latencies, and the process's own."""
 
-    def __init__(self, state: State, lock: threading.Lock) -> None:
+    def __init__(self, state: State, lock: threading.Lock, version: str, *, per_session: bool = False) -> None:
+        # _created series carry a timestamp per label set that no dashboard uses.
+        disable_created_metrics()
+        self.state = state
+        self.lock = lock
         self.registry = CollectorRegistry()
-        self.registry.register(StateCollector(state, lock))
-        self._instance = state.backend.instance
+        self.registry.register(StateCollector(state, lock, version, per_session))
+        # Open FDs matter for a daemon that passes FDs: process_open_fds against process_max_fds.
+        ProcessCollector(registry=self.registry)
+        self._device = list(device_labels(state).values())
+        names = list(device_labels(state))
         self.operations = Counter(
             "hbmd_operations", "Requests answered, by kind and outcome (ok or an error code).",
-            ["instance", "operation", "outcome"], registry=self.registry,
+            [*names, "operation", "outcome"], registry=self.registry,
         )
         self.latency = Histogram(
             "hbmd_operation_seconds", "Time to answer a request, by kind.",
-            ["instance", "operation"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            [*names, "operation"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        self._metrics_app = make_wsgi_app(self.registry)
 
     def record(self, operation: str, outcome: str, started: float) -> None:
-        self.operations.labels(self._instance, operation, outcome).inc()
-        self.latency.labels(self._instance, operation).observe(time.perf_counter() - started)
+        self.operations.labels(*self._device, operation, outcome).inc()
+        self.latency.labels(*self._device, operation).observe(time.perf_counter() - started)
 
-    def serve(self, address: str) -> None:
-        """Serve ``/metrics`` on ``HOST:PORT`` from a background thread."""
-        host, _, port = address.rpartition(":")
-        start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=self.registry)
+    def healthy(self) -> bool:
+        """Whether the server loop lets go of the state: a wedged request keeps it."""
+        if not self.lock.acquire(timeout=HEALTH_LOCK_TIMEOUT_S):
+            return False
+        self.lock.release()
+        return True
+
+    def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """``/healthz`` answers 200 or 503; every other path is the metrics page."""
+        if environ.get("PATH_INFO") == "/healthz":
+            ok = self.healthy()
+            start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [b"ok\n" if ok else b"server loop stuck\n"]
+        return self._metrics_app(environ, start_response)
+
+    def serve(self, host: str, port: int) -> None:
+        """Serve on ``host:port`` from background threads; ``OSError`` if the address cannot be bound."""
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+        httpd = make_server(host, port, self.app, server_class, _QuietHandler)
+        threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()

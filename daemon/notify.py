@@ -110,6 +110,10 @@ class SystemdNotifier:
         """Report start-up complete: the sockets are bound and clients may connect."""
         self._send(f"READY=1\nSTATUS={_status_value(status)}")
 
+    def reloading(self) -> None:
+        """Report that a configuration reload has begun; :meth:`ready` reports it finished."""
+        self._send(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+
     def stopping(self, status: str = "stopping") -> None:
         """Report that shutdown has begun, so the manager does not mistake it for a crash."""
         self._send(f"STOPPING=1\nSTATUS={_status_value(status)}")

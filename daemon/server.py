@@ -75,6 +75,7 @@ from hbmd.proto.errors import (
     HbmdError,
     InternalError,
     NotFound,
+    OutOfBudget,
     PermissionDenied,
     ProtocolError,
     VersionMismatch,
@@ -471,7 +472,9 @@ class Server:
                 device_index=backend.device_index,
             ),
         )
-        log.info(
+        # Observers (hbmctl, probes) connect every few seconds: at INFO they would bury the workers.
+        log.log(
+            logging.DEBUG if session.observer else logging.INFO,
             "session %d opened: pid %d uid %d%s",
             session.session_id,
             conn.pid,
@@ -497,7 +500,8 @@ class Server:
         if conn.session is not None:
             self._by_session.pop(conn.session.session_id, None)
             freed = self.state.close_session(conn.session)
-            log.info("session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
+            log.log(logging.DEBUG if conn.session.observer else logging.INFO,
+                    "session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
 
     def _flush(self, conn: HandleConnection) -> None:
         """Send queued FD batches until the socket is full; close each FD once sent."""
@@ -558,6 +562,10 @@ class Server:
             # The token before the body: an unknown peer costs no decoding.
             session = self.state.session_for(token)
             reply = handler(self._by_session[session.session_id], request_id, decode_body(kind, raw))
+        except OutOfBudget as exc:
+            log.warning("refused %s of session %d (pid %d, uid %d, tenant %r): %s", operation, session.session_id,
+                        session.pid, session.uid, session.tenant.name, exc.message)
+            reply = ErrorReply.of(exc)
         except HbmdError as exc:
             reply = ErrorReply.of(exc)
         except Exception:

@@ -38,7 +38,8 @@ def test_json_numbers_match_what_clients_committed(daemon, spawn_worker):
     # 5 MiB per segment rounds to 6 MiB per segment; 3 MiB rounds to 4 MiB.
     assert status["committed_bytes"] == 16 * MiB
     assert status["reserved_bytes"] == 80 * MiB
-    assert status["budget_bytes"] == 256 * MiB and status["free_bytes"] == 240 * MiB
+    assert status["budget_bytes"] == 256 * MiB and status["budget_left_bytes"] == 240 * MiB
+    assert status["device_free_bytes"] > 0
     assert status["num_sessions"] == 1 and status["num_buffers"] == 2 and status["num_chunks"] == 3
     assert status["backend"] == "host" and status["instance"] == "host" and status["pid"] == daemon.pid
 
@@ -62,7 +63,9 @@ def test_tables_use_binary_units(daemon, client):
     rd = str(daemon.run_dir)
     status = hbmctl("--run-dir", rd, "status")
     assert status.returncode == 0
-    assert "committed: 10.0 MiB" in status.stdout and "budget:    256.0 MiB" in status.stdout
+    assert "committed:   10.0 MiB" in status.stdout and "budget:      256.0 MiB" in status.stdout
+    # What the budget still admits and what the device has free are different figures, named apart.
+    assert "budget left: 246.0 MiB" in status.stdout and "device free: " in status.stdout
     buffers = hbmctl("--run-dir", rd, "buffers").stdout.splitlines()
     assert buffers[0].split()[:3] == ["BUFFER", "SESSION", "NAME"]
     assert "10.0 MiB" in buffers[1]
@@ -137,4 +140,110 @@ def test_watch_refreshes_until_ctrl_c(daemon, client):
         if watch.poll() is None:
             watch.kill()
     assert watch.returncode == 0, err
-    assert out.count("● hbmd instance host") >= 2 and "committed: 6.0 MiB" in out and "Ctrl-C" in out
+    assert out.count("● hbmd instance host") >= 2 and "committed:   6.0 MiB" in out and "Ctrl-C" in out
+    # Not a terminal: no escape codes; and nothing after the last frame on leaving.
+    assert "\x1b" not in out and out.rstrip().endswith("6.0 MiB       1") and err == ""
+
+
+def test_watch_streams_json_lines(daemon, client):
+    ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", "--json", "--interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(3)
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    frames = [json.loads(line) for line in out.splitlines()]
+    assert watch.returncode == 0 and err == "" and len(frames) >= 2
+    assert frames[-1]["status"]["committed_bytes"] == 6 * MiB
+    assert [s["session_id"] for s in frames[-1]["sessions"]] == [client.session_id]
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(daemon, client):
+    hbmctl_command = f"{sys.executable} -m hbmd.client.ctl --run-dir {daemon.run_dir} watch --interval 0.05"
+    out = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {hbmctl_command} 2>{daemon.run_dir}/err | head -n 2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert len(out.stdout.splitlines()) == 2 and (daemon.run_dir / "err").read_text() == ""
+
+
+@pytest.fixture
+def two_instances(start_daemon):
+    first = start_daemon("--budget", "64MiB")
+    second = start_daemon("--budget", "32MiB", "--instance-name", "host2")
+    return first, second
+
+
+def test_status_shows_every_instance_of_a_node(two_instances):
+    first, second = two_instances
+    rd = str(first.run_dir)
+    table = hbmctl("--run-dir", rd, "status")
+    assert table.returncode == 0, table.stderr
+    header, *rows = table.stdout.splitlines()
+    assert header.split()[:4] == ["INSTANCE", "BACKEND", "DEVICE", "BUDGET"]
+    assert [r.split()[0] for r in rows] == ["host", "host2"]
+    assert "64.0 MiB" in rows[0] and "32.0 MiB" in rows[1]
+
+    records = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)["instances"]
+    assert [(r["instance"], r["budget_bytes"], r["pid"]) for r in records] == [
+        ("host", 64 * MiB, first.pid), ("host2", 32 * MiB, second.pid)
+    ]
+    csv_rows = hbmctl("--run-dir", rd, "-o", "csv", "--no-headers", "status").stdout.splitlines()
+    assert [row.split(",")[:4] for row in csv_rows] == [["host", "host", "-1", str(64 * MiB)], ["host2", "host", "-1", str(32 * MiB)]]
+    wide = hbmctl("--run-dir", rd, "-o", "wide", "status").stdout
+    assert "PID" in wide and str(second.pid) in wide
+
+    second.kill()  # killed, so its instance.json stays behind: the row says so and the exit code too
+    out = hbmctl("--run-dir", rd, "status", "--timeout", "2")
+    assert out.returncode == 1 and "host2" in out.stderr and "unreachable" in out.stdout
+
+
+def test_a_command_for_one_instance_is_a_usage_error_when_several_run(two_instances):
+    rd = str(two_instances[0].run_dir)
+    out = hbmctl("--run-dir", rd, "sessions")
+    assert out.returncode == 2 and "choose one with --instance" in out.stderr and "host, host2" in out.stderr
+    assert hbmctl("--run-dir", rd, "--instance", "host2", "sessions").returncode == 0
+
+
+def test_versions_agree():
+    ctl = hbmctl("--version")
+    daemon = subprocess.run([sys.executable, "-m", "hbmd.daemon", "--version"], capture_output=True, text=True, timeout=60)
+    assert ctl.returncode == 0 and daemon.returncode == 0
+    assert ctl.stdout.split()[1] == daemon.stdout.split()[1] != ""
+
+
+def test_reclaim_finds_a_session_by_pid_or_client_name(daemon, spawn_worker):
+    worker = spawn_worker(
+        daemon,
+        """
+        import sys
+        from hbmd.client import connect
+        c = connect("cpu", client_name="engine-a")
+        print(c.session_id, flush=True)
+        sys.stdin.readline()
+        """,
+    )
+    session_id = int(worker.readline())
+    rd = str(daemon.run_dir)
+    by_pid = json.loads(hbmctl("--run-dir", rd, "--json", "reclaim", "--pid", str(worker.proc.pid), "--bytes", "1MiB").stdout)
+    by_name = json.loads(hbmctl("--run-dir", rd, "--json", "reclaim", "--name", "engine-a", "--bytes", "1MiB").stdout)
+    assert by_pid["session_id"] == by_name["session_id"] == session_id
+    out = hbmctl("--run-dir", rd, "reclaim", "--name", "nobody", "--bytes", "1MiB")
+    assert out.returncode == 3 and "no session with client name 'nobody'" in out.stderr
+    assert hbmctl("--run-dir", rd, "reclaim", "--pid", "1", "--name", "x", "--bytes", "1MiB").returncode == 2
+    worker.send("done")
+    assert worker.wait() == 0
+
+
+def test_no_headers_leaves_rows_only(daemon, client):
+    ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(2 * MiB)
+    rows = hbmctl("--run-dir", str(daemon.run_dir), "buffers", "--no-headers").stdout.splitlines()
+    assert len(rows) == 1 and rows[0].split()[0] == "1"
+    raw = hbmctl("--run-dir", str(daemon.run_dir), "-o", "csv", "sessions").stdout.splitlines()
+    assert raw[0].startswith("session,pid,uid") and raw[1].split(",")[8] == str(2 * MiB)

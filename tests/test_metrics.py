@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -22,8 +23,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def page(port: int, path: str = "/metrics") -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10).read().decode()
+
+
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    text = page(port)
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -32,13 +37,13 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def value(samples, name, **labels):
-    wanted = tuple(sorted({"instance": "host", **labels}.items()))
+    wanted = tuple(sorted(labels.items()))
     return samples[(name, wanted)]
 
 
 def test_metrics_match_what_clients_committed(start_daemon):
     port = free_port()
-    daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}", "--metrics-sessions")
     assert f"metrics http://127.0.0.1:{port}/metrics" in daemon.log().splitlines()[0]
     a = daemon.connect(client_name="engine-a", tenant="team-a")
     b = daemon.connect(client_name="engine-b")
@@ -79,3 +84,57 @@ def test_a_busy_metrics_port_is_a_clear_startup_error(run_dir):
             capture_output=True, text=True, timeout=60,
         )
     assert out.returncode == 1 and "--metrics-addr" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_defaults_follow_prometheus_conventions(start_daemon):
+    port = free_port()
+    daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    worker = daemon.connect(client_name="engine")
+    ExtensibleTensor(16 * MiB, "cpu", client=worker).resize_(4 * MiB)
+    samples = scrape(port)
+    names = {name for name, _ in samples}
+    # Per-session series are opt-in: each worker restart would start new ones.
+    assert not any(name.startswith("hbmd_session_") for name in names)
+    assert value(samples, "hbmd_tenant_committed_bytes", tenant=f"uid:{os.getuid()}") == 4 * MiB
+    # No label of our own named instance (Prometheus's target label), no -1 sentinels, no _created.
+    assert all("instance" not in dict(labels) for _, labels in samples)
+    assert all(v >= 0 for v in samples.values()) and not any(name.endswith("_created") for name in names)
+    assert "hbmd_tenant_max_bytes" not in names  # no tenant has a maximum
+    build = [labels for name, labels in samples if name == "hbmd_build_info"]
+    assert len(build) == 1 and ("backend", "host") in build[0] and ("hbmd_instance", "host") in build[0]
+    assert "process_open_fds" in names
+    assert page(port, "/healthz") == "ok\n"
+    worker.close()
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) is not on PATH")
+def test_the_page_passes_promtool(start_daemon, run_dir):
+    port = free_port()
+    config = run_dir / "tenants.toml"
+    config.write_text('[[tenants]]\nname = "team-a"\nmax = "64MiB"\nguaranteed = "8MiB"\n')
+    daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}", "--config", str(config))
+    worker = daemon.connect(client_name="engine", tenant="team-a")
+    ExtensibleTensor(16 * MiB, "cpu", client=worker).resize_(4 * MiB)
+    lint = subprocess.run(["promtool", "check", "metrics"], input=page(port), capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    worker.close()
+
+
+@pytest.mark.parametrize(
+    "address, complaint",
+    [("9464", "not HOST:PORT"), ("localhost", "not HOST:PORT"), (":9464", "not HOST:PORT"),
+     ("localhost:http", "port must be"), ("127.0.0.1:70000", "port must be"), ("::1:9464", "brackets")],
+)
+def test_metrics_addr_must_be_host_and_port(run_dir, address, complaint):
+    out = subprocess.run(
+        [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir), "--metrics-addr", address],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2 and complaint in out.stderr and "Traceback" not in out.stderr
+
+
+def test_metrics_listen_on_a_host_name(start_daemon):
+    port = free_port()
+    daemon = start_daemon("--metrics-addr", f"localhost:{port}")
+    assert f"http://localhost:{port}/metrics" in daemon.log()
+    assert "hbmd_budget_bytes" in page(port)

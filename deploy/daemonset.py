@@ -1,0 +1,231 @@
+"""Writes the Kubernetes manifests for GPU nodes with a given number of GPUs.
+
+``python deploy/daemonset.py --gpus 4 > hbmd-4gpu.yaml`` gives a DaemonSet
+with one hbmd container per GPU, selecting nodes whose ``nvidia.com/gpu.count``
+label (from GPU feature discovery) is 4, and a PodMonitor scraping each
+container's metrics port. Keep one output per node shape in the fleet.
+``deploy/hbmd-daemonset.yaml`` is this script's output for 8 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+IMAGE = "registry.example.com/hbmd:0.1.0"
+UID = GID = 990
+"""deploy/hbmd.sysusers.conf pins the same ids, so sockets mean the same group on every node."""
+METRICS_PORT_BASE = 9470
+"""GPU N serves metrics on 9470+N (not 9400, which is dcgm-exporter's)."""
+
+HEADER = f"""\
+# hbmd on Kubernetes for nodes with {{gpus}} GPUs, written by deploy/daemonset.py --gpus {{gpus}}:
+# one pod per node, one container per GPU, so each GPU's daemon has its own
+# restarts, logs (kubectl logs -c gpu0) and readiness, like the hbmd@N units.
+#
+# GPU access, neither privileged nor by resource request: a request
+# (nvidia.com/gpu: 1) would take the GPU from the schedulable pool. The pod
+# runs under the NVIDIA container runtime with NVIDIA_VISIBLE_DEVICES=all,
+# so GPUs keep their host nvidia-smi indices and --device N means GPU N.
+# This needs the toolkit's accept-nvidia-visible-devices-envvar-when-unprivileged
+# (true by default; some distributions, Bottlerocket for one, turn it off).
+#
+# Identity: uid {UID}, gid {GID} (the image's hbmd user, and the sysusers entry on
+# hosts); instance directories are 0750 and sockets 0660, group {GID}. A worker
+# pod reaches them with runAsGroup: {GID} or supplementalGroups: [{GID}].
+#
+# Persistent buffers do NOT survive a container restart here: the daemon's
+# memory lives as long as its process, and Kubernetes has no equivalent of
+# systemd's FD store to park it in. A restarted container starts empty;
+# workers see their session end and must rebuild their KV cache (engines
+# re-run prefill). To keep caches across daemon upgrades, run hbmd as the
+# systemd units on the node instead, or drain the node's workers first.
+#
+# The image is the Dockerfile at the top of the repository; libcuda comes
+# from the NVIDIA runtime, not the image.
+"""
+
+NAMESPACE = """\
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: hbmd-system
+  labels:
+    # hostPath volumes are refused by the baseline and restricted Pod Security levels.
+    pod-security.kubernetes.io/enforce: privileged
+"""
+
+DAEMONSET = f"""\
+apiVersion: apps/v1
+kind: DaemonSet
+metadata:
+  name: hbmd-{{gpus}}gpu
+  namespace: hbmd-system
+  labels:
+    app.kubernetes.io/name: hbmd
+spec:
+  selector:
+    matchLabels:
+      app.kubernetes.io/name: hbmd
+      hbmd.io/gpus: "{{gpus}}"
+  # A restarted daemon ends every session on its GPU: roll a new version
+  # node by node (delete the pod) when the node's workers can take it.
+  updateStrategy:
+    type: OnDelete
+  template:
+    metadata:
+      labels:
+        app.kubernetes.io/name: hbmd
+        hbmd.io/gpus: "{{gpus}}"
+    spec:
+      # Workers depend on it like on the device plugin: evict it last.
+      priorityClassName: system-node-critical
+      runtimeClassName: nvidia
+      nodeSelector:
+        nvidia.com/gpu.count: "{{gpus}}"   # from GPU feature discovery
+      tolerations:
+        - key: nvidia.com/gpu
+          operator: Exists
+          effect: NoSchedule
+      automountServiceAccountToken: false
+      # SIGTERM ends every session and releases its memory; matches TimeoutStopSec of the unit.
+      terminationGracePeriodSeconds: 30
+      securityContext:
+        runAsUser: {UID}
+        runAsGroup: {GID}
+        runAsNonRoot: true
+        seccompProfile:
+          type: RuntimeDefault
+      initContainers:
+        # The kubelet creates the hostPath directory owned by root; the daemons create their instance directories in it.
+        - name: run-dir
+          image: {IMAGE}
+          command: ["chown", "{UID}:{GID}", "/run/hbmd"]
+          securityContext:
+            runAsUser: 0
+            runAsNonRoot: false
+            allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
+            capabilities:
+              drop: ["ALL"]
+              add: ["CHOWN"]
+          volumeMounts:
+            - name: run-hbmd
+              mountPath: /run/hbmd
+      containers:
+{{containers}}      volumes:
+        - name: run-hbmd
+          hostPath:
+            path: /run/hbmd
+            type: DirectoryOrCreate
+"""
+
+CONTAINER = f"""\
+        - name: gpu{{index}}
+          image: {IMAGE}
+          command: ["hbmd"]
+          args: ["--backend", "cuda", "--device", "{{index}}", "--run-dir", "/run/hbmd",
+                 "--metrics-addr", "0.0.0.0:{{port}}"]
+          env:
+            - name: NVIDIA_VISIBLE_DEVICES
+              value: all
+            - name: NVIDIA_DRIVER_CAPABILITIES
+              value: compute,utility
+          ports:
+            - name: metrics-gpu{{index}}
+              containerPort: {{port}}
+              protocol: TCP
+          # Readiness only: a liveness probe that killed a slow but working daemon
+          # would end every session on its GPU; one that exits is restarted anyway.
+          readinessProbe:
+            httpGet:
+              path: /healthz
+              port: metrics-gpu{{index}}
+            periodSeconds: 10
+            timeoutSeconds: 5
+          # The GPU memory is not the container's: the daemon holds no CUDA
+          # context. No CPU limit: throttling would stall every commit on the GPU.
+          resources:
+            requests:
+              cpu: 100m
+              memory: 128Mi
+            limits:
+              memory: 1Gi
+          securityContext:
+            allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
+            capabilities:
+              drop: ["ALL"]
+          volumeMounts:
+            - name: run-hbmd
+              mountPath: /run/hbmd
+"""
+
+PODMONITOR = """\
+# For the Prometheus Operator; without it, scrape the metrics-gpuN ports by your own means.
+apiVersion: monitoring.coreos.com/v1
+kind: PodMonitor
+metadata:
+  name: hbmd-{gpus}gpu
+  namespace: hbmd-system
+spec:
+  selector:
+    matchLabels:
+      app.kubernetes.io/name: hbmd
+      hbmd.io/gpus: "{gpus}"
+  podMetricsEndpoints:
+{endpoints}"""
+
+WORKER = f"""\
+# A worker pod that uses the node's hbmd (trimmed to what concerns hbmd):
+#
+# apiVersion: v1
+# kind: Pod
+# metadata:
+#   name: llm-worker
+# spec:
+#   securityContext:
+#     runAsUser: 1000
+#     runAsGroup: 1000
+#     supplementalGroups: [{GID}]     # the hbmd group: 0750 instance dirs, 0660 sockets
+#   containers:
+#     - name: engine
+#       image: registry.example.com/llm-engine:latest
+#       env:
+#         - name: HBMD_RUN_DIR       # where the client looks for instances
+#           value: /run/hbmd
+#       resources:
+#         limits:
+#           nvidia.com/gpu: 1       # from the device plugin as usual; the client
+#                                   # finds this GPU's hbmd by UUID, whatever its index here
+#       volumeMounts:
+#         - name: hbmd
+#           mountPath: /run/hbmd
+#   volumes:
+#     - name: hbmd
+#       hostPath:
+#         path: /run/hbmd
+#         type: Directory           # fail visibly on a node without hbmd
+"""
+
+
+def manifests(gpus: int) -> str:
+    containers = "".join(CONTAINER.format(index=i, port=METRICS_PORT_BASE + i) for i in range(gpus))
+    endpoints = "".join(f"    - port: metrics-gpu{i}\n      path: /metrics\n" for i in range(gpus))
+    return "---\n".join([
+        HEADER.format(gpus=gpus) + NAMESPACE,
+        DAEMONSET.format(gpus=gpus, containers=containers),
+        PODMONITOR.format(gpus=gpus, endpoints=endpoints),
+    ]) + "\n" + WORKER
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Print hbmd's Kubernetes manifests for nodes with N GPUs.")
+    parser.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs per node (1 to 64)")
+    args = parser.parse_args()
+    if not 1 <= args.gpus <= 64:
+        parser.error("--gpus must be from 1 to 64")
+    print(manifests(args.gpus), end="")
+
+
+if __name__ == "__main__":
+    main()

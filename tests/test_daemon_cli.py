@@ -1,0 +1,114 @@
+"""The daemon's command line as operators use it: arguments, SIGHUP reloads, instance names."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from hbmd.client import ExtensibleTensor, OutOfBudget
+from hbmd.daemon.backends.host import host_memory_bytes
+from helpers import MiB, wait_until
+
+pytestmark = pytest.mark.ipc
+
+
+def hbmd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hbmd.daemon", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("budget", ["0", "0GiB", "0.0MiB"])
+def test_a_budget_of_nothing_is_refused(run_dir, budget):
+    out = hbmd("--backend", "host", "--run-dir", str(run_dir), "--budget", budget)
+    assert out.returncode == 2 and "--budget" in out.stderr and "positive" in out.stderr
+
+
+def test_the_host_backend_leaves_the_machine_half_its_memory_by_default(start_daemon):
+    client = start_daemon().connect()
+    assert client.status().budget_bytes == host_memory_bytes() // 2
+    client.close()
+
+
+def test_a_second_host_instance_runs_under_its_own_name(start_daemon):
+    first = start_daemon("--budget", "64MiB")
+    second = start_daemon("--budget", "32MiB", "--instance-name", "host-numa1")
+    assert (first.instance, second.instance) == ("host", "host-numa1")
+    with second.connect() as client:
+        assert client.instance == "host-numa1" and client.status().budget_bytes == 32 * MiB
+
+
+@pytest.mark.parametrize("name", ["Host", "1gpu", "a/b", "x" * 33, ""])
+def test_instance_names_are_plain_directory_names(run_dir, name):
+    out = hbmd("--backend", "host", "--run-dir", str(run_dir), "--instance-name", name)
+    assert out.returncode == 2 and "--instance-name" in out.stderr
+
+
+def tenants(max_size: str, guaranteed: str = "0") -> str:
+    return f'[[tenants]]\nname = "team-a"\nmax = "{max_size}"\nguaranteed = "{guaranteed}"\n'
+
+
+def reloads(daemon, count: int, outcome: str) -> None:
+    wait_until(lambda: daemon.log().count(outcome) >= count)
+
+
+def test_sighup_reloads_quotas_and_keeps_sessions(start_daemon, run_dir):
+    config = run_dir / "tenants.toml"
+    config.write_text(tenants("32MiB"))
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config))
+    worker = daemon.connect(client_name="engine", tenant="team-a")
+    kv = ExtensibleTensor(128 * MiB, "cpu", client=worker)
+    kv.resize_(16 * MiB)
+    kv.full_view()[:4] = 7
+    with pytest.raises(OutOfBudget):
+        kv.resize_(64 * MiB)
+
+    config.write_text(tenants("96MiB"))
+    os.kill(daemon.pid, signal.SIGHUP)
+    reloads(daemon, 1, "SIGHUP: reloaded")
+    kv.resize_(64 * MiB)  # admitted under the new maximum, in the same session
+    assert kv.full_view()[:4].tolist() == [7] * 4
+    assert [t.max_bytes for t in worker.status().tenants if t.name == "team-a"] == [96 * MiB]
+
+
+def test_sighup_refuses_a_config_that_breaks_what_was_admitted(start_daemon, run_dir):
+    config = run_dir / "tenants.toml"
+    config.write_text(tenants("128MiB"))
+    daemon = start_daemon("--budget", "128MiB", "--config", str(config))
+    worker = daemon.connect(tenant="team-a")
+    ExtensibleTensor(128 * MiB, "cpu", client=worker).resize_(64 * MiB)
+
+    config.write_text(tenants("32MiB"))  # below what team-a holds
+    os.kill(daemon.pid, signal.SIGHUP)
+    reloads(daemon, 1, "kept the previous config")
+    assert "holds 64.0 MiB, over its new max of 32.0 MiB" in daemon.log()
+
+    config.write_text(tenants("128MiB") + '[[tenants]]\nname = "team-b"\nguaranteed = "96MiB"\n')
+    os.kill(daemon.pid, signal.SIGHUP)
+    reloads(daemon, 2, "kept the previous config")
+    assert "need 96.0 MiB more, but only 64.0 MiB of the budget is uncommitted" in daemon.log()
+
+    config.write_text("this is not toml = = =")
+    os.kill(daemon.pid, signal.SIGHUP)
+    reloads(daemon, 3, "kept the previous config")
+    assert daemon.alive() and [t.max_bytes for t in worker.status().tenants if t.name == "team-a"] == [128 * MiB]
+    worker.close()
+
+
+def test_sighup_without_a_config_is_harmless(daemon, client):
+    os.kill(daemon.pid, signal.SIGHUP)
+    reloads(daemon, 1, "no --config to reload")
+    assert daemon.alive() and client.status().num_sessions == 1
+
+
+def test_the_log_names_who_was_refused_and_keeps_observers_quiet(start_daemon, run_dir):
+    daemon = start_daemon("--budget", "32MiB", "--log-level", "info")
+    with daemon.connect(client_name="engine", tenant="team-a") as worker:
+        with pytest.raises(OutOfBudget):
+            ExtensibleTensor(64 * MiB, "cpu", client=worker).resize_(64 * MiB)
+        daemon.connect(observer=True).close()
+        wait_until(lambda: "WARNING refused buffer.commit" in daemon.log())
+    refusal = next(line for line in daemon.log().splitlines() if "refused buffer.commit" in line)
+    assert f"pid {os.getpid()}" in refusal and "tenant 'team-a'" in refusal and "requested 64.0 MiB" in refusal
+    assert daemon.log().count("opened") == 1  # the worker's; the observer's went to DEBUG
