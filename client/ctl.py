@@ -110,7 +110,7 @@ def _reclaim(session: Any) -> str:
 def cmd_buffers(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     buffers = client.buffers(args.session)
     rows = [
-        [b.buffer_id, b.session_id or "-", b.name or "-", "yes" if b.persistent else "no", b.num_segments,
+        [b.buffer_id, b.session_id or "orphan", b.name or "-", "yes" if b.persistent else "no", b.num_segments,
          format_bytes(b.bytes_per_segment), format_bytes(b.segment_capacity_bytes),
          format_bytes(b.physical_bytes), b.num_chunks]
         for b in buffers

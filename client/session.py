@@ -20,6 +20,8 @@ from hbmd.proto import (
     CreateBuffer,
     Defragment,
     Delete,
+    Detach,
+    Detached,
     FinishDefragment,
     Free,
     Freed,
@@ -187,6 +189,14 @@ class Client:
 
     def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
         return self.call(FinishDefragment(buffer_id, keep_new))
+
+    def detach(self, buffer_id: int) -> Detached:
+        """Let go of this session's persistent buffer without freeing it; any session of this user attaches it again by name.
+
+        Unmap it first: the memory stays with the daemon, not with this
+        process. An anonymous buffer is refused (:class:`InvalidRequest`).
+        """
+        return self.call(Detach(buffer_id))
 
     def delete(self, name: str) -> Freed:
         """Free this user's orphaned persistent buffer ``name``."""

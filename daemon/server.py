@@ -41,6 +41,8 @@ from hbmd.proto import (
     CreateBuffer,
     Defragment,
     Delete,
+    Detach,
+    Detached,
     ErrorReply,
     FdBatch,
     FinishDefragment,
@@ -674,6 +676,13 @@ class Server:
     @handles(Free)
     def _free(self, conn: HandleConnection, request_id: int, msg: Free) -> Freed:
         return Freed(msg.buffer_id, self.state.free(conn.session, msg.buffer_id))
+
+    @handles(Detach)
+    def _detach(self, conn: HandleConnection, request_id: int, msg: Detach) -> Detached:
+        freed = self.state.detach(conn.session, msg.buffer_id)
+        buffer = self.state.buffers[msg.buffer_id]
+        log.info("session %d detached persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes)
+        return Detached(buffer.info(), freed)
 
     @handles(Delete)
     def _delete(self, conn: HandleConnection, request_id: int, msg: Delete) -> Freed:

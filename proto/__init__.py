@@ -26,6 +26,8 @@ from .buffers import (
     CreateBuffer,
     Defragment,
     Delete,
+    Detach,
+    Detached,
     FinishDefragment,
     Free,
     Freed,
