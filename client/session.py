@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, TypeVar
 
 from hbmd.proto import (
@@ -78,8 +79,10 @@ class Client:
 
     Use :func:`connect` to find the instance for a device. Not fork-safe: a
     child process must connect again (using the parent's client raises
-    :class:`ForkedClient`). An ``observer`` (a monitoring tool) holds no
-    memory and is not counted among the sessions.
+    :class:`ForkedClient`), and the child's copy of the handle socket is
+    closed at fork, so a child never keeps its parent's session alive. An
+    ``observer`` (a monitoring tool) holds no memory and is not counted
+    among the sessions.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class Client:
         self._lock = threading.RLock()
         self._reclaim_thread: threading.Thread | None = None
         self._closer: FdCloser | None = None
+        _clients.add(self)
 
     # identity
 
@@ -322,11 +326,32 @@ class Client:
                 if self._closer is not None:
                     self._closer.stop()
 
+    def _let_go_after_fork(self) -> None:
+        """In a forked child: close the inherited handle socket, so the child never keeps the parent's session.
+
+        Only the raw socket: the ZeroMQ one belongs to a context that must
+        not be touched after fork. The client counts as closed here.
+        """
+        self.closed = True
+        self._handles.close()
+
     def __enter__(self) -> "Client":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+"""Every client of this process, for the fork hook."""
+
+
+def _let_go_after_fork() -> None:
+    for client in list(_clients):
+        client._let_go_after_fork()
+
+
+os.register_at_fork(after_in_child=_let_go_after_fork)
 
 
 def _program_name() -> str:

@@ -10,10 +10,13 @@ does not get every parked FD back skips what is missing and serves the rest.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
-from hbmd.client import ExtensibleTensor, InvalidRequest, PermissionDenied
-from helpers import MiB, hbmctl
+from hbmd.client import Conflict, ExtensibleTensor, InvalidRequest, PermissionDenied
+from helpers import MiB, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -77,3 +80,80 @@ def test_detach_refuses_an_anonymous_buffer_and_another_sessions_buffer(daemon, 
             named.buffer_id: other.session_id,
         }
     assert daemon.alive()
+
+
+HOLDER = """
+import os, subprocess, sys, time
+from hbmd.client import NotFound, connect
+
+c = connect("cpu", client_name="holder")
+try:
+    info = c.attach("kv", lambda chunk, fd: None).buffer
+except NotFound:
+    info = c.create_buffer(16 << 20, name="kv", persistent=True)
+    c.commit(info.buffer_id, 4 << 20, lambda chunk, fd: None)
+helper = sys.stdin.readline().strip()
+if helper == "fork":
+    child = os.fork()
+    if child == 0:
+        time.sleep(30)  # a helper that never speaks to hbmd
+        os._exit(0)
+elif helper == "inherit":
+    # A helper holding the handle socket itself, as a forked child would without the client's fork hook.
+    child = subprocess.Popen(["sleep", "30"], pass_fds=[c._handles.sock.fileno()]).pid
+else:
+    child = 0
+print(os.getpid(), child, c.session_id, info.buffer_id, flush=True)
+sys.stdin.readline()
+"""
+
+
+def spawn_holder(spawn_worker, daemon, helper: str = "none"):
+    worker = spawn_worker(daemon, HOLDER)
+    worker.send(helper)
+    pid, child, session_id, buffer_id = map(int, worker.readline().split())
+    return worker, pid, child, session_id, buffer_id
+
+
+def attach_within(client, seconds: float) -> float:
+    """Attach ``kv`` (without mapping it) as soon as the daemon lets go of it; the seconds that took."""
+    started = time.monotonic()
+    while True:
+        try:
+            client.attach("kv", lambda chunk, fd: None)
+            return time.monotonic() - started
+        except Conflict:
+            if time.monotonic() - started > seconds:
+                raise
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("helper", ["fork", "inherit"])
+def test_a_session_ends_with_its_worker_even_while_a_child_lives(daemon, client, spawn_worker, helper):
+    client.status()
+    fds_before = daemon.open_fds()
+    worker, pid, child, session_id, buffer_id = spawn_holder(spawn_worker, daemon, helper)
+    try:
+        assert process_alive(child)
+        os.kill(pid, signal.SIGKILL)
+        assert attach_within(client, 1.0) < 1.0
+        assert process_alive(child)  # the helper still runs, and still holds nothing
+        assert all(s.session_id != session_id for s in client.sessions())
+        assert [b.buffer_id for b in client.buffers(client.session_id)] == [buffer_id]
+    finally:
+        os.kill(child, signal.SIGKILL)
+    worker.wait()
+    client.free(buffer_id)
+    assert client.status().committed_bytes == 0
+    # A forked child also held the worker's ZeroMQ connection (not a session): the daemon drops it once the child is gone.
+    wait_until(lambda: daemon.open_fds() == fds_before, timeout=5)
+    assert daemon.alive()
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
