@@ -22,7 +22,10 @@ socket is still open elsewhere. The pidfd is taken at accept, moments
 after the connect, so the window in which the pid could pass to another
 process is that short. Where there is no pidfd (kernels before 5.3, or a
 peer in a pid namespace the daemon cannot see, whose pid reads 0) the
-socket's EOF alone ends the session.
+socket's EOF alone ends the session. A request that meets a session whose
+process has died but whose exit the loop has not handled yet (an attach
+right after a SIGKILL) ends that session first, so it is not refused for a
+holder that is gone.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ from hbmd.proto import (
     requests,
 )
 from hbmd.proto.errors import (
+    Conflict,
     HbmdError,
     InternalError,
     NotFound,
@@ -120,6 +124,7 @@ class HandlerTableError(RuntimeError):
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Message])
+T = TypeVar("T")
 
 
 def handles(kind: type[Request]) -> Callable[[Handler], Handler]:
@@ -698,9 +703,32 @@ class Server:
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
+    def _has_exited(self, conn: HandleConnection) -> bool:
+        """Whether the session's process has exited (or its socket shown EOF), noticed or not by the loop yet."""
+        if conn.pidfd >= 0 and readable_now(conn.pidfd):
+            return True
+        try:
+            return conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    def _unless_holder_exited(self, operation: Callable[[], T]) -> T:
+        """Run ``operation``; if a session holding the buffer it needs has exited unnoticed, end that session, run it again."""
+        try:
+            return operation()
+        except Conflict as exc:
+            session_id = exc.details.get("session_id")
+            holder = self._by_session.get(session_id) if isinstance(session_id, int) else None
+            if holder is None or not self._has_exited(holder):
+                raise
+            self._close_connection(holder, "process exited")
+        return operation()
+
     @handles(Attach)
     def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
-        buffer = self.state.attach(conn.session, msg.name)
+        buffer = self._unless_holder_exited(lambda: self.state.attach(conn.session, msg.name))
         log.info("session %d attached persistent buffer %r (%d bytes)", conn.session.session_id, msg.name, buffer.physical_bytes)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
@@ -741,6 +769,6 @@ class Server:
 
     @handles(Delete)
     def _delete(self, conn: HandleConnection, request_id: int, msg: Delete) -> Freed:
-        buffer_id, freed = self.state.delete(conn.session, msg.name)
+        buffer_id, freed = self._unless_holder_exited(lambda: self.state.delete(conn.session, msg.name))
         log.info("session %d deleted persistent buffer %r", conn.session.session_id, msg.name)
         return Freed(buffer_id, freed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -128,6 +129,15 @@ def attach_within(client, seconds: float) -> float:
             time.sleep(0.01)
 
 
+def process_alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("helper", ["fork", "inherit"])
 def test_a_session_ends_with_its_worker_even_while_a_child_lives(daemon, client, spawn_worker, helper):
     client.status()
@@ -150,10 +160,26 @@ def test_a_session_ends_with_its_worker_even_while_a_child_lives(daemon, client,
     assert daemon.alive()
 
 
-def process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
+def test_an_attach_right_after_a_sigkill_never_meets_conflict(daemon, client, spawn_worker):
+    """On even rounds the daemon is paused across the kill, so the attach reaches it with the death unnoticed."""
+    client.status()
+    fds_before = daemon.open_fds()
+    for attempt in range(20):
+        worker, _, _, session_id, buffer_id = spawn_holder(spawn_worker, daemon)
+        paused = attempt % 2 == 0
+        if paused:
+            os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            worker.kill()
+            if paused:
+                threading.Timer(0.05, os.kill, (daemon.pid, signal.SIGCONT)).start()
+            attached = client.attach("kv", lambda chunk, fd: None)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert attached.buffer.buffer_id == buffer_id and attached.buffer.physical_bytes == 4 * MiB
+        assert all(s.session_id != session_id for s in client.sessions())
+        client.detach(buffer_id)  # for the next round's worker
+    client.delete("kv")
+    assert client.status().committed_bytes == 0
+    assert daemon.open_fds() == fds_before
+    assert daemon.alive()
