@@ -12,6 +12,7 @@ from hbmd.proto.errors import (
     OutOfDeviceMemory,
     PermissionDenied,
     ProtocolError,
+    SessionLost,
     VersionMismatch,
 )
 
@@ -43,6 +44,7 @@ __all__ = [
     "OutOfDeviceMemory",
     "PermissionDenied",
     "ProtocolError",
+    "SessionLost",
     "VersionMismatch",
     "bytes_per_block_per_segment",
     "connect",

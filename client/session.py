@@ -41,7 +41,7 @@ from hbmd.proto import (
     Status,
     StatusReply,
 )
-from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError
+from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError, PermissionDenied, SessionLost
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
@@ -83,6 +83,13 @@ class Client:
     closed at fork, so a child never keeps its parent's session alive. An
     ``observer`` (a monitoring tool) holds no memory and is not counted
     among the sessions.
+
+    When the daemon stops or restarts, the session is over: the next call
+    (or the one in flight) raises :class:`SessionLost` at once, a retryable
+    :class:`DaemonUnavailable`. To go on, close this client and connect
+    again (once the daemon is back); the new session attaches the
+    persistent buffers by name, with their data where the daemon kept them
+    (across a restart under systemd), and creates anonymous ones anew.
     """
 
     def __init__(
@@ -102,7 +109,7 @@ class Client:
             self.welcome = self._handles.handshake(
                 Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer)
             )
-            self._control = ControlChannel(paths, self.welcome.token, timeout)
+            self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles)
         except BaseException:
             self._handles.close()
             raise
@@ -160,7 +167,15 @@ class Client:
         if self.closed:
             raise HbmdError("this hbmd client is closed")
         with self._lock:
-            return self._control.call(msg, timeout)
+            try:
+                return self._control.call(msg, timeout)
+            except PermissionDenied as exc:
+                if exc.details.get("token") != "unknown":
+                    raise
+                # The daemon issued this token: if it no longer knows it, the daemon restarted or ended the session.
+                raise SessionLost(
+                    f"hbmd at {self.paths.endpoint} no longer knows this session: connect again", path=self.paths.endpoint
+                ) from exc
 
     def status(self) -> StatusReply:
         return self.call(Status())

@@ -279,7 +279,8 @@ class State(Generic[A, C]):
     def session_for(self, token: str) -> Session:
         session = self._by_token.get(token)
         if session is None:
-            raise PermissionDenied("unknown or expired session token")
+            # Flagged, so that a client tells its own ended session (SessionLost) from a refusal.
+            raise PermissionDenied("unknown or expired session token", token="unknown")
         return session
 
     def close_session(self, session: Session) -> int:

@@ -66,6 +66,7 @@ from .errors import (
     OutOfDeviceMemory,
     PermissionDenied,
     ProtocolError,
+    SessionLost,
     VersionMismatch,
 )
 from .session import Ack, FdBatch, Hello, ReclaimDone, ReclaimRequest, Refused, Welcome

@@ -16,7 +16,10 @@ import threading
 import time
 
 import pytest
-from hbmd.client import Conflict, ExtensibleTensor, InvalidRequest, PermissionDenied
+from hbmd import proto
+from hbmd.client import Conflict, DaemonUnavailable, ExtensibleTensor, InvalidRequest, PermissionDenied, SessionLost
+from hbmd.client.transport import ControlChannel
+from hbmd.proto.instance import InstancePaths
 from helpers import MiB, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
@@ -183,3 +186,54 @@ def test_an_attach_right_after_a_sigkill_never_meets_conflict(daemon, client, sp
     assert client.status().committed_bytes == 0
     assert daemon.open_fds() == fds_before
     assert daemon.alive()
+
+
+def test_a_stopped_daemon_is_a_lost_session_at_the_next_call(daemon):
+    client = daemon.connect(timeout=10.0)
+    client.status()
+    assert daemon.stop() == 0
+    started = time.monotonic()
+    with pytest.raises(SessionLost) as lost:
+        client.status()
+    assert time.monotonic() - started < 1.0
+    assert lost.value.retryable and isinstance(lost.value, DaemonUnavailable)
+    with pytest.raises(SessionLost):
+        client.create_buffer(8 * MiB)  # and it stays lost
+    client.close()
+
+
+def test_a_call_in_flight_when_the_daemon_dies_is_a_lost_session_at_once(daemon):
+    client = daemon.connect(timeout=10.0)
+    client.status()
+    os.kill(daemon.pid, signal.SIGSTOP)  # the request is sent, and never answered
+    threading.Timer(0.2, os.kill, (daemon.pid, signal.SIGKILL)).start()
+    started = time.monotonic()
+    with pytest.raises(SessionLost):
+        client.status()
+    assert time.monotonic() - started < 1.0
+    client.close()
+
+
+def test_after_a_restart_the_old_session_is_lost_and_a_new_one_works(start_daemon, run_dir):
+    first = start_daemon("--budget", "256MiB")
+    client = first.connect(timeout=10.0)
+    token = client.welcome.token
+    assert first.stop() == 0
+    second = start_daemon("--budget", "256MiB")
+    started = time.monotonic()
+    with pytest.raises(SessionLost):
+        client.status()
+    assert time.monotonic() - started < 1.0
+    client.close()
+
+    # The stale token on its own: refused, flagged so that a client reads it as its session's end.
+    stale = ControlChannel(InstancePaths.of(run_dir, "host"), token, timeout=5)
+    try:
+        with pytest.raises(PermissionDenied) as refused:
+            stale.call(proto.Status())
+        assert refused.value.details == {"token": "unknown"}
+    finally:
+        stale.close()
+
+    with second.connect(timeout=10.0) as again:
+        assert again.status().num_sessions == 1
