@@ -17,7 +17,15 @@ import time
 
 import pytest
 from hbmd import proto
-from hbmd.client import Conflict, DaemonUnavailable, ExtensibleTensor, InvalidRequest, PermissionDenied, SessionLost
+from hbmd.client import (
+    Conflict,
+    DaemonUnavailable,
+    ExtensibleTensor,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    SessionLost,
+)
 from hbmd.client.transport import ControlChannel
 from hbmd.proto.instance import InstancePaths
 from helpers import MiB, hbmctl, wait_until
@@ -237,3 +245,48 @@ def test_after_a_restart_the_old_session_is_lost_and_a_new_one_works(start_daemo
 
     with second.connect(timeout=10.0) as again:
         assert again.status().num_sessions == 1
+
+
+TWO_PERSISTENT = """
+from hbmd.client import ExtensibleTensor, connect
+
+c = connect("cpu")
+kept = ExtensibleTensor(16 << 20, "cpu", client=c, name="kept", persistent=True)
+kept.resize_(6 << 20)
+kept.full_view()[: 6 << 20] = 42
+lost = ExtensibleTensor(16 << 20, "cpu", client=c, name="lost", persistent=True)
+lost.resize_(10 << 20)
+print(kept.buffer_id, lost.buffer_id, flush=True)
+"""
+
+
+def test_a_restart_skips_a_buffer_whose_parked_fd_did_not_come_back(start_daemon, spawn_worker, run_dir, systemd):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    first = start_daemon("--budget", "256MiB", "--state-dir", str(state_dir), env={"NOTIFY_SOCKET": str(systemd.path)})
+    writer = spawn_worker(first, TWO_PERSISTENT)
+    kept_id, lost_id = map(int, writer.readline().split())
+    assert writer.wait() == 0
+    wait_until(lambda: systemd.names() == {f"hbmd-a{kept_id}", f"hbmd-a{lost_id}"})
+    assert first.stop() == 0
+    with systemd.lock:  # the store lets one go, as on FileDescriptorStoreMax or an operator's cleanup
+        for fd in systemd.store.pop(f"hbmd-a{lost_id}"):
+            os.close(fd)
+
+    second = start_daemon("--budget", "256MiB", "--state-dir", str(state_dir), **systemd.relaunch())
+    log = second.log()
+    assert "1 restored" in log
+    assert "persistent buffer 'lost' (10.0 MiB) is lost" in log
+    with second.connect() as client:
+        assert client.status().committed_bytes == 6 * MiB
+        kept = ExtensibleTensor.attach("kept", "cpu", client=client)
+        assert int(kept.full_view()[: 6 * MiB].float().mean()) == 42
+        with pytest.raises(NotFound):
+            client.attach("lost", lambda chunk, fd: None)
+        again = ExtensibleTensor(16 * MiB, "cpu", client=client, name="lost", persistent=True)
+        again.resize_(2 * MiB)
+        assert client.status().committed_bytes == 8 * MiB
+        kept.free()
+        again.free()
+    wait_until(lambda: systemd.names() == set())
+    assert second.alive()
