@@ -54,6 +54,7 @@ from hbmd.proto import (
     BufferCreated,
     BufferList,
     Commit,
+    CommitSegments,
     Committed,
     CreateBuffer,
     Defragment,
@@ -181,6 +182,8 @@ class HandleConnection:
     pidfd: int = -1
     """A pidfd of the peer process, readable once it has exited; -1 where the kernel gives none."""
     session: Session | None = None
+    protocol_minor: int = 0
+    """The minor version the client speaks (from its hello)."""
     outbox: collections.deque[FdDelivery] = dataclasses.field(default_factory=collections.deque)
 
 
@@ -508,6 +511,7 @@ class Server:
             self._close_connection(conn, f"refused: {exc.message}")
             return
         conn.session = session
+        conn.protocol_minor = hello.version[1]
         self._by_session[session.session_id] = conn
         backend = self.state.backend
         self._send_quietly(
@@ -647,6 +651,8 @@ class Server:
             uptime_s=time.monotonic() - state.started_at,
             device_free_bytes=backend.free_bytes(),
             tenants=state.tenant_infos(),
+            admissible_bytes=state.admissible_bytes(conn.session.tenant),
+            held_back_bytes=backend.held_back_bytes(),
         )
 
     @handles(ListSessions)
@@ -694,13 +700,19 @@ class Server:
     @handles(CreateBuffer)
     def _create_buffer(self, conn: HandleConnection, request_id: int, msg: CreateBuffer) -> BufferCreated:
         buffer = self.state.create_buffer(
-            conn.session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable
+            conn.session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
+            msg.segment_capacities,
         )
         return BufferCreated(buffer.info())
 
     @handles(Commit)
     def _commit(self, conn: HandleConnection, request_id: int, msg: Commit) -> Committed:
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
+        return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
+    @handles(CommitSegments)
+    def _commit_segments(self, conn: HandleConnection, request_id: int, msg: CommitSegments) -> Committed:
+        chunks = self.state.commit(conn.session, msg.buffer_id, msg.sizes)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
     def _has_exited(self, conn: HandleConnection) -> bool:
@@ -728,7 +740,9 @@ class Server:
 
     @handles(Attach)
     def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
-        buffer = self._unless_holder_exited(lambda: self.state.attach(conn.session, msg.name))
+        buffer = self._unless_holder_exited(
+            lambda: self.state.attach(conn.session, msg.name, uneven_ok=conn.protocol_minor >= 1)
+        )
         log.info("session %d attached persistent buffer %r (%d bytes)", conn.session.session_id, msg.name, buffer.physical_bytes)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 

@@ -40,6 +40,11 @@ class StatusReply(Message):
     uptime_s: float
     device_free_bytes: int = -1
     tenants: list[TenantInfo] = dataclasses.field(default_factory=list)
+    held_back_bytes: int = 0
+    """Device memory the daemon holds for itself (warm pool, export sentinel), already taken out of the budget (1.1)."""
+    admissible_bytes: int = -1
+    """What more the daemon would admit for the asking session now: its tenant's maximum, the budget and
+    others' guaranteed minimums all counted (1.1; -1 from older daemons)."""
 
 
 @message("admin.status")

@@ -1,10 +1,15 @@
 """Buffer messages: create, commit, release, free, attach, detach.
 
 Sizes are bytes. A buffer of ``capacity`` bytes has ``num_segments`` equal
-segments; committing ``bytes_per_segment`` backs that prefix of every segment.
+segments, or (protocol 1.1) uneven ones of ``segment_capacities`` bytes, laid
+back to back. Committing backs a prefix of each segment: the same
+``bytes_per_segment`` of every one (:class:`Commit`), or each its own size
+(:class:`CommitSegments`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from .codec import Message, Request, message, record
 
@@ -39,6 +44,10 @@ class BufferInfo:
     bytes_per_segment: int
     physical_bytes: int
     num_chunks: int
+    segment_capacities: list[int] = dataclasses.field(default_factory=list)
+    """Each segment's capacity (1.1); with equal segments every entry is ``segment_capacity_bytes``."""
+    segment_sizes: list[int] = dataclasses.field(default_factory=list)
+    """Each segment's committed prefix (1.1); ``bytes_per_segment`` is the smallest of them."""
 
 
 @message("buffer.created")
@@ -90,6 +99,8 @@ class CreateBuffer(Request[BufferCreated]):
     name: str = ""
     persistent: bool = False
     shareable: bool = False
+    segment_capacities: list[int] = dataclasses.field(default_factory=list)
+    """Uneven segments (1.1): positive, summing to ``capacity``; ``num_segments`` is then ignored."""
 
 
 @message("buffer.commit")
@@ -102,6 +113,14 @@ class Commit(Request[Committed]):
 
     buffer_id: int
     bytes_per_segment: int
+
+
+@message("buffer.commit_segments")
+class CommitSegments(Request[Committed]):
+    """Grow each segment's committed prefix to its own ``sizes[i]`` (grow-only, one size per segment; 1.1)."""
+
+    buffer_id: int
+    sizes: list[int]
 
 
 @message("buffer.release")
