@@ -73,6 +73,8 @@ def test_a_detached_buffer_is_attached_by_another_process_with_its_data(daemon, 
 
     writer.send("done")
     assert writer.wait() == 0
+    wait_until(lambda: all(s.session_id != writer_session for s in client.sessions()))
+    assert client.status().committed_bytes == 12 * MiB  # the writer's end took nothing it had detached
     kv.free()
     assert client.status().committed_bytes == 0 and client.status().num_buffers == 0
     assert daemon.open_fds() == fds_before
