@@ -12,6 +12,7 @@ from hbmd.proto.errors import (
     OutOfDeviceMemory,
     PermissionDenied,
     ProtocolError,
+    SessionLost,
     VersionMismatch,
 )
 from hbmd.proto.instance import VERSION
@@ -46,6 +47,7 @@ __all__ = [
     "OutOfDeviceMemory",
     "PermissionDenied",
     "ProtocolError",
+    "SessionLost",
     "VersionMismatch",
     "__version__",
     "bytes_per_block_per_segment",

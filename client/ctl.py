@@ -243,7 +243,7 @@ def _reclaim(session: dict[str, Any]) -> str:
 
 BUFFER_COLUMNS = [
     _plain_column("BUFFER", "buffer_id"),
-    Column("SESSION", lambda r: r["session_id"] or "-", lambda r: r["session_id"] or ""),
+    Column("SESSION", lambda r: r["session_id"] or "orphan", lambda r: r["session_id"] or ""),
     _plain_column("NAME", "name"),
     Column("PERSISTENT", lambda r: "yes" if r["persistent"] else "no", lambda r: int(r["persistent"])),
     _plain_column("OWNER", "owner_uid", wide=True),

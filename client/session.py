@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, TypeVar
 
 from hbmd.proto import (
@@ -21,6 +22,8 @@ from hbmd.proto import (
     CreateBuffer,
     Defragment,
     Delete,
+    Detach,
+    Detached,
     FinishDefragment,
     Free,
     Freed,
@@ -39,7 +42,7 @@ from hbmd.proto import (
     Status,
     StatusReply,
 )
-from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError, VersionMismatch
+from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError, PermissionDenied, SessionLost, VersionMismatch
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
@@ -77,8 +80,17 @@ class Client:
 
     Use :func:`connect` to find the instance for a device. Not fork-safe: a
     child process must connect again (using the parent's client raises
-    :class:`ForkedClient`). An ``observer`` (a monitoring tool) holds no
-    memory and is not counted among the sessions.
+    :class:`ForkedClient`), and the child's copy of the handle socket is
+    closed at fork, so a child never keeps its parent's session alive. An
+    ``observer`` (a monitoring tool) holds no memory and is not counted
+    among the sessions.
+
+    When the daemon stops or restarts, the session is over: the next call
+    (or the one in flight) raises :class:`SessionLost` at once, a retryable
+    :class:`DaemonUnavailable`. To go on, close this client and connect
+    again (once the daemon is back); the new session attaches the
+    persistent buffers by name, with their data where the daemon kept them
+    (across a restart under systemd), and creates anonymous ones anew.
     """
 
     def __init__(
@@ -98,7 +110,7 @@ class Client:
             self.welcome = self._handles.handshake(
                 Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer)
             )
-            self._control = ControlChannel(paths, self.welcome.token, timeout)
+            self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles)
         except BaseException:
             self._handles.close()
             raise
@@ -108,6 +120,7 @@ class Client:
         self._lock = threading.RLock()
         self._reclaim_thread: threading.Thread | None = None
         self._closer: FdCloser | None = None
+        _clients.add(self)
 
     # identity
 
@@ -155,7 +168,15 @@ class Client:
         if self.closed:
             raise HbmdError("this hbmd client is closed")
         with self._lock:
-            return self._control.call(msg, timeout)
+            try:
+                return self._control.call(msg, timeout)
+            except PermissionDenied as exc:
+                if exc.details.get("token") != "unknown":
+                    raise
+                # The daemon issued this token: if it no longer knows it, the daemon restarted or ended the session.
+                raise SessionLost(
+                    f"hbmd at {self.paths.endpoint} no longer knows this session: connect again", path=self.paths.endpoint
+                ) from exc
 
     def status(self) -> StatusReply:
         return self.call(Status())
@@ -213,6 +234,14 @@ class Client:
 
     def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
         return self.call(FinishDefragment(buffer_id, keep_new))
+
+    def detach(self, buffer_id: int) -> Detached:
+        """Let go of this session's persistent buffer without freeing it; any session of this user attaches it again by name.
+
+        Unmap it first: the memory stays with the daemon, not with this
+        process. An anonymous buffer is refused (:class:`InvalidRequest`).
+        """
+        return self.call(Detach(buffer_id))
 
     def delete(self, name: str) -> Freed:
         """Free this user's orphaned persistent buffer ``name``."""
@@ -339,11 +368,32 @@ class Client:
                 if self._closer is not None:
                     self._closer.stop()
 
+    def _let_go_after_fork(self) -> None:
+        """In a forked child: close the inherited handle socket, so the child never keeps the parent's session.
+
+        Only the raw socket: the ZeroMQ one belongs to a context that must
+        not be touched after fork. The client counts as closed here.
+        """
+        self.closed = True
+        self._handles.close()
+
     def __enter__(self) -> "Client":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+"""Every client of this process, for the fork hook."""
+
+
+def _let_go_after_fork() -> None:
+    for client in list(_clients):
+        client._let_go_after_fork()
+
+
+os.register_at_fork(after_in_child=_let_go_after_fork)
 
 
 def _program_name() -> str:

@@ -5,7 +5,9 @@ that carries the handshake and, afterwards, the chunk FDs (``SCM_RIGHTS``).
 :class:`ControlChannel` is a ZeroMQ DEALER with a request id per call, a
 poll with a timeout, stale replies dropped and the socket rebuilt after a
 timeout, so a call on a dead or silent daemon fails in bounded time with a
-message naming the socket.
+message naming the socket. It also watches the session's handle socket: a
+daemon that stopped or restarted has closed it, and the call fails at once
+with :class:`SessionLost` instead of waiting out its timeout.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from hbmd.proto import (
     encode_datagram,
     encode_frames,
 )
-from hbmd.proto.errors import DaemonUnavailable, ProtocolError, error_from_wire
+from hbmd.proto.errors import DaemonUnavailable, ProtocolError, SessionLost, error_from_wire
 from hbmd.proto.instance import InstancePaths
 
 MAX_DATAGRAM = 64 << 10
@@ -79,7 +81,7 @@ class HandleChannel:
         try:
             self.sock.send(encode_datagram(hello))
             reply = decode_datagram(self._recv(timeout=self.timeout)[0])
-        except (OSError, ProtocolError) as exc:
+        except (OSError, ProtocolError, SessionLost) as exc:
             raise DaemonUnavailable(f"handshake with hbmd at {self.path} failed: {exc}", path=self.path) from None
         if isinstance(reply, Refused):
             raise error_from_wire(reply.code, reply.message, {"path": self.path})
@@ -94,7 +96,7 @@ class HandleChannel:
         except socket.timeout:
             raise DaemonUnavailable(f"hbmd at {self.path} sent nothing within {timeout:.1f}s", path=self.path) from None
         if not data and not fds:
-            raise DaemonUnavailable(f"hbmd at {self.path} closed the session", path=self.path)
+            raise SessionLost(f"hbmd at {self.path} closed the session", path=self.path)
         return data, fds
 
     def _sort(self, data: bytes, fds: list[int]) -> FdBatch | None:
@@ -147,6 +149,17 @@ class HandleChannel:
                 self._backlog.append((batch, fds))
         return True
 
+    def lost(self) -> bool:
+        """Whether the daemon has closed this connection: it stopped or restarted, or ended the session.
+
+        Seen even while datagrams are still queued on it.
+        """
+        if self.sock.fileno() < 0:
+            return True
+        poller = select.poll()
+        poller.register(self.sock, select.POLLRDHUP)
+        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
     def close(self) -> None:
         self.sock.close()
 
@@ -183,12 +196,17 @@ def _close_all(fds: list[int]) -> None:
 
 
 class ControlChannel:
-    """Request/reply over a ZeroMQ DEALER; one call in flight at a time."""
+    """Request/reply over a ZeroMQ DEALER; one call in flight at a time.
 
-    def __init__(self, paths: InstancePaths, token: str, timeout: float) -> None:
+    ``session``: the handle channel of the session the token belongs to;
+    once the daemon has closed it, calls raise :class:`SessionLost` at once.
+    """
+
+    def __init__(self, paths: InstancePaths, token: str, timeout: float, session: HandleChannel | None = None) -> None:
         self.endpoint = paths.endpoint
         self.token = token
         self.timeout = timeout
+        self.session = session
         self._ids = itertools.count(1)
         self.last_request_id = 0
         self._context = zmq.Context.instance()
@@ -204,15 +222,25 @@ class ControlChannel:
         """Send ``msg`` and return its reply (of the type the request names); raise the daemon's error, or
         :class:`DaemonUnavailable` when no reply comes within ``timeout``."""
         timeout = self.timeout if timeout is None else timeout
+        if self.session is not None and self.session.lost():
+            raise self._lost()
         request_id = self.last_request_id = next(self._ids)
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
         deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        if self.session is not None:
+            # POLLERR is how zmq reports a raw descriptor's hang-up: the daemon closed the session.
+            poller.register(self.session.sock.fileno(), zmq.POLLERR)
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._socket.poll(int(remaining * 1000) + 1):
+            ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+            if self._socket not in ready:
                 # A late reply would answer the wrong call: start over on a new socket.
                 self._socket.close(linger=0)
                 self._socket = self._open()
+                if ready:
+                    raise self._lost()
                 raise DaemonUnavailable(
                     f"hbmd at {self.endpoint} did not answer {msg.KIND} within {timeout:.1f}s",
                     path=self.endpoint,
@@ -226,6 +254,12 @@ class ControlChannel:
             if not isinstance(reply, msg.Reply):
                 raise ProtocolError(f"expected {msg.Reply.KIND} in reply to {msg.KIND}, got {reply.KIND}")
             return reply  # type: ignore[return-value]  # checked against msg.Reply, which is R
+
+    def _lost(self) -> SessionLost:
+        return SessionLost(
+            f"the session with hbmd at {self.endpoint} is lost: the daemon stopped or restarted; connect again",
+            path=self.endpoint,
+        )
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -10,6 +10,11 @@ an orphan, and workers attach to it again by name with its data.
 
 The host backend parks one memfd per buffer; the CUDA backend one exported
 FD per chunk (so ``FileDescriptorStoreMax`` bounds the chunks kept).
+
+A buffer whose parked FDs did not all come back (dropped from the store, or
+beyond its limit), or that the backend cannot adopt, is skipped and logged
+as lost, and the rest are restored: a restart never fails over one buffer,
+which under ``Restart=on-failure`` would loop forever.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import logging
 import os
 from pathlib import Path
 
-from hbmd.proto.errors import HbmdError
-from hbmd.proto.units import round_up
+from hbmd.proto.errors import HbmdError, NotFound
+from hbmd.proto.units import format_bytes, round_up
 
 from .notify import SystemdNotifier
 from .state import Buffer, Chunk, State
@@ -129,18 +134,32 @@ class Persistence:
             try:
                 self._adopt(entry, fds)
                 restored += 1
-            except (HbmdError, OSError, KeyError, ValueError, TypeError) as exc:
-                log.error("persistent buffer %r could not be restored: %s", entry.get("name"), exc)
+            except Exception as exc:  # whatever the journal or the backend raised: lose this buffer, not the daemon
+                name = entry.get("name") if isinstance(entry, dict) else None
+                log.error("persistent buffer %r (%s) is lost: %s", name, _journaled_size(entry), exc)
         for name, fd in fds.items():
-            # Parked by a run whose journal no longer names it: let it go.
+            # Parked for a buffer that is not coming back (gone from the journal, or lost above): let it go.
             os.close(fd)
             self.notifier.remove_fds(name)
         self._write_journal()
         return restored
 
     def _adopt(self, entry: dict, fds: dict[str, int]) -> None:
+        """Adopt one journaled buffer, taking its FDs out of ``fds``; raises, taking none, when any is missing.
+
+        FDs of a buffer that is not adopted stay in ``fds`` or are unparked:
+        either way the store lets them go.
+        """
         backend = self.state.backend
         buffer_id = int(entry["buffer_id"])
+        if backend.parks_chunks:
+            needed = [chunk_name(buffer_id, int(chunk[0])) for chunk in entry["chunks"]]
+        else:
+            needed = [arena_name(buffer_id)]
+        missing = [name for name in needed if name not in fds]
+        if missing:
+            shown = ", ".join(missing[:4])
+            raise NotFound(f"{len(missing)} of its {len(needed)} parked descriptors did not come back ({shown})")
         reserved = round_up(int(entry["capacity"]), backend.granularity)
         arena_fd = fds.pop(arena_name(buffer_id), None)
         arena = backend.adopt_arena(reserved, bool(entry["shareable"]), arena_fd)
@@ -161,6 +180,8 @@ class Persistence:
             for chunk in chunks:
                 backend.release(arena, chunk.handle)
             backend.close_arena(arena)
+            for name in parked:
+                self.notifier.remove_fds(name)
             raise
         self.state.adopt_buffer(
             buffer_id, entry["name"], int(entry["owner_uid"]), entry["tenant"], int(entry["capacity"]),
@@ -176,3 +197,11 @@ def _segments(entry: dict) -> tuple[list[int], list[int]]:
         return [int(c) for c in entry["segment_capacities"]], [int(n) for n in entry["segment_sizes"]]
     count = int(entry["num_segments"])
     return [int(entry["capacity"]) // count] * count, [int(entry["bytes_per_segment"])] * count
+
+
+def _journaled_size(entry: dict) -> str:
+    """The bytes a journal entry says its buffer held, for the log line that reports it lost."""
+    try:
+        return format_bytes(sum(int(chunk[2]) for chunk in entry["chunks"]))
+    except (KeyError, TypeError, ValueError, IndexError):
+        return "size unknown"

@@ -10,6 +10,22 @@ datagram is the :class:`Hello`; the peer's pid/uid/gid come from
 ``SO_PEERCRED``; when it closes the session ends and its buffers are freed.
 Exported FDs travel on it in batches, queued per session and sent as the
 socket drains, so a slow reader never blocks the daemon.
+
+A session ends with its process, not with the last copy of its socket. A
+worker that forked a helper (which never speaks to hbmd) shares the socket
+with it, so the socket's EOF would wait for the helper too, and the
+worker's persistent buffers could not be attached by its replacement. So at
+accept the daemon opens a pidfd (``pidfd_open``) for the ``SO_PEERCRED``
+pid, the process that connected, and polls it with the sockets: when it
+turns readable that process has exited and the session ends, even while the
+socket is still open elsewhere. The pidfd is taken at accept, moments
+after the connect, so the window in which the pid could pass to another
+process is that short. Where there is no pidfd (kernels before 5.3, or a
+peer in a pid namespace the daemon cannot see, whose pid reads 0) the
+socket's EOF alone ends the session. A request that meets a session whose
+process has died but whose exit the loop has not handled yet (an attach
+right after a SIGKILL) ends that session first, so it is not refused for a
+holder that is gone.
 """
 
 from __future__ import annotations
@@ -20,6 +36,7 @@ import errno
 import fcntl
 import logging
 import os
+import select
 import signal
 import socket
 import struct
@@ -42,6 +59,8 @@ from hbmd.proto import (
     CreateBuffer,
     Defragment,
     Delete,
+    Detach,
+    Detached,
     ErrorReply,
     FdBatch,
     FinishDefragment,
@@ -72,6 +91,7 @@ from hbmd.proto import (
     requests,
 )
 from hbmd.proto.errors import (
+    Conflict,
     HbmdError,
     InternalError,
     NotFound,
@@ -106,6 +126,7 @@ class HandlerTableError(RuntimeError):
 
 
 Handler = TypeVar("Handler", bound=Callable[..., Message])
+T = TypeVar("T")
 
 
 def handles(kind: type[Request]) -> Callable[[Handler], Handler]:
@@ -159,6 +180,8 @@ class HandleConnection:
     gid: int
     groups: set[int]
     accepted_at: float
+    pidfd: int = -1
+    """A pidfd of the peer process, readable once it has exited; -1 where the kernel gives none."""
     session: Session | None = None
     protocol_minor: int = 0
     """The minor version the client speaks (from its hello)."""
@@ -179,6 +202,26 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int, set[int]]:
     except OSError:
         pass  # older kernels: the primary group alone decides
     return pid, uid, gid, groups
+
+
+def open_pidfd(pid: int) -> int:
+    """A pidfd for ``pid``, or -1 where pidfds are unavailable; ``ProcessLookupError`` when it has already exited."""
+    if pid <= 0 or not hasattr(os, "pidfd_open"):
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except OSError as exc:
+        log.debug("no pidfd for pid %d (%s): its session ends at its socket's EOF", pid, exc)
+        return -1
+
+
+def readable_now(fd: int) -> bool:
+    """Whether ``fd`` is readable at this instant (a pidfd: its process has exited)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class Server:
@@ -217,6 +260,7 @@ class Server:
         self._poller = zmq.Poller()
         self._connections: dict[int, HandleConnection] = {}
         self._by_session: dict[int, HandleConnection] = {}
+        self._by_pidfd: dict[int, HandleConnection] = {}
 
     # lifecycle
 
@@ -324,6 +368,11 @@ class Server:
             conn = self._connections.get(fd_or_socket)
             if conn is not None:
                 self._on_handle_event(conn)
+                return
+            conn = self._by_pidfd.get(fd_or_socket)
+            # Checked again: the event may be stale, its descriptor number reused this very loop.
+            if conn is not None and readable_now(conn.pidfd):
+                self._close_connection(conn, "process exited")
 
     def close(self) -> None:
         """End every session, drop the sockets, files and lock."""
@@ -367,9 +416,17 @@ class Server:
                 log.warning("reading peer credentials failed: %s", exc)
                 sock.close()
                 continue
-            conn = HandleConnection(sock, pid, uid, gid, groups, time.monotonic())
+            try:
+                pidfd = open_pidfd(pid)
+            except ProcessLookupError:
+                sock.close()  # the peer is gone already
+                continue
+            conn = HandleConnection(sock, pid, uid, gid, groups, time.monotonic(), pidfd)
             self._connections[sock.fileno()] = conn
             self._poller.register(sock.fileno(), zmq.POLLIN)
+            if pidfd >= 0:
+                self._by_pidfd[pidfd] = conn
+                self._poller.register(pidfd, zmq.POLLIN)
 
     def _expire_pending(self) -> None:
         now = time.monotonic()
@@ -497,6 +554,11 @@ class Server:
             pass
         conn.outbox.clear()
         conn.sock.close()
+        if conn.pidfd >= 0:
+            self._by_pidfd.pop(conn.pidfd, None)
+            self._poller.unregister(conn.pidfd)
+            os.close(conn.pidfd)
+            conn.pidfd = -1
         if conn.session is not None:
             self._by_session.pop(conn.session.session_id, None)
             freed = self.state.close_session(conn.session)
@@ -661,9 +723,34 @@ class Server:
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.sizes)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
+    def _has_exited(self, conn: HandleConnection) -> bool:
+        """Whether the session's process has exited (or its socket shown EOF), noticed or not by the loop yet."""
+        if conn.pidfd >= 0 and readable_now(conn.pidfd):
+            return True
+        try:
+            return conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    def _unless_holder_exited(self, operation: Callable[[], T]) -> T:
+        """Run ``operation``; if a session holding the buffer it needs has exited unnoticed, end that session, run it again."""
+        try:
+            return operation()
+        except Conflict as exc:
+            session_id = exc.details.get("session_id")
+            holder = self._by_session.get(session_id) if isinstance(session_id, int) else None
+            if holder is None or not self._has_exited(holder):
+                raise
+            self._close_connection(holder, "process exited")
+        return operation()
+
     @handles(Attach)
     def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
-        buffer = self.state.attach(conn.session, msg.name, uneven_ok=conn.protocol_minor >= 1)
+        buffer = self._unless_holder_exited(
+            lambda: self.state.attach(conn.session, msg.name, uneven_ok=conn.protocol_minor >= 1)
+        )
         log.info("session %d attached persistent buffer %r (%d bytes)", conn.session.session_id, msg.name, buffer.physical_bytes)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
@@ -695,8 +782,15 @@ class Server:
     def _free(self, conn: HandleConnection, request_id: int, msg: Free) -> Freed:
         return Freed(msg.buffer_id, self.state.free(conn.session, msg.buffer_id))
 
+    @handles(Detach)
+    def _detach(self, conn: HandleConnection, request_id: int, msg: Detach) -> Detached:
+        freed = self.state.detach(conn.session, msg.buffer_id)
+        buffer = self.state.buffers[msg.buffer_id]
+        log.info("session %d detached persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes)
+        return Detached(buffer.info(), freed)
+
     @handles(Delete)
     def _delete(self, conn: HandleConnection, request_id: int, msg: Delete) -> Freed:
-        buffer_id, freed = self.state.delete(conn.session, msg.name)
+        buffer_id, freed = self._unless_holder_exited(lambda: self.state.delete(conn.session, msg.name))
         log.info("session %d deleted persistent buffer %r", conn.session.session_id, msg.name)
         return Freed(buffer_id, freed)

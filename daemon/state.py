@@ -305,7 +305,8 @@ class State(Generic[A, C]):
     def session_for(self, token: str) -> Session:
         session = self._by_token.get(token)
         if session is None:
-            raise PermissionDenied("unknown or expired session token")
+            # Flagged, so that a client tells its own ended session (SessionLost) from a refusal.
+            raise PermissionDenied("unknown or expired session token", token="unknown")
         return session
 
     def close_session(self, session: Session) -> int:
@@ -318,7 +319,7 @@ class State(Generic[A, C]):
         for buffer in list(session.buffers.values()):
             if buffer.persistent:
                 freed += self._drop_pending(buffer)
-                buffer.owner = None
+                self._disown(buffer)
             else:
                 freed += self._drop(buffer)
         self.sessions.pop(session.session_id, None)
@@ -441,6 +442,23 @@ class State(Generic[A, C]):
         buffer.owner = session
         session.buffers[buffer.buffer_id] = buffer
         return buffer
+
+    def detach(self, session: Session, buffer_id: int) -> int:
+        """Let go of the session's persistent buffer: it stays, an orphan with its chunks, until attached by name.
+
+        Mid-defragment the old chunks stay (they hold the data, as when the
+        session ends) and the unconfirmed new ones are dropped; returns their
+        bytes. An anonymous buffer has no name to come back by: refused.
+        """
+        buffer = self.buffer_of(session, buffer_id)
+        if not buffer.persistent:
+            raise InvalidRequest(
+                f"buffer {buffer_id} is anonymous: only a persistent buffer can be detached and attached again",
+                buffer_id=buffer_id,
+            )
+        freed = self._drop_pending(buffer)
+        self._disown(buffer)
+        return freed
 
     def delete(self, session: Session, name: str) -> tuple[int, int]:
         """Free an orphaned persistent buffer of the session's user by name. Returns its id and the bytes freed."""
@@ -788,6 +806,12 @@ class State(Generic[A, C]):
         buffer.pending = []
         self._account(buffer, pending=-freed)
         return freed
+
+    def _disown(self, buffer: Buffer[A, C]) -> None:
+        """Make a persistent buffer an orphan, attachable again by name."""
+        if buffer.owner is not None:
+            buffer.owner.buffers.pop(buffer.buffer_id, None)
+        buffer.owner = None
 
     def _release_all(self, buffer: Buffer[A, C]) -> int:
         freed = self._drop_mapped(buffer) + self._drop_pending(buffer)

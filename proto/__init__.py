@@ -27,6 +27,8 @@ from .buffers import (
     CreateBuffer,
     Defragment,
     Delete,
+    Detach,
+    Detached,
     FinishDefragment,
     Free,
     Freed,
@@ -65,6 +67,7 @@ from .errors import (
     OutOfDeviceMemory,
     PermissionDenied,
     ProtocolError,
+    SessionLost,
     VersionMismatch,
 )
 from .session import Ack, FdBatch, Hello, ReclaimDone, ReclaimRequest, Refused, Welcome

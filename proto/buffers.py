@@ -1,4 +1,4 @@
-"""Buffer messages: create, commit, release, free.
+"""Buffer messages: create, commit, release, free, attach, detach.
 
 Sizes are bytes. A buffer of ``capacity`` bytes has ``num_segments`` equal
 segments, or (protocol 1.1) uneven ones of ``segment_capacities`` bytes, laid
@@ -73,6 +73,14 @@ class Released(Message):
     freed_bytes: int
 
 
+@message("buffer.detached")
+class Detached(Message):
+    """Reply to :class:`Detach`: the buffer, now an orphan, and the bytes of an unfinished defragment's new chunks dropped."""
+
+    buffer: BufferInfo
+    freed_bytes: int
+
+
 @message("buffer.freed")
 class Freed(Message):
     buffer_id: int
@@ -134,6 +142,19 @@ class Attach(Request[Committed]):
     """Take over an orphaned persistent buffer of this user by ``name``; every chunk comes back to map."""
 
     name: str
+
+
+@message("buffer.detach")
+class Detach(Request[Detached]):
+    """Let go of this session's persistent buffer without deleting it (the opposite of :class:`Attach`).
+
+    The buffer keeps its chunks and their data as an orphan that any session
+    of this user attaches again by name. Anonymous buffers cannot be
+    detached. Mid-defragment, the old chunks (the ones holding the data) stay
+    and the new ones are dropped. The client unmaps the buffer first.
+    """
+
+    buffer_id: int
 
 
 @message("buffer.delete")

@@ -14,6 +14,7 @@ class ErrorCode(enum.Enum):
     """Wire name and whether retrying the same request later can succeed."""
 
     UNAVAILABLE = ("unavailable", True)
+    SESSION_LOST = ("session_lost", True)
     PROTOCOL = ("protocol_error", False)
     VERSION_MISMATCH = ("version_mismatch", False)
     INVALID = ("invalid_request", False)
@@ -56,6 +57,12 @@ class DaemonUnavailable(HbmdError):
     """The daemon is not running, not reachable, or did not answer in time."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+class SessionLost(DaemonUnavailable):
+    """The session is over: its daemon stopped or restarted. Connect again; persistent buffers are attached again by name."""
+
+    code = ErrorCode.SESSION_LOST
 
 
 class ProtocolError(HbmdError):
@@ -130,6 +137,7 @@ ERROR_CLASSES: dict[ErrorCode, type[HbmdError]] = {
     cls.code: cls
     for cls in (
         DaemonUnavailable,
+        SessionLost,
         ProtocolError,
         VersionMismatch,
         InvalidRequest,

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from fake_systemd import FakeSystemd
 from hbmd.client import Client, connect
 from hbmd.daemon import spawn
 
@@ -33,6 +34,14 @@ def run_dir():
     path = Path(tempfile.mkdtemp(prefix="hbmd-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def systemd(run_dir):
+    """A stand-in for systemd's notify socket and FD store (see ``fake_systemd.py``)."""
+    fake = FakeSystemd(run_dir / "notify.sock")
+    yield fake
+    fake.close()
 
 
 @pytest.fixture

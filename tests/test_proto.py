@@ -25,6 +25,8 @@ EXAMPLES = [
     proto.Committed(BUFFER, [proto.ChunkInfo(11, 0, 4 << 20, 0), proto.ChunkInfo(12, 32 << 20, 4 << 20, 0)], 1),
     proto.Release(7),
     proto.Released(BUFFER, 8 << 20),
+    proto.Detach(7),
+    proto.Detached(BUFFER, 0),
     proto.Free(7),
     proto.Freed(7, 0),
     proto.Status(),
@@ -144,7 +146,8 @@ def test_the_requests_are_the_ones_clients_send():
     # naming its reply) leaves a shipped client without an answer.
     assert {cls.KIND for cls in proto.requests()} == {
         "admin.status", "admin.sessions", "admin.buffers", "admin.reclaim", "buffer.create", "buffer.commit",
-        "buffer.commit_segments", "buffer.release", "buffer.free", "buffer.attach", "buffer.delete", "buffer.defragment",
+        "buffer.commit_segments", "buffer.release", "buffer.free", "buffer.attach", "buffer.detach", "buffer.delete",
+        "buffer.defragment",
         "buffer.finish_defragment", "session.reclaim_done",
     }
 

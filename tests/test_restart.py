@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from fake_systemd import FakeSystemd
 from hbmd.client import ExtensibleTensor
 from helpers import MiB, wait_until
 
@@ -28,13 +27,6 @@ scratch = ExtensibleTensor(16 << 20, "cpu", client=c)
 scratch.resize_(8 << 20)
 print(kv.buffer_id, flush=True)
 """
-
-
-@pytest.fixture
-def systemd(run_dir):
-    fake = FakeSystemd(run_dir / "notify.sock")
-    yield fake
-    fake.close()
 
 
 def test_a_restart_keeps_persistent_buffers_and_their_data(start_daemon, spawn_worker, run_dir, systemd):

@@ -237,3 +237,39 @@ def test_finish_defragment_swaps_or_drops(state, session):
     assert len(buf.chunks) == 1 and buf.physical_bytes == 4 * MiB and state.committed_bytes == 4 * MiB
     with pytest.raises(InvalidRequest):
         state.finish_defragment(session, buf.buffer_id, keep_new=True)
+
+
+def test_detach_orphans_a_persistent_buffer_with_its_chunks(state, session):
+    buf = state.create_buffer(session, 16 * MiB, 1, name="kv", persistent=True)
+    state.commit(session, buf.buffer_id, 4 * MiB)
+    chunks = list(buf.chunks)
+    assert state.detach(session, buf.buffer_id) == 0
+    assert buf.owner is None and buf.buffer_id not in session.buffers
+    assert buf.chunks == chunks and state.committed_bytes == 4 * MiB
+    with pytest.raises(NotFound):
+        state.detach(session, 999)
+    other = state.open_session(pid=2, uid=1000, gid=1000, client_name="", tenant="")
+    assert state.attach(other, "kv") is buf
+    state.check_invariants()
+
+
+def test_detach_refuses_anonymous_and_others_buffers(state, session):
+    anonymous = state.create_buffer(session, 8 * MiB, 1)
+    with pytest.raises(InvalidRequest):
+        state.detach(session, anonymous.buffer_id)
+    named = state.create_buffer(session, 8 * MiB, 1, name="kv", persistent=True)
+    other = state.open_session(pid=2, uid=1000, gid=1000, client_name="", tenant="")
+    with pytest.raises(PermissionDenied):
+        state.detach(other, named.buffer_id)
+    assert anonymous.owner is session and named.owner is session
+
+
+def test_detach_mid_defragment_keeps_the_old_chunks(state, session):
+    buf = state.create_buffer(session, 16 * MiB, 1, name="kv", persistent=True)
+    for size in (2 * MiB, 4 * MiB):
+        state.commit(session, buf.buffer_id, size)
+    old = list(buf.chunks)
+    state.defragment(session, buf.buffer_id, preserve=True)
+    assert state.detach(session, buf.buffer_id) == 4 * MiB
+    assert buf.chunks == old and buf.pending == [] and state.committed_bytes == 4 * MiB and buf.owner is None
+    state.check_invariants()

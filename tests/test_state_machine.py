@@ -1,9 +1,9 @@
 """The state's books balance after any sequence of requests, failed ones included.
 
 A hypothesis state machine drives :class:`State` as sessions would (open,
-create, commit, release, defragment both ways, finish, attach, delete, free,
-close) over a backend that fails on demand in ``create`` and ``export``, and
-checks :meth:`State.check_invariants` after every step, plus two promises of
+create, commit, release, defragment both ways, finish, attach, detach, delete,
+free, close) over a backend that fails on demand in ``create`` and ``export``,
+and checks :meth:`State.check_invariants` after every step, plus two promises of
 its own: a refused request changes nothing, and no chunk the backend made is
 leaked or released twice.
 """
@@ -205,6 +205,13 @@ class StateMachine(RuleBasedStateMachine):
     def free(self, data):
         buffer = self.owned(data)
         self.attempt(self.state.free, buffer.owner, buffer.buffer_id)
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), by_owner=st.booleans())
+    def detach(self, data, by_owner):
+        buffer = self.owned(data)
+        session = buffer.owner if by_owner else self.session(data)
+        self.attempt(self.state.detach, session, buffer.buffer_id)
 
     @precondition(lambda self: self.state.sessions and self.state.buffers)
     @rule(data=st.data())

@@ -148,7 +148,7 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
     def adopt(self, arena: CudaArena, offset: int, size: int, handle_offset: int, fd: int | None) -> CudaChunk:
         """Keep (a duplicate of) the parked FD: one descriptor per restored chunk, no driver call, no context."""
         if fd is None:
-            raise driver.CudaUnavailable("a CUDA chunk cannot be adopted without its FD")
+            raise InternalError("a CUDA chunk cannot be adopted without its FD")
         return CudaChunk(None, os.dup(fd))
 
     def held_back_bytes(self) -> int:

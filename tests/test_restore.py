@@ -1,0 +1,150 @@
+"""Restore after a restart skips a buffer that did not all come back, and keeps the rest.
+
+The CUDA backend parks one FD per chunk, so a buffer can come back in part;
+it cannot run here, so a backend whose chunks are pipes (a real FD per
+chunk, duplicated when parked, as CUDA's exported FDs are) stands in for it,
+with the real state, persistence layer and notifier against the systemd
+stand-in.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from fake_systemd import FakeSystemd
+from hbmd.daemon.notify import SystemdNotifier
+from hbmd.daemon.persist import Persistence, chunk_name
+from hbmd.daemon.state import State
+from helpers import GRANULE, wait_until
+
+pytestmark = pytest.mark.unit
+
+
+class PipeBackend:
+    """Each chunk is the read end of a pipe; ``adopt`` raises a plain RuntimeError at offset ``refuse_at``."""
+
+    name = "pipes"
+    instance = "test"
+    granularity = GRANULE
+    total_bytes = 64 * GRANULE
+    device_uuid = ""
+    device_index = -1
+    parks_chunks = True
+
+    def __init__(self, refuse_at: int | None = None) -> None:
+        self.refuse_at = refuse_at
+
+    def open_arena(self, reserved_bytes: int, shareable: bool) -> None:
+        return None
+
+    def create(self, arena: None, offset: int, size: int) -> int:
+        read, write = os.pipe()
+        os.close(write)
+        return read
+
+    def handle_offset(self, arena: None, chunk: int) -> int:
+        return 0
+
+    def export(self, arena: None, chunk: int) -> int:
+        return os.dup(chunk)
+
+    parked_fd = export
+
+    def release(self, arena: None, chunk: int) -> None:
+        os.close(chunk)
+
+    def close_arena(self, arena: None) -> None:
+        pass
+
+    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> None:
+        return None
+
+    def adopt(self, arena: None, offset: int, size: int, handle_offset: int, fd: int | None) -> int:
+        if offset == self.refuse_at:
+            raise RuntimeError("the driver is gone")  # what CudaUnavailable is
+        return os.dup(fd)
+
+    def free_bytes(self) -> int:
+        return -1
+
+    def held_back_bytes(self) -> int:
+        return 0
+
+
+def fds_held(systemd: FakeSystemd) -> int:
+    """This process's open FDs, less those the systemd stand-in (which runs in it) holds in its store."""
+    with systemd.lock:
+        stored = sum(len(fds) for fds in systemd.store.values())
+    return len(os.listdir("/proc/self/fd")) - stored
+
+
+@pytest.fixture
+def parked(tmp_path):
+    """Two persistent buffers parked chunk by chunk: 'kept' (2 chunks) and 'lost' (3 chunks)."""
+    systemd = FakeSystemd(tmp_path / "notify.sock")
+    notifier = SystemdNotifier(os.fsencode(systemd.path))
+    state = State(PipeBackend(), 32 * GRANULE)
+    persistence = Persistence(state, notifier, tmp_path / "journal.json")
+    session = state.open_session(1, 1000, 1000, "writer", "")
+    ids = {}
+    for name, chunks in (("kept", 2), ("lost", 3)):
+        buffer = state.create_buffer(session, 8 * GRANULE, 1, name, persistent=True)
+        for size in range(1, chunks + 1):
+            state.commit(session, buffer.buffer_id, size * GRANULE)
+        ids[name] = buffer
+    persistence.sync()
+    names = {chunk_name(b.buffer_id, c.chunk_id) for b in ids.values() for c in b.chunks}
+    wait_until(lambda: systemd.names() == names)
+    state.close_session(session)
+    yield systemd, notifier, tmp_path / "journal.json", ids
+    for buffer in list(state.buffers.values()):
+        for chunk in buffer.chunks:
+            os.close(chunk.handle)
+    notifier.close()
+    systemd.close()
+
+
+def restart(systemd, notifier, journal, backend):
+    """A new state restored from what the store passes back; returns it and how many buffers it restored."""
+    with systemd.lock:
+        passed = {name: [os.dup(fd) for fd in fds] for name, fds in systemd.store.items()}
+    state = State(backend, 32 * GRANULE)
+    return state, Persistence(state, notifier, journal).restore(passed)
+
+
+def test_a_buffer_missing_one_chunk_fd_is_skipped_and_unparked(parked, caplog):
+    systemd, notifier, journal, buffers = parked
+    lost = buffers["lost"]
+    dropped = chunk_name(lost.buffer_id, lost.chunks[1].chunk_id)
+    with systemd.lock:  # the store lets one go, as beyond FileDescriptorStoreMax
+        for fd in systemd.store.pop(dropped):
+            os.close(fd)
+    before = fds_held(systemd)
+    with caplog.at_level(logging.ERROR, "hbmd.persist"):
+        state, restored = restart(systemd, notifier, journal, PipeBackend())
+    assert restored == 1 and [b.name for b in state.buffers.values()] == ["kept"]
+    assert "persistent buffer 'lost' (6.0 MiB) is lost: 1 of its 3 parked descriptors did not come back" in caplog.text
+    state.check_invariants()
+    kept = buffers["kept"]
+    wait_until(lambda: systemd.names() == {chunk_name(kept.buffer_id, c.chunk_id) for c in kept.chunks})
+    assert fds_held(systemd) == before + 2  # the two chunks of 'kept'; the FDs of 'lost' that did come back are closed
+    for chunk in state.buffers[kept.buffer_id].chunks:
+        os.close(chunk.handle)
+
+
+def test_a_buffer_the_backend_cannot_adopt_is_skipped_and_what_was_adopted_released(parked, caplog):
+    systemd, notifier, journal, buffers = parked
+    lost = buffers["lost"]
+    before = fds_held(systemd)
+    with caplog.at_level(logging.ERROR, "hbmd.persist"):
+        state, restored = restart(systemd, notifier, journal, PipeBackend(refuse_at=lost.chunks[2].offset))
+    assert restored == 1 and [b.name for b in state.buffers.values()] == ["kept"]
+    assert "persistent buffer 'lost' (6.0 MiB) is lost: the driver is gone" in caplog.text
+    state.check_invariants()
+    kept = buffers["kept"]
+    wait_until(lambda: systemd.names() == {chunk_name(kept.buffer_id, c.chunk_id) for c in kept.chunks})
+    assert fds_held(systemd) == before + 2  # the two adopted chunks of 'lost' were released
+    for chunk in state.buffers[kept.buffer_id].chunks:
+        os.close(chunk.handle)
