@@ -13,6 +13,7 @@ from hbmd.proto.errors import (
     PermissionDenied,
     ProtocolError,
     SessionLost,
+    TensorUnusable,
     VersionMismatch,
 )
 from hbmd.proto.instance import VERSION
@@ -48,6 +49,7 @@ __all__ = [
     "PermissionDenied",
     "ProtocolError",
     "SessionLost",
+    "TensorUnusable",
     "VersionMismatch",
     "__version__",
     "bytes_per_block_per_segment",

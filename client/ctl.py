@@ -22,7 +22,12 @@ import time
 from typing import Any, Callable
 
 from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound
-from hbmd.proto.instance import DEFAULT_RUN_DIR, InstancePaths, list_instances, resolve_run_dir
+from hbmd.proto.instance import (
+    DEFAULT_RUN_DIR,
+    InstancePaths,
+    list_instances,
+    resolve_run_dir,
+)
 from hbmd.proto.units import format_bytes, parse_size
 
 from . import __version__

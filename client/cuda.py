@@ -88,8 +88,8 @@ class CudaMapper:
         driver.make_current(self._ctx)
         driver.unreserve(base, size)
 
-    def view(self, base: int, size: int) -> Any:
-        return uint8_view(base, size, KDL_CUDA, self.ordinal)
+    def view(self, base: int, size: int, owner: Any = None) -> Any:
+        return uint8_view(base, size, KDL_CUDA, self.ordinal, owner)
 
     def synchronize(self) -> None:
         """Wait for all work on the device in this context: before unmapping, nothing may be in flight."""

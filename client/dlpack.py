@@ -53,8 +53,11 @@ def _release(managed: Any) -> None:
     _alive.pop(ctypes.addressof(managed.contents), None)
 
 
-def uint8_view(address: int, size: int, device_type: int, device_id: int) -> Any:
-    """A ``torch.uint8`` tensor of ``size`` bytes at ``address``, sharing the memory."""
+def uint8_view(address: int, size: int, device_type: int, device_id: int, owner: Any = None) -> Any:
+    """A ``torch.uint8`` tensor of ``size`` bytes at ``address``, sharing the memory.
+
+    ``owner`` is kept alive until torch lets go of the view (and of every view derived from it).
+    """
     try:
         import torch
     except ImportError as exc:
@@ -66,6 +69,6 @@ def uint8_view(address: int, size: int, device_type: int, device_id: int) -> Any
         ctypes.c_void_p(address), _DLDevice(device_type, device_id), 1, _DLDataType(_KDL_UINT, 8, 1), shape, strides, 0
     )
     managed.deleter = _release
-    _alive[ctypes.addressof(managed)] = (managed, shape, strides)
+    _alive[ctypes.addressof(managed)] = (managed, shape, strides, owner)
     capsule = _PyCapsule_New(ctypes.addressof(managed), b"dltensor", None)
     return torch.utils.dlpack.from_dlpack(capsule)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from typing import Any
 
 from hbmd.proto import ChunkInfo
 from hbmd.proto.units import round_up
@@ -76,8 +77,8 @@ class HostMapper:
     def unreserve(self, base: int, size: int) -> None:
         _libc.munmap(base, size)
 
-    def view(self, base: int, size: int):
-        return uint8_view(base, size, KDL_CPU, 0)
+    def view(self, base: int, size: int, owner: Any = None) -> Any:
+        return uint8_view(base, size, KDL_CPU, 0, owner)
 
     def synchronize(self) -> None:
         """Host writes are visible at once; nothing to wait for."""

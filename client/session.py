@@ -17,8 +17,8 @@ from hbmd.proto import (
     BufferInfo,
     ChunkInfo,
     Commit,
-    Committed,
     CommitSegments,
+    Committed,
     CreateBuffer,
     Defragment,
     Delete,
@@ -37,15 +37,24 @@ from hbmd.proto import (
     ReclaimSent,
     Release,
     Released,
+    Remap,
     Request,
     SessionInfo,
     Status,
     StatusReply,
 )
-from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError, PermissionDenied, SessionLost, VersionMismatch
+from hbmd.proto.errors import (
+    DaemonUnavailable,
+    DriverError,
+    HbmdError,
+    PermissionDenied,
+    SessionLost,
+    VersionMismatch,
+)
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
+from .mapper import Mapper
 from .transport import ControlChannel, FdCloser, HandleChannel
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -56,6 +65,8 @@ R = TypeVar("R", bound=Message)
 
 OnChunk = Callable[[ChunkInfo, int], None]
 """Maps one chunk from its FD; the FD is closed by the caller once it returns."""
+OnReply = Callable[[Committed], None]
+"""Sees the daemon's answer to a request that brings chunks, before the first of them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +112,9 @@ class Client:
         client_name: str = "",
         tenant: str = "",
         observer: bool = False,
+        mapper: Mapper | None = None,
     ) -> None:
+        """``mapper`` replaces the backend's own (a test's mapper that fails on demand, say)."""
         self.paths = paths
         self.timeout = timeout
         self._pid = os.getpid()
@@ -114,7 +127,7 @@ class Client:
         except BaseException:
             self._handles.close()
             raise
-        self._mapper: Any = None
+        self._mapper = mapper
         self.closed = False
         # One call at a time: the reclaim listener's callback may call in while the engine does.
         self._lock = threading.RLock()
@@ -141,7 +154,7 @@ class Client:
         return self.welcome.session_id
 
     @property
-    def mapper(self) -> Any:
+    def mapper(self) -> Mapper:
         """Maps this instance's chunks into the process: host ``mmap`` or CUDA VMM."""
         if self._mapper is None:
             if self.backend == "host":
@@ -212,14 +225,21 @@ class Client:
                 f"{self.paths.directory} speaks {major}.{daemon_minor}"
             )
 
-    def commit(self, buffer_id: int, bytes_per_segment: int, on_chunk: OnChunk) -> Committed:
-        """Grow the buffer; ``on_chunk(chunk, fd)`` maps each new chunk (the FD is closed after it returns)."""
-        return self._call_with_chunks(Commit(buffer_id, bytes_per_segment), on_chunk)
+    def commit(
+        self, buffer_id: int, bytes_per_segment: int, on_chunk: OnChunk, on_reply: OnReply | None = None
+    ) -> Committed:
+        """Grow the buffer; ``on_chunk(chunk, fd)`` maps each new chunk (the FD is closed after it returns).
 
-    def commit_segments(self, buffer_id: int, sizes: list[int], on_chunk: OnChunk) -> Committed:
+        ``on_reply`` sees the daemon's answer before the first chunk.
+        """
+        return self._call_with_chunks(Commit(buffer_id, bytes_per_segment), on_chunk, on_reply)
+
+    def commit_segments(
+        self, buffer_id: int, sizes: list[int], on_chunk: OnChunk, on_reply: OnReply | None = None
+    ) -> Committed:
         """Grow each segment to its own size in ``sizes``; new chunks go to ``on_chunk`` as with :meth:`commit`."""
         self._need_minor(1, "per-segment commits")
-        return self._call_with_chunks(CommitSegments(buffer_id, list(sizes)), on_chunk)
+        return self._call_with_chunks(CommitSegments(buffer_id, list(sizes)), on_chunk, on_reply)
 
     def attach(self, name: str, on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None) -> Committed:
         """Take over this user's orphaned persistent buffer ``name``; every chunk comes to ``on_chunk``.
@@ -228,12 +248,18 @@ class Client:
         """
         return self._call_with_chunks(Attach(name), on_chunk, on_reply)
 
-    def defragment(self, buffer_id: int, preserve: bool, on_chunk: OnChunk) -> Committed:
+    def defragment(
+        self, buffer_id: int, preserve: bool, on_chunk: OnChunk, on_reply: OnReply | None = None
+    ) -> Committed:
         """Ask for one chunk per committed run; the new chunks come to ``on_chunk``."""
-        return self._call_with_chunks(Defragment(buffer_id, preserve), on_chunk)
+        return self._call_with_chunks(Defragment(buffer_id, preserve), on_chunk, on_reply)
 
     def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
         return self.call(FinishDefragment(buffer_id, keep_new))
+
+    def remap(self, buffer_id: int, on_chunk: OnChunk) -> Committed:
+        """Every chunk of the buffer again, as the daemon records it, to ``on_chunk``: the way back after a failed map."""
+        return self._call_with_chunks(Remap(buffer_id), on_chunk)
 
     def detach(self, buffer_id: int) -> Detached:
         """Let go of this session's persistent buffer without freeing it; any session of this user attaches it again by name.
@@ -419,6 +445,7 @@ def connect(
     client_name: str = "",
     tenant: str = "",
     observer: bool = False,
+    mapper: Mapper | None = None,
 ) -> Client:
     """Open a session with the daemon serving ``device`` (or the named ``instance``).
 
@@ -428,7 +455,7 @@ def connect(
     if instance is None:
         instance = instance_for(device, run_dir)
     paths = InstancePaths.of(run_dir, instance)
-    return Client(paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer)
+    return Client(paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer, mapper=mapper)
 
 
 def only_instance(run_dir: str | os.PathLike | None) -> str:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from typing import Any, Sequence
+import sys
+from typing import Any, Callable, Sequence, TypeVar
 
-from hbmd.proto import BufferInfo, ChunkInfo
+from hbmd.proto import BufferInfo, ChunkInfo, Committed
+from hbmd.proto.errors import HbmdError, TensorUnusable
 
 from .devices import parse_device
+from .mapper import Mapper
 from .session import Client, default_client
 
 EXPORT_POSIX_FD = 0x1
@@ -44,6 +47,30 @@ def _capacities(max_num_bytes: int, num_segments: int, segment_capacities: Seque
     if max_num_bytes == 0:
         raise ValueError("max_num_bytes must be positive: an hbmd buffer reserves at least one granule")
     return capacities
+
+
+T = TypeVar("T")
+
+
+class Reservation:
+    """One buffer's address range in this process.
+
+    It goes back to the system only once the tensor is freed *and* no view
+    of it is left: a view that outlives :meth:`ExtensibleTensor.free` then
+    points at an inaccessible range that nothing else can be placed in, so
+    touching it faults (SIGSEGV on the host, an illegal-address error on a
+    GPU) instead of reading or writing someone else's memory.
+    """
+
+    def __init__(self, mapper: Mapper, size: int) -> None:
+        self.freed = False
+        self.mapper = mapper
+        self.size = size
+        self.base = mapper.reserve(size)
+
+    def __del__(self) -> None:
+        if self.freed and not sys.is_finalizing():
+            self.mapper.unreserve(self.base, self.size)
 
 
 def _uniform(values: list[int]) -> int:
@@ -105,7 +132,11 @@ class ExtensibleTensor:
             shareable=shareable or bool(export_handle_types),
             segment_capacities=capacities if uneven else None,
         )
-        self._adopt(info)
+        try:
+            self._adopt(info)
+        except BaseException:
+            self._client.free(info.buffer_id)
+            raise
 
     @classmethod
     def attach(cls, name: str, device: Any = None, *, client: Client | None = None) -> "ExtensibleTensor":
@@ -116,7 +147,21 @@ class ExtensibleTensor:
         """
         self = cls.__new__(cls)
         self._bind(device, client)
-        self._client.attach(name, self._map_chunk, on_reply=lambda reply: self._adopt(reply.buffer))
+        taken: list[BufferInfo] = []
+
+        def adopt(reply: Committed) -> None:
+            taken.append(reply.buffer)
+            self._adopt(reply.buffer)
+
+        try:
+            self._client.attach(name, self._map_chunk, on_reply=adopt)
+        except BaseException:
+            # The buffer and its data stay the daemon's: let go of it (never free it) and of what was mapped.
+            if taken:
+                if hasattr(self, "_reservation"):
+                    self._drop_mappings()
+                self._client.detach(taken[0].buffer_id)
+            raise
         return self
 
     def _bind(self, device: Any, client: Client | None) -> None:
@@ -132,14 +177,12 @@ class ExtensibleTensor:
     def _adopt(self, info: BufferInfo) -> None:
         self._set_info(info)
         self._mapper = self._client.mapper
-        try:
-            self._base = self._mapper.reserve(info.reserved_bytes)
-        except BaseException:
-            self._client.free(info.buffer_id)
-            raise
         self._mapped: list[tuple[int, int]] = []
         self._view: Any = None
         self._freed = False
+        self._unusable: TensorUnusable | None = None
+        self._reservation = Reservation(self._mapper, info.reserved_bytes)
+        self._base = self._reservation.base
 
     def _set_info(self, info: BufferInfo) -> None:
         """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
@@ -248,7 +291,7 @@ class ExtensibleTensor:
         """
         self._check_live()
         if self._view is None:
-            self._view = self._mapper.view(self._base, self._info.capacity_bytes)
+            self._view = self._mapper.view(self._base, self._info.capacity_bytes, self._reservation)
         return self._view
 
     def segment_view(self, index: int) -> Any:
@@ -294,10 +337,11 @@ class ExtensibleTensor:
         if sizes == old_sizes:
             return self
         if len(set(sizes)) == 1:
-            reply = self._client.commit(self.buffer_id, sizes[0], self._map_chunk)
+            self._transaction(lambda on_reply: self._client.commit(self.buffer_id, sizes[0], self._map_chunk, on_reply))
         else:
-            reply = self._client.commit_segments(self.buffer_id, sizes, self._map_chunk)
-        self._set_info(reply.buffer)
+            self._transaction(
+                lambda on_reply: self._client.commit_segments(self.buffer_id, sizes, self._map_chunk, on_reply)
+            )
         if zero_new:
             for offset, old, new in zip(self._offsets, old_sizes, self._sizes):
                 if new > old:
@@ -348,8 +392,11 @@ class ExtensibleTensor:
         """
         self._check_live()
         if not preserve:
-            self._unmap_all()
-            self._set_info(self._client.defragment(self.buffer_id, False, self._map_chunk).buffer)
+            # The old chunks are unmapped before the daemon drops them; a refusal maps them back.
+            self._transaction(
+                lambda on_reply: self._client.defragment(self.buffer_id, False, self._map_chunk, on_reply),
+                before=self._unmap_all,
+            )
             return self
         fresh: list[tuple[ChunkInfo, int]] = []
         try:
@@ -397,15 +444,38 @@ class ExtensibleTensor:
         self._set_info(self._client.release(self.buffer_id).buffer)
 
     def free(self) -> None:
-        """Drop the pages, the daemon's buffer and the address range. Idempotent."""
+        """Drop the pages and the daemon's buffer. Idempotent.
+
+        The address range goes back once no view of it is left (see
+        :class:`Reservation`): touching a view after ``free()`` faults, and
+        after ``release_physical()`` it is undefined until the next commit.
+        Every method but ``free`` raises ``ValueError`` afterwards.
+        """
         if self._freed:
             return
         self._freed = True
-        self._unmap_all()
-        self._view = None
-        self._mapper.unreserve(self._base, self._info.reserved_bytes)
+        self._drop_mappings()
         if not self._client.closed:
             self._client.free(self.buffer_id)
+
+    def detach(self) -> None:
+        """Let go of this persistent buffer without deleting it: unmap it here, leave it to be attached again.
+
+        What an engine does at shutdown; ``ExtensibleTensor.attach(name)``
+        takes it back with its data. The tensor is unusable afterwards, as
+        after :meth:`free`.
+        """
+        self._check_live()
+        self._freed = True
+        self._drop_mappings()
+        self._client.detach(self.buffer_id)
+
+    def _drop_mappings(self) -> None:
+        """Unmap everything and hand the address range to its :class:`Reservation` to give back."""
+        self._unmap_all()
+        self._view = None
+        self._reservation.freed = True
+        del self._reservation
 
     def _unmap_all(self) -> None:
         self._mapper.synchronize()
@@ -413,9 +483,57 @@ class ExtensibleTensor:
             self._mapper.unmap(self._base + offset, size)
         self._mapped = []
 
+    def _transaction(
+        self, request: Callable[[Callable[[Committed], None]], Committed], before: Callable[[], None] | None = None
+    ) -> None:
+        """Run a request that maps chunks so that it completes, or leaves the tensor as the daemon records it.
+
+        ``request(on_reply)`` sends it (``on_reply`` sees the daemon's answer
+        before the chunks arrive). A refusal that came before anything was
+        mapped or unmapped changes nothing. Any other failure (a map that
+        failed midway, a refusal after ``before`` unmapped) is repaired by
+        mapping every chunk the daemon records again (:class:`Remap`): if
+        the daemon had done the request, it is then complete here too and
+        returns; otherwise the error is raised with the tensor as before.
+        When the repair fails as well, :class:`TensorUnusable`.
+        """
+        answered: list[Committed] = []
+        mapped_before = list(self._mapped)
+        try:
+            if before is not None:
+                before()
+            reply = request(answered.append)
+        except BaseException as exc:
+            if not answered and self._mapped == mapped_before:
+                raise
+            if not self._resync(exc):
+                raise
+            return
+        self._set_info(reply.buffer)
+
+    def _resync(self, error: BaseException) -> bool:
+        """Map the buffer as the daemon records it; True when the failed request had been done there."""
+        try:
+            self._unmap_all()
+            reply = self._client.remap(self.buffer_id, self._map_chunk)
+        except BaseException as exc:
+            self._unusable = TensorUnusable(
+                f"buffer {self.buffer_id}: {error} and mapping it again failed ({exc}); free it and create or attach "
+                "it anew",
+                buffer_id=self.buffer_id,
+            )
+            raise self._unusable from error
+        done = reply.buffer.segment_sizes != self._info.segment_sizes or reply.buffer.num_chunks != self._info.num_chunks
+        self._set_info(reply.buffer)
+        if done:
+            log.warning("buffer %d: %s while mapping; mapped again as the daemon records it", self.buffer_id, error)
+        return done and isinstance(error, (HbmdError, OSError))
+
     def _check_live(self) -> None:
         if self._freed:
             raise ValueError("this ExtensibleTensor was freed")
+        if self._unusable is not None:
+            raise self._unusable
 
     def _check_single_segment(self, what: str) -> None:
         if self.num_segments != 1:

@@ -38,7 +38,12 @@ from hbmd.proto import (
     encode_datagram,
     encode_frames,
 )
-from hbmd.proto.errors import DaemonUnavailable, ProtocolError, SessionLost, error_from_wire
+from hbmd.proto.errors import (
+    DaemonUnavailable,
+    ProtocolError,
+    SessionLost,
+    error_from_wire,
+)
 from hbmd.proto.instance import InstancePaths
 
 MAX_DATAGRAM = 64 << 10

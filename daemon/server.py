@@ -77,6 +77,7 @@ from hbmd.proto import (
     Refused,
     Release,
     Released,
+    Remap,
     Request,
     SessionList,
     Status,
@@ -717,6 +718,11 @@ class Server:
     def _commit(self, conn: HandleConnection, request_id: int, msg: Commit) -> Committed:
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
+    @handles(Remap)
+    def _remap(self, conn: HandleConnection, request_id: int, msg: Remap) -> Committed:
+        buffer = self.state.buffer_of(conn.session, msg.buffer_id)
+        return self._deliver(conn, request_id, buffer, buffer.chunks)
 
     @handles(CommitSegments)
     def _commit_segments(self, conn: HandleConnection, request_id: int, msg: CommitSegments) -> Committed:

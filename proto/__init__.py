@@ -33,6 +33,7 @@ from .buffers import (
     Free,
     Freed,
     Release,
+    Remap,
     Released,
 )
 from .codec import (
@@ -68,6 +69,7 @@ from .errors import (
     PermissionDenied,
     ProtocolError,
     SessionLost,
+    TensorUnusable,
     VersionMismatch,
 )
 from .session import Ack, FdBatch, Hello, ReclaimDone, ReclaimRequest, Refused, Welcome

@@ -123,6 +123,14 @@ class CommitSegments(Request[Committed]):
     sizes: list[int]
 
 
+@message("buffer.remap")
+class Remap(Request[Committed]):
+    """Send every chunk of the session's buffer again, to map: how a client whose mapping failed midway
+    gets back to the daemon's record of the buffer (1.1)."""
+
+    buffer_id: int
+
+
 @message("buffer.release")
 class Release(Request[Released]):
     """Drop every chunk of the buffer, keep the reservation (sleep)."""

@@ -25,6 +25,7 @@ class ErrorCode(enum.Enum):
     OUT_OF_MEMORY = ("out_of_memory", True)
     DRIVER = ("driver_error", False)
     INTERNAL = ("internal_error", False)
+    UNUSABLE = ("tensor_unusable", False)
 
     def __init__(self, wire: str, retryable: bool) -> None:
         self.wire = wire
@@ -133,6 +134,16 @@ class InternalError(HbmdError):
     code = ErrorCode.INTERNAL
 
 
+class TensorUnusable(HbmdError):
+    """A client operation failed and so did putting the tensor back as it was: free it (its memory is the daemon's).
+
+    Raised by the client only, never sent: the tensor's mappings no longer
+    match the daemon's record, so any further use of it is refused.
+    """
+
+    code = ErrorCode.UNUSABLE
+
+
 ERROR_CLASSES: dict[ErrorCode, type[HbmdError]] = {
     cls.code: cls
     for cls in (
@@ -148,6 +159,7 @@ ERROR_CLASSES: dict[ErrorCode, type[HbmdError]] = {
         OutOfDeviceMemory,
         DriverError,
         InternalError,
+        TensorUnusable,
     )
 }
 

@@ -1,0 +1,50 @@
+"""The ``Mapper`` protocol: how a client maps a daemon's chunks into its own address space.
+
+Two implementations, one per backend: :class:`hbmd.client.host.HostMapper`
+(``mmap`` of memfd chunks) and :class:`hbmd.client.cuda.CudaMapper` (CUDA
+VMM import, map and access). :class:`hbmd.client.tensor.ExtensibleTensor`
+speaks only this protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from hbmd.proto import ChunkInfo
+
+
+class Mapper(Protocol):
+    kind: str
+    """``"cpu"`` or ``"cuda"``: the torch device type of the views."""
+    granularity: int
+
+    def reserve(self, size: int) -> int:
+        """An inaccessible, granule-aligned address range of ``size`` bytes; returns its base."""
+        ...
+
+    def map(self, address: int, chunk: ChunkInfo, fd: int) -> None:
+        """Map ``chunk`` from its FD at ``address`` (the caller closes the FD); undoes itself on failure."""
+        ...
+
+    def unmap(self, address: int, size: int) -> None:
+        """Put the range back to reserved and inaccessible."""
+        ...
+
+    def unreserve(self, base: int, size: int) -> None:
+        ...
+
+    def copy(self, destination: int, source: int, size: int) -> None:
+        """Copy bytes, finished when this returns."""
+        ...
+
+    def zero(self, address: int, size: int) -> None:
+        """Zero bytes; :meth:`synchronize` waits for it."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for all work on the memory this mapper maps."""
+        ...
+
+    def view(self, base: int, size: int, owner: Any = None) -> Any:
+        """A ``torch.uint8`` tensor over ``size`` bytes at ``base`` that keeps ``owner`` alive while it lives."""
+        ...
