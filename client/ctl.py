@@ -189,8 +189,17 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
             f"    reserved:    {format_bytes(r['reserved_bytes'])} of address space",
             f"    sessions:    {r['num_sessions']}   buffers: {r['num_buffers']}   chunks: {r['num_chunks']}",
         ]
+        + (
+            [f"    held back:   {format_bytes(r['held_back_bytes'])} by the daemon (export sentinel, warm chunks), "
+             "outside the budget"]
+            if r["held_back_bytes"]
+            else []
+        )
     )
-    tenants = [t for t in r["tenants"] if t["num_sessions"] or t["used_bytes"] or t["guaranteed_bytes"] or t["max_bytes"] is not None]
+    tenants = [
+        t for t in r["tenants"]
+        if t["num_sessions"] or t["used_bytes"] or t["guaranteed_bytes"] or t["max_bytes"] is not None
+    ]
     if len(tenants) > 1 or any(t["guaranteed_bytes"] or t["max_bytes"] is not None for t in tenants):
         rows = [
             [t["name"], t["num_sessions"], format_bytes(t["used_bytes"]),
