@@ -267,6 +267,8 @@ BUFFER_COLUMNS = [
     _bytes_column("COMMITTED", "physical_bytes"),
     _bytes_column("RESERVED", "reserved_bytes", wide=True),
     _plain_column("CHUNKS", "num_chunks"),
+    Column("SEALED", lambda r: "yes" if r.get("sealed") else "no", lambda r: int(bool(r.get("sealed")))),
+    _plain_column("READERS", "readers"),
 ]
 
 

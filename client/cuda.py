@@ -54,14 +54,14 @@ class CudaMapper:
         driver.make_current(self._ctx)
         return driver.reserve(size, self.granularity)
 
-    def map(self, address: int, chunk: ChunkInfo, fd: int) -> None:
-        """Import ``chunk``'s FD, map it at ``address`` and grant access; a failed step undoes the ones before it."""
+    def map(self, address: int, chunk: ChunkInfo, fd: int, readonly: bool = False) -> None:
+        """Import ``chunk``'s FD, map it at ``address`` and grant access (read-only if asked); a failed step undoes the ones before it."""
         driver.make_current(self._ctx)
         handle = driver.import_fd(fd)
         try:
             driver.map(address, chunk.size, handle)
             try:
-                driver.set_access(address, chunk.size, [self.ordinal])
+                driver.set_access(address, chunk.size, [self.ordinal], readonly)
             except BaseException:
                 driver.unmap(address, chunk.size)
                 raise

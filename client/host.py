@@ -53,12 +53,12 @@ class HostMapper:
             _libc.munmap(base + size, raw + span - base - size)
         return base
 
-    def map(self, address: int, chunk: ChunkInfo, fd: int) -> None:
-        """Map ``chunk`` (from its FD) at ``address``."""
+    def map(self, address: int, chunk: ChunkInfo, fd: int, readonly: bool = False) -> None:
+        """Map ``chunk`` (from its FD) at ``address``; ``readonly`` without ``PROT_WRITE``, so a write is a SIGSEGV."""
         _mmap(
             address,
             chunk.size,
-            mmap.PROT_READ | mmap.PROT_WRITE,
+            mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE,
             mmap.MAP_SHARED | _MAP_FIXED,
             fd,
             chunk.handle_offset,

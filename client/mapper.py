@@ -22,8 +22,12 @@ class Mapper(Protocol):
         """An inaccessible, granule-aligned address range of ``size`` bytes; returns its base."""
         ...
 
-    def map(self, address: int, chunk: ChunkInfo, fd: int) -> None:
-        """Map ``chunk`` from its FD at ``address`` (the caller closes the FD); undoes itself on failure."""
+    def map(self, address: int, chunk: ChunkInfo, fd: int, readonly: bool = False) -> None:
+        """Map ``chunk`` from its FD at ``address`` (the caller closes the FD); undoes itself on failure.
+
+        ``readonly``: a write through the mapping faults (SIGSEGV on the host,
+        an illegal-address error on a GPU) instead of changing shared bytes.
+        """
         ...
 
     def unmap(self, address: int, size: int) -> None:

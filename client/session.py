@@ -39,6 +39,8 @@ from hbmd.proto import (
     Released,
     Remap,
     Request,
+    Seal,
+    Sealed,
     SessionInfo,
     Status,
     StatusReply,
@@ -241,12 +243,30 @@ class Client:
         self._need_minor(1, "per-segment commits")
         return self._call_with_chunks(CommitSegments(buffer_id, list(sizes)), on_chunk, on_reply)
 
-    def attach(self, name: str, on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None) -> Committed:
+    def attach(
+        self,
+        name: str,
+        on_chunk: OnChunk,
+        on_reply: Callable[[Committed], None] | None = None,
+        *,
+        readonly: bool = False,
+    ) -> Committed:
         """Take over this user's orphaned persistent buffer ``name``; every chunk comes to ``on_chunk``.
 
         ``on_reply`` sees the reply (the buffer's layout) before the first chunk.
+        ``readonly``: read the sealed buffer ``name`` beside its owner and other
+        readers instead (map the chunks read-only); let go with
+        ``detach(buffer_id, readonly=True)``.
         """
-        return self._call_with_chunks(Attach(name), on_chunk, on_reply)
+        if readonly:
+            # A daemon that does not know the field would hand over the buffer itself.
+            self._need_minor(1, "read-only attaches")
+        return self._call_with_chunks(Attach(name, readonly), on_chunk, on_reply)
+
+    def seal(self, buffer_id: int) -> Sealed:
+        """Make this session's persistent buffer immutable and readable by other sessions of this user at once."""
+        self._need_minor(1, "sealed buffers")
+        return self.call(Seal(buffer_id))
 
     def defragment(
         self, buffer_id: int, preserve: bool, on_chunk: OnChunk, on_reply: OnReply | None = None
@@ -261,13 +281,14 @@ class Client:
         """Every chunk of the buffer again, as the daemon records it, to ``on_chunk``: the way back after a failed map."""
         return self._call_with_chunks(Remap(buffer_id), on_chunk)
 
-    def detach(self, buffer_id: int) -> Detached:
+    def detach(self, buffer_id: int, readonly: bool = False) -> Detached:
         """Let go of this session's persistent buffer without freeing it; any session of this user attaches it again by name.
 
         Unmap it first: the memory stays with the daemon, not with this
         process. An anonymous buffer is refused (:class:`InvalidRequest`).
+        ``readonly``: drop one read claim on a sealed buffer instead.
         """
-        return self.call(Detach(buffer_id))
+        return self.call(Detach(buffer_id, readonly))
 
     def delete(self, name: str) -> Freed:
         """Free this user's orphaned persistent buffer ``name``."""

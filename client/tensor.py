@@ -15,7 +15,7 @@ import sys
 from typing import Any, Callable, Sequence, TypeVar
 
 from hbmd.proto import BufferInfo, ChunkInfo, Committed
-from hbmd.proto.errors import HbmdError, TensorUnusable
+from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
 
 from .devices import parse_device
 from .mapper import Mapper
@@ -139,13 +139,23 @@ class ExtensibleTensor:
             raise
 
     @classmethod
-    def attach(cls, name: str, device: Any = None, *, client: Client | None = None) -> "ExtensibleTensor":
+    def attach(
+        cls, name: str, device: Any = None, *, client: Client | None = None, readonly: bool = False
+    ) -> "ExtensibleTensor":
         """Map this user's persistent buffer ``name`` in this process, with its data and layout, without a copy.
 
-        Raises ``NotFound`` for an unknown name and ``Conflict`` while another
-        live session holds it.
+        ``readonly``: read the sealed buffer ``name`` (see :meth:`seal`) beside
+        its owner and any other readers; it is mapped read-only, so a write
+        through a view faults (SIGSEGV on the host, an illegal-address error
+        on a GPU), and only views, :meth:`detach` and :meth:`free` (both let go
+        of the read claim, never of the buffer) are allowed.
+
+        Raises ``NotFound`` for an unknown name, ``Conflict`` while another
+        live session holds it (read-write), ``InvalidRequest`` for a
+        read-only attach of a buffer that is not sealed.
         """
         self = cls.__new__(cls)
+        self._readonly = readonly
         self._bind(device, client)
         taken: list[BufferInfo] = []
 
@@ -154,13 +164,13 @@ class ExtensibleTensor:
             self._adopt(reply.buffer)
 
         try:
-            self._client.attach(name, self._map_chunk, on_reply=adopt)
+            self._client.attach(name, self._map_chunk, on_reply=adopt, readonly=readonly)
         except BaseException:
             # The buffer and its data stay the daemon's: let go of it (never free it) and of what was mapped.
             if taken:
                 if hasattr(self, "_reservation"):
                     self._drop_mappings()
-                self._client.detach(taken[0].buffer_id)
+                self._client.detach(taken[0].buffer_id, readonly=readonly)
             raise
         return self
 
@@ -173,6 +183,9 @@ class ExtensibleTensor:
                 f"device {kind!r} cannot be served by instance {self._client.instance!r} ({self._client.backend} backend)"
             )
         self._device = (kind, index)
+
+    _readonly = False
+    """Mapped read-only: a read claim on a sealed buffer, not its ownership."""
 
     def _adopt(self, info: BufferInfo) -> None:
         self._set_info(info)
@@ -204,6 +217,16 @@ class ExtensibleTensor:
     @property
     def persistent(self) -> bool:
         return self._info.persistent
+
+    @property
+    def sealed(self) -> bool:
+        """Immutable: the daemon refuses commit, release and defragment (see :meth:`seal`)."""
+        return self._info.sealed
+
+    @property
+    def readonly(self) -> bool:
+        """Mapped read-only in this process (attached with ``readonly=True``)."""
+        return self._readonly
 
     @property
     def num_segments(self) -> int:
@@ -324,7 +347,7 @@ class ExtensibleTensor:
         ("grow-only") or beyond a segment's capacity ("exceeds the segment
         capacity"); nothing changes then. The same sizes again are a no-op.
         """
-        self._check_live()
+        self._check_writable("resize")
         sizes = [int(n) for n in sizes]
         if len(sizes) != self.num_segments:
             raise ValueError(f"Expected {self.num_segments} sizes, got {len(sizes)}.")
@@ -355,14 +378,14 @@ class ExtensibleTensor:
 
     def zero_(self) -> "ExtensibleTensor":
         """Zero every committed byte."""
-        self._check_live()
+        self._check_writable("zero_")
         for offset, size in zip(self._offsets, self._sizes):
             self._mapper.zero(self._base + offset, size)
         self._mapper.synchronize()
         return self
 
     def _map_chunk(self, chunk: ChunkInfo, fd: int) -> None:
-        self._mapper.map(self._base + chunk.offset, chunk, fd)
+        self._mapper.map(self._base + chunk.offset, chunk, fd, self._readonly)
         self._mapped.append((chunk.offset, chunk.size))
 
     def resize_(self, num_bytes: int, zero_new: bool = False) -> Any:
@@ -390,7 +413,7 @@ class ExtensibleTensor:
         Otherwise the old chunks go first and the contents are undefined:
         what an engine does right after warm-up, before RDMA registration.
         """
-        self._check_live()
+        self._check_writable("defragment")
         if not preserve:
             # The old chunks are unmapped before the daemon drops them; a refusal maps them back.
             self._transaction(
@@ -431,6 +454,25 @@ class ExtensibleTensor:
         finally:
             self._set_info(self._client.finish_defragment(self.buffer_id, keep_new=True).buffer)
 
+    # sharing
+
+    def seal(self) -> "ExtensibleTensor":
+        """Make this persistent buffer immutable and readable by every session of this user at once.
+
+        What a loader does once the bytes are written (model weights, say):
+        any number of processes then ``attach(name, readonly=True)`` it beside
+        this one. From here the daemon refuses commit, release and defragment
+        of it (``InvalidRequest``); it is charged to this session's tenant
+        only, and outlives this session as an orphan its readers keep using.
+        Writing to it after sealing is this process's bug: readers map it
+        read-only, this process keeps the mapping it wrote through.
+        Sealing twice is a no-op; an anonymous buffer raises ``InvalidRequest``.
+        """
+        self._check_writable("seal")
+        self._mapper.synchronize()
+        self._set_info(self._client.seal(self.buffer_id).buffer)
+        return self
+
     # sleep and teardown
 
     def release_physical(self) -> None:
@@ -439,12 +481,12 @@ class ExtensibleTensor:
         The mappings go first, then the daemon is told, so no page is freed
         while this process can still reach it.
         """
-        self._check_live()
+        self._check_writable("release_physical")
         self._unmap_all()
         self._set_info(self._client.release(self.buffer_id).buffer)
 
     def free(self) -> None:
-        """Drop the pages and the daemon's buffer. Idempotent.
+        """Drop the pages and the daemon's buffer (a read-only attach: only its read claim). Idempotent.
 
         The address range goes back once no view of it is left (see
         :class:`Reservation`): touching a view after ``free()`` faults, and
@@ -455,7 +497,12 @@ class ExtensibleTensor:
             return
         self._freed = True
         self._drop_mappings()
-        if not self._client.closed:
+        if self._client.closed:
+            return
+        if self._readonly:
+            # A reader never owned the buffer: it only lets go of its read claim.
+            self._client.detach(self.buffer_id, readonly=True)
+        else:
             self._client.free(self.buffer_id)
 
     def detach(self) -> None:
@@ -468,7 +515,7 @@ class ExtensibleTensor:
         self._check_live()
         self._freed = True
         self._drop_mappings()
-        self._client.detach(self.buffer_id)
+        self._client.detach(self.buffer_id, readonly=self._readonly)
 
     def _drop_mappings(self) -> None:
         """Unmap everything and hand the address range to its :class:`Reservation` to give back."""
@@ -534,6 +581,17 @@ class ExtensibleTensor:
             raise ValueError("this ExtensibleTensor was freed")
         if self._unusable is not None:
             raise self._unusable
+
+    def _check_writable(self, what: str) -> None:
+        """Refuse a change here rather than at the daemon: release and defragment unmap before they ask."""
+        self._check_live()
+        if self._readonly:
+            raise ValueError(f"{what} needs the buffer's owner: this ExtensibleTensor is a read-only attach of a sealed buffer")
+        if self.sealed and what != "seal":
+            raise InvalidRequest(
+                f"buffer {self.buffer_id} ({self.name!r}) is sealed: it is immutable, {what} is refused",
+                buffer_id=self.buffer_id,
+            )
 
     def _check_single_segment(self, what: str) -> None:
         if self.num_segments != 1:

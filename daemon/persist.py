@@ -33,7 +33,8 @@ from .state import Buffer, Chunk, State
 log = logging.getLogger("hbmd.persist")
 
 JOURNAL_VERSION = 2
-"""2 records each segment's capacity and size; version 1's equal segments are read too."""
+"""2 records each segment's capacity and size (and whether a buffer is sealed; an entry without it is not);
+version 1's equal segments are read too."""
 
 
 def arena_name(buffer_id: int) -> str:
@@ -102,6 +103,7 @@ class Persistence:
                 "segment_capacities": b.segment_capacities,
                 "segment_sizes": b.segment_sizes,
                 "shareable": b.shareable,
+                "sealed": b.sealed,
                 "chunks": [
                     [c.chunk_id, c.offset, c.size, self.state.backend.handle_offset(b.arena, c.handle)] for c in b.chunks
                 ],
@@ -185,7 +187,7 @@ class Persistence:
             raise
         self.state.adopt_buffer(
             buffer_id, entry["name"], int(entry["owner_uid"]), entry["tenant"], int(entry["capacity"]),
-            *_segments(entry), bool(entry["shareable"]), arena, chunks,
+            *_segments(entry), bool(entry["shareable"]), arena, chunks, bool(entry.get("sealed", False)),
         )
         self._parked[buffer_id] = parked
         log.info("restored persistent buffer %r: %d bytes in %d chunks", entry["name"], sum(c.size for c in chunks), len(chunks))

@@ -79,6 +79,8 @@ from hbmd.proto import (
     Released,
     Remap,
     Request,
+    Seal,
+    Sealed,
     SessionList,
     Status,
     StatusReply,
@@ -754,6 +756,10 @@ class Server:
 
     @handles(Attach)
     def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
+        if msg.readonly:
+            buffer = self.state.attach_reader(conn.session, msg.name, uneven_ok=conn.protocol_minor >= 1)
+            log.info("session %d reads sealed buffer %r (%d readers)", conn.session.session_id, msg.name, len(buffer.readers))
+            return self._deliver(conn, request_id, buffer, buffer.chunks)
         buffer = self._unless_holder_exited(
             lambda: self.state.attach(conn.session, msg.name, uneven_ok=conn.protocol_minor >= 1)
         )
@@ -786,10 +792,18 @@ class Server:
 
     @handles(Free)
     def _free(self, conn: HandleConnection, request_id: int, msg: Free) -> Freed:
-        return Freed(msg.buffer_id, self.state.free(conn.session, msg.buffer_id))
+        return Freed(msg.buffer_id, self._unless_holder_exited(lambda: self.state.free(conn.session, msg.buffer_id)))
+
+    @handles(Seal)
+    def _seal(self, conn: HandleConnection, request_id: int, msg: Seal) -> Sealed:
+        buffer = self.state.seal(conn.session, msg.buffer_id)
+        log.info("session %d sealed persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes)
+        return Sealed(buffer.info())
 
     @handles(Detach)
     def _detach(self, conn: HandleConnection, request_id: int, msg: Detach) -> Detached:
+        if msg.readonly:
+            return Detached(self.state.detach_reader(conn.session, msg.buffer_id).info(), 0)
         freed = self.state.detach(conn.session, msg.buffer_id)
         buffer = self.state.buffers[msg.buffer_id]
         log.info("session %d detached persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes)

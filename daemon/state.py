@@ -144,6 +144,8 @@ class Session:
     observer: bool = False
     connected_at: float = dataclasses.field(default_factory=time.monotonic)
     buffers: dict[int, "Buffer[Any, Any]"] = dataclasses.field(default_factory=dict)
+    reading: dict[int, "Buffer[Any, Any]"] = dataclasses.field(default_factory=dict)
+    """Sealed buffers this session holds a read claim on (it maps them read-only)."""
     reclaim: Reclaim | None = None
 
 
@@ -169,6 +171,10 @@ class Buffer(Generic[A, C]):
     pending: list[Chunk[C]] = dataclasses.field(default_factory=list)
     """New chunks of a preserving defragment, until the client confirms its remap."""
     pending_bytes: int = 0
+    sealed: bool = False
+    """Immutable from now on: no commit, release or defragment; sessions of its user may read it at once."""
+    readers: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Read claims on a sealed buffer: how many read-only attaches each session id holds (never 0)."""
 
     def __post_init__(self) -> None:
         self.segment_offsets = prefix_offsets(self.segment_capacities)
@@ -213,6 +219,8 @@ class Buffer(Generic[A, C]):
             num_chunks=len(self.chunks),
             segment_capacities=list(self.segment_capacities),
             segment_sizes=list(self.segment_sizes),
+            sealed=self.sealed,
+            readers=len(self.readers),
         )
 
 
@@ -316,6 +324,9 @@ class State(Generic[A, C]):
         ones holding the data: the unconfirmed new ones are dropped.
         """
         freed = 0
+        for buffer in list(session.reading.values()):
+            buffer.readers.pop(session.session_id, None)
+        session.reading.clear()
         for buffer in list(session.buffers.values()):
             if buffer.persistent:
                 freed += self._drop_pending(buffer)
@@ -402,6 +413,7 @@ class State(Generic[A, C]):
         shareable: bool,
         arena: A,
         chunks: list[Chunk[C]],
+        sealed: bool = False,
     ) -> Buffer[A, C]:
         """Bring back an orphaned persistent buffer after a restart; its memory counts whatever the budget."""
         buffer = Buffer(
@@ -418,6 +430,7 @@ class State(Generic[A, C]):
             arena=arena,
             segment_sizes=segment_sizes,
             chunks=chunks,
+            sealed=sealed,
         )
         self.buffers[buffer_id] = buffer
         self._persistent[(owner_uid, name)] = buffer
@@ -443,6 +456,62 @@ class State(Generic[A, C]):
         session.buffers[buffer.buffer_id] = buffer
         return buffer
 
+    def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """Make the session's persistent buffer immutable, so that any session of its user may read it at once.
+
+        Sealing a sealed buffer changes nothing. An anonymous buffer ends with
+        its session, so there is nothing for others to read: refused; so is a
+        buffer mid-defragment, whose chunks are about to change.
+        """
+        buffer = self.buffer_of(session, buffer_id)
+        if buffer.sealed:
+            return buffer
+        if not buffer.persistent:
+            raise InvalidRequest(
+                f"buffer {buffer_id} is anonymous: only a persistent buffer can be sealed and read by others",
+                buffer_id=buffer_id,
+            )
+        if buffer.pending:
+            raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
+        buffer.sealed = True
+        self._mark_changed(buffer)
+        return buffer
+
+    def attach_reader(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
+        """Add a read claim of the session on its user's sealed buffer ``name``, beside its owner and other readers.
+
+        An unsealed buffer can change under a reader: refused. The claim is
+        dropped by :meth:`detach_reader` or when the session ends; readers
+        are never charged for the buffer's memory.
+        """
+        self._check_not_observer(session)
+        buffer = self._named(session, name)
+        if not buffer.sealed:
+            raise InvalidRequest(
+                f"persistent buffer {name!r} is not sealed: only a sealed buffer can be attached read-only",
+                buffer_id=buffer.buffer_id,
+            )
+        if not (uneven_ok or buffer.uniform):
+            raise VersionMismatch(
+                f"persistent buffer {name!r} has uneven segments: attaching it needs an hbmd client of protocol 1.1 or later"
+            )
+        buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
+        session.reading[buffer.buffer_id] = buffer
+        return buffer
+
+    def detach_reader(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """Drop one read claim of the session on sealed buffer ``buffer_id``."""
+        buffer = session.reading.get(buffer_id)
+        if buffer is None:
+            raise NotFound(f"this session does not read buffer {buffer_id}", buffer_id=buffer_id)
+        claims = buffer.readers[session.session_id] - 1
+        if claims:
+            buffer.readers[session.session_id] = claims
+        else:
+            del buffer.readers[session.session_id]
+            del session.reading[buffer_id]
+        return buffer
+
     def detach(self, session: Session, buffer_id: int) -> int:
         """Let go of the session's persistent buffer: it stays, an orphan with its chunks, until attached by name.
 
@@ -463,7 +532,30 @@ class State(Generic[A, C]):
     def delete(self, session: Session, name: str) -> tuple[int, int]:
         """Free an orphaned persistent buffer of the session's user by name. Returns its id and the bytes freed."""
         buffer = self._orphan(session, name)
+        self._check_unread(buffer)
         return buffer.buffer_id, self._drop(buffer)
+
+    def _check_unread(self, buffer: Buffer[A, C]) -> None:
+        """Refuse to drop a sealed buffer that sessions still read.
+
+        Their mappings would keep the pages alive outside the budget (and
+        the daemon's books), so the buffer goes only once its readers have
+        let go: they detach or end.
+        """
+        if not buffer.readers:
+            return
+        readers = sorted(buffer.readers)
+        named = ", ".join(
+            f"{session_id} (pid {self.sessions[session_id].pid})" if session_id in self.sessions else str(session_id)
+            for session_id in readers
+        )
+        raise Conflict(
+            f"sealed buffer {buffer.name!r} is read by session{'s' if len(readers) > 1 else ''} {named}; "
+            "it can be deleted once they detach or end",
+            buffer_id=buffer.buffer_id,
+            session_id=readers[0],
+            readers=",".join(map(str, readers)),
+        )
 
     @staticmethod
     def _check_not_observer(session: Session) -> None:
@@ -571,7 +663,13 @@ class State(Generic[A, C]):
         return freed
 
     def _idle_buffer(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """The session's buffer, to change: refused while sealed or mid-defragment."""
         buffer = self.buffer_of(session, buffer_id)
+        if buffer.sealed:
+            raise InvalidRequest(
+                f"buffer {buffer_id} ({buffer.name!r}) is sealed: it is immutable, no commit, release or defragment",
+                buffer_id=buffer_id,
+            )
         if buffer.pending:
             raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
         return buffer
@@ -664,8 +762,10 @@ class State(Generic[A, C]):
         return self._release_all(self._idle_buffer(session, buffer_id))
 
     def free(self, session: Session, buffer_id: int) -> int:
-        """Drop the buffer. Returns the bytes freed."""
-        return self._drop(self.buffer_of(session, buffer_id))
+        """Drop the buffer (a sealed one only once nobody reads it). Returns the bytes freed."""
+        buffer = self.buffer_of(session, buffer_id)
+        self._check_unread(buffer)
+        return self._drop(buffer)
 
     def chunk_info(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> ChunkInfo:
         return ChunkInfo(chunk.chunk_id, chunk.offset, chunk.size, self.backend.handle_offset(buffer.arena, chunk.handle))
@@ -722,7 +822,8 @@ class State(Generic[A, C]):
         usage; each buffer's chunks lie inside it, on granule boundaries,
         never back a granule twice and back exactly its committed prefixes
         (a preserving defragment's pending chunks likewise, on their own);
-        every buffer and session points at the other.
+        every buffer and session points at the other, readers included; only
+        a persistent buffer is sealed, and only a sealed one has readers.
         """
         granule = self.backend.granularity
         chunk_ids: set[int] = set()
@@ -756,10 +857,21 @@ class State(Generic[A, C]):
             if buffer.persistent:
                 named = self._persistent.get((buffer.owner_uid, buffer.name))
                 _require(named is buffer, f"persistent buffer {buffer.buffer_id} is not found by its name")
+            _require(buffer.persistent or not buffer.sealed, f"anonymous buffer {buffer.buffer_id} is sealed")
+            _require(buffer.sealed or not buffer.readers, f"unsealed buffer {buffer.buffer_id} has readers")
+            _require(not (buffer.sealed and buffer.pending), f"sealed buffer {buffer.buffer_id} is mid-defragment")
+            for session_id, claims in buffer.readers.items():
+                reader = self.sessions.get(session_id)
+                _require(claims > 0, f"buffer {buffer.buffer_id}: session {session_id} holds {claims} read claims")
+                _require(reader is not None, f"buffer {buffer.buffer_id}: reader session {session_id} ended")
+                _require(reader.reading.get(buffer.buffer_id) is buffer, f"buffer {buffer.buffer_id}: reader {session_id} lost it")
         _require(len(self._persistent) == sum(b.persistent for b in self.buffers.values()), "stale persistent names")
         for session in self.sessions.values():
             for buffer in session.buffers.values():
                 _require(self.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} holds a dropped buffer")
+            for buffer in session.reading.values():
+                _require(self.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} reads a dropped buffer")
+                _require(session.session_id in buffer.readers, f"session {session.session_id} reads {buffer.buffer_id} unrecorded")
         _require(self.committed_bytes == total, f"committed {self.committed_bytes} != {total} in chunks")
         used = sum(t.used_bytes for t in self.tenants.values())
         _require(self.committed_bytes == used, f"committed {self.committed_bytes} != {used} used by tenants")

@@ -169,15 +169,20 @@ def unmap(address: int, size: int) -> None:
     call("cuMemUnmap", address, size)
 
 
-def set_access(address: int, size: int, ordinals: list[int]) -> None:
-    """Grant read-write access to ``[address, address + size)`` from each device in ``ordinals``."""
+def set_access(address: int, size: int, ordinals: list[int], readonly: bool = False) -> None:
+    """Grant read-write (or, ``readonly``, read-only) access to ``[address, address + size)`` from each device in ``ordinals``.
+
+    A kernel that writes through a read-only mapping faults: the context
+    reports an illegal-address error, as for an unmapped address.
+    """
     cu = _bindings()
+    flags = cu.CUmemAccess_flags
     descs = []
     for ordinal in ordinals:
         desc = cu.CUmemAccessDesc()
         desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = ordinal
-        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         descs.append(desc)
     call("cuMemSetAccess", address, size, descs, len(descs))
 

@@ -35,6 +35,8 @@ from .buffers import (
     Release,
     Remap,
     Released,
+    Seal,
+    Sealed,
 )
 from .codec import (
     MAX_FRAME_BYTES,

@@ -48,6 +48,10 @@ class BufferInfo:
     """Each segment's capacity (1.1); with equal segments every entry is ``segment_capacity_bytes``."""
     segment_sizes: list[int] = dataclasses.field(default_factory=list)
     """Each segment's committed prefix (1.1); ``bytes_per_segment`` is the smallest of them."""
+    sealed: bool = False
+    """Immutable, readable by several sessions at once (1.1)."""
+    readers: int = 0
+    """Sessions holding a read-only attach of this sealed buffer (1.1)."""
 
 
 @message("buffer.created")
@@ -79,6 +83,13 @@ class Detached(Message):
 
     buffer: BufferInfo
     freed_bytes: int
+
+
+@message("buffer.sealed")
+class Sealed(Message):
+    """Reply to :class:`Seal`: the buffer, now immutable."""
+
+    buffer: BufferInfo
 
 
 @message("buffer.freed")
@@ -147,9 +158,16 @@ class Free(Request[Freed]):
 
 @message("buffer.attach")
 class Attach(Request[Committed]):
-    """Take over an orphaned persistent buffer of this user by ``name``; every chunk comes back to map."""
+    """Take over an orphaned persistent buffer of this user by ``name``; every chunk comes back to map.
+
+    ``readonly`` (1.1): instead, read a sealed buffer beside its owner and its
+    other readers; the client maps it read-only. Readers are not charged for
+    the memory; a read claim ends with :class:`Detach` (``readonly``) or the
+    session. An unsealed buffer is refused.
+    """
 
     name: str
+    readonly: bool = False
 
 
 @message("buffer.detach")
@@ -160,16 +178,31 @@ class Detach(Request[Detached]):
     of this user attaches again by name. Anonymous buffers cannot be
     detached. Mid-defragment, the old chunks (the ones holding the data) stay
     and the new ones are dropped. The client unmaps the buffer first.
+
+    ``readonly`` (1.1): drop one read claim on a sealed buffer instead.
     """
 
     buffer_id: int
+    readonly: bool = False
 
 
 @message("buffer.delete")
 class Delete(Request[Freed]):
-    """Free an orphaned persistent buffer of this user by ``name``."""
+    """Free an orphaned persistent buffer of this user by ``name``.
+
+    A sealed buffer that sessions still read is refused (``Conflict`` naming
+    them): their mappings would keep its pages alive outside the budget.
+    """
 
     name: str
+
+
+@message("buffer.seal")
+class Seal(Request[Sealed]):
+    """Make this session's persistent buffer immutable (1.1): commit, release and defragment are refused from now on,
+    and any session of this user may attach it read-only, several at once. Sealing twice changes nothing."""
+
+    buffer_id: int
 
 
 @message("buffer.defragment")

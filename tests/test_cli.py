@@ -142,7 +142,7 @@ def test_watch_refreshes_until_ctrl_c(daemon, client):
     assert watch.returncode == 0, err
     assert out.count("● hbmd instance host") >= 2 and "committed:   6.0 MiB" in out and "Ctrl-C" in out
     # Not a terminal: no escape codes; and nothing after the last frame on leaving.
-    assert "\x1b" not in out and out.rstrip().endswith("6.0 MiB       1") and err == ""
+    assert "\x1b" not in out and out.rstrip().endswith("6.0 MiB       1  no            0") and err == ""
 
 
 def test_watch_streams_json_lines(daemon, client):

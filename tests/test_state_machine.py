@@ -2,7 +2,7 @@
 
 A hypothesis state machine drives :class:`State` as sessions would (open,
 create, commit, release, defragment both ways, finish, attach, detach, delete,
-free, close) over a backend that fails on demand in ``create`` and ``export``,
+free, close, seal, read-only attach and its detach) over a backend that fails on demand in ``create`` and ``export``,
 and checks :meth:`State.check_invariants` after every step, plus two promises of
 its own: a refused request changes nothing, and no chunk the backend made is
 leaked or released twice.
@@ -97,7 +97,8 @@ def snapshot(state: State) -> tuple:
         {t.name: t.used_bytes for t in state.tenants.values()},
         {
             b.buffer_id: (list(b.segment_sizes), b.physical_bytes, b.pending_bytes, b.owner and b.owner.session_id,
-                          [dataclasses.astuple(c) for c in b.chunks], [dataclasses.astuple(c) for c in b.pending])
+                          [dataclasses.astuple(c) for c in b.chunks], [dataclasses.astuple(c) for c in b.pending],
+                          b.sealed, dict(b.readers))
             for b in state.buffers.values()
         },
         sorted(state.sessions),
@@ -111,6 +112,8 @@ class StateMachine(RuleBasedStateMachine):
         self.state = State(self.backend, BUDGET)
         self.uids = itertools.cycle([1000, 1001])
         self.names = itertools.count()
+        self.frozen: dict[int, tuple[list[int], list[int]]] = {}
+        """Sizes and chunk ids of each sealed buffer, as sealed."""
 
     # helpers
 
@@ -220,6 +223,46 @@ class StateMachine(RuleBasedStateMachine):
         buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
         call = data.draw(st.sampled_from([self.state.attach, self.state.delete]))
         self.attempt(call, session, buffer.name)
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), by_owner=st.booleans())
+    def seal(self, data, by_owner):
+        buffer = self.owned(data)
+        session = buffer.owner if by_owner else self.session(data)
+        self.attempt(self.state.seal, session, buffer.buffer_id)
+
+    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @rule(data=st.data())
+    def attach_read_only(self, data):
+        # Mostly a sealed buffer and a session of its user, so that readers pile up; sometimes any pair, to be refused.
+        readable = [(b, s) for b in self.state.buffers.values() if b.sealed
+                    for s in self.state.sessions.values() if s.uid == b.owner_uid]
+        if readable and data.draw(st.integers(0, 3)):
+            buffer, session = data.draw(st.sampled_from(sorted(readable, key=lambda p: (p[0].buffer_id, p[1].session_id))))
+        else:
+            session = self.session(data)
+            buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
+        self.attempt(self.state.attach_reader, session, buffer.name)
+
+    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @rule(data=st.data())
+    def detach_read_only(self, data):
+        session = self.session(data)
+        buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
+        self.attempt(self.state.detach_reader, session, buffer.buffer_id)
+
+    @invariant()
+    def a_sealed_buffer_stays_as_sealed(self):
+        # Immutable: its chunks and committed sizes are what they were when it was sealed, until it is dropped.
+        for buffer_id, frozen in list(self.frozen.items()):
+            buffer = self.state.buffers.get(buffer_id)
+            if buffer is None:
+                del self.frozen[buffer_id]
+            else:
+                assert (list(buffer.segment_sizes), [c.chunk_id for c in buffer.chunks]) == frozen
+        for buffer in self.state.buffers.values():
+            if buffer.sealed:
+                self.frozen.setdefault(buffer.buffer_id, (list(buffer.segment_sizes), [c.chunk_id for c in buffer.chunks]))
 
     @precondition(lambda self: any(b.chunks for b in self.state.buffers.values()))
     @rule(data=st.data(), fail=st.booleans())

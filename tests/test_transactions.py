@@ -40,11 +40,11 @@ class FlakyMapper(HostMapper):
             raise OSError(12, "injected: cannot reserve address space")
         return super().reserve(size)
 
-    def map(self, address, chunk, fd) -> None:
+    def map(self, address, chunk, fd, readonly=False) -> None:
         self.maps += 1
         if self.maps in self.fail_map:
             raise OSError(12, "injected: cannot map")
-        super().map(address, chunk, fd)
+        super().map(address, chunk, fd, readonly)
 
 
 @pytest.fixture
