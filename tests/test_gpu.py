@@ -473,3 +473,79 @@ def test_the_export_sentinel_is_held_out_of_the_budget_unless_turned_off(start_d
         status = client.status()
         assert status.held_back_bytes == 0 and status.budget_bytes == 1 << 30
 
+
+
+GPU_SEALER = """
+import sys, torch
+from hbmd.client import connect
+from hbmd.client.weights import store_weights
+c = connect("cuda:0", client_name="gpu-loader")
+g = torch.Generator(device="cuda").manual_seed(18)
+w = store_weights({"w": torch.randn(4096, 1024, device="cuda", generator=g).to(torch.bfloat16),
+                   "b": torch.arange(1024, dtype=torch.int64, device="cuda")}, "gpu-weights", "cuda:0", client=c)
+print(w.buffer_id, flush=True)
+sys.stdin.readline()
+"""
+
+GPU_READER = """
+import sys, torch
+from hbmd.client import connect
+from hbmd.client.weights import load_weights
+c = connect("cuda:0", client_name="gpu-engine")
+weights = load_weights("gpu-weights", "cuda:0", client=c)
+checksum = sum(int(t.view(torch.uint8).to(torch.int64).mul(torch.arange(1, t.numel() * t.element_size() + 1,
+               device="cuda")).sum()) for t in weights.values())
+print(checksum, flush=True)
+if sys.stdin.readline().strip() == "write":
+    weights["b"].fill_(7)
+    torch.cuda.synchronize()
+print(int(weights["b"].sum()), flush=True)
+"""
+
+
+def expected_weights():
+    g = torch.Generator(device="cuda").manual_seed(18)
+    return {"w": torch.randn(4096, 1024, device="cuda", generator=g).to(torch.bfloat16),
+            "b": torch.arange(1024, dtype=torch.int64, device="cuda")}
+
+
+def test_sealed_gpu_weights_are_read_by_two_processes_at_once(gpu_daemon, gpu_client, spawn_worker):
+    from hbmd.client.weights import load_weights
+
+    sealer = spawn_worker(gpu_daemon, GPU_SEALER)
+    buffer_id = int(sealer.readline())
+    readers = [spawn_worker(gpu_daemon, GPU_READER) for _ in range(2)]
+    checksums = [int(r.readline()) for r in readers]
+    assert checksums[0] == checksums[1]
+    weights = load_weights("gpu-weights", "cuda:0", client=gpu_client)
+    for name, tensor in expected_weights().items():
+        assert weights[name].is_cuda and torch.equal(weights[name], tensor), name
+    (info,) = [b for b in gpu_client.buffers() if b.buffer_id == buffer_id]
+    assert info.sealed and info.readers == 3
+    # Counted once, to the loader: three readers add nothing.
+    assert gpu_client.status().committed_bytes == info.physical_bytes
+    sealer.kill()
+    wait_until(lambda: next(b for b in gpu_client.buffers() if b.buffer_id == buffer_id).session_id == 0)
+    for r in readers:
+        r.send("read")
+        assert int(r.readline()) == sum(range(1024))
+
+
+def test_a_write_through_a_read_only_cuda_mapping_fails_that_process_alone(gpu_daemon, gpu_client, spawn_worker):
+    # Expected: the GPU's MMU refuses the store into a PROT_READ mapping, and the writing process's context
+    # reports an illegal-address error (sticky: that process cannot use CUDA any more, so it fails). The
+    # daemon holds no context and the other reader's context is its own: both carry on untouched.
+    from hbmd.client.weights import load_weights
+
+    sealer = spawn_worker(gpu_daemon, GPU_SEALER)
+    sealer.readline()
+    vandal, bystander = spawn_worker(gpu_daemon, GPU_READER), spawn_worker(gpu_daemon, GPU_READER)
+    assert vandal.readline() == bystander.readline()
+    vandal.send("write")
+    assert vandal.wait() != 0
+    stderr = vandal.stderr_tail()
+    assert "illegal" in stderr.lower() or "fault" in stderr.lower(), stderr
+    bystander.send("read")
+    assert int(bystander.readline()) == sum(range(1024))
+    assert torch.equal(load_weights("gpu-weights", "cuda:0", client=gpu_client)["b"], expected_weights()["b"])
+    assert gpu_client.status().num_buffers == 1
