@@ -239,7 +239,8 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """The decoder with seeded random weights; :meth:`prefill` and :meth:`decode` return greedy next tokens."""
 
-    def __init__(self, config: DecoderConfig, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+    def __init__(self, config: DecoderConfig, device: torch.device, dtype: torch.dtype, seed: int | None) -> None:
+        """``seed`` None leaves the weights as allocated: for :meth:`from_state_dict`, which replaces them."""
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
@@ -253,8 +254,26 @@ class Decoder(nn.Module):
             torch.arange(config.max_blocks_per_seq * config.block_size, device=device),
             persistent=False,
         )
-        self._init_weights(seed)
+        if seed is not None:
+            self._init_weights(seed)
         self.requires_grad_(False)
+
+    @classmethod
+    def from_state_dict(
+        cls, config: DecoderConfig, device: torch.device, dtype: torch.dtype, state_dict: dict[str, torch.Tensor]
+    ) -> "Decoder":
+        """The decoder over ``state_dict``'s tensors themselves, not copies (hbmd's read-only views stay shared).
+
+        Built on the meta device first, so no weights are drawn only to be
+        replaced; the tables that are computed rather than loaded (rotary,
+        slot positions) are then made on ``device``.
+        """
+        model = cls(config, torch.device("meta"), dtype, None)
+        model.load_state_dict(state_dict, assign=True)
+        model.rotary = Rotary(config.head_dim, config.max_model_len, config.rope_theta, device)
+        model.slot_positions = torch.arange(config.max_blocks_per_seq * config.block_size, device=device)
+        model.requires_grad_(False)
+        return model
 
     @torch.no_grad()
     def _init_weights(self, seed: int) -> None:

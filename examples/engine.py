@@ -20,6 +20,17 @@ Modes:
 - ``two-engines``: two engines with different models under one daemon; the
   second sizes its cache from what the first left. Each declares a tenant,
   and ``--daemon-config FILE`` starts the daemon with a quota file.
+- ``restart``: a worker restart, from process start to its first generated
+  token, with the weights loaded from a checkpoint file on local disk
+  (``torch.load``; just written, so from the page cache) against attached
+  from hbmd (sealed weights, read-only views, no copy); same tokens?
+- ``share-weights``: two engines serving one model from one copy of its
+  weights in hbmd: the weights are committed once, read by both, charged
+  to neither engine.
+
+``generate --weights file:PATH`` or ``--weights hbmd:NAME`` loads the
+weights from a ``torch.save`` checkpoint or from sealed weights in hbmd
+(:mod:`hbmd.client.weights`) instead of drawing them from ``--seed``.
 
 ``--start-daemon`` starts ``hbmd`` under the run directory for the run (host
 backend for ``--device cpu``, CUDA for ``cuda``) and stops it at the end;
@@ -115,6 +126,9 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.init()  # torch's primary context first: hbmd's client maps into it
     client = connect_for(args, instance, f"engine {args.name}", args.tenant)
+    weights_start = time.perf_counter()
+    weights = load_weights_from(args.weights, device, client)
+    weights_s = time.perf_counter() - weights_start
     state_path = args.run_dir / f"{args.name}.state.json"
     started = time.perf_counter()
     resumed_at = None
@@ -130,6 +144,7 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
             batch_size=state.batch_size,
             name=args.name,
             persistent=True,
+            weights=weights,
         )
         engine.resume(state)
         engine.timings["state_s"] = state_s
@@ -147,10 +162,14 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
             batch_size=args.batch,
             name=args.name,
             persistent=args.persistent,
+            weights=weights,
         )
         engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant))
         prompts = make_prompts(engine.config, args.prompt_seed, args.batch, args.prompt_len)
         state = engine.prefill(prompts, args.prompt_seed, args.prompt_len, args.new_tokens)
+        # Wall-clock time, so that the orchestrator measures from before it started this process.
+        engine.timings["first_token_at"] = time.time()
+    engine.timings["weights_s"] = weights_s
 
     def checkpoint(state: DecodeState) -> None:
         if engine.persistent:
@@ -197,6 +216,22 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
         state_path.unlink(missing_ok=True)
     client.close()
     return result
+
+
+def load_weights_from(source: str, device: Any, client: Client) -> dict[str, Any] | None:
+    """The state dict ``--weights`` names: None for ``seed`` (drawn by the engine), else a checkpoint's or hbmd's."""
+    if source == "seed":
+        return None
+    kind, _, where = source.partition(":")
+    if kind == "file":
+        import torch
+
+        return torch.load(where, map_location=device, weights_only=True)
+    if kind == "hbmd":
+        from hbmd.client.weights import load_weights
+
+        return load_weights(where, device, client=client)
+    raise ValueError(f"--weights {source!r}: expected seed, file:PATH or hbmd:NAME")
 
 
 def summarize_generate(r: dict[str, Any]) -> str:
@@ -540,6 +575,139 @@ def two_engines(args: argparse.Namespace, instance: str | None) -> dict[str, Any
     }
 
 
+# weights: a checkpoint on disk or sealed weights in hbmd
+
+
+@contextlib.contextmanager
+def stored_weights(args: argparse.Namespace, instance: str | None, who: str) -> Iterator[tuple[Client, str, Path]]:
+    """The ``--seed`` model's weights written once as a checkpoint file and once as sealed weights in hbmd.
+
+    Yields this process's session, the hbmd name and the file; both are
+    removed at the end (the engines using them have ended by then).
+    """
+    import torch
+    from decoder import Decoder
+    from serving import config_named
+
+    from hbmd.client.weights import store_weights
+
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.init()
+    client = connect_for(args, instance, who)
+    name, checkpoint = f"{args.name}-weights", args.run_dir / f"{args.name}.weights.pt"
+    if any(b.name == name for b in client.buffers()):
+        log(who, f"deleting {name}, left by an earlier run")
+        client.delete(name)
+    model = Decoder(config_named(args.config), device, torch.bfloat16 if device.type == "cuda" else torch.float32, args.seed)
+    torch.save(model.state_dict(), checkpoint)
+    stored = store_weights(model.state_dict(), name, device, client=client)
+    log(who, f"weights: {checkpoint.stat().st_size / 2**20:.1f} MiB checkpoint, {format_bytes(stored.physical_bytes)} in hbmd")
+    # The weights stay in hbmd, sealed, for the engines to read: this process lets go of them and of its copy.
+    stored.detach()
+    del model, stored
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        yield client, name, checkpoint
+    finally:
+        client.delete(name)
+        checkpoint.unlink(missing_ok=True)
+        client.close()
+
+
+def restart(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """A worker started from scratch, weights from a checkpoint file and from hbmd: time to its first token.
+
+    Each kind runs twice, interleaved, and the faster run counts, so that
+    neither gets the operating system's warm caches (Python, torch) alone.
+    """
+    with stored_weights(args, instance, "restart") as (client, name, checkpoint):
+        runs: dict[str, dict[str, Any]] = {}
+        for _ in range(2):
+            for kind, source in (("file", f"file:{checkpoint}"), ("hbmd", f"hbmd:{name}")):
+                log("restart", f"a worker starts with its weights from {source}")
+                spawned_at = time.time()
+                result = run_engine(args, "--name", f"{args.name}-{kind}", "--weights", source)
+                run = {
+                    "first_token_s": result["timings"]["first_token_at"] - spawned_at,
+                    "weights_s": result["timings"]["weights_s"],
+                    "result": result,
+                }
+                if kind not in runs or run["first_token_s"] < runs[kind]["first_token_s"]:
+                    runs[kind] = run
+    identical = runs["file"]["result"]["tokens"] == runs["hbmd"]["result"]["tokens"]
+    return {
+        "mode": "restart",
+        "ok": identical,
+        "tokens_identical": identical,
+        "config": runs["file"]["result"]["config"],
+        "device": runs["file"]["result"]["device"],
+        "params": runs["file"]["result"]["params"],
+        "file": {k: v for k, v in runs["file"].items() if k != "result"},
+        "hbmd": {k: v for k, v in runs["hbmd"].items() if k != "result"},
+    }
+
+
+def summarize_restart(r: dict[str, Any]) -> str:
+    f, h = r["file"], r["hbmd"]
+    return "\n".join(
+        [
+            f"restart ({r['config']}, {r['params'] / 1e6:.1f}M params, {r['device']}): process start to first token",
+            f"  weights from a checkpoint file: {ms(f['first_token_s'])} (loading them {ms(f['weights_s'])})",
+            f"  weights attached from hbmd:     {ms(h['first_token_s'])} (attaching them {ms(h['weights_s'])})",
+            f"  tokens identical: {'yes' if r['tokens_identical'] else 'NO'}",
+        ]
+    )
+
+
+def share_weights(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """Two engines on one copy of the weights in hbmd: committed once, read by both, charged to neither."""
+    with stored_weights(args, instance, "share-weights") as (client, name, _):
+        # One after the other: the first takes --kv-share of the KV cache that fits, the second what is left.
+        engines = [HeldEngine(args, "--name", f"{args.name}-1", "--weights", f"hbmd:{name}", "--kv-share", str(args.kv_share))]
+        try:
+            results = [engines[0].result()]
+            engines.append(HeldEngine(args, "--name", f"{args.name}-2", "--weights", f"hbmd:{name}"))
+            results.append(engines[1].result())
+            (weights,) = [b for b in client.buffers() if b.name == name]
+            committed = client.status().committed_bytes
+            for engine in engines:
+                engine.release()
+        finally:
+            for engine in engines:
+                engine.kill()
+    kv = sum(r["kv"]["physical_bytes"] for r in results)
+    uncharged = all(r["session_committed_bytes"] == r["kv"]["physical_bytes"] for r in results)
+    identical = results[0]["tokens"] == results[1]["tokens"]
+    return {
+        "mode": "share-weights",
+        "ok": identical and uncharged and weights.readers == 2 and committed == weights.physical_bytes + kv,
+        "tokens_identical": identical,
+        "config": results[0]["config"],
+        "device": results[0]["device"],
+        "weights_bytes": weights.physical_bytes,
+        "readers": weights.readers,
+        "kv_bytes": kv,
+        "committed_bytes": committed,
+        "engines_charged_for_weights": not uncharged,
+        "attach_s": [r["timings"]["weights_s"] for r in results],
+    }
+
+
+def summarize_share_weights(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"share-weights ({r['config']} on {r['device']}): two engines, one copy of the weights",
+            f"  weights {format_bytes(r['weights_bytes'])} committed once, read by {r['readers']} engines "
+            f"(attached in {', '.join(ms(s) for s in r['attach_s'])}); KV caches {format_bytes(r['kv_bytes'])}; "
+            f"daemon committed {format_bytes(r['committed_bytes'])}",
+            f"  engines charged for the weights: {'YES' if r['engines_charged_for_weights'] else 'no'}; "
+            f"tokens identical: {'yes' if r['tokens_identical'] else 'NO'}",
+        ]
+    )
+
+
 def summarize_two_engines(r: dict[str, Any]) -> str:
     lines = [
         f"two engines under one daemon on {r['device']} (budget {format_bytes(r['budget_bytes'])}, "
@@ -566,6 +734,8 @@ MODES = {
     "crash-resume": (crash_resume, summarize_crash_resume),
     "sleep-wake": (sleep_wake, summarize_sleep_wake),
     "two-engines": (two_engines, summarize_two_engines),
+    "restart": (restart, summarize_restart),
+    "share-weights": (share_weights, summarize_share_weights),
 }
 
 
@@ -599,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--kv-share",
         type=float,
-        help="fraction of what fits that the engine commits (default: 1, engine A's in two-engines 0.5)",
+        help="fraction of what fits that the engine commits (default: 1; the first engine's in two-engines and share-weights 0.5)",
     )
     common.add_argument(
         "--name", default="engine", help="engine name: labels, persistent buffer names <name>-kv-layerN"
@@ -615,6 +785,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--daemon-config", type=Path, metavar="FILE", help="the started daemon's --config (tenant quotas, TOML)"
     )
     common.add_argument("--timeout", type=float, default=300.0, help="seconds an engine subprocess may take")
+    common.add_argument(
+        "--weights", default="seed", help="seed (drawn from --seed), file:PATH (a torch.save checkpoint) or hbmd:NAME"
+    )
     modes = parser.add_subparsers(dest="mode", required=True)
     gen = modes.add_parser("generate", parents=[common], help="one engine serves a batch")
     gen.add_argument(
@@ -629,6 +802,8 @@ def build_parser() -> argparse.ArgumentParser:
     two = modes.add_parser("two-engines", parents=[common], help="two models under one daemon")
     two.add_argument("--second-config", help="engine B's model (default: small for tiny, gpu-small for gpu)")
     two.add_argument("--tenants", default="engine-a,engine-b", help="the two engines' tenant names")
+    modes.add_parser("restart", parents=[common], help="process start to first token: weights from a file or hbmd")
+    modes.add_parser("share-weights", parents=[common], help="two engines on one copy of the weights in hbmd")
     return parser
 
 
@@ -647,7 +822,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(f"--margin: {exc}")
     # Not set_defaults on the two-engines parser: the options' actions are shared by every mode through `common`.
-    args.kv_share = args.kv_share or (0.5 if args.mode == "two-engines" else 1.0)
+    args.kv_share = args.kv_share or (0.5 if args.mode in ("two-engines", "share-weights") else 1.0)
     if not 0 < args.kv_share <= 1:
         parser.error("--kv-share must be in (0, 1]")
     if args.kill_after is not None and not 0 <= args.kill_after < args.new_tokens - 1:

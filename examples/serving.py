@@ -165,7 +165,9 @@ class Engine:
         batch_size: int,
         name: str = "engine",
         persistent: bool = False,
+        weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
+        """``weights``: the model's state dict, used as it is (a checkpoint's, or hbmd's shared views); else drawn from ``weights_seed``."""
         self.client, self.config, self.device = client, config, device
         self.name, self.persistent = name, persistent
         self.batch_size = batch_size
@@ -173,7 +175,10 @@ class Engine:
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.timings: dict[str, float] = {}
         with self._timed("build_s"):
-            self.model = Decoder(config, device, self.dtype, weights_seed)
+            if weights is None:
+                self.model = Decoder(config, device, self.dtype, weights_seed)
+            else:
+                self.model = Decoder.from_state_dict(config, device, self.dtype, weights)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.cache: PagedKVCache | None = None
         self.tables: BlockTables | None = None

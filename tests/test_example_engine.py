@@ -5,7 +5,9 @@ daemon, on the tiny model, and checks what the mode promises: a worker
 SIGKILLed halfway and resumed on its persistent buffers produces the tokens
 of an uninterrupted run; a KV cache released between requests commits
 nothing while asleep and serves correctly after waking; two engines sized
-one after the other both fit and show in the daemon's sessions.
+one after the other both fit and show in the daemon's sessions; a restarted
+worker gets the same tokens from weights attached from hbmd as from a
+checkpoint file; two engines share one copy of the weights.
 """
 
 from __future__ import annotations
@@ -108,3 +110,22 @@ def test_two_engines_stay_within_their_tenants_quotas(start_daemon, tmp_path):
     assert second["committed_bytes"] >= 32 * MiB
     tenants = {t["name"]: t for t in result["tenants"]}
     assert tenants["llama-a"]["max_bytes"] == 24 * MiB and tenants["llama-b"]["guaranteed_bytes"] == 32 * MiB
+
+
+def test_a_restarted_worker_gets_the_same_tokens_from_weights_in_hbmd_as_from_a_checkpoint(small_daemon):
+    result = run_example(small_daemon, "restart", "--new-tokens", "9")
+    assert result["ok"] and result["tokens_identical"]
+    for kind in ("file", "hbmd"):
+        assert 0 < result[kind]["weights_s"] < result[kind]["first_token_s"]
+    # The run removed what it made: the weights in hbmd and the checkpoint.
+    client = small_daemon.connect()
+    assert client.buffers() == [] and client.status().committed_bytes == 0
+    client.close()
+    assert not list(small_daemon.run_dir.glob("*.weights.pt"))
+
+
+def test_two_engines_share_one_copy_of_the_weights(small_daemon):
+    result = run_example(small_daemon, "share-weights", "--new-tokens", "9")
+    assert result["ok"] and result["tokens_identical"] and result["readers"] == 2
+    assert not result["engines_charged_for_weights"]
+    assert result["committed_bytes"] == result["weights_bytes"] + result["kv_bytes"] <= 64 * MiB
