@@ -493,7 +493,8 @@ from hbmd.client import connect
 from hbmd.client.weights import load_weights
 c = connect("cuda:0", client_name="gpu-engine")
 weights = load_weights("gpu-weights", "cuda:0", client=c)
-checksum = sum(int(t.view(torch.uint8).to(torch.int64).mul(torch.arange(1, t.numel() * t.element_size() + 1,
+# Position-weighted, so that bytes in the wrong place do not add up to the same sum.
+checksum = sum(int(t.reshape(-1).view(torch.uint8).to(torch.int64).mul(torch.arange(1, t.numel() * t.element_size() + 1,
                device="cuda")).sum()) for t in weights.values())
 print(checksum, flush=True)
 if sys.stdin.readline().strip() == "write":
