@@ -73,6 +73,11 @@ class CudaMapper:
         driver.make_current(self._ctx)
         driver.unmap(address, size)
 
+    def protect(self, address: int, size: int) -> None:
+        """Set read-only access on a mapped range: a kernel that writes there faults from now on."""
+        driver.make_current(self._ctx)
+        driver.set_access(address, size, [self.ordinal], readonly=True)
+
     def copy(self, destination: int, source: int, size: int) -> None:
         """Device-to-device copy, finished when this returns."""
         driver.make_current(self._ctx)

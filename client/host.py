@@ -17,6 +17,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munmap.restype = ctypes.c_int
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mprotect.restype = ctypes.c_int
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_NONE = 0
@@ -67,6 +69,12 @@ class HostMapper:
     def unmap(self, address: int, size: int) -> None:
         """Put the range back to reserved-but-inaccessible, atomically."""
         _mmap(address, size, _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0)
+
+    def protect(self, address: int, size: int) -> None:
+        """Drop ``PROT_WRITE`` from a mapped range: a write is a SIGSEGV from now on."""
+        if _libc.mprotect(address, size, mmap.PROT_READ) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mprotect of {size} bytes failed: {os.strerror(err)}")
 
     def copy(self, destination: int, source: int, size: int) -> None:
         ctypes.memmove(destination, source, size)

@@ -34,6 +34,10 @@ class Mapper(Protocol):
         """Put the range back to reserved and inaccessible."""
         ...
 
+    def protect(self, address: int, size: int) -> None:
+        """Make a mapped range read-only, as ``map(..., readonly=True)`` would have mapped it."""
+        ...
+
     def unreserve(self, base: int, size: int) -> None:
         ...
 

@@ -385,7 +385,8 @@ class ExtensibleTensor:
         return self
 
     def _map_chunk(self, chunk: ChunkInfo, fd: int) -> None:
-        self._mapper.map(self._base + chunk.offset, chunk, fd, self._readonly)
+        # A sealed buffer is mapped read-only everywhere, in its owner's process too.
+        self._mapper.map(self._base + chunk.offset, chunk, fd, self._readonly or self.sealed)
         self._mapped.append((chunk.offset, chunk.size))
 
     def resize_(self, num_bytes: int, zero_new: bool = False) -> Any:
@@ -464,13 +465,15 @@ class ExtensibleTensor:
         this one. From here the daemon refuses commit, release and defragment
         of it (``InvalidRequest``); it is charged to this session's tenant
         only, and outlives this session as an orphan its readers keep using.
-        Writing to it after sealing is this process's bug: readers map it
-        read-only, this process keeps the mapping it wrote through.
+        This process's mapping turns read-only as well (the readers' are
+        read-only from the start): a write after sealing faults here too.
         Sealing twice is a no-op; an anonymous buffer raises ``InvalidRequest``.
         """
         self._check_writable("seal")
         self._mapper.synchronize()
         self._set_info(self._client.seal(self.buffer_id).buffer)
+        for offset, size in self._mapped:
+            self._mapper.protect(self._base + offset, size)
         return self
 
     # sleep and teardown

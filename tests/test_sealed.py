@@ -241,3 +241,37 @@ def test_a_restart_keeps_a_buffer_sealed(start_daemon, spawn_worker, run_dir, sy
         w = ExtensibleTensor.attach("weights", "cpu", client=client, readonly=True)
         assert w.sealed and torch.equal(w.tensor, pattern(6 * MiB))
         assert info(client, buffer_id).readers == 1
+
+
+SEALER_WHO_WRITES = """
+import sys
+from hbmd.client import ExtensibleTensor, connect
+
+c = connect("cpu", client_name="writer")
+if sys.argv[1] == "attach":
+    w = ExtensibleTensor.attach("weights", "cpu", client=c)
+else:
+    w = ExtensibleTensor(16 << 20, "cpu", client=c, name="weights", persistent=True)
+    w.resize_(4 << 20)
+    w.full_view()[: 4 << 20] = 5
+    w.seal()
+print(int(w.full_view()[0]), flush=True)
+w.full_view()[0] = 1
+print("wrote", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["seal", "attach"])
+def test_the_owners_own_mapping_of_a_sealed_buffer_is_read_only(daemon, client, spawn_worker, how):
+    if how == "attach":
+        # The owner who takes over a sealed orphan maps it read-only too.
+        w = ExtensibleTensor(16 * MiB, "cpu", client=client, name="weights", persistent=True)
+        w.resize_(4 * MiB)
+        w.full_view()[: 4 * MiB] = 5
+        w.seal()
+        w.detach()
+    worker = spawn_worker(daemon, SEALER_WHO_WRITES.replace("sys.argv[1]", repr(how)))
+    assert worker.readline() == "5"
+    assert worker.wait() == -signal.SIGSEGV
+    r = ExtensibleTensor.attach("weights", "cpu", client=client, readonly=True)
+    assert int(r.tensor.float().mean()) == 5 and r.num_bytes == 4 * MiB
