@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import zmq
@@ -81,6 +82,7 @@ from hbmd.proto.errors import (
 from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 
 from .notify import SystemdNotifier
+from .rundir import create_file, open_instance_directory, open_lock
 from .state import Buffer, Chunk, Session, State
 
 if TYPE_CHECKING:  # both are optional collaborators; prometheus_client loads only when metrics are asked for
@@ -206,6 +208,7 @@ class Server:
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
+        self._dir_fd = -1
         self._context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
         self._listener: socket.socket | None = None
@@ -217,20 +220,25 @@ class Server:
     # lifecycle
 
     def bind(self) -> None:
-        """Take the instance lock and bind both sockets."""
+        """Take the instance lock and bind both sockets.
+
+        Raises ``RunDirectoryError`` where someone else could change the
+        instance directory, :class:`AlreadyRunning` where another daemon serves it.
+        """
         self.paths.check_lengths()
-        self.paths.directory.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        self.paths.directory.mkdir(mode=0o750, exist_ok=True)
-        self._set_group(self.paths.directory)
-        self._lock_fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self._dir_fd = open_instance_directory(self.paths.directory, self.group)
+        self._lock_fd = open_lock(self._dir_fd, self.paths.lock.name)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
             self._lock_fd = -1
             raise AlreadyRunning(f"another hbmd is already serving {self.paths.directory}") from None
-        for stale in (self.paths.control, self.paths.handles, self.paths.info):
-            stale.unlink(missing_ok=True)
+        for stale in (self.paths.control, self.paths.handles, self.paths.info, self._info_tmp):
+            try:
+                os.unlink(stale.name, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
 
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -252,9 +260,17 @@ class Server:
         self._poller.register(self._wake_r, zmq.POLLIN)
 
     def _set_group(self, path: os.PathLike) -> None:
-        """Hand ``path`` to the ``--group``, whose members may then connect (modes 0750/0660)."""
+        """Hand ``path`` to the ``--group``, whose members may then connect (mode 0660).
+
+        Only for the sockets, just bound in the daemon's own directory: nobody
+        else could have put a link in their place.
+        """
         if self.group is not None:
             os.chown(path, -1, self.group)
+
+    @property
+    def _info_tmp(self) -> Path:
+        return self.paths.info.with_suffix(".tmp")
 
     def publish(self) -> None:
         """Write ``instance.json``: clients and tools find the instance by it, so it comes once all is up."""
@@ -270,10 +286,10 @@ class Server:
             control=self.paths.endpoint,
             handles=os.fspath(self.paths.handles),
         )
-        tmp = self.paths.info.with_suffix(".tmp")
-        tmp.write_text(info.to_json())
-        os.chmod(tmp, 0o644)
-        tmp.replace(self.paths.info)
+        fd = create_file(self._dir_fd, self._info_tmp.name, 0o644, self.group)
+        with os.fdopen(fd, "w") as tmp:
+            tmp.write(info.to_json())
+        os.replace(self._info_tmp.name, self.paths.info.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop; the wake pipe interrupts the poll."""
@@ -329,13 +345,16 @@ class Server:
             self._router.close(linger=0)
         if self._listener is not None:
             self._listener.close()
-        for path in (self.paths.control, self.paths.handles, self.paths.info):
-            path.unlink(missing_ok=True)
-        for fd in (self._wake_r, self._wake_w):
+        if self._lock_fd >= 0:
+            # Only the daemon holding the lock may remove what it made: another one may be serving.
+            for path in (self.paths.control, self.paths.handles, self.paths.info):
+                try:
+                    os.unlink(path.name, dir_fd=self._dir_fd)
+                except FileNotFoundError:
+                    pass
+        for fd in (self._wake_r, self._wake_w, self._lock_fd, self._dir_fd):
             if fd >= 0:
                 os.close(fd)
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
 
     def _drain_wake(self) -> None:
         try:
