@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: $STATE_DIRECTORY)")
     parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
+    parser.add_argument("--check-invariants", action="store_true",
+                        help="check the books (committed bytes, chunks, owners) after every request and log an "
+                             "error where they do not balance; costs time, for tests")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--version", action="version", version=f"hbmd {VERSION}")
     return parser
@@ -161,7 +164,8 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         metrics = Metrics(state, lock)
     try:
         server = Server(
-            state, paths, lock=lock, notifier=notifier, group=group, metrics=metrics, persistence=persistence
+            state, paths, lock=lock, notifier=notifier, group=group, metrics=metrics, persistence=persistence,
+            check_invariants=args.check_invariants,
         )
     except HandlerTableError as exc:
         raise Refusal(f"this hbmd build is inconsistent: {exc}", 1) from None

@@ -192,11 +192,13 @@ class Server:
         group: int | None = None,
         metrics: Metrics | None = None,
         persistence: Persistence | None = None,
+        check_invariants: bool = False,
     ) -> None:
         """Raises :class:`HandlerTableError` when a request of the protocol has no handler here.
 
         ``lock`` is held while the loop touches the state, so a metrics scrape
-        on another thread sees it whole.
+        on another thread sees it whole. ``check_invariants``: check the
+        state's books after every batch of events and log any imbalance (tests).
         """
         self._handlers = {kind: getattr(self, name) for kind, name in handler_table(type(self), requests()).items()}
         self.state = state
@@ -205,6 +207,7 @@ class Server:
         self.lock = lock
         self.metrics = metrics
         self.persistence = persistence
+        self.check_invariants = check_invariants
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
@@ -312,10 +315,18 @@ class Server:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
                 self._expire_pending()
+                if self.check_invariants and events:
+                    self._check_books()
                 if self.persistence is not None:
                     self.persistence.sync()
                 idle_work = self._idle() if not events else True
             self._notifier.watchdog()
+
+    def _check_books(self) -> None:
+        try:
+            self.state.check_invariants()
+        except AssertionError as exc:
+            log.error("the books do not balance: %s", exc)
 
     def _idle(self) -> bool:
         """One step of the backend's background work (the warm pool); False when done or failing."""
