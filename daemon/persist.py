@@ -8,8 +8,9 @@ memory alive: on start the daemon re-adopts the FDs systemd passes back
 (``LISTEN_FDS``/``LISTEN_FDNAMES``), rebuilds each buffer from the journal as
 an orphan, and workers attach to it again by name with its data.
 
-The host backend parks one memfd per buffer; the CUDA backend one exported
-FD per chunk (so ``FileDescriptorStoreMax`` bounds the chunks kept).
+Both backends park one FD per chunk (the host backend its sealed memfd, the
+CUDA backend an exported handle), so ``FileDescriptorStoreMax`` bounds the
+chunks kept.
 """
 
 from __future__ import annotations

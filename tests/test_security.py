@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import MiB
+from hbmd.client import ExtensibleTensor
+from helpers import MiB, wait_until
 
 pytestmark = pytest.mark.ipc
 
@@ -99,3 +100,95 @@ def test_the_daemon_makes_its_files_itself(start_daemon, run_dir):
     assert not (directory / "instance.tmp").exists()
     with daemon.connect() as c:
         assert c.status().budget_bytes == 64 * MiB
+
+
+# What every attack must leave behind: a live daemon, balanced books, no FD and no byte beyond its budget.
+
+
+def daemon_memory(daemon) -> int:
+    """Bytes really allocated in the memfds the daemon holds: each chunk's, and nothing else."""
+    held = 0
+    for fd in os.listdir(f"/proc/{daemon.pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{daemon.pid}/fd/{fd}").startswith("/memfd:"):
+                held += os.stat(f"/proc/{daemon.pid}/fd/{fd}").st_blocks * 512
+        except FileNotFoundError:
+            pass  # closed while we looked
+    return held
+
+
+def assert_intact(daemon, client, fds_before: int, committed: int = 0) -> None:
+    """``client``: one connected before ``fds_before`` was counted, so its own sockets are in the count."""
+    assert daemon.alive()
+    status = client.status()
+    assert status.committed_bytes == committed <= status.budget_bytes
+    wait_until(lambda: daemon.open_fds() == fds_before, timeout=10)  # a closed peer's sockets go a moment later
+    assert daemon_memory(daemon) == committed
+    assert "the books do not balance" not in daemon.log()
+
+
+def settled_fds(daemon, client) -> int:
+    """The daemon's FD count once ``client`` is connected and served."""
+    client.status()
+    return daemon.open_fds()
+
+
+# 2. Memory outside the budget, through a chunk's FD.
+
+FILLER = """
+import os, sys
+from hbmd.client import connect
+c = connect("cpu")
+buffer = c.create_buffer(64 << 20, 1)
+tries = []
+
+def fill(chunk, fd):
+    for name, attempt in [
+        ("fallocate past the end", lambda: os.posix_fallocate(fd, chunk.size, 1 << 30)),
+        ("grow", lambda: os.ftruncate(fd, 1 << 30)),
+        ("shrink", lambda: os.ftruncate(fd, 0)),
+    ]:
+        try:
+            attempt()
+            tries.append(name + ": done")
+        except OSError as exc:
+            tries.append(name + ": " + exc.strerror)
+    tries.append("size " + str(os.fstat(fd).st_size))
+
+c.commit(buffer.buffer_id, 2 << 20, fill)
+print("; ".join(tries), flush=True)
+"""
+
+
+def test_a_client_cannot_grow_or_fill_a_chunk_beyond_the_budget(daemon, client, spawn_worker):
+    fds_before = settled_fds(daemon, client)
+    worker = spawn_worker(daemon, FILLER)
+    tries = worker.readline()
+    assert worker.wait() == 0
+    assert tries == (
+        "fallocate past the end: Operation not permitted; grow: Operation not permitted; "
+        "shrink: Operation not permitted; size 2097152"
+    )
+    wait_until(lambda: client.status().num_sessions == 1)
+    assert_intact(daemon, client, fds_before)
+
+
+def test_a_preserving_defragment_twice_keeps_the_data(daemon, client):
+    fds_before = settled_fds(daemon, client)
+    t = ExtensibleTensor(64 * MiB, "cpu", client=client)
+    t.resize_(4 * MiB)
+    t.full_view()[: 4 * MiB] = 1
+    t.resize_(8 * MiB)
+    t.full_view()[4 * MiB : 8 * MiB] = 2
+    t.defragment(preserve=True)
+    assert t.num_chunks == 1
+    t.resize_(12 * MiB)
+    t.full_view()[8 * MiB : 12 * MiB] = 3
+    t.defragment(preserve=True)
+    assert t.num_chunks == 1 and t.physical_bytes == 12 * MiB
+    view = t.full_view()
+    assert [int(view[i * 4 * MiB : (i + 1) * 4 * MiB].float().mean()) for i in range(3)] == [1, 2, 3]
+    assert_intact(daemon, client, fds_before + 1, committed=12 * MiB)  # one chunk, one memfd
+    t.free()
+    assert_intact(daemon, client, fds_before)
+

@@ -187,15 +187,23 @@ def test_a_failing_create_undoes_the_chunks_already_made(fail_at):
     assert backend.arenas == 0
 
 
-def test_host_memory_is_really_backed_and_punched():
+def test_a_host_chunk_is_a_sealed_memfd_of_exactly_its_size_really_backed():
     backend = HostBackend()
     arena = backend.open_arena(8 * MiB, False)
+    chunk = backend.create(arena, 2 * MiB, 4 * MiB)
+    exported = backend.export(arena, chunk)
     try:
-        chunk = backend.create(arena, 2 * MiB, 4 * MiB)
-        assert os.fstat(arena.fd).st_blocks * 512 == 4 * MiB
-        backend.release(arena, chunk)
-        assert os.fstat(arena.fd).st_blocks == 0
+        assert backend.handle_offset(arena, chunk) == 0
+        assert os.fstat(exported).st_size == 4 * MiB and os.fstat(exported).st_blocks * 512 == 4 * MiB
+        # What a client holding the FD would try: neither grows the memory behind it.
+        with pytest.raises(PermissionError):
+            os.ftruncate(exported, 8 * MiB)
+        with pytest.raises(PermissionError):
+            os.posix_fallocate(exported, 4 * MiB, 4 * MiB)
+        assert os.fstat(exported).st_blocks * 512 == 4 * MiB
     finally:
+        os.close(exported)
+        backend.release(arena, chunk)
         backend.close_arena(arena)
 
 
