@@ -14,10 +14,13 @@ Example (``hbmd --config /etc/hbmd/gpu0.toml``)::
     guaranteed = "40GiB"        # no other tenant's commit can eat into this
 
     [[tenants]]
-    uid = 1001                  # sessions of uid 1001 that declare no tenant
-    max = "50%"
+    uid = 1001                  # every session of uid 1001: a name it declares is charged here too,
+    max = "50%"                 # unless a named tenant lists 1001 in its uids
 
 Sizes take the units of ``--budget``; a percentage is of the device's memory.
+A declared tenant name never lifts a uid's limits: a uid with its own entry
+is refused a configured name that does not list it in ``uids``, and an unknown
+name it declares is charged to its own entry (see ``State.tenant_for``).
 """
 
 from __future__ import annotations

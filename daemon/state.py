@@ -238,18 +238,31 @@ class State(Generic[A, C]):
     def tenant_for(self, uid: int, declared: str) -> Tenant:
         """The tenant a session of ``uid`` declaring ``declared`` (maybe empty) is charged to.
 
-        A configured name may be limited to some uids; an unknown declared name
-        is a tenant of its own without limits.
+        A declared name never lifts a uid's limits. A uid with its own
+        ``[[tenants]] uid = N`` entry is held to it: it may declare a
+        configured name only where that name's ``uids`` lists it, and any
+        other name it declares is charged to its own entry. For other uids a
+        configured name is open as its ``uids`` say, and an unknown name is a
+        tenant of its own without limits (as the uid's own would be).
         """
-        if declared:
-            if declared.startswith("uid:") or len(declared) > MAX_NAME or not declared.isprintable():
-                raise PermissionDenied(f"tenant name {declared[:MAX_NAME]!r} is not allowed")
-            limits = next((t for t in self.config.tenants if t.name == declared and t.uid is None), None)
-            if limits is not None and limits.uids is not None and uid not in limits.uids:
-                raise PermissionDenied(f"uid {uid} may not declare tenant {declared!r}")
-            name = declared
-        else:
-            name = f"uid:{uid}"
+        own = f"uid:{uid}"
+        if not declared:
+            return self._tenant(own)
+        if declared.startswith("uid:") or len(declared) > MAX_NAME or not declared.isprintable():
+            raise PermissionDenied(f"tenant name {declared[:MAX_NAME]!r} is not allowed")
+        limited = any(t.uid == uid for t in self.config.tenants)
+        limits = next((t for t in self.config.tenants if t.name == declared and t.uid is None), None)
+        if limits is None:
+            return self._tenant(own if limited else declared)
+        if limits.uids is not None and uid not in limits.uids:
+            raise PermissionDenied(f"uid {uid} may not declare tenant {declared!r}")
+        if limited and limits.uids is None:
+            raise PermissionDenied(
+                f"uid {uid} is held to its own tenant {own!r}; tenant {declared!r} would need to list it in uids"
+            )
+        return self._tenant(declared)
+
+    def _tenant(self, name: str) -> Tenant:
         return self.tenants.setdefault(name, Tenant(name))
 
     def open_session(

@@ -7,7 +7,9 @@ and held no memory outside its budget.
 
 from __future__ import annotations
 
+import json
 import os
+import site
 import stat
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 from hbmd.client import ExtensibleTensor
 from helpers import MiB, wait_until
+from test_admission import nobody_can_run_python, nobody_python  # noqa: F401 - a fixture, and its interpreter
 
 pytestmark = pytest.mark.ipc
 
@@ -192,3 +195,43 @@ def test_a_preserving_defragment_twice_keeps_the_data(daemon, client):
     t.free()
     assert_intact(daemon, client, fds_before)
 
+
+# 5. A tenant name declared to escape the uid's limit.
+
+ESCAPE = """
+import json, site, sys
+for path in json.loads(sys.argv[1]):
+    site.addsitedir(path)
+from hbmd.client import ExtensibleTensor, HbmdError, connect
+out = {}
+for tenant in ("anything-else", "open"):
+    try:
+        c = connect("cpu", tenant=tenant, timeout=5)
+    except HbmdError as exc:
+        out[tenant] = type(exc).__name__
+        continue
+    t = ExtensibleTensor(64 << 20, "cpu", client=c)
+    t.resize_(8 << 20)
+    try:
+        t.resize_(10 << 20)
+        out[tenant] = "past its max"
+    except HbmdError as exc:
+        out[tenant] = type(exc).__name__ + " " + exc.details.get("tenant", "")
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_declared_tenant_name_does_not_lift_the_uids_max(nobody_can_run_python, start_daemon, run_dir):
+    config = run_dir / "tenants.toml"
+    config.write_text(f'[[tenants]]\nuid = {NOBODY}\nmax = "8MiB"\n\n[[tenants]]\nname = "open"\nmax = "128MiB"\n')
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config), "--group", "nogroup")
+    with daemon.connect() as client:
+        fds_before = settled_fds(daemon, client)
+        out = subprocess.run(
+            [*nobody_python(), "-c", ESCAPE, json.dumps(site.getsitepackages())],
+            env=dict(os.environ, HBMD_RUN_DIR=str(run_dir)), user=NOBODY, group=NOBODY, extra_groups=[],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {"anything-else": f"OutOfBudget uid:{NOBODY}", "open": "PermissionDenied"}
+        assert_intact(daemon, client, fds_before)
