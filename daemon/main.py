@@ -22,7 +22,7 @@ from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .persist import Persistence
 from .server import AlreadyRunning, HandlerTableError, Server
-from .state import State
+from .state import Limits, State
 
 log = logging.getLogger("hbmd")
 
@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: $STATE_DIRECTORY)")
     parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
+    parser.add_argument("--max-sessions-per-uid", type=int, default=Limits.sessions_per_uid, metavar="N",
+                        help=f"sessions one uid may hold open at once; each costs the daemon FDs "
+                             f"(default: {Limits.sessions_per_uid})")
     parser.add_argument("--check-invariants", action="store_true",
                         help="check the books (committed bytes, chunks, owners) after every request and log an "
                              "error where they do not balance; costs time, for tests")
@@ -144,9 +147,12 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         group = grp.getgrnam(args.group).gr_gid if args.group else None
     except KeyError:
         raise Refusal(f"--group: no group named {args.group!r}", 2) from None
+    if args.max_sessions_per_uid < 1:
+        raise Refusal(f"--max-sessions-per-uid: {args.max_sessions_per_uid} is not a positive number", 2)
+    limits = Limits(sessions_per_uid=args.max_sessions_per_uid)
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
-    state = State(backend, budget, config, args.reclaim_timeout)
+    state = State(backend, budget, config, args.reclaim_timeout, limits)
     lock = threading.Lock()
     persistence = None
     passed = listen_fds()

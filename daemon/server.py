@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import struct
+import termios
 import threading
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ from hbmd.proto import (
     requests,
 )
 from hbmd.proto.errors import (
+    DaemonUnavailable,
     HbmdError,
     InternalError,
     NotFound,
@@ -81,6 +83,9 @@ from hbmd.proto.errors import (
 )
 from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 
+from .fds import limit as fd_limit
+from .fds import open_count as open_fds
+from .fds import usable as usable_fds
 from .notify import SystemdNotifier
 from .rundir import create_file, open_instance_directory, open_lock
 from .state import Buffer, Chunk, Session, State
@@ -95,6 +100,43 @@ HELLO_TIMEOUT_S = 5.0
 MAX_DATAGRAM = 64 << 10
 MAX_FDS_IN = 16
 """FDs accepted (and closed at once) on an inbound datagram; clients send none."""
+MAX_FDS_IN_FLIGHT = 4096
+"""FDs one session may have sent to it and not yet read. The kernel charges FDs queued on a socket to the
+sender's user, up to its RLIMIT_NOFILE (ETOOMANYREFS beyond, for every session alike): a peer that does not
+read must not use that up. More waits in the session's outbox until its socket drains."""
+MAX_QUEUED_BATCHES = 1024
+"""FD batches (of up to 250) waiting in one session's outbox: past it the session is ended, as one that does not read."""
+STALLED_DELIVERY_S = 60.0
+"""A session whose queued FDs made no progress this long, for want of reading them, is ended."""
+DRAIN_CHECK_S = 0.02
+"""How often a session waiting for its socket to drain is looked at again."""
+WARNING_INTERVAL_S = 10.0
+MAX_PENDING_HELLOS_PER_UID = 64
+"""Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
+
+
+class RateLimitedLog:
+    """Warnings of one kind at most once per interval, with a count of those held back."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = WARNING_INTERVAL_S) -> None:
+        self._log = logger
+        self._interval_s = interval_s
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        last, held_back = self._last.get(kind, (-self._interval_s, 0))
+        if now - last < self._interval_s:
+            self._last[kind] = (last, held_back + 1)
+            return
+        self._last[kind] = (now, 0)
+        suffix = f" ({held_back} more like it in the last {self._interval_s:.0f} s)" if held_back else ""
+        self._log.warning(message + suffix, *args)
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` that its peer has not read yet (``SIOCOUTQ``): 0 once it read everything."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
 class AlreadyRunning(RuntimeError):
@@ -161,6 +203,10 @@ class HandleConnection:
     accepted_at: float
     session: Session | None = None
     outbox: collections.deque[FdDelivery] = dataclasses.field(default_factory=collections.deque)
+    fds_in_flight: int = 0
+    """FDs sent since the peer was last seen to have read everything."""
+    last_progress: float = dataclasses.field(default_factory=time.monotonic)
+    """When a batch last went out, or the peer last caught up."""
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
@@ -212,6 +258,8 @@ class Server:
         self._stopping = False
         self._lock_fd = -1
         self._dir_fd = -1
+        self._reserve_fd = -1
+        """Kept open to be closed when the descriptors run out: one to accept a waiting peer with, and refuse it."""
         self._context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
         self._listener: socket.socket | None = None
@@ -219,6 +267,9 @@ class Server:
         self._poller = zmq.Poller()
         self._connections: dict[int, HandleConnection] = {}
         self._by_session: dict[int, HandleConnection] = {}
+        self._draining: set[int] = set()
+        """Handle sockets (by fd) with FDs queued until their peer reads what it has."""
+        self._warnings = RateLimitedLog(log)
 
     # lifecycle
 
@@ -246,6 +297,8 @@ class Server:
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        # A control connection that never completes the ZeroMQ greeting is dropped as a hello-less one is.
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, int(HELLO_TIMEOUT_S * 1000))
         self._router.bind(self.paths.endpoint)
         os.chmod(self.paths.control, 0o660)
         self._set_group(self.paths.control)
@@ -254,10 +307,11 @@ class Server:
         self._listener.bind(os.fspath(self.paths.handles))
         os.chmod(self.paths.handles, 0o660)
         self._set_group(self.paths.handles)
-        self._listener.listen(128)
+        self._listener.listen(socket.SOMAXCONN)  # a burst of connections must not turn honest clients away
         self._listener.setblocking(False)
 
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._reserve_fd = self._open_reserve()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._listener.fileno(), zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -306,7 +360,8 @@ class Server:
     def run(self) -> None:
         idle_work = True
         while not self._stopping:
-            events = self._poller.poll(timeout=0 if idle_work else 1000)
+            timeout = 0 if idle_work else DRAIN_CHECK_S * 1000 if self._draining else 1000
+            events = self._poller.poll(timeout=timeout)
             with self.lock:
                 for fd_or_socket, _ in events:
                     try:
@@ -314,6 +369,7 @@ class Server:
                     except Exception:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
+                self._retry_draining()
                 self._expire_pending()
                 if self.check_invariants and events:
                     self._check_books()
@@ -363,7 +419,7 @@ class Server:
                     os.unlink(path.name, dir_fd=self._dir_fd)
                 except FileNotFoundError:
                     pass
-        for fd in (self._wake_r, self._wake_w, self._lock_fd, self._dir_fd):
+        for fd in (self._wake_r, self._wake_w, self._lock_fd, self._dir_fd, self._reserve_fd):
             if fd >= 0:
                 os.close(fd)
 
@@ -383,19 +439,79 @@ class Server:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                # EMFILE and friends: refuse this peer, keep serving the others.
-                log.warning("accepting a handle connection failed: %s", exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._refuse_without_fds(exc)
+                else:
+                    self._warnings.warning("accept", "accepting a handle connection failed: %s", exc)
                 return
+            if open_fds() > usable_fds():
+                # Keep the headroom libzmq needs (it aborts on EMFILE): a session would cost two more.
+                self._warnings.warning("fds", "refusing handle connections: %s", self._out_of_fds_message())
+                self._refuse(sock, self._out_of_fds_message())
+                continue
             sock.setblocking(False)
             try:
                 pid, uid, gid, groups = peer_credentials(sock)
             except OSError as exc:
-                log.warning("reading peer credentials failed: %s", exc)
+                self._warnings.warning("peercred", "reading peer credentials failed: %s", exc)
                 sock.close()
                 continue
+            pending = [c for c in self._connections.values() if c.session is None and c.uid == uid]
+            if len(pending) >= MAX_PENDING_HELLOS_PER_UID:
+                # The oldest goes, not the newcomer: an honest client says hello at once, a flood's do not.
+                oldest = min(pending, key=lambda c: c.accepted_at)
+                self._warnings.warning(
+                    "pending", "uid %d has %d connections without a hello; closing the oldest (pid %d)",
+                    uid, len(pending), oldest.pid,
+                )
+                self._send_quietly(oldest, Refused(
+                    DaemonUnavailable.code.wire,
+                    f"closed: uid {uid} has {len(pending)} connections that sent no hello yet",
+                ))
+                self._close_connection(oldest, "too many connections without a hello")
             conn = HandleConnection(sock, pid, uid, gid, groups, time.monotonic())
             self._connections[sock.fileno()] = conn
             self._poller.register(sock.fileno(), zmq.POLLIN)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, message: str) -> None:
+        """Turn a peer away at once with a retryable refusal (it is busy, not forbidden)."""
+        try:
+            sock.send(encode_datagram(Refused(DaemonUnavailable.code.wire, message)))
+        except OSError:
+            pass  # it left already
+        sock.close()
+
+    def _refuse_without_fds(self, exc: OSError) -> None:
+        """Out of descriptors: accept and refuse each waiting peer through the reserve FD, so the loop does not spin.
+
+        A listener with peers waiting stays readable; left there, they would wake the poll at once, forever.
+        """
+        message = self._out_of_fds_message()
+        self._warnings.warning("fds", "refusing handle connections: %s (%s)", message, exc.strerror)
+        if self._reserve_fd < 0:
+            return
+        os.close(self._reserve_fd)
+        self._reserve_fd = -1
+        try:
+            while True:
+                sock, _ = self._listener.accept()
+                self._refuse(sock, message)
+        except OSError:
+            pass  # none left waiting, or still no descriptor: the next event tries again
+        finally:
+            self._reserve_fd = self._open_reserve()
+
+    @staticmethod
+    def _out_of_fds_message() -> str:
+        return f"the daemon is out of file descriptors (RLIMIT_NOFILE {fd_limit()}); retry once others disconnect"
+
+    @staticmethod
+    def _open_reserve() -> int:
+        try:
+            return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
 
     def _expire_pending(self) -> None:
         now = time.monotonic()
@@ -519,16 +635,53 @@ class Server:
         except KeyError:
             pass
         conn.outbox.clear()
+        self._draining.discard(fd)
         conn.sock.close()
         if conn.session is not None:
             self._by_session.pop(conn.session.session_id, None)
             freed = self.state.close_session(conn.session)
             log.info("session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
 
+    def _may_send(self, conn: HandleConnection, count: int) -> bool:
+        """Whether ``count`` more FDs keep the session within :data:`MAX_FDS_IN_FLIGHT`."""
+        if conn.fds_in_flight + count <= MAX_FDS_IN_FLIGHT:
+            return True
+        if unread_bytes(conn.sock) == 0:
+            conn.fds_in_flight = 0
+            conn.last_progress = time.monotonic()
+            return True
+        return False
+
+    def _retry_draining(self) -> None:
+        """Send on to sessions that were waiting for their peer to read; end those that stopped reading."""
+        now = time.monotonic()
+        for fd in list(self._draining):
+            conn = self._connections.get(fd)
+            if conn is None:
+                self._draining.discard(fd)
+            elif now - conn.last_progress > STALLED_DELIVERY_S and unread_bytes(conn.sock) > 0:
+                self._end_unread(conn, f"it read none of its FDs for {STALLED_DELIVERY_S:.0f} s")
+            else:
+                self._flush(conn)
+
+    def _end_unread(self, conn: HandleConnection, why: str) -> None:
+        """End a session that does not read its handle socket, before it costs others their FDs."""
+        session = conn.session.session_id if conn.session else 0
+        queued = sum(len(d.chunks) for d in conn.outbox)
+        log.warning(
+            "ending session %d (pid %d, uid %d): it does not read its handle socket (%s; %d FDs unread, %d queued)",
+            session, conn.pid, conn.uid, why, conn.fds_in_flight, queued,
+        )
+        self._close_connection(conn, "not reading its handle socket")
+
     def _flush(self, conn: HandleConnection) -> None:
-        """Send queued FD batches until the socket is full; close each FD once sent."""
+        """Send queued FD batches while the peer keeps up and the socket has room; close each FD once sent."""
+        waiting = False
         while conn.outbox:
             delivery = conn.outbox[0]
+            if not self._may_send(conn, len(delivery.chunks)):
+                waiting = True
+                break
             header = FdBatch(delivery.request_id, [c.chunk_id for c in delivery.chunks], delivery.batch, delivery.batches)
             fds: list[int] = []
             try:
@@ -547,15 +700,28 @@ class Server:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
-                    log.warning("sending FDs to pid %d failed: %s", conn.pid, exc)
+                if exc.errno == errno.ETOOMANYREFS:
+                    # Too many FDs in flight for this user, on all sessions together: wait for readers.
+                    waiting = True
+                    self._warnings.warning(
+                        "etoomanyrefs", "sending FDs to pid %d waits: too many FDs in flight (%s)", conn.pid, exc
+                    )
+                elif exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                    self._warnings.warning("send", "sending FDs to pid %d failed: %s", conn.pid, exc)
                 break
             finally:
                 for fd in fds:
                     os.close(fd)
             conn.outbox.popleft()
-        flags = zmq.POLLIN | (zmq.POLLOUT if conn.outbox else 0)
-        self._poller.register(conn.sock.fileno(), flags)
+            conn.fds_in_flight += len(fds)
+            conn.last_progress = time.monotonic()
+        fd = conn.sock.fileno()
+        if waiting:
+            self._draining.add(fd)
+        else:
+            self._draining.discard(fd)
+        # POLLOUT only for a full socket: one waiting for its peer to read would wake the loop at once, forever.
+        self._poller.register(fd, zmq.POLLIN | (zmq.POLLOUT if conn.outbox and not waiting else 0))
 
     # control plane
 
@@ -668,19 +834,28 @@ class Server:
 
     @handles(Commit)
     def _commit(self, conn: HandleConnection, request_id: int, msg: Commit) -> Committed:
+        self._check_reading(conn)
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
     @handles(Attach)
     def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
+        self._check_reading(conn)
         buffer = self.state.attach(conn.session, msg.name)
         log.info("session %d attached persistent buffer %r (%d bytes)", conn.session.session_id, msg.name, buffer.physical_bytes)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
     @handles(Defragment)
     def _defragment(self, conn: HandleConnection, request_id: int, msg: Defragment) -> Committed:
+        self._check_reading(conn)
         chunks = self.state.defragment(conn.session, msg.buffer_id, msg.preserve)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
+    def _check_reading(self, conn: HandleConnection) -> None:
+        """Refuse, and end, a session asking for more FDs while it leaves :data:`MAX_QUEUED_BATCHES` unread."""
+        if len(conn.outbox) >= MAX_QUEUED_BATCHES:
+            self._end_unread(conn, f"{len(conn.outbox)} batches queued")
+            raise ProtocolError("this session was ended: it does not read the FDs sent on its handle socket")
 
     def _deliver(self, conn: HandleConnection, request_id: int, buffer: Buffer, chunks: list[Chunk]) -> Committed:
         """Queue the chunks' FDs on the session's handle socket and describe them in the reply."""

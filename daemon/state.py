@@ -96,6 +96,14 @@ class Chunk(Generic[C]):
     """False once released: a queued export of it must not happen."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-uid bounds on what costs the daemon something besides the budget (its FDs, its state directory)."""
+
+    sessions_per_uid: int = 128
+    persistent_buffers_per_uid: int = 64
+
+
 RECLAIM_PATIENCE_S = 30.0
 """By default a reclaim request unanswered this long is reported as ignored (the session is never killed for it)."""
 
@@ -209,8 +217,10 @@ class State(Generic[A, C]):
         budget_bytes: int,
         config: Config | None = None,
         reclaim_patience_s: float = RECLAIM_PATIENCE_S,
+        limits: Limits = Limits(),
     ) -> None:
         self.backend = backend
+        self.limits = limits
         self.reclaim_patience_s = reclaim_patience_s
         self.budget_bytes = budget_bytes
         self.config = config or Config()
@@ -268,6 +278,13 @@ class State(Generic[A, C]):
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False
     ) -> Session:
+        """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`."""
+        open_sessions = sum(1 for s in self.sessions.values() if s.uid == uid)
+        if open_sessions >= self.limits.sessions_per_uid:
+            raise Conflict(
+                f"uid {uid} already has {open_sessions} sessions, the most allowed (--max-sessions-per-uid)",
+                uid=uid, limit=self.limits.sessions_per_uid,
+            )
         session = Session(
             self._next_session,
             secrets.token_hex(16),

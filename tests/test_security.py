@@ -10,13 +10,18 @@ from __future__ import annotations
 import json
 import os
 import site
+import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from hbmd.client import ExtensibleTensor
+from hbmd import proto
+from hbmd.client import ExtensibleTensor, HbmdError
+from hbmd.daemon.server import HELLO_TIMEOUT_S, MAX_FDS_IN_FLIGHT, MAX_PENDING_HELLOS_PER_UID, MAX_QUEUED_BATCHES
+from hbmd.proto.instance import InstancePaths
 from helpers import MiB, wait_until
 from test_admission import nobody_can_run_python, nobody_python  # noqa: F401 - a fixture, and its interpreter
 
@@ -235,3 +240,128 @@ def test_a_declared_tenant_name_does_not_lift_the_uids_max(nobody_can_run_python
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == {"anything-else": f"OutOfBudget uid:{NOBODY}", "open": "PermissionDenied"}
         assert_intact(daemon, client, fds_before)
+
+
+# 3. FDs in flight: a session that never reads its handle socket.
+
+
+def test_a_session_that_never_reads_its_fds_is_ended_and_others_are_served(daemon, client):
+    fds_before = settled_fds(daemon, client)
+    honest = ExtensibleTensor(64 * MiB, "cpu", client=client)
+    greedy = daemon.connect(client_name="greedy")
+    # 64 segments each backed by a chunk of its own: every discarding defragment sends all 64 FDs again.
+    buffer = greedy.create_buffer(64 * 4 * MiB, 64)
+    greedy.call(proto.Commit(buffer.buffer_id, 2 * MiB))
+    sent = 64
+    with pytest.raises(HbmdError) as ended:
+        for _ in range(2 * MAX_QUEUED_BATCHES):
+            greedy.call(proto.Defragment(buffer.buffer_id, False))
+            sent += 64
+            if sent % (64 * 64) == 0:
+                honest.resize_(honest.num_bytes + 2 * MiB)  # the honest client's FDs still arrive
+    assert "does not read the FDs" in str(ended.value)
+    assert MAX_FDS_IN_FLIGHT < sent <= MAX_FDS_IN_FLIGHT + 64 * (MAX_QUEUED_BATCHES + 1)
+    assert honest.num_bytes == sent // (64 * 64) * 2 * MiB >= 2 * MiB
+    honest.full_view()[: honest.num_bytes] = 5
+    assert int(honest.full_view()[: honest.num_bytes].float().mean()) == 5
+    ends = [line for line in daemon.log().splitlines() if "does not read its handle socket" in line]
+    assert len(ends) == 1 and "ending session" in ends[0] and "FDs unread" in ends[0]
+    assert sum("WARNING" in line for line in daemon.log().splitlines()) < 10
+    greedy.close()
+    wait_until(lambda: client.status().num_sessions == 1)
+    assert_intact(daemon, client, fds_before + honest.num_chunks, committed=honest.num_bytes)
+
+
+def test_sessions_per_uid_are_capped(start_daemon):
+    daemon = start_daemon("--max-sessions-per-uid", "3")
+    sessions = [daemon.connect() for _ in range(3)]
+    with pytest.raises(HbmdError, match="already has 3 sessions") as refused:
+        daemon.connect()
+    assert refused.value.retryable
+    sessions.pop().close()
+    wait_until(lambda: sessions[0].status().num_sessions == 2)
+    sessions.append(daemon.connect())
+    for c in sessions:
+        c.close()
+
+
+# 7. Descriptors run out; peers that never say hello.
+
+
+def limited_fds(limit: int) -> list[str]:
+    """``python -m hbmd.daemon`` under a hard RLIMIT_NOFILE of ``limit``."""
+    code = (
+        "import resource, runpy, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+        "runpy.run_module('hbmd.daemon', run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_chunks_past_the_fd_limit_are_refused_whole_and_retryably(start_daemon):
+    daemon = start_daemon("--budget", "1GiB", command=limited_fds(256))
+    with daemon.connect() as client:
+        fds_before = settled_fds(daemon, client)
+        many = ExtensibleTensor(256 * 4 * MiB, "cpu", num_segments=256, client=client)
+        with pytest.raises(MemoryError, match="RLIMIT_NOFILE 256") as refused:
+            many.resize_per_segment_(2 * MiB)  # 256 chunks: more than 256 descriptors leave room for
+        assert refused.value.retryable and many.num_chunks == 0
+        few = ExtensibleTensor(64 * 4 * MiB, "cpu", num_segments=64, client=client)
+        few.resize_per_segment_(2 * MiB)
+        assert_intact(daemon, client, fds_before + 64, committed=128 * MiB)
+        assert "Traceback" not in daemon.log()
+
+
+def test_hello_less_connections_are_bounded_and_timed_out_without_starving_anyone(daemon, client):
+    fds_before = settled_fds(daemon, client)
+    paths = InstancePaths.of(daemon.run_dir, "host")
+    silent = []
+    for _ in range(400):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.connect(str(paths.handles))
+        silent.append(sock)
+    with daemon.connect() as late:  # served at once, however many wait
+        t = ExtensibleTensor(8 * MiB, "cpu", client=late)
+        t.resize_(8 * MiB)
+        assert t.physical_bytes == 8 * MiB
+        t.free()
+    assert daemon.open_fds() <= fds_before + MAX_PENDING_HELLOS_PER_UID + 2
+    cpu = cpu_seconds(daemon.pid)
+    wait_until(lambda: daemon.open_fds() == fds_before, timeout=HELLO_TIMEOUT_S + 5)
+    assert cpu_seconds(daemon.pid) - cpu < 1.0  # waited, did not spin
+    closed_early = sum(1 for sock in silent if b"sent no hello yet" in sock.recv(4096))
+    assert closed_early >= 400 - MAX_PENDING_HELLOS_PER_UID
+    for sock in silent:
+        sock.close()
+    assert_intact(daemon, client, fds_before)
+
+
+def test_out_of_descriptors_a_newcomer_is_refused_clearly_and_the_loop_does_not_spin(start_daemon):
+    daemon = start_daemon("--max-sessions-per-uid", "1000", command=limited_fds(128))
+    client = daemon.connect()
+    fds_before = settled_fds(daemon, client)
+    sessions = []
+    with pytest.raises(HbmdError) as refused:
+        for _ in range(200):
+            sessions.append(daemon.connect(timeout=5))
+    assert refused.value.retryable
+    assert "out of file descriptors (RLIMIT_NOFILE 128)" in str(refused.value)
+    cpu = cpu_seconds(daemon.pid)
+    for _ in range(20):  # knocking while there is no descriptor to spare
+        with pytest.raises(HbmdError, match="out of file descriptors"):
+            daemon.connect(timeout=5)
+    time.sleep(1)
+    assert cpu_seconds(daemon.pid) - cpu < 1.0
+    for c in sessions:
+        c.close()
+    wait_until(lambda: client.status().num_sessions == 1)
+    with daemon.connect() as again:
+        assert again.status().num_sessions == 2
+    assert_intact(daemon, client, fds_before)
+    assert sum("out of file descriptors" in line for line in daemon.log().splitlines()) <= 3  # rate-limited
+    client.close()

@@ -11,8 +11,9 @@ client's mapping goes too.
 
 FD count: the daemon holds one descriptor per live chunk (and exported ones
 only until they are sent). ``hbmd`` raises its ``RLIMIT_NOFILE`` to the hard
-limit at start; a commit that would cross it is refused with a retryable
-error naming the limit, before a memfd is made.
+limit at start; a commit that would take the chunks past what that limit
+leaves (see ``daemon/fds.py``) is refused with a retryable error naming the
+limit, before a memfd is made.
 
 The granule is 2 MiB rather than the 4 KiB page: it is the GPU granule, so a
 buffer's chunk layout, its straddling granules and its sizes are the same on
@@ -30,9 +31,11 @@ import os
 
 from hbmd.proto.errors import InternalError, OutOfDeviceMemory
 
+from .. import fds
 from . import ParkableBackend
 
 GRANULE = 2 << 20
+RECOUNT_EVERY = 32
 
 SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 """A chunk's size is fixed for good: no grow, no shrink, and no seal may be added (or taken) by anyone."""
@@ -49,9 +52,22 @@ class HostChunk:
     size: int
 
 
+def out_of_fds(size: int) -> OutOfDeviceMemory:
+    return OutOfDeviceMemory(
+        f"the daemon has no file descriptor left for a new {size}-byte chunk (RLIMIT_NOFILE {fds.limit()}, "
+        "one per chunk): retry once others free memory, or raise the daemon's limit",
+        requested=size, limit="RLIMIT_NOFILE",
+    )
+
+
 def sealed_memfd(size: int) -> int:
     """A new memfd of exactly ``size`` allocated bytes, sealed; raises ``OutOfDeviceMemory`` when memory is short."""
-    fd = os.memfd_create("hbmd-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        fd = os.memfd_create("hbmd-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise out_of_fds(size) from None
+        raise
     try:
         os.ftruncate(fd, size)
         try:
@@ -89,12 +105,33 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
 
     def __init__(self) -> None:
         self.total_bytes = host_memory_bytes()
+        self._open_chunks = 0
+        self._counted = (0, -RECOUNT_EVERY)
+        """``(descriptors open, chunks open)`` when the process's descriptors were last counted."""
+
+    def _fds_left(self) -> bool:
+        """Whether one more chunk leaves the daemon its descriptor headroom.
+
+        Sessions cost descriptors too, so this counts them all, but only every
+        :data:`RECOUNT_EVERY` chunks (a count lists them all), adding the chunks
+        opened since; what it misses in between stays within the headroom.
+        """
+        counted, at_chunks = self._counted
+        if abs(self._open_chunks - at_chunks) >= RECOUNT_EVERY:
+            counted, at_chunks = self._counted = (fds.open_count(), self._open_chunks)
+        return counted + self._open_chunks - at_chunks < fds.usable()
+
+    def _opened(self, chunk: HostChunk) -> HostChunk:
+        self._open_chunks += 1
+        return chunk
 
     def open_arena(self, reserved_bytes: int, shareable: bool) -> HostArena:
         return HostArena()
 
     def create(self, arena: HostArena, offset: int, size: int) -> HostChunk:
-        return HostChunk(sealed_memfd(size), size)
+        if not self._fds_left():
+            raise out_of_fds(size)
+        return self._opened(HostChunk(sealed_memfd(size), size))
 
     def handle_offset(self, arena: HostArena, chunk: HostChunk) -> int:
         return 0
@@ -104,6 +141,7 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
 
     def release(self, arena: HostArena, chunk: HostChunk) -> None:
         os.close(chunk.fd)
+        self._open_chunks -= 1
 
     def close_arena(self, arena: HostArena) -> None:
         """Nothing to drop: the chunks were the buffer's only memory."""
@@ -131,4 +169,4 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         if handle_offset != 0 or os.fstat(fd).st_size != size or seals & SEALS != SEALS:
             raise InternalError(f"the FD parked for the chunk at {offset} is not a sealed memfd of {size} bytes")
-        return HostChunk(os.dup(fd), size)
+        return self._opened(HostChunk(os.dup(fd), size))
