@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-sessions-per-uid", type=int, default=Limits.sessions_per_uid, metavar="N",
                         help=f"sessions one uid may hold open at once; each costs the daemon FDs "
                              f"(default: {Limits.sessions_per_uid})")
+    parser.add_argument("--max-persistent-per-uid", type=int, default=Limits.persistent_buffers_per_uid, metavar="N",
+                        help=f"persistent buffers one uid may hold; each is journaled in the state directory "
+                             f"(default: {Limits.persistent_buffers_per_uid})")
     parser.add_argument("--check-invariants", action="store_true",
                         help="check the books (committed bytes, chunks, owners) after every request and log an "
                              "error where they do not balance; costs time, for tests")
@@ -149,7 +152,9 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         raise Refusal(f"--group: no group named {args.group!r}", 2) from None
     if args.max_sessions_per_uid < 1:
         raise Refusal(f"--max-sessions-per-uid: {args.max_sessions_per_uid} is not a positive number", 2)
-    limits = Limits(sessions_per_uid=args.max_sessions_per_uid)
+    if args.max_persistent_per_uid < 0:
+        raise Refusal(f"--max-persistent-per-uid: {args.max_persistent_per_uid} is negative", 2)
+    limits = Limits(sessions_per_uid=args.max_sessions_per_uid, persistent_buffers_per_uid=args.max_persistent_per_uid)
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, config, args.reclaim_timeout, limits)

@@ -359,6 +359,13 @@ class State(Generic[A, C]):
                     f"a persistent buffer named {name!r} already exists; attach to it or delete it",
                     buffer_id=existing.buffer_id,
                 )
+            held = sum(1 for uid, _ in self._persistent if uid == session.uid)
+            if held >= self.limits.persistent_buffers_per_uid:
+                raise OutOfBudget(
+                    f"uid {session.uid} already has {held} persistent buffers, the most allowed "
+                    "(--max-persistent-per-uid); delete one it no longer needs",
+                    uid=session.uid, limit=self.limits.persistent_buffers_per_uid,
+                )
         reserved = round_up(capacity, self.backend.granularity)
         arena = self.backend.open_arena(reserved, shareable)
         buffer = Buffer(

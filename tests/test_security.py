@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_systemd import FakeSystemd
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, HbmdError
 from hbmd.daemon.server import HELLO_TIMEOUT_S, MAX_FDS_IN_FLIGHT, MAX_PENDING_HELLOS_PER_UID, MAX_QUEUED_BATCHES
@@ -365,3 +366,63 @@ def test_out_of_descriptors_a_newcomer_is_refused_clearly_and_the_loop_does_not_
     assert_intact(daemon, client, fds_before)
     assert sum("out of file descriptors" in line for line in daemon.log().splitlines()) <= 3  # rate-limited
     client.close()
+
+
+# 4. A full state directory; persistent buffers without end.
+
+
+@pytest.fixture
+def full_state_dir(run_dir):
+    """A 64 KiB tmpfs as the state directory, filled up by a file the test can remove."""
+    as_root_only("mounting a small filesystem")
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(state_dir)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    filler = state_dir / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass  # full
+    finally:
+        os.close(fd)
+    yield state_dir, filler
+    subprocess.run(["umount", "-l", str(state_dir)], check=False)
+
+
+def test_a_full_state_directory_degrades_persistence_and_the_daemon_serves_on(start_daemon, run_dir, full_state_dir):
+    state_dir, filler = full_state_dir
+    systemd = FakeSystemd(run_dir / "notify.sock")
+    try:
+        daemon = start_daemon("--state-dir", str(state_dir), env={"NOTIFY_SOCKET": str(systemd.path)})
+        client = daemon.connect()
+        fds_before = settled_fds(daemon, client)
+        kv = ExtensibleTensor(16 * MiB, "cpu", client=client, name="kv", persistent=True)
+        kv.resize_(4 * MiB)
+        wait_until(lambda: "persistence degraded" in daemon.log())
+        kv.resize_(8 * MiB)  # still served
+        assert kv.physical_bytes == 8 * MiB and client.status().committed_bytes == 8 * MiB
+        assert sum("persistence degraded" in line for line in daemon.log().splitlines()) == 1
+        filler.unlink()
+        kv.resize_(10 * MiB)  # the next change writes the journal again
+        journal = state_dir / "host.journal.json"
+        wait_until(lambda: journal.exists() and '"kv"' in journal.read_text())
+        assert "persistence restored" in daemon.log()
+        assert_intact(daemon, client, fds_before + kv.num_chunks, committed=10 * MiB)
+        kv.free()
+        client.close()
+    finally:
+        systemd.close()
+
+
+def test_persistent_buffers_per_uid_are_capped(start_daemon):
+    daemon = start_daemon("--max-persistent-per-uid", "3")
+    with daemon.connect() as client:
+        kept = [ExtensibleTensor(2 * MiB, "cpu", client=client, name=f"kv{i}", persistent=True) for i in range(3)]
+        with pytest.raises(MemoryError, match="already has 3 persistent buffers"):
+            ExtensibleTensor(2 * MiB, "cpu", client=client, name="kv3", persistent=True)
+        ExtensibleTensor(2 * MiB, "cpu", client=client).free()  # anonymous ones are not counted
+        kept.pop().free()
+        ExtensibleTensor(2 * MiB, "cpu", client=client, name="kv3", persistent=True)
