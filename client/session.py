@@ -38,7 +38,7 @@ from hbmd.proto import (
     Status,
     StatusReply,
 )
-from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError
+from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError, InvalidRequest
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
@@ -188,9 +188,18 @@ class Client:
     def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
         return self.call(FinishDefragment(buffer_id, keep_new))
 
-    def delete(self, name: str) -> Freed:
-        """Free this user's orphaned persistent buffer ``name``."""
-        return self.call(Delete(name))
+    def delete(self, name: str, owner_uid: int = -1) -> Freed:
+        """Free this user's orphaned persistent buffer ``name``, or (admins) user ``owner_uid``'s.
+
+        Raises ``InvalidRequest`` for ``owner_uid`` on a daemon older than
+        protocol 1.1, which would ignore it and delete this user's buffer.
+        """
+        if owner_uid != -1 and tuple(self.welcome.version) < (1, 1):
+            raise InvalidRequest(
+                f"hbmd {self.welcome.daemon_version} cannot delete another user's buffer (needs protocol 1.1)",
+                field="owner_uid",
+            )
+        return self.call(Delete(name, owner_uid))
 
     def _call_with_chunks(
         self, msg: Request[Committed], on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None

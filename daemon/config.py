@@ -52,7 +52,8 @@ class TenantLimits:
 class Access:
     allow_uids: frozenset[int] | None = None
     allow_gids: frozenset[int] | None = None
-    admin_uids: frozenset[int] = frozenset({0})
+    admin_uids: frozenset[int] = frozenset({0, os.getuid()})
+    """Root and the daemon's own user are always admins."""
 
     def admits(self, uid: int, gids: set[int]) -> bool:
         if self.allow_uids is None and self.allow_gids is None:

@@ -882,6 +882,7 @@ class Server:
 
     @handles(Delete)
     def _delete(self, conn: HandleConnection, request_id: int, msg: Delete) -> Freed:
-        buffer_id, freed = self.state.delete(conn.session, msg.name)
-        log.info("session %d deleted persistent buffer %r", conn.session.session_id, msg.name)
+        buffer_id, freed = self.state.delete(conn.session, msg.name, msg.owner_uid)
+        owner = conn.uid if msg.owner_uid == -1 else msg.owner_uid
+        log.info("session %d (uid %d) deleted persistent buffer %r of uid %d", conn.session.session_id, conn.uid, msg.name, owner)
         return Freed(buffer_id, freed)

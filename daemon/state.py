@@ -431,14 +431,21 @@ class State(Generic[A, C]):
         Names are per user: another user's buffer of the same name is not found.
         """
         self._check_not_observer(session)
-        buffer = self._orphan(session, name)
+        buffer = self._orphan(session.uid, name)
         buffer.owner = session
         session.buffers[buffer.buffer_id] = buffer
         return buffer
 
-    def delete(self, session: Session, name: str) -> tuple[int, int]:
-        """Free an orphaned persistent buffer of the session's user by name. Returns its id and the bytes freed."""
-        buffer = self._orphan(session, name)
+    def delete(self, session: Session, name: str, owner_uid: int = -1) -> tuple[int, int]:
+        """Free an orphaned persistent buffer by name: the session's user's, or for an admin ``owner_uid``'s.
+
+        Returns its id and the bytes freed.
+        """
+        _check_int("owner_uid", owner_uid, -1, (1 << 32) - 1)
+        uid = session.uid if owner_uid == -1 else owner_uid
+        if uid != session.uid and not session.admin:
+            raise PermissionDenied("only an admin may delete another user's persistent buffer")
+        buffer = self._orphan(uid, name)
         return buffer.buffer_id, self._drop(buffer)
 
     @staticmethod
@@ -446,9 +453,9 @@ class State(Generic[A, C]):
         if session.observer:
             raise PermissionDenied("an observer session holds no memory; connect without observer=True")
 
-    def _orphan(self, session: Session, name: str) -> Buffer[A, C]:
-        """The session's user's persistent buffer ``name``, refused while a live session holds it."""
-        buffer = self._named(session, name)
+    def _orphan(self, uid: int, name: str) -> Buffer[A, C]:
+        """The persistent buffer ``name`` of ``uid``, refused while a live session holds it."""
+        buffer = self._named(uid, name)
         if buffer.owner is not None:
             raise Conflict(
                 f"persistent buffer {name!r} is attached by session {buffer.owner.session_id} "
@@ -457,12 +464,12 @@ class State(Generic[A, C]):
             )
         return buffer
 
-    def _named(self, session: Session, name: str) -> Buffer[A, C]:
+    def _named(self, uid: int, name: str) -> Buffer[A, C]:
         if len(name) > MAX_NAME:
             raise InvalidRequest(f"buffer names have at most {MAX_NAME} characters", field="name")
-        buffer = self._persistent.get((session.uid, name))
+        buffer = self._persistent.get((uid, name))
         if buffer is None:
-            raise NotFound(f"no persistent buffer named {name!r} for uid {session.uid}", name=name)
+            raise NotFound(f"no persistent buffer named {name!r} for uid {uid}", name=name)
         return buffer
 
     def buffer_of(self, session: Session, buffer_id: int) -> Buffer[A, C]:

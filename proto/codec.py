@@ -22,7 +22,7 @@ import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 0)
+PROTOCOL_VERSION = (1, 1)
 MAX_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_CHARS = 1000
 MAX_DETAIL_CHARS = 256

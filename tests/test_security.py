@@ -23,7 +23,7 @@ from hbmd import proto
 from hbmd.client import ExtensibleTensor, HbmdError
 from hbmd.daemon.server import HELLO_TIMEOUT_S, MAX_FDS_IN_FLIGHT, MAX_PENDING_HELLOS_PER_UID, MAX_QUEUED_BATCHES
 from hbmd.proto.instance import InstancePaths
-from helpers import MiB, wait_until
+from helpers import MiB, hbmctl, wait_until
 from test_admission import nobody_can_run_python, nobody_python  # noqa: F401 - a fixture, and its interpreter
 
 pytestmark = pytest.mark.ipc
@@ -233,13 +233,8 @@ def test_a_declared_tenant_name_does_not_lift_the_uids_max(nobody_can_run_python
     daemon = start_daemon("--budget", "256MiB", "--config", str(config), "--group", "nogroup")
     with daemon.connect() as client:
         fds_before = settled_fds(daemon, client)
-        out = subprocess.run(
-            [*nobody_python(), "-c", ESCAPE, json.dumps(site.getsitepackages())],
-            env=dict(os.environ, HBMD_RUN_DIR=str(run_dir)), user=NOBODY, group=NOBODY, extra_groups=[],
-            capture_output=True, text=True, timeout=60,
-        )
-        assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout) == {"anything-else": f"OutOfBudget uid:{NOBODY}", "open": "PermissionDenied"}
+        outcome = json.loads(run_as_nobody(run_dir, ESCAPE))
+        assert outcome == {"anything-else": f"OutOfBudget uid:{NOBODY}", "open": "PermissionDenied"}
         assert_intact(daemon, client, fds_before)
 
 
@@ -426,3 +421,50 @@ def test_persistent_buffers_per_uid_are_capped(start_daemon):
         ExtensibleTensor(2 * MiB, "cpu", client=client).free()  # anonymous ones are not counted
         kept.pop().free()
         ExtensibleTensor(2 * MiB, "cpu", client=client, name="kv3", persistent=True)
+
+
+# 8. An admin frees another user's orphan.
+
+ORPHAN_MAKER = """
+import json, site, sys
+for path in json.loads(sys.argv[1]):
+    site.addsitedir(path)
+from hbmd.client import ExtensibleTensor, HbmdError, connect
+c = connect("cpu", timeout=5)
+kv = ExtensibleTensor(16 << 20, "cpu", client=c, name="kv", persistent=True)
+kv.resize_(8 << 20)
+try:
+    c.delete("roots-kv", owner_uid=0)
+    print("deleted root's buffer", flush=True)
+except HbmdError as exc:
+    print(type(exc).__name__, flush=True)
+"""
+
+
+def run_as_nobody(run_dir: Path, code: str) -> str:
+    out = subprocess.run(
+        [*nobody_python(), "-c", code, json.dumps(site.getsitepackages())],
+        env=dict(os.environ, HBMD_RUN_DIR=str(run_dir)), user=NOBODY, group=NOBODY, extra_groups=[],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_an_admin_deletes_another_users_orphan_and_a_user_cannot(nobody_can_run_python, start_daemon, run_dir):
+    daemon = start_daemon("--budget", "256MiB", "--group", "nogroup")
+    with daemon.connect() as root:
+        fds_before = settled_fds(daemon, root)
+        mine = ExtensibleTensor(8 * MiB, "cpu", client=root, name="roots-kv", persistent=True)
+        mine.resize_(2 * MiB)
+        assert run_as_nobody(run_dir, ORPHAN_MAKER) == "PermissionDenied"
+        assert root.status().committed_bytes == 10 * MiB  # its orphan, and root's buffer untouched
+
+        own = hbmctl("--run-dir", str(run_dir), "delete", "kv")
+        assert own.returncode == 3 and "no persistent buffer named 'kv' for uid 0" in own.stderr
+        theirs = hbmctl("--run-dir", str(run_dir), "--json", "delete", "--uid", str(NOBODY), "kv")
+        assert theirs.returncode == 0, theirs.stderr
+        assert json.loads(theirs.stdout)["freed_bytes"] == 8 * MiB
+        assert f"deleted persistent buffer 'kv' of uid {NOBODY}" in daemon.log()
+        assert_intact(daemon, root, fds_before + mine.num_chunks, committed=2 * MiB)
+        mine.free()
