@@ -82,6 +82,8 @@ def cmd_status(client: Client, args: argparse.Namespace) -> tuple[dict[str, Any]
             for t in tenants
         ]
         text += "\n\n" + render_table(["TENANT", "SESSIONS", "USED", "GUARANTEED", "MAX"], rows)
+    if s.tenants_left_out:
+        text += f"\n... and {s.tenants_left_out} more tenants"
     return data, text
 
 

@@ -111,6 +111,8 @@ STALLED_DELIVERY_S = 60.0
 DRAIN_CHECK_S = 0.02
 """How often a session waiting for its socket to drain is looked at again."""
 WARNING_INTERVAL_S = 10.0
+MAX_TENANTS_LISTED = 1000
+"""Tenants in one status reply: it must stay far below the frame limit however many names clients declare."""
 MAX_PENDING_HELLOS_PER_UID = 64
 """Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
 
@@ -763,6 +765,12 @@ class Server:
     @handles(Status)
     def _status(self, conn: HandleConnection, request_id: int, msg: Status) -> StatusReply:
         state, backend = self.state, self.state.backend
+        me = conn.session
+        # Limited tenants first, then the largest: what a capped list must not lose.
+        tenants = sorted(
+            state.tenant_infos(None if me.admin else me.uid),
+            key=lambda t: (t.max_bytes < 0 and not t.guaranteed_bytes, -t.used_bytes, t.name),
+        )
         return StatusReply(
             instance=backend.instance,
             backend=backend.name,
@@ -780,7 +788,8 @@ class Server:
             num_chunks=state.num_chunks,
             uptime_s=time.monotonic() - state.started_at,
             device_free_bytes=backend.free_bytes(),
-            tenants=state.tenant_infos(),
+            tenants=sorted(tenants[:MAX_TENANTS_LISTED], key=lambda t: t.name),
+            tenants_left_out=max(0, len(tenants) - MAX_TENANTS_LISTED),
         )
 
     @handles(ListSessions)

@@ -116,6 +116,8 @@ class Tenant:
     max_bytes: int | None = None
     guaranteed_bytes: int = 0
     used_bytes: int = 0
+    holders: int = 0
+    """Sessions and buffers charged to it: a tenant nobody configured goes with its last one."""
 
     @property
     def unmet_guarantee(self) -> int:
@@ -227,6 +229,7 @@ class State(Generic[A, C]):
         self.tenants: dict[str, Tenant] = {
             t.name: Tenant(t.name, t.max_bytes, t.guaranteed_bytes) for t in self.config.tenants
         }
+        self._configured = frozenset(self.tenants)
         self.changed: set[int] | None = None
         """Persistent buffers whose chunks changed since the persistence layer last synced them
         (None: nobody is tracking, and nothing is recorded)."""
@@ -275,6 +278,15 @@ class State(Generic[A, C]):
     def _tenant(self, name: str) -> Tenant:
         return self.tenants.setdefault(name, Tenant(name))
 
+    def _hold(self, tenant: Tenant) -> None:
+        tenant.holders += 1
+
+    def _let_go(self, tenant: Tenant) -> None:
+        """One holder fewer; an unconfigured tenant left without any is forgotten (names must not pile up)."""
+        tenant.holders -= 1
+        if tenant.holders == 0 and tenant.name not in self._configured:
+            del self.tenants[tenant.name]
+
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False
     ) -> Session:
@@ -296,6 +308,7 @@ class State(Generic[A, C]):
             admin,
             observer,
         )
+        self._hold(session.tenant)
         self._next_session += 1
         self.sessions[session.session_id] = session
         self._by_token[session.token] = session
@@ -327,6 +340,7 @@ class State(Generic[A, C]):
                 freed += self._drop(buffer)
         self.sessions.pop(session.session_id, None)
         self._by_token.pop(session.token, None)
+        self._let_go(session.tenant)
         return freed
 
     # buffers
@@ -381,6 +395,7 @@ class State(Generic[A, C]):
             num_segments=num_segments,
             arena=arena,
         )
+        self._hold(buffer.tenant)
         self._next_buffer += 1
         self.buffers[buffer.buffer_id] = buffer
         session.buffers[buffer.buffer_id] = buffer
@@ -410,7 +425,7 @@ class State(Generic[A, C]):
             shareable=shareable,
             owner=None,
             owner_uid=owner_uid,
-            tenant=self.tenants.setdefault(tenant, Tenant(tenant)),
+            tenant=self._tenant(tenant),
             capacity=capacity,
             reserved=round_up(capacity, self.backend.granularity),
             num_segments=num_segments,
@@ -418,6 +433,7 @@ class State(Generic[A, C]):
             bytes_per_segment=bytes_per_segment,
             chunks=chunks,
         )
+        self._hold(buffer.tenant)
         self.buffers[buffer_id] = buffer
         self._persistent[(owner_uid, name)] = buffer
         self._account(buffer, mapped=sum(c.size for c in chunks))
@@ -673,13 +689,19 @@ class State(Generic[A, C]):
             reclaim_state=session.reclaim.outcome(time.monotonic(), self.reclaim_patience_s) if session.reclaim else "",
         )
 
-    def tenant_infos(self) -> list[TenantInfo]:
+    def tenant_infos(self, uid: int | None = None) -> list[TenantInfo]:
+        """Every tenant by name, or with ``uid`` only those its sessions and buffers are charged to."""
         counts: dict[str, int] = {}
         for session in self.workers:
             counts[session.tenant.name] = counts.get(session.tenant.name, 0) + 1
+        tenants = self.tenants.values()
+        if uid is not None:
+            names = {s.tenant.name for s in self.sessions.values() if s.uid == uid}
+            names |= {b.tenant.name for b in self.buffers.values() if b.owner_uid == uid}
+            tenants = [t for t in tenants if t.name in names]
         return [
             TenantInfo(t.name, t.used_bytes, t.guaranteed_bytes, -1 if t.max_bytes is None else t.max_bytes, counts.get(t.name, 0))
-            for t in sorted(self.tenants.values(), key=lambda t: t.name)
+            for t in sorted(tenants, key=lambda t: t.name)
         ]
 
     @property
@@ -738,6 +760,13 @@ class State(Generic[A, C]):
         _require(self.committed_bytes == total, f"committed {self.committed_bytes} != {total} in chunks")
         used = sum(t.used_bytes for t in self.tenants.values())
         _require(self.committed_bytes == used, f"committed {self.committed_bytes} != {used} used by tenants")
+        holders: dict[str, int] = {}
+        for holder in (*self.sessions.values(), *self.buffers.values()):
+            _require(self.tenants.get(holder.tenant.name) is holder.tenant, f"tenant {holder.tenant.name!r} was forgotten")
+            holders[holder.tenant.name] = holders.get(holder.tenant.name, 0) + 1
+        for tenant in self.tenants.values():
+            _require(tenant.holders == holders.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.holders} holders")
+            _require(tenant.holders > 0 or tenant.name in self._configured, f"tenant {tenant.name!r} is kept for nobody")
 
     # internals
 
@@ -795,4 +824,5 @@ class State(Generic[A, C]):
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         if buffer.persistent:
             self._persistent.pop((buffer.owner_uid, buffer.name), None)
+        self._let_go(buffer.tenant)
         return freed

@@ -21,7 +21,12 @@ class TenantInfo:
 
 @message("admin.status_reply")
 class StatusReply(Message):
-    """Totals of one daemon instance, in bytes; ``device_free_bytes`` is -1 where unknown."""
+    """Totals of one daemon instance, in bytes; ``device_free_bytes`` is -1 where unknown.
+
+    ``tenants``: all of them for an admin, else the asking user's own; at
+    most a thousand (limited ones and the largest first), and
+    ``tenants_left_out`` says how many more there are (protocol 1.1).
+    """
 
     instance: str
     backend: str
@@ -40,6 +45,7 @@ class StatusReply(Message):
     uptime_s: float
     device_free_bytes: int = -1
     tenants: list[TenantInfo] = dataclasses.field(default_factory=list)
+    tenants_left_out: int = 0
 
 
 @message("admin.status")

@@ -21,7 +21,13 @@ import pytest
 from fake_systemd import FakeSystemd
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, HbmdError
-from hbmd.daemon.server import HELLO_TIMEOUT_S, MAX_FDS_IN_FLIGHT, MAX_PENDING_HELLOS_PER_UID, MAX_QUEUED_BATCHES
+from hbmd.daemon.server import (
+    HELLO_TIMEOUT_S,
+    MAX_FDS_IN_FLIGHT,
+    MAX_PENDING_HELLOS_PER_UID,
+    MAX_QUEUED_BATCHES,
+    MAX_TENANTS_LISTED,
+)
 from hbmd.proto.instance import InstancePaths
 from helpers import MiB, hbmctl, wait_until
 from test_admission import nobody_can_run_python, nobody_python  # noqa: F401 - a fixture, and its interpreter
@@ -468,3 +474,32 @@ def test_an_admin_deletes_another_users_orphan_and_a_user_cannot(nobody_can_run_
         assert f"deleted persistent buffer 'kv' of uid {NOBODY}" in daemon.log()
         assert_intact(daemon, root, fds_before + mine.num_chunks, committed=2 * MiB)
         mine.free()
+
+
+# 6. A flood of tenant names.
+
+
+def raw_session(paths: InstancePaths, tenant: str) -> socket.socket:
+    """A session opened by hand on the handle plane, declaring ``tenant``; it lasts as long as the socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(str(paths.handles))
+    sock.send(proto.encode_datagram(proto.Hello([1, 1], os.getpid(), "flood", tenant)))
+    assert isinstance(proto.decode_datagram(sock.recv(4096)), proto.Welcome)
+    return sock
+
+
+def test_a_flood_of_tenant_names_is_listed_within_bounds_and_forgotten(start_daemon):
+    daemon = start_daemon("--max-sessions-per-uid", "2000")
+    client = daemon.connect()
+    fds_before = settled_fds(daemon, client)
+    paths = InstancePaths.of(daemon.run_dir, "host")
+    flood = [raw_session(paths, f"tenant-{i}") for i in range(MAX_TENANTS_LISTED + 100)]
+    status = client.status()
+    assert len(status.tenants) == MAX_TENANTS_LISTED and status.tenants_left_out == 101  # and uid:0's own
+    for sock in flood:
+        sock.close()
+    wait_until(lambda: client.status().num_sessions == 1)
+    status = client.status()
+    assert [t.name for t in status.tenants] == [f"uid:{os.getuid()}"] and status.tenants_left_out == 0
+    assert_intact(daemon, client, fds_before)
+    client.close()
