@@ -94,6 +94,11 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
     if unknown:
         raise ConfigError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}")
     access_raw = raw.get("access", {})
+    if not isinstance(access_raw, dict):
+        raise ConfigError(f"{where}: access must be a table ([access])")
+    tenants_raw = raw.get("tenants", [])
+    if not isinstance(tenants_raw, list) or not all(isinstance(entry, dict) for entry in tenants_raw):
+        raise ConfigError(f"{where}: tenants must be an array of tables ([[tenants]])")
     unknown = set(access_raw) - {"allow_uids", "allow_gids", "admin_uids"}
     if unknown:
         raise ConfigError(f"{where}: [access] has unknown key(s) {', '.join(sorted(unknown))}")
@@ -104,7 +109,7 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
     )
     tenants: list[TenantLimits] = []
     seen: set[str] = set()
-    for i, entry in enumerate(raw.get("tenants", [])):
+    for i, entry in enumerate(tenants_raw):
         at = f"{where}: tenants[{i}]"
         unknown = set(entry) - {"name", "uid", "uids", "max", "guaranteed"}
         if unknown:
@@ -144,4 +149,6 @@ def load_config(path: str, total_bytes: int, budget_bytes: int) -> Config:
             text = f.read()
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     return parse_config(text, total_bytes, budget_bytes, where=path)

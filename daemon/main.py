@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import grp
 import logging
+import math
 import os
 import resource
 import sys
@@ -138,6 +139,13 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         budget = parse_size(args.budget, backend.total_bytes) if args.budget else backend.total_bytes
     except ValueError as exc:
         raise Refusal(f"--budget: {exc}", 2) from None
+    if budget > backend.total_bytes:
+        raise Refusal(
+            f"--budget: {format_bytes(budget)} is more than the {format_bytes(backend.total_bytes)} "
+            f"of {backend.name} memory there is", 2,
+        )
+    if not (math.isfinite(args.reclaim_timeout) and args.reclaim_timeout > 0):
+        raise Refusal(f"--reclaim-timeout: {args.reclaim_timeout} is not a positive number of seconds", 2)
     held_back = backend.held_back_bytes()
     if args.warm_chunks < 0 or held_back > budget:
         raise Refusal(f"--warm-chunks: {args.warm_chunks} granules do not fit the budget of {format_bytes(budget)}", 2)

@@ -489,12 +489,13 @@ class State(Generic[A, C]):
         return buffer
 
     def buffer_of(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        """The session's own buffer ``buffer_id``; another session's is refused."""
+        """The session's own buffer ``buffer_id``; another session's is answered as one that does not exist.
+
+        So a stranger trying ids learns nothing of what others hold.
+        """
         buffer = self.buffers.get(buffer_id)
-        if buffer is None:
-            raise NotFound(f"no buffer {buffer_id}", buffer_id=buffer_id)
-        if buffer.owner is not session:
-            raise PermissionDenied(f"buffer {buffer_id} belongs to another session", buffer_id=buffer_id)
+        if buffer is None or buffer.owner is not session:
+            raise NotFound(f"no buffer {buffer_id} in this session", buffer_id=buffer_id)
         return buffer
 
     def commit(self, session: Session, buffer_id: int, bytes_per_segment: int) -> list[Chunk]:

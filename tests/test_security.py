@@ -503,3 +503,62 @@ def test_a_flood_of_tenant_names_is_listed_within_bounds_and_forgotten(start_dae
     assert [t.name for t in status.tenants] == [f"uid:{os.getuid()}"] and status.tenants_left_out == 0
     assert_intact(daemon, client, fds_before)
     client.close()
+
+
+# 9. What a peer learns, and what the command line lets through.
+
+PEEK = """
+import json, site, sys
+for path in json.loads(sys.argv[1]):
+    site.addsitedir(path)
+from hbmd.client import HbmdError, connect
+c = connect("cpu", timeout=5)
+out = {"tenants": [t.name for t in c.status().tenants]}
+for buffer_id in (int(sys.argv[2]), 999999):
+    try:
+        c.free(buffer_id)
+        out[str(buffer_id)] = "freed"
+    except HbmdError as exc:
+        out[str(buffer_id)] = [type(exc).__name__, str(exc).replace(str(buffer_id), "N")]
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_user_sees_only_its_own_tenants_and_cannot_tell_others_buffer_ids(nobody_can_run_python, start_daemon, run_dir):
+    daemon = start_daemon("--budget", "256MiB", "--group", "nogroup")
+    with daemon.connect(tenant="secret-team") as root:
+        fds_before = settled_fds(daemon, root)
+        hidden = ExtensibleTensor(8 * MiB, "cpu", client=root)
+        hidden.resize_(2 * MiB)
+        out = json.loads(run_as_nobody(run_dir, PEEK.replace("sys.argv[2]", str(hidden.buffer_id))))
+        assert out["tenants"] == [f"uid:{NOBODY}"]
+        assert out[str(hidden.buffer_id)] == out["999999"] == ["NotFound", "no buffer N in this session"]
+        wait_until(lambda: root.status().num_sessions == 1)
+        assert [t.name for t in root.status().tenants] == ["secret-team"]  # the stranger's went with its session
+        assert hidden.physical_bytes == 2 * MiB
+        assert_intact(daemon, root, fds_before + 1, committed=2 * MiB)
+
+
+@pytest.mark.parametrize(
+    "args, config, message",
+    [
+        (["--budget", "9999999TiB"], None, "is more than the"),
+        (["--reclaim-timeout", "nan"], None, "not a positive number of seconds"),
+        (["--reclaim-timeout", "-5"], None, "not a positive number of seconds"),
+        ([], b"tenants = 5\n", "tenants must be an array of tables"),
+        ([], b"access = 5\n", "access must be a table"),
+        ([], b"\xff\xfe = 1\n", "not UTF-8"),
+        (["--max-sessions-per-uid", "0"], None, "not a positive number"),
+    ],
+)
+def test_bad_options_are_one_line_usage_errors(run_dir, args, config, message):
+    if config is not None:
+        (run_dir / "bad.toml").write_bytes(config)
+        args = [*args, "--config", str(run_dir / "bad.toml")]
+    out = subprocess.run(
+        [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir), *args],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert message in line, line
