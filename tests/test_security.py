@@ -169,8 +169,12 @@ def fill(chunk, fd):
         except OSError as exc:
             tries.append(name + ": " + exc.strerror)
     tries.append("size " + str(os.fstat(fd).st_size))
+    kept.append(os.dup(fd))
 
+kept = []
 c.commit(buffer.buffer_id, 2 << 20, fill)
+c.free(buffer.buffer_id)
+tries.append("kept copy holds " + str(os.fstat(kept[0]).st_blocks * 512))
 print("; ".join(tries), flush=True)
 """
 
@@ -182,7 +186,7 @@ def test_a_client_cannot_grow_or_fill_a_chunk_beyond_the_budget(daemon, client, 
     assert worker.wait() == 0
     assert tries == (
         "fallocate past the end: Operation not permitted; grow: Operation not permitted; "
-        "shrink: Operation not permitted; size 2097152"
+        "shrink: Operation not permitted; size 2097152; kept copy holds 0"
     )
     wait_until(lambda: client.status().num_sessions == 1)
     assert_intact(daemon, client, fds_before)

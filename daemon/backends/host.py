@@ -6,8 +6,10 @@ counted, when the commit returns) and sealed with ``F_SEAL_GROW |
 F_SEAL_SHRINK | F_SEAL_SEAL``. A client gets a ``dup`` of it, and so can map
 and write the chunk but can neither grow it nor fill holes beyond it: every
 byte reachable through an FD the daemon hands out is a byte of the budget.
-Releasing a chunk closes the daemon's memfd; its pages go back once the
-client's mapping goes too.
+Releasing a chunk punches its pages out before the daemon closes its memfd,
+so they go back at once even where a client kept a copy of the FD (or one
+still waits unread on its socket); a client writing through such a copy
+faults fresh pages in, charged to itself, never more than the chunk's size.
 
 FD count: the daemon holds one descriptor per live chunk (and exported ones
 only until they are sent). ``hbmd`` raises its ``RLIMIT_NOFILE`` to the hard
@@ -24,6 +26,7 @@ keeps chunk counts, and so mappings per commit, small.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -36,6 +39,21 @@ from . import ParkableBackend
 
 GRANULE = 2 << 20
 RECOUNT_EVERY = 32
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.fallocate.restype = ctypes.c_int
+
+
+def punch_out(fd: int, size: int) -> None:
+    """Free the pages of ``[0, size)`` of a memfd (``fallocate`` with ``FALLOC_FL_PUNCH_HOLE``); ``OSError`` on failure."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
 
 SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 """A chunk's size is fixed for good: no grow, no shrink, and no seal may be added (or taken) by anyone."""
@@ -140,8 +158,11 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
         return os.dup(chunk.fd)
 
     def release(self, arena: HostArena, chunk: HostChunk) -> None:
-        os.close(chunk.fd)
-        self._open_chunks -= 1
+        try:
+            punch_out(chunk.fd, chunk.size)
+        finally:
+            os.close(chunk.fd)
+            self._open_chunks -= 1
 
     def close_arena(self, arena: HostArena) -> None:
         """Nothing to drop: the chunks were the buffer's only memory."""
