@@ -540,11 +540,11 @@ class Server:
         for fd in fds:
             os.close(fd)
         if fds:
-            log.warning("pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
+            self._warnings.warning("fds-in", "pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
         if not data and not fds:
             return None
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-            log.warning("pid %d sent an oversized datagram; dropped", conn.pid)
+            self._warnings.warning("oversized", "pid %d sent an oversized datagram; dropped", conn.pid)
             return b""
         return data
 
