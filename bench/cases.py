@@ -70,11 +70,11 @@ def grow_in_steps(grow: Callable[[int], Any], size: int, step: int) -> None:
 
 
 def fresh_commit_hbmd(t: Target, size: int) -> tuple[int, int]:
-    """(commit, buffer creation + commit) in ns: ``resize_(size, zero_new=True)`` of a new buffer, synchronized."""
+    """(commit, buffer creation + commit) in ns: ``resize_per_segment_(size, zero_new=True)`` of a new buffer, synchronized."""
     t0 = now_ns()
     tensor = t.tensor(size)
     t1 = now_ns()
-    tensor.resize_(size, zero_new=True)
+    tensor.resize_per_segment_(size, zero_new=True)
     t.sync()
     t2 = now_ns()
     tensor.free()
@@ -129,7 +129,7 @@ def step_commits(t: Target, n: int) -> dict[str, Any]:
             size = (i + 1) * step
             h, b = pair(
                 i,
-                lambda: timed_ns(lambda: (tensor.resize_(size, zero_new=True), t.sync())),
+                lambda: timed_ns(lambda: (tensor.resize_per_segment_(size, zero_new=True), t.sync())),
                 lambda: timed_ns(lambda: (buffer.commit(size), t.sync())),
             )
             hbmd.append(h)
@@ -147,12 +147,12 @@ def step_commits(t: Target, n: int) -> dict[str, Any]:
 def release_recommit_hbmd(t: Target, size: int) -> tuple[int, int]:
     """(release_physical, grow back with zeroing) in ns, on a buffer committed in one call."""
     tensor = t.tensor(size)
-    tensor.resize_(size, zero_new=True)
+    tensor.resize_per_segment_(size, zero_new=True)
     t.sync()
     t0 = now_ns()
     tensor.release_physical()
     t1 = now_ns()
-    tensor.resize_(size, zero_new=True)
+    tensor.resize_per_segment_(size, zero_new=True)
     t.sync()
     t2 = now_ns()
     tensor.free()

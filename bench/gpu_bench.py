@@ -129,7 +129,7 @@ def bandwidth_case(t: Target) -> dict[str, Any]:
 
         one = t.tensor(size)
         tensors.append(one)
-        one.resize_(size, zero_new=True)
+        one.resize_per_segment_(size, zero_new=True)
         views["hbmd_one_chunk"] = one.full_view()
 
         steps = t.tensor(size)
@@ -208,7 +208,7 @@ def reattach_case(t: Target) -> dict[str, Any]:
     tensor = t.tensor(size, client=owner, name=REATTACH_NAME, persistent=True)
     figures: dict[str, Any] = {"bytes": size}
     try:
-        figures["commit_ms"] = timed_ns(lambda: (tensor.resize_(size, zero_new=True), t.sync())) / 1e6
+        figures["commit_ms"] = timed_ns(lambda: (tensor.resize_per_segment_(size, zero_new=True), t.sync())) / 1e6
         if hasattr(ExtensibleTensor, "defragment"):
             tensor.defragment(preserve=True)
         write_pattern(tensor.full_view(), size)
@@ -489,7 +489,8 @@ def setup(args: Any):
     # torch creates the primary context first; the client and the baseline then share it.
     torch.zeros(1, device=f"cuda:{DEVICE}")
     torch.cuda.synchronize()
-    with Daemon("--backend", "cuda", "--device", str(DEVICE), "--warm-chunks", str(args.warm_chunks)) as daemon:
+    options = ["--warm-chunks", str(args.warm_chunks)] + (["--no-export-sentinel"] if args.no_export_sentinel else [])
+    with Daemon("--backend", "cuda", "--device", str(DEVICE), *options) as daemon:
         client = connect(f"cuda:{DEVICE}", run_dir=daemon.run_dir, client_name="gpu_bench")
         try:
             client.mapper  # the mapper's context and stream, before any clock starts
@@ -530,6 +531,8 @@ def main() -> int:
     parser = bench.parser(default_out())
     parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
                         help="start the daemon with --warm-chunks N (the commit cases' daemon)")
+    parser.add_argument("--no-export-sentinel", action="store_true",
+                        help="start the daemon with --no-export-sentinel: exports and closes off the driver's fast path")
     return bench.run(parser.parse_args(), setup, describe)
 
 

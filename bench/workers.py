@@ -82,7 +82,7 @@ def commit_worker(args: argparse.Namespace) -> None:
         mode, seconds = line.split()
         if mode == "hbmd":
             tensor = ExtensibleTensor(args.capacity, f"cuda:{args.device}", client=client)
-            result = loop(float(seconds), lambda n: tensor.resize_(n, zero_new=True), tensor.release_physical,
+            result = loop(float(seconds), lambda n: tensor.resize_per_segment_(n, zero_new=True), tensor.release_physical,
                           tensor.capacity_bytes)
             tensor.free()
         else:

@@ -8,26 +8,30 @@ from .tensor import ExtensibleTensor
 class ExtensibleKVCacheBuffers:
     """Several :class:`ExtensibleTensor` sized in KV blocks, committed in lockstep.
 
-    ``buffers`` is a list of ``(tensor, bytes_per_block_per_segment)``;
-    nothing is committed at construction. Over attached buffers, which
-    arrive committed, ``num_blocks_committed`` starts at the blocks every
-    buffer already holds.
+    ``buffers`` is a list of ``(tensor, bytes_per_block_per_segment)``,
+    the second an int for every segment alike or a list with one stride per
+    segment (uneven segments, one per layer); nothing is committed at
+    construction. Over attached buffers, which arrive committed,
+    ``num_blocks_committed`` starts at the blocks every buffer already holds.
     """
 
-    def __init__(self, buffers: list[tuple[ExtensibleTensor, int]], num_blocks_capacity: int) -> None:
+    def __init__(self, buffers: list[tuple[ExtensibleTensor, int | list[int]]], num_blocks_capacity: int) -> None:
         if num_blocks_capacity < 0:
             raise ValueError(f"num_blocks_capacity {num_blocks_capacity} is negative")
         for tensor, per_block in buffers:
-            if per_block <= 0:
-                raise ValueError(f"bytes per block per segment must be positive, got {per_block}")
-            if per_block * num_blocks_capacity > tensor.segment_capacity_bytes:
-                raise ValueError(
-                    f"{num_blocks_capacity} blocks of {per_block} bytes exceed the segment capacity "
-                    f"of {tensor.segment_capacity_bytes} bytes"
-                )
+            for stride, capacity in zip(_strides(tensor, per_block), tensor.segment_capacities):
+                if stride <= 0:
+                    raise ValueError(f"bytes per block per segment must be positive, got {stride}")
+                if stride * num_blocks_capacity > capacity:
+                    raise ValueError(
+                        f"{num_blocks_capacity} blocks of {stride} bytes exceed the segment capacity of {capacity} bytes"
+                    )
         self.buffers = buffers
         self.num_blocks_capacity = num_blocks_capacity
-        self.num_blocks_committed = min((t.bytes_per_segment // per_block for t, per_block in buffers), default=0)
+        self.num_blocks_committed = min(
+            (size // stride for t, per_block in buffers for size, stride in zip(t.segment_sizes, _strides(t, per_block))),
+            default=0,
+        )
         self._blocks_before_release = 0
 
     def commit(self, num_blocks: int, defragment: bool = False, preserve: bool = False) -> None:
@@ -41,7 +45,7 @@ class ExtensibleKVCacheBuffers:
             raise ValueError(f"{num_blocks} blocks exceed the capacity of {self.num_blocks_capacity} blocks")
         if num_blocks > self.num_blocks_committed:
             for tensor, per_block in self.buffers:
-                tensor.resize_per_segment_(num_blocks * per_block, zero_new=True)
+                tensor.resize_segments_([num_blocks * stride for stride in _strides(tensor, per_block)], zero_new=True)
             self.num_blocks_committed = num_blocks
         if defragment:
             for tensor, _ in self.buffers:
@@ -52,7 +56,7 @@ class ExtensibleKVCacheBuffers:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block costs across every buffer and segment (what sizing divides by)."""
-        return sum(per_block * tensor.num_segments for tensor, per_block in self.buffers)
+        return sum(sum(_strides(tensor, per_block)) for tensor, per_block in self.buffers)
 
     @property
     def physical_bytes(self) -> int:
@@ -74,3 +78,12 @@ class ExtensibleKVCacheBuffers:
         for tensor, _ in self.buffers:
             tensor.free()
         self.num_blocks_committed = 0
+
+
+def _strides(tensor: ExtensibleTensor, per_block: int | list[int]) -> list[int]:
+    """Bytes one block takes in each of ``tensor``'s segments."""
+    if isinstance(per_block, int):
+        return [per_block] * tensor.num_segments
+    if len(per_block) != tensor.num_segments:
+        raise ValueError(f"{len(per_block)} block strides for {tensor.num_segments} segments")
+    return list(per_block)

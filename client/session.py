@@ -17,6 +17,7 @@ from hbmd.proto import (
     ChunkInfo,
     Commit,
     Committed,
+    CommitSegments,
     CreateBuffer,
     Defragment,
     Delete,
@@ -38,7 +39,7 @@ from hbmd.proto import (
     Status,
     StatusReply,
 )
-from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError, InvalidRequest
+from hbmd.proto.errors import DaemonUnavailable, DriverError, HbmdError, InvalidRequest, VersionMismatch
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
@@ -166,13 +167,38 @@ class Client:
         return self.call(ListBuffers(session_id)).buffers
 
     def create_buffer(
-        self, capacity: int, num_segments: int = 1, *, name: str = "", persistent: bool = False, shareable: bool = False
+        self,
+        capacity: int,
+        num_segments: int = 1,
+        *,
+        name: str = "",
+        persistent: bool = False,
+        shareable: bool = False,
+        segment_capacities: list[int] | None = None,
     ) -> BufferInfo:
-        return self.call(CreateBuffer(capacity, num_segments, name, persistent, shareable)).buffer
+        """Reserve a buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities``."""
+        if segment_capacities:
+            self._need_minor(1, "uneven segments")
+        return self.call(
+            CreateBuffer(capacity, num_segments, name, persistent, shareable, list(segment_capacities or []))
+        ).buffer
+
+    def _need_minor(self, minor: int, feature: str) -> None:
+        major, daemon_minor = self.welcome.version
+        if daemon_minor < minor:
+            raise VersionMismatch(
+                f"{feature} need an hbmd daemon of protocol {major}.{minor} or later; "
+                f"{self.paths.directory} speaks {major}.{daemon_minor}"
+            )
 
     def commit(self, buffer_id: int, bytes_per_segment: int, on_chunk: OnChunk) -> Committed:
         """Grow the buffer; ``on_chunk(chunk, fd)`` maps each new chunk (the FD is closed after it returns)."""
         return self._call_with_chunks(Commit(buffer_id, bytes_per_segment), on_chunk)
+
+    def commit_segments(self, buffer_id: int, sizes: list[int], on_chunk: OnChunk) -> Committed:
+        """Grow each segment to its own size in ``sizes``; new chunks go to ``on_chunk`` as with :meth:`commit`."""
+        self._need_minor(1, "per-segment commits")
+        return self._call_with_chunks(CommitSegments(buffer_id, list(sizes)), on_chunk)
 
     def attach(self, name: str, on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None) -> Committed:
         """Take over this user's orphaned persistent buffer ``name``; every chunk comes to ``on_chunk``.
@@ -192,11 +218,11 @@ class Client:
         """Free this user's orphaned persistent buffer ``name``, or (admins) user ``owner_uid``'s.
 
         Raises ``InvalidRequest`` for ``owner_uid`` on a daemon older than
-        protocol 1.1, which would ignore it and delete this user's buffer.
+        protocol 1.2, which would ignore it and delete this user's buffer.
         """
-        if owner_uid != -1 and tuple(self.welcome.version) < (1, 1):
+        if owner_uid != -1 and tuple(self.welcome.version) < (1, 2):
             raise InvalidRequest(
-                f"hbmd {self.welcome.daemon_version} cannot delete another user's buffer (needs protocol 1.1)",
+                f"hbmd {self.welcome.daemon_version} cannot delete another user's buffer (needs protocol 1.2)",
                 field="owner_uid",
             )
         return self.call(Delete(name, owner_uid))
@@ -292,7 +318,8 @@ class Client:
         ``free`` is the device's free memory (NVML on a GPU, no context needed;
         ``MemAvailable`` on the host; -1 where unknown), ``committed`` what
         hbmd has committed for every session, ``budget_left`` what more the
-        daemon will admit.
+        daemon will admit for this session (its tenant's maximum and others'
+        guaranteed minimums counted).
         """
         s = self.status()
         return DeviceMemory(
@@ -300,7 +327,7 @@ class Client:
             free=s.device_free_bytes,
             committed=s.committed_bytes,
             budget=s.budget_bytes,
-            budget_left=max(0, s.budget_bytes - s.committed_bytes),
+            budget_left=s.admissible_bytes if s.admissible_bytes >= 0 else max(0, s.budget_bytes - s.committed_bytes),
         )
 
     def release(self, buffer_id: int) -> Released:

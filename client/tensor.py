@@ -8,24 +8,73 @@ them stay correct) as the buffer grows.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
-from typing import Any
+from typing import Any, Sequence
 
 from hbmd.proto import BufferInfo, ChunkInfo
 
 from .devices import parse_device
 from .session import Client, default_client
 
+EXPORT_POSIX_FD = 0x1
+EXPORT_FABRIC = 0x8
+"""``export_handle_types`` bits, as the driver and vLLM number them."""
+
+log = logging.getLogger("hbmd.client")
+
+
+def _capacities(max_num_bytes: int, num_segments: int, segment_capacities: Sequence[int] | None) -> list[int]:
+    """The segment capacities, checked as vLLM's class checks them (same order, same words)."""
+    if max_num_bytes < 0:
+        raise ValueError("max_num_bytes must be non-negative.")
+    if segment_capacities is None:
+        if num_segments < 1:
+            raise ValueError(f"num_segments must be positive, got {num_segments}.")
+        if max_num_bytes % num_segments:
+            raise ValueError(f"max_num_bytes ({max_num_bytes}) must be divisible by num_segments ({num_segments}).")
+        capacities = [max_num_bytes // num_segments] * num_segments
+    else:
+        capacities = [int(c) for c in segment_capacities]
+        if not capacities or min(capacities) <= 0:
+            raise ValueError("segment_capacities must be non-empty and positive.")
+        if sum(capacities) != max_num_bytes:
+            raise ValueError(f"segment_capacities sum to {sum(capacities)}, not max_num_bytes ({max_num_bytes}).")
+    if max_num_bytes == 0:
+        raise ValueError("max_num_bytes must be positive: an hbmd buffer reserves at least one granule")
+    return capacities
+
+
+def _uniform(values: list[int]) -> int:
+    if len(set(values)) != 1:
+        raise ValueError(f"Segments differ: {values}.")
+    return values[0]
+
 
 class ExtensibleTensor:
-    """A reserved range of ``max_num_bytes`` in ``num_segments`` equal segments, committed on demand.
+    """A reserved range of ``max_num_bytes`` in segments laid back to back, each committed as a prefix on demand.
 
-    Drop-in for the in-process class of the same name: segments grow in
-    lockstep (:meth:`resize_per_segment_`), pages can be dropped and the
-    range kept (:meth:`release_physical`), and :meth:`free` returns
-    everything. Raises ``ValueError`` for a negative or zero size, a
-    non-positive segment count, a size not divisible by the segment count,
-    or a device other than ``cpu``/``cuda``.
+    Stands in for vLLM's ``vllm.utils.extensible_tensor.ExtensibleTensor``
+    (0.34) with the same constructor, methods, properties and errors, and
+    keeps the earlier snapshot's single-segment API (``resize_`` and
+    ``append`` return tensors, ``tensor`` is the committed prefix); the
+    pages belong to the hbmd daemon. Segments are ``num_segments`` equal ones
+    or ``segment_capacities`` bytes each (their offsets are the running sums,
+    not granule-aligned: a granule two segments share is backed once).
+
+    ``export_handle_types``: every hbmd chunk is exportable as a POSIX FD
+    (``EXPORT_POSIX_FD``), and a non-zero value asks for RDMA-capable chunks
+    where the GPU has them, for KV connectors that register the memory.
+    FABRIC handles (``EXPORT_FABRIC``) are not served: the daemon's chunks
+    travel as FDs, so the bit is ignored with a warning and the chunks are
+    POSIX-FD ones, as vLLM falls back where FABRIC allocation fails.
+    ``shareable`` is the older spelling of a non-zero value.
+
+    Raises ``ValueError`` as vLLM's class does for a negative size, a
+    non-positive segment count, a size not divisible by it, or
+    ``segment_capacities`` empty, non-positive or not summing to the size;
+    also for a zero size and a device other than ``cpu``/``cuda``.
     """
 
     def __init__(
@@ -33,23 +82,28 @@ class ExtensibleTensor:
         max_num_bytes: int,
         device: Any = None,
         num_segments: int = 1,
-        shareable: bool = False,
+        segment_capacities: Sequence[int] | None = None,
+        export_handle_types: int = 0,
         *,
         client: Client | None = None,
         name: str | None = None,
         persistent: bool = False,
+        shareable: bool = False,
     ) -> None:
         if not isinstance(max_num_bytes, int) or isinstance(max_num_bytes, bool):
             raise ValueError(f"max_num_bytes must be an int, got {type(max_num_bytes).__name__}")
-        if max_num_bytes <= 0:
-            raise ValueError(f"max_num_bytes must be positive, got {max_num_bytes}")
-        if not isinstance(num_segments, int) or num_segments <= 0:
-            raise ValueError(f"num_segments must be a positive int, got {num_segments!r}")
-        if max_num_bytes % num_segments:
-            raise ValueError(f"max_num_bytes {max_num_bytes} is not divisible by num_segments {num_segments}")
+        capacities = _capacities(max_num_bytes, num_segments, segment_capacities)
+        if export_handle_types & EXPORT_FABRIC:
+            log.warning("hbmd serves POSIX-FD chunks; FABRIC handles are not supported, the FABRIC bit is ignored")
         self._bind(device, client)
+        uneven = segment_capacities is not None and len(set(capacities)) > 1
         info = self._client.create_buffer(
-            max_num_bytes, num_segments, name=name or "", persistent=persistent, shareable=shareable
+            max_num_bytes,
+            len(capacities),
+            name=name or "",
+            persistent=persistent,
+            shareable=shareable or bool(export_handle_types),
+            segment_capacities=capacities if uneven else None,
         )
         self._adopt(info)
 
@@ -76,7 +130,7 @@ class ExtensibleTensor:
         self._device = (kind, index)
 
     def _adopt(self, info: BufferInfo) -> None:
-        self._info = info
+        self._set_info(info)
         self._mapper = self._client.mapper
         try:
             self._base = self._mapper.reserve(info.reserved_bytes)
@@ -86,6 +140,13 @@ class ExtensibleTensor:
         self._mapped: list[tuple[int, int]] = []
         self._view: Any = None
         self._freed = False
+
+    def _set_info(self, info: BufferInfo) -> None:
+        """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
+        self._info = info
+        self._capacities = list(info.segment_capacities) or [info.segment_capacity_bytes] * info.num_segments
+        self._sizes = list(info.segment_sizes) or [info.bytes_per_segment] * info.num_segments
+        self._offsets = list(itertools.accumulate(self._capacities, initial=0))[:-1]
 
     # properties
 
@@ -103,20 +164,36 @@ class ExtensibleTensor:
 
     @property
     def num_segments(self) -> int:
-        return self._info.num_segments
+        return len(self._capacities)
+
+    @property
+    def segment_capacities(self) -> list[int]:
+        return list(self._capacities)
+
+    @property
+    def segment_offsets(self) -> list[int]:
+        """Where each segment starts: the running sum of the capacities before it."""
+        return list(self._offsets)
+
+    @property
+    def segment_sizes(self) -> list[int]:
+        """Committed bytes of each segment."""
+        return list(self._sizes)
 
     @property
     def segment_capacity_bytes(self) -> int:
-        return self._info.segment_capacity_bytes
+        """The capacity all segments share; ``ValueError`` where they differ."""
+        return _uniform(self._capacities)
 
     @property
     def bytes_per_segment(self) -> int:
-        return self._info.bytes_per_segment
+        """The committed size all segments share; ``ValueError`` where they differ."""
+        return _uniform(self._sizes)
 
     @property
     def num_bytes(self) -> int:
         """Committed bytes, summed over segments."""
-        return self._info.bytes_per_segment * self._info.num_segments
+        return sum(self._sizes)
 
     @property
     def max_num_bytes(self) -> int:
@@ -129,12 +206,21 @@ class ExtensibleTensor:
 
     @property
     def physical_bytes(self) -> int:
-        """Bytes actually backed by chunks (granule-rounded)."""
+        """Bytes actually backed by chunks (granule-rounded; a granule two segments share counts once)."""
         return self._info.physical_bytes
 
     @property
     def num_chunks(self) -> int:
         return self._info.num_chunks
+
+    @property
+    def num_physical_chunks(self) -> int:
+        """Chunks mapped in this process now."""
+        return len(self._mapped)
+
+    @property
+    def granularity(self) -> int:
+        return self._client.granularity
 
     @property
     def base_ptr(self) -> int:
@@ -165,58 +251,87 @@ class ExtensibleTensor:
             self._view = self._mapper.view(self._base, self._info.capacity_bytes)
         return self._view
 
+    def segment_view(self, index: int) -> Any:
+        """A ``torch.uint8`` tensor over segment ``index``'s committed prefix; ``IndexError`` out of range."""
+        if not 0 <= index < self.num_segments:
+            raise IndexError(f"Segment {index} out of range ({self.num_segments}).")
+        start = self._offsets[index]
+        return self.full_view()[start : start + self._sizes[index]]
+
     @property
     def tensor(self) -> Any:
         """The committed prefix (single-segment buffers only)."""
         self._check_single_segment("tensor")
         return self.full_view()[: self.num_bytes]
 
+    def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
+        """For each segment, whether its first ``sizes[i]`` bytes lie inside one chunk (what RDMA registration needs)."""
+        return [
+            any(offset <= start and start + size <= offset + length for offset, length in self._mapped)
+            for start, size in zip(self._offsets, sizes)
+        ]
+
     # growth
 
-    def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> "ExtensibleTensor":
-        """Grow every segment's committed prefix to ``bytes_per_segment``; existing bytes are kept.
+    def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> "ExtensibleTensor":
+        """Grow each segment's committed prefix to ``sizes[i]``; existing bytes are kept.
 
-        With ``zero_new`` the newly committed bytes read as zero. Raises
-        ``ValueError`` when shrinking ("grow-only") or beyond the segment
-        capacity ("exceeds the segment capacity").
+        With ``zero_new`` exactly the newly committed bytes read as zero.
+        Raises ``ValueError`` for a list of the wrong length, when shrinking
+        ("grow-only") or beyond a segment's capacity ("exceeds the segment
+        capacity"); nothing changes then. The same sizes again are a no-op.
         """
         self._check_live()
-        old = self._info.bytes_per_segment
-        if bytes_per_segment == old:
+        sizes = [int(n) for n in sizes]
+        if len(sizes) != self.num_segments:
+            raise ValueError(f"Expected {self.num_segments} sizes, got {len(sizes)}.")
+        for new, old, capacity in zip(sizes, self._sizes, self._capacities):
+            if new < old:
+                raise ValueError(f"ExtensibleTensor is grow-only: cannot resize from {old} to {new} bytes per segment.")
+            if new > capacity:
+                raise ValueError(f"Requested {new} bytes per segment exceeds the segment capacity {capacity}.")
+        old_sizes = self._sizes
+        if sizes == old_sizes:
             return self
-        reply = self._client.commit(self.buffer_id, bytes_per_segment, self._map_chunk)
-        self._info = reply.buffer
+        if len(set(sizes)) == 1:
+            reply = self._client.commit(self.buffer_id, sizes[0], self._map_chunk)
+        else:
+            reply = self._client.commit_segments(self.buffer_id, sizes, self._map_chunk)
+        self._set_info(reply.buffer)
         if zero_new:
-            self._zero_prefixes(old)
+            for offset, old, new in zip(self._offsets, old_sizes, self._sizes):
+                if new > old:
+                    self._mapper.zero(self._base + offset + old, new - old)
+            self._mapper.synchronize()
         return self
 
-    def _zero_prefixes(self, start: int) -> None:
-        """Zero bytes ``[start, bytes_per_segment)`` of every segment."""
-        seg, end = self._info.segment_capacity_bytes, self._info.bytes_per_segment
-        for i in range(self.num_segments):
-            self._mapper.zero(self._base + i * seg + start, end - start)
-        self._mapper.synchronize()
+    def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> "ExtensibleTensor":
+        """Grow every segment's committed prefix to ``bytes_per_segment`` (see :meth:`resize_segments_`)."""
+        return self.resize_segments_([bytes_per_segment] * self.num_segments, zero_new)
 
     def zero_(self) -> "ExtensibleTensor":
         """Zero every committed byte."""
         self._check_live()
-        self._zero_prefixes(0)
+        for offset, size in zip(self._offsets, self._sizes):
+            self._mapper.zero(self._base + offset, size)
+        self._mapper.synchronize()
         return self
 
     def _map_chunk(self, chunk: ChunkInfo, fd: int) -> None:
         self._mapper.map(self._base + chunk.offset, chunk, fd)
         self._mapped.append((chunk.offset, chunk.size))
 
-    def resize_(self, num_bytes: int, zero_new: bool = False) -> "ExtensibleTensor":
-        """Grow a single-segment buffer to ``num_bytes`` committed bytes."""
+    def resize_(self, num_bytes: int, zero_new: bool = False) -> Any:
+        """Grow a single-segment buffer to ``num_bytes`` committed bytes; returns the committed prefix."""
         self._check_single_segment("resize_")
-        return self.resize_per_segment_(num_bytes, zero_new)
+        self.resize_segments_([num_bytes], zero_new)
+        return self.tensor
 
     def append(self, num_bytes: int, zero_new: bool = False) -> Any:
         """Commit ``num_bytes`` more (single-segment only); returns a view of the new bytes."""
         self._check_single_segment("append")
         start = self.num_bytes
-        self.resize_per_segment_(start + num_bytes, zero_new)
+        self.resize_segments_([start + num_bytes], zero_new)
         return self.full_view()[start : start + num_bytes]
 
     # defragment
@@ -234,7 +349,7 @@ class ExtensibleTensor:
         self._check_live()
         if not preserve:
             self._unmap_all()
-            self._info = self._client.defragment(self.buffer_id, False, self._map_chunk).buffer
+            self._set_info(self._client.defragment(self.buffer_id, False, self._map_chunk).buffer)
             return self
         fresh: list[tuple[ChunkInfo, int]] = []
         try:
@@ -267,7 +382,7 @@ class ExtensibleTensor:
             for chunk, fd in fresh:
                 self._map_chunk(chunk, fd)
         finally:
-            self._info = self._client.finish_defragment(self.buffer_id, keep_new=True).buffer
+            self._set_info(self._client.finish_defragment(self.buffer_id, keep_new=True).buffer)
 
     # sleep and teardown
 
@@ -279,7 +394,7 @@ class ExtensibleTensor:
         """
         self._check_live()
         self._unmap_all()
-        self._info = self._client.release(self.buffer_id).buffer
+        self._set_info(self._client.release(self.buffer_id).buffer)
 
     def free(self) -> None:
         """Drop the pages, the daemon's buffer and the address range. Idempotent."""
@@ -309,6 +424,5 @@ class ExtensibleTensor:
     def __repr__(self) -> str:
         return (
             f"ExtensibleTensor(buffer {self.buffer_id} on {self._client.instance}, "
-            f"{self.bytes_per_segment}/{self.segment_capacity_bytes} bytes x {self.num_segments} segments, "
-            f"{self.num_chunks} chunks)"
+            f"{self.num_bytes}/{self.max_num_bytes} bytes in {self.num_segments} segments, {self.num_chunks} chunks)"
         )

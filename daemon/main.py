@@ -32,7 +32,9 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why."""
 
 
-def select_backend(kind: str, device: int, warm_chunks: int = 0) -> tuple[Backend[Any, Any], str]:
+def select_backend(
+    kind: str, device: int, warm_chunks: int = 0, export_sentinel: bool = True
+) -> tuple[Backend[Any, Any], str]:
     """The backend named by ``--backend`` and a note on why it was chosen.
 
     ``auto`` takes CUDA where a driver and the device are usable, else host.
@@ -45,7 +47,8 @@ def select_backend(kind: str, device: int, warm_chunks: int = 0) -> tuple[Backen
     from .backends.cuda import CudaBackend
 
     try:
-        return CudaBackend(device, warm_chunks), "as asked" if kind == "cuda" else "auto: CUDA driver and device found"
+        why = "as asked" if kind == "cuda" else "auto: CUDA driver and device found"
+        return CudaBackend(device, warm_chunks, export_sentinel), why
     except (CudaUnavailable, HbmdError) as exc:
         if kind == "cuda":
             raise BackendUnavailable(f"CUDA backend unusable for GPU {device}: {exc}") from None
@@ -76,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
                         help="CUDA: keep N granules created and exported ahead of time, set aside from the budget, "
                              "so small commits skip the export (default: 0)")
+    parser.add_argument("--no-export-sentinel", action="store_true",
+                        help="CUDA: do not hold the one exported granule that keeps the driver's FD export and close "
+                             "on their fast path (a 2 MiB granule out of the budget; default: held)")
     parser.add_argument("--config", metavar="FILE", help="TOML file with access rules and per-tenant quotas")
     parser.add_argument("--group", metavar="NAME",
                         help="group owning the instance directory and sockets; its members may connect")
@@ -124,7 +130,7 @@ class Daemon:
 def build(args: argparse.Namespace) -> Daemon:
     """Choose the backend, size the budget, load the config and wire the server; raises :class:`Refusal`."""
     try:
-        backend, why = select_backend(args.backend, args.device, args.warm_chunks)
+        backend, why = select_backend(args.backend, args.device, args.warm_chunks, not args.no_export_sentinel)
     except BackendUnavailable as exc:
         raise Refusal(str(exc), 1) from None
     try:
@@ -148,8 +154,12 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         raise Refusal(f"--reclaim-timeout: {args.reclaim_timeout} is not a positive number of seconds", 2)
     held_back = backend.held_back_bytes()
     if args.warm_chunks < 0 or held_back > budget:
-        raise Refusal(f"--warm-chunks: {args.warm_chunks} granules do not fit the budget of {format_bytes(budget)}", 2)
-    budget -= held_back  # the warm pool is device memory too: commits get what is left
+        raise Refusal(
+            f"--warm-chunks: {args.warm_chunks} granules and the export sentinel do not fit the budget of "
+            f"{format_bytes(budget)}",
+            2,
+        )
+    budget -= held_back  # the warm pool and the sentinel are device memory too: commits get what is left
     try:
         config = load_config(args.config, backend.total_bytes, budget) if args.config else Config()
     except ConfigError as exc:
@@ -226,7 +236,8 @@ def run(daemon: Daemon) -> int:
         f", metrics http://{args.metrics_addr}/metrics" if args.metrics_addr else "",
     )
     if held_back:
-        log.info("%s of the budget held back for %d warm chunks", format_bytes(held_back), args.warm_chunks)
+        log.info("%s of the budget held back for %d warm chunks and the export sentinel",
+                 format_bytes(held_back), args.warm_chunks)
     elif args.warm_chunks:
         log.warning("--warm-chunks applies to the CUDA backend only; ignored")
     server.publish()

@@ -28,7 +28,8 @@ from .state import Buffer, Chunk, State
 
 log = logging.getLogger("hbmd.persist")
 
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
+"""2 records each segment's capacity and size; version 1's equal segments are read too."""
 
 
 def arena_name(buffer_id: int) -> str:
@@ -96,8 +97,8 @@ class Persistence:
                 "owner_uid": b.owner_uid,
                 "tenant": b.tenant.name,
                 "capacity": b.capacity,
-                "num_segments": b.num_segments,
-                "bytes_per_segment": b.bytes_per_segment,
+                "segment_capacities": b.segment_capacities,
+                "segment_sizes": b.segment_sizes,
                 "shareable": b.shareable,
                 "chunks": [
                     [c.chunk_id, c.offset, c.size, self.state.backend.handle_offset(b.arena, c.handle)] for c in b.chunks
@@ -181,7 +182,15 @@ class Persistence:
             raise
         self.state.adopt_buffer(
             buffer_id, entry["name"], int(entry["owner_uid"]), entry["tenant"], int(entry["capacity"]),
-            int(entry["num_segments"]), int(entry["bytes_per_segment"]), bool(entry["shareable"]), arena, chunks,
+            *_segments(entry), bool(entry["shareable"]), arena, chunks,
         )
         self._parked[buffer_id] = parked
         log.info("restored persistent buffer %r: %d bytes in %d chunks", entry["name"], sum(c.size for c in chunks), len(chunks))
+
+
+def _segments(entry: dict) -> tuple[list[int], list[int]]:
+    """An entry's segment capacities and committed sizes, from either journal version."""
+    if "segment_capacities" in entry:
+        return [int(c) for c in entry["segment_capacities"]], [int(n) for n in entry["segment_sizes"]]
+    count = int(entry["num_segments"])
+    return [int(entry["capacity"]) // count] * count, [int(entry["bytes_per_segment"])] * count

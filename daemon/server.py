@@ -39,6 +39,7 @@ from hbmd.proto import (
     BufferCreated,
     BufferList,
     Commit,
+    CommitSegments,
     Committed,
     CreateBuffer,
     Defragment,
@@ -204,6 +205,8 @@ class HandleConnection:
     groups: set[int]
     accepted_at: float
     session: Session | None = None
+    protocol_minor: int = 0
+    """The minor version the client speaks (from its hello)."""
     outbox: collections.deque[FdDelivery] = dataclasses.field(default_factory=collections.deque)
     fds_in_flight: int = 0
     """FDs sent since the peer was last seen to have read everything."""
@@ -599,6 +602,7 @@ class Server:
             self._close_connection(conn, f"refused: {exc.message}")
             return
         conn.session = session
+        conn.protocol_minor = hello.version[1]
         self._by_session[session.session_id] = conn
         backend = self.state.backend
         self._send_quietly(
@@ -790,6 +794,8 @@ class Server:
             device_free_bytes=backend.free_bytes(),
             tenants=sorted(tenants[:MAX_TENANTS_LISTED], key=lambda t: t.name),
             tenants_left_out=max(0, len(tenants) - MAX_TENANTS_LISTED),
+            admissible_bytes=state.admissible_bytes(conn.session.tenant),
+            held_back_bytes=backend.held_back_bytes(),
         )
 
     @handles(ListSessions)
@@ -837,7 +843,8 @@ class Server:
     @handles(CreateBuffer)
     def _create_buffer(self, conn: HandleConnection, request_id: int, msg: CreateBuffer) -> BufferCreated:
         buffer = self.state.create_buffer(
-            conn.session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable
+            conn.session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
+            msg.segment_capacities,
         )
         return BufferCreated(buffer.info())
 
@@ -847,10 +854,16 @@ class Server:
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
+    @handles(CommitSegments)
+    def _commit_segments(self, conn: HandleConnection, request_id: int, msg: CommitSegments) -> Committed:
+        self._check_reading(conn)
+        chunks = self.state.commit(conn.session, msg.buffer_id, msg.sizes)
+        return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
     @handles(Attach)
     def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
         self._check_reading(conn)
-        buffer = self.state.attach(conn.session, msg.name)
+        buffer = self.state.attach(conn.session, msg.name, uneven_ok=conn.protocol_minor >= 1)
         log.info("session %d attached persistent buffer %r (%d bytes)", conn.session.session_id, msg.name, buffer.physical_bytes)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 

@@ -10,6 +10,7 @@ committed bytes change in exactly one place (:meth:`State._account`), and
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import secrets
 import time
@@ -24,6 +25,7 @@ from hbmd.proto.errors import (
     OutOfBudget,
     OutOfDeviceMemory,
     PermissionDenied,
+    VersionMismatch,
 )
 from hbmd.proto.units import format_bytes, round_up
 
@@ -68,22 +70,19 @@ def subtract_runs(runs: list[tuple[int, int]], taken: list[tuple[int, int]]) -> 
     return out
 
 
-def backed_runs(
-    segment_capacity: int, num_segments: int, bytes_per_segment: int, granule: int
-) -> list[tuple[int, int]]:
-    """Byte runs (granule-aligned, merged) that must be backed to hold ``bytes_per_segment`` of each segment.
+def backed_runs(offsets: list[int], sizes: list[int], granule: int) -> list[tuple[int, int]]:
+    """Byte runs (granule-aligned, merged) that must be backed to hold ``sizes[i]`` bytes of the segment at ``offsets[i]``.
 
     A granule straddling two segments appears once: the runs are merged.
     """
-    if bytes_per_segment == 0:
-        return []
     return merge_runs(
-        (
-            i * segment_capacity // granule * granule,
-            round_up(i * segment_capacity + bytes_per_segment, granule),
-        )
-        for i in range(num_segments)
+        (offset // granule * granule, round_up(offset + size, granule)) for offset, size in zip(offsets, sizes) if size
     )
+
+
+def prefix_offsets(capacities: list[int]) -> list[int]:
+    """Segments lie back to back: each starts where the one before ends."""
+    return list(itertools.accumulate(capacities, initial=0))[:-1]
 
 
 @dataclasses.dataclass
@@ -169,9 +168,11 @@ class Buffer(Generic[A, C]):
     tenant: Tenant
     capacity: int
     reserved: int
-    num_segments: int
+    segment_capacities: list[int]
     arena: A
-    bytes_per_segment: int = 0
+    segment_sizes: list[int] = dataclasses.field(default_factory=list)
+    """Committed bytes of each segment: a prefix of it."""
+    segment_offsets: list[int] = dataclasses.field(default_factory=list)
     chunks: list[Chunk[C]] = dataclasses.field(default_factory=list)
     physical_bytes: int = 0
     """Bytes of ``chunks``: what the owner has mapped."""
@@ -179,9 +180,32 @@ class Buffer(Generic[A, C]):
     """New chunks of a preserving defragment, until the client confirms its remap."""
     pending_bytes: int = 0
 
+    def __post_init__(self) -> None:
+        self.segment_offsets = prefix_offsets(self.segment_capacities)
+        if not self.segment_sizes:
+            self.segment_sizes = [0] * len(self.segment_capacities)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_capacities)
+
+    @property
+    def uniform(self) -> bool:
+        """Equal segments: what a client of protocol 1.0 understands."""
+        return len(set(self.segment_capacities)) == 1
+
     @property
     def segment_capacity(self) -> int:
-        return self.capacity // self.num_segments
+        """The capacity every segment has (the smallest one where they differ)."""
+        return min(self.segment_capacities)
+
+    @property
+    def bytes_per_segment(self) -> int:
+        """The committed prefix every segment has (the smallest one where they differ)."""
+        return min(self.segment_sizes)
+
+    def backed_runs(self, sizes: list[int], granule: int) -> list[tuple[int, int]]:
+        return backed_runs(self.segment_offsets, sizes, granule)
 
     def info(self) -> BufferInfo:
         return BufferInfo(
@@ -197,6 +221,8 @@ class Buffer(Generic[A, C]):
             bytes_per_segment=self.bytes_per_segment,
             physical_bytes=self.physical_bytes,
             num_chunks=len(self.chunks),
+            segment_capacities=list(self.segment_capacities),
+            segment_sizes=list(self.segment_sizes),
         )
 
 
@@ -353,15 +379,26 @@ class State(Generic[A, C]):
         name: str = "",
         persistent: bool = False,
         shareable: bool = False,
+        segment_capacities: list[int] | None = None,
     ) -> Buffer[A, C]:
+        """A buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities`` (summing to ``capacity``)."""
         self._check_not_observer(session)
         _check_int("capacity", capacity, 1, MAX_CAPACITY)
-        _check_int("num_segments", num_segments, 1, min(MAX_SEGMENTS, capacity))
-        if capacity % num_segments:
-            raise InvalidRequest(
-                f"capacity {capacity} is not divisible by num_segments {num_segments}",
-                field="num_segments",
-            )
+        if segment_capacities:
+            _check_int("len(segment_capacities)", len(segment_capacities), 1, MAX_SEGMENTS)
+            if min(segment_capacities) <= 0 or sum(segment_capacities) != capacity:
+                raise InvalidRequest(
+                    f"segment_capacities must be positive and sum to the capacity {capacity}",
+                    field="segment_capacities",
+                )
+        else:
+            _check_int("num_segments", num_segments, 1, min(MAX_SEGMENTS, capacity))
+            if capacity % num_segments:
+                raise InvalidRequest(
+                    f"capacity {capacity} is not divisible by num_segments {num_segments}",
+                    field="num_segments",
+                )
+            segment_capacities = [capacity // num_segments] * num_segments
         if len(name) > MAX_NAME or not name.isprintable():
             raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
         if persistent:
@@ -392,7 +429,7 @@ class State(Generic[A, C]):
             tenant=session.tenant,
             capacity=capacity,
             reserved=reserved,
-            num_segments=num_segments,
+            segment_capacities=list(segment_capacities),
             arena=arena,
         )
         self._hold(buffer.tenant)
@@ -411,8 +448,8 @@ class State(Generic[A, C]):
         owner_uid: int,
         tenant: str,
         capacity: int,
-        num_segments: int,
-        bytes_per_segment: int,
+        segment_capacities: list[int],
+        segment_sizes: list[int],
         shareable: bool,
         arena: A,
         chunks: list[Chunk[C]],
@@ -428,9 +465,9 @@ class State(Generic[A, C]):
             tenant=self._tenant(tenant),
             capacity=capacity,
             reserved=round_up(capacity, self.backend.granularity),
-            num_segments=num_segments,
+            segment_capacities=segment_capacities,
             arena=arena,
-            bytes_per_segment=bytes_per_segment,
+            segment_sizes=segment_sizes,
             chunks=chunks,
         )
         self._hold(buffer.tenant)
@@ -441,13 +478,19 @@ class State(Generic[A, C]):
         self._next_chunk = max([self._next_chunk] + [c.chunk_id + 1 for c in chunks])
         return buffer
 
-    def attach(self, session: Session, name: str) -> Buffer[A, C]:
+    def attach(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
         """Give an orphaned persistent buffer of the session's user to the session.
 
         Names are per user: another user's buffer of the same name is not found.
+        A client that cannot read uneven segments (``uneven_ok`` False) is
+        refused such a buffer rather than handed a layout it would misread.
         """
         self._check_not_observer(session)
         buffer = self._orphan(session.uid, name)
+        if not (uneven_ok or buffer.uniform):
+            raise VersionMismatch(
+                f"persistent buffer {name!r} has uneven segments: attaching it needs an hbmd client of protocol 1.1 or later"
+            )
         buffer.owner = session
         session.buffers[buffer.buffer_id] = buffer
         return buffer
@@ -498,35 +541,35 @@ class State(Generic[A, C]):
             raise NotFound(f"no buffer {buffer_id} in this session", buffer_id=buffer_id)
         return buffer
 
-    def commit(self, session: Session, buffer_id: int, bytes_per_segment: int) -> list[Chunk]:
-        """Grow every segment's committed prefix; returns the new chunks, in offset order.
+    def commit(self, session: Session, buffer_id: int, sizes: int | list[int]) -> list[Chunk[C]]:
+        """Grow each segment's committed prefix to ``sizes[i]`` (an int: the same for all); returns the new chunks.
 
-        One chunk per maximal run of uncommitted granules. The whole growth
-        fits the budget or nothing is allocated.
+        One chunk per maximal run of uncommitted granules, in offset order.
+        The whole growth fits the budget or nothing is allocated.
         """
         buffer = self._idle_buffer(session, buffer_id)
-        seg = buffer.segment_capacity
-        if bytes_per_segment < 0:
-            raise InvalidRequest(f"bytes_per_segment {bytes_per_segment} is negative", field="bytes_per_segment")
-        if bytes_per_segment > seg:
-            raise InvalidRequest(
-                f"{bytes_per_segment} bytes per segment exceeds the segment capacity of {seg} bytes",
-                field="bytes_per_segment",
-            )
-        if bytes_per_segment < buffer.bytes_per_segment:
-            raise InvalidRequest(
-                f"buffers are grow-only: {bytes_per_segment} bytes per segment is below "
-                f"the {buffer.bytes_per_segment} already committed",
-                field="bytes_per_segment",
-            )
+        if isinstance(sizes, int):
+            sizes = [sizes] * buffer.num_segments
+        if len(sizes) != buffer.num_segments:
+            raise InvalidRequest(f"expected {buffer.num_segments} segment sizes, got {len(sizes)}", field="sizes")
+        for index, (size, old, capacity) in enumerate(zip(sizes, buffer.segment_sizes, buffer.segment_capacities)):
+            if size < 0:
+                raise InvalidRequest(f"segment {index}: size {size} is negative", field="bytes_per_segment")
+            if size > capacity:
+                raise InvalidRequest(
+                    f"segment {index}: {size} bytes exceeds the segment capacity of {capacity} bytes",
+                    field="bytes_per_segment",
+                )
+            if size < old:
+                raise InvalidRequest(
+                    f"buffers are grow-only: segment {index} has {old} bytes committed, asked for {size}",
+                    field="bytes_per_segment",
+                )
         granule = self.backend.granularity
-        runs = subtract_runs(
-            backed_runs(seg, buffer.num_segments, bytes_per_segment, granule),
-            backed_runs(seg, buffer.num_segments, buffer.bytes_per_segment, granule),
-        )
+        runs = subtract_runs(buffer.backed_runs(sizes, granule), buffer.backed_runs(buffer.segment_sizes, granule))
         created = self._create_runs(buffer, runs, "commit")
         buffer.chunks.extend(created)
-        buffer.bytes_per_segment = bytes_per_segment
+        buffer.segment_sizes = list(sizes)
         self._account(buffer, mapped=sum(c.size for c in created))
         return created
 
@@ -542,7 +585,7 @@ class State(Generic[A, C]):
         (the caller unmapped them and maps them again).
         """
         buffer = self._idle_buffer(session, buffer_id)
-        runs = backed_runs(buffer.segment_capacity, buffer.num_segments, buffer.bytes_per_segment, self.backend.granularity)
+        runs = buffer.backed_runs(buffer.segment_sizes, self.backend.granularity)
         if len(buffer.chunks) == len(runs):
             return [] if preserve else buffer.chunks
         if preserve:
@@ -553,7 +596,7 @@ class State(Generic[A, C]):
         try:
             buffer.chunks = self._create_runs(buffer, runs, "defragment")
         except BaseException:
-            buffer.bytes_per_segment = 0  # the old pages are gone: the buffer is released
+            buffer.segment_sizes = [0] * buffer.num_segments  # the old pages are gone: the buffer is released
             raise
         self._account(buffer, mapped=sum(c.size for c in buffer.chunks))
         return buffer.chunks
@@ -594,6 +637,14 @@ class State(Generic[A, C]):
                 self._reclaim_for(buffer.tenant, requested)
             raise
         return created
+
+    def admissible_bytes(self, tenant: Tenant) -> int:
+        """The most a commit charged to ``tenant`` would be admitted for now: what :meth:`_admit` allows."""
+        held = sum(t.unmet_guarantee for t in self.tenants.values() if t is not tenant)
+        room = self.budget_bytes - self.committed_bytes - held
+        if tenant.max_bytes is not None:
+            room = min(room, tenant.max_bytes - tenant.used_bytes)
+        return max(0, room)
 
     def _admit(self, tenant: Tenant, requested: int, purpose: str) -> None:
         """The one place a commit is checked against the tenant's maximum, the budget and others' guarantees."""
@@ -726,7 +777,7 @@ class State(Generic[A, C]):
         chunk_ids: set[int] = set()
         total = 0
         for buffer in self.buffers.values():
-            wanted = backed_runs(buffer.segment_capacity, buffer.num_segments, buffer.bytes_per_segment, granule)
+            wanted = buffer.backed_runs(buffer.segment_sizes, granule)
             for label, chunks, accounted in (
                 ("chunks", buffer.chunks, buffer.physical_bytes),
                 ("pending chunks", buffer.pending, buffer.pending_bytes),
@@ -814,7 +865,7 @@ class State(Generic[A, C]):
 
     def _release_all(self, buffer: Buffer[A, C]) -> int:
         freed = self._drop_mapped(buffer) + self._drop_pending(buffer)
-        buffer.bytes_per_segment = 0
+        buffer.segment_sizes = [0] * buffer.num_segments
         return freed
 
     def _drop(self, buffer: Buffer[A, C]) -> int:

@@ -23,6 +23,7 @@ from .buffers import (
     ChunkInfo,
     Commit,
     Committed,
+    CommitSegments,
     CreateBuffer,
     Defragment,
     Delete,

@@ -25,7 +25,7 @@ class StatusReply(Message):
 
     ``tenants``: all of them for an admin, else the asking user's own; at
     most a thousand (limited ones and the largest first), and
-    ``tenants_left_out`` says how many more there are (protocol 1.1).
+    ``tenants_left_out`` says how many more there are (protocol 1.2).
     """
 
     instance: str
@@ -45,7 +45,13 @@ class StatusReply(Message):
     uptime_s: float
     device_free_bytes: int = -1
     tenants: list[TenantInfo] = dataclasses.field(default_factory=list)
+    held_back_bytes: int = 0
+    """Device memory the daemon holds for itself (warm pool, export sentinel), already taken out of the budget (1.1)."""
+    admissible_bytes: int = -1
+    """What more the daemon would admit for the asking session now: its tenant's maximum, the budget and
+    others' guaranteed minimums all counted (1.1; -1 from older daemons)."""
     tenants_left_out: int = 0
+    """Tenants not listed in ``tenants`` (1.2)."""
 
 
 @message("admin.status")

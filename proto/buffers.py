@@ -1,10 +1,15 @@
 """Buffer messages: create, commit, release, free.
 
 Sizes are bytes. A buffer of ``capacity`` bytes has ``num_segments`` equal
-segments; committing ``bytes_per_segment`` backs that prefix of every segment.
+segments, or (protocol 1.1) uneven ones of ``segment_capacities`` bytes, laid
+back to back. Committing backs a prefix of each segment: the same
+``bytes_per_segment`` of every one (:class:`Commit`), or each its own size
+(:class:`CommitSegments`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from .codec import Message, Request, message, record
 
@@ -39,6 +44,10 @@ class BufferInfo:
     bytes_per_segment: int
     physical_bytes: int
     num_chunks: int
+    segment_capacities: list[int] = dataclasses.field(default_factory=list)
+    """Each segment's capacity (1.1); with equal segments every entry is ``segment_capacity_bytes``."""
+    segment_sizes: list[int] = dataclasses.field(default_factory=list)
+    """Each segment's committed prefix (1.1); ``bytes_per_segment`` is the smallest of them."""
 
 
 @message("buffer.created")
@@ -82,6 +91,8 @@ class CreateBuffer(Request[BufferCreated]):
     name: str = ""
     persistent: bool = False
     shareable: bool = False
+    segment_capacities: list[int] = dataclasses.field(default_factory=list)
+    """Uneven segments (1.1): positive, summing to ``capacity``; ``num_segments`` is then ignored."""
 
 
 @message("buffer.commit")
@@ -94,6 +105,14 @@ class Commit(Request[Committed]):
 
     buffer_id: int
     bytes_per_segment: int
+
+
+@message("buffer.commit_segments")
+class CommitSegments(Request[Committed]):
+    """Grow each segment's committed prefix to its own ``sizes[i]`` (grow-only, one size per segment; 1.1)."""
+
+    buffer_id: int
+    sizes: list[int]
 
 
 @message("buffer.release")
@@ -119,7 +138,7 @@ class Attach(Request[Committed]):
 
 @message("buffer.delete")
 class Delete(Request[Freed]):
-    """Free an orphaned persistent buffer by ``name``: this user's, or with ``owner_uid`` (protocol 1.1) that user's.
+    """Free an orphaned persistent buffer by ``name``: this user's, or with ``owner_uid`` (protocol 1.2) that user's.
 
     Another user's buffer may be deleted by an admin only (root, the daemon's
     user, ``admin_uids``); ``owner_uid`` -1 means this user.

@@ -16,13 +16,15 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Callable, ClassVar, Generic, TypeVar
 
 import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 1)
+PROTOCOL_VERSION = (1, 2)
+"""1.1 added uneven segments (``segment_capacities``, :class:`CommitSegments`); 1.2 an admin's
+``Delete.owner_uid`` and ``StatusReply.tenants_left_out``."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_CHARS = 1000
 MAX_DETAIL_CHARS = 256
@@ -95,10 +97,24 @@ def kind_class(kind: str) -> type[Message]:
         raise ProtocolError(f"unknown message kind {kind[:64]!r}") from None
 
 
+_SCALARS = frozenset({int, str, bool, float, bytes, type(None)})
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def to_wire(value: Any) -> Any:
-    """Turn a message or record (recursively) into msgpack-ready values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    """Turn a message or record (recursively) into msgpack-ready values.
+
+    Every reply goes through here, so scalars return first and each record
+    type's field names are looked up once.
+    """
+    cls = type(value)
+    if cls in _SCALARS:
+        return value
+    names = _FIELD_NAMES.get(cls)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        return {name: to_wire(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         return [to_wire(v) for v in value]
     if isinstance(value, dict):
@@ -108,62 +124,119 @@ def to_wire(value: Any) -> Any:
 
 def from_wire(cls: type[M], data: Any) -> M:
     """Build ``cls`` from a decoded map, checking every field's type."""
-    return _convert(cls, data, cls.__name__)
+    return _decoder(cls)(data, cls.__name__)
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+Decoder = Callable[[Any, str], Any]
+"""Checks and converts one decoded value of a field type; the string names the field for errors."""
+
+_DECODERS: dict[Any, Decoder] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = typing.get_type_hints(cls)
-    return hints
+def _decoder(tp: Any) -> Decoder:
+    """The decoder of field type ``tp``, built once: every request and reply is decoded through these."""
+    decoder = _DECODERS.get(tp)
+    if decoder is None:
+        decoder = _DECODERS[tp] = _build_decoder(tp)
+    return decoder
 
 
-def _convert(tp: Any, value: Any, where: str) -> Any:
+def _build_decoder(tp: Any) -> Decoder:
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        hints = _hints(tp)
-        kwargs = {}
-        for f in dataclasses.fields(tp):
-            if f.name in value:
-                kwargs[f.name] = _convert(hints[f.name], value[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{where}: missing field {f.name!r}")
-        return tp(**kwargs)
+        return _record_decoder(tp)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            if option is type(None):
-                if value is None:
-                    return None
-                continue
+        return _union_decoder(tp)
+    if origin is list:
+        return _list_decoder(*typing.get_args(tp))
+    if origin is dict:
+        key, value = (_decoder(arg) for arg in typing.get_args(tp))
+
+        def mapping(data: Any, where: str) -> dict:
+            if not isinstance(data, dict):
+                raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
+            return {key(k, f"{where} key"): value(v, f"{where}[]") for k, v in data.items()}
+
+        return mapping
+    if tp is Any:
+        return lambda data, where: data
+    if tp is float:
+
+        def real(data: Any, where: str) -> float:
+            if type(data) is int:
+                return float(data)
+            if type(data) is not float:
+                raise ProtocolError(f"{where}: expected float, got {type(data).__name__}")
+            return data
+
+        return real
+
+    def exact(data: Any, where: str) -> Any:
+        # bool is an int subclass: an int field must not accept True, nor a bool field 1.
+        if type(data) is not tp:
+            raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(data).__name__}")
+        return data
+
+    return exact
+
+
+def _record_decoder(tp: type) -> Decoder:
+    hints = typing.get_type_hints(tp)
+    fields = [
+        (
+            f.name,
+            "." + f.name,
+            _decoder(hints[f.name]),
+            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+        )
+        for f in dataclasses.fields(tp)
+    ]
+
+    def record(data: Any, where: str) -> Any:
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
+        kwargs = {}
+        for name, suffix, decode, required in fields:
+            if name in data:
+                kwargs[name] = decode(data[name], where + suffix)
+            elif required:
+                raise ProtocolError(f"{where}: missing field {name!r}")
+        return tp(**kwargs)
+
+    return record
+
+
+def _union_decoder(tp: Any) -> Decoder:
+    args = typing.get_args(tp)
+    nullable = type(None) in args
+    options = [_decoder(arg) for arg in args if arg is not type(None)]
+
+    def union(data: Any, where: str) -> Any:
+        if data is None and nullable:
+            return None
+        for option in options:
             try:
-                return _convert(option, value, where)
+                return option(data, where)
             except ProtocolError:
                 continue
-        raise ProtocolError(f"{where}: a {type(value).__name__} matches none of {tp}")
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
+        raise ProtocolError(f"{where}: a {type(data).__name__} matches none of {tp}")
+
+    return union
+
+
+def _list_decoder(item_type: Any) -> Decoder:
+    item = _decoder(item_type)
+    scalar = item_type in (int, str, bool)
+
+    def sequence(data: Any, where: str) -> list:
+        if not isinstance(data, (list, tuple)):
+            raise ProtocolError(f"{where}: expected a list, got {type(data).__name__}")
         where = f"{where}[]"  # one label for every item: a long list costs no string per item
-        return [_convert(item, v, where) for v in value]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
-        key_tp, val_tp = typing.get_args(tp)
-        return {_convert(key_tp, k, f"{where} key"): _convert(val_tp, v, f"{where}[]") for k, v in value.items()}
-    if tp is Any:
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    # bool is an int subclass: an int field must not accept True, nor a bool field 1.
-    if type(value) is not tp:
-        raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-    return value
+        if scalar and all(type(v) is item_type for v in data):
+            return list(data)
+        return [item(v, where) for v in data]
+
+    return sequence
 
 
 def packb(value: Any) -> bytes:

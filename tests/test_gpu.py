@@ -139,6 +139,56 @@ def test_a_cuda_graph_captured_before_growth_writes_the_new_blocks(gpu_client):
     assert bool((blocks[31] == 9).all()) and bool((blocks[0] == 7).all()) and int(blocks[1:31].sum()) == 0
 
 
+def test_uneven_segments_grow_on_their_own_and_keep_data_on_gpu(gpu_client):
+    capacities = [3 * MiB, 8 * MiB, 5 * MiB]  # segment 1 starts and segment 2 starts inside shared granules
+    t = ExtensibleTensor(sum(capacities), "cuda", segment_capacities=capacities, client=gpu_client)
+    assert t.segment_offsets == [0, 3 * MiB, 11 * MiB]
+    base = t.full_view().data_ptr()
+    t.resize_segments_([MiB, 2 * MiB, 0], zero_new=True)
+    t.segment_view(0).fill_(1)
+    t.segment_view(1).fill_(2)
+    t.resize_segments_(capacities, zero_new=True)
+    assert t.full_view().data_ptr() == base == t.base_ptr
+    assert int(t.segment_view(0)[:MiB].float().mean()) == 1 and int(t.segment_view(0)[MiB:].sum()) == 0
+    assert int(t.segment_view(1)[: 2 * MiB].float().mean()) == 2 and int(t.segment_view(1)[2 * MiB :].sum()) == 0
+    assert int(t.segment_view(2).sum()) == 0 and t.physical_bytes == 16 * MiB
+    assert not all(t.segments_backed_by_one_chunk(capacities))
+    t.defragment(preserve=True)
+    assert all(t.segments_backed_by_one_chunk(capacities))
+    assert int(t.segment_view(1)[: 2 * MiB].float().mean()) == 2
+    with pytest.raises(ValueError, match="grow-only"):
+        t.resize_segments_([0, 8 * MiB, 5 * MiB])
+    t.free()
+
+
+def test_a_cuda_graph_captured_over_uneven_segments_writes_them_after_growth(gpu_client):
+    # Per-layer segments of different strides, as vLLM 0.34 lays them out: 4 MiB and 8 MiB blocks.
+    strides = [4 * MiB, 8 * MiB]
+    t = ExtensibleTensor(16 * sum(strides), "cuda", segment_capacities=[16 * s for s in strides], client=gpu_client)
+    t.resize_segments_(strides, zero_new=True)  # one block of each
+    layers = [t.full_view()[offset : offset + 16 * stride].view(16, stride)
+              for offset, stride in zip(t.segment_offsets, strides)]
+    index = torch.zeros(1, dtype=torch.long, device="cuda")
+    sources = [torch.full((1, stride), 5 + i, dtype=torch.uint8, device="cuda") for i, stride in enumerate(strides)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for layer, source in zip(layers, sources):
+            layer.index_copy_(0, index, source)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer, source in zip(layers, sources):
+            layer.index_copy_(0, index, source)
+    t.resize_segments_([16 * s for s in strides], zero_new=True)
+    index.fill_(15)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, layer in enumerate(layers):
+        assert bool((layer[15] == 5 + i).all()) and bool((layer[0] == 5 + i).all()) and int(layer[1:15].sum()) == 0
+    t.free()
+
+
 def test_attention_over_a_kv_layout_matches_cudamalloc_memory(gpu_client):
     num_blocks, block_size, heads, head_dim = 64, 16, 8, 128
     per_block = block_size * heads * head_dim * 2  # fp16 bytes per block per segment
@@ -387,11 +437,14 @@ def test_a_driver_out_of_memory_is_distinct_and_retryable(start_daemon):
 
 
 def test_warm_chunks_serve_small_commits_and_come_out_of_the_budget(start_daemon):
-    torch.cuda.init()
+    torch.zeros(1, device="cuda")  # this process's context first: its ~500 MiB must not count as the pool's
+    torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
     daemon = start_daemon("--device", "0", "--budget", "1GiB", "--warm-chunks", "4", backend="cuda")
     with connect("cuda:0", run_dir=daemon.run_dir) as client:
-        assert client.status().budget_bytes == (1 << 30) - 8 * MiB
+        status = client.status()
+        assert status.budget_bytes == (1 << 30) - 10 * MiB  # four warm granules and the export sentinel
+        assert status.held_back_bytes == 10 * MiB
         wait_until(lambda: torch.cuda.mem_get_info()[0] <= free_before - 8 * MiB)  # the pool filled while idle
         t = ExtensibleTensor(64 * MiB, "cuda", num_segments=2, client=client)
         for step in range(1, 9):  # two single-granule runs per commit: warm chunks, then refills
@@ -407,3 +460,16 @@ def test_warm_chunks_serve_small_commits_and_come_out_of_the_budget(start_daemon
         t.free()
     assert daemon.stop() == 0
     wait_until(lambda: torch.cuda.mem_get_info()[0] >= free_before - 16 * MiB)  # the pool went with the daemon
+
+
+def test_the_export_sentinel_is_held_out_of_the_budget_unless_turned_off(start_daemon):
+    held = start_daemon("--device", "0", "--budget", "1GiB", backend="cuda")
+    with connect("cuda:0", run_dir=held.run_dir) as client:
+        status = client.status()
+        assert status.held_back_bytes == 2 * MiB and status.budget_bytes == (1 << 30) - 2 * MiB
+    assert held.stop() == 0
+    plain = start_daemon("--device", "0", "--budget", "1GiB", "--no-export-sentinel", backend="cuda")
+    with connect("cuda:0", run_dir=plain.run_dir) as client:
+        status = client.status()
+        assert status.held_back_bytes == 0 and status.budget_bytes == 1 << 30
+

@@ -109,7 +109,8 @@ def test_zero_new_zeroes_the_newly_committed_bytes_of_a_reused_granule(client):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_num_bytes=-1), "positive"),
+        (dict(max_num_bytes=-1), "non-negative"),
+        (dict(max_num_bytes=0), "positive"),
         (dict(max_num_bytes=MiB, num_segments=0), "num_segments"),
         (dict(max_num_bytes=MiB, num_segments=-1), "num_segments"),
         (dict(max_num_bytes=MiB + 1, num_segments=2), "divisible"),

@@ -144,7 +144,7 @@ def test_the_requests_are_the_ones_clients_send():
     # naming its reply) leaves a shipped client without an answer.
     assert {cls.KIND for cls in proto.requests()} == {
         "admin.status", "admin.sessions", "admin.buffers", "admin.reclaim", "buffer.create", "buffer.commit",
-        "buffer.release", "buffer.free", "buffer.attach", "buffer.delete", "buffer.defragment",
+        "buffer.commit_segments", "buffer.release", "buffer.free", "buffer.attach", "buffer.delete", "buffer.defragment",
         "buffer.finish_defragment", "session.reclaim_done",
     }
 

@@ -71,14 +71,14 @@ def test_merge_and_subtract_runs():
 def test_backed_runs_merge_a_straddling_granule():
     # Segments of 3 MiB: segment 1 starts inside granule 1, which segment 0's prefix also needs.
     seg = 3 * MiB
-    assert backed_runs(seg, 2, 3 * MiB, GRANULE) == [(0, 6 * MiB)]
+    assert backed_runs([0, seg], [3 * MiB] * 2, GRANULE) == [(0, 6 * MiB)]
     # Segment 0 needs granule 0, segment 1 (starting at 3 MiB) needs granule 1: touching runs merge.
-    assert backed_runs(seg, 2, 1 * MiB, GRANULE) == [(0, 4 * MiB)]
-    assert backed_runs(seg, 2, 0, GRANULE) == []
+    assert backed_runs([0, seg], [1 * MiB] * 2, GRANULE) == [(0, 4 * MiB)]
+    assert backed_runs([0, seg], [0] * 2, GRANULE) == []
 
 
 def test_backed_runs_of_two_segments_are_two_runs():
-    assert backed_runs(32 * MiB, 2, 3 * MiB, GRANULE) == [(0, 4 * MiB), (32 * MiB, 36 * MiB)]
+    assert backed_runs([0, 32 * MiB], [3 * MiB] * 2, GRANULE) == [(0, 4 * MiB), (32 * MiB, 36 * MiB)]
 
 
 def test_commit_makes_one_chunk_per_run_not_per_granule(state, session):

@@ -96,7 +96,7 @@ def snapshot(state: State) -> tuple:
         state.committed_bytes,
         {t.name: t.used_bytes for t in state.tenants.values()},
         {
-            b.buffer_id: (b.bytes_per_segment, b.physical_bytes, b.pending_bytes, b.owner and b.owner.session_id,
+            b.buffer_id: (list(b.segment_sizes), b.physical_bytes, b.pending_bytes, b.owner and b.owner.session_id,
                           [dataclasses.astuple(c) for c in b.chunks], [dataclasses.astuple(c) for c in b.pending])
             for b in state.buffers.values()
         },
@@ -150,6 +150,11 @@ class StateMachine(RuleBasedStateMachine):
         name = f"b{next(self.names)}" if persistent else ""
         self.attempt(self.state.create_buffer, self.session(data), capacity, segments, name, persistent)
 
+    @precondition(lambda self: self.state.sessions)
+    @rule(data=st.data(), capacities=st.lists(st.integers(1, 5 * GRANULE), min_size=1, max_size=4))
+    def create_uneven_buffer(self, data, capacities):
+        self.attempt(self.state.create_buffer, self.session(data), sum(capacities), 1, "", False, False, capacities)
+
     @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
     @rule(data=st.data(), fraction=st.floats(0, 1), fail_after=st.none() | st.integers(0, 2))
     def commit(self, data, fraction, fail_after):
@@ -164,6 +169,16 @@ class StateMachine(RuleBasedStateMachine):
     def commit_anything(self, data, bytes_per_segment):
         buffer = self.owned(data)
         self.attempt(self.state.commit, buffer.owner, buffer.buffer_id, bytes_per_segment)
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), fail_after=st.none() | st.integers(0, 2))
+    def commit_each_segment(self, data, fail_after):
+        buffer = self.owned(data)
+        sizes = [data.draw(st.integers(old - 1, capacity + 1)) for old, capacity in
+                 zip(buffer.segment_sizes, buffer.segment_capacities)]
+        self.backend.fail_create_in = fail_after
+        self.attempt(self.state.commit, buffer.owner, buffer.buffer_id, sizes)
+        self.backend.fail_create_in = None
 
     @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
     @rule(data=st.data(), preserve=st.booleans(), fail_after=st.none() | st.integers(0, 2))

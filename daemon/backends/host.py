@@ -107,13 +107,23 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+_meminfo_fd = -1
+
+
 def host_available_bytes() -> int:
-    """``MemAvailable`` from /proc/meminfo: what can be allocated without swapping."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    """``MemAvailable`` from /proc/meminfo: what can be allocated without swapping.
+
+    Every ``status`` asks, so the file stays open and is re-read in place
+    (the kernel renders it afresh on each read from offset 0).
+    """
+    global _meminfo_fd
+    if _meminfo_fd < 0:
+        _meminfo_fd = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
+    data = os.pread(_meminfo_fd, 16384, 0)
+    start = data.find(b"MemAvailable:")
+    if start < 0:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return int(data[start:data.index(b"\n", start)].split()[1]) * 1024
 
 
 class HostBackend(ParkableBackend[HostArena, HostChunk]):

@@ -1,0 +1,165 @@
+"""vLLM 0.34 as the client: its own ExtensibleKVCache allocating through hbmd's host backend, and the plugin.
+
+Needs vLLM 0.34 installed (README, "Use with vLLM"); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+from hbmd.client import ExtensibleTensor
+from helpers import MiB
+
+torch = pytest.importorskip("torch")
+vllm_cache = pytest.importorskip("vllm.v1.worker.extensible_kv_cache", reason="vLLM is not installed")
+from hbmd.integrations import vllm as plugin  # noqa: E402
+from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
+from vllm.utils.extensible_tensor import ExtensibleTensor as VllmExtensibleTensor  # noqa: E402
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
+
+GRANULE = 2 * MiB
+PAGE = 2 * 16 * (64 + 64) * 2  # 2 KV heads x 16 tokens x (K 64 + V 64) x fp16 = 8 KiB per layer and block
+FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+SWA = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=128)
+
+
+def public_members(cls: type) -> dict[str, object]:
+    return {name: member for name, member in inspect.getmembers(cls) if not name.startswith("_")}
+
+
+def test_hbmd_has_every_public_member_of_vllms_class_with_a_compatible_signature():
+    ours = public_members(ExtensibleTensor)
+    for name, theirs in public_members(VllmExtensibleTensor).items():
+        assert name in ours, f"ExtensibleTensor lacks {name}"
+        if isinstance(theirs, property):
+            assert isinstance(ours[name], property), name
+            continue
+        expected = list(inspect.signature(theirs).parameters.values())
+        got = list(inspect.signature(ours[name]).parameters.values())[: len(expected)]
+        assert [(p.name, p.kind, p.default) for p in got] == [(p.name, p.kind, p.default) for p in expected], name
+    expected = list(inspect.signature(VllmExtensibleTensor.__init__).parameters.values())
+    got = list(inspect.signature(ExtensibleTensor.__init__).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in got[: len(expected)]] == [
+        (p.name, p.kind, p.default) for p in expected
+    ]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in got[len(expected) :])
+
+
+def run_with_plugins(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.v1.worker import extensible_kv_cache as m\n"
+        "print(m.ExtensibleTensor.__module__ + '.' + m.ExtensibleTensor.__qualname__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("HBMD_VLLM", "VLLM_PLUGINS")} | env
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_plugin_is_inert_unless_the_operator_opts_in():
+    out = run_with_plugins({})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "vllm.utils.extensible_tensor.ExtensibleTensor"
+
+
+def test_with_the_opt_in_vllms_kv_cache_resolves_to_hbmd():
+    out = run_with_plugins({"HBMD_VLLM": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "hbmd.integrations.vllm.VllmExtensibleTensor"
+
+
+def test_an_unknown_vllm_version_is_refused_clearly():
+    plugin.check_version("0.34.0")
+    for version in ("0.35.0", "1.0.0", "dev"):
+        with pytest.raises(plugin.UnsupportedVllm, match=f"not {version}"):
+            plugin.check_version(version)
+
+
+@pytest.fixture
+def hbmd_cache(daemon, monkeypatch):
+    """vLLM's KV cache module with its ExtensibleTensor name pointed at hbmd, as the plugin does."""
+    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
+    monkeypatch.setattr(vllm_cache, "ExtensibleTensor", plugin.VllmExtensibleTensor)
+    monkeypatch.setattr(
+        vllm_cache.ExtensibleKVCache, "commit", plugin.capped_commit(vllm_cache.ExtensibleKVCache.commit)
+    )
+    return vllm_cache
+
+
+def planned(layout_name: str, groups, available: int):
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    config.cache_config.kv_cache_layout = layout_name  # the engine core resolves this on a GPU
+    layout = config.cache_config.get_resolved_kv_cache_layout()
+    kv_config = get_kv_cache_config_from_groups(config, groups, available)
+    return layout, vllm_cache.pad_kv_cache_segments(kv_config, layout, GRANULE)
+
+
+LAYOUTS = [
+    ("per-layer segments", "LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 4 * PAGE * 300),
+    ("one block-outermost segment", "BLHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)],
+     4 * PAGE * 300),
+    ("not block-compact", "LHBNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 4 * PAGE * 300),
+    ("two aliasing groups", "LBHNC", [KVCacheGroupSpec(["full.0", "full.1"], FULL),
+                                      KVCacheGroupSpec(["swa.0", "swa.1"], SWA)], 2 * PAGE * 300),
+]
+
+
+@pytest.mark.parametrize("title, layout_name, groups, available", LAYOUTS, ids=[case[0] for case in LAYOUTS])
+def test_vllms_own_kv_cache_runs_unchanged_on_hbmd(hbmd_cache, daemon, title, layout_name, groups, available):
+    layout, config = planned(layout_name, groups, available)
+    kv = hbmd_cache.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    assert isinstance(kv.buffer, plugin.VllmExtensibleTensor)
+    observer = daemon.connect(observer=True)
+    (buffer,) = [b for b in observer.buffers() if b.name == plugin.buffer_name()]
+    assert buffer.segment_capacities == kv.buffer.segment_capacities
+
+    full = kv.allocate(kv.size)
+    assert full.data_ptr() == kv.buffer.base_ptr and kv.num_committed_blocks == kv.min_committed_blocks
+    kv.commit(10)
+    stride = kv.segment_strides[0]
+    first_segment = kv.buffer.segment_view(0)
+    first_segment[:stride].fill_(7)
+    kv.commit(300)
+    assert kv.num_committed_blocks == 300 and int(kv.buffer.segment_view(0)[:stride].float().mean()) == 7
+    # vLLM's estimate assumes no granule is shared; where segments are not granule-aligned, shared ones count once.
+    assert observer.status().committed_bytes == kv.physical_bytes <= kv.physical_bytes_for(300)
+
+    kv.commit(300, defragment=True)
+    assert all(kv.buffer.segments_backed_by_one_chunk([300 * s for s in kv.segment_strides]))
+    kv.commit(20, defragment=True, shrink=True)
+    assert kv.num_committed_blocks == 20 and observer.status().committed_bytes == kv.physical_bytes
+
+    runner_config = copy.copy(config)
+    runner_config.num_blocks = kv.num_committed_blocks
+    views = kv.committed_views(runner_config, layout)
+    if views is not None:
+        view = next(iter(views.values()))
+        view.fill_(1)
+        assert view.untyped_storage().data_ptr() >= kv.buffer.base_ptr
+
+    kv.release_physical()
+    assert observer.status().committed_bytes == 0 and kv.num_committed_blocks == 20
+    kv.recommit()
+    assert observer.status().committed_bytes == kv.physical_bytes > 0
+    if views is not None:
+        assert bool((next(iter(views.values())) == 0).all())  # fresh zeroed pages at the same addresses
+    kv.free()
+    assert observer.status().committed_bytes == 0 and observer.buffers() == []
+
+
+def test_vllm_commits_no_more_than_the_daemon_admits(hbmd_cache, daemon):
+    layout, config = planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 512 * MiB)
+    kv = hbmd_cache.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    kv.allocate(kv.size)
+    kv.commit(kv.capacity_blocks)  # vLLM's sizing would take it all; the 256 MiB budget does not hold that
+    assert 0 < kv.num_committed_blocks < kv.capacity_blocks
+    assert kv.physical_bytes <= 256 * MiB
+    kv.free()
