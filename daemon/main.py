@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-persistent-per-uid", type=int, default=Limits.persistent_buffers_per_uid, metavar="N",
                         help=f"persistent buffers one uid may hold; each is journaled in the state directory "
                              f"(default: {Limits.persistent_buffers_per_uid})")
+    parser.add_argument("--max-buffers-per-uid", type=int, default=Limits.buffers_per_uid, metavar="N",
+                        help=f"buffers one uid may hold; they cost no budget but daemon memory "
+                             f"(default: {Limits.buffers_per_uid})")
     parser.add_argument("--check-invariants", action="store_true",
                         help="check the books (committed bytes, chunks, owners) after every request and log an "
                              "error where they do not balance; costs time, for tests")
@@ -172,7 +175,13 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         raise Refusal(f"--max-sessions-per-uid: {args.max_sessions_per_uid} is not a positive number", 2)
     if args.max_persistent_per_uid < 0:
         raise Refusal(f"--max-persistent-per-uid: {args.max_persistent_per_uid} is negative", 2)
-    limits = Limits(sessions_per_uid=args.max_sessions_per_uid, persistent_buffers_per_uid=args.max_persistent_per_uid)
+    if args.max_buffers_per_uid < 1:
+        raise Refusal(f"--max-buffers-per-uid: {args.max_buffers_per_uid} is not a positive number", 2)
+    limits = Limits(
+        sessions_per_uid=args.max_sessions_per_uid,
+        persistent_buffers_per_uid=args.max_persistent_per_uid,
+        buffers_per_uid=args.max_buffers_per_uid,
+    )
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, config, args.reclaim_timeout, limits)

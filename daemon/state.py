@@ -101,6 +101,9 @@ class Limits:
 
     sessions_per_uid: int = 128
     persistent_buffers_per_uid: int = 64
+    buffers_per_uid: int = 1024
+    segments_per_uid: int = 1 << 20
+    """Buffers cost no budget, but each segment costs the daemon memory to describe."""
 
 
 RECLAIM_PATIENCE_S = 30.0
@@ -401,6 +404,7 @@ class State(Generic[A, C]):
             segment_capacities = [capacity // num_segments] * num_segments
         if len(name) > MAX_NAME or not name.isprintable():
             raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
+        self._check_buffers_of(session.uid, len(segment_capacities))
         if persistent:
             if not name:
                 raise InvalidRequest("a persistent buffer needs a name", field="name")
@@ -440,6 +444,18 @@ class State(Generic[A, C]):
             self._persistent[(session.uid, name)] = buffer
             self._mark_changed(buffer)
         return buffer
+
+    def _check_buffers_of(self, uid: int, new_segments: int) -> None:
+        """Refuse a buffer past the uid's :attr:`Limits.buffers_per_uid` or :attr:`Limits.segments_per_uid`."""
+        held = [b for b in self.buffers.values() if b.owner_uid == uid]
+        segments = sum(b.num_segments for b in held)
+        if len(held) >= self.limits.buffers_per_uid or segments + new_segments > self.limits.segments_per_uid:
+            raise OutOfBudget(
+                f"uid {uid} already holds {len(held)} buffers of {segments} segments; at most "
+                f"{self.limits.buffers_per_uid} buffers (--max-buffers-per-uid) of {self.limits.segments_per_uid} "
+                "segments in all: free one it no longer needs",
+                uid=uid, limit=self.limits.buffers_per_uid,
+            )
 
     def adopt_buffer(
         self,

@@ -566,3 +566,28 @@ def test_bad_options_are_one_line_usage_errors(run_dir, args, config, message):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert message in line, line
+
+
+def test_buffers_and_their_segments_per_uid_are_capped(start_daemon):
+    daemon = start_daemon("--max-buffers-per-uid", "20")
+    with daemon.connect() as client:
+        fds_before = settled_fds(daemon, client)
+        rss_before = daemon_rss(daemon)
+        widest = [client.create_buffer(1 << 16, 1 << 16) for _ in range(16)]  # 2**20 segments: the most allowed
+        with pytest.raises(MemoryError, match="16 buffers of 1048576 segments"):
+            client.create_buffer(1 << 16, 1)  # 16 buffers are within the 20 allowed; one more segment is not
+        client.free(widest[0].buffer_id)
+        for _ in range(5):
+            client.create_buffer(1 << 20, 1)
+        with pytest.raises(MemoryError, match="already holds 20 buffers") as refused:
+            client.create_buffer(1 << 20, 1)
+        assert refused.value.retryable
+        assert daemon_rss(daemon) - rss_before < 256 * MiB
+        assert_intact(daemon, client, fds_before)
+
+
+def daemon_rss(daemon) -> int:
+    for line in Path(f"/proc/{daemon.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
