@@ -36,21 +36,33 @@ def _writable_by_others(st: os.stat_result) -> bool:
     return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)) and not st.st_mode & stat.S_ISVTX
 
 
+def _prefixes(path: Path) -> list[Path]:
+    return [*reversed(path.parents), path]
+
+
 def check_ancestors(run_dir: Path) -> Path:
-    """The run directory, resolved, once it and every directory above it are safe; raises :class:`RunDirectoryError`."""
+    """The run directory, resolved, once it and every directory above it are safe; raises :class:`RunDirectoryError`.
+
+    Both the path as given and the path it resolves to are checked: a link
+    on the way (``/var/run`` to ``/run``) must belong to root or to the
+    daemon's user too, since whoever owns it could point it elsewhere.
+    """
+    given = Path(os.path.abspath(run_dir))
     resolved = Path(os.path.realpath(run_dir))
-    for directory in (*reversed(resolved.parents), resolved):
+    for directory in dict.fromkeys((*_prefixes(given), *_prefixes(resolved))):
         try:
             st = os.stat(directory, follow_symlinks=False)
         except OSError as exc:
             raise RunDirectoryError(f"run directory {run_dir}: {directory}: {exc.strerror}") from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise RunDirectoryError(f"run directory {run_dir}: {directory} is not a directory")
         if not _trusted_owner(st):
             raise RunDirectoryError(
                 f"run directory {run_dir}: {directory} belongs to uid {st.st_uid}, not to root or to this daemon's "
                 f"uid {os.geteuid()}"
             )
+        if stat.S_ISLNK(st.st_mode):
+            continue  # where it leads is among the resolved path's directories
+        if not stat.S_ISDIR(st.st_mode):
+            raise RunDirectoryError(f"run directory {run_dir}: {directory} is not a directory")
         if _writable_by_others(st):
             raise RunDirectoryError(
                 f"run directory {run_dir}: {directory} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}) "

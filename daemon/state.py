@@ -97,7 +97,7 @@ class Chunk(Generic[C]):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Per-uid bounds on what costs the daemon something besides the budget (its FDs, its state directory)."""
+    """Per-uid bounds on what costs the daemon something besides the budget: descriptors, memory, its state directory."""
 
     sessions_per_uid: int = 128
     persistent_buffers_per_uid: int = 64
