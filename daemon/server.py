@@ -74,6 +74,7 @@ from hbmd.proto import (
     requests,
 )
 from hbmd.proto.errors import (
+    Conflict,
     DaemonUnavailable,
     HbmdError,
     InternalError,
@@ -102,13 +103,17 @@ MAX_DATAGRAM = 64 << 10
 MAX_FDS_IN = 16
 """FDs accepted (and closed at once) on an inbound datagram; clients send none."""
 MAX_FDS_IN_FLIGHT = 4096
-"""FDs one session may have sent to it and not yet read. The kernel charges FDs queued on a socket to the
-sender's user, up to its RLIMIT_NOFILE (ETOOMANYREFS beyond, for every session alike): a peer that does not
-read must not use that up. More waits in the session's outbox until its socket drains."""
+"""FDs one session may have sent to it and not yet read (a 32nd of RLIMIT_NOFILE where less, one batch at least)."""
+MAX_FDS_IN_FLIGHT_PER_UID = 16384
+"""The same for all sessions of one uid together (an 8th of RLIMIT_NOFILE where less, one batch at least).
+
+The kernel charges FDs queued on sockets to the sender's user, up to its RLIMIT_NOFILE, and beyond it
+refuses every send alike (ETOOMANYREFS). They stay charged until the peer reads them or closes its socket:
+ending a session that does not read would not give them back, only lose count of them. So such a session
+is held, not ended: nothing more is sent to it until it reads, and its uid's other sessions keep the rest
+of the uid's share; other uids are not touched."""
 MAX_QUEUED_BATCHES = 1024
-"""FD batches (of up to 250) waiting in one session's outbox: past it the session is ended, as one that does not read."""
-STALLED_DELIVERY_S = 60.0
-"""A session whose queued FDs made no progress this long, for want of reading them, is ended."""
+"""FD batches (of up to 250) waiting in one session's outbox: past it, requests for more FDs are refused."""
 DRAIN_CHECK_S = 0.02
 """How often a session waiting for its socket to drain is looked at again."""
 WARNING_INTERVAL_S = 10.0
@@ -210,8 +215,6 @@ class HandleConnection:
     outbox: collections.deque[FdDelivery] = dataclasses.field(default_factory=collections.deque)
     fds_in_flight: int = 0
     """FDs sent since the peer was last seen to have read everything."""
-    last_progress: float = dataclasses.field(default_factory=time.monotonic)
-    """When a batch last went out, or the peer last caught up."""
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
@@ -272,6 +275,8 @@ class Server:
         self._poller = zmq.Poller()
         self._connections: dict[int, HandleConnection] = {}
         self._by_session: dict[int, HandleConnection] = {}
+        self._session_fd_share = max(MAX_FDS_PER_DATAGRAM, min(MAX_FDS_IN_FLIGHT, fd_limit() // 32))
+        self._uid_fd_share = max(MAX_FDS_PER_DATAGRAM, min(MAX_FDS_IN_FLIGHT_PER_UID, fd_limit() // 8))
         self._draining: set[int] = set()
         """Handle sockets (by fd) with FDs queued until their peer reads what it has."""
         self._warnings = RateLimitedLog(log)
@@ -649,36 +654,28 @@ class Server:
             log.info("session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
 
     def _may_send(self, conn: HandleConnection, count: int) -> bool:
-        """Whether ``count`` more FDs keep the session within :data:`MAX_FDS_IN_FLIGHT`."""
-        if conn.fds_in_flight + count <= MAX_FDS_IN_FLIGHT:
+        """Whether ``count`` more FDs keep the session and its uid within their shares of FDs in flight."""
+        for other in self._connections.values():
+            if other.uid == conn.uid and other.fds_in_flight and unread_bytes(other.sock) == 0:
+                other.fds_in_flight = 0
+        uid_in_flight = sum(c.fds_in_flight for c in self._connections.values() if c.uid == conn.uid)
+        if conn.fds_in_flight + count <= self._session_fd_share and uid_in_flight + count <= self._uid_fd_share:
             return True
-        if unread_bytes(conn.sock) == 0:
-            conn.fds_in_flight = 0
-            conn.last_progress = time.monotonic()
-            return True
+        self._warnings.warning(
+            f"held-{conn.uid}", "holding FDs for session %d (pid %d, uid %d): %d of its FDs and %d of its uid's "
+            "are unread", conn.session.session_id if conn.session else 0, conn.pid, conn.uid, conn.fds_in_flight,
+            uid_in_flight,
+        )
         return False
 
     def _retry_draining(self) -> None:
-        """Send on to sessions that were waiting for their peer to read; end those that stopped reading."""
-        now = time.monotonic()
+        """Send on to sessions that were held until their peers read what they have."""
         for fd in list(self._draining):
             conn = self._connections.get(fd)
             if conn is None:
                 self._draining.discard(fd)
-            elif now - conn.last_progress > STALLED_DELIVERY_S and unread_bytes(conn.sock) > 0:
-                self._end_unread(conn, f"it read none of its FDs for {STALLED_DELIVERY_S:.0f} s")
             else:
                 self._flush(conn)
-
-    def _end_unread(self, conn: HandleConnection, why: str) -> None:
-        """End a session that does not read its handle socket, before it costs others their FDs."""
-        session = conn.session.session_id if conn.session else 0
-        queued = sum(len(d.chunks) for d in conn.outbox)
-        log.warning(
-            "ending session %d (pid %d, uid %d): it does not read its handle socket (%s; %d FDs unread, %d queued)",
-            session, conn.pid, conn.uid, why, conn.fds_in_flight, queued,
-        )
-        self._close_connection(conn, "not reading its handle socket")
 
     def _flush(self, conn: HandleConnection) -> None:
         """Send queued FD batches while the peer keeps up and the socket has room; close each FD once sent."""
@@ -696,7 +693,7 @@ class Server:
                 for chunk in delivery.chunks:
                     fds.append(self.state.export(delivery.buffer, chunk))
             except (HbmdError, OSError) as exc:
-                log.warning("export for request %d failed: %s", delivery.request_id, exc)
+                self._warnings.warning("export", "export for request %d failed: %s", delivery.request_id, exc)
                 header = dataclasses.replace(header, error=str(exc))
                 for fd in fds:
                     os.close(fd)
@@ -720,7 +717,6 @@ class Server:
                     os.close(fd)
             conn.outbox.popleft()
             conn.fds_in_flight += len(fds)
-            conn.last_progress = time.monotonic()
         fd = conn.sock.fileno()
         if waiting:
             self._draining.add(fd)
@@ -874,10 +870,15 @@ class Server:
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
     def _check_reading(self, conn: HandleConnection) -> None:
-        """Refuse, and end, a session asking for more FDs while it leaves :data:`MAX_QUEUED_BATCHES` unread."""
+        """Refuse a session more FDs while :data:`MAX_QUEUED_BATCHES` batches of them wait for it to read."""
         if len(conn.outbox) >= MAX_QUEUED_BATCHES:
-            self._end_unread(conn, f"{len(conn.outbox)} batches queued")
-            raise ProtocolError("this session was ended: it does not read the FDs sent on its handle socket")
+            self._warnings.warning(
+                f"queued-{conn.uid}", "refusing session %d (pid %d) more FDs: %d batches wait for it to read its "
+                "handle socket", conn.session.session_id, conn.pid, len(conn.outbox),
+            )
+            raise Conflict(
+                f"{len(conn.outbox)} batches of FDs wait unread on this session's handle socket; read them first"
+            )
 
     def _deliver(self, conn: HandleConnection, request_id: int, buffer: Buffer, chunks: list[Chunk]) -> Committed:
         """Queue the chunks' FDs on the session's handle socket and describe them in the reply."""
