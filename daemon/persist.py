@@ -15,6 +15,7 @@ chunks kept.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -113,7 +114,8 @@ class Persistence:
             tmp.replace(self.journal)
         except OSError as exc:
             # A full or broken state directory must not stop the daemon: it serves on, and writes again at the next change.
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             if not self.degraded:
                 log.error(
                     "persistence degraded: cannot write the journal %s (%s); persistent buffers changed since "

@@ -39,6 +39,7 @@ from . import ParkableBackend
 
 GRANULE = 2 << 20
 RECOUNT_EVERY = 32
+"""Chunks made or released between two counts of the process's descriptors (see ``HostBackend._fds_left``)."""
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
