@@ -47,6 +47,7 @@ from hbmd.proto.errors import (
     DaemonUnavailable,
     DriverError,
     HbmdError,
+    InvalidRequest,
     PermissionDenied,
     SessionLost,
     VersionMismatch,
@@ -269,9 +270,18 @@ class Client:
         """
         return self.call(Detach(buffer_id))
 
-    def delete(self, name: str) -> Freed:
-        """Free this user's orphaned persistent buffer ``name``."""
-        return self.call(Delete(name))
+    def delete(self, name: str, owner_uid: int = -1) -> Freed:
+        """Free this user's orphaned persistent buffer ``name``, or (admins) user ``owner_uid``'s.
+
+        Raises ``InvalidRequest`` for ``owner_uid`` on a daemon older than
+        protocol 1.2, which would ignore it and delete this user's buffer.
+        """
+        if owner_uid != -1 and tuple(self.welcome.version) < (1, 2):
+            raise InvalidRequest(
+                f"hbmd {self.welcome.daemon_version} cannot delete another user's buffer (needs protocol 1.2)",
+                field="owner_uid",
+            )
+        return self.call(Delete(name, owner_uid))
 
     def _call_with_chunks(
         self, msg: Request[Committed], on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None

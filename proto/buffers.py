@@ -167,9 +167,14 @@ class Detach(Request[Detached]):
 
 @message("buffer.delete")
 class Delete(Request[Freed]):
-    """Free an orphaned persistent buffer of this user by ``name``."""
+    """Free an orphaned persistent buffer by ``name``: this user's, or with ``owner_uid`` (protocol 1.2) that user's.
+
+    Another user's buffer may be deleted by an admin only (root, the daemon's
+    user, ``admin_uids``); ``owner_uid`` -1 means this user.
+    """
 
     name: str
+    owner_uid: int = -1
 
 
 @message("buffer.defragment")
