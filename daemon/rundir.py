@@ -109,13 +109,10 @@ def open_instance_directory(directory: Path, group: int | None) -> int:
                 f"instance directory {directory} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
                 "what is in it cannot be trusted; remove it, or choose another --run-dir"
             )
-        if group is not None:
-            os.fchown(fd, -1, group)
-        os.fchmod(fd, DIRECTORY_MODE)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return _own(fd, DIRECTORY_MODE, group)
 
 
 def create_file(dir_fd: int, name: str, mode: int, group: int | None) -> int:
@@ -125,6 +122,11 @@ def create_file(dir_fd: int, name: str, mode: int, group: int | None) -> int:
     except FileNotFoundError:
         pass
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    return _own(fd, mode, group)
+
+
+def _own(fd: int, mode: int, group: int | None) -> int:
+    """Give the open ``fd`` its ``mode`` and ``--group``, on the descriptor (no path a link could redirect); closes it on failure."""
     try:
         if group is not None:
             os.fchown(fd, -1, group)
