@@ -476,3 +476,42 @@ def test_the_export_sentinel_is_held_out_of_the_budget_unless_turned_off(start_d
         status = client.status()
         assert status.held_back_bytes == 0 and status.budget_bytes == 1 << 30
 
+
+def test_a_cuda_map_that_fails_midway_is_repaired_and_a_failed_attach_keeps_the_buffer(gpu_daemon):
+    from hbmd.client.cuda import CudaMapper
+
+    class FlakyCudaMapper(CudaMapper):
+        """The CUDA mapper, with the map calls numbered in ``fail`` failing."""
+
+        fail: set[int] = set()
+        maps = 0
+
+        def map(self, address, chunk, fd):
+            self.maps += 1
+            if self.maps in self.fail:
+                raise DriverError("injected: cuMemMap failed", function="cuMemMap", result="CUDA_ERROR_OUT_OF_MEMORY")
+            super().map(address, chunk, fd)
+
+    torch.zeros(1, device="cuda")
+    uuid = driver.device_uuid(0)
+    mapper = FlakyCudaMapper(uuid, 2 * MiB)
+    with connect("cuda:0", run_dir=gpu_daemon.run_dir, mapper=mapper) as client:
+        t = ExtensibleTensor(64 * MiB, "cuda", num_segments=4, client=client, name="kv-flaky", persistent=True)
+        t.resize_per_segment_(2 * MiB, zero_new=True)
+        t.segment_view(0).fill_(4)
+        mapper.maps, mapper.fail = 0, {2}  # the second of four new chunks
+        t.resize_per_segment_(4 * MiB, zero_new=True)
+        (info,) = client.buffers(client.session_id)
+        assert info.segment_sizes == t.segment_sizes == [4 * MiB] * 4 and info.physical_bytes == t.physical_bytes
+        torch.cuda.synchronize()
+        assert int(t.segment_view(0)[: 2 * MiB].float().mean()) == 4
+        assert all(int(t.segment_view(i)[2 * MiB :].sum()) == 0 for i in range(4))  # mapped again, and zeroed
+        t.detach()
+        mapper.maps, mapper.fail = 0, {1}
+        with pytest.raises(DriverError):
+            ExtensibleTensor.attach("kv-flaky", "cuda", client=client)
+        mapper.fail = set()
+        back = ExtensibleTensor.attach("kv-flaky", "cuda", client=client)
+        assert int(back.segment_view(0)[: 2 * MiB].float().mean()) == 4
+        back.free()
+
