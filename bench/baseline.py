@@ -15,11 +15,6 @@ from typing import Any
 
 from hbmd import driver
 from hbmd.client.host import HostMapper
-from hbmd.daemon.backends.host import (
-    FALLOC_FL_KEEP_SIZE,
-    FALLOC_FL_PUNCH_HOLE,
-    fallocate,
-)
 from hbmd.proto import ChunkInfo
 from hbmd.proto.units import round_up
 
@@ -87,17 +82,18 @@ class HostInProcessBuffer:
         size = end - self.committed
         if size <= 0:
             return
-        fallocate(self.fd, 0, self.committed, size)
+        os.posix_fallocate(self.fd, self.committed, size)
         self.mapper.map(self.base + self.committed, ChunkInfo(0, self.committed, size, self.committed), self.fd)
         if zero:
             self.mapper.zero(self.base + self.committed, size)
         self.committed = end
 
     def release(self) -> None:
-        """Unmap (back to an inaccessible reservation) and punch the pages out of the memfd."""
+        """Unmap (back to an inaccessible reservation) and drop the memfd's pages (truncating frees them all)."""
         if self.committed:
             self.mapper.unmap(self.base, self.committed)
-            fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, self.committed)
+            os.ftruncate(self.fd, 0)
+            os.ftruncate(self.fd, self.capacity)
         self.committed = 0
 
     def free(self) -> None:

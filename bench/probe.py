@@ -71,7 +71,7 @@ def client_probe() -> Probe:
     from hbmd.client.transport import HandleChannel
 
     probe = Probe()
-    probe.wrap(Client, "_call", "client.control_call")
+    probe.wrap(Client, "call", "client.control_call")
     probe.wrap(os, "close", "client.os_close")
     probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
     for name in ("create", "import_fd", "map", "set_access", "release", "memset_async", "context_synchronize",

@@ -208,6 +208,8 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
             for t in tenants
         ]
         text += "\n\n" + render_table(["TENANT", "SESSIONS", "USED", "GUARANTEED", "MAX"], rows)
+    if r.get("tenants_left_out"):
+        text += f"\n... and {r['tenants_left_out']} more tenants"
     return Output(r, text, STATUS_COLUMNS, [r])
 
 
@@ -278,10 +280,12 @@ def cmd_buffers(client: Client, args: argparse.Namespace) -> Output:
 
 
 def cmd_delete(client: Client, args: argparse.Namespace) -> Output:
-    freed = client.delete(args.name)
+    freed = client.delete(args.name, args.uid)
+    owner = f" of uid {args.uid}" if args.uid != -1 else ""
     return Output(
         {"name": args.name, "buffer_id": freed.buffer_id, "freed_bytes": freed.freed_bytes},
-        f"deleted persistent buffer {args.name!r} (buffer {freed.buffer_id}), freed {format_bytes(freed.freed_bytes)}",
+        f"deleted persistent buffer {args.name!r}{owner} (buffer {freed.buffer_id}), "
+        f"freed {format_bytes(freed.freed_bytes)}",
     )
 
 
@@ -366,7 +370,8 @@ COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], Output] | None,
                "hbmctl status"),
     "sessions": (cmd_sessions, "connected worker sessions and what each holds", "hbmctl sessions --json"),
     "buffers": (cmd_buffers, "buffers with their segments, committed bytes and chunk counts", "hbmctl buffers --session 3"),
-    "delete": (cmd_delete, "delete an orphaned persistent buffer by name (yours only)", "hbmctl delete kv-cache-layer0"),
+    "delete": (cmd_delete, "delete an orphaned persistent buffer by name (yours; an admin names another user's with --uid)",
+               "hbmctl delete --uid 1000 kv-cache-layer0"),
     "reclaim": (cmd_reclaim, "ask a session to give memory back; its engine decides what to release",
                 "hbmctl reclaim --pid 4242 --bytes 8GiB --wait 10"),
     "watch": (None, "live view of status, sessions and buffers (Ctrl-C to leave)", "hbmctl watch --interval 2"),
@@ -414,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--session", type=int, default=-1, metavar="ID", help="only this session's buffers")
         if name == "delete":
             p.add_argument("name", metavar="NAME", help="the persistent buffer's name")
+            p.add_argument("--uid", type=int, default=-1, metavar="N",
+                           help="the buffer's owner, for admins (root, the daemon's user); default: you")
         if name == "reclaim":
             which = p.add_mutually_exclusive_group(required=True)
             which.add_argument("--session", type=int, metavar="ID", help="the session to ask")

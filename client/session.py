@@ -49,6 +49,7 @@ from hbmd.proto.errors import (
     DaemonUnavailable,
     DriverError,
     HbmdError,
+    InvalidRequest,
     PermissionDenied,
     SessionLost,
     VersionMismatch,
@@ -260,12 +261,12 @@ class Client:
         """
         if readonly:
             # A daemon that does not know the field would hand over the buffer itself.
-            self._need_minor(1, "read-only attaches")
+            self._need_minor(2, "read-only attaches")
         return self._call_with_chunks(Attach(name, readonly), on_chunk, on_reply)
 
     def seal(self, buffer_id: int) -> Sealed:
         """Make this session's persistent buffer immutable and readable by other sessions of this user at once."""
-        self._need_minor(1, "sealed buffers")
+        self._need_minor(2, "sealed buffers")
         return self.call(Seal(buffer_id))
 
     def defragment(
@@ -290,9 +291,18 @@ class Client:
         """
         return self.call(Detach(buffer_id, readonly))
 
-    def delete(self, name: str) -> Freed:
-        """Free this user's orphaned persistent buffer ``name``."""
-        return self.call(Delete(name))
+    def delete(self, name: str, owner_uid: int = -1) -> Freed:
+        """Free this user's orphaned persistent buffer ``name``, or (admins) user ``owner_uid``'s.
+
+        Raises ``InvalidRequest`` for ``owner_uid`` on a daemon older than
+        protocol 1.2, which would ignore it and delete this user's buffer.
+        """
+        if owner_uid != -1 and tuple(self.welcome.version) < (1, 2):
+            raise InvalidRequest(
+                f"hbmd {self.welcome.daemon_version} cannot delete another user's buffer (needs protocol 1.2)",
+                field="owner_uid",
+            )
+        return self.call(Delete(name, owner_uid))
 
     def _call_with_chunks(
         self, msg: Request[Committed], on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None

@@ -47,6 +47,7 @@ from hbmd.proto.errors import (
 from hbmd.proto.instance import InstancePaths
 
 MAX_DATAGRAM = 64 << 10
+CONNECT_RETRY_S = 0.005
 
 R = TypeVar("R", bound=Message)
 
@@ -69,7 +70,7 @@ class HandleChannel:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
-            self.sock.connect(self.path)
+            self._connect(time.monotonic() + timeout)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self.sock.close()
             raise DaemonUnavailable(f"no hbmd is serving {self.path}: {exc.strerror}", path=self.path) from None
@@ -82,10 +83,29 @@ class HandleChannel:
             self.sock.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}", path=self.path) from None
 
+    def _connect(self, deadline: float) -> None:
+        """Connect, waiting while the daemon's backlog is full (a Unix socket says EAGAIN then, it does not wait)."""
+        while True:
+            try:
+                self.sock.connect(self.path)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(CONNECT_RETRY_S)
+
     def handshake(self, hello: Hello) -> Welcome:
         try:
             self.sock.send(encode_datagram(hello))
-            reply = decode_datagram(self._recv(timeout=self.timeout)[0])
+        except OSError:
+            pass  # a daemon that turned this peer away at once has closed already; its refusal waits to be read
+        try:
+            try:
+                data = self._recv(timeout=self.timeout)[0]
+            except ConnectionResetError:
+                # Closed without reading the hello: the kernel reports the reset first, the refusal queued after it.
+                data = self._recv(timeout=self.timeout)[0]
+            reply = decode_datagram(data)
         except (OSError, ProtocolError, SessionLost) as exc:
             raise DaemonUnavailable(f"handshake with hbmd at {self.path} failed: {exc}", path=self.path) from None
         if isinstance(reply, Refused):

@@ -14,10 +14,13 @@ Example (``hbmd --config /etc/hbmd/gpu0.toml``)::
     guaranteed = "40GiB"        # no other tenant's commit can eat into this
 
     [[tenants]]
-    uid = 1001                  # sessions of uid 1001 that declare no tenant
-    max = "50%"
+    uid = 1001                  # every session of uid 1001: a name it declares is charged here too,
+    max = "50%"                 # unless a named tenant lists 1001 in its uids
 
 Sizes take the units of ``--budget``; a percentage is of the device's memory.
+A declared tenant name never lifts a uid's limits: a uid with its own entry
+is refused a configured name that does not list it in ``uids``, and an unknown
+name it declares is charged to its own entry (see ``State.tenant_for``).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class TenantLimits:
 class Access:
     allow_uids: frozenset[int] | None = None
     allow_gids: frozenset[int] | None = None
-    admin_uids: frozenset[int] = frozenset({0})
+    admin_uids: frozenset[int] = frozenset({0, os.getuid()})
+    """Root and the daemon's own user are always admins."""
 
     def admits(self, uid: int, gids: set[int]) -> bool:
         if self.allow_uids is None and self.allow_gids is None:
@@ -90,6 +94,11 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
     if unknown:
         raise ConfigError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}")
     access_raw = raw.get("access", {})
+    if not isinstance(access_raw, dict):
+        raise ConfigError(f"{where}: access must be a table ([access])")
+    tenants_raw = raw.get("tenants", [])
+    if not isinstance(tenants_raw, list) or not all(isinstance(entry, dict) for entry in tenants_raw):
+        raise ConfigError(f"{where}: tenants must be an array of tables ([[tenants]])")
     unknown = set(access_raw) - {"allow_uids", "allow_gids", "admin_uids"}
     if unknown:
         raise ConfigError(f"{where}: [access] has unknown key(s) {', '.join(sorted(unknown))}")
@@ -100,7 +109,7 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
     )
     tenants: list[TenantLimits] = []
     seen: set[str] = set()
-    for i, entry in enumerate(raw.get("tenants", [])):
+    for i, entry in enumerate(tenants_raw):
         at = f"{where}: tenants[{i}]"
         unknown = set(entry) - {"name", "uid", "uids", "max", "guaranteed"}
         if unknown:
@@ -140,4 +149,6 @@ def load_config(path: str, total_bytes: int, budget_bytes: int) -> Config:
             text = f.read()
     except OSError as exc:
         raise ConfigError(f"{path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     return parse_config(text, total_bytes, budget_bytes, where=path)

@@ -7,6 +7,7 @@ import dataclasses
 import grp
 import ipaddress
 import logging
+import math
 import os
 import re
 import resource
@@ -25,7 +26,7 @@ from .notify import SystemdNotifier, listen_fds
 from .persist import Persistence
 from .reload import ConfigReloader
 from .server import AlreadyRunning, HandlerTableError, Server
-from .state import State
+from .state import Limits, State
 
 log = logging.getLogger("hbmd")
 
@@ -138,6 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: $STATE_DIRECTORY)")
     parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
+    parser.add_argument("--max-sessions-per-uid", type=int, default=Limits.sessions_per_uid, metavar="N",
+                        help=f"sessions one uid may hold open at once; each costs the daemon FDs "
+                             f"(default: {Limits.sessions_per_uid})")
+    parser.add_argument("--max-persistent-per-uid", type=int, default=Limits.persistent_buffers_per_uid, metavar="N",
+                        help=f"persistent buffers one uid may hold; each is journaled in the state directory "
+                             f"(default: {Limits.persistent_buffers_per_uid})")
+    parser.add_argument("--max-buffers-per-uid", type=int, default=Limits.buffers_per_uid, metavar="N",
+                        help=f"buffers one uid may hold; they cost no budget but daemon memory "
+                             f"(default: {Limits.buffers_per_uid})")
+    parser.add_argument("--check-invariants", action="store_true",
+                        help="check the books (committed bytes, chunks, owners) after every request and log an "
+                             "error where they do not balance; costs time, for tests")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--version", action="version", version=f"hbmd {VERSION}")
     return parser
@@ -187,6 +200,13 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         raise Refusal(f"--budget: {exc}", 2) from None
     if budget <= 0:
         raise Refusal(f"--budget: {args.budget} admits nothing; give a positive size", 2)
+    if budget > backend.total_bytes:
+        raise Refusal(
+            f"--budget: {format_bytes(budget)} is more than the {format_bytes(backend.total_bytes)} "
+            f"of {backend.name} memory there is", 2,
+        )
+    if not (math.isfinite(args.reclaim_timeout) and args.reclaim_timeout > 0):
+        raise Refusal(f"--reclaim-timeout: {args.reclaim_timeout} is not a positive number of seconds", 2)
     held_back = backend.held_back_bytes()
     if args.warm_chunks < 0 or held_back > budget:
         raise Refusal(
@@ -203,9 +223,20 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         group = grp.getgrnam(args.group).gr_gid if args.group else None
     except KeyError:
         raise Refusal(f"--group: no group named {args.group!r}", 2) from None
+    if args.max_sessions_per_uid < 1:
+        raise Refusal(f"--max-sessions-per-uid: {args.max_sessions_per_uid} is not a positive number", 2)
+    if args.max_persistent_per_uid < 0:
+        raise Refusal(f"--max-persistent-per-uid: {args.max_persistent_per_uid} is negative", 2)
+    if args.max_buffers_per_uid < 1:
+        raise Refusal(f"--max-buffers-per-uid: {args.max_buffers_per_uid} is not a positive number", 2)
+    limits = Limits(
+        sessions_per_uid=args.max_sessions_per_uid,
+        persistent_buffers_per_uid=args.max_persistent_per_uid,
+        buffers_per_uid=args.max_buffers_per_uid,
+    )
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
-    state = State(backend, budget, config, args.reclaim_timeout)
+    state = State(backend, budget, config, args.reclaim_timeout, limits)
     lock = threading.Lock()
     persistence = None
     passed = listen_fds()
@@ -223,7 +254,8 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         metrics = Metrics(state, lock, VERSION, per_session=args.metrics_sessions)
     try:
         server = Server(
-            state, paths, lock=lock, notifier=notifier, group=group, metrics=metrics, persistence=persistence
+            state, paths, lock=lock, notifier=notifier, group=group, metrics=metrics, persistence=persistence,
+            check_invariants=args.check_invariants,
         )
     except HandlerTableError as exc:
         raise Refusal(f"this hbmd build is inconsistent: {exc}", 1) from None

@@ -8,8 +8,9 @@ memory alive: on start the daemon re-adopts the FDs systemd passes back
 (``LISTEN_FDS``/``LISTEN_FDNAMES``), rebuilds each buffer from the journal as
 an orphan, and workers attach to it again by name with its data.
 
-The host backend parks one memfd per buffer; the CUDA backend one exported
-FD per chunk (so ``FileDescriptorStoreMax`` bounds the chunks kept).
+Both backends park one FD per chunk (the host backend its sealed memfd, the
+CUDA backend an exported handle), so ``FileDescriptorStoreMax`` bounds the
+chunks kept.
 
 A buffer whose parked FDs did not all come back (dropped from the store, or
 beyond its limit), or that the backend cannot adopt, is skipped and logged
@@ -19,6 +20,7 @@ which under ``Restart=on-failure`` would loop forever.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -55,6 +57,8 @@ class Persistence:
         state.changed = set()
         self._parked: dict[int, set[str]] = {}
         """FD-store names parked per buffer id."""
+        self.degraded = False
+        """The last journal write failed (the state directory is full, say)."""
 
     def sync(self) -> None:
         """Park what persistent buffers gained, unpark what they lost, rewrite the journal; only if anything changed."""
@@ -112,8 +116,24 @@ class Persistence:
             if b.persistent
         ]
         tmp = self.journal.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": JOURNAL_VERSION, "instance": self.state.backend.instance, "buffers": buffers}))
-        tmp.replace(self.journal)
+        try:
+            tmp.write_text(json.dumps({"version": JOURNAL_VERSION, "instance": self.state.backend.instance, "buffers": buffers}))
+            tmp.replace(self.journal)
+        except OSError as exc:
+            # A full or broken state directory must not stop the daemon: it serves on, and writes again at the next change.
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            if not self.degraded:
+                log.error(
+                    "persistence degraded: cannot write the journal %s (%s); persistent buffers changed since "
+                    "will not survive a restart until it can be written (retried at the next change)",
+                    self.journal, exc.strerror or exc,
+                )
+            self.degraded = True
+            return
+        if self.degraded:
+            log.warning("persistence restored: the journal %s is written again", self.journal)
+        self.degraded = False
 
     def restore(self, passed: dict[str, list[int]]) -> int:
         """Re-adopt the buffers of the journal from the FDs passed back; returns how many came back.

@@ -40,8 +40,10 @@ import select
 import signal
 import socket
 import struct
+import termios
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import zmq
@@ -95,6 +97,7 @@ from hbmd.proto import (
 )
 from hbmd.proto.errors import (
     Conflict,
+    DaemonUnavailable,
     HbmdError,
     InternalError,
     NotFound,
@@ -105,7 +108,11 @@ from hbmd.proto.errors import (
 )
 from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 
+from .fds import limit as fd_limit
+from .fds import open_count as open_fds
+from .fds import usable as usable_fds
 from .notify import SystemdNotifier
+from .rundir import create_file, open_instance_directory, open_lock
 from .state import Buffer, Chunk, Session, State
 
 if TYPE_CHECKING:  # both are optional collaborators; prometheus_client loads only when metrics are asked for
@@ -118,6 +125,49 @@ HELLO_TIMEOUT_S = 5.0
 MAX_DATAGRAM = 64 << 10
 MAX_FDS_IN = 16
 """FDs accepted (and closed at once) on an inbound datagram; clients send none."""
+MAX_FDS_IN_FLIGHT = 4096
+"""FDs one session may have sent to it and not yet read (a 32nd of RLIMIT_NOFILE where less, one batch at least)."""
+MAX_FDS_IN_FLIGHT_PER_UID = 16384
+"""The same for all sessions of one uid together (an 8th of RLIMIT_NOFILE where less, one batch at least).
+
+The kernel charges FDs queued on sockets to the sender's user, up to its RLIMIT_NOFILE, and beyond it
+refuses every send alike (ETOOMANYREFS). They stay charged until the peer reads them or closes its socket:
+ending a session that does not read would not give them back, only lose count of them. So such a session
+is held, not ended: nothing more is sent to it until it reads, and its uid's other sessions keep the rest
+of the uid's share; other uids are not touched."""
+MAX_QUEUED_BATCHES = 1024
+"""FD batches (of up to 250) waiting in one session's outbox: past it, requests for more FDs are refused."""
+DRAIN_CHECK_S = 0.02
+"""How often a session waiting for its socket to drain is looked at again."""
+WARNING_INTERVAL_S = 10.0
+MAX_TENANTS_LISTED = 1000
+"""Tenants in one status reply: it must stay far below the frame limit however many names clients declare."""
+MAX_PENDING_HELLOS_PER_UID = 64
+"""Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
+
+
+class RateLimitedLog:
+    """Warnings of one kind at most once per interval, with a count of those held back."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = WARNING_INTERVAL_S) -> None:
+        self._log = logger
+        self._interval_s = interval_s
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        last, held_back = self._last.get(kind, (-self._interval_s, 0))
+        if now - last < self._interval_s:
+            self._last[kind] = (last, held_back + 1)
+            return
+        self._last[kind] = (now, 0)
+        suffix = f" ({held_back} more like it in the last {self._interval_s:.0f} s)" if held_back else ""
+        self._log.warning(message + suffix, *args)
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` that its peer has not read yet (``SIOCOUTQ``): 0 once it read everything."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
 
 
 class AlreadyRunning(RuntimeError):
@@ -189,6 +239,8 @@ class HandleConnection:
     protocol_minor: int = 0
     """The minor version the client speaks (from its hello)."""
     outbox: collections.deque[FdDelivery] = dataclasses.field(default_factory=collections.deque)
+    fds_in_flight: int = 0
+    """FDs sent since the peer was last seen to have read everything."""
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
@@ -240,11 +292,13 @@ class Server:
         group: int | None = None,
         metrics: Metrics | None = None,
         persistence: Persistence | None = None,
+        check_invariants: bool = False,
     ) -> None:
         """Raises :class:`HandlerTableError` when a request of the protocol has no handler here.
 
         ``lock`` is held while the loop touches the state, so a metrics scrape
-        on another thread sees it whole.
+        on another thread sees it whole. ``check_invariants``: check the
+        state's books after every batch of events and log any imbalance (tests).
         """
         self._handlers = {kind: getattr(self, name) for kind, name in handler_table(type(self), requests()).items()}
         self.state = state
@@ -253,9 +307,13 @@ class Server:
         self.lock = lock
         self.metrics = metrics
         self.persistence = persistence
+        self.check_invariants = check_invariants
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
+        self._dir_fd = -1
+        self._reserve_fd = -1
+        """Kept open to be closed when the descriptors run out: one to accept a waiting peer with, and refuse it."""
         self._context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
         self._listener: socket.socket | None = None
@@ -264,28 +322,40 @@ class Server:
         self._connections: dict[int, HandleConnection] = {}
         self._by_session: dict[int, HandleConnection] = {}
         self._by_pidfd: dict[int, HandleConnection] = {}
+        self._session_fd_share = max(MAX_FDS_PER_DATAGRAM, min(MAX_FDS_IN_FLIGHT, fd_limit() // 32))
+        self._uid_fd_share = max(MAX_FDS_PER_DATAGRAM, min(MAX_FDS_IN_FLIGHT_PER_UID, fd_limit() // 8))
+        self._draining: set[int] = set()
+        """Handle sockets (by fd) with FDs queued until their peer reads what it has."""
+        self._warnings = RateLimitedLog(log)
 
     # lifecycle
 
     def bind(self) -> None:
-        """Take the instance lock and bind both sockets."""
+        """Take the instance lock and bind both sockets.
+
+        Raises ``RunDirectoryError`` where someone else could change the
+        instance directory, :class:`AlreadyRunning` where another daemon serves it.
+        """
         self.paths.check_lengths()
-        self.paths.directory.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        self.paths.directory.mkdir(mode=0o750, exist_ok=True)
-        self._set_group(self.paths.directory)
-        self._lock_fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self._dir_fd = open_instance_directory(self.paths.directory, self.group)
+        self._lock_fd = open_lock(self._dir_fd, self.paths.lock.name)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
             self._lock_fd = -1
             raise AlreadyRunning(f"another hbmd is already serving {self.paths.directory}") from None
-        for stale in (self.paths.control, self.paths.handles, self.paths.info):
-            stale.unlink(missing_ok=True)
+        for stale in (self.paths.control, self.paths.handles, self.paths.info, self._info_tmp):
+            try:
+                os.unlink(stale.name, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
 
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        # A control connection that never completes the ZeroMQ greeting is dropped as a hello-less one is.
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, int(HELLO_TIMEOUT_S * 1000))
         self._router.bind(self.paths.endpoint)
         os.chmod(self.paths.control, 0o660)
         self._set_group(self.paths.control)
@@ -294,18 +364,27 @@ class Server:
         self._listener.bind(os.fspath(self.paths.handles))
         os.chmod(self.paths.handles, 0o660)
         self._set_group(self.paths.handles)
-        self._listener.listen(128)
+        self._listener.listen(socket.SOMAXCONN)  # a burst of connections must not turn honest clients away
         self._listener.setblocking(False)
 
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._reserve_fd = self._open_reserve()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._listener.fileno(), zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
 
     def _set_group(self, path: os.PathLike) -> None:
-        """Hand ``path`` to the ``--group``, whose members may then connect (modes 0750/0660)."""
+        """Hand ``path`` to the ``--group``, whose members may then connect (mode 0660).
+
+        Only for the sockets, just bound in the daemon's own directory: nobody
+        else could have put a link in their place.
+        """
         if self.group is not None:
             os.chown(path, -1, self.group)
+
+    @property
+    def _info_tmp(self) -> Path:
+        return self.paths.info.with_suffix(".tmp")
 
     def publish(self) -> None:
         """Write ``instance.json``: clients and tools find the instance by it, so it comes once all is up."""
@@ -321,10 +400,10 @@ class Server:
             control=self.paths.endpoint,
             handles=os.fspath(self.paths.handles),
         )
-        tmp = self.paths.info.with_suffix(".tmp")
-        tmp.write_text(info.to_json())
-        os.chmod(tmp, 0o644)
-        tmp.replace(self.paths.info)
+        fd = create_file(self._dir_fd, self._info_tmp.name, 0o644, self.group)
+        with os.fdopen(fd, "w") as tmp:
+            tmp.write(info.to_json())
+        os.replace(self._info_tmp.name, self.paths.info.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop; the wake pipe interrupts the poll."""
@@ -338,7 +417,8 @@ class Server:
     def run(self) -> None:
         idle_work = True
         while not self._stopping:
-            events = self._poller.poll(timeout=0 if idle_work else 1000)
+            timeout = 0 if idle_work else DRAIN_CHECK_S * 1000 if self._draining else 1000
+            events = self._poller.poll(timeout=timeout)
             with self.lock:
                 for fd_or_socket, _ in events:
                     try:
@@ -346,11 +426,20 @@ class Server:
                     except Exception:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
+                self._retry_draining()
                 self._expire_pending()
+                if self.check_invariants and events:
+                    self._check_books()
                 if self.persistence is not None:
                     self.persistence.sync()
                 idle_work = self._idle() if not events else True
             self._notifier.watchdog()
+
+    def _check_books(self) -> None:
+        try:
+            self.state.check_invariants()
+        except AssertionError as exc:
+            log.error("the books do not balance: %s", exc)
 
     def _idle(self) -> bool:
         """One step of the backend's background work (the warm pool); False when done or failing."""
@@ -385,13 +474,16 @@ class Server:
             self._router.close(linger=0)
         if self._listener is not None:
             self._listener.close()
-        for path in (self.paths.control, self.paths.handles, self.paths.info):
-            path.unlink(missing_ok=True)
-        for fd in (self._wake_r, self._wake_w):
+        if self._lock_fd >= 0:
+            # Only the daemon holding the lock may remove what it made: another one may be serving.
+            for path in (self.paths.control, self.paths.handles, self.paths.info):
+                try:
+                    os.unlink(path.name, dir_fd=self._dir_fd)
+                except FileNotFoundError:
+                    pass
+        for fd in (self._wake_r, self._wake_w, self._lock_fd, self._dir_fd, self._reserve_fd):
             if fd >= 0:
                 os.close(fd)
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
 
     def _drain_wake(self) -> None:
         try:
@@ -409,16 +501,36 @@ class Server:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                # EMFILE and friends: refuse this peer, keep serving the others.
-                log.warning("accepting a handle connection failed: %s", exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._refuse_without_fds(exc)
+                else:
+                    self._warnings.warning("accept", "accepting a handle connection failed: %s", exc)
                 return
+            if open_fds() > usable_fds():
+                # Keep the headroom libzmq needs (it aborts on EMFILE): a session would cost two more.
+                self._warnings.warning("fds", "refusing handle connections: %s", self._out_of_fds_message())
+                self._refuse(sock, self._out_of_fds_message())
+                continue
             sock.setblocking(False)
             try:
                 pid, uid, gid, groups = peer_credentials(sock)
             except OSError as exc:
-                log.warning("reading peer credentials failed: %s", exc)
+                self._warnings.warning("peercred", "reading peer credentials failed: %s", exc)
                 sock.close()
                 continue
+            pending = [c for c in self._connections.values() if c.session is None and c.uid == uid]
+            if len(pending) >= MAX_PENDING_HELLOS_PER_UID:
+                # The oldest goes, not the newcomer: an honest client says hello at once, a flood's do not.
+                oldest = min(pending, key=lambda c: c.accepted_at)
+                self._warnings.warning(
+                    "pending", "uid %d has %d connections without a hello; closing the oldest (pid %d)",
+                    uid, len(pending), oldest.pid,
+                )
+                self._send_quietly(oldest, Refused(
+                    DaemonUnavailable.code.wire,
+                    f"closed: uid {uid} has {len(pending)} connections that sent no hello yet",
+                ))
+                self._close_connection(oldest, "too many connections without a hello")
             try:
                 pidfd = open_pidfd(pid)
             except ProcessLookupError:
@@ -430,6 +542,46 @@ class Server:
             if pidfd >= 0:
                 self._by_pidfd[pidfd] = conn
                 self._poller.register(pidfd, zmq.POLLIN)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, message: str) -> None:
+        """Turn a peer away at once with a retryable refusal (it is busy, not forbidden)."""
+        try:
+            sock.send(encode_datagram(Refused(DaemonUnavailable.code.wire, message)))
+        except OSError:
+            pass  # it left already
+        sock.close()
+
+    def _refuse_without_fds(self, exc: OSError) -> None:
+        """Out of descriptors: accept and refuse each waiting peer through the reserve FD, so the loop does not spin.
+
+        A listener with peers waiting stays readable; left there, they would wake the poll at once, forever.
+        """
+        message = self._out_of_fds_message()
+        self._warnings.warning("fds", "refusing handle connections: %s (%s)", message, exc.strerror)
+        if self._reserve_fd < 0:
+            return
+        os.close(self._reserve_fd)
+        self._reserve_fd = -1
+        try:
+            while True:
+                sock, _ = self._listener.accept()
+                self._refuse(sock, message)
+        except OSError:
+            pass  # none left waiting, or still no descriptor: the next event tries again
+        finally:
+            self._reserve_fd = self._open_reserve()
+
+    @staticmethod
+    def _out_of_fds_message() -> str:
+        return f"the daemon is out of file descriptors (RLIMIT_NOFILE {fd_limit()}); retry once others disconnect"
+
+    @staticmethod
+    def _open_reserve() -> int:
+        try:
+            return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
 
     def _expire_pending(self) -> None:
         now = time.monotonic()
@@ -456,11 +608,11 @@ class Server:
         for fd in fds:
             os.close(fd)
         if fds:
-            log.warning("pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
+            self._warnings.warning("fds-in", "pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
         if not data and not fds:
             return None
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-            log.warning("pid %d sent an oversized datagram; dropped", conn.pid)
+            self._warnings.warning("oversized", "pid %d sent an oversized datagram; dropped", conn.pid)
             return b""
         return data
 
@@ -556,6 +708,7 @@ class Server:
         except KeyError:
             pass
         conn.outbox.clear()
+        self._draining.discard(fd)
         conn.sock.close()
         if conn.pidfd >= 0:
             self._by_pidfd.pop(conn.pidfd, None)
@@ -568,10 +721,38 @@ class Server:
             log.log(logging.DEBUG if conn.session.observer else logging.INFO,
                     "session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
 
+    def _may_send(self, conn: HandleConnection, count: int) -> bool:
+        """Whether ``count`` more FDs keep the session and its uid within their shares of FDs in flight."""
+        for other in self._connections.values():
+            if other.uid == conn.uid and other.fds_in_flight and unread_bytes(other.sock) == 0:
+                other.fds_in_flight = 0
+        uid_in_flight = sum(c.fds_in_flight for c in self._connections.values() if c.uid == conn.uid)
+        if conn.fds_in_flight + count <= self._session_fd_share and uid_in_flight + count <= self._uid_fd_share:
+            return True
+        self._warnings.warning(
+            f"held-{conn.uid}", "holding FDs for session %d (pid %d, uid %d): %d of its FDs and %d of its uid's "
+            "are unread", conn.session.session_id if conn.session else 0, conn.pid, conn.uid, conn.fds_in_flight,
+            uid_in_flight,
+        )
+        return False
+
+    def _retry_draining(self) -> None:
+        """Send on to sessions that were held until their peers read what they have."""
+        for fd in list(self._draining):
+            conn = self._connections.get(fd)
+            if conn is None:
+                self._draining.discard(fd)
+            else:
+                self._flush(conn)
+
     def _flush(self, conn: HandleConnection) -> None:
-        """Send queued FD batches until the socket is full; close each FD once sent."""
+        """Send queued FD batches while the peer keeps up and the socket has room; close each FD once sent."""
+        waiting = False
         while conn.outbox:
             delivery = conn.outbox[0]
+            if not self._may_send(conn, len(delivery.chunks)):
+                waiting = True
+                break
             header = FdBatch(delivery.request_id, [c.chunk_id for c in delivery.chunks], delivery.batch, delivery.batches)
             fds: list[int] = []
             try:
@@ -580,7 +761,7 @@ class Server:
                 for chunk in delivery.chunks:
                     fds.append(self.state.export(delivery.buffer, chunk))
             except (HbmdError, OSError) as exc:
-                log.warning("export for request %d failed: %s", delivery.request_id, exc)
+                self._warnings.warning("export", "export for request %d failed: %s", delivery.request_id, exc)
                 header = dataclasses.replace(header, error=str(exc))
                 for fd in fds:
                     os.close(fd)
@@ -590,15 +771,27 @@ class Server:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
-                    log.warning("sending FDs to pid %d failed: %s", conn.pid, exc)
+                if exc.errno == errno.ETOOMANYREFS:
+                    # Too many FDs in flight for this user, on all sessions together: wait for readers.
+                    waiting = True
+                    self._warnings.warning(
+                        "etoomanyrefs", "sending FDs to pid %d waits: too many FDs in flight (%s)", conn.pid, exc
+                    )
+                elif exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                    self._warnings.warning("send", "sending FDs to pid %d failed: %s", conn.pid, exc)
                 break
             finally:
                 for fd in fds:
                     os.close(fd)
             conn.outbox.popleft()
-        flags = zmq.POLLIN | (zmq.POLLOUT if conn.outbox else 0)
-        self._poller.register(conn.sock.fileno(), flags)
+            conn.fds_in_flight += len(fds)
+        fd = conn.sock.fileno()
+        if waiting:
+            self._draining.add(fd)
+        else:
+            self._draining.discard(fd)
+        # POLLOUT only for a full socket: one waiting for its peer to read would wake the loop at once, forever.
+        self._poller.register(fd, zmq.POLLIN | (zmq.POLLOUT if conn.outbox and not waiting else 0))
 
     # control plane
 
@@ -644,6 +837,12 @@ class Server:
     @handles(Status)
     def _status(self, conn: HandleConnection, request_id: int, msg: Status) -> StatusReply:
         state, backend = self.state, self.state.backend
+        me = conn.session
+        # Limited tenants first, then the largest: what a capped list must not lose.
+        tenants = sorted(
+            state.tenant_infos(None if me.admin else me.uid),
+            key=lambda t: (t.max_bytes < 0 and not t.guaranteed_bytes, -t.used_bytes, t.name),
+        )
         return StatusReply(
             instance=backend.instance,
             backend=backend.name,
@@ -661,7 +860,8 @@ class Server:
             num_chunks=state.num_chunks,
             uptime_s=time.monotonic() - state.started_at,
             device_free_bytes=backend.free_bytes(),
-            tenants=state.tenant_infos(),
+            tenants=sorted(tenants[:MAX_TENANTS_LISTED], key=lambda t: t.name),
+            tenants_left_out=max(0, len(tenants) - MAX_TENANTS_LISTED),
             admissible_bytes=state.admissible_bytes(conn.session.tenant),
             held_back_bytes=backend.held_back_bytes(),
         )
@@ -718,6 +918,7 @@ class Server:
 
     @handles(Commit)
     def _commit(self, conn: HandleConnection, request_id: int, msg: Commit) -> Committed:
+        self._check_reading(conn)
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.bytes_per_segment)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
@@ -728,6 +929,7 @@ class Server:
 
     @handles(CommitSegments)
     def _commit_segments(self, conn: HandleConnection, request_id: int, msg: CommitSegments) -> Committed:
+        self._check_reading(conn)
         chunks = self.state.commit(conn.session, msg.buffer_id, msg.sizes)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
@@ -756,6 +958,7 @@ class Server:
 
     @handles(Attach)
     def _attach(self, conn: HandleConnection, request_id: int, msg: Attach) -> Committed:
+        self._check_reading(conn)
         if msg.readonly:
             buffer = self.state.attach_reader(conn.session, msg.name, uneven_ok=conn.protocol_minor >= 1)
             log.info("session %d reads sealed buffer %r (%d readers)", conn.session.session_id, msg.name, len(buffer.readers))
@@ -768,8 +971,20 @@ class Server:
 
     @handles(Defragment)
     def _defragment(self, conn: HandleConnection, request_id: int, msg: Defragment) -> Committed:
+        self._check_reading(conn)
         chunks = self.state.defragment(conn.session, msg.buffer_id, msg.preserve)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
+    def _check_reading(self, conn: HandleConnection) -> None:
+        """Refuse a session more FDs while :data:`MAX_QUEUED_BATCHES` batches of them wait for it to read."""
+        if len(conn.outbox) >= MAX_QUEUED_BATCHES:
+            self._warnings.warning(
+                f"queued-{conn.uid}", "refusing session %d (pid %d) more FDs: %d batches wait for it to read its "
+                "handle socket", conn.session.session_id, conn.pid, len(conn.outbox),
+            )
+            raise Conflict(
+                f"{len(conn.outbox)} batches of FDs wait unread on this session's handle socket; read them first"
+            )
 
     def _deliver(self, conn: HandleConnection, request_id: int, buffer: Buffer, chunks: list[Chunk]) -> Committed:
         """Queue the chunks' FDs on the session's handle socket and describe them in the reply."""
@@ -806,11 +1021,16 @@ class Server:
             return Detached(self.state.detach_reader(conn.session, msg.buffer_id).info(), 0)
         freed = self.state.detach(conn.session, msg.buffer_id)
         buffer = self.state.buffers[msg.buffer_id]
-        log.info("session %d detached persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes)
+        log.info(
+            "session %d detached persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes
+        )
         return Detached(buffer.info(), freed)
 
     @handles(Delete)
     def _delete(self, conn: HandleConnection, request_id: int, msg: Delete) -> Freed:
-        buffer_id, freed = self._unless_holder_exited(lambda: self.state.delete(conn.session, msg.name))
-        log.info("session %d deleted persistent buffer %r", conn.session.session_id, msg.name)
+        buffer_id, freed = self._unless_holder_exited(lambda: self.state.delete(conn.session, msg.name, msg.owner_uid))
+        owner = conn.uid if msg.owner_uid == -1 else msg.owner_uid
+        log.info(
+            "session %d (uid %d) deleted persistent buffer %r of uid %d", conn.session.session_id, conn.uid, msg.name, owner
+        )
         return Freed(buffer_id, freed)

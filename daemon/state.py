@@ -95,6 +95,17 @@ class Chunk(Generic[C]):
     """False once released: a queued export of it must not happen."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-uid bounds on what costs the daemon something besides the budget: descriptors, memory, its state directory."""
+
+    sessions_per_uid: int = 128
+    persistent_buffers_per_uid: int = 64
+    buffers_per_uid: int = 1024
+    segments_per_uid: int = 1 << 20
+    """Buffers cost no budget, but each segment costs the daemon memory to describe."""
+
+
 RECLAIM_PATIENCE_S = 30.0
 """By default a reclaim request unanswered this long is reported as ignored (the session is never killed for it)."""
 
@@ -107,6 +118,8 @@ class Tenant:
     max_bytes: int | None = None
     guaranteed_bytes: int = 0
     used_bytes: int = 0
+    holders: int = 0
+    """Sessions and buffers charged to it: a tenant nobody configured goes with its last one."""
 
     @property
     def unmet_guarantee(self) -> int:
@@ -243,14 +256,17 @@ class State(Generic[A, C]):
         budget_bytes: int,
         config: Config | None = None,
         reclaim_patience_s: float = RECLAIM_PATIENCE_S,
+        limits: Limits = Limits(),
     ) -> None:
         self.backend = backend
+        self.limits = limits
         self.reclaim_patience_s = reclaim_patience_s
         self.budget_bytes = budget_bytes
         self.config = config or Config()
         self.tenants: dict[str, Tenant] = {
             t.name: Tenant(t.name, t.max_bytes, t.guaranteed_bytes) for t in self.config.tenants
         }
+        self._configured = frozenset(self.tenants)
         self.changed: set[int] | None = None
         """Persistent buffers whose chunks changed since the persistence layer last synced them
         (None: nobody is tracking, and nothing is recorded)."""
@@ -272,23 +288,52 @@ class State(Generic[A, C]):
     def tenant_for(self, uid: int, declared: str) -> Tenant:
         """The tenant a session of ``uid`` declaring ``declared`` (maybe empty) is charged to.
 
-        A configured name may be limited to some uids; an unknown declared name
-        is a tenant of its own without limits.
+        A declared name never lifts a uid's limits. A uid with its own
+        ``[[tenants]] uid = N`` entry is held to it: it may declare a
+        configured name only where that name's ``uids`` lists it, and any
+        other name it declares is charged to its own entry. For other uids a
+        configured name is open as its ``uids`` say, and an unknown name is a
+        tenant of its own without limits (as the uid's own would be).
         """
-        if declared:
-            if declared.startswith("uid:") or len(declared) > MAX_NAME or not declared.isprintable():
-                raise PermissionDenied(f"tenant name {declared[:MAX_NAME]!r} is not allowed")
-            limits = next((t for t in self.config.tenants if t.name == declared and t.uid is None), None)
-            if limits is not None and limits.uids is not None and uid not in limits.uids:
-                raise PermissionDenied(f"uid {uid} may not declare tenant {declared!r}")
-            name = declared
-        else:
-            name = f"uid:{uid}"
+        own = f"uid:{uid}"
+        if not declared:
+            return self._tenant(own)
+        if declared.startswith("uid:") or len(declared) > MAX_NAME or not declared.isprintable():
+            raise PermissionDenied(f"tenant name {declared[:MAX_NAME]!r} is not allowed")
+        limited = any(t.uid == uid for t in self.config.tenants)
+        limits = next((t for t in self.config.tenants if t.name == declared and t.uid is None), None)
+        if limits is None:
+            return self._tenant(own if limited else declared)
+        if limits.uids is not None and uid not in limits.uids:
+            raise PermissionDenied(f"uid {uid} may not declare tenant {declared!r}")
+        if limited and limits.uids is None:
+            raise PermissionDenied(
+                f"uid {uid} is held to its own tenant {own!r}; tenant {declared!r} would need to list it in uids"
+            )
+        return self._tenant(declared)
+
+    def _tenant(self, name: str) -> Tenant:
         return self.tenants.setdefault(name, Tenant(name))
+
+    def _hold(self, tenant: Tenant) -> None:
+        tenant.holders += 1
+
+    def _let_go(self, tenant: Tenant) -> None:
+        """One holder fewer; an unconfigured tenant left without any is forgotten (names must not pile up)."""
+        tenant.holders -= 1
+        if tenant.holders == 0 and tenant.name not in self._configured:
+            del self.tenants[tenant.name]
 
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False
     ) -> Session:
+        """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`."""
+        open_sessions = sum(1 for s in self.sessions.values() if s.uid == uid)
+        if open_sessions >= self.limits.sessions_per_uid:
+            raise Conflict(
+                f"uid {uid} already has {open_sessions} sessions, the most allowed (--max-sessions-per-uid)",
+                uid=uid, limit=self.limits.sessions_per_uid,
+            )
         session = Session(
             self._next_session,
             secrets.token_hex(16),
@@ -300,6 +345,7 @@ class State(Generic[A, C]):
             admin,
             observer,
         )
+        self._hold(session.tenant)
         self._next_session += 1
         self.sessions[session.session_id] = session
         self._by_token[session.token] = session
@@ -335,6 +381,7 @@ class State(Generic[A, C]):
                 freed += self._drop(buffer)
         self.sessions.pop(session.session_id, None)
         self._by_token.pop(session.token, None)
+        self._let_go(session.tenant)
         return freed
 
     # buffers
@@ -369,6 +416,7 @@ class State(Generic[A, C]):
             segment_capacities = [capacity // num_segments] * num_segments
         if len(name) > MAX_NAME or not name.isprintable():
             raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
+        self._check_buffers_of(session.uid, len(segment_capacities))
         if persistent:
             if not name:
                 raise InvalidRequest("a persistent buffer needs a name", field="name")
@@ -377,6 +425,13 @@ class State(Generic[A, C]):
                 raise Conflict(
                     f"a persistent buffer named {name!r} already exists; attach to it or delete it",
                     buffer_id=existing.buffer_id,
+                )
+            held = sum(1 for uid, _ in self._persistent if uid == session.uid)
+            if held >= self.limits.persistent_buffers_per_uid:
+                raise OutOfBudget(
+                    f"uid {session.uid} already has {held} persistent buffers, the most allowed "
+                    "(--max-persistent-per-uid); delete one it no longer needs",
+                    uid=session.uid, limit=self.limits.persistent_buffers_per_uid,
                 )
         reserved = round_up(capacity, self.backend.granularity)
         arena = self.backend.open_arena(reserved, shareable)
@@ -393,6 +448,7 @@ class State(Generic[A, C]):
             segment_capacities=list(segment_capacities),
             arena=arena,
         )
+        self._hold(buffer.tenant)
         self._next_buffer += 1
         self.buffers[buffer.buffer_id] = buffer
         session.buffers[buffer.buffer_id] = buffer
@@ -400,6 +456,18 @@ class State(Generic[A, C]):
             self._persistent[(session.uid, name)] = buffer
             self._mark_changed(buffer)
         return buffer
+
+    def _check_buffers_of(self, uid: int, new_segments: int) -> None:
+        """Refuse a buffer past the uid's :attr:`Limits.buffers_per_uid` or :attr:`Limits.segments_per_uid`."""
+        held = [b for b in self.buffers.values() if b.owner_uid == uid]
+        segments = sum(b.num_segments for b in held)
+        if len(held) >= self.limits.buffers_per_uid or segments + new_segments > self.limits.segments_per_uid:
+            raise OutOfBudget(
+                f"uid {uid} already holds {len(held)} buffers of {segments} segments; at most "
+                f"{self.limits.buffers_per_uid} buffers (--max-buffers-per-uid) of {self.limits.segments_per_uid} "
+                "segments in all: free one it no longer needs",
+                uid=uid, limit=self.limits.buffers_per_uid,
+            )
 
     def adopt_buffer(
         self,
@@ -423,7 +491,7 @@ class State(Generic[A, C]):
             shareable=shareable,
             owner=None,
             owner_uid=owner_uid,
-            tenant=self.tenants.setdefault(tenant, Tenant(tenant)),
+            tenant=self._tenant(tenant),
             capacity=capacity,
             reserved=round_up(capacity, self.backend.granularity),
             segment_capacities=segment_capacities,
@@ -432,6 +500,7 @@ class State(Generic[A, C]):
             chunks=chunks,
             sealed=sealed,
         )
+        self._hold(buffer.tenant)
         self.buffers[buffer_id] = buffer
         self._persistent[(owner_uid, name)] = buffer
         self._account(buffer, mapped=sum(c.size for c in chunks))
@@ -447,7 +516,7 @@ class State(Generic[A, C]):
         refused such a buffer rather than handed a layout it would misread.
         """
         self._check_not_observer(session)
-        buffer = self._orphan(session, name)
+        buffer = self._orphan(session.uid, name)
         if not (uneven_ok or buffer.uniform):
             raise VersionMismatch(
                 f"persistent buffer {name!r} has uneven segments: attaching it needs an hbmd client of protocol 1.1 or later"
@@ -485,7 +554,7 @@ class State(Generic[A, C]):
         are never charged for the buffer's memory.
         """
         self._check_not_observer(session)
-        buffer = self._named(session, name)
+        buffer = self._named(session.uid, name)
         if not buffer.sealed:
             raise InvalidRequest(
                 f"persistent buffer {name!r} is not sealed: only a sealed buffer can be attached read-only",
@@ -529,9 +598,16 @@ class State(Generic[A, C]):
         self._disown(buffer)
         return freed
 
-    def delete(self, session: Session, name: str) -> tuple[int, int]:
-        """Free an orphaned persistent buffer of the session's user by name. Returns its id and the bytes freed."""
-        buffer = self._orphan(session, name)
+    def delete(self, session: Session, name: str, owner_uid: int = -1) -> tuple[int, int]:
+        """Free an orphaned persistent buffer by name: the session's user's, or for an admin ``owner_uid``'s.
+
+        Returns its id and the bytes freed.
+        """
+        _check_int("owner_uid", owner_uid, -1, (1 << 32) - 1)
+        uid = session.uid if owner_uid == -1 else owner_uid
+        if uid != session.uid and not session.admin:
+            raise PermissionDenied("only an admin may delete another user's persistent buffer")
+        buffer = self._orphan(uid, name)
         self._check_unread(buffer)
         return buffer.buffer_id, self._drop(buffer)
 
@@ -562,9 +638,9 @@ class State(Generic[A, C]):
         if session.observer:
             raise PermissionDenied("an observer session holds no memory; connect without observer=True")
 
-    def _orphan(self, session: Session, name: str) -> Buffer[A, C]:
-        """The session's user's persistent buffer ``name``, refused while a live session holds it."""
-        buffer = self._named(session, name)
+    def _orphan(self, uid: int, name: str) -> Buffer[A, C]:
+        """The persistent buffer ``name`` of ``uid``, refused while a live session holds it."""
+        buffer = self._named(uid, name)
         if buffer.owner is not None:
             raise Conflict(
                 f"persistent buffer {name!r} is attached by session {buffer.owner.session_id} "
@@ -573,21 +649,22 @@ class State(Generic[A, C]):
             )
         return buffer
 
-    def _named(self, session: Session, name: str) -> Buffer[A, C]:
+    def _named(self, uid: int, name: str) -> Buffer[A, C]:
         if len(name) > MAX_NAME:
             raise InvalidRequest(f"buffer names have at most {MAX_NAME} characters", field="name")
-        buffer = self._persistent.get((session.uid, name))
+        buffer = self._persistent.get((uid, name))
         if buffer is None:
-            raise NotFound(f"no persistent buffer named {name!r} for uid {session.uid}", name=name)
+            raise NotFound(f"no persistent buffer named {name!r} for uid {uid}", name=name)
         return buffer
 
     def buffer_of(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        """The session's own buffer ``buffer_id``; another session's is refused."""
+        """The session's own buffer ``buffer_id``; another session's is answered as one that does not exist.
+
+        So a stranger trying ids learns nothing of what others hold.
+        """
         buffer = self.buffers.get(buffer_id)
-        if buffer is None:
-            raise NotFound(f"no buffer {buffer_id}", buffer_id=buffer_id)
-        if buffer.owner is not session:
-            raise PermissionDenied(f"buffer {buffer_id} belongs to another session", buffer_id=buffer_id)
+        if buffer is None or buffer.owner is not session:
+            raise NotFound(f"no buffer {buffer_id} in this session", buffer_id=buffer_id)
         return buffer
 
     def commit(self, session: Session, buffer_id: int, sizes: int | list[int]) -> list[Chunk[C]]:
@@ -798,13 +875,19 @@ class State(Generic[A, C]):
             reclaim_state=session.reclaim.outcome(time.monotonic(), self.reclaim_patience_s) if session.reclaim else "",
         )
 
-    def tenant_infos(self) -> list[TenantInfo]:
+    def tenant_infos(self, uid: int | None = None) -> list[TenantInfo]:
+        """Every tenant by name, or with ``uid`` only those its sessions and buffers are charged to."""
         counts: dict[str, int] = {}
         for session in self.workers:
             counts[session.tenant.name] = counts.get(session.tenant.name, 0) + 1
+        tenants = self.tenants.values()
+        if uid is not None:
+            names = {s.tenant.name for s in self.sessions.values() if s.uid == uid}
+            names |= {b.tenant.name for b in self.buffers.values() if b.owner_uid == uid}
+            tenants = [t for t in tenants if t.name in names]
         return [
             TenantInfo(t.name, t.used_bytes, t.guaranteed_bytes, -1 if t.max_bytes is None else t.max_bytes, counts.get(t.name, 0))
-            for t in sorted(self.tenants.values(), key=lambda t: t.name)
+            for t in sorted(tenants, key=lambda t: t.name)
         ]
 
     @property
@@ -875,6 +958,13 @@ class State(Generic[A, C]):
         _require(self.committed_bytes == total, f"committed {self.committed_bytes} != {total} in chunks")
         used = sum(t.used_bytes for t in self.tenants.values())
         _require(self.committed_bytes == used, f"committed {self.committed_bytes} != {used} used by tenants")
+        holders: dict[str, int] = {}
+        for holder in (*self.sessions.values(), *self.buffers.values()):
+            _require(self.tenants.get(holder.tenant.name) is holder.tenant, f"tenant {holder.tenant.name!r} was forgotten")
+            holders[holder.tenant.name] = holders.get(holder.tenant.name, 0) + 1
+        for tenant in self.tenants.values():
+            _require(tenant.holders == holders.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.holders} holders")
+            _require(tenant.holders > 0 or tenant.name in self._configured, f"tenant {tenant.name!r} is kept for nobody")
 
     # internals
 
@@ -938,4 +1028,5 @@ class State(Generic[A, C]):
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         if buffer.persistent:
             self._persistent.pop((buffer.owner_uid, buffer.name), None)
+        self._let_go(buffer.tenant)
         return freed

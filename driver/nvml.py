@@ -35,10 +35,14 @@ class _Ctypes:
         except OSError as exc:
             raise NvmlUnavailable(f"libnvidia-ml.so.1 not loadable: {exc}") from None
         _check(self.lib.nvmlInit_v2(), "nvmlInit_v2")
+        self.devices: dict[str, ctypes.c_void_p] = {}
 
     def free_bytes(self, uuid: str) -> int:
-        device = ctypes.c_void_p()
-        _check(self.lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(device)), "nvmlDeviceGetHandleByUUID")
+        device = self.devices.get(uuid)
+        if device is None:
+            device = ctypes.c_void_p()
+            _check(self.lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(device)), "nvmlDeviceGetHandleByUUID")
+            self.devices[uuid] = device
         memory = _Memory()
         _check(self.lib.nvmlDeviceGetMemoryInfo(device, ctypes.byref(memory)), "nvmlDeviceGetMemoryInfo")
         return memory.free
@@ -49,6 +53,7 @@ class _Bindings:
 
     def __init__(self, nvml: Any) -> None:
         self.nvml = nvml
+        self.devices: dict[str, Any] = {}
         try:
             nvml.init_v2()
         except (nvml.NvmlError, RuntimeError) as exc:  # RuntimeError: the library itself was not found
@@ -56,7 +61,9 @@ class _Bindings:
 
     def free_bytes(self, uuid: str) -> int:
         try:
-            device = self.nvml.device_get_handle_by_uuid(uuid)
+            device = self.devices.get(uuid)
+            if device is None:
+                device = self.devices[uuid] = self.nvml.device_get_handle_by_uuid(uuid)
             # _v2 is the query current drivers document; it counts the reserved memory as used.
             return self.nvml.device_get_memory_info_v2(device).free
         except self.nvml.NvmlError as exc:
@@ -73,5 +80,8 @@ def _nvml() -> _Bindings | _Ctypes:
 
 
 def free_bytes(uuid: str) -> int:
-    """Free memory of the GPU with ``uuid`` as the driver sees it (all processes' allocations counted)."""
+    """Free memory of the GPU with ``uuid`` as the driver sees it (all processes' allocations counted).
+
+    Every ``status`` asks, so each GPU's handle is looked up once.
+    """
     return _nvml().free_bytes(uuid)

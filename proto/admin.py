@@ -21,7 +21,12 @@ class TenantInfo:
 
 @message("admin.status_reply")
 class StatusReply(Message):
-    """Totals of one daemon instance, in bytes; ``device_free_bytes`` is -1 where unknown."""
+    """Totals of one daemon instance, in bytes; ``device_free_bytes`` is -1 where unknown.
+
+    ``tenants``: all of them for an admin, else the asking user's own; at
+    most a thousand (limited ones and the largest first), and
+    ``tenants_left_out`` says how many more there are (protocol 1.2).
+    """
 
     instance: str
     backend: str
@@ -45,6 +50,8 @@ class StatusReply(Message):
     admissible_bytes: int = -1
     """What more the daemon would admit for the asking session now: its tenant's maximum, the budget and
     others' guaranteed minimums all counted (1.1; -1 from older daemons)."""
+    tenants_left_out: int = 0
+    """Tenants not listed in ``tenants`` (1.2)."""
 
 
 @message("admin.status")

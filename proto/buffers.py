@@ -49,9 +49,9 @@ class BufferInfo:
     segment_sizes: list[int] = dataclasses.field(default_factory=list)
     """Each segment's committed prefix (1.1); ``bytes_per_segment`` is the smallest of them."""
     sealed: bool = False
-    """Immutable, readable by several sessions at once (1.1)."""
+    """Immutable, readable by several sessions at once (1.2)."""
     readers: int = 0
-    """Sessions holding a read-only attach of this sealed buffer (1.1)."""
+    """Sessions holding a read-only attach of this sealed buffer (1.2)."""
 
 
 @message("buffer.created")
@@ -160,7 +160,7 @@ class Free(Request[Freed]):
 class Attach(Request[Committed]):
     """Take over an orphaned persistent buffer of this user by ``name``; every chunk comes back to map.
 
-    ``readonly`` (1.1): instead, read a sealed buffer beside its owner and its
+    ``readonly`` (1.2): instead, read a sealed buffer beside its owner and its
     other readers; the client maps it read-only. Readers are not charged for
     the memory; a read claim ends with :class:`Detach` (``readonly``) or the
     session. An unsealed buffer is refused.
@@ -179,7 +179,7 @@ class Detach(Request[Detached]):
     detached. Mid-defragment, the old chunks (the ones holding the data) stay
     and the new ones are dropped. The client unmaps the buffer first.
 
-    ``readonly`` (1.1): drop one read claim on a sealed buffer instead.
+    ``readonly`` (1.2): drop one read claim on a sealed buffer instead.
     """
 
     buffer_id: int
@@ -188,18 +188,21 @@ class Detach(Request[Detached]):
 
 @message("buffer.delete")
 class Delete(Request[Freed]):
-    """Free an orphaned persistent buffer of this user by ``name``.
+    """Free an orphaned persistent buffer by ``name``: this user's, or with ``owner_uid`` (protocol 1.2) that user's.
 
-    A sealed buffer that sessions still read is refused (``Conflict`` naming
-    them): their mappings would keep its pages alive outside the budget.
+    Another user's buffer may be deleted by an admin only (root, the daemon's
+    user, ``admin_uids``); ``owner_uid`` -1 means this user. A sealed buffer
+    that sessions still read is refused (``Conflict`` naming them): their
+    mappings would keep its pages alive outside the budget.
     """
 
     name: str
+    owner_uid: int = -1
 
 
 @message("buffer.seal")
 class Seal(Request[Sealed]):
-    """Make this session's persistent buffer immutable (1.1): commit, release and defragment are refused from now on,
+    """Make this session's persistent buffer immutable (1.2): commit, release and defragment are refused from now on,
     and any session of this user may attach it read-only, several at once. Sealing twice changes nothing."""
 
     buffer_id: int

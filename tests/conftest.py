@@ -19,10 +19,11 @@ PROCESS_TIMEOUT_S = 60
 
 
 class DaemonProcess(spawn.DaemonProcess):
-    """An ``hbmd`` subprocess on the host backend (unless told otherwise), logging at debug; killed in teardown."""
+    """An ``hbmd`` subprocess on the host backend (unless told otherwise), logging at debug and checking its
+    books after every request; killed in teardown."""
 
     def __init__(self, run_dir: Path, *args: str, backend: str = "host", **launch) -> None:
-        super().__init__(run_dir, "--backend", backend, "--log-level", "debug", *args, **launch)
+        super().__init__(run_dir, "--backend", backend, "--log-level", "debug", "--check-invariants", *args, **launch)
 
     def connect(self, **kwargs) -> Client:
         return connect(run_dir=self.run_dir, instance=self.instance, **kwargs)
@@ -56,6 +57,8 @@ def start_daemon(run_dir):
     yield start
     for daemon in started:
         daemon.kill()
+    for daemon in started:
+        assert "the books do not balance" not in daemon.log(), daemon.log()[-4000:]
 
 
 @pytest.fixture

@@ -134,3 +134,31 @@ def test_a_guaranteed_tenant_hitting_driver_oom_asks_borrowers_to_reclaim(state,
     assert state.session_info(borrower).reclaim_state == "pending"
     state.reclaim_answered(borrower, reclaim.reclaim_id, 50 * MiB)
     assert state.session_info(borrower).reclaim_released_bytes == 50 * MiB
+
+
+LIMITED = """
+[[tenants]]
+uid = 1001
+max = "8MiB"
+
+[[tenants]]
+name = "open"
+max = "1GiB"
+
+[[tenants]]
+name = "shared"
+uids = [1001]
+max = "16MiB"
+"""
+
+
+def test_a_declared_tenant_name_never_lifts_a_uids_limit():
+    backend = HostBackend()
+    state = State(backend, 1 << 30, parse_config(LIMITED, total_bytes=1 << 30, budget_bytes=1 << 30))
+    assert state.tenant_for(1001, "anything-else").name == "uid:1001"  # an unknown name is charged to the uid's entry
+    assert state.tenant_for(1001, "").name == "uid:1001"
+    with pytest.raises(PermissionDenied, match="held to its own tenant"):
+        state.tenant_for(1001, "open")
+    assert state.tenant_for(1001, "shared").name == "shared"  # a tenant that names the uid, on purpose
+    assert state.tenant_for(1002, "anything-else").name == "anything-else"  # a uid without limits: a label
+    assert state.tenant_for(1002, "open").name == "open"

@@ -21,7 +21,7 @@ import msgpack
 import pytest
 import zmq
 from hbmd import proto
-from hbmd.client import ExtensibleTensor, PermissionDenied
+from hbmd.client import ExtensibleTensor, NotFound
 from hbmd.proto import codec
 from hbmd.proto.errors import ErrorCode, ProtocolError
 from hbmd.proto.instance import InstancePaths
@@ -449,7 +449,7 @@ class Barrage:
             self.attacker.free(reply.buffer.buffer_id)
 
     def foreign_buffers(self) -> None:
-        """Another session's buffer: every operation is PermissionDenied and changes nothing."""
+        """Another session's buffer: every operation is NotFound (as a missing one) and changes nothing."""
         intruder = self.daemon.connect(client_name="intruder")
         try:
             victim = self.legit.buffers(self.legit.session_id)[0].buffer_id
@@ -462,13 +462,13 @@ class Barrage:
                 try:
                     call()
                     self.problems.append(f"another session's {what} of buffer {victim} succeeded")
-                except PermissionDenied:
+                except NotFound:
                     pass
                 self.control.sent += 1
             for msg in (proto.Commit(victim, 6 * MiB), proto.Release(victim), proto.Free(victim),
                         proto.Defragment(victim, True), proto.FinishDefragment(victim, True)):
                 self.control.refused(self.request(msg, intruder.welcome.token), f"another session's {msg.KIND}",
-                                     ErrorCode.PERMISSION)
+                                     ErrorCode.NOT_FOUND)
             if daemon_state(self.legit) != before:
                 self.problems.append("another session's refused requests changed the daemon's state")
         finally:

@@ -48,7 +48,8 @@ def test_the_daemon_serves_gpu0_by_uuid_and_says_so(gpu_daemon, gpu_client):
     first = gpu_daemon.log().splitlines()[0]
     assert "backend cuda" in first and "instance gpu0" in first and info["device_uuid"] in first
     status = gpu_client.status()
-    assert status.granularity == 2 * MiB and status.total_bytes > 0 and status.budget_bytes == 16 << 30
+    assert status.granularity == 2 * MiB and status.total_bytes > 0
+    assert status.budget_bytes == (16 << 30) - status.held_back_bytes == (16 << 30) - 2 * MiB  # the export sentinel
 
 
 def test_growth_keeps_data_and_the_base_pointer(gpu_client):
@@ -424,12 +425,14 @@ def test_a_restarted_cuda_daemon_re_adopts_its_parked_chunks(start_daemon, spawn
 
 
 def test_a_driver_out_of_memory_is_distinct_and_retryable(start_daemon):
-    daemon = start_daemon("--device", "0", "--budget", "1TiB", backend="cuda")
-    torch.cuda.init()
+    # The whole device as the budget: this process's own context (made first) leaves the driver short of it.
+    torch.zeros(1, device="cuda")
+    daemon = start_daemon("--device", "0", "--budget", "100%", backend="cuda")
     with connect("cuda:0", run_dir=daemon.run_dir) as client:
-        too_big = ExtensibleTensor(400 << 30, "cuda", client=client)
+        budget = client.status().budget_bytes
+        too_big = ExtensibleTensor(budget, "cuda", client=client)
         with pytest.raises(OutOfDeviceMemory) as info:
-            too_big.resize_(400 << 30)
+            too_big.resize_(budget // client.granularity * client.granularity)
         assert info.value.retryable and info.value.details.get("result") == "CUDA_ERROR_OUT_OF_MEMORY"
         assert client.status().committed_bytes == 0
         too_big.resize_(1 << 30)  # nothing half-done: the next commit works
@@ -472,6 +475,46 @@ def test_the_export_sentinel_is_held_out_of_the_budget_unless_turned_off(start_d
     with connect("cuda:0", run_dir=plain.run_dir) as client:
         status = client.status()
         assert status.held_back_bytes == 0 and status.budget_bytes == 1 << 30
+
+
+def test_a_cuda_map_that_fails_midway_is_repaired_and_a_failed_attach_keeps_the_buffer(gpu_daemon):
+    from hbmd.client.cuda import CudaMapper
+
+    class FlakyCudaMapper(CudaMapper):
+        """The CUDA mapper, with the map calls numbered in ``fail`` failing."""
+
+        fail: set[int] = set()
+        maps = 0
+
+        def map(self, address, chunk, fd):
+            self.maps += 1
+            if self.maps in self.fail:
+                raise DriverError("injected: cuMemMap failed", function="cuMemMap", result="CUDA_ERROR_OUT_OF_MEMORY")
+            super().map(address, chunk, fd)
+
+    torch.zeros(1, device="cuda")
+    uuid = driver.device_uuid(0)
+    mapper = FlakyCudaMapper(uuid, 2 * MiB)
+    with connect("cuda:0", run_dir=gpu_daemon.run_dir, mapper=mapper) as client:
+        t = ExtensibleTensor(64 * MiB, "cuda", num_segments=4, client=client, name="kv-flaky", persistent=True)
+        t.resize_per_segment_(2 * MiB, zero_new=True)
+        t.segment_view(0).fill_(4)
+        mapper.maps, mapper.fail = 0, {2}  # the second of four new chunks
+        t.resize_per_segment_(4 * MiB, zero_new=True)
+        (info,) = client.buffers(client.session_id)
+        assert info.segment_sizes == t.segment_sizes == [4 * MiB] * 4 and info.physical_bytes == t.physical_bytes
+        torch.cuda.synchronize()
+        assert int(t.segment_view(0)[: 2 * MiB].float().mean()) == 4
+        assert all(int(t.segment_view(i)[2 * MiB :].sum()) == 0 for i in range(4))  # mapped again, and zeroed
+        t.detach()
+        mapper.maps, mapper.fail = 0, {1}
+        with pytest.raises(DriverError):
+            ExtensibleTensor.attach("kv-flaky", "cuda", client=client)
+        mapper.fail = set()
+        back = ExtensibleTensor.attach("kv-flaky", "cuda", client=client)
+        assert int(back.segment_view(0)[: 2 * MiB].float().mean()) == 4
+        back.free()
+
 
 
 

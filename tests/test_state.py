@@ -13,7 +13,6 @@ from hbmd.proto.errors import (
     NotFound,
     OutOfBudget,
     OutOfDeviceMemory,
-    PermissionDenied,
 )
 from helpers import GRANULE, MiB
 
@@ -159,7 +158,7 @@ def test_another_sessions_buffer_is_refused(state, session):
     buf = state.create_buffer(session, 8 * MiB, 1)
     for op in (lambda: state.commit(other, buf.buffer_id, MiB), lambda: state.release(other, buf.buffer_id),
                lambda: state.free(other, buf.buffer_id)):
-        with pytest.raises(PermissionDenied):
+        with pytest.raises(NotFound, match="no buffer"):
             op()
     assert buf.buffer_id in state.buffers
 
@@ -187,15 +186,24 @@ def test_a_failing_create_undoes_the_chunks_already_made(fail_at):
     assert backend.arenas == 0
 
 
-def test_host_memory_is_really_backed_and_punched():
+def test_a_host_chunk_is_a_sealed_memfd_of_exactly_its_size_really_backed():
     backend = HostBackend()
     arena = backend.open_arena(8 * MiB, False)
+    chunk = backend.create(arena, 2 * MiB, 4 * MiB)
+    exported = backend.export(arena, chunk)
     try:
-        chunk = backend.create(arena, 2 * MiB, 4 * MiB)
-        assert os.fstat(arena.fd).st_blocks * 512 == 4 * MiB
+        assert backend.handle_offset(arena, chunk) == 0
+        assert os.fstat(exported).st_size == 4 * MiB and os.fstat(exported).st_blocks * 512 == 4 * MiB
+        # What a client holding the FD would try: neither grows the memory behind it.
+        with pytest.raises(PermissionError):
+            os.ftruncate(exported, 8 * MiB)
+        with pytest.raises(PermissionError):
+            os.posix_fallocate(exported, 4 * MiB, 4 * MiB)
+        assert os.fstat(exported).st_blocks * 512 == 4 * MiB
         backend.release(arena, chunk)
-        assert os.fstat(arena.fd).st_blocks == 0
+        assert os.fstat(exported).st_blocks == 0  # a copy kept past the release holds no memory
     finally:
+        os.close(exported)
         backend.close_arena(arena)
 
 
@@ -259,7 +267,7 @@ def test_detach_refuses_anonymous_and_others_buffers(state, session):
         state.detach(session, anonymous.buffer_id)
     named = state.create_buffer(session, 8 * MiB, 1, name="kv", persistent=True)
     other = state.open_session(pid=2, uid=1000, gid=1000, client_name="", tenant="")
-    with pytest.raises(PermissionDenied):
+    with pytest.raises(NotFound):  # another session's buffer is answered as a missing one
         state.detach(other, named.buffer_id)
     assert anonymous.owner is session and named.owner is session
 

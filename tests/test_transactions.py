@@ -7,6 +7,7 @@ a host mapper that fails on demand (``connect(..., mapper=...)``).
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -149,6 +150,6 @@ def test_touching_a_view_after_free_faults_rather_than_reading_other_memory(daem
         view.sum()
         """
     )
-    env = {"HBMD_RUN_DIR": str(daemon.run_dir), "PATH": "/usr/bin:/bin"}
+    env = dict(os.environ, HBMD_RUN_DIR=str(daemon.run_dir))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.stdout.strip() == "freed" and out.returncode == -11  # SIGSEGV, documented

@@ -1,15 +1,21 @@
 """Host backend: real memory from memfd files, mapped by clients with ``mmap``.
 
-Each buffer owns one sparse memfd twice as large as its reservation. A chunk
-is a range of that file, backed with ``fallocate`` (so the pages are really
-there, and counted, when the commit returns) and given back with
-``FALLOC_FL_PUNCH_HOLE``. The daemon thus holds one FD per *buffer*, not per
-chunk, and a 10,000-chunk buffer costs it one descriptor; each exported FD is
-a ``dup`` of the buffer's memfd, closed as soon as it is sent.
+Each chunk is a memfd of its own, exactly the chunk's size, fully allocated
+with ``fallocate`` when it is created (so the pages are really there, and
+counted, when the commit returns) and sealed with ``F_SEAL_GROW |
+F_SEAL_SHRINK | F_SEAL_SEAL``. A client gets a ``dup`` of it, and so can map
+and write the chunk but can neither grow it nor fill holes beyond it: every
+byte reachable through an FD the daemon hands out is a byte of the budget.
+Releasing a chunk punches its pages out before the daemon closes its memfd,
+so they go back at once even where a client kept a copy of the FD (or one
+still waits unread on its socket); a client writing through such a copy
+faults fresh pages in, charged to itself, never more than the chunk's size.
 
-A chunk for buffer offset ``o`` lives at file offset ``o`` of the first half,
-or of the second half while the first is taken there: that is where a
-defragment's new chunks go, beside the old ones whose data they copy.
+FD count: the daemon holds one descriptor per live chunk (and exported ones
+only until they are sent). ``hbmd`` raises its ``RLIMIT_NOFILE`` to the hard
+limit at start; a commit that would take the chunks past what that limit
+leaves (see ``daemon/fds.py``) is refused with a retryable error naming the
+limit, before a memfd is made.
 
 The granule is 2 MiB rather than the 4 KiB page: it is the GPU granule, so a
 buffer's chunk layout, its straddling granules and its sizes are the same on
@@ -20,17 +26,20 @@ keeps chunk counts, and so mappings per commit, small.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import os
 
 from hbmd.proto.errors import InternalError, OutOfDeviceMemory
 
+from .. import fds
 from . import ParkableBackend
 
 GRANULE = 2 << 20
+RECOUNT_EVERY = 32
+"""Chunks made or released between two counts of the process's descriptors (see ``HostBackend._fds_left``)."""
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -40,38 +49,59 @@ _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_
 _libc.fallocate.restype = ctypes.c_int
 
 
-def fallocate(fd: int, mode: int, offset: int, size: int) -> None:
-    """``fallocate(2)``; ``OSError`` on failure."""
-    if _libc.fallocate(fd, mode, offset, size) != 0:
+def punch_out(fd: int, size: int) -> None:
+    """Free the pages of ``[0, size)`` of a memfd (``fallocate`` with ``FALLOC_FL_PUNCH_HOLE``); ``OSError`` on failure."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
 
-@dataclasses.dataclass
+SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+"""A chunk's size is fixed for good: no grow, no shrink, and no seal may be added (or taken) by anyone."""
+
+
+@dataclasses.dataclass(frozen=True)
 class HostArena:
-    fd: int
-    reserved: int
-    taken: tuple[list[tuple[int, int]], list[tuple[int, int]]] = dataclasses.field(default_factory=lambda: ([], []))
-    """Per half of the file, the sorted ``(start, end)`` buffer ranges of live chunks."""
-
-    def is_free(self, half: int, start: int, end: int) -> bool:
-        runs = self.taken[half]
-        i = bisect.bisect_left(runs, end, key=lambda run: run[0])
-        return i == 0 or runs[i - 1][1] <= start
-
-    def take(self, half: int, start: int, end: int) -> None:
-        bisect.insort(self.taken[half], (start, end))
-
-    def give_back(self, half: int, start: int, end: int) -> None:
-        runs = self.taken[half]
-        del runs[bisect.bisect_left(runs, (start, end))]
+    """A host buffer needs no backend state of its own: its chunks are separate memfds."""
 
 
 @dataclasses.dataclass(frozen=True)
 class HostChunk:
-    file_offset: int
+    fd: int
     size: int
-    half: int
+
+
+def out_of_fds(size: int) -> OutOfDeviceMemory:
+    return OutOfDeviceMemory(
+        f"the daemon has no file descriptor left for a new {size}-byte chunk (RLIMIT_NOFILE {fds.limit()}, "
+        "one per chunk): retry once others free memory, or raise the daemon's limit",
+        requested=size, limit="RLIMIT_NOFILE",
+    )
+
+
+def sealed_memfd(size: int) -> int:
+    """A new memfd of exactly ``size`` allocated bytes, sealed; raises ``OutOfDeviceMemory`` when memory is short."""
+    try:
+        fd = os.memfd_create("hbmd-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise out_of_fds(size) from None
+        raise
+    try:
+        os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOMEM, errno.ENOSPC):
+                raise OutOfDeviceMemory(
+                    f"host memory exhausted backing {size} bytes: {exc.strerror}", requested=size
+                ) from None
+            raise
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def host_memory_bytes() -> int:
@@ -104,63 +134,71 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
 
     def __init__(self) -> None:
         self.total_bytes = host_memory_bytes()
+        self._open_chunks = 0
+        self._counted = (0, -RECOUNT_EVERY)
+        """``(descriptors open, chunks open)`` when the process's descriptors were last counted."""
+
+    def _fds_left(self) -> bool:
+        """Whether one more chunk leaves the daemon its descriptor headroom.
+
+        Sessions cost descriptors too, so this counts them all, but only every
+        :data:`RECOUNT_EVERY` chunks (a count lists them all), adding the chunks
+        opened since; what it misses in between stays within the headroom.
+        """
+        counted, at_chunks = self._counted
+        if abs(self._open_chunks - at_chunks) >= RECOUNT_EVERY:
+            counted, at_chunks = self._counted = (fds.open_count(), self._open_chunks)
+        return counted + self._open_chunks - at_chunks < fds.usable()
+
+    def _opened(self, chunk: HostChunk) -> HostChunk:
+        self._open_chunks += 1
+        return chunk
 
     def open_arena(self, reserved_bytes: int, shareable: bool) -> HostArena:
-        fd = os.memfd_create("hbmd-buffer", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, 2 * reserved_bytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        return HostArena(fd, reserved_bytes)
+        return HostArena()
 
     def create(self, arena: HostArena, offset: int, size: int) -> HostChunk:
-        half = next((h for h in (0, 1) if arena.is_free(h, offset, offset + size)), None)
-        if half is None:
-            raise InternalError(f"buffer range at {offset} is already backed twice")
-        file_offset = half * arena.reserved + offset
-        try:
-            fallocate(arena.fd, 0, file_offset, size)
-        except OSError as exc:
-            # A failed fallocate may leave part of the range allocated.
-            fallocate(arena.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, file_offset, size)
-            if exc.errno in (errno.ENOMEM, errno.ENOSPC):
-                raise OutOfDeviceMemory(
-                    f"host memory exhausted backing {size} bytes: {exc.strerror}",
-                    requested=size,
-                ) from None
-            raise
-        arena.take(half, offset, offset + size)
-        return HostChunk(file_offset, size, half)
+        if not self._fds_left():
+            raise out_of_fds(size)
+        return self._opened(HostChunk(sealed_memfd(size), size))
 
     def handle_offset(self, arena: HostArena, chunk: HostChunk) -> int:
-        return chunk.file_offset
+        return 0
 
     def export(self, arena: HostArena, chunk: HostChunk) -> int:
-        return os.dup(arena.fd)
+        return os.dup(chunk.fd)
 
     def release(self, arena: HostArena, chunk: HostChunk) -> None:
-        fallocate(arena.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, chunk.file_offset, chunk.size)
-        start = chunk.file_offset - chunk.half * arena.reserved
-        arena.give_back(chunk.half, start, start + chunk.size)
+        try:
+            punch_out(chunk.fd, chunk.size)
+        finally:
+            os.close(chunk.fd)
+            self._open_chunks -= 1
 
     def close_arena(self, arena: HostArena) -> None:
-        os.close(arena.fd)
+        """Nothing to drop: the chunks were the buffer's only memory."""
 
     def free_bytes(self) -> int:
         return host_available_bytes()
 
-    parks_chunks = False  # the buffer's memfd holds every chunk
+    parks_chunks = True
 
     def parked_fd(self, arena: HostArena, chunk: HostChunk | None) -> int:
-        return os.dup(arena.fd)
+        if chunk is None:
+            raise InternalError("the host backend parks chunks, not buffers")
+        return os.dup(chunk.fd)
 
     def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> HostArena:
-        if fd is None:
-            raise InternalError("a host buffer cannot be adopted without its memfd")
-        return HostArena(fd, reserved_bytes)
+        if fd is not None:
+            os.close(fd)
+            raise InternalError("a buffer parked whole by an older hbmd cannot be restored: its chunks share one memfd")
+        return HostArena()
 
     def adopt(self, arena: HostArena, offset: int, size: int, handle_offset: int, fd: int | None) -> HostChunk:
-        half = handle_offset // arena.reserved
-        arena.take(half, offset, offset + size)
-        return HostChunk(handle_offset, size, half)
+        if fd is None:
+            raise InternalError(f"chunk at {offset} was not passed back by the service manager")
+        # The parked FD is the memory itself: take it only if it is still the sealed chunk handed out.
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if handle_offset != 0 or os.fstat(fd).st_size != size or seals & SEALS != SEALS:
+            raise InternalError(f"the FD parked for the chunk at {offset} is not a sealed memfd of {size} bytes")
+        return self._opened(HostChunk(os.dup(fd), size))
