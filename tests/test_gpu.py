@@ -486,11 +486,11 @@ def test_a_cuda_map_that_fails_midway_is_repaired_and_a_failed_attach_keeps_the_
         fail: set[int] = set()
         maps = 0
 
-        def map(self, address, chunk, fd):
+        def map(self, address, chunk, fd, *args, **kwargs):
             self.maps += 1
             if self.maps in self.fail:
                 raise DriverError("injected: cuMemMap failed", function="cuMemMap", result="CUDA_ERROR_OUT_OF_MEMORY")
-            super().map(address, chunk, fd)
+            super().map(address, chunk, fd, *args, **kwargs)
 
     torch.zeros(1, device="cuda")
     uuid = driver.device_uuid(0)
