@@ -924,6 +924,7 @@ class Server:
 
     @handles(Remap)
     def _remap(self, conn: HandleConnection, request_id: int, msg: Remap) -> Committed:
+        self._check_reading(conn)
         buffer = self.state.buffer_of(conn.session, msg.buffer_id)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
