@@ -95,6 +95,18 @@ CONFIGS = {
             max_model_len=4096,
             block_size=16,
         ),
+        # Several GiB of weights (about 2.6B parameters, 4.9 GiB in bf16): the restart and share-weights figures.
+        DecoderConfig(
+            "gpu-large",
+            num_layers=24,
+            hidden_size=3072,
+            num_heads=24,
+            num_kv_heads=8,
+            intermediate_size=8192,
+            vocab_size=32000,
+            max_model_len=4096,
+            block_size=16,
+        ),
     )
 }
 

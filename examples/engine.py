@@ -22,11 +22,13 @@ Modes:
   and ``--daemon-config FILE`` starts the daemon with a quota file.
 - ``restart``: a worker restart, from process start to its first generated
   token, with the weights loaded from a checkpoint file on local disk
-  (``torch.load``; just written, so from the page cache) against attached
-  from hbmd (sealed weights, read-only views, no copy); same tokens?
-- ``share-weights``: two engines serving one model from one copy of its
-  weights in hbmd: the weights are committed once, read by both, charged
-  to neither engine.
+  (``torch.load``; once evicted from the page cache, once cached) against
+  attached from hbmd (sealed weights, read-only views, no copy); same
+  tokens?
+- ``share-weights``: two engines with their own weights, then two serving
+  one model from one copy of its weights in hbmd (committed once, read by
+  both, charged to neither), each with the same KV cache: the device memory
+  each pair uses, and the same tokens from all four?
 
 ``generate --weights file:PATH`` or ``--weights hbmd:NAME`` loads the
 weights from a ``torch.save`` checkpoint or from sealed weights in hbmd
@@ -67,8 +69,9 @@ WORKLOADS = {
     "small": (4, 40, 24),
     "gpu": (8, 2048, 64),
     "gpu-small": (8, 2048, 64),
+    "gpu-large": (8, 1024, 32),
 }
-SECOND_CONFIG = {"tiny": "small", "small": "tiny", "gpu": "gpu-small", "gpu-small": "gpu"}
+SECOND_CONFIG = {"tiny": "small", "small": "tiny", "gpu": "gpu-small", "gpu-small": "gpu", "gpu-large": "gpu"}
 DEFAULT_BUDGET = {"cpu": "256MiB", "cuda": "50%"}
 DEFAULT_MARGIN = {"cpu": "0", "cuda": "1GiB"}
 
@@ -164,7 +167,7 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
             persistent=args.persistent,
             weights=weights,
         )
-        engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant))
+        engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant, args.kv_blocks))
         prompts = make_prompts(engine.config, args.prompt_seed, args.batch, args.prompt_len)
         state = engine.prefill(prompts, args.prompt_seed, args.prompt_len, args.new_tokens)
         # Wall-clock time, so that the orchestrator measures from before it started this process.
@@ -284,6 +287,8 @@ def engine_command(args: argparse.Namespace, *extra: str) -> list[str]:
         "--margin",
         str(args.margin),
     ]
+    if args.kv_blocks:
+        command += ["--kv-blocks", str(args.kv_blocks)]
     return command + list(extra)
 
 
@@ -422,7 +427,7 @@ def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
     engine = Engine(
         client, config_named(args.config), device, weights_seed=args.seed, batch_size=args.batch, name=args.name
     )
-    engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant))
+    engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant, args.kv_blocks))
     base_ptrs = [view.data_ptr() for view in engine.cache.layers]
 
     def serve(prompt_seed: int) -> list[list[int]]:
@@ -616,19 +621,41 @@ def stored_weights(args: argparse.Namespace, instance: str | None, who: str) -> 
         client.close()
 
 
+def evict_from_page_cache(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache, so that the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+RESTART_KINDS = {
+    # kind: (where the weights come from, evict the checkpoint from the page cache first)
+    "disk": ("file", True),
+    "file": ("file", False),
+    "hbmd": ("hbmd", False),
+}
+
+
 def restart(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
-    """A worker started from scratch, weights from a checkpoint file and from hbmd: time to its first token.
+    """A worker started from scratch, weights from a checkpoint file (cold and cached) and from hbmd: time to its first token.
 
     Each kind runs twice, interleaved, and the faster run counts, so that
-    neither gets the operating system's warm caches (Python, torch) alone.
+    none gets the operating system's warm caches (Python, torch) alone.
     """
     with stored_weights(args, instance, "restart") as (client, name, checkpoint):
+        sources = {"file": f"file:{checkpoint}", "hbmd": f"hbmd:{name}"}
+        checkpoint_bytes = checkpoint.stat().st_size
         runs: dict[str, dict[str, Any]] = {}
         for _ in range(2):
-            for kind, source in (("file", f"file:{checkpoint}"), ("hbmd", f"hbmd:{name}")):
-                log("restart", f"a worker starts with its weights from {source}")
+            for kind, (source, evict) in RESTART_KINDS.items():
+                if evict:
+                    evict_from_page_cache(checkpoint)
+                log("restart", f"a worker starts with its weights from {sources[source]}" + (" (not cached)" if evict else ""))
                 spawned_at = time.time()
-                result = run_engine(args, "--name", f"{args.name}-{kind}", "--weights", source)
+                result = run_engine(args, "--name", f"{args.name}-{kind}", "--weights", sources[source])
                 run = {
                     "first_token_s": result["timings"]["first_token_at"] - spawned_at,
                     "weights_s": result["timings"]["weights_s"],
@@ -636,74 +663,114 @@ def restart(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
                 }
                 if kind not in runs or run["first_token_s"] < runs[kind]["first_token_s"]:
                     runs[kind] = run
-    identical = runs["file"]["result"]["tokens"] == runs["hbmd"]["result"]["tokens"]
+    tokens = [run["result"]["tokens"] for run in runs.values()]
+    identical = all(t == tokens[0] for t in tokens)
+    first = runs["file"]["result"]
     return {
         "mode": "restart",
         "ok": identical,
         "tokens_identical": identical,
-        "config": runs["file"]["result"]["config"],
-        "device": runs["file"]["result"]["device"],
-        "params": runs["file"]["result"]["params"],
-        "file": {k: v for k, v in runs["file"].items() if k != "result"},
-        "hbmd": {k: v for k, v in runs["hbmd"].items() if k != "result"},
+        "config": first["config"],
+        "device": first["device"],
+        "params": first["params"],
+        "checkpoint_bytes": checkpoint_bytes,
+        **{kind: {k: v for k, v in run.items() if k != "result"} for kind, run in runs.items()},
     }
 
 
 def summarize_restart(r: dict[str, Any]) -> str:
-    f, h = r["file"], r["hbmd"]
+    d, f, h = r["disk"], r["file"], r["hbmd"]
     return "\n".join(
         [
-            f"restart ({r['config']}, {r['params'] / 1e6:.1f}M params, {r['device']}): process start to first token",
-            f"  weights from a checkpoint file: {ms(f['first_token_s'])} (loading them {ms(f['weights_s'])})",
-            f"  weights attached from hbmd:     {ms(h['first_token_s'])} (attaching them {ms(h['weights_s'])})",
+            f"restart ({r['config']}, {r['params'] / 1e6:.1f}M params, {format_bytes(r['checkpoint_bytes'])} checkpoint, "
+            f"{r['device']}): process start to first token",
+            f"  weights from a checkpoint on disk:  {ms(d['first_token_s'])} (loading them {ms(d['weights_s'])})",
+            f"  weights from the page cache:        {ms(f['first_token_s'])} (loading them {ms(f['weights_s'])})",
+            f"  weights attached from hbmd:         {ms(h['first_token_s'])} (attaching them {ms(h['weights_s'])})",
             f"  tokens identical: {'yes' if r['tokens_identical'] else 'NO'}",
         ]
     )
 
 
 def share_weights(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
-    """Two engines on one copy of the weights in hbmd: committed once, read by both, charged to neither."""
-    with stored_weights(args, instance, "share-weights") as (client, name, _):
-        # One after the other: the first takes --kv-share of the KV cache that fits, the second what is left.
-        engines = [HeldEngine(args, "--name", f"{args.name}-1", "--weights", f"hbmd:{name}", "--kv-share", str(args.kv_share))]
+    """Two engines with their own copies of the weights, then two on one copy in hbmd: device memory and tokens.
+
+    Every engine commits the same KV cache (``--kv-blocks``, by default what
+    its batch needs), so the difference in the device memory the pair uses
+    is the weights. The shared copy is committed once, read by both engines
+    and charged to neither; all four engines must produce the same tokens.
+    """
+    import torch
+    from serving import config_named
+
+    block_size = config_named(args.config).block_size
+    args.kv_blocks = args.kv_blocks or args.batch * -(-(args.prompt_len + args.new_tokens) // block_size)
+    if args.device == "cuda":
+        # This process's own context is made before the baseline, so that it is not counted as the engines'.
+        torch.empty(1, device="cuda")
+    observer = connect_for(args, instance, "share-weights")
+
+    def pair(kind: str, weights: str) -> tuple[list[dict[str, Any]], Any, list[Any]]:
+        """Two engines held at once on ``weights``; their results, the daemon's status and buffers meanwhile."""
+        engines: list[HeldEngine] = []
         try:
-            results = [engines[0].result()]
-            engines.append(HeldEngine(args, "--name", f"{args.name}-2", "--weights", f"hbmd:{name}"))
-            results.append(engines[1].result())
-            (weights,) = [b for b in client.buffers() if b.name == name]
-            committed = client.status().committed_bytes
+            results = []
+            for i in (1, 2):
+                log("share-weights", f"{kind}: engine {i} starts with its weights from {weights}")
+                engines.append(HeldEngine(args, "--name", f"{args.name}-{kind}-{i}", "--weights", weights))
+                results.append(engines[-1].result())
+            held, buffers = observer.status(), observer.buffers()
             for engine in engines:
                 engine.release()
         finally:
             for engine in engines:
                 engine.kill()
-    kv = sum(r["kv"]["physical_bytes"] for r in results)
-    uncharged = all(r["session_committed_bytes"] == r["kv"]["physical_bytes"] for r in results)
-    identical = results[0]["tokens"] == results[1]["tokens"]
+        return results, held, buffers
+
+    baseline = observer.status().device_free_bytes
+    own, own_held, _ = pair("own", "seed")
+    with stored_weights(args, instance, "share-weights") as (_, name, _):
+        shared, shared_held, buffers = pair("shared", f"hbmd:{name}")
+    observer.close()
+    (weights,) = [b for b in buffers if b.name == name]
+    committed = shared_held.committed_bytes
+    kv = sum(r["kv"]["physical_bytes"] for r in shared)
+    uncharged = all(r["session_committed_bytes"] == r["kv"]["physical_bytes"] for r in shared)
+    identical = all(r["tokens"] == own[0]["tokens"] for r in own + shared)
     return {
         "mode": "share-weights",
         "ok": identical and uncharged and weights.readers == 2 and committed == weights.physical_bytes + kv,
         "tokens_identical": identical,
-        "config": results[0]["config"],
-        "device": results[0]["device"],
+        "config": shared[0]["config"],
+        "device": shared[0]["device"],
+        "params": shared[0]["params"],
+        "kv_blocks": args.kv_blocks,
         "weights_bytes": weights.physical_bytes,
         "readers": weights.readers,
         "kv_bytes": kv,
         "committed_bytes": committed,
         "engines_charged_for_weights": not uncharged,
-        "attach_s": [r["timings"]["weights_s"] for r in results],
+        "attach_s": [r["timings"]["weights_s"] for r in shared],
+        "device_used_bytes": {
+            "own": baseline - own_held.device_free_bytes,
+            "shared": baseline - shared_held.device_free_bytes,
+        },
     }
 
 
 def summarize_share_weights(r: dict[str, Any]) -> str:
+    used = r["device_used_bytes"]
     return "\n".join(
         [
-            f"share-weights ({r['config']} on {r['device']}): two engines, one copy of the weights",
+            f"share-weights ({r['config']}, {r['params'] / 1e6:.1f}M params, {r['device']}): "
+            f"two engines, {r['kv_blocks']} KV blocks each",
+            f"  device memory used by the pair: own weights {format_bytes(used['own'])}, "
+            f"shared weights {format_bytes(used['shared'])} (saved {format_bytes(used['own'] - used['shared'])})",
             f"  weights {format_bytes(r['weights_bytes'])} committed once, read by {r['readers']} engines "
             f"(attached in {', '.join(ms(s) for s in r['attach_s'])}); KV caches {format_bytes(r['kv_bytes'])}; "
             f"daemon committed {format_bytes(r['committed_bytes'])}",
             f"  engines charged for the weights: {'YES' if r['engines_charged_for_weights'] else 'no'}; "
-            f"tokens identical: {'yes' if r['tokens_identical'] else 'NO'}",
+            f"tokens identical in all four engines: {'yes' if r['tokens_identical'] else 'NO'}",
         ]
     )
 
@@ -757,7 +824,8 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     common.add_argument(
-        "--config", help="model config: tiny, small (CPU), gpu, gpu-small (default: tiny on cpu, gpu on cuda)"
+        "--config",
+        help="model config: tiny, small (CPU), gpu, gpu-small, gpu-large (4.9 GiB of weights); default tiny on cpu, gpu on cuda",
     )
     common.add_argument("--seed", type=int, default=0, help="weights seed")
     common.add_argument("--prompt-seed", type=int, default=1)
@@ -769,7 +837,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--kv-share",
         type=float,
-        help="fraction of what fits that the engine commits (default: 1; the first engine's in two-engines and share-weights 0.5)",
+        help="fraction of what fits that the engine commits (default: 1; engine A's in two-engines 0.5)",
+    )
+    common.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="KV blocks the engine commits, instead of a share of what fits (share-weights: default what its batch needs)",
     )
     common.add_argument(
         "--name", default="engine", help="engine name: labels, persistent buffer names <name>-kv-layerN"
@@ -822,7 +895,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(f"--margin: {exc}")
     # Not set_defaults on the two-engines parser: the options' actions are shared by every mode through `common`.
-    args.kv_share = args.kv_share or (0.5 if args.mode in ("two-engines", "share-weights") else 1.0)
+    args.kv_share = args.kv_share or (0.5 if args.mode == "two-engines" else 1.0)
     if not 0 < args.kv_share <= 1:
         parser.error("--kv-share must be in (0, 1]")
     if args.kill_after is not None and not 0 <= args.kill_after < args.new_tokens - 1:

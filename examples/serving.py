@@ -150,6 +150,8 @@ class Sizing:
     margin_bytes: int = 0
     margin_fraction: float = 0.0
     tenant: str = ""
+    blocks: int | None = None
+    """A fixed cache size in blocks instead of a share of what fits (engines compared at equal KV)."""
 
 
 class Engine:
@@ -221,7 +223,7 @@ class Engine:
         with self._timed("warmup_s"):
             self._warm_up()
         with self._timed("size_s"):
-            blocks = min(capacity, self._blocks_to_commit(sizing))
+            blocks = min(capacity, sizing.blocks or self._blocks_to_commit(sizing))
             # Right after warm-up, as vLLM does: one chunk per segment, the warm-up data discarded.
             self.cache.commit(blocks, defragment=True)
         self.tables = BlockTables(self.config.block_size, self.cache.num_blocks)

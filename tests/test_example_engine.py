@@ -115,7 +115,7 @@ def test_two_engines_stay_within_their_tenants_quotas(start_daemon, tmp_path):
 def test_a_restarted_worker_gets_the_same_tokens_from_weights_in_hbmd_as_from_a_checkpoint(small_daemon):
     result = run_example(small_daemon, "restart", "--new-tokens", "9")
     assert result["ok"] and result["tokens_identical"]
-    for kind in ("file", "hbmd"):
+    for kind in ("disk", "file", "hbmd"):
         assert 0 < result[kind]["weights_s"] < result[kind]["first_token_s"]
     # The run removed what it made: the weights in hbmd and the checkpoint.
     client = small_daemon.connect()
@@ -129,3 +129,4 @@ def test_two_engines_share_one_copy_of_the_weights(small_daemon):
     assert result["ok"] and result["tokens_identical"] and result["readers"] == 2
     assert not result["engines_charged_for_weights"]
     assert result["committed_bytes"] == result["weights_bytes"] + result["kv_bytes"] <= 64 * MiB
+    assert set(result["device_used_bytes"]) == {"own", "shared"}
