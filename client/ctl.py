@@ -140,7 +140,7 @@ def status_record(client: Client) -> dict[str, Any]:
     """An instance's status as JSON, in the words the table uses: budget left, device free."""
     s = client.status()
     record = _as_dict(s)
-    record["budget_left_bytes"] = max(0, s.budget_bytes - s.committed_bytes)
+    record["budget_left_bytes"] = max(0, s.budget_bytes - s.committed_bytes - s.leased_bytes)
     record["device_free_bytes"] = s.device_free_bytes if s.device_free_bytes >= 0 else None
     for tenant in record["tenants"]:
         tenant["max_bytes"] = tenant["max_bytes"] if tenant["max_bytes"] >= 0 else None
@@ -159,6 +159,7 @@ STATUS_COLUMNS = [
     Column("DEVICE", _device, lambda r: r.get("device_index", "")),
     _bytes_column("BUDGET", "budget_bytes"),
     _bytes_column("COMMITTED", "committed_bytes"),
+    _bytes_column("LEASED", "leased_bytes"),
     _bytes_column("BUDGET-LEFT", "budget_left_bytes"),
     _bytes_column("DEVICE-FREE", "device_free_bytes"),
     _plain_column("SESSIONS", "num_sessions"),
@@ -184,6 +185,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
             f"    granule:     {format_bytes(r['granularity'])}",
             f"    budget:      {format_bytes(r['budget_bytes'])} of {format_bytes(r['total_bytes'])}",
             f"    committed:   {format_bytes(r['committed_bytes'])} ({share:.1f}% of budget)",
+            f"    leased:      {format_bytes(r['leased_bytes'])} (granules made ahead for sessions to place)",
             f"    budget left: {format_bytes(r['budget_left_bytes'])}",
             f"    device free: {device_free} (all processes, as the driver reports it)",
             f"    reserved:    {format_bytes(r['reserved_bytes'])} of address space",
@@ -236,6 +238,7 @@ SESSION_COLUMNS = [
     _plain_column("BUFFERS", "num_buffers"),
     _plain_column("CHUNKS", "num_chunks"),
     _bytes_column("COMMITTED", "committed_bytes"),
+    _bytes_column("LEASED", "leased_bytes"),
     _bytes_column("RESERVED", "reserved_bytes"),
     Column("AGE", lambda r: _duration(r["connected_s"]), lambda r: r["connected_s"]),
     Column("RECLAIM", lambda r: _reclaim(r), lambda r: r["reclaim_state"]),

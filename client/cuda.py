@@ -55,19 +55,30 @@ class CudaMapper:
         return driver.reserve(size, self.granularity)
 
     def map(self, address: int, chunk: ChunkInfo, fd: int, readonly: bool = False) -> None:
-        """Import ``chunk``'s FD, map it at ``address`` and grant access (read-only if asked); a failed step undoes the ones before it."""
-        driver.make_current(self._ctx)
-        handle = driver.import_fd(fd)
+        """Import ``chunk``'s FD, map it at ``address``, grant access (read-only if asked); a failed step undoes the others."""
+        handle = self.prepare(fd)
         try:
-            driver.map(address, chunk.size, handle)
-            try:
-                driver.set_access(address, chunk.size, [self.ordinal], readonly)
-            except BaseException:
-                driver.unmap(address, chunk.size)
-                raise
+            self.map_prepared(address, chunk, handle, readonly)
         finally:
             # On success too: the mapping now holds the memory, the handle is not needed.
-            driver.release(handle)
+            self.discard(handle)
+
+    def prepare(self, fd: int) -> Any:
+        """The chunk's allocation handle, imported from its FD (any thread: the context is made current here)."""
+        driver.make_current(self._ctx)
+        return driver.import_fd(fd)
+
+    def map_prepared(self, address: int, chunk: ChunkInfo, prepared: Any, readonly: bool = False) -> None:
+        driver.make_current(self._ctx)
+        driver.map(address, chunk.size, prepared)
+        try:
+            driver.set_access(address, chunk.size, [self.ordinal], readonly)
+        except BaseException:
+            driver.unmap(address, chunk.size)
+            raise
+
+    def discard(self, prepared: Any) -> None:
+        driver.release(prepared)
 
     def unmap(self, address: int, size: int) -> None:
         driver.make_current(self._ctx)

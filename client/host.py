@@ -57,14 +57,24 @@ class HostMapper:
 
     def map(self, address: int, chunk: ChunkInfo, fd: int, readonly: bool = False) -> None:
         """Map ``chunk`` (from its FD) at ``address``; ``readonly`` without ``PROT_WRITE``, so a write is a SIGSEGV."""
+        self.map_prepared(address, chunk, fd, readonly)
+
+    def prepare(self, fd: int) -> int:
+        """A copy of the chunk's FD: a memfd needs no import."""
+        return os.dup(fd)
+
+    def map_prepared(self, address: int, chunk: ChunkInfo, prepared: int, readonly: bool = False) -> None:
         _mmap(
             address,
             chunk.size,
             mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE,
             mmap.MAP_SHARED | _MAP_FIXED,
-            fd,
+            prepared,
             chunk.handle_offset,
         )
+
+    def discard(self, prepared: int) -> None:
+        os.close(prepared)
 
     def unmap(self, address: int, size: int) -> None:
         """Put the range back to reserved-but-inaccessible, atomically."""

@@ -30,6 +30,22 @@ class Mapper(Protocol):
         """
         ...
 
+    def prepare(self, fd: int) -> Any:
+        """Import a chunk from its FD ahead of mapping it (a leased granule); the caller closes the FD.
+
+        What comes back is what :meth:`map_prepared` maps, and :meth:`discard`
+        lets go of once mapped or no longer wanted.
+        """
+        ...
+
+    def map_prepared(self, address: int, chunk: ChunkInfo, prepared: Any, readonly: bool = False) -> None:
+        """Map a chunk imported with :meth:`prepare` at ``address``, as :meth:`map` would; undoes itself on failure."""
+        ...
+
+    def discard(self, prepared: Any) -> None:
+        """Let go of what :meth:`prepare` returned (a mapping made from it stays)."""
+        ...
+
     def unmap(self, address: int, size: int) -> None:
         """Put the range back to reserved and inaccessible."""
         ...

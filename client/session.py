@@ -28,6 +28,7 @@ from hbmd.proto import (
     Free,
     Freed,
     Hello,
+    LeaseBind,
     ListBuffers,
     ListSessions,
     Message,
@@ -57,6 +58,7 @@ from hbmd.proto.errors import (
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
+from .lease import Lease
 from .mapper import Mapper
 from .transport import ControlChannel, FdCloser, HandleChannel
 
@@ -105,6 +107,10 @@ class Client:
     again (once the daemon is back); the new session attaches the
     persistent buffers by name, with their data where the daemon kept them
     (across a restart under systemd), and creates anonymous ones anew.
+
+    ``lease`` (the default): take the granules the daemon leases ahead of
+    need, imported by a listener thread, so that a small commit maps them
+    without a round trip (:mod:`hbmd.client.lease`).
     """
 
     def __init__(
@@ -116,6 +122,7 @@ class Client:
         tenant: str = "",
         observer: bool = False,
         mapper: Mapper | None = None,
+        lease: bool = True,
     ) -> None:
         """``mapper`` replaces the backend's own (a test's mapper that fails on demand, say)."""
         self.paths = paths
@@ -124,18 +131,29 @@ class Client:
         self._handles = HandleChannel(paths, timeout)
         try:
             self.welcome = self._handles.handshake(
-                Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer)
+                Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
+                      lease and not observer)
             )
             self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles)
         except BaseException:
             self._handles.close()
             raise
         self._mapper = mapper
+        self._mapper_lock = threading.Lock()
         self.closed = False
         # One call at a time: the reclaim listener's callback may call in while the engine does.
         self._lock = threading.RLock()
-        self._reclaim_thread: threading.Thread | None = None
+        self._listener: threading.Thread | None = None
+        self._reclaim_callback: Callable[[ReclaimRequest], int] | None = None
         self._closer: FdCloser | None = None
+        self._lease: Lease | None = None
+        if self.welcome.lease_bytes > 0:
+            # Neither the lease nor the listener holds the client: one dropped unclosed is collected, and its
+            # session ends with its socket, as without leases.
+            me = weakref.ref(self)
+            self._lease = Lease(self.granularity, lambda: _alive(me).mapper, lambda msg: _alive(me)._handles.send(msg))
+            weakref.finalize(self, self._lease.close)
+            self._listen_in_background()
         _clients.add(self)
 
     # identity
@@ -157,17 +175,25 @@ class Client:
         return self.welcome.session_id
 
     @property
+    def requests_sent(self) -> int:
+        """Requests this client has sent the daemon so far: round trips (a commit from the lease makes none)."""
+        return self._control.last_request_id
+
+    @property
     def mapper(self) -> Mapper:
         """Maps this instance's chunks into the process: host ``mmap`` or CUDA VMM."""
         if self._mapper is None:
-            if self.backend == "host":
-                from .host import HostMapper
+            with self._mapper_lock:  # the listener imports leased granules with it too
+                if self._mapper is not None:
+                    return self._mapper
+                if self.backend == "host":
+                    from .host import HostMapper
 
-                self._mapper = HostMapper(self.granularity)
-            else:
-                from .cuda import CudaMapper
+                    self._mapper = HostMapper(self.granularity)
+                else:
+                    from .cuda import CudaMapper
 
-                self._mapper = CudaMapper(self.welcome.device_uuid, self.granularity)
+                    self._mapper = CudaMapper(self.welcome.device_uuid, self.granularity)
         return self._mapper
 
     # requests
@@ -320,6 +346,8 @@ class Client:
     ) -> Committed:
         reply = self.call(msg)
         request_id = self._control.last_request_id
+        if reply.lease_returned and self._lease is not None:
+            self._lease.forget(reply.lease_returned)
         chunks = {c.chunk_id: c for c in reply.chunks}
         deadline = time.monotonic() + self.timeout
         failure: BaseException | None = None
@@ -346,6 +374,69 @@ class Client:
             raise failure
         return reply
 
+    # leases
+
+    def take_lease(self, count: int) -> list[tuple[int, Any]] | None:
+        """``count`` leased granules, imported and ready to map, or None where the lease holds fewer (or is off)."""
+        if self._lease is None or count > self.welcome.lease_bytes // self.granularity:
+            return None
+        taken = self._lease.take(count)
+        if taken is None:
+            # Grants the listener has not read yet may be waiting.
+            self._handles.drain()
+            self._serve_lease()
+            taken = self._lease.take(count)
+        return taken
+
+    def place(self, buffer_id: int, sizes: list[int], taken: list[tuple[int, Any]], offsets: list[int]) -> None:
+        """Tell the daemon that the ``taken`` granules back ``buffer_id`` at ``offsets``, its segments grown to ``sizes``.
+
+        Call it before mapping them: once it returns the daemon will record
+        the placement before anything else this session asks, or its end.
+        Where it raises, nothing was sent and the granules are back in the lease.
+        """
+        try:
+            self._handles.send(LeaseBind(buffer_id, list(sizes), [c for c, _ in taken], list(offsets)))
+        except BaseException:
+            self._lease.put_back(taken)
+            raise
+
+    def discard_leased(self, taken: list[tuple[int, Any]]) -> None:
+        """Let go of placed granules' imports: the mappings made from them hold the memory."""
+        for _, prepared in taken:
+            self.mapper.discard(prepared)
+
+    @property
+    def leased_granules(self) -> int:
+        """Leased granules ready in this process."""
+        return 0 if self._lease is None else len(self._lease)
+
+    def _serve_lease(self) -> None:
+        """Import what was granted and give back what was asked back."""
+        while self._handles.grants:
+            grant, fds = self._handles.grants.popleft()
+            self._lease.granted(grant, fds)
+        while self._handles.revokes:
+            self._lease.revoked(self._handles.revokes.popleft())
+
+    def _listen_in_background(self) -> None:
+        if self._listener is None:
+            self._listener = threading.Thread(
+                target=_listen, args=(weakref.ref(self), self._handles), name="hbmd-listener", daemon=True
+            )
+            self._listener.start()
+
+    def _on_datagrams(self) -> None:
+        """On the listener thread: serve the leases and reclaim requests that arrived."""
+        try:
+            if self._lease is not None:
+                self._serve_lease()
+            if self._reclaim_callback is not None:
+                self._answer_reclaims()
+        except Exception:
+            if not self.closed:
+                log.exception("the hbmd listener thread failed on a datagram")
+
     # reclaim
 
     def reclaim(self, session_id: int, num_bytes: int) -> ReclaimSent:
@@ -362,16 +453,14 @@ class Client:
         serialised with the engine's own.
         """
         self._reclaim_callback = callback
-        if self._reclaim_thread is None:
-            self._reclaim_thread = threading.Thread(target=self._listen_for_reclaims, name="hbmd-reclaim", daemon=True)
-            self._reclaim_thread.start()
+        self._listen_in_background()
 
     def pending_reclaims(self) -> list[ReclaimRequest]:
         """Reclaim requests received and not yet answered, for engines that poll instead of registering a callback.
 
         Answer each with :meth:`answer_reclaim`.
         """
-        if self._reclaim_thread is None:
+        if self._listener is None:
             self._handles.poll(0)
         requests = list(self._handles.reclaims)
         self._handles.reclaims.clear()
@@ -380,14 +469,13 @@ class Client:
     def answer_reclaim(self, request: ReclaimRequest, released_bytes: int) -> None:
         self.call(ReclaimDone(request.reclaim_id, released_bytes))
 
-    def _listen_for_reclaims(self) -> None:
-        while not self.closed and self._handles.poll(0.2):
-            for request in self.pending_reclaims():
-                try:
-                    released = int(self._reclaim_callback(request))
-                    self.answer_reclaim(request, released)
-                except Exception:
-                    log.exception("reclaim callback for %d bytes failed", request.bytes)
+    def _answer_reclaims(self) -> None:
+        for request in self.pending_reclaims():
+            try:
+                released = int(self._reclaim_callback(request))
+                self.answer_reclaim(request, released)
+            except Exception:
+                log.exception("reclaim callback for %d bytes failed", request.bytes)
 
     def device_memory(self) -> DeviceMemory:
         """What an engine sizes its KV cache from after warm-up (all in bytes).
@@ -417,13 +505,16 @@ class Client:
         """End the session: the daemon frees its anonymous buffers."""
         if not self.closed:
             self.closed = True
-            if self._reclaim_thread is not None and self._reclaim_thread is not threading.current_thread():
-                self._reclaim_thread.join()
+            if self._listener is not None and self._listener is not threading.current_thread():
+                self._handles.shut()  # wakes the listener at once: its socket reads EOF
+                self._listener.join()
             with self._lock:
                 self._control.close()
                 self._handles.close()
                 if self._closer is not None:
                     self._closer.stop()
+                if self._lease is not None:
+                    self._lease.close()
 
     def _let_go_after_fork(self) -> None:
         """In a forked child: close the inherited handle socket, so the child never keeps the parent's session.
@@ -439,6 +530,23 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _listen(client_ref: "weakref.ref[Client]", handles: HandleChannel) -> None:
+    """The listener thread's loop; it holds its client only while serving what arrived."""
+    while handles.poll(0.2):
+        client = client_ref()
+        if client is None or client.closed:
+            return
+        client._on_datagrams()
+        del client
+
+
+def _alive(client_ref: "weakref.ref[Client]") -> Client:
+    client = client_ref()
+    if client is None:
+        raise ReferenceError("the hbmd client is gone")
+    return client
 
 
 _clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
@@ -477,6 +585,7 @@ def connect(
     tenant: str = "",
     observer: bool = False,
     mapper: Mapper | None = None,
+    lease: bool = True,
 ) -> Client:
     """Open a session with the daemon serving ``device`` (or the named ``instance``).
 
@@ -486,7 +595,9 @@ def connect(
     if instance is None:
         instance = instance_for(device, run_dir)
     paths = InstancePaths.of(run_dir, instance)
-    return Client(paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer, mapper=mapper)
+    return Client(
+        paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer, mapper=mapper, lease=lease
+    )
 
 
 def only_instance(run_dir: str | os.PathLike | None) -> str:

@@ -8,6 +8,7 @@ them stay correct) as the buffer grows.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from hbmd.proto import BufferInfo, ChunkInfo, Committed
 from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
+from hbmd.proto.runs import new_granules
 
 from .devices import parse_device
 from .mapper import Mapper
@@ -359,18 +361,56 @@ class ExtensibleTensor:
         old_sizes = self._sizes
         if sizes == old_sizes:
             return self
-        if len(set(sizes)) == 1:
-            self._transaction(lambda on_reply: self._client.commit(self.buffer_id, sizes[0], self._map_chunk, on_reply))
-        else:
-            self._transaction(
-                lambda on_reply: self._client.commit_segments(self.buffer_id, sizes, self._map_chunk, on_reply)
-            )
+        if not self._grow_from_lease(sizes):
+            self._grow_through_daemon(sizes)
         if zero_new:
             for offset, old, new in zip(self._offsets, old_sizes, self._sizes):
                 if new > old:
                     self._mapper.zero(self._base + offset + old, new - old)
             self._mapper.synchronize()
         return self
+
+    def _grow_from_lease(self, sizes: list[int]) -> bool:
+        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short.
+
+        The placement goes to the daemon before the mapping, so however this
+        process dies the daemon's record holds every granule mapped here. A
+        mapping that fails midway is repaired as any commit's (:meth:`_resync`).
+        """
+        if self._info.shareable:
+            return False
+        offsets = new_granules(self._offsets, self._sizes, sizes, self.granularity)
+        taken = self._client.take_lease(len(offsets))
+        if taken is None:
+            return False
+        self._client.place(self.buffer_id, sizes, taken, offsets)
+        try:
+            for (chunk_id, prepared), offset in zip(taken, offsets):
+                self._mapper.map_prepared(self._base + offset, ChunkInfo(chunk_id, offset, self.granularity, 0), prepared)
+                self._mapped.append((offset, self.granularity))
+        except BaseException as exc:
+            if not self._resync(exc):
+                raise
+            return True
+        finally:
+            self._client.discard_leased(taken)
+        added = len(offsets) * self.granularity
+        self._set_info(dataclasses.replace(
+            self._info,
+            bytes_per_segment=min(sizes),
+            segment_sizes=list(sizes),
+            physical_bytes=self._info.physical_bytes + added,
+            num_chunks=self._info.num_chunks + len(offsets),
+        ))
+        return True
+
+    def _grow_through_daemon(self, sizes: list[int]) -> None:
+        if len(set(sizes)) == 1:
+            self._transaction(lambda on_reply: self._client.commit(self.buffer_id, sizes[0], self._map_chunk, on_reply))
+        else:
+            self._transaction(
+                lambda on_reply: self._client.commit_segments(self.buffer_id, sizes, self._map_chunk, on_reply)
+            )
 
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> "ExtensibleTensor":
         """Grow every segment's committed prefix to ``bytes_per_segment`` (see :meth:`resize_segments_`)."""

@@ -28,6 +28,8 @@ from hbmd.proto import (
     ErrorReply,
     FdBatch,
     Hello,
+    LeaseGrant,
+    LeaseRevoke,
     Message,
     ReclaimRequest,
     Refused,
@@ -56,9 +58,10 @@ class HandleChannel:
     """The session's handle-plane connection.
 
     Two readers may share it: the caller waiting for a request's FD batches,
-    and the client's reclaim listener. Reads happen under one lock; whichever
+    and the client's listener thread. Reads happen under one lock; whichever
     reader takes a datagram meant for the other leaves it in ``_backlog``
-    (FD batches) or ``reclaims`` (reclaim requests).
+    (FD batches), ``reclaims`` (reclaim requests), ``grants`` (leased
+    granules, with their FDs) or ``revokes`` (leased granules asked back).
     """
 
     def __init__(self, paths: InstancePaths, timeout: float) -> None:
@@ -67,6 +70,8 @@ class HandleChannel:
         self._lock = threading.Lock()
         self._backlog: list[tuple[FdBatch, list[int]]] = []
         self.reclaims: collections.deque[ReclaimRequest] = collections.deque()
+        self.grants: collections.deque[tuple[LeaseGrant, list[int]]] = collections.deque()
+        self.revokes: collections.deque[LeaseRevoke] = collections.deque()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
@@ -125,11 +130,15 @@ class HandleChannel:
         return data, fds
 
     def _sort(self, data: bytes, fds: list[int]) -> FdBatch | None:
-        """File one datagram: reclaim requests to ``reclaims``; returns an FD batch, or None (FDs closed)."""
+        """File one datagram: reclaim requests, lease grants and revokes to their queues; returns an FD batch, or
+        None (FDs closed unless filed with a grant)."""
         try:
             msg = decode_datagram(data)
         except ProtocolError:
             msg = None
+        if isinstance(msg, LeaseGrant) and len(fds) == len(msg.chunk_ids):
+            self.grants.append((msg, fds))
+            return None
         if isinstance(msg, FdBatch):
             if len(fds) != (0 if msg.error else len(msg.chunk_ids)):
                 _close_all(fds)
@@ -138,6 +147,8 @@ class HandleChannel:
         _close_all(fds)
         if isinstance(msg, ReclaimRequest):
             self.reclaims.append(msg)
+        elif isinstance(msg, LeaseRevoke):
+            self.revokes.append(msg)
         return None
 
     def receive_fds(self, request_id: int, deadline: float) -> tuple[FdBatch, list[int]]:
@@ -174,6 +185,29 @@ class HandleChannel:
                 self._backlog.append((batch, fds))
         return True
 
+    def drain(self) -> None:
+        """File every datagram waiting now, without blocking."""
+        with self._lock:
+            while True:
+                try:
+                    data, fds = self._recv(timeout=0.0)
+                except (DaemonUnavailable, SessionLost, OSError):
+                    return
+                batch = self._sort(data, fds)
+                if batch is not None:
+                    self._backlog.append((batch, fds))
+
+    def send(self, msg: Message) -> None:
+        """Send a datagram to the daemon; once this returns it is queued on the daemon's side of the socket."""
+        with self._lock:
+            self.sock.settimeout(self.timeout)
+            try:
+                self.sock.send(encode_datagram(msg))
+            except socket.timeout:
+                raise DaemonUnavailable(f"hbmd at {self.path} read nothing within {self.timeout:.1f}s", path=self.path) from None
+            except OSError as exc:
+                raise SessionLost(f"hbmd at {self.path} closed the session ({exc.strerror})", path=self.path) from None
+
     def lost(self) -> bool:
         """Whether the daemon has closed this connection: it stopped or restarted, or ended the session.
 
@@ -184,6 +218,13 @@ class HandleChannel:
         poller = select.poll()
         poller.register(self.sock, select.POLLRDHUP)
         return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+
+    def shut(self) -> None:
+        """End the connection for both sides (the daemon ends the session); a reader waiting on it wakes."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self.sock.close()

@@ -26,7 +26,7 @@ from .notify import SystemdNotifier, listen_fds
 from .persist import Persistence
 from .reload import ConfigReloader
 from .server import AlreadyRunning, HandlerTableError, Server
-from .state import Limits, State
+from .state import DEFAULT_LEASE_BYTES, Limits, State
 
 log = logging.getLogger("hbmd")
 
@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-export-sentinel", action="store_true",
                         help="CUDA: do not hold the one exported granule that keeps the driver's FD export and close "
                              "on their fast path (a 2 MiB granule out of the budget; default: held)")
+    parser.add_argument("--lease", default=f"{DEFAULT_LEASE_BYTES >> 20}MiB", metavar="SIZE",
+                        help="the most one session is leased: granules created ahead of need that its client places "
+                             "itself, so a small commit costs no round trip; grows with demand, none while the budget "
+                             "is tight, 0 turns leases off (default: %(default)s)")
     parser.add_argument("--config", metavar="FILE",
                         help="TOML file with access rules and per-tenant quotas; SIGHUP reloads it")
     parser.add_argument("--group", metavar="NAME",
@@ -205,6 +209,12 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
             f"--budget: {format_bytes(budget)} is more than the {format_bytes(backend.total_bytes)} "
             f"of {backend.name} memory there is", 2,
         )
+    try:
+        lease = parse_size(args.lease)
+    except ValueError as exc:
+        raise Refusal(f"--lease: {exc}", 2) from None
+    if lease % backend.granularity:
+        raise Refusal(f"--lease: {args.lease} is not a whole number of {format_bytes(backend.granularity)} granules", 2)
     if not (math.isfinite(args.reclaim_timeout) and args.reclaim_timeout > 0):
         raise Refusal(f"--reclaim-timeout: {args.reclaim_timeout} is not a positive number of seconds", 2)
     held_back = backend.held_back_bytes()
@@ -236,7 +246,7 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
     )
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
-    state = State(backend, budget, config, args.reclaim_timeout, limits)
+    state = State(backend, budget, config, args.reclaim_timeout, limits, lease)
     lock = threading.Lock()
     persistence = None
     passed = listen_fds()

@@ -69,6 +69,8 @@ class StateCollector(Collector):
             for name, doc, value in (
                 ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes),
                 ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes),
+                ("hbmd_leased_bytes", "Granules leased to sessions, not placed yet; charged to their tenants.",
+                 state.leased_bytes),
                 ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes),
                 ("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes),
                 ("hbmd_sessions", "Connected worker sessions.", len(state.workers)),
@@ -85,7 +87,7 @@ class StateCollector(Collector):
 
     def _tenants(self) -> Iterator[GaugeMetricFamily]:
         labels = ["tenant"]
-        used = self._family("hbmd_tenant_committed_bytes", "Bytes committed per tenant.", labels)
+        used = self._family("hbmd_tenant_committed_bytes", "Bytes committed per tenant, its sessions' leases included (what its limits count).", labels)
         guaranteed = self._family("hbmd_tenant_guaranteed_bytes", "Guaranteed minimum per tenant.", labels)
         limit = self._family("hbmd_tenant_max_bytes", "Burst maximum per tenant that has one.", labels)
         sessions = self._family("hbmd_tenant_sessions", "Connected worker sessions per tenant.", labels)

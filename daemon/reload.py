@@ -27,17 +27,17 @@ def check_honourable(state: State, config: Config) -> None:
     A tenant's new maximum must hold what it has committed, and every
     guaranteed minimum must still fit beside the memory already committed:
     the daemon does not take memory back from a session to make a new
-    promise true.
+    promise true. Leased granules do not count: they are asked back.
     """
     for limits in config.tenants:
         tenant = state.tenants.get(limits.name)
-        held = tenant.used_bytes if tenant else 0
+        held = state.committed_by(tenant) if tenant else 0
         if limits.max_bytes is not None and held > limits.max_bytes:
             raise ConfigError(
                 f"tenant {limits.name!r} holds {format_bytes(held)}, over its new max of {format_bytes(limits.max_bytes)}"
             )
     unmet = sum(
-        max(0, limits.guaranteed_bytes - (state.tenants[limits.name].used_bytes if limits.name in state.tenants else 0))
+        max(0, limits.guaranteed_bytes - (state.committed_by(state.tenants[limits.name]) if limits.name in state.tenants else 0))
         for limits in config.tenants
     )
     if state.committed_bytes + unmet > state.budget_bytes:
@@ -58,6 +58,7 @@ def apply_config(state: State, config: Config) -> None:
     for name, limits in by_name.items():
         state.tenants.setdefault(name, Tenant(name, limits.max_bytes, limits.guaranteed_bytes))
     state.config = config
+    state.ask_back_all_leases()  # granted under the old limits
 
 
 class ConfigReloader:

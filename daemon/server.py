@@ -69,6 +69,10 @@ from hbmd.proto import (
     Free,
     Freed,
     Hello,
+    LeaseBind,
+    LeaseGrant,
+    LeaseReturn,
+    LeaseRevoke,
     ListBuffers,
     ListSessions,
     Message,
@@ -216,13 +220,19 @@ def handler_table(cls: type, request_kinds: list[type[Request]]) -> dict[type[Re
 
 @dataclasses.dataclass
 class FdDelivery:
-    """One queued batch of chunk FDs for a session's handle socket."""
+    """One queued batch of chunk FDs for a session's handle socket: a request's, or (``buffer`` None) a lease."""
 
     request_id: int
-    buffer: Buffer
+    buffer: Buffer | None
     chunks: list[Chunk]
     batch: int
     batches: int
+
+    def header(self, granule: int) -> FdBatch | LeaseGrant:
+        chunk_ids = [c.chunk_id for c in self.chunks]
+        if self.buffer is None:
+            return LeaseGrant(chunk_ids, granule)
+        return FdBatch(self.request_id, chunk_ids, self.batch, self.batches)
 
 
 @dataclasses.dataclass
@@ -326,6 +336,8 @@ class Server:
         self._uid_fd_share = max(MAX_FDS_PER_DATAGRAM, min(MAX_FDS_IN_FLIGHT_PER_UID, fd_limit() // 8))
         self._draining: set[int] = set()
         """Handle sockets (by fd) with FDs queued until their peer reads what it has."""
+        self._placing = select.poll()
+        """Handle sockets of sessions that place leased granules: read before any request is answered."""
         self._warnings = RateLimitedLog(log)
 
     # lifecycle
@@ -427,6 +439,7 @@ class Server:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
                 self._retry_draining()
+                self._serve_leases()
                 self._expire_pending()
                 if self.check_invariants and events:
                     self._check_books()
@@ -598,11 +611,16 @@ class Server:
                     )
 
     def _receive(self, conn: HandleConnection) -> bytes | None:
-        """One inbound datagram, or None when the peer is gone. Inbound FDs are closed."""
+        """One inbound datagram (b"" for one dropped), or None when the peer is gone; ``BlockingIOError`` when none waits.
+
+        Inbound FDs are closed.
+        """
         try:
-            data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_DATAGRAM, MAX_FDS_IN)
-        except (BlockingIOError, InterruptedError):
-            return b""
+            data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_DATAGRAM, MAX_FDS_IN, socket.MSG_DONTWAIT)
+        except InterruptedError:
+            raise BlockingIOError from None
+        except BlockingIOError:
+            raise
         except OSError:
             return None
         for fd in fds:
@@ -619,16 +637,63 @@ class Server:
     def _on_handle_event(self, conn: HandleConnection) -> None:
         if conn.outbox:
             self._flush(conn)
-        data = self._receive(conn)
+        if conn.session is not None:
+            if not self._drain_datagrams(conn):
+                self._close_connection(conn, "connection closed")
+            return
+        try:
+            data = self._receive(conn)
+        except BlockingIOError:
+            return
         if data is None:
             self._close_connection(conn, "connection closed")
-            return
-        if not data:
-            return
-        if conn.session is None:
+        elif data:
             self._handshake(conn, data)
-        else:
-            log.debug("session %d sent an unexpected datagram; ignored", conn.session.session_id)
+
+    def _take_placements(self) -> None:
+        """Apply every leased granule's placement sent so far, by any session: a request sees all commits that returned.
+
+        One ``poll`` over the placing sessions' sockets; only those with
+        datagrams waiting are read.
+        """
+        for fd, _ in self._placing.poll(0):
+            conn = self._connections.get(fd)
+            if conn is not None and conn.session is not None:
+                self._drain_datagrams(conn)
+
+    def _drain_datagrams(self, conn: HandleConnection) -> bool:
+        """Apply every datagram the session's client has sent (its leased granules' placements); False at its EOF.
+
+        Run before any request is answered and before the session ends, so
+        the daemon's record of its buffers includes every placement its
+        client sent before.
+        """
+        while True:
+            try:
+                data = self._receive(conn)
+            except BlockingIOError:
+                return True
+            if data is None:
+                return False
+            if data:
+                self._apply_datagram(conn, data)
+
+    def _apply_datagram(self, conn: HandleConnection, data: bytes) -> None:
+        session = conn.session
+        try:
+            msg = decode_datagram(data)
+            if isinstance(msg, LeaseBind):
+                self.state.bind(session, msg.buffer_id, msg.sizes, msg.chunk_ids, msg.offsets)
+            elif isinstance(msg, LeaseReturn):
+                self.state.return_lease(session, msg.chunk_ids)
+            else:
+                log.debug("session %d sent an unexpected %s datagram; ignored", session.session_id, msg.KIND)
+        except HbmdError as exc:
+            # A client placing granules it was not leased, or where the growth needs none: nothing changed.
+            self._warnings.warning(
+                f"datagram-{conn.uid}", "session %d (pid %d) sent a datagram that was refused: %s",
+                session.session_id, conn.pid, exc.message,
+            )
 
     def _handshake(self, conn: HandleConnection, data: bytes) -> None:
         try:
@@ -661,6 +726,7 @@ class Server:
                 hello.tenant,
                 admin=conn.uid in access.admin_uids,
                 observer=hello.observer,
+                lease=hello.lease and hello.version[1] >= 3,
             )
         except HbmdError as exc:
             self._send_quietly(conn, Refused(exc.code.wire, exc.message))
@@ -669,6 +735,8 @@ class Server:
         conn.session = session
         conn.protocol_minor = hello.version[1]
         self._by_session[session.session_id] = conn
+        if session.wants_lease:
+            self._placing.register(conn.sock.fileno(), select.POLLIN)
         backend = self.state.backend
         self._send_quietly(
             conn,
@@ -682,6 +750,7 @@ class Server:
                 daemon_version=VERSION,
                 device_uuid=backend.device_uuid,
                 device_index=backend.device_index,
+                lease_bytes=self.state.lease_bytes_for(session),
             ),
         )
         # Observers (hbmctl, probes) connect every few seconds: at INFO they would bury the workers.
@@ -702,6 +771,10 @@ class Server:
 
     def _close_connection(self, conn: HandleConnection, why: str) -> None:
         fd = conn.sock.fileno()
+        if conn.session is not None and conn.session.wants_lease:
+            # Placements the client sent before it died are in the socket still: its buffers must include them.
+            self._drain_datagrams(conn)
+            self._placing.unregister(fd)
         self._connections.pop(fd, None)
         try:
             self._poller.unregister(fd)
@@ -750,10 +823,16 @@ class Server:
         waiting = False
         while conn.outbox:
             delivery = conn.outbox[0]
+            if delivery.buffer is None:
+                # Leased granules the client gave back before they were sent (it cannot have known them) stay here.
+                delivery.chunks = [c for c in delivery.chunks if c.live]
+                if not delivery.chunks:
+                    conn.outbox.popleft()
+                    continue
             if not self._may_send(conn, len(delivery.chunks)):
                 waiting = True
                 break
-            header = FdBatch(delivery.request_id, [c.chunk_id for c in delivery.chunks], delivery.batch, delivery.batches)
+            header = delivery.header(self.state.backend.granularity)
             fds: list[int] = []
             try:
                 if not all(c.live for c in delivery.chunks):
@@ -762,10 +841,15 @@ class Server:
                     fds.append(self.state.export(delivery.buffer, chunk))
             except (HbmdError, OSError) as exc:
                 self._warnings.warning("export", "export for request %d failed: %s", delivery.request_id, exc)
-                header = dataclasses.replace(header, error=str(exc))
                 for fd in fds:
                     os.close(fd)
                 fds = []
+                if isinstance(header, LeaseGrant):
+                    # Never sent, so never placed: back they go.
+                    self.state.return_lease(conn.session, header.chunk_ids)
+                    conn.outbox.popleft()
+                    continue
+                header = dataclasses.replace(header, error=str(exc))
             try:
                 socket.send_fds(conn.sock, [encode_datagram(header)], fds)
             except (BlockingIOError, InterruptedError):
@@ -819,6 +903,7 @@ class Server:
             operation = kind.KIND
             # The token before the body: an unknown peer costs no decoding.
             session = self.state.session_for(token)
+            self._take_placements()
             reply = handler(self._by_session[session.session_id], request_id, decode_body(kind, raw))
         except OutOfBudget as exc:
             log.warning("refused %s of session %d (pid %d, uid %d, tenant %r): %s", operation, session.session_id,
@@ -830,6 +915,7 @@ class Server:
             log.exception("request %d failed", request_id)
             reply = ErrorReply.of(InternalError(f"internal error handling request {request_id}; see the daemon log"))
         self._send_reclaims()
+        self._send_revokes()
         if self.metrics is not None:
             self.metrics.record(operation, reply.code if isinstance(reply, ErrorReply) else "ok", started)
         return encode_frames(reply, request_id)
@@ -862,8 +948,9 @@ class Server:
             device_free_bytes=backend.free_bytes(),
             tenants=sorted(tenants[:MAX_TENANTS_LISTED], key=lambda t: t.name),
             tenants_left_out=max(0, len(tenants) - MAX_TENANTS_LISTED),
-            admissible_bytes=state.admissible_bytes(conn.session.tenant),
+            admissible_bytes=state.admissible_for(conn.session),
             held_back_bytes=backend.held_back_bytes(),
+            leased_bytes=state.leased_bytes,
         )
 
     @handles(ListSessions)
@@ -899,6 +986,28 @@ class Server:
         self.state.reclaim_answered(conn.session, msg.reclaim_id, msg.released_bytes)
         log.info("session %d answered reclaim %d: released %d bytes", conn.session.session_id, msg.reclaim_id, msg.released_bytes)
         return Ack()
+
+    def _send_revokes(self) -> None:
+        """Ask sessions for the leased granules the state wants back."""
+        while self.state.revokes_due:
+            session, chunk_ids = self.state.revokes_due.pop(0)
+            conn = self._by_session.get(session.session_id)
+            if conn is not None:
+                self._send_quietly(conn, LeaseRevoke(chunk_ids))
+
+    def _serve_leases(self) -> None:
+        """Ask back what the state wants back, and top up the leases that commits and placements ran down, after the
+        replies have gone out."""
+        self._send_revokes()
+        due, self.state.lease_due = self.state.lease_due, set()
+        for session_id in due:
+            conn = self._by_session.get(session_id)
+            if conn is None or len(conn.outbox) >= MAX_QUEUED_BATCHES:
+                continue
+            chunks = self.state.top_up_lease(conn.session)
+            if chunks:
+                conn.outbox.append(FdDelivery(0, None, chunks, 0, 1))
+                self._flush(conn)
 
     def _send_reclaims(self) -> None:
         """Deliver the reclaim requests the state made, on each session's handle socket."""
@@ -994,7 +1103,8 @@ class Server:
             conn.outbox.append(FdDelivery(request_id, buffer, batch, index, len(batches)))
         if batches:
             self._flush(conn)
-        return Committed(buffer.info(), [self.state.chunk_info(buffer, c) for c in chunks], len(batches))
+        returned, conn.session.lease_returned = conn.session.lease_returned, []
+        return Committed(buffer.info(), [self.state.chunk_info(buffer, c) for c in chunks], len(batches), returned)
 
     @handles(FinishDefragment)
     def _finish_defragment(self, conn: HandleConnection, request_id: int, msg: FinishDefragment) -> Released:

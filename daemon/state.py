@@ -3,8 +3,18 @@
 Everything here is plain data and arithmetic over a :class:`Backend`; nothing
 knows about sockets. Every method either completes or raises with the state
 unchanged. The budget is checked in exactly one place (:meth:`State._admit`),
-committed bytes change in exactly one place (:meth:`State._account`), and
-:meth:`State.check_invariants` says whether the books balance.
+committed and leased bytes change in exactly one place (:meth:`State._account`),
+and :meth:`State.check_invariants` says whether the books balance.
+
+Leases: a session that asks for them is leased granules created ahead of
+need (:meth:`State.top_up_lease`), charged to its tenant at once. Its client
+places them in its buffers itself and says so (:meth:`State.bind`), so a
+commit that fits the lease costs no round trip. The lease grows when a
+commit found it short, stays empty while the budget is tight, and is taken
+back first under pressure: unplaced granules are asked back (a client may be
+placing them at that moment, so only it can give them up), except the
+session's own lease when its own commit needs the room, which the reply
+reports as returned.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import itertools
 import logging
 import secrets
 import time
-from typing import Any, Generic, Iterable
+from typing import Any, Generic
 
 from hbmd.proto import BufferInfo, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import (
@@ -27,6 +37,7 @@ from hbmd.proto.errors import (
     PermissionDenied,
     VersionMismatch,
 )
+from hbmd.proto.runs import backed_runs, merge_runs, new_granules, subtract_runs
 from hbmd.proto.units import format_bytes, round_up
 
 from .backends import A, Backend, C
@@ -38,46 +49,12 @@ MAX_CAPACITY = 1 << 50
 """1 PiB: more than any device, small enough that offsets never overflow."""
 MAX_SEGMENTS = 1 << 16
 MAX_NAME = 128
-
-
-def merge_runs(runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge half-open ``(start, end)`` runs into sorted, disjoint, non-touching runs."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(r for r in runs if r[0] < r[1]):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def subtract_runs(runs: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The parts of sorted disjoint ``runs`` not covered by sorted disjoint ``taken``."""
-    out: list[tuple[int, int]] = []
-    j = 0
-    for start, end in runs:
-        while j < len(taken) and taken[j][1] <= start:
-            j += 1
-        k = j
-        while start < end:
-            if k == len(taken) or taken[k][0] >= end:
-                out.append((start, end))
-                break
-            if taken[k][0] > start:
-                out.append((start, taken[k][0]))
-            start = max(start, taken[k][1])
-            k += 1
-    return out
-
-
-def backed_runs(offsets: list[int], sizes: list[int], granule: int) -> list[tuple[int, int]]:
-    """Byte runs (granule-aligned, merged) that must be backed to hold ``sizes[i]`` bytes of the segment at ``offsets[i]``.
-
-    A granule straddling two segments appears once: the runs are merged.
-    """
-    return merge_runs(
-        (offset // granule * granule, round_up(offset + size, granule)) for offset, size in zip(offsets, sizes) if size
-    )
+DEFAULT_LEASE_BYTES = 64 << 20
+"""The most one session is leased (``--lease``): 32 granules of 2 MiB."""
+LEASE_TIGHT_DIVISOR = 16
+"""No lease is granted that would leave a tenant less room than a 16th of the budget."""
+LEASE_TOTAL_DIVISOR = 8
+"""All leases together stay within an 8th of the budget."""
 
 
 def prefix_offsets(capacities: list[int]) -> list[int]:
@@ -160,6 +137,17 @@ class Session:
     reading: dict[int, "Buffer[Any, Any]"] = dataclasses.field(default_factory=dict)
     """Sealed buffers this session holds a read claim on (it maps them read-only)."""
     reclaim: Reclaim | None = None
+    wants_lease: bool = False
+    """The client places leased granules itself (it said so in its hello)."""
+    lease: dict[int, Chunk[Any]] = dataclasses.field(default_factory=dict)
+    """Granules leased and not placed yet, by chunk id: sent, or queued to be sent."""
+    leased_bytes: int = 0
+    lease_target: int = 0
+    """Granules the daemon keeps leased to it: doubles when a commit found the lease short, 0 under pressure."""
+    revoking: set[int] = dataclasses.field(default_factory=set)
+    """Leased chunk ids asked back and not returned yet."""
+    lease_returned: list[int] = dataclasses.field(default_factory=list)
+    """Leased chunk ids released to make room for this session's own request, for the reply to report."""
 
 
 @dataclasses.dataclass
@@ -234,6 +222,7 @@ class Buffer(Generic[A, C]):
             segment_sizes=list(self.segment_sizes),
             sealed=self.sealed,
             readers=len(self.readers),
+            shareable=self.shareable,
         )
 
 
@@ -257,8 +246,17 @@ class State(Generic[A, C]):
         config: Config | None = None,
         reclaim_patience_s: float = RECLAIM_PATIENCE_S,
         limits: Limits = Limits(),
+        lease_bytes: int = DEFAULT_LEASE_BYTES,
     ) -> None:
+        """``lease_bytes``: the most one session is leased (0: no leases)."""
         self.backend = backend
+        self.lease_granules = max(0, lease_bytes) // backend.granularity
+        self._lease_arena: A | None = None
+        self.leased_bytes = 0
+        self.lease_due: set[int] = set()
+        """Sessions (by id) whose lease may need topping up, for the server to serve."""
+        self.revokes_due: list[tuple[Session, list[int]]] = []
+        """Leased chunks asked back, for the server to send."""
         self.limits = limits
         self.reclaim_patience_s = reclaim_patience_s
         self.budget_bytes = budget_bytes
@@ -325,7 +323,15 @@ class State(Generic[A, C]):
             del self.tenants[tenant.name]
 
     def open_session(
-        self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False
+        self,
+        pid: int,
+        uid: int,
+        gid: int,
+        client_name: str,
+        tenant: str,
+        admin: bool = False,
+        observer: bool = False,
+        lease: bool = False,
     ) -> Session:
         """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`."""
         open_sessions = sum(1 for s in self.sessions.values() if s.uid == uid)
@@ -344,6 +350,7 @@ class State(Generic[A, C]):
             self.tenant_for(uid, tenant),
             admin,
             observer,
+            wants_lease=lease and not observer and self.lease_granules > 0,
         )
         self._hold(session.tenant)
         self._next_session += 1
@@ -370,6 +377,8 @@ class State(Generic[A, C]):
         ones holding the data: the unconfirmed new ones are dropped.
         """
         freed = 0
+        self._drop_lease(session)
+        self.lease_due.discard(session.session_id)
         for buffer in list(session.reading.values()):
             buffer.readers.pop(session.session_id, None)
         session.reading.clear()
@@ -676,6 +685,18 @@ class State(Generic[A, C]):
         buffer = self._idle_buffer(session, buffer_id)
         if isinstance(sizes, int):
             sizes = [sizes] * buffer.num_segments
+        self._check_sizes(buffer, sizes)
+        granule = self.backend.granularity
+        runs = subtract_runs(buffer.backed_runs(sizes, granule), buffer.backed_runs(buffer.segment_sizes, granule))
+        created = self._create_runs(buffer, runs, "commit")
+        buffer.chunks.extend(created)
+        buffer.segment_sizes = list(sizes)
+        self._account(buffer, mapped=sum(c.size for c in created))
+        self._note_demand(session, sum(c.size for c in created) // granule)
+        return created
+
+    def _check_sizes(self, buffer: Buffer[A, C], sizes: list[int]) -> None:
+        """Refuse segment sizes that are not one per segment, within capacity and grow-only."""
         if len(sizes) != buffer.num_segments:
             raise InvalidRequest(f"expected {buffer.num_segments} segment sizes, got {len(sizes)}", field="sizes")
         for index, (size, old, capacity) in enumerate(zip(sizes, buffer.segment_sizes, buffer.segment_capacities)):
@@ -691,13 +712,6 @@ class State(Generic[A, C]):
                     f"buffers are grow-only: segment {index} has {old} bytes committed, asked for {size}",
                     field="bytes_per_segment",
                 )
-        granule = self.backend.granularity
-        runs = subtract_runs(buffer.backed_runs(sizes, granule), buffer.backed_runs(buffer.segment_sizes, granule))
-        created = self._create_runs(buffer, runs, "commit")
-        buffer.chunks.extend(created)
-        buffer.segment_sizes = list(sizes)
-        self._account(buffer, mapped=sum(c.size for c in created))
-        return created
 
     def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk]:
         """Re-back each run of the committed prefixes with one chunk; returns the new chunks.
@@ -754,7 +768,7 @@ class State(Generic[A, C]):
     def _create_runs(self, buffer: Buffer[A, C], runs: list[tuple[int, int]], purpose: str) -> list[Chunk[C]]:
         """One new chunk per run, admitted as a whole; none on any failure. The caller accounts for them."""
         requested = sum(end - start for start, end in runs)
-        self._admit(buffer.tenant, requested, purpose)
+        self._admit_taking_leases(buffer, requested, purpose)
         created: list[Chunk[C]] = []
         try:
             for start, end in runs:
@@ -773,7 +787,7 @@ class State(Generic[A, C]):
     def admissible_bytes(self, tenant: Tenant) -> int:
         """The most a commit charged to ``tenant`` would be admitted for now: what :meth:`_admit` allows."""
         held = sum(t.unmet_guarantee for t in self.tenants.values() if t is not tenant)
-        room = self.budget_bytes - self.committed_bytes - held
+        room = self.budget_bytes - self.committed_bytes - self.leased_bytes - held
         if tenant.max_bytes is not None:
             room = min(room, tenant.max_bytes - tenant.used_bytes)
         return max(0, room)
@@ -791,23 +805,160 @@ class State(Generic[A, C]):
                 requested=requested,
             )
         held = sum(t.unmet_guarantee for t in self.tenants.values() if t is not tenant)
-        if self.committed_bytes + requested + held > self.budget_bytes:
+        used = self.committed_bytes + self.leased_bytes
+        if used + requested + held > self.budget_bytes:
             extra = f", {format_bytes(held)} held for other tenants' guaranteed minimums" if held else ""
+            if self.leased_bytes:
+                extra += f", {format_bytes(self.leased_bytes)} of it leased (being asked back: retry)"
             raise OutOfBudget(
                 f"{purpose} of {format_bytes(requested)} does not fit the budget: "
-                f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(self.committed_bytes)}, "
+                f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(used)}, "
                 f"requested {format_bytes(requested)}{extra}",
                 budget=self.budget_bytes,
-                used=self.committed_bytes,
+                used=used,
                 requested=requested,
                 held=held,
             )
+
+    # leases
+
+    def _admit_taking_leases(self, buffer: Buffer[A, C], requested: int, purpose: str) -> None:
+        """:meth:`_admit`; where the owner's own lease is what stands in the way, it is released first.
+
+        Only when that makes the request fit: the client learns of it from
+        the reply (``lease_returned``), which a refusal would not carry. Where
+        other sessions' leases stand in the way they are asked back and the
+        refusal says to retry.
+        """
+        owner = buffer.owner
+        try:
+            self._admit(buffer.tenant, requested, purpose)
+            return
+        except OutOfBudget:
+            if owner is None or not owner.leased_bytes or owner.tenant is not buffer.tenant:
+                self._ask_back_leases(owner)
+                raise
+            if requested > self.admissible_bytes(buffer.tenant) + owner.leased_bytes:
+                self._ask_back_leases(owner)
+                raise
+        owner.lease_returned.extend(self._drop_lease(owner))
+        self._admit(buffer.tenant, requested, purpose)
+
+    def lease_bytes_for(self, session: Session) -> int:
+        """The most ``session`` may be leased: 0 unless it asked for leases."""
+        return self.lease_granules * self.backend.granularity if session.wants_lease else 0
+
+    def admissible_for(self, session: Session) -> int:
+        """What a commit of ``session`` would be admitted for now: its own lease counts as room (it is given up for it)."""
+        return self.admissible_bytes(session.tenant) + session.leased_bytes
+
+    def _note_demand(self, session: Session, granules: int) -> None:
+        """A commit of ``granules`` came through the daemon: the lease was short, so it grows (up to the most allowed)."""
+        if session.wants_lease and 0 < granules <= self.lease_granules:
+            session.lease_target = min(self.lease_granules, max(2 * session.lease_target, 2 * granules))
+            self.lease_due.add(session.session_id)
+
+    def top_up_lease(self, session: Session) -> list[Chunk[C]]:
+        """Create granules to bring the session's lease up to its target; the server sends them.
+
+        None while the tenant's room would drop below a 16th of the budget,
+        all leases together would pass an 8th of it, or the device is short.
+        """
+        granule = self.backend.granularity
+        wanted = session.lease_target - len(session.lease)
+        room = self.admissible_bytes(session.tenant) - self.budget_bytes // LEASE_TIGHT_DIVISOR
+        total_room = self.budget_bytes // LEASE_TOTAL_DIVISOR - self.leased_bytes
+        count = min(wanted, room // granule, total_room // granule)
+        if count <= 0 or session.revoking:
+            return []
+        if self._lease_arena is None:
+            self._lease_arena = self.backend.open_arena(granule, False)
+        created: list[Chunk[C]] = []
+        for _ in range(count):
+            try:
+                handle = self.backend.create(self._lease_arena, 0, granule)
+            except (HbmdError, OSError) as exc:
+                log.debug("lease for session %d stopped at %d granules: %s", session.session_id, len(created), exc)
+                break
+            chunk = Chunk(self._next_chunk, 0, granule, handle)
+            self._next_chunk += 1
+            session.lease[chunk.chunk_id] = chunk
+            created.append(chunk)
+        self._account(session=session, leased=len(created) * granule)
+        return created
+
+    def bind(self, session: Session, buffer_id: int, sizes: list[int], chunk_ids: list[int], offsets: list[int]) -> Buffer[A, C]:
+        """Leased granules now back the session's buffer, which grows to ``sizes``: what the client mapped.
+
+        The granules must be exactly the ones the growth needs, each a chunk
+        of the session's lease; otherwise nothing changes.
+        """
+        buffer = self._idle_buffer(session, buffer_id)
+        if buffer.shareable:
+            raise InvalidRequest(f"buffer {buffer_id} is shareable: leased granules are plain ones", buffer_id=buffer_id)
+        self._check_sizes(buffer, sizes)
+        needed = new_granules(buffer.segment_offsets, buffer.segment_sizes, sizes, self.backend.granularity)
+        if len(chunk_ids) != len(offsets) or sorted(offsets) != needed:
+            raise InvalidRequest(
+                f"buffer {buffer_id}: the growth to {sizes[:8]} needs granules at {needed[:8]}, got {sorted(offsets)[:8]}",
+                buffer_id=buffer_id,
+            )
+        if len(set(chunk_ids)) != len(chunk_ids) or not all(c in session.lease for c in chunk_ids):
+            raise InvalidRequest(f"buffer {buffer_id}: chunks {chunk_ids[:8]} are not all leased to this session")
+        placed = []
+        for chunk_id, offset in zip(chunk_ids, offsets):
+            chunk = session.lease.pop(chunk_id)
+            chunk.offset = offset
+            placed.append(chunk)
+        session.revoking.difference_update(chunk_ids)
+        buffer.chunks.extend(placed)
+        buffer.segment_sizes = list(sizes)
+        placed_bytes = sum(c.size for c in placed)
+        self._account(session=session, leased=-placed_bytes)
+        self._account(buffer, mapped=placed_bytes)
+        if placed:
+            self.lease_due.add(session.session_id)
+        return buffer
+
+    def return_lease(self, session: Session, chunk_ids: list[int]) -> list[int]:
+        """The client gave these leased chunks up; those still in its lease are released (others are ignored)."""
+        return self._drop_lease(session, [c for c in dict.fromkeys(chunk_ids) if c in session.lease])
+
+    def committed_by(self, tenant: Tenant) -> int:
+        """What ``tenant`` holds in buffers: its use less its sessions' leases."""
+        return tenant.used_bytes - sum(s.leased_bytes for s in self.sessions.values() if s.tenant is tenant)
+
+    def ask_back_all_leases(self) -> None:
+        self._ask_back_leases(None)
+
+    def _ask_back_leases(self, requester: Session | None) -> None:
+        """Budget pressure: ask every other session for its unplaced granules, and lease them none until they commit again."""
+        for session in self.sessions.values():
+            if session is not requester:
+                self.ask_back_lease(session)
+
+    def ask_back_lease(self, session: Session) -> None:
+        session.lease_target = 0
+        asked = [c for c in session.lease if c not in session.revoking]
+        if asked:
+            session.revoking.update(asked)
+            self.revokes_due.append((session, asked))
+
+    def _drop_lease(self, session: Session, chunk_ids: list[int] | None = None) -> list[int]:
+        """Release leased chunks (all by default); returns their ids."""
+        chunk_ids = list(session.lease) if chunk_ids is None else chunk_ids
+        for chunk_id in chunk_ids:
+            self._release_chunk_handle(session.lease.pop(chunk_id), self._lease_arena)
+        session.revoking.difference_update(chunk_ids)
+        self._account(session=session, leased=-len(chunk_ids) * self.backend.granularity)
+        return chunk_ids
 
     # reclaim
 
     def request_reclaim(self, session: Session, requested_bytes: int, reason: str) -> Reclaim:
         """Record a request that ``session`` give ``requested_bytes`` back; the server delivers it."""
         _check_int("bytes", requested_bytes, 1, MAX_CAPACITY)
+        self.ask_back_lease(session)
         session.reclaim = Reclaim(self._next_reclaim, requested_bytes, reason[:200])
         self._next_reclaim += 1
         self.reclaims_due.append((session, session.reclaim))
@@ -820,7 +971,10 @@ class State(Generic[A, C]):
         session.reclaim.released_bytes = released_bytes
 
     def _reclaim_for(self, tenant: Tenant, needed: int) -> None:
-        """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get."""
+        """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""
+        for session in self.sessions.values():
+            if session.tenant is not tenant:
+                self.ask_back_lease(session)
         for other in self.tenants.values():
             excess = other.used_bytes - other.guaranteed_bytes
             if other is tenant or excess <= 0:
@@ -847,8 +1001,9 @@ class State(Generic[A, C]):
     def chunk_info(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> ChunkInfo:
         return ChunkInfo(chunk.chunk_id, chunk.offset, chunk.size, self.backend.handle_offset(buffer.arena, chunk.handle))
 
-    def export(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> int:
-        return self.backend.export(buffer.arena, chunk.handle)
+    def export(self, buffer: Buffer[A, C] | None, chunk: Chunk[C]) -> int:
+        """A new FD for a buffer's chunk, or (``buffer`` None) a leased one."""
+        return self.backend.export(buffer.arena if buffer is not None else self._lease_arena, chunk.handle)
 
     # inspection
 
@@ -873,6 +1028,7 @@ class State(Generic[A, C]):
                 else -1
             ),
             reclaim_state=session.reclaim.outcome(time.monotonic(), self.reclaim_patience_s) if session.reclaim else "",
+            leased_bytes=session.leased_bytes,
         )
 
     def tenant_infos(self, uid: int | None = None) -> list[TenantInfo]:
@@ -901,12 +1057,13 @@ class State(Generic[A, C]):
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first thing that does not add up.
 
-        Committed bytes equal the sum of chunk sizes and the sum of tenant
-        usage; each buffer's chunks lie inside it, on granule boundaries,
-        never back a granule twice and back exactly its committed prefixes
-        (a preserving defragment's pending chunks likewise, on their own);
-        every buffer and session points at the other, readers included; only
-        a persistent buffer is sealed, and only a sealed one has readers.
+        Committed bytes equal the sum of chunk sizes, leased bytes the sum of
+        the sessions' leased granules, and both the sum of tenant usage; each
+        buffer's chunks lie inside it, on granule boundaries, never back a
+        granule twice and back exactly its committed prefixes (a preserving
+        defragment's pending chunks likewise, on their own); every buffer and
+        session points at the other, readers included; only a persistent
+        buffer is sealed, and only a sealed one has readers.
         """
         granule = self.backend.granularity
         chunk_ids: set[int] = set()
@@ -956,8 +1113,20 @@ class State(Generic[A, C]):
                 _require(self.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} reads a dropped buffer")
                 _require(session.session_id in buffer.readers, f"session {session.session_id} reads {buffer.buffer_id} unrecorded")
         _require(self.committed_bytes == total, f"committed {self.committed_bytes} != {total} in chunks")
+        leased = 0
+        for session in self.sessions.values():
+            where = f"session {session.session_id} lease"
+            for chunk_id, chunk in session.lease.items():
+                _require(chunk_id == chunk.chunk_id and chunk_id not in chunk_ids, f"{where}: chunk {chunk_id} used twice")
+                chunk_ids.add(chunk_id)
+                _require(chunk.live and chunk.size == granule, f"{where}: chunk {chunk_id} is not a live granule")
+            _require(session.leased_bytes == granule * len(session.lease), f"{where}: {session.leased_bytes} bytes")
+            _require(session.revoking <= set(session.lease), f"{where}: asked back for chunks it does not hold")
+            _require(session.wants_lease or not session.lease, f"{where}: leased without asking")
+            leased += session.leased_bytes
+        _require(self.leased_bytes == leased, f"leased {self.leased_bytes} != {leased} in sessions' leases")
         used = sum(t.used_bytes for t in self.tenants.values())
-        _require(self.committed_bytes == used, f"committed {self.committed_bytes} != {used} used by tenants")
+        _require(self.committed_bytes + leased == used, f"committed {self.committed_bytes} + leased {leased} != {used} used by tenants")
         holders: dict[str, int] = {}
         for holder in (*self.sessions.values(), *self.buffers.values()):
             _require(self.tenants.get(holder.tenant.name) is holder.tenant, f"tenant {holder.tenant.name!r} was forgotten")
@@ -969,27 +1138,39 @@ class State(Generic[A, C]):
     # internals
 
     def _release_chunk(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> None:
+        self._release_chunk_handle(chunk, buffer.arena)
+
+    def _release_chunk_handle(self, chunk: Chunk[C], arena: A) -> None:
         chunk.live = False
         try:
-            self.backend.release(buffer.arena, chunk.handle)
+            self.backend.release(arena, chunk.handle)
         except (HbmdError, OSError):
             # The memory is lost to this process until exit, but the state stays consistent.
-            log.exception("releasing chunk %d of buffer %d failed", chunk.chunk_id, buffer.buffer_id)
+            log.exception("releasing chunk %d failed", chunk.chunk_id)
 
     def _mark_changed(self, buffer: Buffer[A, C]) -> None:
         if buffer.persistent and self.changed is not None:
             self.changed.add(buffer.buffer_id)
 
-    def _account(self, buffer: Buffer[A, C], mapped: int = 0, pending: int = 0) -> None:
-        """The one place committed bytes change: a buffer's mapped and pending chunks, its tenant's, the instance's.
+    def _account(
+        self, buffer: Buffer[A, C] | None = None, mapped: int = 0, pending: int = 0, *, session: Session | None = None,
+        leased: int = 0,
+    ) -> None:
+        """The one place committed and leased bytes change: a buffer's mapped and pending chunks or a session's
+        lease, the tenant's use, the instance's totals.
 
         A session's committed bytes are those of its buffers.
         """
-        buffer.physical_bytes += mapped
-        buffer.pending_bytes += pending
-        self.committed_bytes += mapped + pending
-        buffer.tenant.used_bytes += mapped + pending
-        self._mark_changed(buffer)
+        if buffer is not None:
+            buffer.physical_bytes += mapped
+            buffer.pending_bytes += pending
+            self.committed_bytes += mapped + pending
+            buffer.tenant.used_bytes += mapped + pending
+            self._mark_changed(buffer)
+        if session is not None:
+            session.leased_bytes += leased
+            self.leased_bytes += leased
+            session.tenant.used_bytes += leased
 
     def _drop_mapped(self, buffer: Buffer[A, C]) -> int:
         """Release the buffer's (mapped) chunks; returns their bytes."""

@@ -74,7 +74,19 @@ from .errors import (
     TensorUnusable,
     VersionMismatch,
 )
-from .session import Ack, FdBatch, Hello, ReclaimDone, ReclaimRequest, Refused, Welcome
+from .session import (
+    Ack,
+    FdBatch,
+    Hello,
+    LeaseBind,
+    LeaseGrant,
+    LeaseReturn,
+    LeaseRevoke,
+    ReclaimDone,
+    ReclaimRequest,
+    Refused,
+    Welcome,
+)
 
 MAX_FDS_PER_DATAGRAM = 250
 """At most this many FDs ride in one ``SCM_RIGHTS`` datagram (the kernel's SCM_MAX_FD is 253)."""

@@ -52,6 +52,8 @@ class StatusReply(Message):
     others' guaranteed minimums all counted (1.1; -1 from older daemons)."""
     tenants_left_out: int = 0
     """Tenants not listed in ``tenants`` (1.2)."""
+    leased_bytes: int = 0
+    """Granules leased to sessions and not placed yet (1.3): charged to their tenants, not part of ``committed_bytes``."""
 
 
 @message("admin.status")
@@ -76,6 +78,8 @@ class SessionInfo:
     reclaim_released_bytes: int = -1
     reclaim_state: str = ""
     """Of the last reclaim request: "" (none), "pending", "answered" or "ignored"."""
+    leased_bytes: int = 0
+    """Granules leased to the session and not placed yet (1.3)."""
 
 
 @message("admin.session_list")

@@ -52,6 +52,8 @@ class BufferInfo:
     """Immutable, readable by several sessions at once (1.2)."""
     readers: int = 0
     """Sessions holding a read-only attach of this sealed buffer (1.2)."""
+    shareable: bool = False
+    """Backed by RDMA-capable chunks where the device has them (1.3): such a buffer grows through the daemon, never from a lease."""
 
 
 @message("buffer.created")
@@ -69,6 +71,8 @@ class Committed(Message):
     buffer: BufferInfo
     chunks: list[ChunkInfo]
     fd_batches: int
+    lease_returned: list[int] = dataclasses.field(default_factory=list)
+    """Leased chunks of this session the daemon released to make room for the request (1.3): the client drops them."""
 
 
 @message("buffer.released")

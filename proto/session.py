@@ -18,7 +18,8 @@ class Hello(Message):
     ``client_name`` labels the session in ``hbmctl``; ``tenant`` is the
     client-declared tenant name used for quotas (empty: keyed by uid).
     ``observer`` marks a tool that only looks (``hbmctl``): it holds no
-    memory and is not counted or listed among the sessions.
+    memory and is not counted or listed among the sessions. ``lease``
+    (1.3): the client places leased granules itself (see :class:`LeaseGrant`).
     """
 
     version: list[int]
@@ -26,6 +27,7 @@ class Hello(Message):
     client_name: str = ""
     tenant: str = ""
     observer: bool = False
+    lease: bool = False
 
 
 @message("session.welcome")
@@ -46,6 +48,8 @@ class Welcome(Message):
     daemon_version: str
     device_uuid: str = ""
     device_index: int = -1
+    lease_bytes: int = 0
+    """The most this session may be leased (1.3); 0: no leases (the daemon's ``--lease 0``, or not asked for)."""
 
 
 @message("session.refused")
@@ -96,3 +100,52 @@ class ReclaimDone(Request[Ack]):
 
     reclaim_id: int
     released_bytes: int
+
+
+# Leases (1.3): granules created and exported ahead of need, placed by the client itself.
+
+
+@message("session.lease_grant")
+class LeaseGrant(Message):
+    """Daemon → client on the handle plane, with one FD per chunk (``SCM_RIGHTS``): granules leased to the session.
+
+    Each is one granule, charged to the session's tenant from now on. The
+    client places them in its buffers itself and tells the daemon with
+    :class:`LeaseBind`; until then they are the session's lease, shown apart
+    from committed bytes, and go back when the session ends.
+    """
+
+    chunk_ids: list[int]
+    size: int
+
+
+@message("session.lease_revoke")
+class LeaseRevoke(Message):
+    """Daemon → client: give back the leased ``chunk_ids`` not placed yet (:class:`LeaseReturn`); budget pressure."""
+
+    chunk_ids: list[int]
+
+
+@message("session.lease_bind")
+class LeaseBind(Message):
+    """Client → daemon on the handle plane: leased granules now back a buffer.
+
+    The segments of ``buffer_id`` grow to ``sizes`` (as a commit would), and
+    the granule at ``offsets[i]`` is the leased chunk ``chunk_ids[i]``: one per
+    granule the growth needs, exactly. The client sends this before it maps
+    the granules and the daemon reads every such datagram before it answers
+    another request of the session or ends it, so the daemon's record of the
+    buffer is never behind what the client mapped.
+    """
+
+    buffer_id: int
+    sizes: list[int]
+    chunk_ids: list[int]
+    offsets: list[int]
+
+
+@message("session.lease_return")
+class LeaseReturn(Message):
+    """Client → daemon: these leased chunks are not placed and will not be; the daemon releases them."""
+
+    chunk_ids: list[int]

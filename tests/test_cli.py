@@ -22,7 +22,7 @@ def test_json_numbers_match_what_clients_committed(daemon, spawn_worker):
         """
         import sys
         from hbmd.client import ExtensibleTensor, connect
-        c = connect("cpu", client_name="engine-a")
+        c = connect("cpu", client_name="engine-a", lease=False)  # one chunk per commit; leases: test_leases.py
         k = ExtensibleTensor(64 << 20, "cpu", num_segments=2, client=c, name="kv")
         k.resize_per_segment_(5 << 20)
         s = ExtensibleTensor(16 << 20, "cpu", client=c)
@@ -57,7 +57,8 @@ def test_json_numbers_match_what_clients_committed(daemon, spawn_worker):
     assert worker.wait() == 0
 
 
-def test_tables_use_binary_units(daemon, client):
+def test_tables_use_binary_units(daemon):
+    client = daemon.connect(client_name="test", lease=False)  # so that the budget left is 256 - 10 MiB
     t = ExtensibleTensor(64 * MiB, "cpu", client=client)
     t.resize_(10 * MiB)
     rd = str(daemon.run_dir)

@@ -486,11 +486,12 @@ def test_a_cuda_map_that_fails_midway_is_repaired_and_a_failed_attach_keeps_the_
         fail: set[int] = set()
         maps = 0
 
-        def map(self, address, chunk, fd, *args, **kwargs):
+        def map_prepared(self, address, chunk, prepared, *args, **kwargs):
+            # Every map goes through here: a chunk the daemon sent and a leased granule alike.
             self.maps += 1
             if self.maps in self.fail:
                 raise DriverError("injected: cuMemMap failed", function="cuMemMap", result="CUDA_ERROR_OUT_OF_MEMORY")
-            super().map(address, chunk, fd, *args, **kwargs)
+            super().map_prepared(address, chunk, prepared, *args, **kwargs)
 
     torch.zeros(1, device="cuda")
     uuid = driver.device_uuid(0)

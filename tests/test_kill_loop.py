@@ -2,12 +2,14 @@
 is lost, and no chunk, FD or session is left behind.
 
 Each round a worker attaches the persistent buffer ``kv`` (two segments),
-grows it, writes a known pattern into what it committed, defragments it
+grows it (mostly onto leased granules, placed without a round trip), writes
+a known pattern into what it committed and reports the size, defragments it
 keeping the data, and grows and discards-defragments a scratch buffer of its
 own, until it is killed after a random delay. The test then attaches ``kv``
-and checks every byte: what an earlier round confirmed is intact, and what
-the dead worker committed holds the pattern or zeros (a write the kill cut
-short), never anything else. ``HBMD_KILL_ROUNDS`` sets the number of rounds.
+and checks every byte: what an earlier round confirmed and what the dead
+worker reported is intact, and the rest of what it committed holds the
+pattern or zeros (a write the kill cut short), never anything else.
+``HBMD_KILL_ROUNDS`` sets the number of rounds.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ PAGE = 4096
 
 WORKER = textwrap.dedent(
     """
-    import ctypes, random, sys
+    import ctypes, random, sys, time
     from hbmd.client import ExtensibleTensor, NotFound, connect
 
     def page_value(segment, offset):
@@ -56,9 +58,15 @@ WORKER = textwrap.dedent(
         choice = rng.random()
         if choice < 0.5 and kv.segment_sizes[0] < SEGMENT:
             old = kv.segment_sizes[0]
+            deadline = time.monotonic() + 0.05
+            while client.leased_granules < 2 and time.monotonic() < deadline and rng.random() < 0.9:
+                time.sleep(0.002)  # mostly let the lease catch up: most commits then place leased granules
+            sent = client.requests_sent
             kv.resize_per_segment_(old + (2 << 20))
             for segment in (0, 1):
                 write(kv, segment, old, old + (2 << 20))
+            # Written and reported after the commit returned: the daemon must have it whatever comes next.
+            print("committed", kv.segment_sizes[0], int(client.requests_sent == sent), flush=True)
         elif choice < 0.75:
             kv.defragment(preserve=True)
         elif scratch.num_bytes < (16 << 20):
@@ -104,7 +112,7 @@ def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, c
     confirmed = [0, 0]
     client.status()  # the daemon opens /proc/meminfo once, at the first status
     fds_before = daemon.open_fds()
-    pages_checked = pages_cut = 0
+    pages_checked = pages_cut = commits = leased = 0
     started = time.monotonic()
     for round_number in range(ROUNDS):
         worker = subprocess.Popen(
@@ -121,6 +129,8 @@ def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, c
             worker.send_signal(signal.SIGKILL)
             status = worker.wait(10)
             errors = worker.stderr.read()
+            # Each report is one write of a short line: whole, or (killed in the print) not there at all.
+            reports = [line.split() for line in worker.stdout.read().splitlines() if line.startswith("committed ")]
             worker.stdout.close()
             worker.stderr.close()
         assert status == -signal.SIGKILL, f"round {round_number}: the worker died of its own: {errors[-2000:]}"
@@ -129,6 +139,12 @@ def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, c
         ) else None
         if kv is None:  # killed before it created the buffer
             continue
+        if reports:
+            reported = int(reports[-1][1])
+            assert kv.segment_sizes[0] >= reported, f"round {round_number}: commits that returned were lost"
+            confirmed = [max(c, reported) for c in confirmed]
+            commits += len(reports)
+            leased += sum(int(r[2]) for r in reports)
         intact, cut = check(kv, confirmed)
         pages_checked += intact + cut
         pages_cut += cut
@@ -147,7 +163,9 @@ def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, c
     client.delete("kv")
     wait_until(lambda: daemon.open_fds() == fds_before, timeout=10)
     assert client.status().committed_bytes == 0
+    assert leased >= commits // 3, f"only {leased} of {commits} commits came from the lease"
     print(
-        f"\nkill loop: rounds={ROUNDS}, pages checked={pages_checked}, pages cut short by the kill={pages_cut}, "
-        f"bytes lost=0, leaked sessions=0, leaked FDs=0, {time.monotonic() - started:.1f}s"
+        f"\nkill loop: rounds={ROUNDS}, commits reported={commits} ({leased} from the lease), pages checked="
+        f"{pages_checked}, pages cut short by the kill={pages_cut}, bytes lost=0, leaked sessions=0, leaked FDs=0, "
+        f"{time.monotonic() - started:.1f}s"
     )

@@ -45,8 +45,9 @@ def test_metrics_match_what_clients_committed(start_daemon):
     port = free_port()
     daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}", "--metrics-sessions")
     assert f"metrics http://127.0.0.1:{port}/metrics" in daemon.log().splitlines()[0]
-    a = daemon.connect(client_name="engine-a", tenant="team-a")
-    b = daemon.connect(client_name="engine-b")
+    # Without leases: every commit is then one request and one chunk per run (leased bytes: test_leases.py).
+    a = daemon.connect(client_name="engine-a", tenant="team-a", lease=False)
+    b = daemon.connect(client_name="engine-b", lease=False)
     ta = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=a)
     ta.resize_per_segment_(5 * MiB)  # 6 MiB per segment: 12 MiB, two chunks
     tb = ExtensibleTensor(128 * MiB, "cpu", client=b)
@@ -89,7 +90,7 @@ def test_a_busy_metrics_port_is_a_clear_startup_error(run_dir):
 def test_defaults_follow_prometheus_conventions(start_daemon):
     port = free_port()
     daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
-    worker = daemon.connect(client_name="engine")
+    worker = daemon.connect(client_name="engine", lease=False)
     ExtensibleTensor(16 * MiB, "cpu", client=worker).resize_(4 * MiB)
     samples = scrape(port)
     names = {name for name, _ in samples}

@@ -37,6 +37,13 @@ pytestmark = pytest.mark.ipc
 NOBODY = 65534
 
 
+@pytest.fixture
+def start_daemon(start_daemon):
+    """Daemons without leases: these tests count the daemon's descriptors exactly, and each leased granule is a
+    memfd the daemon holds (hostile placements and the descriptors of leases: test_leases.py)."""
+    return lambda *args, **launch: start_daemon(*args, "--lease", "0", **launch)
+
+
 def as_root_only(reason: str) -> None:
     if os.getuid() != 0:
         pytest.skip(f"needs root to act as a second uid: {reason}")
@@ -636,6 +643,8 @@ def test_a_user_sees_only_its_own_tenants_and_cannot_tell_others_buffer_ids(nobo
         ([], b"access = 5\n", "access must be a table"),
         ([], b"\xff\xfe = 1\n", "not UTF-8"),
         (["--max-sessions-per-uid", "0"], None, "not a positive number"),
+        (["--lease", "3MiB"], None, "whole number of 2.0 MiB granules"),
+        (["--lease", "lots"], None, "--lease: bad size"),
     ],
 )
 def test_bad_options_are_one_line_usage_errors(run_dir, args, config, message):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 from hbmd.daemon.backends.host import HostBackend
-from hbmd.daemon.state import State, backed_runs, merge_runs, subtract_runs
+from hbmd.daemon.state import State
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -14,6 +14,7 @@ from hbmd.proto.errors import (
     OutOfBudget,
     OutOfDeviceMemory,
 )
+from hbmd.proto.runs import backed_runs, merge_runs, subtract_runs
 from helpers import GRANULE, MiB
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,8 @@
 
 A hypothesis state machine drives :class:`State` as sessions would (open,
 create, commit, release, defragment both ways, finish, attach, detach, delete,
-free, close, seal, read-only attach and its detach) over a backend that fails on demand in ``create`` and ``export``,
+free, close, seal, read-only attach and its detach, leases topped up, placed,
+returned and asked back) over a backend that fails on demand in ``create`` and ``export``,
 and checks :meth:`State.check_invariants` after every step, plus two promises of
 its own: a refused request changes nothing, and no chunk the backend made is
 leaked or released twice.
@@ -15,6 +16,7 @@ import itertools
 
 import pytest
 from hbmd.daemon.state import State
+from hbmd.proto.runs import new_granules
 from hbmd.proto.errors import HbmdError, InternalError, OutOfDeviceMemory
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -102,6 +104,8 @@ def snapshot(state: State) -> tuple:
             for b in state.buffers.values()
         },
         sorted(state.sessions),
+        state.leased_bytes,
+        {s.session_id: (sorted(s.lease), sorted(s.revoking)) for s in state.sessions.values()},
     )
 
 
@@ -109,7 +113,8 @@ class StateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.backend = FlakyBackend()
-        self.state = State(self.backend, BUDGET)
+        # Leases of up to 4 granules; none granted while a tenant's room is under a 16th of the budget.
+        self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE)
         self.uids = itertools.cycle([1000, 1001])
         self.names = itertools.count()
         self.frozen: dict[int, tuple[list[int], list[int]]] = {}
@@ -136,9 +141,9 @@ class StateMachine(RuleBasedStateMachine):
 
     # rules
 
-    @rule(tenant=st.sampled_from(["", "team-a"]))
-    def open_session(self, tenant):
-        self.state.open_session(4242, next(self.uids), 100, "worker", tenant)
+    @rule(tenant=st.sampled_from(["", "team-a"]), lease=st.booleans())
+    def open_session(self, tenant, lease):
+        self.state.open_session(4242, next(self.uids), 100, "worker", tenant, lease=lease)
 
     @precondition(lambda self: self.state.sessions)
     @rule(data=st.data())
@@ -251,6 +256,42 @@ class StateMachine(RuleBasedStateMachine):
         buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
         self.attempt(self.state.detach_reader, session, buffer.buffer_id)
 
+    @precondition(lambda self: self.state.sessions)
+    @rule(data=st.data(), granules=st.integers(1, 3), fail_after=st.none() | st.integers(0, 2))
+    def top_up_lease(self, data, granules, fail_after):
+        session = self.session(data)
+        self.state._note_demand(session, granules)
+        self.backend.fail_create_in = fail_after
+        self.state.top_up_lease(session)
+        self.backend.fail_create_in = None
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), fraction=st.floats(0, 1), honest=st.integers(0, 3))
+    def place_leased_granules(self, data, fraction, honest):
+        """What a client sends after mapping leased granules: mostly the right ones, sometimes anything."""
+        buffer = self.owned(data)
+        session = buffer.owner
+        sizes = [old + int((capacity - old) * fraction) for old, capacity in zip(buffer.segment_sizes, buffer.segment_capacities)]
+        offsets = new_granules(buffer.segment_offsets, buffer.segment_sizes, sizes, GRANULE)
+        chunk_ids = sorted(session.lease)[: len(offsets)]
+        if not honest:
+            offsets = data.draw(st.lists(st.integers(-1, 16).map(lambda g: g * GRANULE), max_size=4))
+            chunk_ids = data.draw(st.lists(st.integers(0, 200), min_size=len(offsets), max_size=len(offsets)))
+            sizes = data.draw(st.lists(st.integers(-1, 8 * GRANULE), min_size=buffer.num_segments, max_size=buffer.num_segments))
+        self.attempt(self.state.bind, session, buffer.buffer_id, sizes, chunk_ids, offsets)
+
+    @precondition(lambda self: any(s.lease for s in self.state.sessions.values()))
+    @rule(data=st.data())
+    def return_lease(self, data):
+        session = data.draw(st.sampled_from(sorted((s for s in self.state.sessions.values() if s.lease), key=lambda s: s.session_id)))
+        returned = data.draw(st.lists(st.sampled_from(sorted(session.lease) + [0, 10**9]), max_size=4))
+        self.state.return_lease(session, returned)
+
+    @precondition(lambda self: self.state.sessions)
+    @rule(data=st.data())
+    def ask_back_lease(self, data):
+        self.state.ask_back_lease(self.session(data))
+
     @invariant()
     def a_sealed_buffer_stays_as_sealed(self):
         # Immutable: its chunks and committed sizes are what they were when it was sealed, until it is dropped.
@@ -286,12 +327,14 @@ class StateMachine(RuleBasedStateMachine):
     @invariant()
     def every_chunk_the_backend_holds_is_in_the_state(self):
         held = {c.handle for b in self.state.buffers.values() for c in (*b.chunks, *b.pending)}
+        held |= {c.handle for s in self.state.sessions.values() for c in s.lease.values()}
         assert held == self.backend.live
-        assert {b.arena for b in self.state.buffers.values()} == self.backend.arenas
+        lease_arena = {self.state._lease_arena} - {None}
+        assert {b.arena for b in self.state.buffers.values()} | lease_arena == self.backend.arenas
 
     @invariant()
     def the_budget_holds(self):
-        assert self.state.committed_bytes <= BUDGET
+        assert self.state.committed_bytes + self.state.leased_bytes <= BUDGET
 
 
 StateMachine.TestCase.settings = settings(

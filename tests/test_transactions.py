@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from hbmd.client import Conflict, ExtensibleTensor, TensorUnusable
 from hbmd.client.host import HostMapper
-from helpers import GRANULE, MiB
+from helpers import GRANULE, MiB, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.ipc
 
 
 class FlakyMapper(HostMapper):
-    """The host mapper, with ``reserve`` and ``map`` failing on the calls named (1-based, counted from arming)."""
+    """The host mapper, with ``reserve`` and mapping failing on the calls named (1-based, counted from arming)."""
 
     def __init__(self, granularity: int) -> None:
         super().__init__(granularity)
@@ -41,11 +41,12 @@ class FlakyMapper(HostMapper):
             raise OSError(12, "injected: cannot reserve address space")
         return super().reserve(size)
 
-    def map(self, address, chunk, fd, readonly=False) -> None:
+    def map_prepared(self, address, chunk, prepared, readonly=False) -> None:
+        # Every map goes through here: a chunk the daemon sent and a leased granule alike.
         self.maps += 1
         if self.maps in self.fail_map:
             raise OSError(12, "injected: cannot map")
-        super().map(address, chunk, fd, readonly)
+        super().map_prepared(address, chunk, prepared, readonly)
 
 
 @pytest.fixture
@@ -89,6 +90,22 @@ def test_a_map_that_fails_midway_through_a_commit_is_repaired_and_the_commit_com
     agree(client, t)
     assert int(t.full_view()[: 2 * MiB].float().mean()) == 3
     t.resize_per_segment_(4 * MiB)  # the same size again: nothing left to map
+
+
+def test_a_leased_granule_that_fails_to_map_is_repaired_from_the_daemons_record(flaky):
+    client, mapper = flaky
+    t = ExtensibleTensor(32 * MiB, "cpu", num_segments=2, client=client)
+    t.resize_per_segment_(2 * MiB)
+    t.full_view()[: 2 * MiB].fill_(5)
+    wait_until(lambda: client.leased_granules >= 2)
+    sent = client.requests_sent
+    mapper.arm(map={2})  # the second of the two leased granules
+    t.resize_per_segment_(4 * MiB)
+    assert client.requests_sent == sent + 1  # no commit request: only the Remap that repaired the mapping
+    assert t.segment_sizes == [4 * MiB] * 2
+    agree(client, t)
+    t.full_view()[16 * MiB : 20 * MiB].fill_(6)  # every granule the daemon recorded is mapped
+    assert int(t.full_view()[: 2 * MiB].float().mean()) == 5
 
 
 def test_when_the_repair_fails_too_the_tensor_says_it_is_unusable(flaky):

@@ -1,0 +1,255 @@
+"""Leased granules on a real daemon: commits without a round trip, accounted at grant time, given back under
+pressure and at the session's end, and a daemon that stays whole whatever a client says it placed.
+
+The kill loop (``test_kill_loop.py``) checks the other half of the promise: a persistent buffer grown from
+leases and re-attached after a SIGKILL holds every granule whose commit returned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import pytest
+from hbmd import proto
+from hbmd.client import ExtensibleTensor, OutOfBudget
+from helpers import GRANULE, MiB, hbmctl, wait_until
+
+pytestmark = pytest.mark.ipc
+
+
+def leased_at_least(client, granules: int) -> None:
+    """Wait until the client holds ``granules`` imported leased granules."""
+    wait_until(lambda: client.leased_granules >= granules, timeout=10)
+
+
+def daemon_view(client, tensor) -> proto.BufferInfo:
+    (info,) = [b for b in client.buffers() if b.buffer_id == tensor.buffer_id]
+    return info
+
+
+def test_once_leased_small_commits_take_no_round_trip_and_the_daemon_records_them(daemon, client):
+    t = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client, name="kv", persistent=True)
+    t.resize_per_segment_(GRANULE)  # through the daemon: the lease starts growing from this demand
+    leased_at_least(client, 4)
+    sent = client.requests_sent
+    for step in (2, 3):
+        t.resize_per_segment_(step * GRANULE)
+        t.segment_view(0)[-GRANULE:] = step
+        t.segment_view(1)[-GRANULE:] = 10 + step
+    assert client.requests_sent == sent, "a commit the lease covered went to the daemon"
+    info = daemon_view(client, t)
+    assert info.segment_sizes == t.segment_sizes == [3 * GRANULE] * 2
+    assert info.physical_bytes == t.physical_bytes == 6 * GRANULE and info.num_chunks == t.num_chunks == 6
+    # Anyone asking right after the commits returned sees them: the daemon reads placements before it answers.
+    status = client.status()
+    assert status.committed_bytes == 6 * GRANULE and status.leased_bytes >= 2 * GRANULE
+    t.detach()
+    again = ExtensibleTensor.attach("kv", "cpu", client=client)
+    assert [int(again.segment_view(0)[(s - 1) * GRANULE]) for s in (2, 3)] == [2, 3]
+    assert [int(again.segment_view(1)[(s - 1) * GRANULE]) for s in (2, 3)] == [12, 13]
+
+
+def test_growth_inside_backed_granules_and_uneven_segments_place_exactly_what_is_needed(daemon, client):
+    # Segments of 3 MiB: the granule at 2-4 MiB straddles both, so growing segment 0 past 2 MiB backs part of 1.
+    t = ExtensibleTensor(6 * MiB, "cpu", segment_capacities=[3 * MiB, 3 * MiB], client=client)
+    t.resize_segments_([MiB, 0])
+    leased_at_least(client, 2)
+    sent = client.requests_sent
+    t.resize_segments_([MiB + 4096, 0])  # inside the granule already backed: a placement of nothing
+    t.resize_segments_([3 * MiB, 2 * MiB])  # two more granules, one shared by both segments
+    assert client.requests_sent == sent
+    info = daemon_view(client, t)
+    assert info.segment_sizes == t.segment_sizes == [3 * MiB, 2 * MiB]
+    assert info.physical_bytes == t.physical_bytes == 6 * MiB
+    t.full_view()[: 5 * MiB] = 9  # every committed byte is mapped
+    assert int(t.full_view()[: 5 * MiB].sum()) == 9 * 5 * MiB
+
+
+def test_leased_bytes_are_charged_at_grant_shown_apart_and_returned_when_the_session_ends(daemon, client):
+    worker = daemon.connect(client_name="engine")
+    t = ExtensibleTensor(64 * MiB, "cpu", client=worker)
+    t.resize_(GRANULE)
+    leased_at_least(worker, 2)
+    status = client.status()
+    leased = status.leased_bytes
+    assert leased >= 2 * GRANULE and status.committed_bytes == GRANULE
+    (tenant,) = status.tenants
+    assert tenant.used_bytes == GRANULE + leased  # the tenant's limits count the lease
+    assert status.admissible_bytes == status.budget_bytes - GRANULE - leased
+    (session,) = [s for s in client.sessions() if s.session_id == worker.session_id]
+    assert session.leased_bytes == leased and session.committed_bytes == GRANULE
+    shown = json.loads(hbmctl("--run-dir", str(daemon.run_dir), "--json", "status").stdout)
+    assert shown["leased_bytes"] == leased and shown["budget_left_bytes"] == 256 * MiB - GRANULE - leased
+    assert "LEASED" in hbmctl("--run-dir", str(daemon.run_dir), "sessions").stdout
+    worker.close()
+    wait_until(lambda: client.status().leased_bytes == 0 and client.status().committed_bytes == 0)
+
+
+@pytest.mark.parametrize("lease_option, lease", [("0", True), ("64MiB", False)])
+def test_a_daemon_with_leases_off_or_a_client_without_commits_through_the_daemon(start_daemon, lease_option, lease):
+    daemon = start_daemon("--budget", "256MiB", "--lease", lease_option)
+    with daemon.connect(lease=lease) as client:
+        assert client.welcome.lease_bytes == 0
+        t = ExtensibleTensor(16 * MiB, "cpu", client=client)
+        for size in (1, 2, 3):
+            sent = client.requests_sent
+            t.resize_(size * GRANULE)
+            assert client.requests_sent == sent + 1
+        assert client.status().leased_bytes == 0 and t.num_chunks == 3
+
+
+def test_a_lease_is_never_granted_into_a_tight_budget(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")  # no grant may leave a tenant's room under 4 MiB, a 16th
+    with daemon.connect() as client:
+        t = ExtensibleTensor(64 * MiB, "cpu", client=client)
+        most_leased = 0
+        for size in range(1, 31):
+            t.resize_(size * GRANULE)
+            status = client.status()
+            most_leased = max(most_leased, status.leased_bytes)
+            assert status.committed_bytes + status.leased_bytes <= max(60 * MiB, status.committed_bytes)
+        assert most_leased > 0  # it was leased while there was room
+        status = client.status()
+        assert status.committed_bytes == 60 * MiB and status.leased_bytes == 0
+
+
+def test_another_sessions_commit_asks_leases_back_and_succeeds_on_retry(daemon, client):
+    holder = daemon.connect(client_name="holder")
+    ExtensibleTensor(64 * MiB, "cpu", client=holder).resize_(4 * GRANULE)
+    leased_at_least(holder, 4)
+    leased = client.status().leased_bytes
+    big = ExtensibleTensor(256 * MiB, "cpu", client=client, shareable=True)  # shareable: never from a lease
+    room = client.status().budget_bytes - 4 * GRANULE
+    with pytest.raises(OutOfBudget, match="leased"):
+        big.resize_(room)
+    # The holder's listener gave its unplaced granules back; the commit now fits.
+    wait_until(lambda: client.status().leased_bytes == 0)
+    big.resize_(room)
+    assert holder.leased_granules == 0 and client.status().committed_bytes == 256 * MiB
+    assert leased > 0
+    holder.close()
+
+
+def test_a_sessions_own_lease_makes_room_for_its_own_commit(daemon, client):
+    t = ExtensibleTensor(256 * MiB, "cpu", client=client)
+    t.resize_(GRANULE)
+    leased_at_least(client, 2)
+    room = client.device_memory().budget_left  # counts this session's own lease as room
+    assert room == 256 * MiB - GRANULE
+    t.resize_(256 * MiB)  # more than the lease covers: through the daemon, which releases the lease for it
+    assert client.leased_granules == 0 and client.status().leased_bytes == 0
+    assert daemon_view(client, t).physical_bytes == 256 * MiB
+
+
+def test_hbmctl_reclaim_takes_the_lease_back_first(daemon, client):
+    worker = daemon.connect(client_name="engine")
+    ExtensibleTensor(64 * MiB, "cpu", client=worker).resize_(2 * GRANULE)
+    leased_at_least(worker, 2)
+    out = hbmctl("--run-dir", str(daemon.run_dir), "reclaim", "--session", str(worker.session_id), "--bytes", "8MiB")
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: client.status().leased_bytes == 0)
+    assert worker.leased_granules == 0
+    worker.close()
+
+
+def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
+    """Hostile or stale placements on the handle socket: refused one by one, the daemon's books whole."""
+    t = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
+    t.resize_per_segment_(GRANULE)
+    leased_at_least(client, 2)
+    other = daemon.connect(client_name="other")
+    theirs = ExtensibleTensor(16 * MiB, "cpu", client=other)
+    before = (daemon_view(client, t), client.status().leased_bytes)
+    sock = client._handles.sock
+    bad = [
+        proto.LeaseBind(t.buffer_id, [2 * GRANULE] * 2, [10**9, 10**9 + 1], [GRANULE, 5 * GRANULE]),  # not leased
+        proto.LeaseBind(t.buffer_id, [2 * GRANULE] * 2, [1], [GRANULE]),  # too few granules
+        proto.LeaseBind(t.buffer_id, [GRANULE] * 2, [], []),  # the same sizes: allowed, a no-op
+        proto.LeaseBind(t.buffer_id, [GRANULE, 0], [], []),  # shrinking
+        proto.LeaseBind(t.buffer_id, [64 * MiB] * 2, [], []),  # beyond the capacity
+        proto.LeaseBind(theirs.buffer_id, [GRANULE], [], []),  # another session's buffer
+        proto.LeaseBind(t.buffer_id, [2 * GRANULE], [], []),  # one size for two segments
+        proto.LeaseReturn([10**9, -1, 0]),  # nothing of it is leased
+    ]
+    for msg in bad:
+        sock.send(proto.encode_datagram(msg))
+    sock.send(b"\x93garbage")
+    sock.send(proto.encode_datagram(proto.Status()))  # a request kind on the handle plane: ignored
+    assert (daemon_view(client, t), client.status().leased_bytes) == before
+    assert "refused" in daemon.log()
+    t.resize_per_segment_(3 * GRANULE)  # the session and its lease still work
+    assert daemon_view(client, t).segment_sizes == [3 * GRANULE] * 2
+    other.close()
+
+
+def test_a_session_that_dies_with_placements_unread_keeps_them(daemon, client, spawn_worker):
+    """The worker's placements reach the daemon's socket before its commits return, and the daemon reads them
+    before it ends the session, however fast the death."""
+    worker = spawn_worker(
+        daemon,
+        """
+        import ctypes, os, signal, time
+        from hbmd.client import ExtensibleTensor, connect
+        c = connect("cpu", client_name="dies")
+        t = ExtensibleTensor(64 << 20, "cpu", client=c, name="kv", persistent=True)
+        t.resize_per_segment_(2 << 20)
+        sent = c.requests_sent
+        for step in range(2, 10):
+            while not c.leased_granules:
+                time.sleep(0.001)
+            t.resize_per_segment_(step << 21)
+            ctypes.memset(t.base_ptr + ((step - 1) << 21), step, 2 << 20)
+        assert c.requests_sent == sent  # every one of them from the lease
+        os.kill(os.getpid(), signal.SIGKILL)
+        """,
+    )
+    worker.wait()
+    wait_until(lambda: client.status().num_sessions == 1)
+    t = ExtensibleTensor.attach("kv", "cpu", client=client)
+    assert t.num_bytes == 18 * MiB
+    assert [ctypes.string_at(t.base_ptr + (step - 1) * GRANULE, 1)[0] for step in range(2, 10)] == list(range(2, 10))
+
+
+def test_leased_granules_are_parked_across_a_restart(start_daemon, spawn_worker, run_dir, systemd):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    env = {"NOTIFY_SOCKET": str(systemd.path)}
+    first = start_daemon("--budget", "256MiB", "--state-dir", str(state_dir), env=env)
+    wait_until(lambda: systemd.saw("READY=1"))
+    writer = spawn_worker(
+        first,
+        """
+        import time
+        from hbmd.client import ExtensibleTensor, connect
+        c = connect("cpu")
+        t = ExtensibleTensor(32 << 20, "cpu", client=c, name="kv", persistent=True)
+        t.resize_per_segment_(2 << 20)
+        sent = c.requests_sent
+        for step in range(2, 6):
+            while not c.leased_granules:
+                time.sleep(0.001)
+            t.resize_per_segment_(step << 21)
+            t.full_view()[(step - 1) << 21 : step << 21] = step
+        assert c.requests_sent == sent  # every one of them from the lease
+        print(t.num_chunks, flush=True)
+        """,
+    )
+    chunks = int(writer.readline())
+    assert writer.wait() == 0 and chunks == 5
+    wait_until(lambda: len(systemd.names()) == chunks)
+    first.stop()
+    second = start_daemon("--budget", "256MiB", "--state-dir", str(state_dir), **systemd.relaunch())
+    with second.connect() as client:
+        t = ExtensibleTensor.attach("kv", "cpu", client=client)
+        assert [int(t.full_view()[(step - 1) * GRANULE]) for step in range(2, 6)] == [2, 3, 4, 5]
+
+
+def test_a_client_dropped_without_close_ends_its_session(daemon, client):
+    dropped = daemon.connect(client_name="dropped")
+    ExtensibleTensor(16 * MiB, "cpu", client=dropped, name="kept", persistent=True).resize_(GRANULE)
+    leased_at_least(dropped, 2)
+    del dropped
+    wait_until(lambda: client.status().num_sessions == 1 and client.status().leased_bytes == 0)
+    assert [b.session_id for b in client.buffers()] == [0]  # the persistent buffer outlived it, an orphan
+
