@@ -44,8 +44,8 @@ class Target:
     def reps(self, full: int, quick: int) -> int:
         return quick if self.quick else full
 
-    def connect(self, name: str, daemon: Daemon | None = None) -> Client:
-        return connect(self.device, run_dir=(daemon or self.daemon).run_dir, client_name=name)
+    def connect(self, name: str, daemon: Daemon | None = None, **kwargs: Any) -> Client:
+        return connect(self.device, run_dir=(daemon or self.daemon).run_dir, client_name=name, **kwargs)
 
     def tensor(self, capacity: int, client: Client | None = None, **kwargs: Any) -> ExtensibleTensor:
         return ExtensibleTensor(capacity, self.device, client=client or self.client, **kwargs)
@@ -119,11 +119,17 @@ def fresh_commits(t: Target, reps: dict[int, tuple[int, int]]) -> list[dict[str,
     return sizes
 
 
-def step_commits(t: Target, n: int) -> dict[str, Any]:
-    """``n`` successive one-granule commits to one buffer: one new chunk each."""
+def step_commits(t: Target, n: int, client: Client | None = None) -> dict[str, Any]:
+    """``n`` successive one-granule commits to one buffer: one new chunk each.
+
+    ``round_trips`` counts the commits that went to the daemon; the others
+    placed leased granules (the daemon refills the lease while the baseline's
+    commit runs, as it would while an engine computes).
+    """
     step = t.granule
-    tensor, buffer = t.tensor(n * step), t.in_process(n * step)
+    tensor, buffer = t.tensor(n * step, client=client), t.in_process(n * step)
     hbmd, base = [], []
+    sent = tensor.client.requests_sent
     try:
         for i in range(n):
             size = (i + 1) * step
@@ -135,10 +141,20 @@ def step_commits(t: Target, n: int) -> dict[str, Any]:
             hbmd.append(h)
             base.append(b)
         chunks = {"hbmd": tensor.num_chunks}
+        round_trips = tensor.client.requests_sent - sent
     finally:
         tensor.free()
         buffer.free()
-    return {"commits": n, "step_bytes": step, "chunks": chunks, **side_by_side(hbmd, base)}
+    return {"commits": n, "step_bytes": step, "chunks": chunks, "round_trips": round_trips, **side_by_side(hbmd, base)}
+
+
+def step_commits_without_lease(t: Target, n: int) -> dict[str, Any]:
+    """:func:`step_commits` for a session without leases: every commit a round trip (what an empty lease costs)."""
+    client = t.connect("no-lease", lease=False)
+    try:
+        return step_commits(t, n, client)
+    finally:
+        client.close()
 
 
 # release and recommit

@@ -21,6 +21,7 @@ from cases import (
     release_recommit,
     status_round_trips,
     step_commits,
+    step_commits_without_lease,
 )
 from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, today_utc
 from hbmd.client import connect
@@ -39,6 +40,11 @@ def commit_case(t: Target) -> dict[str, Any]:
 @bench.case("commit_2mib_steps")
 def commit_steps_case(t: Target) -> dict[str, Any]:
     return step_commits(t, t.reps(500, 100))
+
+
+@bench.case("commit_2mib_steps_no_lease")
+def commit_steps_no_lease_case(t: Target) -> dict[str, Any]:
+    return step_commits_without_lease(t, t.reps(500, 100))
 
 
 @bench.case("release")
