@@ -119,10 +119,10 @@ class HandleChannel:
             raise ProtocolError(f"expected a welcome from {self.path}, got {reply.KIND}")
         return reply
 
-    def _recv(self, timeout: float, flags: int = 0) -> tuple[bytes, list[int]]:
+    def _recv(self, timeout: float) -> tuple[bytes, list[int]]:
         self.sock.settimeout(timeout)
         try:
-            data, fds, _, _ = socket.recv_fds(self.sock, MAX_DATAGRAM, MAX_FDS_PER_DATAGRAM, flags)
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_DATAGRAM, MAX_FDS_PER_DATAGRAM)
         except socket.timeout:
             raise DaemonUnavailable(f"hbmd at {self.path} sent nothing within {timeout:.1f}s", path=self.path) from None
         if not data and not fds:
@@ -175,7 +175,10 @@ class HandleChannel:
             return True
         with self._lock:
             try:
-                data, fds = self._recv(timeout=self.timeout, flags=socket.MSG_DONTWAIT)
+                # Non-blocking mode, not MSG_DONTWAIT: with a timeout set, Python waits for the socket to turn
+                # readable before it reads, and if the other reader took the datagram, this would sit on the
+                # lock (which sends need too) until the next one arrived or the timeout passed.
+                data, fds = self._recv(timeout=0.0)
             except BlockingIOError:
                 return True  # the other reader took it
             except (DaemonUnavailable, OSError):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import select
+import time
 
 import pytest
 from hbmd import proto
@@ -253,3 +255,15 @@ def test_a_client_dropped_without_close_ends_its_session(daemon, client):
     wait_until(lambda: client.status().num_sessions == 1 and client.status().leased_bytes == 0)
     assert [b.session_id for b in client.buffers()] == [0]  # the persistent buffer outlived it, an orphan
 
+
+
+def test_a_reader_that_finds_its_datagram_taken_does_not_hold_the_socket(daemon, monkeypatch):
+    """The listener thread and a commit read the same socket: the one that finds the datagram gone returns at
+    once (a blocking read there held the lock that placements are sent under, for the whole timeout)."""
+    client = daemon.connect(lease=False)  # no listener thread of its own
+    monkeypatch.setattr(select, "select", lambda r, w, x, timeout: (r, [], []))  # "readable", yet nothing waits
+    started = time.monotonic()
+    assert client._handles.poll(0.2)
+    assert time.monotonic() - started < 1
+    monkeypatch.undo()
+    client.close()
