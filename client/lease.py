@@ -92,12 +92,11 @@ class Lease:
         return [c for c, _ in dropped]
 
     def take(self, count: int) -> list[tuple[int, Any]] | None:
-        """``count`` granules to place, oldest first, or None when fewer are here (nothing is taken then)."""
+        """``count`` granules to place, or None when fewer are here (nothing is taken then)."""
         with self._lock:
             if len(self._ready) < count:
                 return None
-            chunk_ids = sorted(self._ready)[:count]
-            return [(c, self._ready.pop(c)) for c in chunk_ids]
+            return [self._ready.popitem() for _ in range(count)]
 
     def put_back(self, taken: list[tuple[int, Any]]) -> None:
         """Granules taken but not placed (the placement could not be sent)."""

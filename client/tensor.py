@@ -8,7 +8,6 @@ them stay correct) as the buffer grows.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -202,6 +201,8 @@ class ExtensibleTensor:
     def _set_info(self, info: BufferInfo) -> None:
         """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
         self._info = info
+        self._physical_bytes = info.physical_bytes
+        self._num_chunks = info.num_chunks
         self._capacities = list(info.segment_capacities) or [info.segment_capacity_bytes] * info.num_segments
         self._sizes = list(info.segment_sizes) or [info.bytes_per_segment] * info.num_segments
         self._offsets = list(itertools.accumulate(self._capacities, initial=0))[:-1]
@@ -275,11 +276,11 @@ class ExtensibleTensor:
     @property
     def physical_bytes(self) -> int:
         """Bytes actually backed by chunks (granule-rounded; a granule two segments share counts once)."""
-        return self._info.physical_bytes
+        return self._physical_bytes
 
     @property
     def num_chunks(self) -> int:
-        return self._info.num_chunks
+        return self._num_chunks
 
     @property
     def num_physical_chunks(self) -> int:
@@ -394,14 +395,10 @@ class ExtensibleTensor:
             return True
         finally:
             self._client.discard_leased(taken)
-        added = len(offsets) * self.granularity
-        self._set_info(dataclasses.replace(
-            self._info,
-            bytes_per_segment=min(sizes),
-            segment_sizes=list(sizes),
-            physical_bytes=self._info.physical_bytes + added,
-            num_chunks=self._info.num_chunks + len(offsets),
-        ))
+        # What the daemon now records too: the placement went before the mapping.
+        self._sizes = list(sizes)
+        self._physical_bytes += len(offsets) * self.granularity
+        self._num_chunks += len(offsets)
         return True
 
     def _grow_through_daemon(self, sizes: list[int]) -> None:
@@ -613,7 +610,7 @@ class ExtensibleTensor:
                 buffer_id=self.buffer_id,
             )
             raise self._unusable from error
-        done = reply.buffer.segment_sizes != self._info.segment_sizes or reply.buffer.num_chunks != self._info.num_chunks
+        done = reply.buffer.segment_sizes != self._sizes or reply.buffer.num_chunks != self._num_chunks
         self._set_info(reply.buffer)
         if done:
             log.warning("buffer %d: %s while mapping; mapped again as the daemon records it", self.buffer_id, error)
