@@ -12,6 +12,7 @@ import weakref
 from typing import Any, Callable, TypeVar
 
 from hbmd.proto import (
+    MAX_PLACED_GRANULES,
     PROTOCOL_VERSION,
     Attach,
     BufferInfo,
@@ -377,8 +378,9 @@ class Client:
     # leases
 
     def take_lease(self, count: int) -> list[tuple[int, Any]] | None:
-        """``count`` leased granules, imported and ready to map, or None where the lease holds fewer (or is off)."""
-        if self._lease is None or count > self.welcome.lease_bytes // self.granularity:
+        """``count`` leased granules, imported and ready to map; None where the lease holds fewer, is off, or the
+        commit is one the daemon serves faster (more than :data:`MAX_PLACED_GRANULES`)."""
+        if self._lease is None or count > min(MAX_PLACED_GRANULES, self.welcome.lease_bytes // self.granularity):
             return None
         taken = self._lease.take(count)
         if taken is None:

@@ -26,7 +26,7 @@ import secrets
 import time
 from typing import Any, Generic
 
-from hbmd.proto import BufferInfo, ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto import MAX_PLACED_GRANULES, BufferInfo, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import (
     Conflict,
     HbmdError,
@@ -853,8 +853,11 @@ class State(Generic[A, C]):
         return self.admissible_bytes(session.tenant) + session.leased_bytes
 
     def _note_demand(self, session: Session, granules: int) -> None:
-        """A commit of ``granules`` came through the daemon: the lease was short, so it grows (up to the most allowed)."""
-        if session.wants_lease and 0 < granules <= self.lease_granules:
+        """A commit of ``granules`` came through the daemon: the lease was short, so it grows (up to the most allowed).
+
+        Only for commits a lease serves (:data:`MAX_PLACED_GRANULES` at most).
+        """
+        if session.wants_lease and 0 < granules <= min(self.lease_granules, MAX_PLACED_GRANULES):
             session.lease_target = min(self.lease_granules, max(2 * session.lease_target, 2 * granules))
             self.lease_due.add(session.session_id)
 

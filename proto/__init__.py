@@ -75,6 +75,7 @@ from .errors import (
     VersionMismatch,
 )
 from .session import (
+    MAX_PLACED_GRANULES,
     Ack,
     FdBatch,
     Hello,

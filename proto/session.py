@@ -104,6 +104,11 @@ class ReclaimDone(Request[Ack]):
 
 # Leases (1.3): granules created and exported ahead of need, placed by the client itself.
 
+MAX_PLACED_GRANULES = 8
+"""The most granules a client places from its lease for one commit. Each placed granule is mapped and given
+access on its own, so beyond this one chunk per run from the daemon maps faster despite the round trip; and
+a commit the lease is not meant for does not make the daemon lease more."""
+
 
 @message("session.lease_grant")
 class LeaseGrant(Message):
