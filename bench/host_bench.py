@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from typing import Any
 
 from baseline import HostInProcessBuffer
@@ -23,8 +24,9 @@ from cases import (
     step_commits,
     step_commits_without_lease,
 )
-from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, today_utc
+from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, summarize_ns, timed_ns, today_utc
 from hbmd.client import connect
+from hbmd.client.host import HostMapper
 
 bench = Bench("host", "hbmd's host backend against the in-process baseline, side by side")
 
@@ -45,6 +47,38 @@ def commit_steps_case(t: Target) -> dict[str, Any]:
 @bench.case("commit_2mib_steps_no_lease")
 def commit_steps_no_lease_case(t: Target) -> dict[str, Any]:
     return step_commits_without_lease(t, t.reps(500, 100))
+
+
+class UnmappedHostMapper(HostMapper):
+    """The host mapper with mapping, unmapping and zeroing left out: what remains of a commit is the client's own work."""
+
+    def map_prepared(self, address: int, chunk: Any, prepared: int, readonly: bool = False) -> None:
+        pass
+
+    def unmap(self, address: int, size: int) -> None:
+        pass
+
+    def zero(self, address: int, size: int) -> None:
+        pass
+
+
+@bench.case("leased_commit_client_work")
+def leased_commit_client_work_case(t: Target) -> dict[str, Any]:
+    """A leased 2 MiB step with the mapping left out: the Python a commit costs the client, the same on a GPU."""
+    client = connect("cpu", run_dir=t.daemon.run_dir, client_name="client-work", mapper=UnmappedHostMapper(t.granule))
+    n = t.reps(500, 200)
+    tensor = t.tensor((n + 1) * t.granule, client=client)
+    try:
+        tensor.resize_per_segment_(t.granule)
+        samples, sent = [], client.requests_sent
+        for i in range(2, n + 2):
+            while not client.leased_granules:
+                time.sleep(0.0005)  # a warm lease: what is timed is the placement, not the daemon's refill
+            samples.append(timed_ns(lambda: tensor.resize_per_segment_(i * t.granule, zero_new=True)))
+        return {"commits": n, "round_trips": client.requests_sent - sent, "client_work": summarize_ns(samples)}
+    finally:
+        tensor.free()
+        client.close()
 
 
 @bench.case("release")
