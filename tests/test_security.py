@@ -283,6 +283,10 @@ def test_a_session_that_never_reads_its_fds_is_held_and_refused_more_while_other
             if asked % (64 * 64) == 0:
                 honest.resize_(honest.num_bytes + 2 * MiB)  # a session of the same uid still gets its FDs
     assert refused.value.retryable and 64 * MAX_QUEUED_BATCHES < asked <= 64 * MAX_QUEUED_BATCHES + MAX_FDS_IN_FLIGHT + 64
+    # Every request that delivers chunks is refused alike: the repair of a failed map (Remap) and a commit too.
+    for request in (proto.Remap(buffer.buffer_id), proto.Commit(buffer.buffer_id, 4 * MiB)):
+        with pytest.raises(HbmdError, match="wait unread on this session's handle socket"):
+            greedy.call(request)
     assert honest.num_bytes == asked // (64 * 64) * 2 * MiB >= 2 * MiB
     honest.full_view()[: honest.num_bytes] = 5
     assert int(honest.full_view()[: honest.num_bytes].float().mean()) == 5
