@@ -87,7 +87,10 @@ class StateCollector(Collector):
 
     def _tenants(self) -> Iterator[GaugeMetricFamily]:
         labels = ["tenant"]
-        used = self._family("hbmd_tenant_committed_bytes", "Bytes committed per tenant, its sessions' leases included (what its limits count).", labels)
+        used = self._family(
+            "hbmd_tenant_committed_bytes", "Bytes committed per tenant, its sessions' leases included (what its limits count).",
+            labels,
+        )
         guaranteed = self._family("hbmd_tenant_guaranteed_bytes", "Guaranteed minimum per tenant.", labels)
         limit = self._family("hbmd_tenant_max_bytes", "Burst maximum per tenant that has one.", labels)
         sessions = self._family("hbmd_tenant_sessions", "Connected worker sessions per tenant.", labels)

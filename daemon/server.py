@@ -146,6 +146,8 @@ DRAIN_CHECK_S = 0.02
 WARNING_INTERVAL_S = 10.0
 MAX_TENANTS_LISTED = 1000
 """Tenants in one status reply: it must stay far below the frame limit however many names clients declare."""
+MAX_DATAGRAMS_PER_DRAIN = 1024
+"""Datagrams read from one session at a time (placements of leased granules; an honest client sends one per commit)."""
 MAX_PENDING_HELLOS_PER_UID = 64
 """Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
 
@@ -666,9 +668,11 @@ class Server:
 
         Run before any request is answered and before the session ends, so
         the daemon's record of its buffers includes every placement its
-        client sent before.
+        client sent before. An honest client has one or two in flight; a
+        peer that keeps sending is read :data:`MAX_DATAGRAMS_PER_DRAIN` at a
+        time, so it cannot hold the loop.
         """
-        while True:
+        for _ in range(MAX_DATAGRAMS_PER_DRAIN):
             try:
                 data = self._receive(conn)
             except BlockingIOError:
@@ -677,6 +681,11 @@ class Server:
                 return False
             if data:
                 self._apply_datagram(conn, data)
+        self._warnings.warning(
+            f"flood-{conn.uid}", "session %d (pid %d) sends datagrams faster than they are read", conn.session.session_id,
+            conn.pid,
+        )
+        return True
 
     def _apply_datagram(self, conn: HandleConnection, data: bytes) -> None:
         session = conn.session
@@ -774,7 +783,10 @@ class Server:
         if conn.session is not None and conn.session.wants_lease:
             # Placements the client sent before it died are in the socket still: its buffers must include them.
             self._drain_datagrams(conn)
-            self._placing.unregister(fd)
+            try:
+                self._placing.unregister(fd)
+            except KeyError:
+                pass
         self._connections.pop(fd, None)
         try:
             self._poller.unregister(fd)

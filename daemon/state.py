@@ -37,7 +37,7 @@ from hbmd.proto.errors import (
     PermissionDenied,
     VersionMismatch,
 )
-from hbmd.proto.runs import backed_runs, merge_runs, new_granules, subtract_runs
+from hbmd.proto.runs import backed_runs, merge_runs, subtract_runs
 from hbmd.proto.units import format_bytes, round_up
 
 from .backends import A, Backend, C
@@ -900,7 +900,16 @@ class State(Generic[A, C]):
         if buffer.shareable:
             raise InvalidRequest(f"buffer {buffer_id} is shareable: leased granules are plain ones", buffer_id=buffer_id)
         self._check_sizes(buffer, sizes)
-        needed = new_granules(buffer.segment_offsets, buffer.segment_sizes, sizes, self.backend.granularity)
+        granule = self.backend.granularity
+        runs = subtract_runs(buffer.backed_runs(sizes, granule), buffer.backed_runs(buffer.segment_sizes, granule))
+        # Counted before any list of granules is made: a peer's sizes may claim a petabyte.
+        if sum(end - start for start, end in runs) != len(chunk_ids) * granule:
+            raise InvalidRequest(
+                f"buffer {buffer_id}: the growth to {sizes[:8]} needs {sum(e - s for s, e in runs) // granule} granules, "
+                f"{len(chunk_ids)} were placed",
+                buffer_id=buffer_id,
+            )
+        needed = [start for begin, end in runs for start in range(begin, end, granule)]
         if len(chunk_ids) != len(offsets) or sorted(offsets) != needed:
             raise InvalidRequest(
                 f"buffer {buffer_id}: the growth to {sizes[:8]} needs granules at {needed[:8]}, got {sorted(offsets)[:8]}",
@@ -1129,7 +1138,8 @@ class State(Generic[A, C]):
             leased += session.leased_bytes
         _require(self.leased_bytes == leased, f"leased {self.leased_bytes} != {leased} in sessions' leases")
         used = sum(t.used_bytes for t in self.tenants.values())
-        _require(self.committed_bytes + leased == used, f"committed {self.committed_bytes} + leased {leased} != {used} used by tenants")
+        _require(self.committed_bytes + leased == used,
+                 f"committed {self.committed_bytes} + leased {leased} != {used} used by tenants")
         holders: dict[str, int] = {}
         for holder in (*self.sessions.values(), *self.buffers.values()):
             _require(self.tenants.get(holder.tenant.name) is holder.tenant, f"tenant {holder.tenant.name!r} was forgotten")

@@ -267,3 +267,38 @@ def test_a_reader_that_finds_its_datagram_taken_does_not_hold_the_socket(daemon,
     assert time.monotonic() - started < 1
     monkeypatch.undo()
     client.close()
+
+
+def test_a_placement_claiming_a_petabyte_is_refused_without_the_daemon_counting_to_it(daemon, client):
+    buffer = client.create_buffer(1 << 50)  # a petabyte of address space costs the daemon nothing
+    client.commit(buffer.buffer_id, GRANULE, lambda chunk, fd: None)
+    leased_at_least(client, 1)
+    client._handles.sock.send(proto.encode_datagram(proto.LeaseBind(buffer.buffer_id, [1 << 50], [1], [GRANULE])))
+    started = time.monotonic()
+    (info,) = [b for b in client.buffers() if b.buffer_id == buffer.buffer_id]
+    assert info.segment_sizes == [GRANULE] and info.physical_bytes == GRANULE
+    assert time.monotonic() - started < 5 and daemon.alive()
+
+
+def test_a_session_flooding_its_socket_does_not_hold_the_daemon(daemon, client, spawn_worker):
+    worker = spawn_worker(
+        daemon,
+        """
+        import sys
+        from hbmd import proto
+        from hbmd.client import connect
+        c = connect("cpu", client_name="flood")
+        junk = proto.encode_datagram(proto.LeaseReturn([10**9]))
+        print("ready", flush=True)
+        c._handles.sock.settimeout(None)
+        while True:
+            c._handles.sock.send(junk)
+        """,
+    )
+    assert worker.readline() == "ready"
+    for _ in range(50):
+        started = time.monotonic()
+        client.status()
+        assert time.monotonic() - started < 2
+    assert "sends datagrams faster than they are read" in daemon.log()
+    worker.kill()
