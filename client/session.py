@@ -414,12 +414,20 @@ class Client:
         return 0 if self._lease is None else len(self._lease)
 
     def _serve_lease(self) -> None:
-        """Import what was granted and give back what was asked back."""
-        while self._handles.grants:
-            grant, fds = self._handles.grants.popleft()
-            self._lease.granted(grant, fds)
-        while self._handles.revokes:
-            self._lease.revoked(self._handles.revokes.popleft())
+        """Import what was granted and give back what was asked back (on either thread: each datagram is taken once)."""
+        for queue, serve in ((self._handles.grants, lambda g: self._lease.granted(*g)),
+                             (self._handles.revokes, self._lease.revoked)):
+            while True:
+                try:
+                    item = queue.popleft()
+                except IndexError:
+                    break
+                serve(item)
+
+    @property
+    def exclusive(self) -> threading.RLock:
+        """Held by every call; hold it across steps that must not interleave with another thread's calls."""
+        return self._lock
 
     def _listen_in_background(self) -> None:
         if self._listener is None:

@@ -380,6 +380,10 @@ class ExtensibleTensor:
         """
         if self._info.shareable:
             return False
+        with self._client.exclusive:  # no other thread's request on this session between the placement and the mapping
+            return self._place_leased(sizes)
+
+    def _place_leased(self, sizes: list[int]) -> bool:
         offsets = new_granules(self._offsets, self._sizes, sizes, self.granularity)
         taken = self._client.take_lease(len(offsets))
         if taken is None:
