@@ -139,3 +139,18 @@ def test_metrics_listen_on_a_host_name(start_daemon):
     daemon = start_daemon("--metrics-addr", f"localhost:{port}")
     assert f"http://localhost:{port}/metrics" in daemon.log()
     assert "hbmd_budget_bytes" in page(port)
+
+
+def test_leased_bytes_are_a_metric_of_their_own_and_count_in_the_tenants(start_daemon):
+    port = free_port()
+    daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    worker = daemon.connect(client_name="engine", tenant="team-a")
+    ExtensibleTensor(16 * MiB, "cpu", client=worker).resize_(2 * MiB)
+    wait_until(lambda: worker.leased_granules >= 2)
+    samples = scrape(port)
+    leased = value(samples, "hbmd_leased_bytes")
+    assert leased == worker.status().leased_bytes >= 4 * MiB
+    assert value(samples, "hbmd_committed_bytes") == 2 * MiB
+    assert value(samples, "hbmd_tenant_committed_bytes", tenant="team-a") == 2 * MiB + leased
+    worker.close()
+    wait_until(lambda: value(scrape(port), "hbmd_leased_bytes") == 0)
