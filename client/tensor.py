@@ -372,7 +372,11 @@ class ExtensibleTensor:
         return self
 
     def _grow_from_lease(self, sizes: list[int]) -> bool:
-        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short.
+        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short or the
+        growth adds a run of several granules (the daemon backs it with one chunk).
+
+        A leased granule is a chunk, as the daemon would have made it: the
+        buffer's chunks are the same whichever way it grew.
 
         The placement goes to the daemon before the mapping, so however this
         process dies the daemon's record holds every granule mapped here. A
@@ -384,7 +388,12 @@ class ExtensibleTensor:
             return self._place_leased(sizes)
 
     def _place_leased(self, sizes: list[int]) -> bool:
-        offsets = new_granules(self._offsets, self._sizes, sizes, self.granularity)
+        granule = self.granularity
+        offsets = new_granules(self._offsets, self._sizes, sizes, granule)
+        if any(b - a == granule for a, b in zip(offsets, offsets[1:])):
+            # The daemon backs a run of several granules with one chunk (what defragmenting by release and
+            # regrowth relies on): a lease, one chunk per granule, serves only runs of one.
+            return False
         taken = self._client.take_lease(len(offsets))
         if taken is None:
             return False

@@ -692,7 +692,7 @@ class State(Generic[A, C]):
         buffer.chunks.extend(created)
         buffer.segment_sizes = list(sizes)
         self._account(buffer, mapped=sum(c.size for c in created))
-        self._note_demand(session, sum(c.size for c in created) // granule)
+        self._note_demand(session, created)
         return created
 
     def _check_sizes(self, buffer: Buffer[A, C], sizes: list[int]) -> None:
@@ -852,13 +852,18 @@ class State(Generic[A, C]):
         """What a commit of ``session`` would be admitted for now: its own lease counts as room (it is given up for it)."""
         return self.admissible_bytes(session.tenant) + session.leased_bytes
 
-    def _note_demand(self, session: Session, granules: int) -> None:
-        """A commit of ``granules`` came through the daemon: the lease was short, so it grows (up to the most allowed).
+    def _note_demand(self, session: Session, created: list[Chunk[C]]) -> None:
+        """A commit that made ``created`` came through the daemon: where a lease could have served it, the lease was
+        short, so it grows (up to the most allowed).
 
-        Only for commits a lease serves (:data:`MAX_PLACED_GRANULES` at most).
+        A lease serves commits of runs of one granule, :data:`MAX_PLACED_GRANULES` at most.
         """
-        if session.wants_lease and 0 < granules <= min(self.lease_granules, MAX_PLACED_GRANULES):
-            session.lease_target = min(self.lease_granules, max(2 * session.lease_target, 2 * granules))
+        granule = self.backend.granularity
+        count = len(created)
+        if session.wants_lease and 0 < count <= min(self.lease_granules, MAX_PLACED_GRANULES) and all(
+            c.size == granule for c in created
+        ):
+            session.lease_target = min(self.lease_granules, max(2 * session.lease_target, 2 * count))
             self.lease_due.add(session.session_id)
 
     def top_up_lease(self, session: Session) -> list[Chunk[C]]:

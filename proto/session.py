@@ -105,9 +105,10 @@ class ReclaimDone(Request[Ack]):
 # Leases (1.3): granules created and exported ahead of need, placed by the client itself.
 
 MAX_PLACED_GRANULES = 8
-"""The most granules a client places from its lease for one commit. Each placed granule is mapped and given
-access on its own, so beyond this one chunk per run from the daemon maps faster despite the round trip; and
-a commit the lease is not meant for does not make the daemon lease more."""
+"""The most granules a client places from its lease for one commit, each a run of one granule (a longer run
+is one chunk from the daemon, as without leases). Each placed granule is mapped and given access on its own,
+so beyond this the daemon's round trip is faster; and a commit the lease is not meant for does not make the
+daemon lease more."""
 
 
 @message("session.lease_grant")

@@ -58,14 +58,26 @@ def test_growth_inside_backed_granules_and_uneven_segments_place_exactly_what_is
     t.resize_segments_([MiB, 0])
     leased_at_least(client, 2)
     sent = client.requests_sent
-    t.resize_segments_([MiB + 4096, 0])  # inside the granule already backed: a placement of nothing
-    t.resize_segments_([3 * MiB, 2 * MiB])  # two more granules, one shared by both segments
-    assert client.requests_sent == sent
-    info = daemon_view(client, t)
-    assert info.segment_sizes == t.segment_sizes == [3 * MiB, 2 * MiB]
-    assert info.physical_bytes == t.physical_bytes == 6 * MiB
-    t.full_view()[: 5 * MiB] = 9  # every committed byte is mapped
-    assert int(t.full_view()[: 5 * MiB].sum()) == 9 * 5 * MiB
+    for sizes in ([MiB + 4096, 0],  # inside the granule already backed: a placement of nothing
+                  [3 * MiB, 0],  # the straddling granule
+                  [3 * MiB, MiB],  # inside it again, for segment 1
+                  [3 * MiB, 3 * MiB]):  # the last granule
+        t.resize_segments_(sizes)
+        assert daemon_view(client, t).segment_sizes == t.segment_sizes == sizes
+    assert client.requests_sent == sent + 4  # the four daemon_view calls: no commit went to the daemon
+    assert daemon_view(client, t).physical_bytes == t.physical_bytes == 6 * MiB and t.num_chunks == 3
+    t.full_view()[:] = 9  # every committed byte is mapped
+    assert int(t.full_view().sum()) == 9 * 6 * MiB
+
+
+def test_a_run_of_several_granules_is_one_chunk_from_the_daemon_as_without_a_lease(daemon, client):
+    """What vLLM's defragment relies on: after a release, growing a segment back gives it one chunk."""
+    t = ExtensibleTensor(32 * MiB, "cpu", num_segments=2, client=client)
+    t.resize_per_segment_(GRANULE)
+    leased_at_least(client, 4)
+    t.release_physical()
+    t.resize_per_segment_(3 * GRANULE)
+    assert t.num_chunks == 2 and t.segments_backed_by_one_chunk([3 * GRANULE] * 2) == [True, True]
 
 
 def test_leased_bytes_are_charged_at_grant_shown_apart_and_returned_when_the_session_ends(daemon, client):
@@ -118,7 +130,7 @@ def test_a_lease_is_never_granted_into_a_tight_budget(start_daemon):
 
 def test_another_sessions_commit_asks_leases_back_and_succeeds_on_retry(daemon, client):
     holder = daemon.connect(client_name="holder")
-    ExtensibleTensor(64 * MiB, "cpu", client=holder).resize_(4 * GRANULE)
+    ExtensibleTensor(64 * MiB, "cpu", num_segments=4, client=holder).resize_per_segment_(GRANULE)
     leased_at_least(holder, 4)
     leased = client.status().leased_bytes
     big = ExtensibleTensor(256 * MiB, "cpu", client=client, shareable=True)  # shareable: never from a lease
@@ -146,7 +158,7 @@ def test_a_sessions_own_lease_makes_room_for_its_own_commit(daemon, client):
 
 def test_hbmctl_reclaim_takes_the_lease_back_first(daemon, client):
     worker = daemon.connect(client_name="engine")
-    ExtensibleTensor(64 * MiB, "cpu", client=worker).resize_(2 * GRANULE)
+    ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=worker).resize_per_segment_(GRANULE)
     leased_at_least(worker, 2)
     out = hbmctl("--run-dir", str(daemon.run_dir), "reclaim", "--session", str(worker.session_id), "--bytes", "8MiB")
     assert out.returncode == 0, out.stderr

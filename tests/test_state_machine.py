@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 
 import pytest
-from hbmd.daemon.state import State
+from hbmd.daemon.state import Chunk, State
 from hbmd.proto.runs import new_granules
 from hbmd.proto.errors import HbmdError, InternalError, OutOfDeviceMemory
 from hypothesis import HealthCheck, settings
@@ -260,7 +260,7 @@ class StateMachine(RuleBasedStateMachine):
     @rule(data=st.data(), granules=st.integers(1, 3), fail_after=st.none() | st.integers(0, 2))
     def top_up_lease(self, data, granules, fail_after):
         session = self.session(data)
-        self.state._note_demand(session, granules)
+        self.state._note_demand(session, [Chunk(0, 0, GRANULE, 0)] * granules)  # a commit of that many granule runs
         self.backend.fail_create_in = fail_after
         self.state.top_up_lease(session)
         self.backend.fail_create_in = None
