@@ -6,8 +6,8 @@ imports each as it arrives. A commit whose new granules the lease covers
 takes them from here, tells the daemon where they go (:class:`LeaseBind`,
 sent before they are mapped) and maps them: no round trip. Granules the
 daemon asks back (:class:`LeaseRevoke`) and has not seen placed are given
-back (:class:`LeaseReturn`); those it released itself to make room for this
-session's own commit (``Committed.lease_returned``) are dropped.
+back (:class:`LeaseReturn`), as is the whole lease when a commit through the
+daemon does not fit without it.
 """
 
 from __future__ import annotations
@@ -77,10 +77,6 @@ class Lease:
         if given:
             self._send(LeaseReturn(given))
 
-    def forget(self, chunk_ids: list[int]) -> None:
-        """The daemon released these (``Committed.lease_returned``): drop them, now or when their grant arrives."""
-        self._drop(chunk_ids)
-
     def _drop(self, chunk_ids: list[int]) -> list[int]:
         with self._lock:
             dropped = [(c, self._ready.pop(c)) for c in chunk_ids if c in self._ready]
@@ -90,6 +86,13 @@ class Lease:
         for _, prepared in dropped:
             self._mapper().discard(prepared)
         return [c for c, _ in dropped]
+
+    def give_back(self) -> int:
+        """Return every granule here to the daemon (it releases them); how many there were."""
+        given = self._drop(list(self._ready))
+        if given:
+            self._send(LeaseReturn(given))
+        return len(given)
 
     def take(self, count: int) -> list[tuple[int, Any]] | None:
         """``count`` granules to place, or None when fewer are here (nothing is taken then)."""

@@ -52,6 +52,7 @@ from hbmd.proto.errors import (
     DriverError,
     HbmdError,
     InvalidRequest,
+    OutOfBudget,
     PermissionDenied,
     SessionLost,
     VersionMismatch,
@@ -340,6 +341,12 @@ class Client:
         such error is raised once all batches are in.
         """
         with self._lock:
+            try:
+                return self._take_chunks(msg, on_chunk, on_reply)
+            except OutOfBudget:
+                # The lease is this session's: given back, its bytes are room (the daemon reads the return first).
+                if self._lease is None or not self._lease.give_back():
+                    raise
             return self._take_chunks(msg, on_chunk, on_reply)
 
     def _take_chunks(
@@ -347,8 +354,6 @@ class Client:
     ) -> Committed:
         reply = self.call(msg)
         request_id = self._control.last_request_id
-        if reply.lease_returned and self._lease is not None:
-            self._lease.forget(reply.lease_returned)
         chunks = {c.chunk_id: c for c in reply.chunks}
         deadline = time.monotonic() + self.timeout
         failure: BaseException | None = None

@@ -441,8 +441,8 @@ class Server:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
                 self._retry_draining()
-                self._serve_leases()
                 self._expire_pending()
+                self._serve_leases()
                 if self.check_invariants and events:
                     self._check_books()
                 if self.persistence is not None:
@@ -600,6 +600,7 @@ class Server:
 
     def _expire_pending(self) -> None:
         now = time.monotonic()
+        self.state.ask_back_idle_leases(now)
         for conn in list(self._connections.values()):
             if conn.session is None and now - conn.accepted_at > HELLO_TIMEOUT_S:
                 self._close_connection(conn, "no hello in time")
@@ -918,8 +919,11 @@ class Server:
             self._take_placements()
             reply = handler(self._by_session[session.session_id], request_id, decode_body(kind, raw))
         except OutOfBudget as exc:
-            log.warning("refused %s of session %d (pid %d, uid %d, tenant %r): %s", operation, session.session_id,
-                        session.pid, session.uid, session.tenant.name, exc.message)
+            # A session holding a lease gives it back and retries: the first refusal is expected, not news.
+            log.log(logging.INFO if session.leased_bytes else logging.WARNING,
+                    "refused %s of session %d (pid %d, uid %d, tenant %r): %s%s", operation, session.session_id,
+                    session.pid, session.uid, session.tenant.name, exc.message,
+                    " (it holds a lease to give back)" if session.leased_bytes else "")
             reply = ErrorReply.of(exc)
         except HbmdError as exc:
             reply = ErrorReply.of(exc)
@@ -1115,8 +1119,7 @@ class Server:
             conn.outbox.append(FdDelivery(request_id, buffer, batch, index, len(batches)))
         if batches:
             self._flush(conn)
-        returned, conn.session.lease_returned = conn.session.lease_returned, []
-        return Committed(buffer.info(), [self.state.chunk_info(buffer, c) for c in chunks], len(batches), returned)
+        return Committed(buffer.info(), [self.state.chunk_info(buffer, c) for c in chunks], len(batches))
 
     @handles(FinishDefragment)
     def _finish_defragment(self, conn: HandleConnection, request_id: int, msg: FinishDefragment) -> Released:

@@ -12,9 +12,8 @@ places them in its buffers itself and says so (:meth:`State.bind`), so a
 commit that fits the lease costs no round trip. The lease grows when a
 commit found it short, stays empty while the budget is tight, and is taken
 back first under pressure: unplaced granules are asked back (a client may be
-placing them at that moment, so only it can give them up), except the
-session's own lease when its own commit needs the room, which the reply
-reports as returned.
+placing them at that moment, so only it can give them up); a client whose own
+commit does not fit gives its whole lease back and retries.
 """
 
 from __future__ import annotations
@@ -26,7 +25,13 @@ import secrets
 import time
 from typing import Any, Generic
 
-from hbmd.proto import MAX_PLACED_GRANULES, BufferInfo, ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto import (
+    MAX_PLACED_GRANULES,
+    BufferInfo,
+    ChunkInfo,
+    SessionInfo,
+    TenantInfo,
+)
 from hbmd.proto.errors import (
     Conflict,
     HbmdError,
@@ -55,6 +60,8 @@ LEASE_TIGHT_DIVISOR = 16
 """No lease is granted that would leave a tenant less room than a 16th of the budget."""
 LEASE_TOTAL_DIVISOR = 8
 """All leases together stay within an 8th of the budget."""
+LEASE_IDLE_S = 30.0
+"""A lease the session has not drawn on for this long is asked back; it grows again with the next demand."""
 
 
 def prefix_offsets(capacities: list[int]) -> list[int]:
@@ -146,8 +153,8 @@ class Session:
     """Granules the daemon keeps leased to it: doubles when a commit found the lease short, 0 under pressure."""
     revoking: set[int] = dataclasses.field(default_factory=set)
     """Leased chunk ids asked back and not returned yet."""
-    lease_returned: list[int] = dataclasses.field(default_factory=list)
-    """Leased chunk ids released to make room for this session's own request, for the reply to report."""
+    lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
+    """When the session last placed leased granules or found its lease short."""
 
 
 @dataclasses.dataclass
@@ -247,9 +254,11 @@ class State(Generic[A, C]):
         reclaim_patience_s: float = RECLAIM_PATIENCE_S,
         limits: Limits = Limits(),
         lease_bytes: int = DEFAULT_LEASE_BYTES,
+        lease_idle_s: float = LEASE_IDLE_S,
     ) -> None:
-        """``lease_bytes``: the most one session is leased (0: no leases)."""
+        """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`."""
         self.backend = backend
+        self.lease_idle_s = lease_idle_s
         self.lease_granules = max(0, lease_bytes) // backend.granularity
         self._lease_arena: A | None = None
         self.leased_bytes = 0
@@ -768,7 +777,7 @@ class State(Generic[A, C]):
     def _create_runs(self, buffer: Buffer[A, C], runs: list[tuple[int, int]], purpose: str) -> list[Chunk[C]]:
         """One new chunk per run, admitted as a whole; none on any failure. The caller accounts for them."""
         requested = sum(end - start for start, end in runs)
-        self._admit_taking_leases(buffer, requested, purpose)
+        self._admit_asking_back_leases(buffer, requested, purpose)
         created: list[Chunk[C]] = []
         try:
             for start, end in runs:
@@ -822,27 +831,18 @@ class State(Generic[A, C]):
 
     # leases
 
-    def _admit_taking_leases(self, buffer: Buffer[A, C], requested: int, purpose: str) -> None:
-        """:meth:`_admit`; where the owner's own lease is what stands in the way, it is released first.
+    def _admit_asking_back_leases(self, buffer: Buffer[A, C], requested: int, purpose: str) -> None:
+        """:meth:`_admit`; a refusal asks other sessions for their unplaced granules, and says to retry.
 
-        Only when that makes the request fit: the client learns of it from
-        the reply (``lease_returned``), which a refusal would not carry. Where
-        other sessions' leases stand in the way they are asked back and the
-        refusal says to retry.
+        The owner's own lease is left to its client, which holds it: a
+        client whose commit does not fit gives its lease back itself and
+        retries (its lease counts as room in :meth:`admissible_for`).
         """
-        owner = buffer.owner
         try:
             self._admit(buffer.tenant, requested, purpose)
-            return
         except OutOfBudget:
-            if owner is None or not owner.leased_bytes or owner.tenant is not buffer.tenant:
-                self._ask_back_leases(owner)
-                raise
-            if requested > self.admissible_bytes(buffer.tenant) + owner.leased_bytes:
-                self._ask_back_leases(owner)
-                raise
-        owner.lease_returned.extend(self._drop_lease(owner))
-        self._admit(buffer.tenant, requested, purpose)
+            self._ask_back_leases(buffer.owner)
+            raise
 
     def lease_bytes_for(self, session: Session) -> int:
         """The most ``session`` may be leased: 0 unless it asked for leases."""
@@ -864,6 +864,7 @@ class State(Generic[A, C]):
             c.size == granule for c in created
         ):
             session.lease_target = min(self.lease_granules, max(2 * session.lease_target, 2 * count))
+            session.lease_used_at = time.monotonic()
             self.lease_due.add(session.session_id)
 
     def top_up_lease(self, session: Session) -> list[Chunk[C]]:
@@ -934,6 +935,7 @@ class State(Generic[A, C]):
         self._account(session=session, leased=-placed_bytes)
         self._account(buffer, mapped=placed_bytes)
         if placed:
+            session.lease_used_at = time.monotonic()
             self.lease_due.add(session.session_id)
         return buffer
 
@@ -952,6 +954,12 @@ class State(Generic[A, C]):
         """Budget pressure: ask every other session for its unplaced granules, and lease them none until they commit again."""
         for session in self.sessions.values():
             if session is not requester:
+                self.ask_back_lease(session)
+
+    def ask_back_idle_leases(self, now: float) -> None:
+        """Ask back the leases their sessions have not drawn on for :attr:`lease_idle_s`: demand went elsewhere."""
+        for session in self.sessions.values():
+            if session.lease and not session.revoking and now - session.lease_used_at > self.lease_idle_s:
                 self.ask_back_lease(session)
 
     def ask_back_lease(self, session: Session) -> None:

@@ -71,8 +71,6 @@ class Committed(Message):
     buffer: BufferInfo
     chunks: list[ChunkInfo]
     fd_batches: int
-    lease_returned: list[int] = dataclasses.field(default_factory=list)
-    """Leased chunks of this session the daemon released to make room for the request (1.3): the client drops them."""
 
 
 @message("buffer.released")

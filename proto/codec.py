@@ -28,7 +28,7 @@ PROTOCOL_VERSION = (1, 3)
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
 ``Attach`` and ``Detach``, ``sealed`` and ``readers`` in ``BufferInfo``); 1.3 leases (``Hello.lease``,
 ``Welcome.lease_bytes``, the ``LeaseGrant``/``LeaseRevoke``/``LeaseBind``/``LeaseReturn`` datagrams,
-``Committed.lease_returned`` and ``leased_bytes`` in status and sessions). A 1.0 peer ignores what it does not know."""
+``BufferInfo.shareable`` and ``leased_bytes`` in status and sessions). A 1.0 peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_CHARS = 1000
 MAX_DETAIL_CHARS = 256

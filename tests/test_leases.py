@@ -151,9 +151,14 @@ def test_a_sessions_own_lease_makes_room_for_its_own_commit(daemon, client):
     leased_at_least(client, 2)
     room = client.device_memory().budget_left  # counts this session's own lease as room
     assert room == 256 * MiB - GRANULE
-    t.resize_(256 * MiB)  # more than the lease covers: through the daemon, which releases the lease for it
+    sent = client.requests_sent
+    # More than the lease covers, and more than fits beside it: refused once, the client gives its lease back
+    # (the daemon reads the return before the retry) and the retry fits.
+    t.resize_(256 * MiB)
+    assert client.requests_sent == sent + 2
     assert client.leased_granules == 0 and client.status().leased_bytes == 0
     assert daemon_view(client, t).physical_bytes == 256 * MiB
+    assert "refused buffer.commit" in daemon.log()
 
 
 def test_hbmctl_reclaim_takes_the_lease_back_first(daemon, client):

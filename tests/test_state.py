@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import time
 
 import pytest
 from hbmd.daemon.backends.host import HostBackend
@@ -297,4 +298,23 @@ def test_detach_mid_defragment_keeps_the_old_chunks(state, session):
     state.defragment(session, buf.buffer_id, preserve=True)
     assert state.detach(session, buf.buffer_id) == 4 * MiB
     assert buf.chunks == old and buf.pending == [] and state.committed_bytes == 4 * MiB and buf.owner is None
+    state.check_invariants()
+
+
+def test_a_lease_left_idle_is_asked_back_and_grows_again_with_demand():
+    state = State(HostBackend(), budget_bytes=256 * MiB, lease_idle_s=30)
+    session = state.open_session(1, 1000, 100, "w", "", lease=True)
+    buffer = state.create_buffer(session, 64 * MiB, 1)
+    state.commit(session, buffer.buffer_id, GRANULE)
+    assert len(state.top_up_lease(session)) == 2
+    now = time.monotonic()
+    state.ask_back_idle_leases(now + 10)
+    assert not state.revokes_due
+    state.ask_back_idle_leases(now + 31)
+    assert state.revokes_due == [(session, sorted(session.lease))] and session.lease_target == 0
+    state.return_lease(session, sorted(session.lease))
+    assert state.leased_bytes == 0 and state.top_up_lease(session) == []
+    state.commit(session, buffer.buffer_id, 2 * GRANULE)  # demand again
+    assert len(state.top_up_lease(session)) == 2
+    state.close_session(session)
     state.check_invariants()
