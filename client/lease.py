@@ -80,7 +80,7 @@ class Lease:
     def _drop(self, chunk_ids: list[int]) -> list[int]:
         with self._lock:
             dropped = [(c, self._ready.pop(c)) for c in chunk_ids if c in self._ready]
-            self._unwanted.update(c for c in chunk_ids if c not in dict(dropped))
+            self._unwanted.update(set(chunk_ids).difference(c for c, _ in dropped))
             while len(self._unwanted) > MAX_UNWANTED:
                 self._unwanted.discard(min(self._unwanted))
         for _, prepared in dropped:
@@ -89,7 +89,9 @@ class Lease:
 
     def give_back(self) -> int:
         """Return every granule here to the daemon (it releases them); how many there were."""
-        given = self._drop(list(self._ready))
+        with self._lock:
+            here = list(self._ready)
+        given = self._drop(here)
         if given:
             self._send(LeaseReturn(given))
         return len(given)

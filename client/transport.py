@@ -230,7 +230,12 @@ class HandleChannel:
             pass
 
     def close(self) -> None:
+        """Close the socket and the FDs that came on it and were never taken."""
         self.sock.close()
+        for _, fds in (*self._backlog, *self.grants):
+            _close_all(fds)
+        self._backlog.clear()
+        self.grants.clear()
 
 
 class FdCloser:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import select
 import time
 
@@ -319,3 +320,16 @@ def test_a_session_flooding_its_socket_does_not_hold_the_daemon(daemon, client, 
         assert time.monotonic() - started < 2
     assert "sends datagrams faster than they are read" in daemon.log()
     worker.kill()
+
+
+def test_a_closed_client_leaves_no_descriptor_behind(daemon, client):
+    client.status()  # ZeroMQ's own descriptors (one context per process) exist from here on
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        client = daemon.connect()
+        t = ExtensibleTensor(32 * MiB, "cpu", num_segments=2, client=client)
+        t.resize_per_segment_(GRANULE)
+        leased_at_least(client, 4)  # imported granules held, and maybe grants still unread, at the close
+        t.free()
+        client.close()
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before)
