@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hbmd.daemon.spawn import DaemonProcess
+from hbmd.daemon.spawn import DaemonProcess, LineProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
@@ -60,7 +60,7 @@ class Daemon(DaemonProcess):
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-class Worker:
+class Worker(LineProcess):
     """A helper process (``workers.py``) that prints one line per step; killed on exit.
 
     The protocol: it prints ``ready`` once set up, waits for a line on stdin
@@ -68,52 +68,18 @@ class Worker:
     """
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(BENCH_DIR / "workers.py"), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
-
-    def readline(self, timeout: float) -> str:
-        import selectors
-
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            if not sel.select(timeout):
-                self.kill()
-                raise TimeoutError(f"worker printed nothing in {timeout:.0f}s: {self.stderr_tail()}")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker exited with {self.proc.wait(5)}: {self.stderr_tail()}")
-        return line.strip()
+        super().__init__([str(BENCH_DIR / "workers.py"), *args], env)
 
     def wait_ready(self, timeout: float) -> None:
         line = self.readline(timeout)
         if line != "ready":
             raise RuntimeError(f"worker said {line!r} instead of ready: {self.stderr_tail()}")
 
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
     def go(self) -> None:
         self.send("go")
 
     def result(self, timeout: float) -> dict[str, Any]:
         return json.loads(self.readline(timeout))
-
-    def stderr_tail(self) -> str:
-        if self.proc.poll() is None:
-            self.kill()
-        return self.proc.stderr.read()[-3000:]
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
 
 
 @contextlib.contextmanager

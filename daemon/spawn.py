@@ -1,8 +1,12 @@
-"""Start an ``hbmd`` subprocess and wait until it serves: the one way tests, benchmarks and examples do it."""
+"""Start an ``hbmd`` subprocess and wait until it serves: the one way tests, benchmarks and examples do it.
+
+Also the helper processes they drive line by line (:class:`LineProcess`).
+"""
 
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
@@ -16,6 +20,7 @@ T = TypeVar("T")
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+LINE_TIMEOUT_S = 60.0
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02) -> T:
@@ -115,3 +120,49 @@ class DaemonProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class LineProcess:
+    """A Python helper process driven by lines: commands on its stdin, one line of stdout per step."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        """``argv``: the interpreter's arguments (a script and its options, or ``-c CODE``); ``env`` is added."""
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+
+    def readline(self, timeout: float = LINE_TIMEOUT_S) -> str:
+        """The next line it prints, stripped. ``TimeoutError`` (and the process killed) when none comes in time,
+        ``RuntimeError`` when it exited instead; both with the end of its stderr."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout):
+                self.kill()
+                raise TimeoutError(f"pid {self.proc.pid} printed nothing in {timeout:.0f}s: {self.stderr_tail()}")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"pid {self.proc.pid} exited with {self.proc.wait(5)}: {self.stderr_tail()}")
+        return line.strip()
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stderr_tail(self) -> str:
+        """The end of its stderr once it has exited ("(still running)" before)."""
+        if self.proc.poll() is None:
+            return "(still running)"
+        return self.proc.stderr.read()[-3000:]
+
+    def wait(self, timeout: float = LINE_TIMEOUT_S) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -14,8 +11,6 @@ import pytest
 from fake_systemd import FakeSystemd
 from hbmd.client import Client, connect
 from hbmd.daemon import spawn
-
-PROCESS_TIMEOUT_S = 60
 
 
 class DaemonProcess(spawn.DaemonProcess):
@@ -74,49 +69,11 @@ def client(daemon):
     c.close()
 
 
-class Worker:
+class Worker(spawn.LineProcess):
     """A Python worker process running ``code`` against the daemon; killed in teardown."""
 
     def __init__(self, daemon: DaemonProcess, code: str) -> None:
-        env = dict(os.environ, HBMD_RUN_DIR=str(daemon.run_dir), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def readline(self, timeout: float = PROCESS_TIMEOUT_S) -> str:
-        """The worker's next line of stdout (workers print one line per step)."""
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise TimeoutError(f"worker printed nothing in {timeout}s; stderr: {self.stderr_tail()}")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker exited with {self.proc.wait(5)}: {self.stderr_tail()}")
-        return line.strip()
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def stderr_tail(self) -> str:
-        if self.proc.poll() is None:
-            return "(still running)"
-        return self.proc.stderr.read()[-2000:]
-
-    def wait(self, timeout: float = PROCESS_TIMEOUT_S) -> int:
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+        super().__init__(["-c", textwrap.dedent(code)], env={"HBMD_RUN_DIR": str(daemon.run_dir)})
 
 
 @pytest.fixture
