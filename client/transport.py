@@ -174,31 +174,29 @@ class HandleChannel:
         if not readable:
             return True
         with self._lock:
-            try:
-                # Non-blocking mode, not MSG_DONTWAIT: with a timeout set, Python waits for the socket to turn
-                # readable before it reads, and if the other reader took the datagram, this would sit on the
-                # lock (which sends need too) until the next one arrived or the timeout passed.
-                data, fds = self._recv(timeout=0.0)
-            except BlockingIOError:
-                return True  # the other reader took it
-            except (DaemonUnavailable, OSError):
-                return False
-            batch = self._sort(data, fds)
-            if batch is not None:
-                self._backlog.append((batch, fds))
-        return True
+            return self._file_next() is not False  # None: the other reader took it
 
     def drain(self) -> None:
         """File every datagram waiting now, without blocking."""
         with self._lock:
-            while True:
-                try:
-                    data, fds = self._recv(timeout=0.0)
-                except (DaemonUnavailable, SessionLost, OSError):
-                    return
-                batch = self._sort(data, fds)
-                if batch is not None:
-                    self._backlog.append((batch, fds))
+            while self._file_next():
+                pass
+
+    def _file_next(self) -> bool | None:
+        """Read and file one datagram, the lock held: True; None when none waits; False once the daemon has gone."""
+        try:
+            # Non-blocking mode, not MSG_DONTWAIT: with a timeout set, Python waits for the socket to turn readable
+            # before it reads, and if the other reader took the datagram, this would sit on the lock (which sends
+            # need too) until the next one arrived or the timeout passed.
+            data, fds = self._recv(timeout=0.0)
+        except BlockingIOError:
+            return None
+        except (DaemonUnavailable, OSError):
+            return False
+        batch = self._sort(data, fds)
+        if batch is not None:
+            self._backlog.append((batch, fds))
+        return True
 
     def send(self, msg: Message) -> None:
         """Send a datagram to the daemon; once this returns it is queued on the daemon's side of the socket."""

@@ -117,19 +117,15 @@ def to_wire(value: Any) -> Any:
     names = _FIELD_NAMES.get(cls)
     if names is not None:
         return {name: to_wire(getattr(value, name)) for name in names}
-    if cls is list or cls is tuple:
+    if isinstance(value, (list, tuple)):
         if all(type(v) in _SCALARS for v in value):
             return value  # sizes, ids: msgpack packs them as they are
         return [to_wire(v) for v in value]
-    if cls is dict:
+    if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(value))
         return to_wire(value)
-    if isinstance(value, (list, tuple)):
-        return [to_wire(v) for v in value]
-    if isinstance(value, dict):
-        return {k: to_wire(v) for k, v in value.items()}
     return value
 
 
