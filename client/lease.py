@@ -3,7 +3,7 @@
 The daemon creates and exports granules before they are needed and sends
 them on the handle socket (:class:`LeaseGrant`); the client's listener thread
 imports each as it arrives. A commit whose new granules the lease covers
-takes them from here, tells the daemon where they go (:class:`LeaseBind`,
+takes them from here, tells the daemon where they go (:class:`LeasePlace`,
 sent before they are mapped) and maps them: no round trip. Granules the
 daemon asks back (:class:`LeaseRevoke`) and has not seen placed are given
 back (:class:`LeaseReturn`), as is the whole lease when a commit through the

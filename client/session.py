@@ -29,7 +29,7 @@ from hbmd.proto import (
     Free,
     Freed,
     Hello,
-    LeaseBind,
+    LeasePlace,
     ListBuffers,
     ListSessions,
     Message,
@@ -403,7 +403,7 @@ class Client:
         Where it raises, nothing was sent and the granules are back in the lease.
         """
         try:
-            self._handles.send(LeaseBind(buffer_id, list(sizes), [c for c, _ in taken], list(offsets)))
+            self._handles.send(LeasePlace(buffer_id, list(sizes), [c for c, _ in taken], list(offsets)))
         except BaseException:
             self._lease.put_back(taken)
             raise

@@ -8,7 +8,6 @@ them stay correct) as the buffer grows.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -16,7 +15,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from hbmd.proto import BufferInfo, ChunkInfo, Committed
 from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
-from hbmd.proto.runs import new_granules
+from hbmd.proto.runs import new_granules, prefix_offsets
 
 from .devices import parse_device
 from .mapper import Mapper
@@ -205,7 +204,7 @@ class ExtensibleTensor:
         self._num_chunks = info.num_chunks
         self._capacities = list(info.segment_capacities) or [info.segment_capacity_bytes] * info.num_segments
         self._sizes = list(info.segment_sizes) or [info.bytes_per_segment] * info.num_segments
-        self._offsets = list(itertools.accumulate(self._capacities, initial=0))[:-1]
+        self._offsets = prefix_offsets(self._capacities)
 
     # properties
 

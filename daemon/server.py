@@ -69,7 +69,7 @@ from hbmd.proto import (
     Free,
     Freed,
     Hello,
-    LeaseBind,
+    LeasePlace,
     LeaseGrant,
     LeaseReturn,
     LeaseRevoke,
@@ -692,8 +692,8 @@ class Server:
         session = conn.session
         try:
             msg = decode_datagram(data)
-            if isinstance(msg, LeaseBind):
-                self.state.bind(session, msg.buffer_id, msg.sizes, msg.chunk_ids, msg.offsets)
+            if isinstance(msg, LeasePlace):
+                self.state.place(session, msg.buffer_id, msg.sizes, msg.chunk_ids, msg.offsets)
             elif isinstance(msg, LeaseReturn):
                 self.state.return_lease(session, msg.chunk_ids)
             else:

@@ -8,7 +8,7 @@ and :meth:`State.check_invariants` says whether the books balance.
 
 Leases: a session that asks for them is leased granules created ahead of
 need (:meth:`State.top_up_lease`), charged to its tenant at once. Its client
-places them in its buffers itself and says so (:meth:`State.bind`), so a
+places them in its buffers itself and says so (:meth:`State.place`), so a
 commit that fits the lease costs no round trip. The lease grows when a
 commit found it short, stays empty while the budget is tight, and is taken
 back first under pressure: unplaced granules are asked back (a client may be
@@ -19,7 +19,6 @@ commit does not fit gives its whole lease back and retries.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import secrets
 import time
@@ -42,7 +41,7 @@ from hbmd.proto.errors import (
     PermissionDenied,
     VersionMismatch,
 )
-from hbmd.proto.runs import backed_runs, merge_runs, subtract_runs
+from hbmd.proto.runs import backed_runs, merge_runs, prefix_offsets, subtract_runs
 from hbmd.proto.units import format_bytes, round_up
 
 from .backends import A, Backend, C
@@ -62,11 +61,6 @@ LEASE_TOTAL_DIVISOR = 8
 """All leases together stay within an 8th of the budget."""
 LEASE_IDLE_S = 30.0
 """A lease the session has not drawn on for this long is asked back; it grows again with the next demand."""
-
-
-def prefix_offsets(capacities: list[int]) -> list[int]:
-    """Segments lie back to back: each starts where the one before ends."""
-    return list(itertools.accumulate(capacities, initial=0))[:-1]
 
 
 @dataclasses.dataclass
@@ -896,7 +890,7 @@ class State(Generic[A, C]):
         self._account(session=session, leased=len(created) * granule)
         return created
 
-    def bind(self, session: Session, buffer_id: int, sizes: list[int], chunk_ids: list[int], offsets: list[int]) -> Buffer[A, C]:
+    def place(self, session: Session, buffer_id: int, sizes: list[int], chunk_ids: list[int], offsets: list[int]) -> Buffer[A, C]:
         """Leased granules now back the session's buffer, which grows to ``sizes``: what the client mapped.
 
         The granules must be exactly the ones the growth needs, each a chunk

@@ -79,7 +79,7 @@ from .session import (
     Ack,
     FdBatch,
     Hello,
-    LeaseBind,
+    LeasePlace,
     LeaseGrant,
     LeaseReturn,
     LeaseRevoke,

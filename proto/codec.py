@@ -27,7 +27,7 @@ PROTOCOL_VERSION = (1, 3)
 ``session_lost`` error code and the status figures ``admissible_bytes`` and ``held_back_bytes``; 1.2 an
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
 ``Attach`` and ``Detach``, ``sealed`` and ``readers`` in ``BufferInfo``); 1.3 leases (``Hello.lease``,
-``Welcome.lease_bytes``, the ``LeaseGrant``/``LeaseRevoke``/``LeaseBind``/``LeaseReturn`` datagrams,
+``Welcome.lease_bytes``, the ``LeaseGrant``/``LeaseRevoke``/``LeasePlace``/``LeaseReturn`` datagrams,
 ``BufferInfo.shareable`` and ``leased_bytes`` in status and sessions). A 1.0 peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_CHARS = 1000

@@ -7,9 +7,15 @@ agree on them without a round trip.
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterable
 
 from .units import round_up
+
+
+def prefix_offsets(capacities: list[int]) -> list[int]:
+    """Where each segment starts: segments lie back to back, each where the one before ends."""
+    return list(itertools.accumulate(capacities, initial=0))[:-1]
 
 
 def merge_runs(runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:

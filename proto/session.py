@@ -117,7 +117,7 @@ class LeaseGrant(Message):
 
     Each is one granule, charged to the session's tenant from now on. The
     client places them in its buffers itself and tells the daemon with
-    :class:`LeaseBind`; until then they are the session's lease, shown apart
+    :class:`LeasePlace`; until then they are the session's lease, shown apart
     from committed bytes, and go back when the session ends.
     """
 
@@ -132,8 +132,8 @@ class LeaseRevoke(Message):
     chunk_ids: list[int]
 
 
-@message("session.lease_bind")
-class LeaseBind(Message):
+@message("session.lease_bind")  # the wire name of protocol 1.3, kept
+class LeasePlace(Message):
     """Client → daemon on the handle plane: leased granules now back a buffer.
 
     The segments of ``buffer_id`` grow to ``sizes`` (as a commit would), and

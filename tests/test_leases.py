@@ -183,13 +183,13 @@ def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
     before = (daemon_view(client, t), client.status().leased_bytes)
     sock = client._handles.sock
     bad = [
-        proto.LeaseBind(t.buffer_id, [2 * GRANULE] * 2, [10**9, 10**9 + 1], [GRANULE, 5 * GRANULE]),  # not leased
-        proto.LeaseBind(t.buffer_id, [2 * GRANULE] * 2, [1], [GRANULE]),  # too few granules
-        proto.LeaseBind(t.buffer_id, [GRANULE] * 2, [], []),  # the same sizes: allowed, a no-op
-        proto.LeaseBind(t.buffer_id, [GRANULE, 0], [], []),  # shrinking
-        proto.LeaseBind(t.buffer_id, [64 * MiB] * 2, [], []),  # beyond the capacity
-        proto.LeaseBind(theirs.buffer_id, [GRANULE], [], []),  # another session's buffer
-        proto.LeaseBind(t.buffer_id, [2 * GRANULE], [], []),  # one size for two segments
+        proto.LeasePlace(t.buffer_id, [2 * GRANULE] * 2, [10**9, 10**9 + 1], [GRANULE, 5 * GRANULE]),  # not leased
+        proto.LeasePlace(t.buffer_id, [2 * GRANULE] * 2, [1], [GRANULE]),  # too few granules
+        proto.LeasePlace(t.buffer_id, [GRANULE] * 2, [], []),  # the same sizes: allowed, a no-op
+        proto.LeasePlace(t.buffer_id, [GRANULE, 0], [], []),  # shrinking
+        proto.LeasePlace(t.buffer_id, [64 * MiB] * 2, [], []),  # beyond the capacity
+        proto.LeasePlace(theirs.buffer_id, [GRANULE], [], []),  # another session's buffer
+        proto.LeasePlace(t.buffer_id, [2 * GRANULE], [], []),  # one size for two segments
         proto.LeaseReturn([10**9, -1, 0]),  # nothing of it is leased
     ]
     for msg in bad:
@@ -291,7 +291,7 @@ def test_a_placement_claiming_a_petabyte_is_refused_without_the_daemon_counting_
     buffer = client.create_buffer(1 << 50)  # a petabyte of address space costs the daemon nothing
     client.commit(buffer.buffer_id, GRANULE, lambda chunk, fd: None)
     leased_at_least(client, 1)
-    client._handles.sock.send(proto.encode_datagram(proto.LeaseBind(buffer.buffer_id, [1 << 50], [1], [GRANULE])))
+    client._handles.sock.send(proto.encode_datagram(proto.LeasePlace(buffer.buffer_id, [1 << 50], [1], [GRANULE])))
     started = time.monotonic()
     (info,) = [b for b in client.buffers() if b.buffer_id == buffer.buffer_id]
     assert info.segment_sizes == [GRANULE] and info.physical_bytes == GRANULE

@@ -279,7 +279,7 @@ class StateMachine(RuleBasedStateMachine):
             offsets = data.draw(st.lists(st.integers(-1, 16).map(lambda g: g * GRANULE), max_size=4))
             chunk_ids = data.draw(st.lists(st.integers(0, 200), min_size=len(offsets), max_size=len(offsets)))
             sizes = data.draw(st.lists(st.integers(-1, 8 * GRANULE), min_size=buffer.num_segments, max_size=buffer.num_segments))
-        self.attempt(self.state.bind, session, buffer.buffer_id, sizes, chunk_ids, offsets)
+        self.attempt(self.state.place, session, buffer.buffer_id, sizes, chunk_ids, offsets)
 
     @precondition(lambda self: any(s.lease for s in self.state.sessions.values()))
     @rule(data=st.data())
