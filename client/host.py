@@ -70,7 +70,7 @@ class HostMapper:
             mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE,
             mmap.MAP_SHARED | _MAP_FIXED,
             prepared,
-            chunk.handle_offset,
+            0,
         )
 
     def discard(self, prepared: int) -> None:

@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 
 from hbmd.proto.errors import HbmdError, NotFound
+from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes, round_up
 
 from .notify import SystemdNotifier
@@ -34,13 +35,9 @@ from .state import Buffer, Chunk, State
 
 log = logging.getLogger("hbmd.persist")
 
-JOURNAL_VERSION = 2
-"""2 records each segment's capacity and size (and whether a buffer is sealed; an entry without it is not);
-version 1's equal segments are read too."""
-
-
-def arena_name(buffer_id: int) -> str:
-    return f"hbmd-a{buffer_id}"
+JOURNAL_VERSION = 3
+"""3 records a chunk as ``[id, offset, size]``; 2 added a fourth field, always 0, and each segment's capacity and
+size (and whether a buffer is sealed; an entry without it is not); version 1's equal segments are read too."""
 
 
 def chunk_name(buffer_id: int, chunk_id: int) -> str:
@@ -66,7 +63,10 @@ class Persistence:
             return
         for buffer_id in sorted(self.state.changed):
             buffer = self.state.buffers.get(buffer_id)
-            wanted = self._names(buffer) if buffer is not None and buffer.persistent else {}
+            wanted = (
+                {chunk_name(buffer_id, c.chunk_id): c for c in buffer.chunks} if buffer is not None and buffer.persistent
+                else {}
+            )
             parked = self._parked.setdefault(buffer_id, set())
             for name in sorted(parked - wanted.keys()):
                 self.notifier.remove_fds(name)
@@ -79,15 +79,9 @@ class Persistence:
         self.state.changed.clear()
         self._write_journal()
 
-    def _names(self, buffer: Buffer) -> dict[str, Chunk | None]:
-        """What must be parked for ``buffer``: each chunk, or its arena, by FD-store name."""
-        if self.state.backend.parks_chunks:
-            return {chunk_name(buffer.buffer_id, c.chunk_id): c for c in buffer.chunks}
-        return {arena_name(buffer.buffer_id): None}
-
-    def _park(self, buffer: Buffer, chunk: Chunk | None, name: str) -> bool:
+    def _park(self, buffer: Buffer, chunk: Chunk, name: str) -> bool:
         try:
-            fd = self.state.backend.parked_fd(buffer.arena, chunk.handle if chunk else None)
+            fd = self.state.backend.parked_fd(buffer.arena, chunk.handle)
         except (HbmdError, OSError) as exc:
             log.warning("cannot park %s with the service manager: %s", name, exc)
             return False
@@ -108,9 +102,7 @@ class Persistence:
                 "segment_sizes": b.segment_sizes,
                 "shareable": b.shareable,
                 "sealed": b.sealed,
-                "chunks": [
-                    [c.chunk_id, c.offset, c.size, self.state.backend.handle_offset(b.arena, c.handle)] for c in b.chunks
-                ],
+                "chunks": [[c.chunk_id, c.offset, c.size] for c in b.chunks],
             }
             for b in self.state.buffers.values()
             if b.persistent
@@ -174,43 +166,39 @@ class Persistence:
         """
         backend = self.state.backend
         buffer_id = int(entry["buffer_id"])
-        if backend.parks_chunks:
-            needed = [chunk_name(buffer_id, int(chunk[0])) for chunk in entry["chunks"]]
-        else:
-            needed = [arena_name(buffer_id)]
+        layout = [_chunk_layout(chunk) for chunk in entry["chunks"]]
+        needed = [chunk_name(buffer_id, chunk_id) for chunk_id, _, _ in layout]
         missing = [name for name in needed if name not in fds]
         if missing:
             shown = ", ".join(missing[:4])
             raise NotFound(f"{len(missing)} of its {len(needed)} parked descriptors did not come back ({shown})")
-        reserved = round_up(int(entry["capacity"]), backend.granularity)
-        arena_fd = fds.pop(arena_name(buffer_id), None)
-        arena = backend.adopt_arena(reserved, bool(entry["shareable"]), arena_fd)
+        arena = backend.adopt_arena(round_up(int(entry["capacity"]), backend.granularity), bool(entry["shareable"]))
         chunks: list[Chunk] = []
-        parked = {arena_name(buffer_id)} if arena_fd is not None else set()
-        try:
-            for chunk_id, offset, size, handle_offset in entry["chunks"]:
-                name = chunk_name(buffer_id, chunk_id)
-                fd = fds.pop(name, None)
+        with Undo() as undo:
+            undo.push(backend.close_arena, arena)
+            for (chunk_id, offset, size), name in zip(layout, needed):
+                fd = fds.pop(name)
+                # Out of ``fds`` now, so if the buffer is not adopted only this undo unparks it.
+                undo.push(self.notifier.remove_fds, name)
                 try:
-                    handle = backend.adopt(arena, offset, size, handle_offset, fd)
+                    handle = backend.adopt(arena, offset, size, fd)
                 finally:
-                    if fd is not None:
-                        os.close(fd)
-                        parked.add(name)
+                    os.close(fd)
+                undo.push(backend.release, arena, handle)
                 chunks.append(Chunk(chunk_id, offset, size, handle))
-        except BaseException:
-            for chunk in chunks:
-                backend.release(arena, chunk.handle)
-            backend.close_arena(arena)
-            for name in parked:
-                self.notifier.remove_fds(name)
-            raise
-        self.state.adopt_buffer(
-            buffer_id, entry["name"], int(entry["owner_uid"]), entry["tenant"], int(entry["capacity"]),
-            *_segments(entry), bool(entry["shareable"]), arena, chunks, bool(entry.get("sealed", False)),
-        )
-        self._parked[buffer_id] = parked
+            self.state.adopt_buffer(
+                buffer_id, entry["name"], int(entry["owner_uid"]), entry["tenant"], int(entry["capacity"]),
+                *_segments(entry), bool(entry["shareable"]), arena, chunks, bool(entry.get("sealed", False)),
+            )
+        self._parked[buffer_id] = set(needed)
         log.info("restored persistent buffer %r: %d bytes in %d chunks", entry["name"], sum(c.size for c in chunks), len(chunks))
+
+
+def _chunk_layout(chunk: list) -> tuple[int, int, int]:
+    """A journaled chunk's ``(id, offset, size)``; version 2 wrote a fourth field, always 0."""
+    if len(chunk) not in (3, 4) or chunk[3:] not in ([], [0]):
+        raise ValueError(f"journaled chunk {chunk[:5]!r} is not [id, offset, size]")
+    return int(chunk[0]), int(chunk[1]), int(chunk[2])
 
 
 def _segments(entry: dict) -> tuple[list[int], list[int]]:

@@ -851,7 +851,7 @@ class Server:
                 if not all(c.live for c in delivery.chunks):
                     raise InternalError("chunks were released before they were delivered")
                 for chunk in delivery.chunks:
-                    fds.append(self.state.export(delivery.buffer, chunk))
+                    fds.append(self.state.export(delivery.buffer, chunk) if delivery.buffer is not None else self.state.export_leased(chunk))
             except (HbmdError, OSError) as exc:
                 self._warnings.warning("export", "export for request %d failed: %s", delivery.request_id, exc)
                 for fd in fds:
@@ -1015,8 +1015,7 @@ class Server:
         """Ask back what the state wants back, and top up the leases that commits and placements ran down, after the
         replies have gone out."""
         self._send_revokes()
-        due, self.state.lease_due = self.state.lease_due, set()
-        for session_id in due:
+        for session_id in self.state.take_lease_due():
             conn = self._by_session.get(session_id)
             if conn is None or len(conn.outbox) >= MAX_QUEUED_BATCHES:
                 continue
@@ -1119,7 +1118,7 @@ class Server:
             conn.outbox.append(FdDelivery(request_id, buffer, batch, index, len(batches)))
         if batches:
             self._flush(conn)
-        return Committed(buffer.info(), [self.state.chunk_info(buffer, c) for c in chunks], len(batches))
+        return Committed(buffer.info(), [self.state.chunk_info(c) for c in chunks], len(batches))
 
     @handles(FinishDefragment)
     def _finish_defragment(self, conn: HandleConnection, request_id: int, msg: FinishDefragment) -> Released:

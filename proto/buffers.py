@@ -18,14 +18,15 @@ from .codec import Message, Request, message, record
 class ChunkInfo:
     """One physical chunk: ``size`` bytes mapped at ``offset`` of the buffer.
 
-    ``handle_offset`` is where the mapping starts inside the exported handle
-    (0 for a CUDA allocation; the file offset for a host memfd).
+    Each chunk is a handle of its own (a CUDA allocation, a memfd), mapped
+    from its start: ``handle_offset`` is always 0, and stays on the wire for
+    clients of protocol 1.0 to 1.3, which read it.
     """
 
     chunk_id: int
     offset: int
     size: int
-    handle_offset: int
+    handle_offset: int = 0
 
 
 @record

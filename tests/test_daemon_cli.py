@@ -96,6 +96,27 @@ def test_sighup_refuses_a_config_that_breaks_what_was_admitted(start_daemon, run
     worker.close()
 
 
+def test_a_tenant_added_by_sighup_keeps_its_limits_after_its_last_session_ends(start_daemon, run_dir):
+    config = run_dir / "tenants.toml"
+    config.write_text(tenants("128MiB"))
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config))
+    config.write_text(tenants("128MiB") + '[[tenants]]\nname = "team-b"\nmax = "16MiB"\n')
+    os.kill(daemon.pid, signal.SIGHUP)
+    reloads(daemon, 1, "SIGHUP: reloaded")
+    for _ in range(2):  # the first session makes the tenant; once it ends the next one makes it again
+        with daemon.connect(tenant="team-b") as worker:
+            with pytest.raises(OutOfBudget, match="tenant 'team-b'"):
+                ExtensibleTensor(64 * MiB, "cpu", client=worker).resize_(32 * MiB)
+            assert [t.max_bytes for t in worker.status().tenants if t.name == "team-b"] == [16 * MiB]
+
+    config.write_text(tenants("128MiB"))  # team-b is configured no more: it goes with its last holder
+    os.kill(daemon.pid, signal.SIGHUP)
+    reloads(daemon, 2, "SIGHUP: reloaded")
+    with daemon.connect(tenant="team-b") as worker:
+        ExtensibleTensor(64 * MiB, "cpu", client=worker).resize_(32 * MiB)
+        assert [t.max_bytes for t in worker.status().tenants if t.name == "team-b"] == [-1]
+
+
 def test_sighup_without_a_config_is_harmless(daemon, client):
     os.kill(daemon.pid, signal.SIGHUP)
     reloads(daemon, 1, "no --config to reload")

@@ -31,7 +31,6 @@ class PipeBackend:
     total_bytes = 64 * GRANULE
     device_uuid = ""
     device_index = -1
-    parks_chunks = True
 
     def __init__(self, refuse_at: int | None = None) -> None:
         self.refuse_at = refuse_at
@@ -44,9 +43,6 @@ class PipeBackend:
         os.close(write)
         return read
 
-    def handle_offset(self, arena: None, chunk: int) -> int:
-        return 0
-
     def export(self, arena: None, chunk: int) -> int:
         return os.dup(chunk)
 
@@ -58,10 +54,10 @@ class PipeBackend:
     def close_arena(self, arena: None) -> None:
         pass
 
-    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> None:
+    def adopt_arena(self, reserved_bytes: int, shareable: bool) -> None:
         return None
 
-    def adopt(self, arena: None, offset: int, size: int, handle_offset: int, fd: int | None) -> int:
+    def adopt(self, arena: None, offset: int, size: int, fd: int) -> int:
         if offset == self.refuse_at:
             raise RuntimeError("the driver is gone")  # what CudaUnavailable is
         return os.dup(fd)

@@ -61,9 +61,6 @@ class FlakyBackend:
         self.live.add(chunk)
         return chunk
 
-    def handle_offset(self, arena: int, chunk: int) -> int:
-        return 0
-
     def export(self, arena: int, chunk: int) -> int:
         if chunk not in self.live:
             raise AssertionError(f"export of released chunk {chunk}")
@@ -261,7 +258,7 @@ class StateMachine(RuleBasedStateMachine):
     @rule(data=st.data(), granules=st.integers(1, 3), fail_after=st.none() | st.integers(0, 2))
     def top_up_lease(self, data, granules, fail_after):
         session = self.session(data)
-        self.state._note_demand(session, [Chunk(0, 0, GRANULE, 0)] * granules)  # a commit of that many granule runs
+        self.state.leases.note_demand(session, [Chunk(0, 0, GRANULE, 0)] * granules)  # a commit of that many granule runs
         self.backend.fail_create_in = fail_after
         self.state.top_up_lease(session)
         self.backend.fail_create_in = None
@@ -330,7 +327,7 @@ class StateMachine(RuleBasedStateMachine):
         held = {c.handle for b in self.state.buffers.values() for c in (*b.chunks, *b.pending)}
         held |= {c.handle for s in self.state.sessions.values() for c in s.lease.values()}
         assert held == self.backend.live
-        lease_arena = {self.state._lease_arena} - {None}
+        lease_arena = {self.state.leases.arena} - {None}
         assert {b.arena for b in self.state.buffers.values()} | lease_arena == self.backend.arenas
 
     @invariant()

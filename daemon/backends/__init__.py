@@ -43,10 +43,6 @@ class Backend(Protocol[A, C]):
         """
         ...
 
-    def handle_offset(self, arena: A, chunk: C) -> int:
-        """Where the chunk's mapping starts inside its exported handle."""
-        ...
-
     def export(self, arena: A, chunk: C) -> int:
         """A new file descriptor for the chunk; the caller closes it once sent."""
         ...
@@ -78,17 +74,14 @@ class Backend(Protocol[A, C]):
 class ParkableBackend(Backend[A, C], Protocol[A, C]):
     """A backend whose memory can be parked with the service manager across restarts (see ``daemon/persist.py``)."""
 
-    parks_chunks: bool
-    """True: one FD per chunk keeps the memory alive; False: one FD per buffer (its arena) does."""
-
-    def parked_fd(self, arena: A, chunk: C | None) -> int:
-        """A new FD keeping ``chunk`` (or, with None, the whole arena) alive; the caller closes it."""
+    def parked_fd(self, arena: A, chunk: C) -> int:
+        """A new FD keeping ``chunk`` alive (each chunk is parked on its own); the caller closes it."""
         ...
 
-    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> A:
-        """Rebuild a buffer's backend state after a restart (taking ownership of ``fd``)."""
+    def adopt_arena(self, reserved_bytes: int, shareable: bool) -> A:
+        """Rebuild a buffer's backend state after a restart."""
         ...
 
-    def adopt(self, arena: A, offset: int, size: int, handle_offset: int, fd: int | None) -> C:
+    def adopt(self, arena: A, offset: int, size: int, fd: int) -> C:
         """Rebuild a chunk handle after a restart from its parked FD (which the caller closes)."""
         ...

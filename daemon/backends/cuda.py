@@ -15,8 +15,9 @@ from typing import Any
 
 from hbmd import driver
 from hbmd.driver import nvml
-from hbmd.proto.errors import DriverError, InternalError
+from hbmd.proto.errors import DriverError
 from hbmd.proto.instance import gpu_instance
+from hbmd.proto.undo import Undo
 
 from . import ParkableBackend
 
@@ -96,11 +97,9 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         self._rdma_refused = False
         # Prove POSIX-FD allocations work here before serving anyone; the proof may stay as the sentinel.
         probe = CudaChunk(driver.create(index, self.granularity, rdma=False))
-        try:
+        with Undo() as undo:
+            undo.push(probe.release)
             probe.fd = driver.export_fd(probe.handle)
-        except BaseException:
-            probe.release()
-            raise
         self._sentinel: CudaChunk | None = probe
         if not export_sentinel:
             self._sentinel = None
@@ -123,9 +122,6 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
                 arena.rdma = False
         return CudaChunk(driver.create(self.device_index, size, rdma=False))
 
-    def handle_offset(self, arena: CudaArena, chunk: CudaChunk) -> int:
-        return 0
-
     def export(self, arena: CudaArena, chunk: CudaChunk) -> int:
         return chunk.export()
 
@@ -135,20 +131,14 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
     def close_arena(self, arena: CudaArena) -> None:
         """Nothing per buffer to drop: each chunk is its own allocation."""
 
-    parks_chunks = True  # each chunk is its own allocation
-
-    def parked_fd(self, arena: CudaArena, chunk: CudaChunk | None) -> int:
-        if chunk is None:
-            raise InternalError("a CUDA buffer is parked chunk by chunk, never as a whole")
+    def parked_fd(self, arena: CudaArena, chunk: CudaChunk) -> int:
         return chunk.export()
 
-    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> CudaArena:
+    def adopt_arena(self, reserved_bytes: int, shareable: bool) -> CudaArena:
         return CudaArena(rdma=shareable and not self._rdma_refused)
 
-    def adopt(self, arena: CudaArena, offset: int, size: int, handle_offset: int, fd: int | None) -> CudaChunk:
+    def adopt(self, arena: CudaArena, offset: int, size: int, fd: int) -> CudaChunk:
         """Keep (a duplicate of) the parked FD: one descriptor per restored chunk, no driver call, no context."""
-        if fd is None:
-            raise InternalError("a CUDA chunk cannot be adopted without its FD")
         return CudaChunk(None, os.dup(fd))
 
     def held_back_bytes(self) -> int:
@@ -160,11 +150,9 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         if len(self._warm) >= self.warm_target:
             return False
         handle = driver.create(self.device_index, self.granularity, rdma=False)
-        try:
+        with Undo() as undo:
+            undo.push(driver.release, handle)
             fd = driver.export_fd(handle)
-        except BaseException:
-            driver.release(handle)
-            raise
         self._warm.append(CudaChunk(handle, fd))
         return len(self._warm) < self.warm_target
 

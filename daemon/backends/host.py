@@ -33,6 +33,7 @@ import fcntl
 import os
 
 from hbmd.proto.errors import InternalError, OutOfDeviceMemory
+from hbmd.proto.undo import Undo
 
 from .. import fds
 from . import ParkableBackend
@@ -87,7 +88,8 @@ def sealed_memfd(size: int) -> int:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise out_of_fds(size) from None
         raise
-    try:
+    with Undo() as undo:
+        undo.push(os.close, fd)
         os.ftruncate(fd, size)
         try:
             os.posix_fallocate(fd, 0, size)
@@ -98,9 +100,6 @@ def sealed_memfd(size: int) -> int:
                 ) from None
             raise
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
     return fd
 
 
@@ -162,9 +161,6 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
             raise out_of_fds(size)
         return self._opened(HostChunk(sealed_memfd(size), size))
 
-    def handle_offset(self, arena: HostArena, chunk: HostChunk) -> int:
-        return 0
-
     def export(self, arena: HostArena, chunk: HostChunk) -> int:
         return os.dup(chunk.fd)
 
@@ -181,24 +177,15 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
     def free_bytes(self) -> int:
         return host_available_bytes()
 
-    parks_chunks = True
-
-    def parked_fd(self, arena: HostArena, chunk: HostChunk | None) -> int:
-        if chunk is None:
-            raise InternalError("the host backend parks chunks, not buffers")
+    def parked_fd(self, arena: HostArena, chunk: HostChunk) -> int:
         return os.dup(chunk.fd)
 
-    def adopt_arena(self, reserved_bytes: int, shareable: bool, fd: int | None) -> HostArena:
-        if fd is not None:
-            os.close(fd)
-            raise InternalError("a buffer parked whole by an older hbmd cannot be restored: its chunks share one memfd")
+    def adopt_arena(self, reserved_bytes: int, shareable: bool) -> HostArena:
         return HostArena()
 
-    def adopt(self, arena: HostArena, offset: int, size: int, handle_offset: int, fd: int | None) -> HostChunk:
-        if fd is None:
-            raise InternalError(f"chunk at {offset} was not passed back by the service manager")
+    def adopt(self, arena: HostArena, offset: int, size: int, fd: int) -> HostChunk:
         # The parked FD is the memory itself: take it only if it is still the sealed chunk handed out.
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        if handle_offset != 0 or os.fstat(fd).st_size != size or seals & SEALS != SEALS:
+        if os.fstat(fd).st_size != size or seals & SEALS != SEALS:
             raise InternalError(f"the FD parked for the chunk at {offset} is not a sealed memfd of {size} bytes")
         return self._opened(HostChunk(os.dup(fd), size))

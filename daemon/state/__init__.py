@@ -1,0 +1,355 @@
+"""The daemon's state: sessions, buffers, chunks, leases and the budget.
+
+Plain data and arithmetic over a :class:`Backend`; nothing here knows about
+sockets. Each concern has a room of its own, and :class:`State` is the one
+façade the server calls:
+
+- ``records``: the data (sessions, buffers, chunks, tenants, reclaims);
+- ``tenants``: the budget: the only place that admits, charges and says
+  what is left (:class:`~.tenants.Tenants`);
+- ``sessions``: who is connected, and reclaim requests;
+- ``buffers``: buffers, their chunks, persistent names, seals and readers;
+- ``leases``: granules made ahead of need and placed by clients;
+- ``chunks``: where chunks are made and released with the backend;
+- ``invariants``: whether the books balance.
+
+Every request either completes or raises with the state unchanged, with one
+exception the caller asks for: a discarding defragment that cannot make its
+new chunks leaves the buffer released (its data was already given up).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Generic
+
+from hbmd.proto import ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto.errors import PermissionDenied
+from hbmd.proto.units import round_up
+
+from ..backends import A, Backend, C
+from ..config import Config
+from .buffers import Buffers
+from .chunks import Chunks
+from .invariants import check_invariants
+from .leases import DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
+from .records import MAX_CAPACITY, Buffer, Chunk, Limits, Reclaim, Session, Tenant, check_int
+from .sessions import RECLAIM_PATIENCE_S, Sessions
+from .tenants import Tenants
+
+__all__ = ["DEFAULT_LEASE_BYTES", "Buffer", "Chunk", "Limits", "Reclaim", "Session", "State", "Tenant"]
+
+
+class State(Generic[A, C]):
+    """Sessions, buffers, leases and the budget of one daemon instance."""
+
+    def __init__(
+        self,
+        backend: Backend[A, C],
+        budget_bytes: int,
+        config: Config | None = None,
+        reclaim_patience_s: float = RECLAIM_PATIENCE_S,
+        limits: Limits = Limits(),
+        lease_bytes: int = DEFAULT_LEASE_BYTES,
+        lease_idle_s: float = LEASE_IDLE_S,
+    ) -> None:
+        """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`."""
+        self.backend = backend
+        self.limits = limits
+        self.budget = Tenants(budget_bytes, config or Config())
+        self.chunks: Chunks[A, C] = Chunks(backend)
+        self.sessions_room = Sessions(limits, reclaim_patience_s)
+        self.buffers_room: Buffers[A, C] = Buffers(backend, self.chunks, self.budget, limits, self)
+        self.leases: Leases[A, C] = Leases(backend, self.chunks, self.budget, lease_bytes, lease_idle_s)
+        self.started_at = time.monotonic()
+
+    # what the server, metrics and persistence read
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        return self.sessions_room.by_id
+
+    @property
+    def buffers(self) -> dict[int, Buffer[A, C]]:
+        return self.buffers_room.by_id
+
+    @property
+    def persistent(self) -> dict[tuple[int, str], Buffer[A, C]]:
+        return self.buffers_room.persistent
+
+    @property
+    def tenants(self) -> dict[str, Tenant]:
+        return self.budget.by_name
+
+    @property
+    def config(self) -> Config:
+        return self.budget.config
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget.budget_bytes
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.budget.committed_bytes
+
+    @property
+    def leased_bytes(self) -> int:
+        return self.budget.leased_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.buffers_room.reserved_bytes
+
+    @property
+    def num_chunks(self) -> int:
+        return self.buffers_room.num_chunks
+
+    @property
+    def workers(self) -> list[Session]:
+        return self.sessions_room.workers
+
+    @property
+    def reclaim_patience_s(self) -> float:
+        return self.sessions_room.reclaim_patience_s
+
+    @property
+    def changed(self) -> set[int] | None:
+        """Persistent buffers changed since the persistence layer last synced (None: nobody tracks them)."""
+        return self.buffers_room.changed
+
+    @changed.setter
+    def changed(self, value: set[int] | None) -> None:
+        self.buffers_room.changed = value
+
+    @property
+    def revokes_due(self) -> list[tuple[Session, list[int]]]:
+        return self.leases.revokes_due
+
+    @property
+    def reclaims_due(self) -> list[tuple[Session, Reclaim]]:
+        return self.sessions_room.reclaims_due
+
+    # sessions
+
+    def tenant_for(self, uid: int, declared: str) -> Tenant:
+        return self.budget.resolve(uid, declared)
+
+    def open_session(
+        self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False,
+        lease: bool = False,
+    ) -> Session:
+        """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
+        ``PermissionDenied`` for a tenant it may not declare."""
+        charged = self.budget.resolve(uid, tenant)
+        wants_lease = lease and not observer and self.leases.granules > 0
+        session = self.sessions_room.open(pid, uid, gid, client_name, charged, admin, observer, wants_lease)
+        self.budget.hold(charged)
+        return session
+
+    def session_for(self, token: str) -> Session:
+        return self.sessions_room.for_token(token)
+
+    def close_session(self, session: Session) -> int:
+        """End a session: its lease and read claims go, its anonymous buffers are freed, its persistent ones
+        orphaned (mid-defragment keeping the old chunks, which hold the data). Returns the bytes freed."""
+        self.leases.end_session(session)
+        freed = self.buffers_room.end_session(session)
+        self.sessions_room.forget(session)
+        self.budget.let_go(session.tenant)
+        return freed
+
+    # buffers
+
+    def create_buffer(
+        self, session: Session, capacity: int, num_segments: int, name: str = "", persistent: bool = False,
+        shareable: bool = False, segment_capacities: list[int] | None = None,
+    ) -> Buffer[A, C]:
+        """A buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities`` (summing to ``capacity``)."""
+        return self.buffers_room.create(session, capacity, num_segments, segment_capacities, name, persistent, shareable)
+
+    def adopt_buffer(
+        self, buffer_id: int, name: str, owner_uid: int, tenant: str, capacity: int, capacities: list[int],
+        sizes: list[int], shareable: bool, arena: A, chunks: list[Chunk[C]], sealed: bool = False,
+    ) -> Buffer[A, C]:
+        """Bring back an orphaned persistent buffer after a restart; its memory counts whatever the budget."""
+        buffer = Buffer(
+            buffer_id=buffer_id, name=name, persistent=True, shareable=shareable, owner=None, owner_uid=owner_uid,
+            tenant=self.budget.named(tenant), capacity=capacity, reserved=round_up(capacity, self.backend.granularity),
+            segment_capacities=capacities, arena=arena, segment_sizes=sizes,
+            chunks=chunks, sealed=sealed,
+        )
+        self.buffers_room.adopt(buffer)
+        return buffer
+
+    def buffer_of(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        return self.buffers_room.of(session, buffer_id)
+
+    def commit(self, session: Session, buffer_id: int, sizes: int | list[int]) -> list[Chunk[C]]:
+        """Grow each segment's committed prefix to ``sizes[i]`` (an int: the same for all); returns the new chunks.
+
+        A commit a lease could have served tells the lease it was short.
+        """
+        created = self.buffers_room.commit(session, buffer_id, sizes)
+        self.leases.note_demand(session, created)
+        return created
+
+    def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk[C]]:
+        return self.buffers_room.defragment(session, buffer_id, preserve)
+
+    def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
+        return self.buffers_room.finish_defragment(session, buffer_id, keep_new)
+
+    def release(self, session: Session, buffer_id: int) -> int:
+        """Drop every chunk, keep the reservation. Returns the bytes freed."""
+        return self.buffers_room.release_all(self.buffers_room.changeable(session, buffer_id))
+
+    def free(self, session: Session, buffer_id: int) -> int:
+        """Drop the buffer (a sealed one only once nobody reads it). Returns the bytes freed."""
+        buffer = self.buffers_room.of(session, buffer_id)
+        self.buffers_room.check_unread(buffer, self._pids())
+        return self.buffers_room.drop(buffer)
+
+    def attach(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
+        return self.buffers_room.attach(session, name, uneven_ok)
+
+    def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        return self.buffers_room.seal(session, buffer_id)
+
+    def attach_reader(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
+        return self.buffers_room.attach_reader(session, name, uneven_ok)
+
+    def detach_reader(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        return self.buffers_room.detach_reader(session, buffer_id)
+
+    def detach(self, session: Session, buffer_id: int) -> int:
+        return self.buffers_room.detach(session, buffer_id)
+
+    def delete(self, session: Session, name: str, owner_uid: int = -1) -> tuple[int, int]:
+        """Free an orphaned persistent buffer by name: the session's user's, or for an admin ``owner_uid``'s.
+
+        Returns its id and the bytes freed.
+        """
+        check_int("owner_uid", owner_uid, -1, (1 << 32) - 1)
+        uid = session.uid if owner_uid == -1 else owner_uid
+        if uid != session.uid and not session.admin:
+            raise PermissionDenied("only an admin may delete another user's persistent buffer")
+        buffer = self.buffers_room.orphan(uid, name)
+        self.buffers_room.check_unread(buffer, self._pids())
+        return buffer.buffer_id, self.buffers_room.drop(buffer)
+
+    def _pids(self) -> dict[int, int]:
+        return {s.session_id: s.pid for s in self.sessions.values()}
+
+    def chunk_info(self, chunk: Chunk[C]) -> ChunkInfo:
+        return ChunkInfo(chunk.chunk_id, chunk.offset, chunk.size)
+
+    def export(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> int:
+        """A new FD for a buffer's chunk."""
+        return self.backend.export(buffer.arena, chunk.handle)
+
+    def export_leased(self, chunk: Chunk[C]) -> int:
+        """A new FD for a leased granule."""
+        return self.leases.export(chunk)
+
+    # leases
+
+    def take_lease_due(self) -> set[int]:
+        """Sessions (by id) whose lease may need topping up; each is named once until it needs it again."""
+        return self.leases.take_due()
+
+    def lease_bytes_for(self, session: Session) -> int:
+        return self.leases.bytes_for(session)
+
+    def top_up_lease(self, session: Session) -> list[Chunk[C]]:
+        return self.leases.top_up(session)
+
+    def place(self, session: Session, buffer_id: int, sizes: list[int], chunk_ids: list[int], offsets: list[int]) -> Buffer[A, C]:
+        """Leased granules now back the session's buffer, which grows to ``sizes``: what the client mapped.
+
+        The granules must be exactly the ones the growth needs, each a chunk
+        of the session's lease; otherwise nothing changes.
+        """
+        buffer = self.buffers_room.changeable(session, buffer_id)
+        runs = self.buffers_room.growth(buffer, sizes)
+        self.buffers_room.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
+        return buffer
+
+    def return_lease(self, session: Session, chunk_ids: list[int]) -> list[int]:
+        return self.leases.given_back(session, chunk_ids)
+
+    def ask_back_lease(self, session: Session) -> None:
+        self.leases.ask_back(session)
+
+    def ask_back_all_leases(self) -> None:
+        self.refused(None)
+
+    def ask_back_idle_leases(self, now: float) -> None:
+        self.leases.ask_back_idle(list(self.sessions.values()), now)
+
+    # pressure: what a commit that met a limit asks of other sessions
+
+    def refused(self, requester: Session | None) -> None:
+        """Budget pressure: ask every other session for its unplaced granules, and lease them none until they commit again."""
+        for session in self.sessions.values():
+            if session is not requester:
+                self.leases.ask_back(session)
+
+    def short(self, tenant: Tenant, needed: int) -> None:
+        """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""
+        self.refused(None)
+        for other, excess in self.budget.over_guarantee():
+            if other is tenant:
+                continue
+            for session in self.sessions.values():
+                held = session.committed_bytes
+                if session.tenant is not other or held == 0 or needed <= 0:
+                    continue
+                ask = min(excess, held, needed)
+                self.request_reclaim(session, ask, f"tenant {tenant.name!r} needs its guaranteed minimum")
+                needed -= ask
+                excess -= ask
+
+    # reclaim
+
+    def request_reclaim(self, session: Session, requested_bytes: int, reason: str) -> Reclaim:
+        """Record a request that ``session`` give ``requested_bytes`` back (its lease first); the server delivers it."""
+        check_int("bytes", requested_bytes, 1, MAX_CAPACITY)
+        self.leases.ask_back(session)
+        return self.sessions_room.request_reclaim(session, requested_bytes, reason)
+
+    def reclaim_answered(self, session: Session, reclaim_id: int, released_bytes: int) -> None:
+        self.sessions_room.reclaim_answered(session, reclaim_id, released_bytes)
+
+    # the budget
+
+    def admissible_for(self, session: Session) -> int:
+        """Budget left for ``session``: what a commit of it would be admitted for now; its own lease counts as room
+        (it is given up for it)."""
+        return self.budget.admissible(session.tenant) + session.leased_bytes
+
+    def committed_by(self, tenant: Tenant) -> int:
+        return tenant.committed_bytes
+
+    def reconfigure(self, config: Config) -> None:
+        """Make ``config`` the daemon's (``ConfigError`` and nothing changed where it cannot be honoured); leases
+        granted under the old limits are asked back."""
+        self.budget.reconfigure(config)
+        self.ask_back_all_leases()
+
+    # inspection
+
+    def session_info(self, session: Session) -> SessionInfo:
+        return self.sessions_room.info(session)
+
+    def tenant_infos(self, uid: int | None = None) -> list[TenantInfo]:
+        """Every tenant by name, or with ``uid`` only those its sessions and buffers are charged to."""
+        names = None
+        if uid is not None:
+            names = {s.tenant.name for s in self.sessions.values() if s.uid == uid}
+            names |= {b.tenant.name for b in self.buffers.values() if b.owner_uid == uid}
+        return self.budget.infos(names, self.sessions_room.sessions_per_tenant())
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the first thing in the books that does not add up."""
+        check_invariants(self)

@@ -1,0 +1,461 @@
+"""Buffers: their layout, their chunks, persistent names, seals and readers.
+
+A commit or defragment asks :class:`~.tenants.Tenants` to admit its bytes
+first and makes all its chunks or none. When the budget refuses, or the
+device is short of memory a guaranteed tenant was promised, the buffers
+tell the :class:`Pressure` (the state), which asks other sessions for
+memory back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, Protocol
+
+from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, OutOfBudget, OutOfDeviceMemory, PermissionDenied, VersionMismatch
+from hbmd.proto.runs import subtract_runs
+from hbmd.proto.units import round_up
+
+from ..backends import A, Backend, C
+from .chunks import Chunks
+from .records import MAX_CAPACITY, MAX_NAME, MAX_SEGMENTS, Buffer, Chunk, Limits, Session, Tenant, check_int
+from .tenants import Tenants
+
+
+class Pressure(Protocol):
+    """Who asks sessions for memory back when a commit meets a limit."""
+
+    def refused(self, requester: Session | None) -> None:
+        """The budget refused ``requester``'s commit: ask the other sessions for their leases."""
+
+    def short(self, tenant: Tenant, needed: int) -> None:
+        """The device is short of ``needed`` bytes that ``tenant`` was guaranteed: ask those above theirs."""
+
+
+def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
+    """The segments of a new buffer: ``num_segments`` equal ones, or the uneven ``capacities`` summing to ``capacity``."""
+    check_int("capacity", capacity, 1, MAX_CAPACITY)
+    if capacities:
+        check_int("len(segment_capacities)", len(capacities), 1, MAX_SEGMENTS)
+        if min(capacities) <= 0 or sum(capacities) != capacity:
+            raise InvalidRequest(
+                f"segment_capacities must be positive and sum to the capacity {capacity}", field="segment_capacities"
+            )
+        return list(capacities)
+    check_int("num_segments", num_segments, 1, min(MAX_SEGMENTS, capacity))
+    if capacity % num_segments:
+        raise InvalidRequest(f"capacity {capacity} is not divisible by num_segments {num_segments}", field="num_segments")
+    return [capacity // num_segments] * num_segments
+
+
+def check_observer(session: Session) -> None:
+    if session.observer:
+        raise PermissionDenied("an observer session holds no memory; connect without observer=True")
+
+
+class Buffers(Generic[A, C]):
+    """Every buffer of the instance, by id and (persistent ones) by owner uid and name."""
+
+    def __init__(self, backend: Backend[A, C], chunks: Chunks[A, C], tenants: Tenants, limits: Limits,
+                 pressure: Pressure) -> None:
+        self.backend = backend
+        self.chunks = chunks
+        self.tenants = tenants
+        self.limits = limits
+        self.pressure = pressure
+        self.by_id: dict[int, Buffer[A, C]] = {}
+        self.persistent: dict[tuple[int, str], Buffer[A, C]] = {}
+        self._next_id = 1
+        self.changed: set[int] | None = None
+        """Persistent buffers whose chunks changed since the persistence layer last synced them
+        (None: nobody is tracking, and nothing is recorded)."""
+
+    # the books
+
+    def account(self, buffer: Buffer[A, C], mapped: int = 0, pending: int = 0) -> None:
+        """A buffer's mapped and pending chunks changed by these bytes: its record, its tenant's, the totals."""
+        buffer.physical_bytes += mapped
+        buffer.pending_bytes += pending
+        self.tenants.charge(buffer.tenant, committed=mapped + pending)
+        self.mark_changed(buffer)
+
+    def mark_changed(self, buffer: Buffer[A, C]) -> None:
+        if buffer.persistent and self.changed is not None:
+            self.changed.add(buffer.buffer_id)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(b.reserved for b in self.by_id.values())
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(len(b.chunks) for b in self.by_id.values())
+
+    # lookup
+
+    def of(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """The session's own buffer ``buffer_id``; another session's is answered as one that does not exist.
+
+        So a stranger trying ids learns nothing of what others hold.
+        """
+        buffer = self.by_id.get(buffer_id)
+        if buffer is None or buffer.owner is not session:
+            raise NotFound(f"no buffer {buffer_id} in this session", buffer_id=buffer_id)
+        return buffer
+
+    def changeable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """The session's buffer, to change: refused while sealed or mid-defragment."""
+        buffer = self.of(session, buffer_id)
+        if buffer.sealed:
+            raise InvalidRequest(
+                f"buffer {buffer_id} ({buffer.name!r}) is sealed: it is immutable, no commit, release or defragment",
+                buffer_id=buffer_id,
+            )
+        if buffer.pending:
+            raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
+        return buffer
+
+    def named(self, uid: int, name: str) -> Buffer[A, C]:
+        if len(name) > MAX_NAME:
+            raise InvalidRequest(f"buffer names have at most {MAX_NAME} characters", field="name")
+        buffer = self.persistent.get((uid, name))
+        if buffer is None:
+            raise NotFound(f"no persistent buffer named {name!r} for uid {uid}", name=name)
+        return buffer
+
+    def orphan(self, uid: int, name: str) -> Buffer[A, C]:
+        """The persistent buffer ``name`` of ``uid``, refused while a live session holds it."""
+        buffer = self.named(uid, name)
+        if buffer.owner is not None:
+            raise Conflict(
+                f"persistent buffer {name!r} is attached by session {buffer.owner.session_id} "
+                f"(pid {buffer.owner.pid}); it is free once that session ends",
+                session_id=buffer.owner.session_id,
+            )
+        return buffer
+
+    # making and dropping
+
+    def create(self, session: Session, capacity: int, num_segments: int, segment_capacities: list[int] | None,
+               name: str, persistent: bool, shareable: bool) -> Buffer[A, C]:
+        """A new buffer of the session (segments as :func:`layout_segments` makes them); raises with nothing made."""
+        check_observer(session)
+        capacities = layout_segments(capacity, num_segments, segment_capacities)
+        if len(name) > MAX_NAME or not name.isprintable():
+            raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
+        self._check_room_of(session.uid, len(capacities))
+        if persistent:
+            self._check_new_name(session.uid, name)
+        reserved = round_up(capacity, self.backend.granularity)
+        buffer = Buffer(
+            buffer_id=self._next_id, name=name, persistent=persistent, shareable=shareable, owner=session,
+            owner_uid=session.uid, tenant=session.tenant, capacity=capacity, reserved=reserved,
+            segment_capacities=capacities, arena=self.backend.open_arena(reserved, shareable),
+        )
+        self._next_id += 1
+        self._add(buffer)
+        session.buffers[buffer.buffer_id] = buffer
+        self.mark_changed(buffer)
+        return buffer
+
+    def _check_room_of(self, uid: int, new_segments: int) -> None:
+        """Refuse a buffer past the uid's :attr:`Limits.buffers_per_uid` or :attr:`Limits.segments_per_uid`."""
+        held = [b for b in self.by_id.values() if b.owner_uid == uid]
+        segments = sum(b.num_segments for b in held)
+        if len(held) >= self.limits.buffers_per_uid or segments + new_segments > self.limits.segments_per_uid:
+            raise OutOfBudget(
+                f"uid {uid} already holds {len(held)} buffers of {segments} segments; at most "
+                f"{self.limits.buffers_per_uid} buffers (--max-buffers-per-uid) of {self.limits.segments_per_uid} "
+                "segments in all: free one it no longer needs",
+                uid=uid, limit=self.limits.buffers_per_uid,
+            )
+
+    def _check_new_name(self, uid: int, name: str) -> None:
+        if not name:
+            raise InvalidRequest("a persistent buffer needs a name", field="name")
+        existing = self.persistent.get((uid, name))
+        if existing is not None:
+            raise Conflict(
+                f"a persistent buffer named {name!r} already exists; attach to it or delete it",
+                buffer_id=existing.buffer_id,
+            )
+        held = sum(1 for owner, _ in self.persistent if owner == uid)
+        if held >= self.limits.persistent_buffers_per_uid:
+            raise OutOfBudget(
+                f"uid {uid} already has {held} persistent buffers, the most allowed "
+                "(--max-persistent-per-uid); delete one it no longer needs",
+                uid=uid, limit=self.limits.persistent_buffers_per_uid,
+            )
+
+    def _add(self, buffer: Buffer[A, C]) -> None:
+        self.tenants.hold(buffer.tenant)
+        self.by_id[buffer.buffer_id] = buffer
+        if buffer.persistent:
+            self.persistent[(buffer.owner_uid, buffer.name)] = buffer
+
+    def adopt(self, buffer: Buffer[A, C]) -> None:
+        """Bring back an orphaned persistent buffer after a restart, its chunks not counted yet; they count whatever
+        the budget."""
+        self._add(buffer)
+        self.account(buffer, mapped=sum(c.size for c in buffer.chunks))
+        self._next_id = max(self._next_id, buffer.buffer_id + 1)
+        self.chunks.adopted(buffer.chunks)
+
+    def drop_mapped(self, buffer: Buffer[A, C]) -> int:
+        """Release the buffer's (mapped) chunks; returns their bytes."""
+        freed = self.chunks.release_all(buffer.chunks, buffer.arena)
+        buffer.chunks = []
+        self.account(buffer, mapped=-freed)
+        return freed
+
+    def drop_pending(self, buffer: Buffer[A, C]) -> int:
+        """Release the chunks of an unfinished preserving defragment; returns their bytes."""
+        freed = self.chunks.release_all(buffer.pending, buffer.arena)
+        buffer.pending = []
+        self.account(buffer, pending=-freed)
+        return freed
+
+    def release_all(self, buffer: Buffer[A, C]) -> int:
+        """Drop every chunk, keep the reservation. Returns the bytes freed."""
+        freed = self.drop_mapped(buffer) + self.drop_pending(buffer)
+        buffer.segment_sizes = [0] * buffer.num_segments
+        return freed
+
+    def drop(self, buffer: Buffer[A, C]) -> int:
+        """Forget the buffer and free its memory; returns the bytes freed."""
+        freed = self.release_all(buffer)
+        self.backend.close_arena(buffer.arena)
+        del self.by_id[buffer.buffer_id]
+        if buffer.owner is not None:
+            buffer.owner.buffers.pop(buffer.buffer_id, None)
+        if buffer.persistent:
+            self.persistent.pop((buffer.owner_uid, buffer.name), None)
+        self.tenants.let_go(buffer.tenant)
+        return freed
+
+    def disown(self, buffer: Buffer[A, C]) -> int:
+        """Make a persistent buffer an orphan, attachable again by name.
+
+        Mid-defragment the old chunks stay (they hold the data) and the
+        unconfirmed new ones are dropped; returns their bytes.
+        """
+        freed = self.drop_pending(buffer)
+        if buffer.owner is not None:
+            buffer.owner.buffers.pop(buffer.buffer_id, None)
+        buffer.owner = None
+        return freed
+
+    def end_session(self, session: Session) -> int:
+        """The session ended: its read claims go, its anonymous buffers are freed, its persistent ones orphaned."""
+        for buffer in session.reading.values():
+            buffer.readers.pop(session.session_id, None)
+        session.reading.clear()
+        return sum(
+            self.disown(buffer) if buffer.persistent else self.drop(buffer) for buffer in list(session.buffers.values())
+        )
+
+    # growth
+
+    def check_sizes(self, buffer: Buffer[A, C], sizes: list[int]) -> None:
+        """Refuse segment sizes that are not one per segment, within capacity and grow-only."""
+        if len(sizes) != buffer.num_segments:
+            raise InvalidRequest(f"expected {buffer.num_segments} segment sizes, got {len(sizes)}", field="sizes")
+        for index, (size, old, capacity) in enumerate(zip(sizes, buffer.segment_sizes, buffer.segment_capacities)):
+            if size < 0:
+                raise InvalidRequest(f"segment {index}: size {size} is negative", field="bytes_per_segment")
+            if size > capacity:
+                raise InvalidRequest(
+                    f"segment {index}: {size} bytes exceeds the segment capacity of {capacity} bytes",
+                    field="bytes_per_segment",
+                )
+            if size < old:
+                raise InvalidRequest(
+                    f"buffers are grow-only: segment {index} has {old} bytes committed, asked for {size}",
+                    field="bytes_per_segment",
+                )
+
+    def growth(self, buffer: Buffer[A, C], sizes: list[int]) -> list[tuple[int, int]]:
+        """The granule runs that growing ``buffer``'s segments to ``sizes`` must back (checked first)."""
+        self.check_sizes(buffer, sizes)
+        granule = self.backend.granularity
+        return subtract_runs(buffer.backed_runs(sizes, granule), buffer.backed_runs(buffer.segment_sizes, granule))
+
+    def grow(self, buffer: Buffer[A, C], sizes: list[int], chunks: list[Chunk[C]]) -> None:
+        """The segments now hold ``sizes`` bytes, ``chunks`` backing what they gained."""
+        buffer.chunks.extend(chunks)
+        buffer.segment_sizes = list(sizes)
+        self.account(buffer, mapped=sum(c.size for c in chunks))
+
+    def commit(self, session: Session, buffer_id: int, sizes: int | list[int]) -> list[Chunk[C]]:
+        """Grow each segment's committed prefix to ``sizes[i]`` (an int: the same for all); returns the new chunks.
+
+        One chunk per maximal run of uncommitted granules, in offset order.
+        The whole growth fits the budget or nothing is allocated.
+        """
+        buffer = self.changeable(session, buffer_id)
+        if isinstance(sizes, int):
+            sizes = [sizes] * buffer.num_segments
+        created = self.make_runs(buffer, self.growth(buffer, sizes), "commit")
+        self.grow(buffer, sizes, created)
+        return created
+
+    def make_runs(self, buffer: Buffer[A, C], runs: list[tuple[int, int]], purpose: str) -> list[Chunk[C]]:
+        """One new chunk per run, admitted as a whole; none on any failure. The caller accounts for them."""
+        requested = sum(end - start for start, end in runs)
+        try:
+            self.tenants.admit(buffer.tenant, requested, purpose)
+        except OutOfBudget:
+            self.pressure.refused(buffer.owner)
+            raise
+        try:
+            return self.chunks.make_runs(buffer.arena, runs)
+        except OutOfDeviceMemory:
+            if self.tenants.short_of_guarantee(buffer.tenant, requested):
+                self.pressure.short(buffer.tenant, requested)
+            raise
+
+    def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk[C]]:
+        """Re-back each run of the committed prefixes with one chunk; returns the new chunks.
+
+        ``preserve``: the new chunks are created beside the old ones (the
+        budget must hold both) and stay pending until :meth:`finish_defragment`,
+        so a client that dies mid-way loses nothing. Otherwise the old chunks
+        are released first: the caller has unmapped them and drops the data;
+        if the new ones cannot be made, the buffer is left released.
+        Where every run already is one chunk nothing changes: a preserving
+        defragment returns ``[]``, a discarding one the chunks as they are
+        (the caller unmapped them and maps them again).
+        """
+        buffer = self.changeable(session, buffer_id)
+        runs = buffer.backed_runs(buffer.segment_sizes, self.backend.granularity)
+        if len(buffer.chunks) == len(runs):
+            return [] if preserve else buffer.chunks
+        if preserve:
+            buffer.pending = self.make_runs(buffer, runs, "defragment (old and new chunks coexist until the copy is done)")
+            self.account(buffer, pending=sum(c.size for c in buffer.pending))
+            return buffer.pending
+        sizes = buffer.segment_sizes
+        self.release_all(buffer)
+        self.grow(buffer, sizes, self.make_runs(buffer, runs, "defragment"))
+        return buffer.chunks
+
+    def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
+        """Swap in the pending chunks (``keep_new``) or drop them; returns the bytes freed."""
+        buffer = self.of(session, buffer_id)
+        if not buffer.pending:
+            raise InvalidRequest(f"buffer {buffer_id} has no defragment in progress", buffer_id=buffer_id)
+        if not keep_new:
+            return self.drop_pending(buffer)
+        freed = self.drop_mapped(buffer)
+        buffer.chunks, buffer.pending = buffer.pending, []
+        self.account(buffer, mapped=buffer.pending_bytes, pending=-buffer.pending_bytes)
+        return freed
+
+    # persistent buffers: attach, seal, readers
+
+    def attach(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
+        """Give an orphaned persistent buffer of the session's user to the session.
+
+        Names are per user: another user's buffer of the same name is not found.
+        A client that cannot read uneven segments (``uneven_ok`` False) is
+        refused such a buffer rather than handed a layout it would misread.
+        """
+        check_observer(session)
+        buffer = self.orphan(session.uid, name)
+        _check_readable_layout(buffer, uneven_ok)
+        buffer.owner = session
+        session.buffers[buffer.buffer_id] = buffer
+        return buffer
+
+    def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """Make the session's persistent buffer immutable, so that any session of its user may read it at once.
+
+        Sealing a sealed buffer changes nothing. An anonymous buffer ends with
+        its session, so there is nothing for others to read: refused; so is a
+        buffer mid-defragment, whose chunks are about to change.
+        """
+        buffer = self.of(session, buffer_id)
+        if buffer.sealed:
+            return buffer
+        if not buffer.persistent:
+            raise InvalidRequest(
+                f"buffer {buffer_id} is anonymous: only a persistent buffer can be sealed and read by others",
+                buffer_id=buffer_id,
+            )
+        if buffer.pending:
+            raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
+        buffer.sealed = True
+        self.mark_changed(buffer)
+        return buffer
+
+    def attach_reader(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
+        """Add a read claim of the session on its user's sealed buffer ``name``, beside its owner and other readers.
+
+        An unsealed buffer can change under a reader: refused. The claim is
+        dropped by :meth:`detach_reader` or when the session ends; readers
+        are never charged for the buffer's memory.
+        """
+        check_observer(session)
+        buffer = self.named(session.uid, name)
+        if not buffer.sealed:
+            raise InvalidRequest(
+                f"persistent buffer {name!r} is not sealed: only a sealed buffer can be attached read-only",
+                buffer_id=buffer.buffer_id,
+            )
+        _check_readable_layout(buffer, uneven_ok)
+        buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
+        session.reading[buffer.buffer_id] = buffer
+        return buffer
+
+    def detach_reader(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """Drop one read claim of the session on sealed buffer ``buffer_id``."""
+        buffer = session.reading.get(buffer_id)
+        if buffer is None:
+            raise NotFound(f"this session does not read buffer {buffer_id}", buffer_id=buffer_id)
+        claims = buffer.readers[session.session_id] - 1
+        if claims:
+            buffer.readers[session.session_id] = claims
+        else:
+            del buffer.readers[session.session_id]
+            del session.reading[buffer_id]
+        return buffer
+
+    def detach(self, session: Session, buffer_id: int) -> int:
+        """Let go of the session's persistent buffer: it stays, an orphan with its chunks, until attached by name.
+
+        Returns the bytes of an unfinished defragment's new chunks, dropped.
+        An anonymous buffer has no name to come back by: refused.
+        """
+        buffer = self.of(session, buffer_id)
+        if not buffer.persistent:
+            raise InvalidRequest(
+                f"buffer {buffer_id} is anonymous: only a persistent buffer can be detached and attached again",
+                buffer_id=buffer_id,
+            )
+        return self.disown(buffer)
+
+    def check_unread(self, buffer: Buffer[A, C], pids: dict[int, int]) -> None:
+        """Refuse to drop a sealed buffer that sessions still read (``pids``: each session id's pid, to name them).
+
+        Their mappings would keep the pages alive outside the budget (and
+        the daemon's books), so the buffer goes only once its readers have
+        let go: they detach or end.
+        """
+        if not buffer.readers:
+            return
+        readers = sorted(buffer.readers)
+        named = ", ".join(f"{s} (pid {pids[s]})" if s in pids else str(s) for s in readers)
+        raise Conflict(
+            f"sealed buffer {buffer.name!r} is read by session{'s' if len(readers) > 1 else ''} {named}; "
+            "it can be deleted once they detach or end",
+            buffer_id=buffer.buffer_id,
+            session_id=readers[0],
+            readers=",".join(map(str, readers)),
+        )
+
+
+def _check_readable_layout(buffer: Buffer[Any, Any], uneven_ok: bool) -> None:
+    if not (uneven_ok or buffer.uniform):
+        raise VersionMismatch(
+            f"persistent buffer {buffer.name!r} has uneven segments: attaching it needs an hbmd client of protocol "
+            "1.1 or later"
+        )

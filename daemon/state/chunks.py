@@ -1,0 +1,61 @@
+"""Chunks: where the state meets the backend to make and release physical memory.
+
+Buffers and leases both take their chunks from here, so chunk ids are unique
+across the instance and a release that fails is handled one way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Generic
+
+from hbmd.proto.errors import HbmdError
+from hbmd.proto.undo import Undo
+
+from ..backends import A, Backend, C
+from .records import Chunk
+
+log = logging.getLogger("hbmd.state")
+
+
+class Chunks(Generic[A, C]):
+    """Makes chunks with the backend and gives them ids; releases them."""
+
+    def __init__(self, backend: Backend[A, C]) -> None:
+        self.backend = backend
+        self.next_id = 1
+
+    def make(self, arena: A, offset: int, size: int) -> Chunk[C]:
+        """One chunk of ``size`` bytes at ``offset``; raises as the backend does (``OutOfDeviceMemory``...)."""
+        chunk = Chunk(self.next_id, offset, size, self.backend.create(arena, offset, size))
+        self.next_id += 1
+        return chunk
+
+    def make_runs(self, arena: A, runs: list[tuple[int, int]]) -> list[Chunk[C]]:
+        """One chunk per ``(start, end)`` run, in order; none on any failure."""
+        created: list[Chunk[C]] = []
+        with Undo() as undo:
+            for start, end in runs:
+                chunk = self.make(arena, start, end - start)
+                undo.push(self.release, chunk, arena)
+                created.append(chunk)
+        return created
+
+    def adopted(self, chunks: list[Chunk[C]]) -> None:
+        """Chunks rebuilt after a restart keep their ids: new ones come after them."""
+        self.next_id = max([self.next_id] + [c.chunk_id + 1 for c in chunks])
+
+    def release(self, chunk: Chunk[C], arena: A) -> None:
+        """Give the chunk's memory back; never raises (a queued export of it is cancelled by ``live``)."""
+        chunk.live = False
+        try:
+            self.backend.release(arena, chunk.handle)
+        except (HbmdError, OSError):
+            # The memory is lost to this process until exit, but the state stays consistent.
+            log.exception("releasing chunk %d failed", chunk.chunk_id)
+
+    def release_all(self, chunks: list[Chunk[C]], arena: A) -> int:
+        """Release every chunk of ``chunks``; returns their bytes."""
+        for chunk in chunks:
+            self.release(chunk, arena)
+        return sum(c.size for c in chunks)

@@ -1,0 +1,130 @@
+"""Whether the state's books balance: the checker the tests and ``--check-invariants`` run."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hbmd.proto.runs import merge_runs
+
+from .records import Buffer, Chunk
+
+if TYPE_CHECKING:
+    from . import State
+
+
+def require(condition: bool, what: str) -> None:
+    if not condition:
+        raise AssertionError(what)
+
+
+def check_invariants(state: "State[Any, Any]") -> None:
+    """Raise ``AssertionError`` naming the first thing that does not add up.
+
+    Committed bytes equal the sum of chunk sizes, leased bytes the sum of
+    the sessions' leased granules, and both the sum of tenant usage; each
+    buffer's chunks lie inside it, on granule boundaries, never back a
+    granule twice and back exactly its committed prefixes (a preserving
+    defragment's pending chunks likewise, on their own); every buffer and
+    session points at the other, readers included; only a persistent
+    buffer is sealed, and only a sealed one has readers; every tenant has
+    the limits the config in force gives it.
+    """
+    chunk_ids: set[int] = set()
+    total = sum(_check_buffer(state, buffer, chunk_ids) for buffer in state.buffers.values())
+    require(len(state.persistent) == sum(b.persistent for b in state.buffers.values()), "stale persistent names")
+    for session in state.sessions.values():
+        for buffer in session.buffers.values():
+            require(state.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} holds a dropped buffer")
+        for buffer in session.reading.values():
+            require(state.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} reads a dropped buffer")
+            require(session.session_id in buffer.readers, f"session {session.session_id} reads {buffer.buffer_id} unrecorded")
+    require(state.committed_bytes == total, f"committed {state.committed_bytes} != {total} in chunks")
+    leased = _check_leases(state, chunk_ids)
+    require(state.leased_bytes == leased, f"leased {state.leased_bytes} != {leased} in sessions' leases")
+    _check_tenants(state)
+
+
+def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids: set[int]) -> int:
+    """Check one buffer's chunks and links; returns its committed bytes (mapped and pending)."""
+    granule = state.backend.granularity
+    wanted = buffer.backed_runs(buffer.segment_sizes, granule)
+    for label, chunks, accounted in (
+        ("chunks", buffer.chunks, buffer.physical_bytes),
+        ("pending chunks", buffer.pending, buffer.pending_bytes),
+    ):
+        where = f"buffer {buffer.buffer_id} {label}"
+        require(sum(c.size for c in chunks) == accounted, f"{where}: sizes do not add up to {accounted}")
+        _check_chunk_layout(where, chunks, buffer.reserved, granule, chunk_ids)
+        if chunks or label == "chunks":
+            covered = merge_runs((c.offset, c.offset + c.size) for c in chunks)
+            require(covered == wanted, f"{where} cover {covered}, not the committed prefixes {wanted}")
+    if buffer.owner is not None:
+        require(buffer.owner.buffers.get(buffer.buffer_id) is buffer, f"buffer {buffer.buffer_id}: owner lost it")
+        require(state.sessions.get(buffer.owner.session_id) is buffer.owner, f"buffer {buffer.buffer_id}: owner ended")
+    else:
+        require(buffer.persistent, f"anonymous buffer {buffer.buffer_id} has no owner")
+    if buffer.persistent:
+        named = state.persistent.get((buffer.owner_uid, buffer.name))
+        require(named is buffer, f"persistent buffer {buffer.buffer_id} is not found by its name")
+    require(buffer.persistent or not buffer.sealed, f"anonymous buffer {buffer.buffer_id} is sealed")
+    require(buffer.sealed or not buffer.readers, f"unsealed buffer {buffer.buffer_id} has readers")
+    require(not (buffer.sealed and buffer.pending), f"sealed buffer {buffer.buffer_id} is mid-defragment")
+    for session_id, claims in buffer.readers.items():
+        reader = state.sessions.get(session_id)
+        require(claims > 0, f"buffer {buffer.buffer_id}: session {session_id} holds {claims} read claims")
+        require(reader is not None, f"buffer {buffer.buffer_id}: reader session {session_id} ended")
+        require(reader.reading.get(buffer.buffer_id) is buffer, f"buffer {buffer.buffer_id}: reader {session_id} lost it")
+    return buffer.physical_bytes + buffer.pending_bytes
+
+
+def _check_chunk_layout(where: str, chunks: list[Chunk[Any]], reserved: int, granule: int, chunk_ids: set[int]) -> None:
+    end = 0
+    for chunk in sorted(chunks, key=lambda c: c.offset):
+        require(chunk.chunk_id not in chunk_ids, f"{where}: chunk id {chunk.chunk_id} used twice")
+        chunk_ids.add(chunk.chunk_id)
+        require(chunk.size > 0 and chunk.offset % granule == 0 and chunk.size % granule == 0,
+                f"{where}: chunk {chunk.chunk_id} is not whole granules")
+        require(chunk.offset >= end, f"{where}: chunk {chunk.chunk_id} backs a granule twice")
+        require(chunk.offset + chunk.size <= reserved, f"{where}: chunk {chunk.chunk_id} lies outside")
+        end = chunk.offset + chunk.size
+
+
+def _check_leases(state: "State[Any, Any]", chunk_ids: set[int]) -> int:
+    """Check every session's lease; returns the bytes leased in all."""
+    granule = state.backend.granularity
+    leased = 0
+    for session in state.sessions.values():
+        where = f"session {session.session_id} lease"
+        for chunk_id, chunk in session.lease.items():
+            require(chunk_id == chunk.chunk_id and chunk_id not in chunk_ids, f"{where}: chunk {chunk_id} used twice")
+            chunk_ids.add(chunk_id)
+            require(chunk.live and chunk.size == granule, f"{where}: chunk {chunk_id} is not a live granule")
+        require(session.leased_bytes == granule * len(session.lease), f"{where}: {session.leased_bytes} bytes")
+        require(session.revoking <= set(session.lease), f"{where}: asked back for chunks it does not hold")
+        require(session.wants_lease or not session.lease, f"{where}: leased without asking")
+        leased += session.leased_bytes
+    return leased
+
+
+def _check_tenants(state: "State[Any, Any]") -> None:
+    tenants = state.tenants
+    used = sum(t.used_bytes for t in tenants.values())
+    require(state.committed_bytes + state.leased_bytes == used,
+            f"committed {state.committed_bytes} + leased {state.leased_bytes} != {used} used by tenants")
+    holders: dict[str, int] = {}
+    leased: dict[str, int] = {}
+    for holder in (*state.sessions.values(), *state.buffers.values()):
+        require(tenants.get(holder.tenant.name) is holder.tenant, f"tenant {holder.tenant.name!r} was forgotten")
+        holders[holder.tenant.name] = holders.get(holder.tenant.name, 0) + 1
+    for session in state.sessions.values():
+        leased[session.tenant.name] = leased.get(session.tenant.name, 0) + session.leased_bytes
+    for tenant in tenants.values():
+        limits = state.budget.limits(tenant.name)
+        require(tenant.holders == holders.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.holders} holders")
+        require(tenant.holders > 0 or limits is not None, f"tenant {tenant.name!r} is kept for nobody")
+        require(tenant.leased_bytes == leased.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.leased_bytes} leased")
+        require(
+            (tenant.max_bytes, tenant.guaranteed_bytes)
+            == ((limits.max_bytes, limits.guaranteed_bytes) if limits else (None, 0)),
+            f"tenant {tenant.name!r} has limits {tenant.max_bytes}/{tenant.guaranteed_bytes}, not the config's",
+        )

@@ -1,0 +1,201 @@
+"""What the daemon records: chunks, tenants, sessions, buffers and reclaim requests.
+
+Plain data. The rooms beside this module own the rules that change it:
+``tenants`` the budget, ``sessions`` who is connected, ``buffers`` the
+buffers and their chunks, ``leases`` the granules made ahead of need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Generic
+
+from hbmd.proto import BufferInfo
+from hbmd.proto.errors import InvalidRequest
+from hbmd.proto.runs import backed_runs, prefix_offsets
+
+from ..backends import A, C
+
+MAX_CAPACITY = 1 << 50
+"""1 PiB: more than any device, small enough that offsets never overflow."""
+MAX_SEGMENTS = 1 << 16
+MAX_NAME = 128
+
+
+def check_int(name: str, value: int, low: int, high: int) -> None:
+    """Refuse ``value`` outside ``[low, high]`` with an ``InvalidRequest`` naming the field."""
+    if not low <= value <= high:
+        raise InvalidRequest(f"{name} {value} is out of range [{low}, {high}]", field=name, value=str(value))
+
+
+@dataclasses.dataclass
+class Chunk(Generic[C]):
+    chunk_id: int
+    offset: int
+    size: int
+    handle: C
+    live: bool = True
+    """False once released: a queued export of it must not happen."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-uid bounds on what costs the daemon something besides the budget: descriptors, memory, its state directory."""
+
+    sessions_per_uid: int = 128
+    persistent_buffers_per_uid: int = 64
+    buffers_per_uid: int = 1024
+    segments_per_uid: int = 1 << 20
+    """Buffers cost no budget, but each segment costs the daemon memory to describe."""
+
+
+@dataclasses.dataclass
+class Tenant:
+    """Whom commits are charged to: a configured or client-declared name, else ``uid:<N>``."""
+
+    name: str
+    max_bytes: int | None = None
+    guaranteed_bytes: int = 0
+    used_bytes: int = 0
+    """Committed and leased bytes charged to it."""
+    leased_bytes: int = 0
+    """The part of ``used_bytes`` its sessions hold as leases (given back under pressure)."""
+    holders: int = 0
+    """Sessions and buffers charged to it: a tenant nobody configured goes with its last one."""
+
+    @property
+    def unmet_guarantee(self) -> int:
+        return max(0, self.guaranteed_bytes - self.used_bytes)
+
+    @property
+    def committed_bytes(self) -> int:
+        """What it holds in buffers: its use less its sessions' leases."""
+        return self.used_bytes - self.leased_bytes
+
+
+@dataclasses.dataclass
+class Reclaim:
+    """The last request to a session to give memory back, and its outcome."""
+
+    reclaim_id: int
+    requested_bytes: int
+    reason: str
+    asked_at: float = dataclasses.field(default_factory=time.monotonic)
+    released_bytes: int | None = None
+    reported: bool = False
+    """Whether the daemon already logged it as ignored."""
+
+    def outcome(self, now: float, patience_s: float) -> str:
+        if self.released_bytes is not None:
+            return "answered"
+        return "ignored" if now - self.asked_at > patience_s else "pending"
+
+
+@dataclasses.dataclass
+class Session:
+    session_id: int
+    token: str
+    pid: int
+    uid: int
+    gid: int
+    client_name: str
+    tenant: Tenant
+    admin: bool = False
+    observer: bool = False
+    connected_at: float = dataclasses.field(default_factory=time.monotonic)
+    buffers: dict[int, "Buffer[Any, Any]"] = dataclasses.field(default_factory=dict)
+    reading: dict[int, "Buffer[Any, Any]"] = dataclasses.field(default_factory=dict)
+    """Sealed buffers this session holds a read claim on (it maps them read-only)."""
+    reclaim: Reclaim | None = None
+    wants_lease: bool = False
+    """The client places leased granules itself (it said so in its hello)."""
+    lease: dict[int, Chunk[Any]] = dataclasses.field(default_factory=dict)
+    """Granules leased and not placed yet, by chunk id: sent, or queued to be sent."""
+    leased_bytes: int = 0
+    lease_target: int = 0
+    """Granules the daemon keeps leased to it: doubles when a commit found the lease short, 0 under pressure."""
+    revoking: set[int] = dataclasses.field(default_factory=set)
+    """Leased chunk ids asked back and not returned yet."""
+    lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
+    """When the session last placed leased granules or found its lease short."""
+
+    @property
+    def committed_bytes(self) -> int:
+        return sum(b.physical_bytes for b in self.buffers.values())
+
+
+@dataclasses.dataclass
+class Buffer(Generic[A, C]):
+    buffer_id: int
+    name: str
+    persistent: bool
+    shareable: bool
+    owner: Session | None
+    owner_uid: int
+    tenant: Tenant
+    capacity: int
+    reserved: int
+    segment_capacities: list[int]
+    arena: A
+    segment_sizes: list[int] = dataclasses.field(default_factory=list)
+    """Committed bytes of each segment: a prefix of it."""
+    segment_offsets: list[int] = dataclasses.field(default_factory=list)
+    chunks: list[Chunk[C]] = dataclasses.field(default_factory=list)
+    physical_bytes: int = 0
+    """Bytes of ``chunks``: what the owner has mapped."""
+    pending: list[Chunk[C]] = dataclasses.field(default_factory=list)
+    """New chunks of a preserving defragment, until the client confirms its remap."""
+    pending_bytes: int = 0
+    sealed: bool = False
+    """Immutable from now on: no commit, release or defragment; sessions of its user may read it at once."""
+    readers: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Read claims on a sealed buffer: how many read-only attaches each session id holds (never 0)."""
+
+    def __post_init__(self) -> None:
+        self.segment_offsets = prefix_offsets(self.segment_capacities)
+        if not self.segment_sizes:
+            self.segment_sizes = [0] * len(self.segment_capacities)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_capacities)
+
+    @property
+    def uniform(self) -> bool:
+        """Equal segments: what a client of protocol 1.0 understands."""
+        return len(set(self.segment_capacities)) == 1
+
+    @property
+    def segment_capacity(self) -> int:
+        """The capacity every segment has (the smallest one where they differ)."""
+        return min(self.segment_capacities)
+
+    @property
+    def bytes_per_segment(self) -> int:
+        """The committed prefix every segment has (the smallest one where they differ)."""
+        return min(self.segment_sizes)
+
+    def backed_runs(self, sizes: list[int], granule: int) -> list[tuple[int, int]]:
+        return backed_runs(self.segment_offsets, sizes, granule)
+
+    def info(self) -> BufferInfo:
+        return BufferInfo(
+            buffer_id=self.buffer_id,
+            name=self.name,
+            persistent=self.persistent,
+            session_id=self.owner.session_id if self.owner else 0,
+            owner_uid=self.owner_uid,
+            capacity_bytes=self.capacity,
+            reserved_bytes=self.reserved,
+            num_segments=self.num_segments,
+            segment_capacity_bytes=self.segment_capacity,
+            bytes_per_segment=self.bytes_per_segment,
+            physical_bytes=self.physical_bytes,
+            num_chunks=len(self.chunks),
+            segment_capacities=list(self.segment_capacities),
+            segment_sizes=list(self.segment_sizes),
+            sealed=self.sealed,
+            readers=len(self.readers),
+            shareable=self.shareable,
+        )

@@ -1,0 +1,109 @@
+"""Sessions: who is connected, by id and by token, and the reclaim requests made to them."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from hbmd.proto import SessionInfo
+from hbmd.proto.errors import Conflict, NotFound, PermissionDenied
+
+from .records import MAX_CAPACITY, MAX_NAME, Limits, Reclaim, Session, Tenant, check_int
+
+RECLAIM_PATIENCE_S = 30.0
+"""By default a reclaim request unanswered this long is reported as ignored (the session is never killed for it)."""
+
+
+class Sessions:
+    """The instance's open sessions; a session's token is its only credential on the control plane."""
+
+    def __init__(self, limits: Limits, reclaim_patience_s: float = RECLAIM_PATIENCE_S) -> None:
+        self.limits = limits
+        self.reclaim_patience_s = reclaim_patience_s
+        self.by_id: dict[int, Session] = {}
+        self._by_token: dict[str, Session] = {}
+        self._next_id = 1
+        self._next_reclaim = 1
+        self.reclaims_due: list[tuple[Session, Reclaim]] = []
+        """Reclaim requests made, for the server to send."""
+
+    def open(
+        self, pid: int, uid: int, gid: int, client_name: str, tenant: Tenant, admin: bool, observer: bool, lease: bool
+    ) -> Session:
+        """A new session charged to ``tenant`` (the caller holds it for the session).
+
+        Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`.
+        """
+        open_sessions = sum(1 for s in self.by_id.values() if s.uid == uid)
+        if open_sessions >= self.limits.sessions_per_uid:
+            raise Conflict(
+                f"uid {uid} already has {open_sessions} sessions, the most allowed (--max-sessions-per-uid)",
+                uid=uid, limit=self.limits.sessions_per_uid,
+            )
+        session = Session(
+            self._next_id, secrets.token_hex(16), pid, uid, gid, client_name[:MAX_NAME], tenant, admin, observer,
+            wants_lease=lease,
+        )
+        self._next_id += 1
+        self.by_id[session.session_id] = session
+        self._by_token[session.token] = session
+        return session
+
+    def forget(self, session: Session) -> None:
+        self.by_id.pop(session.session_id, None)
+        self._by_token.pop(session.token, None)
+
+    def for_token(self, token: str) -> Session:
+        session = self._by_token.get(token)
+        if session is None:
+            # Flagged, so that a client tells its own ended session (SessionLost) from a refusal.
+            raise PermissionDenied("unknown or expired session token", token="unknown")
+        return session
+
+    @property
+    def workers(self) -> list[Session]:
+        """The sessions that may hold memory: every one but observers."""
+        return [s for s in self.by_id.values() if not s.observer]
+
+    def info(self, session: Session) -> SessionInfo:
+        buffers = session.buffers.values()
+        reclaim = session.reclaim
+        return SessionInfo(
+            session_id=session.session_id,
+            pid=session.pid,
+            uid=session.uid,
+            gid=session.gid,
+            client_name=session.client_name,
+            tenant=session.tenant.name,
+            committed_bytes=session.committed_bytes,
+            reserved_bytes=sum(b.reserved for b in buffers),
+            num_buffers=len(session.buffers),
+            num_chunks=sum(len(b.chunks) for b in buffers),
+            connected_s=time.monotonic() - session.connected_at,
+            reclaim_requested_bytes=reclaim.requested_bytes if reclaim else 0,
+            reclaim_released_bytes=reclaim.released_bytes if reclaim and reclaim.released_bytes is not None else -1,
+            reclaim_state=reclaim.outcome(time.monotonic(), self.reclaim_patience_s) if reclaim else "",
+            leased_bytes=session.leased_bytes,
+        )
+
+    def sessions_per_tenant(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for session in self.workers:
+            counts[session.tenant.name] = counts.get(session.tenant.name, 0) + 1
+        return counts
+
+    # reclaim
+
+    def request_reclaim(self, session: Session, requested_bytes: int, reason: str) -> Reclaim:
+        """Record a request that ``session`` give ``requested_bytes`` back; the server delivers it."""
+        check_int("bytes", requested_bytes, 1, MAX_CAPACITY)
+        session.reclaim = Reclaim(self._next_reclaim, requested_bytes, reason[:200])
+        self._next_reclaim += 1
+        self.reclaims_due.append((session, session.reclaim))
+        return session.reclaim
+
+    def reclaim_answered(self, session: Session, reclaim_id: int, released_bytes: int) -> None:
+        if session.reclaim is None or session.reclaim.reclaim_id != reclaim_id:
+            raise NotFound(f"no reclaim request {reclaim_id} for this session", reclaim_id=reclaim_id)
+        check_int("released_bytes", released_bytes, 0, MAX_CAPACITY)
+        session.reclaim.released_bytes = released_bytes

@@ -1,0 +1,205 @@
+"""Tenants and the budget: the one place that does budget arithmetic.
+
+Every byte committed or leased is charged here (:meth:`Tenants.charge`),
+every commit and lease is admitted here (:meth:`Tenants.admit`,
+:meth:`Tenants.lease_room`), and "budget left" has one definition
+(:meth:`Tenants.admissible`), which status, ``hbmctl``, the client's
+``device_memory()`` and the vLLM cap all read. A reloaded config changes
+the limits here too, so a tenant always has the limits the config in
+force gives it, whenever it is made.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from hbmd.proto import TenantInfo
+from hbmd.proto.errors import OutOfBudget, PermissionDenied
+from hbmd.proto.units import format_bytes
+
+from ..config import Config, ConfigError, TenantLimits
+from .records import MAX_NAME, Tenant
+
+LEASE_TIGHT_DIVISOR = 16
+"""No lease is granted that would leave a tenant less room than a 16th of the budget."""
+LEASE_TOTAL_DIVISOR = 8
+"""All leases together stay within an 8th of the budget."""
+
+
+class Tenants:
+    """The instance's budget, its tenants and what each is charged."""
+
+    def __init__(self, budget_bytes: int, config: Config) -> None:
+        self.budget_bytes = budget_bytes
+        self.config = config
+        self.by_name: dict[str, Tenant] = {}
+        self.committed_bytes = 0
+        self.leased_bytes = 0
+        for limits in config.tenants:
+            self._get(limits.name)
+
+    def limits(self, name: str) -> TenantLimits | None:
+        """The configured limits of tenant ``name`` under the config in force."""
+        return next((t for t in self.config.tenants if t.name == name), None)
+
+    def configured(self, name: str) -> bool:
+        return self.limits(name) is not None
+
+    def _get(self, name: str) -> Tenant:
+        tenant = self.by_name.get(name)
+        if tenant is None:
+            limits = self.limits(name)
+            tenant = self.by_name[name] = Tenant(name)
+            if limits is not None:
+                tenant.max_bytes, tenant.guaranteed_bytes = limits.max_bytes, limits.guaranteed_bytes
+        return tenant
+
+    def resolve(self, uid: int, declared: str) -> Tenant:
+        """The tenant a session of ``uid`` declaring ``declared`` (maybe empty) is charged to.
+
+        A declared name never lifts a uid's limits. A uid with its own
+        ``[[tenants]] uid = N`` entry is held to it: it may declare a
+        configured name only where that name's ``uids`` lists it, and any
+        other name it declares is charged to its own entry. For other uids a
+        configured name is open as its ``uids`` say, and an unknown name is a
+        tenant of its own without limits (as the uid's own would be).
+        """
+        own = f"uid:{uid}"
+        if not declared:
+            return self._get(own)
+        if declared.startswith("uid:") or len(declared) > MAX_NAME or not declared.isprintable():
+            raise PermissionDenied(f"tenant name {declared[:MAX_NAME]!r} is not allowed")
+        limited = any(t.uid == uid for t in self.config.tenants)
+        limits = next((t for t in self.config.tenants if t.name == declared and t.uid is None), None)
+        if limits is None:
+            return self._get(own if limited else declared)
+        if limits.uids is not None and uid not in limits.uids:
+            raise PermissionDenied(f"uid {uid} may not declare tenant {declared!r}")
+        if limited and limits.uids is None:
+            raise PermissionDenied(
+                f"uid {uid} is held to its own tenant {own!r}; tenant {declared!r} would need to list it in uids"
+            )
+        return self._get(declared)
+
+    def named(self, name: str) -> Tenant:
+        """Tenant ``name`` as recorded (a buffer restored after a restart names its own)."""
+        return self._get(name)
+
+    def hold(self, tenant: Tenant) -> None:
+        tenant.holders += 1
+
+    def let_go(self, tenant: Tenant) -> None:
+        """One holder fewer; an unconfigured tenant left without any is forgotten (names must not pile up)."""
+        tenant.holders -= 1
+        if tenant.holders == 0 and not self.configured(tenant.name):
+            del self.by_name[tenant.name]
+
+    def charge(self, tenant: Tenant, committed: int = 0, leased: int = 0) -> None:
+        """The one place committed and leased bytes change: the tenant's use and the instance's totals."""
+        self.committed_bytes += committed
+        self.leased_bytes += leased
+        tenant.used_bytes += committed + leased
+        tenant.leased_bytes += leased
+
+    def _held_for_others(self, tenant: Tenant) -> int:
+        return sum(t.unmet_guarantee for t in self.by_name.values() if t is not tenant)
+
+    def admissible(self, tenant: Tenant) -> int:
+        """Budget left for ``tenant``: the most a commit charged to it would be admitted for now (what :meth:`admit` allows)."""
+        room = self.budget_bytes - self.committed_bytes - self.leased_bytes - self._held_for_others(tenant)
+        if tenant.max_bytes is not None:
+            room = min(room, tenant.max_bytes - tenant.used_bytes)
+        return max(0, room)
+
+    def admit(self, tenant: Tenant, requested: int, purpose: str) -> None:
+        """Check ``requested`` more bytes against the tenant's maximum, the budget and others' guarantees.
+
+        Raises ``OutOfBudget`` saying which limit it met.
+        """
+        if tenant.max_bytes is not None and tenant.used_bytes + requested > tenant.max_bytes:
+            raise OutOfBudget(
+                f"{purpose} of {format_bytes(requested)} exceeds the budget of tenant {tenant.name!r}: "
+                f"max {format_bytes(tenant.max_bytes)}, used {format_bytes(tenant.used_bytes)}, "
+                f"requested {format_bytes(requested)}",
+                tenant=tenant.name,
+                budget=tenant.max_bytes,
+                used=tenant.used_bytes,
+                requested=requested,
+            )
+        held = self._held_for_others(tenant)
+        used = self.committed_bytes + self.leased_bytes
+        if used + requested + held > self.budget_bytes:
+            extra = f", {format_bytes(held)} held for other tenants' guaranteed minimums" if held else ""
+            if self.leased_bytes:
+                extra += f", {format_bytes(self.leased_bytes)} of it leased (being asked back: retry)"
+            raise OutOfBudget(
+                f"{purpose} of {format_bytes(requested)} does not fit the budget: "
+                f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(used)}, "
+                f"requested {format_bytes(requested)}{extra}",
+                budget=self.budget_bytes,
+                used=used,
+                requested=requested,
+                held=held,
+            )
+
+    def lease_room(self, tenant: Tenant) -> int:
+        """Bytes that may be leased to a session of ``tenant`` now.
+
+        None while the tenant's room would drop below a 16th of the budget,
+        or all leases together would pass an 8th of it.
+        """
+        room = self.admissible(tenant) - self.budget_bytes // LEASE_TIGHT_DIVISOR
+        return max(0, min(room, self.budget_bytes // LEASE_TOTAL_DIVISOR - self.leased_bytes))
+
+    def short_of_guarantee(self, tenant: Tenant, requested: int) -> bool:
+        """Whether ``requested`` more bytes would still be within the tenant's guaranteed minimum."""
+        return tenant.used_bytes + requested <= tenant.guaranteed_bytes
+
+    def over_guarantee(self) -> Iterable[tuple[Tenant, int]]:
+        """Each tenant using more than its guarantee, with the excess."""
+        for tenant in self.by_name.values():
+            excess = tenant.used_bytes - tenant.guaranteed_bytes
+            if excess > 0:
+                yield tenant, excess
+
+    def reconfigure(self, config: Config) -> None:
+        """Make ``config`` the one in force: limits change in place, for tenants made now and later alike.
+
+        Raises :class:`ConfigError`, changing nothing, where ``config``
+        breaks what was already admitted: a new maximum below what a tenant
+        has committed, or guaranteed minimums that no longer fit beside the
+        memory committed. Leased granules do not count: they are asked back.
+        """
+        for limits in config.tenants:
+            held = self.by_name[limits.name].committed_bytes if limits.name in self.by_name else 0
+            if limits.max_bytes is not None and held > limits.max_bytes:
+                raise ConfigError(
+                    f"tenant {limits.name!r} holds {format_bytes(held)}, over its new max of {format_bytes(limits.max_bytes)}"
+                )
+        unmet = sum(
+            max(0, limits.guaranteed_bytes - (self.by_name[limits.name].committed_bytes if limits.name in self.by_name else 0))
+            for limits in config.tenants
+        )
+        if self.committed_bytes + unmet > self.budget_bytes:
+            raise ConfigError(
+                f"the guaranteed minimums need {format_bytes(unmet)} more, but only "
+                f"{format_bytes(self.budget_bytes - self.committed_bytes)} of the budget is uncommitted"
+            )
+        self.config = config
+        for name, tenant in list(self.by_name.items()):
+            limits = self.limits(name)
+            tenant.max_bytes = limits.max_bytes if limits else None
+            tenant.guaranteed_bytes = limits.guaranteed_bytes if limits else 0
+            if limits is None and tenant.holders == 0:
+                del self.by_name[name]
+        for limits in config.tenants:
+            self._get(limits.name)
+
+    def infos(self, names: set[str] | None, sessions_of: dict[str, int]) -> list[TenantInfo]:
+        """Every tenant by name (or those in ``names``), with ``sessions_of[name]`` sessions each."""
+        return [
+            TenantInfo(t.name, t.used_bytes, t.guaranteed_bytes, -1 if t.max_bytes is None else t.max_bytes,
+                       sessions_of.get(t.name, 0))
+            for t in sorted(self.by_name.values(), key=lambda t: t.name)
+            if names is None or t.name in names
+        ]
