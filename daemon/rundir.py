@@ -21,6 +21,8 @@ import os
 import stat
 from pathlib import Path
 
+from hbmd.proto.undo import Undo
+
 DIRECTORY_MODE = 0o750
 
 
@@ -97,7 +99,8 @@ def open_instance_directory(directory: Path, group: int | None) -> int:
             raise RunDirectoryError(f"instance directory {directory} is not a directory of its own: {exc.strerror}") from None
     finally:
         os.close(parent_fd)
-    try:
+    with Undo() as undo:
+        undo.push(os.close, fd)
         st = os.fstat(fd)
         if st.st_uid != os.geteuid():
             raise RunDirectoryError(
@@ -109,9 +112,6 @@ def open_instance_directory(directory: Path, group: int | None) -> int:
                 f"instance directory {directory} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
                 "what is in it cannot be trusted; remove it, or choose another --run-dir"
             )
-    except BaseException:
-        os.close(fd)
-        raise
     return _own(fd, DIRECTORY_MODE, group)
 
 
@@ -127,13 +127,11 @@ def create_file(dir_fd: int, name: str, mode: int, group: int | None) -> int:
 
 def _own(fd: int, mode: int, group: int | None) -> int:
     """Give the open ``fd`` its ``mode`` and ``--group``, on the descriptor (no path a link could redirect); closes it on failure."""
-    try:
+    with Undo() as undo:
+        undo.push(os.close, fd)
         if group is not None:
             os.fchown(fd, -1, group)
         os.fchmod(fd, mode)
-    except BaseException:
-        os.close(fd)
-        raise
     return fd
 
 

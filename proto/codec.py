@@ -165,8 +165,6 @@ def _build_decoder(tp: Any) -> Decoder:
             return {key(k, f"{where} key"): value(v, f"{where}[]") for k, v in data.items()}
 
         return mapping
-    if tp is Any:
-        return lambda data, where: data
     if tp is float:
 
         def real(data: Any, where: str) -> float:
