@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 
 import pytest
+from hbmd.daemon.config import Config, ConfigError, TenantLimits
 from hbmd.daemon.state import Chunk, State
 from hbmd.proto.runs import new_granules
 from hbmd.proto.errors import HbmdError, InternalError, OutOfDeviceMemory
@@ -26,6 +27,13 @@ pytestmark = pytest.mark.unit
 
 GRANULE = 2 << 20
 BUDGET = 24 * GRANULE
+CONFIGS = [
+    Config(),
+    Config(tenants=(TenantLimits("team-a", None, None, 8 * GRANULE, 2 * GRANULE),)),
+    Config(tenants=(TenantLimits("team-b", None, None, 6 * GRANULE, 4 * GRANULE),
+                    TenantLimits("uid:1001", 1001, None, 12 * GRANULE, 0))),
+]
+"""What SIGHUP may load: tenants gain, change and lose limits while sessions hold memory."""
 
 
 class FlakyBackend:
@@ -139,9 +147,10 @@ class StateMachine(RuleBasedStateMachine):
 
     # rules
 
-    @rule(tenant=st.sampled_from(["", "team-a"]), lease=st.booleans())
+    @rule(tenant=st.sampled_from(["", "team-a", "team-b"]), lease=st.booleans())
     def open_session(self, tenant, lease):
-        self.state.open_session(4242, next(self.uids), 100, "worker", tenant, lease=lease)
+        # A uid held to its own tenant by the config in force may be refused a declared one.
+        self.attempt(self.state.open_session, 4242, next(self.uids), 100, "worker", tenant, False, False, lease)
 
     @precondition(lambda self: self.state.sessions)
     @rule(data=st.data())
@@ -302,6 +311,14 @@ class StateMachine(RuleBasedStateMachine):
         for buffer in self.state.buffers.values():
             if buffer.sealed:
                 self.frozen.setdefault(buffer.buffer_id, (list(buffer.segment_sizes), [c.chunk_id for c in buffer.chunks]))
+
+    @rule(config=st.sampled_from(CONFIGS))
+    def reconfigure(self, config):
+        before = snapshot(self.state)
+        try:
+            self.state.reconfigure(config)
+        except ConfigError:
+            assert snapshot(self.state) == before
 
     @precondition(lambda self: any(b.chunks for b in self.state.buffers.values()))
     @rule(data=st.data(), fail=st.booleans())
