@@ -14,7 +14,7 @@ import resource
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Generic
+from typing import Any, Generic, NoReturn
 
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
@@ -25,7 +25,7 @@ from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .persist import Persistence
 from .reload import ConfigReloader
-from .server import AlreadyRunning, HandlerTableError, Server
+from .server import AlreadyRunning, BooksUnbalanced, HandlerTableError, Server
 from .state import DEFAULT_LEASE_BYTES, Limits, State
 
 log = logging.getLogger("hbmd")
@@ -34,6 +34,9 @@ HOST_DEFAULT_BUDGET = "50%"
 """The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
 kernel, the engines and their page cache need too."""
 INSTANCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+EXIT_BOOKS_UNBALANCED = os.EX_SOFTWARE
+"""Exit status (70, sysexits' EX_SOFTWARE) of a daemon whose ``--check-invariants`` found the books unbalanced:
+a bug in hbmd, told apart from a refusal to start (1, 2) and a clean stop (0)."""
 
 
 def metrics_address(text: str) -> tuple[str, int]:
@@ -153,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"buffers one uid may hold; they cost no budget but daemon memory "
                              f"(default: {Limits.buffers_per_uid})")
     parser.add_argument("--check-invariants", action="store_true",
-                        help="check the books (committed bytes, chunks, owners) after every request and log an "
-                             "error where they do not balance; costs time, for tests")
+                        help="check the books (committed bytes, chunks, owners) after every batch of requests and "
+                             "events; where they do not balance, log what is off and exit at once with status "
+                             f"{EXIT_BOOKS_UNBALANCED} (EX_SOFTWARE); costs time, for tests")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--version", action="version", version=f"hbmd {VERSION}")
     return parser
@@ -299,7 +303,11 @@ def _persistence(args: argparse.Namespace, state: State[A, C], notifier: Systemd
 
 
 def run(daemon: Daemon[A, C]) -> int:
-    """Bind, publish, serve until SIGTERM, and clean up; returns the exit code."""
+    """Bind, publish, serve until SIGTERM, and clean up; returns the exit code.
+
+    Where ``--check-invariants`` finds the books unbalanced it does not
+    return: it ends the process (:func:`_exit_unbalanced`).
+    """
     args, backend, server, notifier = daemon.args, daemon.backend, daemon.server, daemon.notifier
     metrics_url = _bind(daemon)
     if metrics_url is None:
@@ -313,6 +321,8 @@ def run(daemon: Daemon[A, C]) -> int:
     notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(daemon.budget)}")
     try:
         server.run()
+    except BooksUnbalanced as exc:
+        _exit_unbalanced(exc)
     finally:
         notifier.stopping()
         server.close()
@@ -320,6 +330,22 @@ def run(daemon: Daemon[A, C]) -> int:
         notifier.close()
     log.info("hbmd stopped")
     return 0
+
+
+def _exit_unbalanced(exc: BooksUnbalanced) -> NoReturn:
+    """Log the imbalance and end the process at once with :data:`EXIT_BOOKS_UNBALANCED`.
+
+    The state is known to be wrong, so nothing more is done through it: no
+    session is ended and no chunk released by it (a chunk counted twice
+    could have its pages punched under a client that still maps them), and
+    nothing is journaled. The kernel closes the sockets and frees what the
+    daemon held, as after a crash; the next daemon clears the instance
+    directory as it does then.
+    """
+    log.error("the books do not balance: %s; exiting at once with status %d (--check-invariants)",
+              exc, EXIT_BOOKS_UNBALANCED)
+    logging.shutdown()
+    os._exit(EXIT_BOOKS_UNBALANCED)
 
 
 def _bind(daemon: Daemon[Any, Any]) -> str | None:

@@ -19,7 +19,7 @@
 
 from .admin import MAX_TENANTS_LISTED
 from .handles import HELLO_TIMEOUT_S, MAX_PENDING_HELLOS_PER_UID
-from .loop import AlreadyRunning, Server
+from .loop import AlreadyRunning, BooksUnbalanced, Server
 from .outbox import MAX_FDS_IN_FLIGHT, MAX_FDS_IN_FLIGHT_PER_UID, MAX_QUEUED_BATCHES
 from .registry import HandlerTableError, RequestRoom, handler_table, handles
 
@@ -31,6 +31,7 @@ __all__ = [
     "MAX_QUEUED_BATCHES",
     "MAX_TENANTS_LISTED",
     "AlreadyRunning",
+    "BooksUnbalanced",
     "HandlerTableError",
     "RequestRoom",
     "Server",

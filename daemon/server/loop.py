@@ -59,6 +59,10 @@ class AlreadyRunning(RuntimeError):
     """Another daemon holds the instance's lock."""
 
 
+class BooksUnbalanced(RuntimeError):
+    """The state's books do not balance (``check_invariants``): a bug in the daemon, which must stop serving."""
+
+
 class Server(Generic[A, C]):
     """Serves one :class:`State` on one instance directory until :meth:`stop`."""
 
@@ -81,8 +85,8 @@ class Server(Generic[A, C]):
 
         ``lock`` is held while the loop touches the state, so a metrics scrape
         or a config reload on another thread sees it whole. ``check_invariants``:
-        check the state's books after every batch of events and log any
-        imbalance (tests).
+        check the state's books after every batch of events, and stop with
+        :class:`BooksUnbalanced` where they do not balance (tests).
         """
         table = handler_table(self.ROOMS, requests())
         self.state = state
@@ -187,7 +191,7 @@ class Server(Generic[A, C]):
         self._stopping = True
 
     def run(self) -> None:
-        """Serve until :meth:`stop`."""
+        """Serve until :meth:`stop`; raises :class:`BooksUnbalanced` as soon as ``check_invariants`` finds them so."""
         idle_work = True
         while not self._stopping:
             timeout = 0 if idle_work else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
@@ -247,7 +251,7 @@ class Server(Generic[A, C]):
         try:
             self.state.check_invariants()
         except AssertionError as exc:
-            log.error("the books do not balance: %s", exc)
+            raise BooksUnbalanced(str(exc)) from exc
 
     def _idle(self) -> bool:
         """One step of the backend's background work (the warm pool); False when done or failing."""
