@@ -90,7 +90,8 @@ class AdminRequests(RequestRoom[A, C]):
     def reclaim(self, conn: HandleConnection[A, C], request_id: int, msg: Reclaim) -> ReclaimSent:
         """Ask a session to release memory; the loop sends the request on its handle socket (``SessionNotices``)."""
         target = self._visible_session(conn.session, msg.session_id)
-        reclaim = self.state.request_reclaim(target, msg.bytes, f"asked by session {conn.session.session_id} (uid {conn.uid})")
+        reason = f"asked by session {conn.session.session_id} (uid {conn.uid})"
+        reclaim = self.state.request_reclaim(target, msg.bytes, reason)
         log.info("asked session %d (pid %d) to release %d bytes", target.session_id, target.pid, msg.bytes)
         return ReclaimSent(reclaim.reclaim_id, target.session_id, target.pid)
 

@@ -74,11 +74,14 @@ class BufferRequests(RequestRoom[A, C]):
         uneven_ok = conn.protocol_minor >= 1
         if msg.readonly:
             buffer = self.state.attach_reader(conn.session, msg.name, uneven_ok=uneven_ok)
-            log.info("session %d reads sealed buffer %r (%d readers)", conn.session.session_id, msg.name, len(buffer.readers))
+            log.info(
+                "session %d reads sealed buffer %r (%d readers)", conn.session.session_id, msg.name, len(buffer.readers)
+            )
         else:
             buffer = self.plane.unless_holder_exited(lambda: self.state.attach(conn.session, msg.name, uneven_ok=uneven_ok))
             log.info(
-                "session %d attached persistent buffer %r (%d bytes)", conn.session.session_id, msg.name, buffer.physical_bytes
+                "session %d attached persistent buffer %r (%d bytes)",
+                conn.session.session_id, msg.name, buffer.physical_bytes,
             )
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
@@ -110,7 +113,9 @@ class BufferRequests(RequestRoom[A, C]):
     def seal(self, conn: HandleConnection[A, C], request_id: int, msg: Seal) -> Sealed:
         """Make a persistent buffer immutable, so sessions of its user may read it side by side."""
         buffer = self.state.seal(conn.session, msg.buffer_id)
-        log.info("session %d sealed persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes)
+        log.info(
+            "session %d sealed persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes
+        )
         return Sealed(buffer.info())
 
     @handles(Detach)
@@ -121,7 +126,8 @@ class BufferRequests(RequestRoom[A, C]):
         freed = self.state.detach(conn.session, msg.buffer_id)
         buffer = self.state.buffers[msg.buffer_id]
         log.info(
-            "session %d detached persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes
+            "session %d detached persistent buffer %r (%d bytes)",
+            conn.session.session_id, buffer.name, buffer.physical_bytes,
         )
         return Detached(buffer.info(), freed)
 

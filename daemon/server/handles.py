@@ -158,7 +158,8 @@ class HandlePlane(Generic[A, C]):
                 self._drain_datagrams(conn)
 
     def unless_holder_exited(self, operation: Callable[[], T]) -> T:
-        """Run ``operation``; if a session holding the buffer it needs has exited unnoticed, end that session, run it again."""
+        """Run ``operation``; if a session holding the buffer it needs has exited unnoticed, end that session and run
+        it again."""
         try:
             return operation()
         except Conflict as exc:

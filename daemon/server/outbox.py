@@ -59,7 +59,11 @@ def unread_bytes(sock: socket.socket) -> int:
 
 
 def _export_leased(state: State[Any, C], chunk: Chunk[C]) -> int:
-    """A new FD for a leased granule: the one call to change when the state names it ``export_leased``."""
+    """A new FD for a leased granule.
+
+    The state's export takes ``None`` for "leased" today; this is the one call
+    to change when that becomes ``State.export_leased(chunk)``.
+    """
     return state.export(None, chunk)
 
 
@@ -75,6 +79,7 @@ class ChunkDelivery(Generic[A, C]):
 
     @property
     def purpose(self) -> str:
+        """What the FDs are for, in a log line."""
         return f"request {self.request_id}"
 
     def prune(self) -> bool:
@@ -101,9 +106,11 @@ class LeaseDelivery(Generic[C]):
     chunks: list[Chunk[C]]
     granule: int
     purpose = "leased granules"
+    """What the FDs are for, in a log line."""
 
     def prune(self) -> bool:
-        """Drop the granules the client gave back before they were sent (it cannot have known them); False if none is left."""
+        """Drop the granules the client gave back before they were sent (it cannot have known them); False if none
+        is left."""
         self.chunks = [c for c in self.chunks if c.live]
         return bool(self.chunks)
 

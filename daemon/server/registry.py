@@ -58,8 +58,9 @@ def handler_table(rooms: Iterable[type], request_kinds: list[type[Request]]) -> 
                 if not (isinstance(kind, type) and issubclass(kind, Request)) or kind not in request_kinds:
                     raise HandlerTableError(f"{where} handles {kind!r}, which is not a request of the protocol")
                 if kind in table:
-                    other_room, other_name = table[kind]
-                    raise HandlerTableError(f"{kind.KIND} is handled twice: by {other_room.__name__}.{other_name} and {where}")
+                    first_room, first_name = table[kind]
+                    first = f"{first_room.__name__}.{first_name}"
+                    raise HandlerTableError(f"{kind.KIND} is handled twice: by {first} and {where}")
                 table[kind] = (room, name)
     missing = [kind.KIND for kind in request_kinds if kind not in table]
     if missing:

@@ -31,7 +31,10 @@ class SessionRequests(RequestRoom[A, C]):
     def reclaim_done(self, conn: HandleConnection[A, C], request_id: int, msg: ReclaimDone) -> Ack:
         """Record how much the session released for reclaim ``msg.reclaim_id``."""
         self.state.reclaim_answered(conn.session, msg.reclaim_id, msg.released_bytes)
-        log.info("session %d answered reclaim %d: released %d bytes", conn.session.session_id, msg.reclaim_id, msg.released_bytes)
+        log.info(
+            "session %d answered reclaim %d: released %d bytes",
+            conn.session.session_id, msg.reclaim_id, msg.released_bytes,
+        )
         return Ack()
 
 
@@ -72,7 +75,9 @@ class SessionNotices(Generic[A, C]):
         """Log, once each, the reclaim requests that sessions left unanswered past the state's patience."""
         for conn in self.plane.by_session.values():
             reclaim = conn.session.reclaim
-            if reclaim is not None and not reclaim.reported and reclaim.outcome(now, self.state.reclaim_patience_s) == "ignored":
+            if reclaim is None or reclaim.reported:
+                continue
+            if reclaim.outcome(now, self.state.reclaim_patience_s) == "ignored":
                 reclaim.reported = True
                 log.warning(
                     "session %d (pid %d) has not answered reclaim request %d for %d bytes; it keeps running",
