@@ -14,18 +14,18 @@ import resource
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, NoReturn
 
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
 
-from .backends import Backend
+from .backends import A, Backend, C
 from .backends.host import HostBackend
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .persist import Persistence
 from .reload import ConfigReloader
-from .server import AlreadyRunning, HandlerTableError, Server
+from .server import AlreadyRunning, BooksUnbalanced, HandlerTableError, Server
 from .state import DEFAULT_LEASE_BYTES, Limits, State
 
 log = logging.getLogger("hbmd")
@@ -34,6 +34,9 @@ HOST_DEFAULT_BUDGET = "50%"
 """The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
 kernel, the engines and their page cache need too."""
 INSTANCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+EXIT_BOOKS_UNBALANCED = os.EX_SOFTWARE
+"""Exit status (70, sysexits' EX_SOFTWARE) of a daemon whose ``--check-invariants`` found the books unbalanced:
+a bug in hbmd, told apart from a refusal to start (1, 2) and a clean stop (0)."""
 
 
 def metrics_address(text: str) -> tuple[str, int]:
@@ -153,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"buffers one uid may hold; they cost no budget but daemon memory "
                              f"(default: {Limits.buffers_per_uid})")
     parser.add_argument("--check-invariants", action="store_true",
-                        help="check the books (committed bytes, chunks, owners) after every request and log an "
-                             "error where they do not balance; costs time, for tests")
+                        help="check the books (committed bytes, chunks, owners) after every batch of requests and "
+                             "events; where they do not balance, log what is off and exit at once with status "
+                             f"{EXIT_BOOKS_UNBALANCED} (EX_SOFTWARE); costs time, for tests")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--version", action="version", version=f"hbmd {VERSION}")
     return parser
@@ -169,20 +173,24 @@ class Refusal(Exception):
 
 
 @dataclasses.dataclass
-class Daemon:
+class Daemon(Generic[A, C]):
     """Everything one instance is made of, built and checked before anything is bound."""
 
     args: argparse.Namespace
-    backend: Backend[Any, Any]
+    backend: Backend[A, C]
     why: str
     budget: int
     paths: InstancePaths
     notifier: SystemdNotifier
-    server: Server
+    server: Server[A, C]
 
 
-def build(args: argparse.Namespace) -> Daemon:
-    """Choose the backend, size the budget, load the config and wire the server; raises :class:`Refusal`."""
+def build(args: argparse.Namespace) -> Daemon[Any, Any]:
+    """Choose the backend, size the budget, load the config and wire the server; raises :class:`Refusal`.
+
+    The backend is chosen at run time, so its arena and chunk types are
+    known only from here on (:func:`_wire`).
+    """
     try:
         backend, why = select_backend(args.backend, args.device, args.warm_chunks, not args.no_export_sentinel)
     except BackendUnavailable as exc:
@@ -194,37 +202,13 @@ def build(args: argparse.Namespace) -> Daemon:
         raise
 
 
-def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Daemon:
+def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[A, C]:
     if args.instance_name:
         backend.instance = args.instance_name
-    default_budget = HOST_DEFAULT_BUDGET if backend.name == "host" else "100%"
-    try:
-        budget = parse_size(args.budget or default_budget, backend.total_bytes)
-    except ValueError as exc:
-        raise Refusal(f"--budget: {exc}", 2) from None
-    if budget <= 0:
-        raise Refusal(f"--budget: {args.budget} admits nothing; give a positive size", 2)
-    if budget > backend.total_bytes:
-        raise Refusal(
-            f"--budget: {format_bytes(budget)} is more than the {format_bytes(backend.total_bytes)} "
-            f"of {backend.name} memory there is", 2,
-        )
-    try:
-        lease = parse_size(args.lease)
-    except ValueError as exc:
-        raise Refusal(f"--lease: {exc}", 2) from None
-    if lease % backend.granularity:
-        raise Refusal(f"--lease: {args.lease} is not a whole number of {format_bytes(backend.granularity)} granules", 2)
+    budget = _budget(args, backend)
+    lease = _lease_bytes(args, backend)
     if not (math.isfinite(args.reclaim_timeout) and args.reclaim_timeout > 0):
         raise Refusal(f"--reclaim-timeout: {args.reclaim_timeout} is not a positive number of seconds", 2)
-    held_back = backend.held_back_bytes()
-    if args.warm_chunks < 0 or held_back > budget:
-        raise Refusal(
-            f"--warm-chunks: {args.warm_chunks} granules and the export sentinel do not fit the budget of "
-            f"{format_bytes(budget)}",
-            2,
-        )
-    budget -= held_back  # the warm pool and the sentinel are device memory too: commits get what is left
     try:
         config = load_config(args.config, backend.total_bytes, budget) if args.config else Config()
     except ConfigError as exc:
@@ -233,30 +217,12 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
         group = grp.getgrnam(args.group).gr_gid if args.group else None
     except KeyError:
         raise Refusal(f"--group: no group named {args.group!r}", 2) from None
-    if args.max_sessions_per_uid < 1:
-        raise Refusal(f"--max-sessions-per-uid: {args.max_sessions_per_uid} is not a positive number", 2)
-    if args.max_persistent_per_uid < 0:
-        raise Refusal(f"--max-persistent-per-uid: {args.max_persistent_per_uid} is negative", 2)
-    if args.max_buffers_per_uid < 1:
-        raise Refusal(f"--max-buffers-per-uid: {args.max_buffers_per_uid} is not a positive number", 2)
-    limits = Limits(
-        sessions_per_uid=args.max_sessions_per_uid,
-        persistent_buffers_per_uid=args.max_persistent_per_uid,
-        buffers_per_uid=args.max_buffers_per_uid,
-    )
+    limits = _limits(args)
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, config, args.reclaim_timeout, limits, lease)
     lock = threading.Lock()
-    persistence = None
-    passed = listen_fds()
-    if args.state_dir and notifier.enabled:
-        persistence = Persistence(state, notifier, Path(args.state_dir) / f"{backend.instance}.journal.json")
-        restored = persistence.restore(passed)
-        log.info("persistent buffers are parked with the service manager; %d restored", restored)
-    else:
-        for fd in (fd for fds in passed.values() for fd in fds):
-            os.close(fd)
+    persistence = _persistence(args, state, notifier)
     metrics = None
     if args.metrics_addr:
         from .metrics import Metrics
@@ -272,30 +238,139 @@ def _wire(args: argparse.Namespace, backend: Backend[Any, Any], why: str) -> Dae
     return Daemon(args, backend, why, budget, paths, notifier, server)
 
 
-def run(daemon: Daemon) -> int:
-    """Bind, publish, serve until SIGTERM, and clean up; returns the exit code."""
+def _budget(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
+    """The bytes commits may take: ``--budget`` (or the backend's default) less the warm pool and export sentinel."""
+    default_budget = HOST_DEFAULT_BUDGET if backend.name == "host" else "100%"
+    try:
+        budget = parse_size(args.budget or default_budget, backend.total_bytes)
+    except ValueError as exc:
+        raise Refusal(f"--budget: {exc}", 2) from None
+    if budget <= 0:
+        raise Refusal(f"--budget: {args.budget} admits nothing; give a positive size", 2)
+    if budget > backend.total_bytes:
+        raise Refusal(
+            f"--budget: {format_bytes(budget)} is more than the {format_bytes(backend.total_bytes)} "
+            f"of {backend.name} memory there is", 2,
+        )
+    held_back = backend.held_back_bytes()
+    if args.warm_chunks < 0 or held_back > budget:
+        raise Refusal(
+            f"--warm-chunks: {args.warm_chunks} granules and the export sentinel do not fit the budget of "
+            f"{format_bytes(budget)}",
+            2,
+        )
+    return budget - held_back  # the warm pool and the sentinel are device memory too: commits get what is left
+
+
+def _lease_bytes(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
+    """``--lease`` in bytes, a whole number of granules."""
+    try:
+        lease = parse_size(args.lease)
+    except ValueError as exc:
+        raise Refusal(f"--lease: {exc}", 2) from None
+    if lease % backend.granularity:
+        raise Refusal(f"--lease: {args.lease} is not a whole number of {format_bytes(backend.granularity)} granules", 2)
+    return lease
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    """The per-uid limits of ``--max-sessions-per-uid``, ``--max-persistent-per-uid`` and ``--max-buffers-per-uid``."""
+    if args.max_sessions_per_uid < 1:
+        raise Refusal(f"--max-sessions-per-uid: {args.max_sessions_per_uid} is not a positive number", 2)
+    if args.max_persistent_per_uid < 0:
+        raise Refusal(f"--max-persistent-per-uid: {args.max_persistent_per_uid} is negative", 2)
+    if args.max_buffers_per_uid < 1:
+        raise Refusal(f"--max-buffers-per-uid: {args.max_buffers_per_uid} is not a positive number", 2)
+    return Limits(
+        sessions_per_uid=args.max_sessions_per_uid,
+        persistent_buffers_per_uid=args.max_persistent_per_uid,
+        buffers_per_uid=args.max_buffers_per_uid,
+    )
+
+
+def _persistence(args: argparse.Namespace, state: State[A, C], notifier: SystemdNotifier) -> Persistence | None:
+    """Journal persistent buffers and park their chunks with systemd, restoring what an earlier run parked; None
+    without a state directory or a service manager, and then the FDs passed in are closed."""
+    passed = listen_fds()
+    if not (args.state_dir and notifier.enabled):
+        for fd in (fd for fds in passed.values() for fd in fds):
+            os.close(fd)
+        return None
+    persistence = Persistence(state, notifier, Path(args.state_dir) / f"{state.backend.instance}.journal.json")
+    restored = persistence.restore(passed)
+    log.info("persistent buffers are parked with the service manager; %d restored", restored)
+    return persistence
+
+
+def run(daemon: Daemon[A, C]) -> int:
+    """Bind, publish, serve until SIGTERM, and clean up; returns the exit code.
+
+    Where ``--check-invariants`` finds the books unbalanced it does not
+    return: it ends the process (:func:`_exit_unbalanced`).
+    """
     args, backend, server, notifier = daemon.args, daemon.backend, daemon.server, daemon.notifier
+    metrics_url = _bind(daemon)
+    if metrics_url is None:
+        server.close()
+        backend.close()
+        return 1
+    server.install_signal_handlers()
+    ConfigReloader(args.config, server.state, server.lock, notifier).install()
+    _announce(daemon, metrics_url)
+    server.publish()
+    notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(daemon.budget)}")
+    try:
+        server.run()
+    except BooksUnbalanced as exc:
+        _exit_unbalanced(exc)
+    finally:
+        notifier.stopping()
+        server.close()
+        backend.close()
+        notifier.close()
+    log.info("hbmd stopped")
+    return 0
+
+
+def _exit_unbalanced(exc: BooksUnbalanced) -> NoReturn:
+    """Log the imbalance and end the process at once with :data:`EXIT_BOOKS_UNBALANCED`.
+
+    The state is known to be wrong, so nothing more is done through it: no
+    session is ended and no chunk released by it (a chunk counted twice
+    could have its pages punched under a client that still maps them), and
+    nothing is journaled. The kernel closes the sockets and frees what the
+    daemon held, as after a crash; the next daemon clears the instance
+    directory as it does then.
+    """
+    log.error("the books do not balance: %s; exiting at once with status %d (--check-invariants)",
+              exc, EXIT_BOOKS_UNBALANCED)
+    logging.shutdown()
+    os._exit(EXIT_BOOKS_UNBALANCED)
+
+
+def _bind(daemon: Daemon[Any, Any]) -> str | None:
+    """Bind the server's sockets, and serve its metrics if asked: their URL ("" without), or None (logged) when
+    something could not be bound."""
+    server = daemon.server
     try:
         server.bind()
     except (AlreadyRunning, ValueError, OSError) as exc:
         log.error("cannot serve %s: %s", daemon.paths.directory, exc)
-        server.close()
-        backend.close()
-        return 1
-    metrics_url = ""
-    if server.metrics is not None:
-        host, port = args.metrics_addr
-        metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
-        try:
-            server.metrics.serve(host, port)
-        except OSError as exc:
-            log.error("--metrics-addr %s:%d: %s", host, port, exc)
-            server.close()
-            backend.close()
-            return 1
-    server.install_signal_handlers()
-    ConfigReloader(args.config, server.state, server.lock, notifier).install()
-    held_back = backend.held_back_bytes()
+        return None
+    if server.metrics is None:
+        return ""
+    host, port = daemon.args.metrics_addr
+    try:
+        server.metrics.serve(host, port)
+    except OSError as exc:
+        log.error("--metrics-addr %s:%d: %s", host, port, exc)
+        return None
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
+    """The first log line says what serves where; then what the warm pool holds back."""
+    args, backend = daemon.args, daemon.backend
     log.info(
         "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s%s",
         VERSION,
@@ -310,22 +385,12 @@ def run(daemon: Daemon) -> int:
         daemon.paths.handles,
         f", metrics {metrics_url}" if metrics_url else "",
     )
+    held_back = backend.held_back_bytes()
     if held_back:
         log.info("%s of the budget held back for %d warm chunks and the export sentinel",
                  format_bytes(held_back), args.warm_chunks)
     elif args.warm_chunks:
         log.warning("--warm-chunks applies to the CUDA backend only; ignored")
-    server.publish()
-    notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(daemon.budget)}")
-    try:
-        server.run()
-    finally:
-        notifier.stopping()
-        server.close()
-        backend.close()
-        notifier.close()
-    log.info("hbmd stopped")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,11 +11,13 @@ import pytest
 from fake_systemd import FakeSystemd
 from hbmd.client import Client, connect
 from hbmd.daemon import spawn
+from hbmd.daemon.main import EXIT_BOOKS_UNBALANCED
 
 
 class DaemonProcess(spawn.DaemonProcess):
     """An ``hbmd`` subprocess on the host backend (unless told otherwise), logging at debug and checking its
-    books after every request; killed in teardown."""
+    books after every batch of requests (``--check-invariants``: it exits with ``EXIT_BOOKS_UNBALANCED`` where they
+    do not balance); killed in teardown."""
 
     def __init__(self, run_dir: Path, *args: str, backend: str = "host", **launch) -> None:
         super().__init__(run_dir, "--backend", backend, "--log-level", "debug", "--check-invariants", *args, **launch)
@@ -53,6 +55,8 @@ def start_daemon(run_dir):
     for daemon in started:
         daemon.kill()
     for daemon in started:
+        # A daemon still running was just killed (-9); one that exited on its own with this status found a bug.
+        assert daemon.proc.returncode != EXIT_BOOKS_UNBALANCED, daemon.log()[-4000:]
         assert "the books do not balance" not in daemon.log(), daemon.log()[-4000:]
 
 

@@ -1,4 +1,4 @@
-"""The daemon's command line as operators use it: arguments, SIGHUP reloads, instance names."""
+"""The daemon's command line as operators use it: arguments, SIGHUP reloads, instance names, the books checked."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from hbmd.client import ExtensibleTensor, OutOfBudget
+from hbmd import proto
+from hbmd.client import ExtensibleTensor, OutOfBudget, connect
 from hbmd.daemon.backends.host import host_memory_bytes
+from hbmd.daemon.main import EXIT_BOOKS_UNBALANCED
+from hbmd.daemon.spawn import DaemonProcess
 from helpers import MiB, wait_until
 
 pytestmark = pytest.mark.ipc
@@ -133,3 +136,36 @@ def test_the_log_names_who_was_refused_and_keeps_observers_quiet(start_daemon, r
     refusal = next(line for line in daemon.log().splitlines() if "refused buffer.commit" in line)
     assert f"pid {os.getpid()}" in refusal and "tenant 'team-a'" in refusal and "requested 64.0 MiB" in refusal
     assert daemon.log().count("opened") == 1  # the worker's; the observer's went to DEBUG
+
+
+# The real daemon, with one bug planted by its launcher (hbmd knows nothing of it): every commit charges one granule
+# more than it backs, as a slip in the state's arithmetic would.
+MISCOUNTING_DAEMON = """
+import sys
+from hbmd.daemon import main, state
+
+commit = state.State.commit
+
+def commit_charging_a_granule_too_many(self, session, buffer_id, sizes):
+    chunks = commit(self, session, buffer_id, sizes)
+    self.budget.committed_bytes += self.backend.granularity
+    return chunks
+
+state.State.commit = commit_charging_a_granule_too_many
+sys.exit(main.main(sys.argv[1:]))
+"""
+
+
+def test_a_daemon_checking_its_books_exits_at_the_first_that_does_not_balance(run_dir):
+    launcher = [sys.executable, "-c", MISCOUNTING_DAEMON]
+    with DaemonProcess(run_dir, "--backend", "host", "--budget", "64MiB", "--check-invariants", command=launcher) as daemon:
+        with connect(run_dir=run_dir, instance=daemon.instance, lease=False) as client:
+            buffer = client.create_buffer(8 * MiB)
+            client.call(proto.Commit(buffer.buffer_id, 2 * MiB))  # answered: the books are checked after the reply
+            assert daemon.proc.wait(10) == EXIT_BOOKS_UNBALANCED
+    assert f"the books do not balance: committed {4 * MiB} != {2 * MiB} in chunks" in daemon.log()
+    assert "Traceback" not in daemon.log()
+    # It left as a crashed daemon leaves: the next one takes over the instance directory.
+    with DaemonProcess(run_dir, "--backend", "host", "--budget", "64MiB") as again:
+        with connect(run_dir=run_dir, instance=again.instance) as client:
+            assert client.status().committed_bytes == 0

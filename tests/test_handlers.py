@@ -1,4 +1,5 @@
-"""A request is defined once: the protocol names each request's reply, the server registers one handler per request."""
+"""A request is defined once: the protocol names each request's reply, the server's rooms register one handler per
+request."""
 
 from __future__ import annotations
 
@@ -7,47 +8,79 @@ import threading
 import pytest
 from hbmd import proto
 from hbmd.daemon.server import HandlerTableError, Server, handler_table, handles
+from hbmd.daemon.server.admin import AdminRequests
+from hbmd.daemon.server.buffers import BufferRequests
+from hbmd.daemon.server.session import SessionRequests
 
 pytestmark = pytest.mark.unit
 
 
-def build(server_class: type[Server]) -> Server:
+def build(*rooms: type) -> Server:
+    class Rebuilt(Server):
+        ROOMS = rooms
+
     # The table is checked before anything else is touched: no state, sockets or backend are needed to see it fail.
-    return server_class(None, None, lock=threading.Lock())  # type: ignore[arg-type]
+    return Rebuilt(None, None, lock=threading.Lock())  # type: ignore[arg-type]
 
 
 def test_the_server_handles_every_request_of_the_protocol_once():
-    table = handler_table(Server, proto.requests())
+    table = handler_table(Server.ROOMS, proto.requests())
     assert set(table) == set(proto.requests())
-    assert len(set(table.values())) == len(table)
+
+
+def test_each_family_of_requests_is_handled_in_its_own_room():
+    rooms = {kind: room for kind, (room, _) in handler_table(Server.ROOMS, proto.requests()).items()}
+    for kind, room in rooms.items():
+        family = kind.__module__.rpartition(".")[2]
+        assert room.__module__ == f"hbmd.daemon.server.{family}", f"{kind.KIND} is handled in {room.__module__}"
+
+
+def test_one_handler_answers_both_ways_of_asking_for_a_commit():
+    table = handler_table(Server.ROOMS, proto.requests())
+    assert table[proto.Commit] == table[proto.CommitSegments] == (BufferRequests, "commit")
 
 
 def test_a_server_missing_a_handler_refuses_to_be_built():
-    class LostCommit(Server):
-        _commit = None
+    class LostCommit(BufferRequests):
+        commit = None
 
-    with pytest.raises(HandlerTableError, match="no handler for buffer.commit"):
-        build(LostCommit)
+    with pytest.raises(HandlerTableError, match="no handler for buffer.commit, buffer.commit_segments"):
+        build(AdminRequests, LostCommit, SessionRequests)
+
+
+def test_a_server_missing_a_room_refuses_to_be_built():
+    with pytest.raises(HandlerTableError, match="no handler for session.reclaim_done"):
+        build(AdminRequests, BufferRequests)
 
 
 def test_a_handler_of_something_that_is_not_a_request_refuses_to_be_built():
-    class HandlesAReply(Server):
+    class HandlesAReply(AdminRequests):
         @handles(proto.Committed)  # type: ignore[arg-type]
-        def _committed(self, conn, request_id, msg):
+        def committed(self, conn, request_id, msg):
             return proto.Ack()
 
-    with pytest.raises(HandlerTableError, match="not a request"):
-        build(HandlesAReply)
+    with pytest.raises(HandlerTableError, match="HandlesAReply.committed handles .*not a request"):
+        build(HandlesAReply, BufferRequests, SessionRequests)
 
 
 def test_two_handlers_of_one_request_refuse_to_be_built():
-    class TwoStatus(Server):
+    class TwoStatus(SessionRequests):
         @handles(proto.Status)
-        def _status_again(self, conn, request_id, msg):
-            return Server._status(self, conn, request_id, msg)
+        def status_again(self, conn, request_id, msg):
+            return proto.Ack()
+
+    with pytest.raises(HandlerTableError, match="admin.status is handled twice"):
+        build(AdminRequests, BufferRequests, TwoStatus)
+
+
+def test_a_handler_naming_one_request_twice_refuses_to_be_built():
+    class Stutter(SessionRequests):
+        @handles(proto.ReclaimDone, proto.ReclaimDone)
+        def reclaim_done(self, conn, request_id, msg):
+            return proto.Ack()
 
     with pytest.raises(HandlerTableError, match="handled twice"):
-        build(TwoStatus)
+        build(AdminRequests, BufferRequests, Stutter)
 
 
 def test_a_request_added_to_the_protocol_without_a_handler_is_caught():
@@ -55,4 +88,9 @@ def test_a_request_added_to_the_protocol_without_a_handler_is_caught():
         pass
 
     with pytest.raises(HandlerTableError, match="Novel|no handler"):
-        handler_table(Server, [*proto.requests(), Novel])
+        handler_table(Server.ROOMS, [*proto.requests(), Novel])
+
+
+def test_a_handler_must_name_a_request():
+    with pytest.raises(TypeError):
+        handles()

@@ -1,0 +1,103 @@
+"""Admin requests (``hbmd.proto.admin``): status, the lists of sessions and buffers, and reclaims asked of a session.
+
+Each session sees its own user's sessions and buffers; an admin sees all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from hbmd.proto import (
+    BufferList,
+    ListBuffers,
+    ListSessions,
+    Reclaim,
+    ReclaimSent,
+    SessionList,
+    Status,
+    StatusReply,
+)
+from hbmd.proto.errors import NotFound
+from hbmd.proto.instance import VERSION
+
+from ..backends import A, C
+from ..state import Session
+from .connection import HandleConnection
+from .registry import RequestRoom, handles
+
+log = logging.getLogger("hbmd.server.admin")
+
+MAX_TENANTS_LISTED = 1000
+"""Tenants in one status reply: it must stay far below the frame limit however many names clients declare."""
+
+
+class AdminRequests(RequestRoom[A, C]):
+    """What ``hbmctl`` asks: the instance's status, its sessions and buffers, and a reclaim from a session."""
+
+    @handles(Status)
+    def status(self, conn: HandleConnection[A, C], request_id: int, msg: Status) -> StatusReply:
+        """The instance, its budget and use, and the tenants the asking session may see."""
+        state, backend = self.state, self.state.backend
+        me = conn.session
+        # Limited tenants first, then the largest: what a capped list must not lose.
+        tenants = sorted(
+            state.tenant_infos(None if me.admin else me.uid),
+            key=lambda t: (t.max_bytes < 0 and not t.guaranteed_bytes, -t.used_bytes, t.name),
+        )
+        return StatusReply(
+            instance=backend.instance,
+            backend=backend.name,
+            device_index=backend.device_index,
+            device_uuid=backend.device_uuid,
+            pid=os.getpid(),
+            daemon_version=VERSION,
+            granularity=backend.granularity,
+            total_bytes=backend.total_bytes,
+            budget_bytes=state.budget_bytes,
+            committed_bytes=state.committed_bytes,
+            reserved_bytes=state.reserved_bytes,
+            num_sessions=len(state.workers),
+            num_buffers=len(state.buffers),
+            num_chunks=state.num_chunks,
+            uptime_s=time.monotonic() - state.started_at,
+            device_free_bytes=backend.free_bytes(),
+            tenants=sorted(tenants[:MAX_TENANTS_LISTED], key=lambda t: t.name),
+            tenants_left_out=max(0, len(tenants) - MAX_TENANTS_LISTED),
+            admissible_bytes=state.admissible_for(conn.session),
+            held_back_bytes=backend.held_back_bytes(),
+            leased_bytes=state.leased_bytes,
+        )
+
+    @handles(ListSessions)
+    def list_sessions(self, conn: HandleConnection[A, C], request_id: int, msg: ListSessions) -> SessionList:
+        """The worker sessions the asking session may see."""
+        me = conn.session
+        return SessionList([self.state.session_info(s) for s in self.state.workers if me.admin or s.uid == me.uid])
+
+    @handles(ListBuffers)
+    def list_buffers(self, conn: HandleConnection[A, C], request_id: int, msg: ListBuffers) -> BufferList:
+        """Every buffer, or one session's, that the asking session may see."""
+        me = conn.session
+        if msg.session_id == -1:
+            buffers = self.state.buffers.values()
+        else:
+            buffers = self._visible_session(me, msg.session_id).buffers.values()
+        return BufferList([b.info() for b in buffers if me.admin or b.owner_uid == me.uid])
+
+    @handles(Reclaim)
+    def reclaim(self, conn: HandleConnection[A, C], request_id: int, msg: Reclaim) -> ReclaimSent:
+        """Ask a session to release memory; the loop sends the request on its handle socket (``SessionNotices``)."""
+        target = self._visible_session(conn.session, msg.session_id)
+        reason = f"asked by session {conn.session.session_id} (uid {conn.uid})"
+        reclaim = self.state.request_reclaim(target, msg.bytes, reason)
+        log.info("asked session %d (pid %d) to release %d bytes", target.session_id, target.pid, msg.bytes)
+        return ReclaimSent(reclaim.reclaim_id, target.session_id, target.pid)
+
+    def _visible_session(self, me: Session, session_id: int) -> Session:
+        """Session ``session_id`` if ``me`` may see it: its own user's, or any for an admin."""
+        session = self.state.sessions.get(session_id)
+        if session is None or not (me.admin or session.uid == me.uid):
+            raise NotFound(f"no session {session_id}", session_id=session_id)
+        return session

@@ -1,0 +1,149 @@
+"""Buffer requests (``hbmd.proto.buffers``): create, commit, map again, share and drop buffers.
+
+A request that hands chunks to the client (commit, remap, attach,
+defragment) is refused first while too many FD batches wait unread for the
+session (``Outbox.check_reading``), so a refusal changes nothing; the new
+chunks' FDs are then queued on its handle socket and described in the
+:class:`Committed` reply.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hbmd.proto import (
+    Attach,
+    BufferCreated,
+    Commit,
+    CommitSegments,
+    Committed,
+    CreateBuffer,
+    Defragment,
+    Delete,
+    Detach,
+    Detached,
+    FinishDefragment,
+    Free,
+    Freed,
+    Release,
+    Released,
+    Remap,
+    Seal,
+    Sealed,
+)
+
+from ..backends import A, C
+from ..state import Buffer, Chunk
+from .connection import HandleConnection
+from .registry import RequestRoom, handles
+
+log = logging.getLogger("hbmd.server.buffers")
+
+
+class BufferRequests(RequestRoom[A, C]):
+    """A session's buffers: their life from create to free, and persistent ones shared across sessions."""
+
+    @handles(CreateBuffer)
+    def create_buffer(self, conn: HandleConnection[A, C], request_id: int, msg: CreateBuffer) -> BufferCreated:
+        """Reserve a buffer; nothing is committed yet."""
+        buffer = self.state.create_buffer(
+            conn.session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
+            msg.segment_capacities,
+        )
+        return BufferCreated(buffer.info())
+
+    @handles(Commit, CommitSegments)
+    def commit(self, conn: HandleConnection[A, C], request_id: int, msg: Commit | CommitSegments) -> Committed:
+        """Grow the segments' committed prefixes, all to one size (``Commit``) or each to its own (``CommitSegments``)."""
+        self.plane.outbox.check_reading(conn)
+        sizes = msg.bytes_per_segment if isinstance(msg, Commit) else msg.sizes
+        chunks = self.state.commit(conn.session, msg.buffer_id, sizes)
+        return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
+    @handles(Remap)
+    def remap(self, conn: HandleConnection[A, C], request_id: int, msg: Remap) -> Committed:
+        """Send every chunk of the buffer again, for a client whose mapping failed midway."""
+        self.plane.outbox.check_reading(conn)
+        buffer = self.state.buffer_of(conn.session, msg.buffer_id)
+        return self._deliver(conn, request_id, buffer, buffer.chunks)
+
+    @handles(Attach)
+    def attach(self, conn: HandleConnection[A, C], request_id: int, msg: Attach) -> Committed:
+        """Take over an orphaned persistent buffer, or read a sealed one (``readonly``); all its chunks come to map."""
+        self.plane.outbox.check_reading(conn)
+        uneven_ok = conn.protocol_minor >= 1
+        if msg.readonly:
+            buffer = self.state.attach_reader(conn.session, msg.name, uneven_ok=uneven_ok)
+            log.info(
+                "session %d reads sealed buffer %r (%d readers)", conn.session.session_id, msg.name, len(buffer.readers)
+            )
+        else:
+            buffer = self.plane.unless_holder_exited(lambda: self.state.attach(conn.session, msg.name, uneven_ok=uneven_ok))
+            log.info(
+                "session %d attached persistent buffer %r (%d bytes)",
+                conn.session.session_id, msg.name, buffer.physical_bytes,
+            )
+        return self._deliver(conn, request_id, buffer, buffer.chunks)
+
+    @handles(Defragment)
+    def defragment(self, conn: HandleConnection[A, C], request_id: int, msg: Defragment) -> Committed:
+        """Re-back each committed run with one new chunk; the old ones go at once or, preserving, at the finish."""
+        self.plane.outbox.check_reading(conn)
+        chunks = self.state.defragment(conn.session, msg.buffer_id, msg.preserve)
+        return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+
+    @handles(FinishDefragment)
+    def finish_defragment(self, conn: HandleConnection[A, C], request_id: int, msg: FinishDefragment) -> Released:
+        """Drop the old chunks of a preserving defragment (or the new ones, if the client gave up)."""
+        freed = self.state.finish_defragment(conn.session, msg.buffer_id, msg.keep_new)
+        return Released(self.state.buffers[msg.buffer_id].info(), freed)
+
+    @handles(Release)
+    def release(self, conn: HandleConnection[A, C], request_id: int, msg: Release) -> Released:
+        """Drop every chunk of the buffer and keep its reservation."""
+        freed = self.state.release(conn.session, msg.buffer_id)
+        return Released(self.state.buffers[msg.buffer_id].info(), freed)
+
+    @handles(Free)
+    def free(self, conn: HandleConnection[A, C], request_id: int, msg: Free) -> Freed:
+        """Drop the buffer entirely."""
+        return Freed(msg.buffer_id, self.plane.unless_holder_exited(lambda: self.state.free(conn.session, msg.buffer_id)))
+
+    @handles(Seal)
+    def seal(self, conn: HandleConnection[A, C], request_id: int, msg: Seal) -> Sealed:
+        """Make a persistent buffer immutable, so sessions of its user may read it side by side."""
+        buffer = self.state.seal(conn.session, msg.buffer_id)
+        log.info(
+            "session %d sealed persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes
+        )
+        return Sealed(buffer.info())
+
+    @handles(Detach)
+    def detach(self, conn: HandleConnection[A, C], request_id: int, msg: Detach) -> Detached:
+        """Let go of a persistent buffer, which stays as an orphan, or drop one read claim (``readonly``)."""
+        if msg.readonly:
+            return Detached(self.state.detach_reader(conn.session, msg.buffer_id).info(), 0)
+        freed = self.state.detach(conn.session, msg.buffer_id)
+        buffer = self.state.buffers[msg.buffer_id]
+        log.info(
+            "session %d detached persistent buffer %r (%d bytes)",
+            conn.session.session_id, buffer.name, buffer.physical_bytes,
+        )
+        return Detached(buffer.info(), freed)
+
+    @handles(Delete)
+    def delete(self, conn: HandleConnection[A, C], request_id: int, msg: Delete) -> Freed:
+        """Free an orphaned persistent buffer by name: this user's, or for an admin anyone's."""
+        buffer_id, freed = self.plane.unless_holder_exited(lambda: self.state.delete(conn.session, msg.name, msg.owner_uid))
+        owner = conn.uid if msg.owner_uid == -1 else msg.owner_uid
+        log.info(
+            "session %d (uid %d) deleted persistent buffer %r of uid %d", conn.session.session_id, conn.uid, msg.name, owner
+        )
+        return Freed(buffer_id, freed)
+
+    def _deliver(
+        self, conn: HandleConnection[A, C], request_id: int, buffer: Buffer[A, C], chunks: list[Chunk[C]]
+    ) -> Committed:
+        """Queue the chunks' FDs on the session's handle socket and describe them in the reply."""
+        batches = self.plane.outbox.deliver(conn, request_id, buffer, chunks)
+        return Committed(buffer.info(), [self.state.chunk_info(c) for c in chunks], batches)

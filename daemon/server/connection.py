@@ -1,0 +1,95 @@
+"""One session's handle-plane connection: who is at the other end (from the kernel), and what waits to be sent to it."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import select
+import socket
+import struct
+from typing import TYPE_CHECKING, Generic
+
+from hbmd.proto import Message, encode_datagram
+
+from ..backends import A, C
+from ..state import Session
+
+if TYPE_CHECKING:  # the outbox module describes what a connection queues, and sends it
+    from .outbox import Delivery
+
+log = logging.getLogger("hbmd.server.handles")
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+
+
+@dataclasses.dataclass
+class HandleConnection(Generic[A, C]):
+    """A client's ``SOCK_SEQPACKET`` connection: its peer's credentials, its session once it said hello, its outbox."""
+
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    groups: set[int]
+    accepted_at: float
+    pidfd: int = -1
+    """A pidfd of the peer process, readable once it has exited; -1 where the kernel gives none."""
+    session: Session | None = None
+    protocol_minor: int = 0
+    """The minor version the client speaks (from its hello)."""
+    outbox: collections.deque[Delivery[A, C]] = dataclasses.field(default_factory=collections.deque)
+    fds_in_flight: int = 0
+    """FDs sent since the peer was last seen to have read everything."""
+
+    def send_quietly(self, msg: Message) -> None:
+        """Send one datagram without FDs; a peer that is gone or not reading just misses it."""
+        try:
+            self.sock.send(encode_datagram(msg))
+        except OSError as exc:
+            log.debug("sending %s to pid %d failed: %s", msg.KIND, self.pid, exc)
+
+    def has_exited(self) -> bool:
+        """Whether the session's process has exited (or its socket shown EOF), noticed or not by the loop yet."""
+        if self.pidfd >= 0 and readable_now(self.pidfd):
+            return True
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int, set[int]]:
+    """``(pid, uid, gid, groups)`` of the peer, from the kernel (``SO_PEERCRED``, ``SO_PEERGROUPS``)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    groups = {gid}
+    try:
+        extra = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+        groups.update(struct.unpack(f"{len(extra) // 4}I", extra))
+    except OSError:
+        pass  # older kernels: the primary group alone decides
+    return pid, uid, gid, groups
+
+
+def open_pidfd(pid: int) -> int:
+    """A pidfd for ``pid``, or -1 where pidfds are unavailable; ``ProcessLookupError`` when it has already exited."""
+    if pid <= 0 or not hasattr(os, "pidfd_open"):
+        return -1
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise
+    except OSError as exc:
+        log.debug("no pidfd for pid %d (%s): its session ends at its socket's EOF", pid, exc)
+        return -1
+
+
+def readable_now(fd: int) -> bool:
+    """Whether ``fd`` is readable at this instant (a pidfd: its process has exited)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))

@@ -1,0 +1,452 @@
+"""The handle plane: each session's Unix ``SOCK_SEQPACKET`` connection, from accept to the session's end.
+
+A connection's first datagram is the :class:`Hello`; the peer's pid/uid/gid
+come from ``SO_PEERCRED``; when it closes the session ends and its buffers
+are freed. After the hello the client sends only the placements of leased
+granules and their returns (``LeasePlace``, ``LeaseReturn``), read before any
+request is answered. What the daemon sends back, FDs above all, goes through
+the outbox (``outbox.py``).
+
+A session ends with its process, not with the last copy of its socket. A
+worker that forked a helper (which never speaks to hbmd) shares the socket
+with it, so the socket's EOF would wait for the helper too, and the
+worker's persistent buffers could not be attached by its replacement. So at
+accept the daemon opens a pidfd (``pidfd_open``) for the ``SO_PEERCRED``
+pid, the process that connected, and polls it with the sockets: when it
+turns readable that process has exited and the session ends, even while the
+socket is still open elsewhere. The pidfd is taken at accept, moments
+after the connect, so the window in which the pid could pass to another
+process is that short. Where there is no pidfd (kernels before 5.3, or a
+peer in a pid namespace the daemon cannot see, whose pid reads 0) the
+socket's EOF alone ends the session. A request that meets a session whose
+process has died but whose exit the loop has not handled yet (an attach
+right after a SIGKILL) ends that session first, so it is not refused for a
+holder that is gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import time
+from pathlib import Path
+from typing import Callable, Generic, Mapping, TypeVar
+
+import zmq
+from hbmd.proto import (
+    PROTOCOL_VERSION,
+    Hello,
+    LeasePlace,
+    LeaseReturn,
+    Refused,
+    Welcome,
+    decode_datagram,
+    encode_datagram,
+)
+from hbmd.proto.errors import (
+    Conflict,
+    DaemonUnavailable,
+    HbmdError,
+    InternalError,
+    PermissionDenied,
+    ProtocolError,
+    VersionMismatch,
+)
+from hbmd.proto.instance import VERSION
+
+from ..backends import A, C
+from ..fds import limit as fd_limit
+from ..fds import open_count as open_fds
+from ..fds import usable as usable_fds
+from ..state import Session, State
+from .connection import HandleConnection, open_pidfd, peer_credentials, readable_now
+from .outbox import Outbox
+from .ratelimit import RateLimitedLog
+
+log = logging.getLogger("hbmd.server.handles")
+
+HELLO_TIMEOUT_S = 5.0
+MAX_DATAGRAM = 64 << 10
+MAX_FDS_IN = 16
+"""FDs accepted (and closed at once) on an inbound datagram; clients send none."""
+MAX_DATAGRAMS_PER_DRAIN = 1024
+"""Datagrams read from one session at a time (placements of leased granules; an honest client sends one per commit)."""
+MAX_PENDING_HELLOS_PER_UID = 64
+"""Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
+
+T = TypeVar("T")
+
+
+class HandlePlane(Generic[A, C]):
+    """Accepts clients, opens their sessions at their hello, reads what they send, ends their sessions when they go.
+
+    Its :attr:`outbox` holds what is sent back to them.
+    """
+
+    def __init__(self, state: State[A, C], poller: zmq.Poller) -> None:
+        """``poller``: the loop's; every socket and pidfd of the handle plane is registered on it."""
+        self.state = state
+        self._poller = poller
+        self._listener: socket.socket | None = None
+        self._reserve_fd = -1
+        """Kept open to be closed when the descriptors run out: one to accept a waiting peer with, and refuse it."""
+        self._connections: dict[int, HandleConnection[A, C]] = {}
+        self._by_session: dict[int, HandleConnection[A, C]] = {}
+        self._by_pidfd: dict[int, HandleConnection[A, C]] = {}
+        self._placing = select.poll()
+        """Handle sockets of sessions that place leased granules: read before any request is answered."""
+        self.outbox = Outbox(state, poller, self._connections)
+        self._warnings = RateLimitedLog(log)
+
+    @property
+    def by_session(self) -> Mapping[int, HandleConnection[A, C]]:
+        """The connection of each open session, by session id."""
+        return self._by_session
+
+    def listen(self, path: Path, share: Callable[[Path], None]) -> None:
+        """Bind the handle socket at ``path``, let ``share`` set who may connect to it, and listen."""
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._listener.bind(os.fspath(path))
+        share(path)
+        self._listener.listen(socket.SOMAXCONN)  # a burst of connections must not turn honest clients away
+        self._listener.setblocking(False)
+        self._reserve_fd = self._open_reserve()
+        self._poller.register(self._listener.fileno(), zmq.POLLIN)
+
+    def close(self) -> None:
+        """End every session and close the handle socket."""
+        for conn in list(self._connections.values()):
+            self.close_connection(conn, "daemon stopping")
+        if self._listener is not None:
+            self._listener.close()
+        if self._reserve_fd >= 0:
+            os.close(self._reserve_fd)
+            self._reserve_fd = -1
+
+    def on_event(self, fd: int) -> None:
+        """Serve what woke the poll on ``fd``: the listener, a connection's socket or its peer's pidfd."""
+        if self._listener is not None and fd == self._listener.fileno():
+            self._accept(self._listener)
+            return
+        conn = self._connections.get(fd)
+        if conn is not None:
+            self._on_connection_event(conn)
+            return
+        conn = self._by_pidfd.get(fd)
+        # Checked again: the event may be stale, its descriptor number reused this very loop.
+        if conn is not None and readable_now(conn.pidfd):
+            self.close_connection(conn, "process exited")
+
+    def expire_hellos(self, now: float) -> None:
+        """Close the connections that sent no hello within :data:`HELLO_TIMEOUT_S`."""
+        for conn in list(self._connections.values()):
+            if conn.session is None and now - conn.accepted_at > HELLO_TIMEOUT_S:
+                self.close_connection(conn, "no hello in time")
+
+    def take_placements(self) -> None:
+        """Apply every leased granule's placement sent so far, by any session: a request sees all commits that returned.
+
+        One ``poll`` over the placing sessions' sockets; only those with
+        datagrams waiting are read.
+        """
+        for fd, _ in self._placing.poll(0):
+            conn = self._connections.get(fd)
+            if conn is not None and conn.session is not None:
+                self._drain_datagrams(conn)
+
+    def unless_holder_exited(self, operation: Callable[[], T]) -> T:
+        """Run ``operation``; if a session holding the buffer it needs has exited unnoticed, end that session and run
+        it again."""
+        try:
+            return operation()
+        except Conflict as exc:
+            session_id = exc.details.get("session_id")
+            holder = self._by_session.get(session_id) if isinstance(session_id, int) else None
+            if holder is None or not holder.has_exited():
+                raise
+            self.close_connection(holder, "process exited")
+        return operation()
+
+    def close_connection(self, conn: HandleConnection[A, C], why: str) -> None:
+        """Close the connection and its pidfd and end its session, freeing its anonymous buffers."""
+        fd = conn.sock.fileno()
+        if conn.session is not None and conn.session.wants_lease:
+            # Placements the client sent before it died are in the socket still: its buffers must include them.
+            self._drain_datagrams(conn)
+            try:
+                self._placing.unregister(fd)
+            except KeyError:
+                pass
+        self._connections.pop(fd, None)
+        try:
+            self._poller.unregister(fd)
+        except KeyError:
+            pass
+        self.outbox.forget(conn)
+        conn.sock.close()
+        if conn.pidfd >= 0:
+            self._by_pidfd.pop(conn.pidfd, None)
+            self._poller.unregister(conn.pidfd)
+            os.close(conn.pidfd)
+            conn.pidfd = -1
+        if conn.session is not None:
+            self._by_session.pop(conn.session.session_id, None)
+            freed = self.state.close_session(conn.session)
+            log.log(logging.DEBUG if conn.session.observer else logging.INFO,
+                    "session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
+
+    # accept
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._refuse_without_fds(listener, exc)
+                else:
+                    self._warnings.warning("accept", "accepting a handle connection failed: %s", exc)
+                return
+            if open_fds() > usable_fds():
+                # Keep the headroom libzmq needs (it aborts on EMFILE): a session would cost two more.
+                self._warnings.warning("fds", "refusing handle connections: %s", self._out_of_fds_message())
+                self._refuse(sock, self._out_of_fds_message())
+                continue
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        """Take in an accepted peer to wait for its hello, knowing who it is."""
+        sock.setblocking(False)
+        try:
+            pid, uid, gid, groups = peer_credentials(sock)
+        except OSError as exc:
+            self._warnings.warning("peercred", "reading peer credentials failed: %s", exc)
+            sock.close()
+            return
+        pending = [c for c in self._connections.values() if c.session is None and c.uid == uid]
+        if len(pending) >= MAX_PENDING_HELLOS_PER_UID:
+            # The oldest goes, not the newcomer: an honest client says hello at once, a flood's do not.
+            oldest = min(pending, key=lambda c: c.accepted_at)
+            self._warnings.warning(
+                "pending", "uid %d has %d connections without a hello; closing the oldest (pid %d)",
+                uid, len(pending), oldest.pid,
+            )
+            oldest.send_quietly(Refused(
+                DaemonUnavailable.code.wire,
+                f"closed: uid {uid} has {len(pending)} connections that sent no hello yet",
+            ))
+            self.close_connection(oldest, "too many connections without a hello")
+        try:
+            pidfd = open_pidfd(pid)
+        except ProcessLookupError:
+            sock.close()  # the peer is gone already
+            return
+        conn: HandleConnection[A, C] = HandleConnection(sock, pid, uid, gid, groups, time.monotonic(), pidfd)
+        self._connections[sock.fileno()] = conn
+        self._poller.register(sock.fileno(), zmq.POLLIN)
+        if pidfd >= 0:
+            self._by_pidfd[pidfd] = conn
+            self._poller.register(pidfd, zmq.POLLIN)
+
+    @staticmethod
+    def _refuse(sock: socket.socket, message: str) -> None:
+        """Turn a peer away at once with a retryable refusal (it is busy, not forbidden)."""
+        try:
+            sock.send(encode_datagram(Refused(DaemonUnavailable.code.wire, message)))
+        except OSError:
+            pass  # it left already
+        sock.close()
+
+    def _refuse_without_fds(self, listener: socket.socket, exc: OSError) -> None:
+        """Out of descriptors: accept and refuse each waiting peer through the reserve FD, so the loop does not spin.
+
+        A listener with peers waiting stays readable; left there, they would wake the poll at once, forever.
+        """
+        message = self._out_of_fds_message()
+        self._warnings.warning("fds", "refusing handle connections: %s (%s)", message, exc.strerror)
+        if self._reserve_fd < 0:
+            return
+        os.close(self._reserve_fd)
+        self._reserve_fd = -1
+        try:
+            while True:
+                sock, _ = listener.accept()
+                self._refuse(sock, message)
+        except OSError:
+            pass  # none left waiting, or still no descriptor: the next event tries again
+        finally:
+            self._reserve_fd = self._open_reserve()
+
+    @staticmethod
+    def _out_of_fds_message() -> str:
+        return f"the daemon is out of file descriptors (RLIMIT_NOFILE {fd_limit()}); retry once others disconnect"
+
+    @staticmethod
+    def _open_reserve() -> int:
+        try:
+            return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+
+    # inbound datagrams
+
+    def _on_connection_event(self, conn: HandleConnection[A, C]) -> None:
+        if conn.outbox:
+            self.outbox.flush(conn)
+        if conn.session is not None:
+            if not self._drain_datagrams(conn):
+                self.close_connection(conn, "connection closed")
+            return
+        try:
+            data = self._receive(conn)
+        except BlockingIOError:
+            return
+        if data is None:
+            self.close_connection(conn, "connection closed")
+        elif data:
+            self._handshake(conn, data)
+
+    def _receive(self, conn: HandleConnection[A, C]) -> bytes | None:
+        """One inbound datagram (b"" for one dropped), or None when the peer is gone; ``BlockingIOError`` when none waits.
+
+        Inbound FDs are closed.
+        """
+        try:
+            data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_DATAGRAM, MAX_FDS_IN, socket.MSG_DONTWAIT)
+        except InterruptedError:
+            raise BlockingIOError from None
+        except BlockingIOError:
+            raise
+        except OSError:
+            return None
+        for fd in fds:
+            os.close(fd)
+        if fds:
+            self._warnings.warning("fds-in", "pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
+        if not data and not fds:
+            return None
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            self._warnings.warning("oversized", "pid %d sent an oversized datagram; dropped", conn.pid)
+            return b""
+        return data
+
+    def _drain_datagrams(self, conn: HandleConnection[A, C]) -> bool:
+        """Apply every datagram the session's client has sent (its leased granules' placements); False at its EOF.
+
+        Run before any request is answered and before the session ends, so
+        the daemon's record of its buffers includes every placement its
+        client sent before. An honest client has one or two in flight; a
+        peer that keeps sending is read :data:`MAX_DATAGRAMS_PER_DRAIN` at a
+        time, so it cannot hold the loop.
+        """
+        for _ in range(MAX_DATAGRAMS_PER_DRAIN):
+            try:
+                data = self._receive(conn)
+            except BlockingIOError:
+                return True
+            if data is None:
+                return False
+            if data:
+                self._apply_datagram(conn, data)
+        self._warnings.warning(
+            f"flood-{conn.uid}", "session %d (pid %d) sends datagrams faster than they are read", conn.session.session_id,
+            conn.pid,
+        )
+        return True
+
+    def _apply_datagram(self, conn: HandleConnection[A, C], data: bytes) -> None:
+        session = conn.session
+        try:
+            msg = decode_datagram(data)
+            if isinstance(msg, LeasePlace):
+                self.state.place(session, msg.buffer_id, msg.sizes, msg.chunk_ids, msg.offsets)
+            elif isinstance(msg, LeaseReturn):
+                self.state.return_lease(session, msg.chunk_ids)
+            else:
+                log.debug("session %d sent an unexpected %s datagram; ignored", session.session_id, msg.KIND)
+        except HbmdError as exc:
+            # A client placing granules it was not leased, or where the growth needs none: nothing changed.
+            self._warnings.warning(
+                f"datagram-{conn.uid}", "session %d (pid %d) sent a datagram that was refused: %s",
+                session.session_id, conn.pid, exc.message,
+            )
+
+    # the hello
+
+    def _handshake(self, conn: HandleConnection[A, C], data: bytes) -> None:
+        try:
+            self._open_session(conn, data)
+        except Exception:
+            log.exception("handshake with pid %d failed", conn.pid)
+            conn.send_quietly(Refused(InternalError.code.wire, "internal error during the handshake"))
+            self.close_connection(conn, "handshake failed")
+
+    def _open_session(self, conn: HandleConnection[A, C], data: bytes) -> None:
+        try:
+            hello = self._check_hello(conn, data)
+            access = self.state.config.access
+            session = self.state.open_session(
+                conn.pid,
+                conn.uid,
+                conn.gid,
+                hello.client_name,
+                hello.tenant,
+                admin=conn.uid in access.admin_uids,
+                observer=hello.observer,
+                lease=hello.lease and hello.version[1] >= 3,
+            )
+        except HbmdError as exc:
+            conn.send_quietly(Refused(exc.code.wire, exc.message))
+            self.close_connection(conn, f"refused: {exc.message}")
+            return
+        conn.session = session
+        conn.protocol_minor = hello.version[1]
+        self._by_session[session.session_id] = conn
+        if session.wants_lease:
+            self._placing.register(conn.sock.fileno(), select.POLLIN)
+        conn.send_quietly(self._welcome(session))
+        # Observers (hbmctl, probes) connect every few seconds: at INFO they would bury the workers.
+        log.log(
+            logging.DEBUG if session.observer else logging.INFO,
+            "session %d opened: pid %d uid %d%s",
+            session.session_id,
+            conn.pid,
+            conn.uid,
+            f" ({hello.client_name})" if hello.client_name else "",
+        )
+
+    def _check_hello(self, conn: HandleConnection[A, C], data: bytes) -> Hello:
+        """The client's hello, if it speaks this daemon's major version and its uid may use the instance."""
+        hello = decode_datagram(data)
+        if not isinstance(hello, Hello):
+            raise ProtocolError(f"expected a hello, got {hello.KIND}")
+        if len(hello.version) != 2 or min(hello.version) < 0:
+            raise VersionMismatch(f"hello version must be [major, minor], got {hello.version[:4]}")
+        if hello.version[0] != PROTOCOL_VERSION[0]:
+            raise VersionMismatch(
+                f"client speaks protocol {'.'.join(map(str, hello.version))}, "
+                f"this daemon speaks {PROTOCOL_VERSION[0]}.x"
+            )
+        if not self.state.config.access.admits(conn.uid, conn.groups):
+            raise PermissionDenied(f"uid {conn.uid} is not allowed to use hbmd instance {self.state.backend.instance}")
+        return hello
+
+    def _welcome(self, session: Session) -> Welcome:
+        backend = self.state.backend
+        return Welcome(
+            token=session.token,
+            session_id=session.session_id,
+            instance=backend.instance,
+            backend=backend.name,
+            granularity=backend.granularity,
+            version=list(PROTOCOL_VERSION),
+            daemon_version=VERSION,
+            device_uuid=backend.device_uuid,
+            device_index=backend.device_index,
+            lease_bytes=self.state.lease_bytes_for(session),
+        )

@@ -1,0 +1,320 @@
+"""The server's loop: bind the instance's sockets, publish it, poll, dispatch control requests, stop and clean up.
+
+One thread runs the loop, so requests run one at a time, each to completion
+before the next starts; admission needs no lock of its own. Other threads
+do read and change the state: a metrics scrape (``metrics.py``) and the
+SIGHUP config reload (``reload.py``). So the loop holds :attr:`Server.lock`
+while it handles a batch of events, and they take it too: they see and
+change the state between two batches, never in the middle of a request.
+The server decodes, checks the session token, calls the :class:`State` and
+encodes the reply; it never calls the driver itself.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Generic
+
+import zmq
+from hbmd.proto import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Message,
+    Request,
+    decode_body,
+    encode_frames,
+    peek_request_id,
+    read_envelope,
+    requests,
+)
+from hbmd.proto.errors import HbmdError, InternalError, OutOfBudget, ProtocolError
+from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
+
+from ..backends import A, C
+from ..notify import SystemdNotifier
+from ..rundir import create_file, open_instance_directory, open_lock
+from ..state import Session, State
+from .admin import AdminRequests
+from .buffers import BufferRequests
+from .handles import HELLO_TIMEOUT_S, HandlePlane
+from .outbox import DRAIN_CHECK_S
+from .registry import RequestRoom, handler_table
+from .session import SessionNotices, SessionRequests
+
+if TYPE_CHECKING:  # both are optional collaborators; prometheus_client loads only when metrics are asked for
+    from ..metrics import Metrics
+    from ..persist import Persistence
+
+log = logging.getLogger("hbmd.server")
+
+
+class AlreadyRunning(RuntimeError):
+    """Another daemon holds the instance's lock."""
+
+
+class BooksUnbalanced(RuntimeError):
+    """The state's books do not balance (``check_invariants``): a bug in the daemon, which must stop serving."""
+
+
+class Server(Generic[A, C]):
+    """Serves one :class:`State` on one instance directory until :meth:`stop`."""
+
+    ROOMS: tuple[type[RequestRoom], ...] = (AdminRequests, BufferRequests, SessionRequests)
+    """The request handlers, one room per protocol family; together they answer every request once."""
+
+    def __init__(
+        self,
+        state: State[A, C],
+        paths: InstancePaths,
+        *,
+        lock: threading.Lock,
+        notifier: SystemdNotifier | None = None,
+        group: int | None = None,
+        metrics: Metrics | None = None,
+        persistence: Persistence | None = None,
+        check_invariants: bool = False,
+    ) -> None:
+        """Raises :class:`HandlerTableError` when a request of the protocol has no handler here.
+
+        ``lock`` is held while the loop touches the state, so a metrics scrape
+        or a config reload on another thread sees it whole. ``check_invariants``:
+        check the state's books after every batch of events, and stop with
+        :class:`BooksUnbalanced` where they do not balance (tests).
+        """
+        table = handler_table(self.ROOMS, requests())
+        self.state = state
+        self.paths = paths
+        self.group = group
+        self.lock = lock
+        self.metrics = metrics
+        self.persistence = persistence
+        self.check_invariants = check_invariants
+        self._notifier = notifier if notifier is not None else SystemdNotifier(None)
+        self._stopping = False
+        self._lock_fd = -1
+        self._dir_fd = -1
+        self._context = zmq.Context.instance()
+        self._router: zmq.Socket | None = None
+        self._wake_r = self._wake_w = -1
+        self._poller = zmq.Poller()
+        self._plane: HandlePlane[A, C] = HandlePlane(state, self._poller)
+        self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane)
+        rooms = {room: room(state, self._plane) for room in self.ROOMS}
+        self._handlers: dict[type[Request], Callable[..., Message]] = {
+            kind: getattr(rooms[room], name) for kind, (room, name) in table.items()
+        }
+
+    # lifecycle
+
+    def bind(self) -> None:
+        """Take the instance lock and bind both sockets.
+
+        Raises ``RunDirectoryError`` where someone else could change the
+        instance directory, :class:`AlreadyRunning` where another daemon serves it.
+        """
+        self.paths.check_lengths()
+        self._dir_fd = open_instance_directory(self.paths.directory, self.group)
+        self._lock_fd = open_lock(self._dir_fd, self.paths.lock.name)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise AlreadyRunning(f"another hbmd is already serving {self.paths.directory}") from None
+        for stale in (self.paths.control, self.paths.handles, self.paths.info, self._info_tmp):
+            try:
+                os.unlink(stale.name, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
+
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        # A control connection that never completes the ZeroMQ greeting is dropped as a hello-less one is.
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, int(HELLO_TIMEOUT_S * 1000))
+        self._router.bind(self.paths.endpoint)
+        self._share(self.paths.control)
+        self._poller.register(self._router, zmq.POLLIN)
+        self._plane.listen(self.paths.handles, self._share)
+
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+
+    def _share(self, path: Path) -> None:
+        """Let the ``--group`` connect to the socket at ``path`` (mode 0660, its group).
+
+        Only for the sockets, just bound in the daemon's own directory: nobody
+        else could have put a link in their place.
+        """
+        os.chmod(path, 0o660)
+        if self.group is not None:
+            os.chown(path, -1, self.group)
+
+    @property
+    def _info_tmp(self) -> Path:
+        return self.paths.info.with_suffix(".tmp")
+
+    def publish(self) -> None:
+        """Write ``instance.json``: clients and tools find the instance by it, so it comes once all is up."""
+        backend = self.state.backend
+        info = InstanceInfo(
+            instance=backend.instance,
+            backend=backend.name,
+            device_index=backend.device_index,
+            device_uuid=backend.device_uuid,
+            pid=os.getpid(),
+            protocol=list(PROTOCOL_VERSION),
+            daemon_version=VERSION,
+            control=self.paths.endpoint,
+            handles=os.fspath(self.paths.handles),
+        )
+        fd = create_file(self._dir_fd, self._info_tmp.name, 0o644, self.group)
+        with os.fdopen(fd, "w") as tmp:
+            tmp.write(info.to_json())
+        os.replace(self._info_tmp.name, self.paths.info.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT stop the loop; the wake pipe interrupts the poll."""
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+
+    def stop(self) -> None:
+        """Make :meth:`run` return after the batch of events it is handling."""
+        self._stopping = True
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`; raises :class:`BooksUnbalanced` as soon as ``check_invariants`` finds them so."""
+        idle_work = True
+        while not self._stopping:
+            timeout = 0 if idle_work else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
+            events = self._poller.poll(timeout=timeout)
+            with self.lock:
+                for fd_or_socket, _ in events:
+                    try:
+                        self._on_event(fd_or_socket)
+                    except Exception:
+                        # A bug met by one peer's input must not stop the daemon for every other.
+                        log.exception("handling an event on %r failed", fd_or_socket)
+                self._look_after_sessions()
+                if self.check_invariants and events:
+                    self._check_books()
+                if self.persistence is not None:
+                    self.persistence.sync()
+                idle_work = self._idle() if not events else True
+            self._notifier.watchdog()
+
+    def close(self) -> None:
+        """End every session, drop the sockets, files and lock."""
+        self._plane.close()
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._lock_fd >= 0:
+            # Only the daemon holding the lock may remove what it made: another one may be serving.
+            for path in (self.paths.control, self.paths.handles, self.paths.info):
+                try:
+                    os.unlink(path.name, dir_fd=self._dir_fd)
+                except FileNotFoundError:
+                    pass
+        for fd in (self._wake_r, self._wake_w, self._lock_fd, self._dir_fd):
+            if fd >= 0:
+                os.close(fd)
+
+    # the loop's steps
+
+    def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
+        if self._router is not None and fd_or_socket is self._router:
+            self._drain_control(self._router)
+        elif fd_or_socket == self._wake_r:
+            self._drain_wake()
+        elif isinstance(fd_or_socket, int):
+            self._plane.on_event(fd_or_socket)
+
+    def _look_after_sessions(self) -> None:
+        """What is due whatever the events were: held FDs sent on, idle leases asked back, hello-less connections
+        closed, ignored reclaims reported, leases topped up."""
+        self._plane.outbox.retry_draining()
+        now = time.monotonic()
+        self.state.ask_back_idle_leases(now)
+        self._plane.expire_hellos(now)
+        self._notices.report_ignored_reclaims(now)
+        self._notices.serve_leases()
+
+    def _check_books(self) -> None:
+        try:
+            self.state.check_invariants()
+        except AssertionError as exc:
+            raise BooksUnbalanced(str(exc)) from exc
+
+    def _idle(self) -> bool:
+        """One step of the backend's background work (the warm pool); False when done or failing."""
+        try:
+            return self.state.backend.idle()
+        except (HbmdError, OSError) as exc:
+            log.debug("background work paused: %s", exc)
+            return False
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    # control plane
+
+    def _drain_control(self, router: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                router.send_multipart([identity, *self._dispatch(body)], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.debug("reply dropped: %s", exc)
+
+    def _dispatch(self, frames: list[bytes]) -> list[bytes]:
+        started = time.perf_counter()
+        request_id = peek_request_id(frames)
+        operation = "invalid"
+        try:
+            kind, request_id, token, raw = read_envelope(frames)
+            handler = self._handlers.get(kind)
+            if handler is None:
+                raise ProtocolError(f"{kind.KIND} is not a request")
+            operation = kind.KIND
+            # The token before the body: an unknown peer costs no decoding.
+            session = self.state.session_for(token)
+            self._plane.take_placements()
+            reply = handler(self._plane.by_session[session.session_id], request_id, decode_body(kind, raw))
+        except OutOfBudget as exc:
+            self._log_refusal(operation, session, exc)  # only a handler refuses for budget: the session is known
+            reply = ErrorReply.of(exc)
+        except HbmdError as exc:
+            reply = ErrorReply.of(exc)
+        except Exception:
+            log.exception("request %d failed", request_id)
+            reply = ErrorReply.of(InternalError(f"internal error handling request {request_id}; see the daemon log"))
+        self._notices.send_reclaims()
+        self._notices.send_revokes()
+        if self.metrics is not None:
+            self.metrics.record(operation, reply.code if isinstance(reply, ErrorReply) else "ok", started)
+        return encode_frames(reply, request_id)
+
+    @staticmethod
+    def _log_refusal(operation: str, session: Session, exc: OutOfBudget) -> None:
+        """A refusal for want of budget, at INFO for a session holding a lease: it gives that back and retries, so the
+        first refusal is expected, not news."""
+        log.log(logging.INFO if session.leased_bytes else logging.WARNING,
+                "refused %s of session %d (pid %d, uid %d, tenant %r): %s%s", operation, session.session_id,
+                session.pid, session.uid, session.tenant.name, exc.message,
+                " (it holds a lease to give back)" if session.leased_bytes else "")

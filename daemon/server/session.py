@@ -1,0 +1,84 @@
+"""Session messages (``hbmd.proto.session``) beyond the hello: the daemon's own asks of a session, and its answers.
+
+The state decides what a session should be told (a reclaim request, leased
+granules it wants back, a lease to top up) and leaves it due; the loop has
+:class:`SessionNotices` send it on the session's handle socket once each
+request or batch of events is done. The hello and the datagrams a client
+sends (placements and returns of leased granules) are the handle plane's
+(``handles.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Generic
+
+from hbmd.proto import Ack, LeaseRevoke, ReclaimDone, ReclaimRequest
+
+from ..backends import A, C
+from ..state import State
+from .connection import HandleConnection
+from .handles import HandlePlane
+from .registry import RequestRoom, handles
+
+log = logging.getLogger("hbmd.server.session")
+
+
+class SessionRequests(RequestRoom[A, C]):
+    """A session's answer to a reclaim request it was sent."""
+
+    @handles(ReclaimDone)
+    def reclaim_done(self, conn: HandleConnection[A, C], request_id: int, msg: ReclaimDone) -> Ack:
+        """Record how much the session released for reclaim ``msg.reclaim_id``."""
+        self.state.reclaim_answered(conn.session, msg.reclaim_id, msg.released_bytes)
+        log.info(
+            "session %d answered reclaim %d: released %d bytes",
+            conn.session.session_id, msg.reclaim_id, msg.released_bytes,
+        )
+        return Ack()
+
+
+class SessionNotices(Generic[A, C]):
+    """What the daemon tells sessions unasked: reclaim requests, leased granules asked back, lease top-ups."""
+
+    def __init__(self, state: State[A, C], plane: HandlePlane[A, C]) -> None:
+        self.state = state
+        self.plane = plane
+
+    def send_reclaims(self) -> None:
+        """Deliver the reclaim requests the state made, on each session's handle socket."""
+        while self.state.reclaims_due:
+            session, reclaim = self.state.reclaims_due.pop(0)
+            conn = self.plane.by_session.get(session.session_id)
+            if conn is not None:
+                conn.send_quietly(ReclaimRequest(reclaim.reclaim_id, reclaim.requested_bytes, reclaim.reason))
+
+    def send_revokes(self) -> None:
+        """Ask sessions for the leased granules the state wants back."""
+        while self.state.revokes_due:
+            session, chunk_ids = self.state.revokes_due.pop(0)
+            conn = self.plane.by_session.get(session.session_id)
+            if conn is not None:
+                conn.send_quietly(LeaseRevoke(chunk_ids))
+
+    def serve_leases(self) -> None:
+        """Ask back what the state wants back, and top up the leases that commits and placements ran down, after the
+        replies have gone out."""
+        self.send_revokes()
+        for session_id in self.state.take_lease_due():
+            conn = self.plane.by_session.get(session_id)
+            if conn is not None:
+                self.plane.outbox.top_up_lease(conn)
+
+    def report_ignored_reclaims(self, now: float) -> None:
+        """Log, once each, the reclaim requests that sessions left unanswered past the state's patience."""
+        for conn in self.plane.by_session.values():
+            reclaim = conn.session.reclaim
+            if reclaim is None or reclaim.reported:
+                continue
+            if reclaim.outcome(now, self.state.reclaim_patience_s) == "ignored":
+                reclaim.reported = True
+                log.warning(
+                    "session %d (pid %d) has not answered reclaim request %d for %d bytes; it keeps running",
+                    conn.session.session_id, conn.pid, reclaim.reclaim_id, reclaim.requested_bytes,
+                )
