@@ -60,7 +60,7 @@ from hbmd.proto.errors import (
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 
 from .devices import parse_device
-from .lease import Lease
+from .lease import Lease, LeasedGranule
 from .mapper import Mapper
 from .transport import ControlChannel, FdCloser, HandleChannel
 
@@ -382,7 +382,7 @@ class Client:
 
     # leases
 
-    def take_lease(self, count: int) -> list[tuple[int, Any]] | None:
+    def take_lease(self, count: int) -> list[LeasedGranule] | None:
         """``count`` leased granules, imported and ready to map; None where the lease holds fewer, is off, or the
         commit is one the daemon serves faster (more than :data:`MAX_PLACED_GRANULES`)."""
         if self._lease is None or count > min(MAX_PLACED_GRANULES, self.welcome.lease_bytes // self.granularity):
@@ -395,7 +395,7 @@ class Client:
             taken = self._lease.take(count)
         return taken
 
-    def place(self, buffer_id: int, sizes: list[int], taken: list[tuple[int, Any]], offsets: list[int]) -> None:
+    def place(self, buffer_id: int, sizes: list[int], taken: list[LeasedGranule], offsets: list[int]) -> None:
         """Tell the daemon that the ``taken`` granules back ``buffer_id`` at ``offsets``, its segments grown to ``sizes``.
 
         Call it before mapping them: once it returns the daemon will record
@@ -403,15 +403,16 @@ class Client:
         Where it raises, nothing was sent and the granules are back in the lease.
         """
         try:
-            self._handles.send(LeasePlace(buffer_id, list(sizes), [c for c, _ in taken], list(offsets)))
+            self._handles.send(LeasePlace(buffer_id, list(sizes), [g.chunk_id for g in taken], list(offsets)))
         except BaseException:
             self._lease.put_back(taken)
             raise
+        self._lease.placed(taken)
 
-    def discard_leased(self, taken: list[tuple[int, Any]]) -> None:
+    def discard_leased(self, taken: list[LeasedGranule]) -> None:
         """Let go of placed granules' imports: the mappings made from them hold the memory."""
-        for _, prepared in taken:
-            self.mapper.discard(prepared)
+        for granule in taken:
+            self.mapper.discard(granule.prepared)
 
     @property
     def leased_granules(self) -> int:

@@ -398,8 +398,9 @@ class ExtensibleTensor:
             return False
         self._client.place(self.buffer_id, sizes, taken, offsets)
         try:
-            for (chunk_id, prepared), offset in zip(taken, offsets):
-                self._mapper.map_prepared(self._base + offset, ChunkInfo(chunk_id, offset, self.granularity, 0), prepared)
+            for granule, offset in zip(taken, offsets):
+                chunk = ChunkInfo(granule.chunk_id, offset, self.granularity, 0)
+                self._mapper.map_prepared(self._base + offset, chunk, granule.prepared)
                 self._mapped.append((offset, self.granularity))
         except BaseException as exc:
             if not self._resync(exc):

@@ -1,0 +1,103 @@
+"""The client's two threads, the listener and the one that commits, never lose what the daemon sent or asked.
+
+A granule asked back is returned whatever it was doing when the revoke came (being imported, taken for a
+placement).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from hbmd import proto
+from hbmd.client.lease import Lease
+from helpers import GRANULE
+
+CHUNK = 7
+
+
+class ImportingMapper:
+    """A mapper double whose imports wait for ``go`` once ``importing`` is set: the window a revoke may fall in."""
+
+    def __init__(self) -> None:
+        self.importing = threading.Event()
+        self.go = threading.Event()
+        self.go.set()
+        self.discarded: list[int] = []
+
+    def prepare(self, fd: int) -> int:
+        self.importing.set()
+        assert self.go.wait(10)
+        return os.dup(fd)
+
+    def discard(self, prepared: int) -> None:
+        self.discarded.append(prepared)
+        os.close(prepared)
+
+
+def lease_with(mapper: ImportingMapper) -> tuple[Lease, list[proto.Message]]:
+    sent: list[proto.Message] = []
+    return Lease(GRANULE, lambda: mapper, sent.append), sent
+
+
+def grant(lease: Lease, chunk_id: int) -> None:
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    lease.granted(proto.LeaseGrant([chunk_id], GRANULE), [read_end])
+
+
+def returned(sent: list[proto.Message]) -> list[int]:
+    return [c for msg in sent if isinstance(msg, proto.LeaseReturn) for c in msg.chunk_ids]
+
+
+@pytest.mark.unit
+def test_a_granule_asked_back_while_it_is_imported_goes_back() -> None:
+    mapper = ImportingMapper()
+    mapper.go.clear()
+    lease, sent = lease_with(mapper)
+    listener = threading.Thread(target=grant, args=(lease, CHUNK))
+    listener.start()
+    assert mapper.importing.wait(10)
+    lease.revoked(proto.LeaseRevoke([CHUNK]))  # the committing thread serves the revoke meanwhile
+    mapper.go.set()
+    listener.join(10)
+    assert returned(sent) == [CHUNK], "the daemon would keep the granule revoking, and lease this session no more"
+    assert len(lease) == 0 and lease.take(1) is None
+    assert len(mapper.discarded) == 1
+
+
+@pytest.mark.unit
+def test_a_granule_asked_back_while_a_commit_holds_it_goes_back_when_put_back() -> None:
+    mapper = ImportingMapper()
+    lease, sent = lease_with(mapper)
+    grant(lease, CHUNK)
+    taken = lease.take(1)
+    lease.revoked(proto.LeaseRevoke([CHUNK]))
+    assert returned(sent) == []  # in the commit's hands: it may still be placed
+    lease.put_back(taken)  # the placement could not be sent
+    assert returned(sent) == [CHUNK]
+    assert len(lease) == 0 and len(mapper.discarded) == 1
+
+
+@pytest.mark.unit
+def test_a_granule_asked_back_and_then_placed_stays_placed() -> None:
+    mapper = ImportingMapper()
+    lease, sent = lease_with(mapper)
+    grant(lease, CHUNK)
+    taken = lease.take(1)
+    lease.revoked(proto.LeaseRevoke([CHUNK]))
+    lease.placed(taken)  # the daemon reads the placement and forgets the revoke
+    grant(lease, CHUNK + 1)
+    assert returned(sent) == [] and len(lease) == 1
+    for granule in taken:
+        mapper.discard(granule.prepared)
+
+
+@pytest.mark.unit
+def test_a_granule_asked_back_before_its_grant_is_read_goes_back_on_arrival() -> None:
+    mapper = ImportingMapper()
+    lease, sent = lease_with(mapper)
+    lease.revoked(proto.LeaseRevoke([CHUNK]))
+    grant(lease, CHUNK)
+    assert returned(sent) == [CHUNK] and len(lease) == 0 and mapper.discarded == []
