@@ -478,9 +478,13 @@ class Client:
         """
         if self._listener is None:
             self._handles.poll(0)
-        requests = list(self._handles.reclaims)
-        self._handles.reclaims.clear()
-        return requests
+        requests: list[ReclaimRequest] = []
+        while True:
+            try:
+                # One at a time: the listener thread may file another between a copy and a clear.
+                requests.append(self._handles.reclaims.popleft())
+            except IndexError:
+                return requests
 
     def answer_reclaim(self, request: ReclaimRequest, released_bytes: int) -> None:
         self.call(ReclaimDone(request.reclaim_id, released_bytes))

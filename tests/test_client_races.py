@@ -1,11 +1,12 @@
 """The client's two threads, the listener and the one that commits, never lose what the daemon sent or asked.
 
 A granule asked back is returned whatever it was doing when the revoke came (being imported, taken for a
-placement).
+placement), and a reclaim request filed while the engine reads the pending ones is not dropped.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 
@@ -101,3 +102,34 @@ def test_a_granule_asked_back_before_its_grant_is_read_goes_back_on_arrival() ->
     lease.revoked(proto.LeaseRevoke([CHUNK]))
     grant(lease, CHUNK)
     assert returned(sent) == [CHUNK] and len(lease) == 0 and mapper.discarded == []
+
+
+class ListenerFilesDuringTheRead(collections.deque):
+    """Reclaim requests where the listener thread files one more right after the engine's thread starts reading."""
+
+    def __init__(self, first: proto.ReclaimRequest, late: proto.ReclaimRequest) -> None:
+        super().__init__([first])
+        self._late: proto.ReclaimRequest | None = late
+
+    def _listener_files(self) -> None:
+        if self._late is not None:
+            self.append(self._late)
+            self._late = None
+
+    def __iter__(self):
+        items = list(super().__iter__())
+        self._listener_files()
+        return iter(items)
+
+    def popleft(self):
+        item = super().popleft()
+        self._listener_files()
+        return item
+
+
+@pytest.mark.ipc
+def test_a_reclaim_request_filed_while_the_pending_ones_are_read_is_not_lost(client) -> None:
+    first, late = proto.ReclaimRequest(1, GRANULE, "first"), proto.ReclaimRequest(2, GRANULE, "late")
+    client._handles.reclaims = ListenerFilesDuringTheRead(first, late)
+    pending = client.pending_reclaims() + client.pending_reclaims()
+    assert pending == [first, late]
