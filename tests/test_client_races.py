@@ -1,7 +1,8 @@
 """The client's two threads, the listener and the one that commits, never lose what the daemon sent or asked.
 
 A granule asked back is returned whatever it was doing when the revoke came (being imported, taken for a
-placement), and a reclaim request filed while the engine reads the pending ones is not dropped.
+placement), a reclaim request filed while the engine reads the pending ones is not dropped, and a thread
+waiting for its chunk FDs does not hold up the other thread's datagrams.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 
 import pytest
 from hbmd import proto
 from hbmd.client.lease import Lease
+from hbmd.proto.errors import SessionLost
 from helpers import GRANULE
 
 CHUNK = 7
@@ -133,3 +136,28 @@ def test_a_reclaim_request_filed_while_the_pending_ones_are_read_is_not_lost(cli
     client._handles.reclaims = ListenerFilesDuringTheRead(first, late)
     pending = client.pending_reclaims() + client.pending_reclaims()
     assert pending == [first, late]
+
+
+@pytest.mark.ipc
+def test_a_thread_waiting_for_chunk_fds_does_not_hold_up_the_other_threads_sends(daemon) -> None:
+    client = daemon.connect(lease=False)  # nothing comes on the socket unasked
+    handles = client._handles
+    waited: list[BaseException] = []
+
+    def wait_for_a_batch_that_never_comes() -> None:
+        try:
+            handles.receive_fds(10**6, time.monotonic() + 5)
+        except BaseException as exc:
+            waited.append(exc)
+
+    receiver = threading.Thread(target=wait_for_a_batch_that_never_comes)
+    receiver.start()
+    time.sleep(0.2)  # the receiver is waiting now
+    started = time.monotonic()
+    handles.send(proto.LeaseReturn([10**9]))  # what the listener sends for a revoke; the daemon ignores this id
+    sent_after = time.monotonic() - started
+    handles.shut()  # wakes the receiver: the session is over
+    receiver.join(10)
+    client.close()
+    assert sent_after < 1, f"the send waited {sent_after:.1f}s for the receiver's lock"
+    assert len(waited) == 1 and isinstance(waited[0], SessionLost)
