@@ -18,6 +18,7 @@ forgets the revoke).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -119,6 +120,21 @@ class Lease:
             self._ready.update((g.chunk_id, g) for g in granules if g not in asked)
         self._discard(asked)
         return [g.chunk_id for g in asked]
+
+    def serve(
+        self, grants: collections.deque[tuple[LeaseGrant, list[int]]], revokes: collections.deque[LeaseRevoke]
+    ) -> None:
+        """Import what was granted and give back what was asked back, as the handle socket filed them.
+
+        Either thread may serve: each datagram is taken off its queue once.
+        """
+        for queue, serve in ((grants, lambda g: self.granted(*g)), (revokes, self.revoked)):
+            while True:
+                try:
+                    item = queue.popleft()
+                except IndexError:
+                    break
+                serve(item)
 
     def revoked(self, revoke: LeaseRevoke) -> None:
         """Give back the granules asked for that are here; mark those in hand, remember the others for their grant."""

@@ -13,11 +13,13 @@ import os
 import sys
 from typing import Any, Callable, Sequence, TypeVar
 
-from hbmd.proto import BufferInfo, ChunkInfo, Committed
+from hbmd.proto import BufferInfo, ChunkInfo
 from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
 from hbmd.proto.runs import new_granules, prefix_offsets
+from hbmd.proto.undo import Undo
 
 from .devices import parse_device
+from .delivery import Delivery
 from .mapper import Mapper
 from .session import Client, default_client
 
@@ -157,21 +159,12 @@ class ExtensibleTensor:
         self = cls.__new__(cls)
         self._readonly = readonly
         self._bind(device, client)
-        taken: list[BufferInfo] = []
-
-        def adopt(reply: Committed) -> None:
-            taken.append(reply.buffer)
-            self._adopt(reply.buffer)
-
-        try:
-            self._client.attach(name, self._map_chunk, on_reply=adopt, readonly=readonly)
-        except BaseException:
-            # The buffer and its data stay the daemon's: let go of it (never free it) and of what was mapped.
-            if taken:
-                if hasattr(self, "_reservation"):
-                    self._drop_mappings()
-                self._client.detach(taken[0].buffer_id, readonly=readonly)
-            raise
+        # On a failure the buffer and its data stay the daemon's: let go of it (never free it) and of what was mapped.
+        with Undo() as undo, self._client.attach(name, readonly=readonly) as delivery:
+            undo.push(self._client.detach, delivery.reply.buffer.buffer_id, readonly)
+            self._adopt(delivery.reply.buffer)
+            undo.push(self._drop_mappings)
+            self._map_all(delivery)
         return self
 
     def _bind(self, device: Any, client: Client | None) -> None:
@@ -416,11 +409,9 @@ class ExtensibleTensor:
 
     def _grow_through_daemon(self, sizes: list[int]) -> None:
         if len(set(sizes)) == 1:
-            self._transaction(lambda on_reply: self._client.commit(self.buffer_id, sizes[0], self._map_chunk, on_reply))
+            self._transaction(lambda: self._client.commit(self.buffer_id, sizes[0]))
         else:
-            self._transaction(
-                lambda on_reply: self._client.commit_segments(self.buffer_id, sizes, self._map_chunk, on_reply)
-            )
+            self._transaction(lambda: self._client.commit_segments(self.buffer_id, sizes))
 
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> "ExtensibleTensor":
         """Grow every segment's committed prefix to ``bytes_per_segment`` (see :meth:`resize_segments_`)."""
@@ -433,6 +424,11 @@ class ExtensibleTensor:
             self._mapper.zero(self._base + offset, size)
         self._mapper.synchronize()
         return self
+
+    def _map_all(self, delivery: Delivery) -> None:
+        """Map every chunk the delivery brings, at its offset."""
+        for chunk, fd in delivery:
+            self._map_chunk(chunk, fd)
 
     def _map_chunk(self, chunk: ChunkInfo, fd: int) -> None:
         # A sealed buffer is mapped read-only everywhere, in its owner's process too.
@@ -467,14 +463,13 @@ class ExtensibleTensor:
         self._check_writable("defragment")
         if not preserve:
             # The old chunks are unmapped before the daemon drops them; a refusal maps them back.
-            self._transaction(
-                lambda on_reply: self._client.defragment(self.buffer_id, False, self._map_chunk, on_reply),
-                before=self._unmap_all,
-            )
+            self._transaction(lambda: self._client.defragment(self.buffer_id, False), before=self._unmap_all)
             return self
         fresh: list[tuple[ChunkInfo, int]] = []
         try:
-            self._client.defragment(self.buffer_id, True, lambda chunk, fd: fresh.append((chunk, os.dup(fd))))
+            with self._client.defragment(self.buffer_id, True) as delivery:
+                for chunk, fd in delivery:
+                    fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
             if fresh:
                 self._move_into(fresh)
         finally:
@@ -583,39 +578,41 @@ class ExtensibleTensor:
             self._mapper.unmap(self._base + offset, size)
         self._mapped = []
 
-    def _transaction(
-        self, request: Callable[[Callable[[Committed], None]], Committed], before: Callable[[], None] | None = None
-    ) -> None:
+    def _transaction(self, request: Callable[[], Delivery], before: Callable[[], None] | None = None) -> None:
         """Run a request that maps chunks so that it completes, or leaves the tensor as the daemon records it.
 
-        ``request(on_reply)`` sends it (``on_reply`` sees the daemon's answer
-        before the chunks arrive). A refusal that came before anything was
-        mapped or unmapped changes nothing. Any other failure (a map that
-        failed midway, a refusal after ``before`` unmapped) is repaired by
-        mapping every chunk the daemon records again (:class:`Remap`): if
-        the daemon had done the request, it is then complete here too and
-        returns; otherwise the error is raised with the tensor as before.
-        When the repair fails as well, :class:`TensorUnusable`.
+        ``request()`` sends it and returns its :class:`Delivery`. A refusal
+        that came before anything was mapped or unmapped changes nothing.
+        Any other failure (a map that failed midway, a refusal after
+        ``before`` unmapped) is repaired by mapping every chunk the daemon
+        records again (:class:`Remap`): if the daemon had done the request,
+        it is then complete here too and returns; otherwise the error is
+        raised with the tensor as before. When the repair fails as well,
+        :class:`TensorUnusable`.
         """
-        answered: list[Committed] = []
+        answered = False
         mapped_before = list(self._mapped)
         try:
             if before is not None:
                 before()
-            reply = request(answered.append)
+            with request() as delivery:
+                answered = True
+                self._map_all(delivery)
         except BaseException as exc:
             if not answered and self._mapped == mapped_before:
                 raise
             if not self._resync(exc):
                 raise
             return
-        self._set_info(reply.buffer)
+        self._set_info(delivery.reply.buffer)
 
     def _resync(self, error: BaseException) -> bool:
         """Map the buffer as the daemon records it; True when the failed request had been done there."""
         try:
             self._unmap_all()
-            reply = self._client.remap(self.buffer_id, self._map_chunk)
+            with self._client.remap(self.buffer_id) as delivery:
+                self._map_all(delivery)
+            reply = delivery.reply
         except BaseException as exc:
             self._unusable = TensorUnusable(
                 f"buffer {self.buffer_id}: {error} and mapping it again failed ({exc}); free it and create or attach "

@@ -13,7 +13,6 @@ with :class:`SessionLost` instead of waiting out its timeout.
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import queue
 import select
@@ -313,8 +312,8 @@ class ControlChannel:
         self.token = token
         self.timeout = timeout
         self.session = session
-        self._ids = itertools.count(1)
-        self.last_request_id = 0
+        self.requests_sent = 0
+        """Requests sent so far; the last one's id (ids count from 1)."""
         self._context = zmq.Context.instance()
         self._socket = self._open()
 
@@ -327,10 +326,15 @@ class ControlChannel:
     def call(self, msg: Request[R], timeout: float | None = None) -> R:
         """Send ``msg`` and return its reply (of the type the request names); raise the daemon's error, or
         :class:`DaemonUnavailable` when no reply comes within ``timeout``."""
+        return self.call_with_id(msg, timeout)[0]
+
+    def call_with_id(self, msg: Request[R], timeout: float | None = None) -> tuple[R, int]:
+        """:meth:`call`, and the request id it went under: the id the FD batches that answer it carry."""
         timeout = self.timeout if timeout is None else timeout
         if self.session is not None and self.session.lost():
             raise self._lost()
-        request_id = self.last_request_id = next(self._ids)
+        self.requests_sent += 1
+        request_id = self.requests_sent
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
@@ -359,7 +363,7 @@ class ControlChannel:
                 raise reply.exception()
             if not isinstance(reply, msg.Reply):
                 raise ProtocolError(f"expected {msg.Reply.KIND} in reply to {msg.KIND}, got {reply.KIND}")
-            return reply  # type: ignore[return-value]  # checked against msg.Reply, which is R
+            return reply, request_id  # type: ignore[return-value]  # checked against msg.Reply, which is R
 
     def _lost(self) -> SessionLost:
         return SessionLost(

@@ -191,7 +191,7 @@ for name, call in [
     ("attach", lambda: ExtensibleTensor.attach("roots-kv", "cpu", client=c)),
     ("delete", lambda: c.delete("roots-kv")),
     ("reclaim", lambda: c.reclaim(int(sys.argv[1]), 1 << 20)),
-    ("commit", lambda: c.commit(int(sys.argv[2]), 2 << 20, lambda chunk, fd: None)),
+    ("commit", lambda: c.commit(int(sys.argv[2]), 2 << 20).close()),
 ]:
     try:
         call()

@@ -284,8 +284,10 @@ def test_a_failed_set_access_undoes_the_import_and_the_map(gpu_client, monkeypat
         t._mapped.append((chunk.offset, chunk.size))
         attempts.append(chunk.chunk_id)
 
-    reply = gpu_client.commit(t.buffer_id, 4 * MiB, map_twice)
-    t._info = reply.buffer
+    with gpu_client.commit(t.buffer_id, 4 * MiB) as delivery:
+        for chunk, fd in delivery:
+            map_twice(chunk, fd)
+    t._info = delivery.reply.buffer
     assert len(attempts) == 1
     t.full_view()[: 4 * MiB].fill_(1)
     assert int(t.full_view()[: 4 * MiB].sum()) == 4 * MiB
