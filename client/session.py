@@ -123,16 +123,14 @@ class Client:
         self.paths = paths
         self.timeout = timeout
         self._pid = os.getpid()
-        self._handles = HandleChannel(paths, timeout)
-        try:
+        with Undo() as undo:
+            self._handles = HandleChannel(paths, timeout)
+            undo.push(self._handles.close)
             self.welcome = self._handles.handshake(
                 Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
                       lease and not observer)
             )
             self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles)
-        except BaseException:
-            self._handles.close()
-            raise
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
         self.closed = False

@@ -126,19 +126,17 @@ class ExtensibleTensor:
             log.warning("hbmd serves POSIX-FD chunks; FABRIC handles are not supported, the FABRIC bit is ignored")
         self._bind(device, client)
         uneven = segment_capacities is not None and len(set(capacities)) > 1
-        info = self._client.create_buffer(
-            max_num_bytes,
-            len(capacities),
-            name=name or "",
-            persistent=persistent,
-            shareable=shareable or bool(export_handle_types),
-            segment_capacities=capacities if uneven else None,
-        )
-        try:
+        with Undo() as undo:
+            info = self._client.create_buffer(
+                max_num_bytes,
+                len(capacities),
+                name=name or "",
+                persistent=persistent,
+                shareable=shareable or bool(export_handle_types),
+                segment_capacities=capacities if uneven else None,
+            )
+            undo.push(self._client.free, info.buffer_id)
             self._adopt(info)
-        except BaseException:
-            self._client.free(info.buffer_id)
-            raise
 
     @classmethod
     def attach(
@@ -479,7 +477,9 @@ class ExtensibleTensor:
 
     def _move_into(self, fresh: list[tuple[ChunkInfo, int]]) -> None:
         """Copy the data into the new chunks, remap them in place of the old, and confirm."""
-        try:
+        with Undo() as undo:
+            # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
+            undo.push(self._client.finish_defragment, self.buffer_id, False)
             for chunk, fd in fresh:
                 scratch = self._mapper.reserve(chunk.size)
                 try:
@@ -489,9 +489,6 @@ class ExtensibleTensor:
                     self._mapper.unmap(scratch, chunk.size)
                 finally:
                     self._mapper.unreserve(scratch, chunk.size)
-        except BaseException:
-            self._client.finish_defragment(self.buffer_id, keep_new=False)
-            raise
         # From here the new chunks hold the data: the daemon keeps them whatever happens next.
         try:
             self._unmap_all()
