@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -57,6 +56,7 @@ from hbmd.proto.errors import (
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 from hbmd.proto.undo import Undo
 
+from .budget import DeviceMemory
 from .devices import parse_device
 from .delivery import Delivery
 from .lease import Lease, LeasedGranule
@@ -68,18 +68,6 @@ DEFAULT_TIMEOUT_S = 10.0
 log = logging.getLogger("hbmd.client")
 
 R = TypeVar("R", bound=Message)
-
-@dataclasses.dataclass(frozen=True)
-class DeviceMemory:
-    total: int
-    free: int
-    committed: int
-    budget: int
-    budget_left: int
-
-    def available(self) -> int:
-        """What a commit can take now: the budget left, capped by the device's free memory where known."""
-        return self.budget_left if self.free < 0 else min(self.budget_left, self.free)
 
 
 class ForkedClient(HbmdError):
@@ -444,14 +432,7 @@ class Client:
         daemon will admit for this session (its tenant's maximum and others'
         guaranteed minimums counted).
         """
-        s = self.status()
-        return DeviceMemory(
-            total=s.total_bytes,
-            free=s.device_free_bytes,
-            committed=s.committed_bytes,
-            budget=s.budget_bytes,
-            budget_left=s.admissible_bytes if s.admissible_bytes >= 0 else max(0, s.budget_bytes - s.committed_bytes),
-        )
+        return DeviceMemory.of(self.status())
 
     def release(self, buffer_id: int) -> Released:
         return self.call(Release(buffer_id))
