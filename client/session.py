@@ -45,7 +45,6 @@ from hbmd.proto import (
     StatusReply,
 )
 from hbmd.proto.errors import (
-    DaemonUnavailable,
     HbmdError,
     InvalidRequest,
     OutOfBudget,
@@ -53,7 +52,7 @@ from hbmd.proto.errors import (
     SessionLost,
     VersionMismatch,
 )
-from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
+from hbmd.proto.instance import InstancePaths, resolve_run_dir
 from hbmd.proto.undo import Undo
 
 from .budget import DeviceMemory
@@ -537,17 +536,6 @@ def connect(
     return Client(
         paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer, mapper=mapper, lease=lease
     )
-
-
-def only_instance(run_dir: str | os.PathLike | None) -> str:
-    """The single instance under ``run_dir``; :class:`DaemonUnavailable` when there are none or several."""
-    found = list_instances(run_dir)
-    if len(found) == 1:
-        return found[0]
-    root = resolve_run_dir(run_dir)
-    if not found:
-        raise DaemonUnavailable(f"no hbmd instance under {root}", path=str(root))
-    raise DaemonUnavailable(f"several hbmd instances under {root} ({', '.join(found)}): choose one with --instance")
 
 
 _defaults: dict[tuple[str, str], Client] = {}
