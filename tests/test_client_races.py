@@ -14,6 +14,7 @@ import time
 
 import pytest
 from hbmd import proto
+from hbmd.client import lease as lease_module
 from hbmd.client.lease import Lease
 from hbmd.proto.errors import SessionLost
 from helpers import GRANULE
@@ -96,6 +97,23 @@ def test_a_granule_asked_back_and_then_placed_stays_placed() -> None:
     assert returned(sent) == [] and len(lease) == 1
     for granule in taken:
         mapper.discard(granule.prepared)
+
+
+@pytest.mark.unit
+def test_a_commit_short_of_granules_waits_for_the_one_being_imported(monkeypatch) -> None:
+    monkeypatch.setattr(lease_module, "IMPORT_WAIT_S", 10.0)
+    mapper = ImportingMapper()
+    mapper.go.clear()
+    lease, sent = lease_with(mapper)
+    listener = threading.Thread(target=grant, args=(lease, CHUNK))
+    listener.start()
+    assert mapper.importing.wait(10)
+    threading.Timer(0.05, mapper.go.set).start()
+    taken = lease.take(1)  # without the wait: None, and the commit would go to the daemon
+    listener.join(10)
+    assert taken is not None and [g.chunk_id for g in taken] == [CHUNK] and returned(sent) == []
+    lease.placed(taken)
+    mapper.discard(taken[0].prepared)
 
 
 @pytest.mark.unit
