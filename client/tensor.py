@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
 from hbmd.proto import BufferInfo, ChunkInfo
-from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
-from hbmd.proto.runs import new_granules, prefix_offsets
+from hbmd.proto.errors import InvalidRequest, TensorUnusable
 from hbmd.proto.undo import Undo
 
 from .devices import parse_device
-from .delivery import Delivery
-from .mapper import Mapper
+from .reservation import Reservation
 from .session import Client, default_client
+from .transaction import Transactions
 
 EXPORT_POSIX_FD = 0x1
 EXPORT_FABRIC = 0x8
@@ -51,37 +49,13 @@ def _capacities(max_num_bytes: int, num_segments: int, segment_capacities: Seque
     return capacities
 
 
-T = TypeVar("T")
-
-
-class Reservation:
-    """One buffer's address range in this process.
-
-    It goes back to the system only once the tensor is freed *and* no view
-    of it is left: a view that outlives :meth:`ExtensibleTensor.free` then
-    points at an inaccessible range that nothing else can be placed in, so
-    touching it faults (SIGSEGV on the host, an illegal-address error on a
-    GPU) instead of reading or writing someone else's memory.
-    """
-
-    def __init__(self, mapper: Mapper, size: int) -> None:
-        self.freed = False
-        self.mapper = mapper
-        self.size = size
-        self.base = mapper.reserve(size)
-
-    def __del__(self) -> None:
-        if self.freed and not sys.is_finalizing():
-            self.mapper.unreserve(self.base, self.size)
-
-
 def _uniform(values: list[int]) -> int:
     if len(set(values)) != 1:
         raise ValueError(f"Segments differ: {values}.")
     return values[0]
 
 
-class ExtensibleTensor:
+class ExtensibleTensor(Transactions):
     """A reserved range of ``max_num_bytes`` in segments laid back to back, each committed as a prefix on demand.
 
     Stands in for vLLM's ``vllm.utils.extensible_tensor.ExtensibleTensor``
@@ -181,21 +155,11 @@ class ExtensibleTensor:
     def _adopt(self, info: BufferInfo) -> None:
         self._set_info(info)
         self._mapper = self._client.mapper
-        self._mapped: list[tuple[int, int]] = []
         self._view: Any = None
         self._freed = False
         self._unusable: TensorUnusable | None = None
         self._reservation = Reservation(self._mapper, info.reserved_bytes)
         self._base = self._reservation.base
-
-    def _set_info(self, info: BufferInfo) -> None:
-        """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
-        self._info = info
-        self._physical_bytes = info.physical_bytes
-        self._num_chunks = info.num_chunks
-        self._capacities = list(info.segment_capacities) or [info.segment_capacity_bytes] * info.num_segments
-        self._sizes = list(info.segment_sizes) or [info.bytes_per_segment] * info.num_segments
-        self._offsets = prefix_offsets(self._capacities)
 
     # properties
 
@@ -275,7 +239,7 @@ class ExtensibleTensor:
     @property
     def num_physical_chunks(self) -> int:
         """Chunks mapped in this process now."""
-        return len(self._mapped)
+        return 0 if self._freed else len(self._reservation.mapped)
 
     @property
     def granularity(self) -> int:
@@ -325,10 +289,9 @@ class ExtensibleTensor:
 
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
         """For each segment, whether its first ``sizes[i]`` bytes lie inside one chunk (what RDMA registration needs)."""
-        return [
-            any(offset <= start and start + size <= offset + length for offset, length in self._mapped)
-            for start, size in zip(self._offsets, sizes)
-        ]
+        if self._freed:
+            return [False] * len(sizes)
+        return [self._reservation.in_one_chunk(start, size) for start, size in zip(self._offsets, sizes)]
 
     # growth
 
@@ -361,56 +324,6 @@ class ExtensibleTensor:
             self._mapper.synchronize()
         return self
 
-    def _grow_from_lease(self, sizes: list[int]) -> bool:
-        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short or the
-        growth adds a run of several granules (the daemon backs it with one chunk).
-
-        A leased granule is a chunk, as the daemon would have made it: the
-        buffer's chunks are the same whichever way it grew.
-
-        The placement goes to the daemon before the mapping, so however this
-        process dies the daemon's record holds every granule mapped here. A
-        mapping that fails midway is repaired as any commit's (:meth:`_resync`).
-        """
-        if self._info.shareable:
-            return False
-        with self._client.exclusive:  # no other thread's request on this session between the placement and the mapping
-            return self._place_leased(sizes)
-
-    def _place_leased(self, sizes: list[int]) -> bool:
-        granule = self.granularity
-        offsets = new_granules(self._offsets, self._sizes, sizes, granule)
-        if any(b - a == granule for a, b in zip(offsets, offsets[1:])):
-            # The daemon backs a run of several granules with one chunk (what defragmenting by release and
-            # regrowth relies on): a lease, one chunk per granule, serves only runs of one.
-            return False
-        taken = self._client.take_lease(len(offsets))
-        if taken is None:
-            return False
-        self._client.place(self.buffer_id, sizes, taken, offsets)
-        try:
-            for granule, offset in zip(taken, offsets):
-                chunk = ChunkInfo(granule.chunk_id, offset, self.granularity, 0)
-                self._mapper.map_prepared(self._base + offset, chunk, granule.prepared)
-                self._mapped.append((offset, self.granularity))
-        except BaseException as exc:
-            if not self._resync(exc):
-                raise
-            return True
-        finally:
-            self._client.discard_leased(taken)
-        # What the daemon now records too: the placement went before the mapping.
-        self._sizes = list(sizes)
-        self._physical_bytes += len(offsets) * self.granularity
-        self._num_chunks += len(offsets)
-        return True
-
-    def _grow_through_daemon(self, sizes: list[int]) -> None:
-        if len(set(sizes)) == 1:
-            self._transaction(lambda: self._client.commit(self.buffer_id, sizes[0]))
-        else:
-            self._transaction(lambda: self._client.commit_segments(self.buffer_id, sizes))
-
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> "ExtensibleTensor":
         """Grow every segment's committed prefix to ``bytes_per_segment`` (see :meth:`resize_segments_`)."""
         return self.resize_segments_([bytes_per_segment] * self.num_segments, zero_new)
@@ -422,16 +335,6 @@ class ExtensibleTensor:
             self._mapper.zero(self._base + offset, size)
         self._mapper.synchronize()
         return self
-
-    def _map_all(self, delivery: Delivery) -> None:
-        """Map every chunk the delivery brings, at its offset."""
-        for chunk, fd in delivery:
-            self._map_chunk(chunk, fd)
-
-    def _map_chunk(self, chunk: ChunkInfo, fd: int) -> None:
-        # A sealed buffer is mapped read-only everywhere, in its owner's process too.
-        self._mapper.map(self._base + chunk.offset, chunk, fd, self._readonly or self.sealed)
-        self._mapped.append((chunk.offset, chunk.size))
 
     def resize_(self, num_bytes: int, zero_new: bool = False) -> Any:
         """Grow a single-segment buffer to ``num_bytes`` committed bytes; returns the committed prefix."""
@@ -461,7 +364,7 @@ class ExtensibleTensor:
         self._check_writable("defragment")
         if not preserve:
             # The old chunks are unmapped before the daemon drops them; a refusal maps them back.
-            self._transaction(lambda: self._client.defragment(self.buffer_id, False), before=self._unmap_all)
+            self._transaction(lambda: self._client.defragment(self.buffer_id, False), before=self._reservation.unmap_all)
             return self
         fresh: list[tuple[ChunkInfo, int]] = []
         try:
@@ -481,19 +384,12 @@ class ExtensibleTensor:
             # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
             undo.push(self._client.finish_defragment, self.buffer_id, False)
             for chunk, fd in fresh:
-                scratch = self._mapper.reserve(chunk.size)
-                try:
-                    self._mapper.map(scratch, chunk, fd)
-                    self._mapper.synchronize()
-                    self._mapper.copy(scratch, self._base + chunk.offset, chunk.size)
-                    self._mapper.unmap(scratch, chunk.size)
-                finally:
-                    self._mapper.unreserve(scratch, chunk.size)
+                self._reservation.copy_into(chunk, fd)
         # From here the new chunks hold the data: the daemon keeps them whatever happens next.
         try:
-            self._unmap_all()
+            self._reservation.unmap_all()
             for chunk, fd in fresh:
-                self._map_chunk(chunk, fd)
+                self._reservation.map(chunk, fd, self._maps_readonly)
         finally:
             self._set_info(self._client.finish_defragment(self.buffer_id, keep_new=True).buffer)
 
@@ -514,8 +410,7 @@ class ExtensibleTensor:
         self._check_writable("seal")
         self._mapper.synchronize()
         self._set_info(self._client.seal(self.buffer_id).buffer)
-        for offset, size in self._mapped:
-            self._mapper.protect(self._base + offset, size)
+        self._reservation.protect()
         return self
 
     # sleep and teardown
@@ -527,7 +422,7 @@ class ExtensibleTensor:
         while this process can still reach it.
         """
         self._check_writable("release_physical")
-        self._unmap_all()
+        self._reservation.unmap_all()
         self._set_info(self._client.release(self.buffer_id).buffer)
 
     def free(self) -> None:
@@ -563,65 +458,10 @@ class ExtensibleTensor:
         self._client.detach(self.buffer_id, readonly=self._readonly)
 
     def _drop_mappings(self) -> None:
-        """Unmap everything and hand the address range to its :class:`Reservation` to give back."""
-        self._unmap_all()
+        """Unmap everything and leave the address range to its :class:`Reservation` to give back."""
+        self._reservation.free()
         self._view = None
-        self._reservation.freed = True
-        del self._reservation
-
-    def _unmap_all(self) -> None:
-        self._mapper.synchronize()
-        for offset, size in self._mapped:
-            self._mapper.unmap(self._base + offset, size)
-        self._mapped = []
-
-    def _transaction(self, request: Callable[[], Delivery], before: Callable[[], None] | None = None) -> None:
-        """Run a request that maps chunks so that it completes, or leaves the tensor as the daemon records it.
-
-        ``request()`` sends it and returns its :class:`Delivery`. A refusal
-        that came before anything was mapped or unmapped changes nothing.
-        Any other failure (a map that failed midway, a refusal after
-        ``before`` unmapped) is repaired by mapping every chunk the daemon
-        records again (:class:`Remap`): if the daemon had done the request,
-        it is then complete here too and returns; otherwise the error is
-        raised with the tensor as before. When the repair fails as well,
-        :class:`TensorUnusable`.
-        """
-        answered = False
-        mapped_before = list(self._mapped)
-        try:
-            if before is not None:
-                before()
-            with request() as delivery:
-                answered = True
-                self._map_all(delivery)
-        except BaseException as exc:
-            if not answered and self._mapped == mapped_before:
-                raise
-            if not self._resync(exc):
-                raise
-            return
-        self._set_info(delivery.reply.buffer)
-
-    def _resync(self, error: BaseException) -> bool:
-        """Map the buffer as the daemon records it; True when the failed request had been done there."""
-        try:
-            self._unmap_all()
-            with self._client.remap(self.buffer_id) as delivery:
-                self._map_all(delivery)
-            reply = delivery.reply
-        except BaseException as exc:
-            self._unusable = TensorUnusable(
-                f"buffer {self.buffer_id}: {error} and mapping it again failed ({exc}); free it and create or attach "
-                "it anew",
-                buffer_id=self.buffer_id,
-            )
-            raise self._unusable from error
-        done = reply.buffer.segment_sizes != self._sizes or reply.buffer.num_chunks != self._num_chunks
-        self._set_info(reply.buffer)
-        if done:
-            log.warning("buffer %d: %s while mapping; mapped again as the daemon records it", self.buffer_id, error)
-        return done and isinstance(error, (HbmdError, OSError))
+        del self._reservation  # the views that are left hold it; the last one gives the range back
 
     def _check_live(self) -> None:
         if self._freed:

@@ -281,7 +281,7 @@ def test_a_failed_set_access_undoes_the_import_and_the_map(gpu_client, monkeypat
         monkeypatch.setattr(driver, "set_access", real_set_access)
         # Had the failed attempt left its mapping, mapping the same range again would fail.
         mapper.map(t.base_ptr + chunk.offset, chunk, fd)
-        t._mapped.append((chunk.offset, chunk.size))
+        t._reservation.mapped.append((chunk.offset, chunk.size))
         attempts.append(chunk.chunk_id)
 
     with gpu_client.commit(t.buffer_id, 4 * MiB) as delivery:
