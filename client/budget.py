@@ -34,6 +34,7 @@ class DeviceMemory:
 
     @classmethod
     def of(cls, status: StatusReply) -> "DeviceMemory":
+        """The figures of a status reply, the budget left as :func:`budget_left` counts it."""
         return cls(
             total=status.total_bytes,
             free=status.device_free_bytes,
