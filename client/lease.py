@@ -127,10 +127,10 @@ class Lease:
         """
         with self._lock:
             asked = [g for g in granules if g.chunk_id in self._asked_back]
+            self._ready.update((g.chunk_id, g) for g in granules if g.chunk_id not in self._asked_back)
             for granule in granules:
                 self._in_hand.discard(granule.chunk_id)
                 self._asked_back.discard(granule.chunk_id)
-            self._ready.update((g.chunk_id, g) for g in granules if g not in asked)
         self._discard(asked)
         return [g.chunk_id for g in asked]
 
