@@ -67,11 +67,10 @@ class Probe:
 def client_probe() -> Probe:
     """The client's side of a commit and the in-process baseline's driver calls, probed."""
     from hbmd import driver
-    from hbmd.client.session import Client
-    from hbmd.client.transport import HandleChannel
+    from hbmd.client.transport import ControlChannel, HandleChannel
 
     probe = Probe()
-    probe.wrap(Client, "call", "client.control_call")
+    probe.wrap(ControlChannel, "call_with_id", "client.control_call")
     probe.wrap(os, "close", "client.os_close")
     probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
     for name in ("create", "import_fd", "map", "set_access", "release", "memset_async", "context_synchronize",

@@ -26,7 +26,8 @@ from .kv_layout import (
     narrow_blocks,
     num_segments,
 )
-from .session import Client, DeviceMemory, ForkedClient, connect, default_client
+from .budget import DeviceMemory
+from .session import Client, ForkedClient, connect, default_client
 from .tensor import ExtensibleTensor
 
 __version__ = VERSION

@@ -31,6 +31,7 @@ from hbmd.proto.instance import (
 from hbmd.proto.units import format_bytes, parse_size
 
 from . import __version__
+from .budget import budget_left
 from .session import Client
 
 EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
@@ -137,10 +138,10 @@ def _plain_column(header: str, key: str, wide: bool = False, human: Callable[[An
 
 
 def status_record(client: Client) -> dict[str, Any]:
-    """An instance's status as JSON, in the words the table uses: budget left, device free."""
+    """An instance's status as JSON, in the words the table uses: budget left (what the daemon would admit), device free."""
     s = client.status()
     record = _as_dict(s)
-    record["budget_left_bytes"] = max(0, s.budget_bytes - s.committed_bytes - s.leased_bytes)
+    record["budget_left_bytes"] = budget_left(s)
     record["device_free_bytes"] = s.device_free_bytes if s.device_free_bytes >= 0 else None
     for tenant in record["tenants"]:
         tenant["max_bytes"] = tenant["max_bytes"] if tenant["max_bytes"] >= 0 else None

@@ -20,6 +20,7 @@ from hbmd.proto.instance import (
     list_instances,
     resolve_run_dir,
 )
+from hbmd.proto.undo import Undo
 
 from .dlpack import KDL_CUDA, uint8_view
 
@@ -70,12 +71,10 @@ class CudaMapper:
 
     def map_prepared(self, address: int, chunk: ChunkInfo, prepared: Any, readonly: bool = False) -> None:
         driver.make_current(self._ctx)
-        driver.map(address, chunk.size, prepared)
-        try:
+        with Undo() as undo:
+            driver.map(address, chunk.size, prepared)
+            undo.push(driver.unmap, address, chunk.size)
             driver.set_access(address, chunk.size, [self.ordinal], readonly)
-        except BaseException:
-            driver.unmap(address, chunk.size)
-            raise
 
     def discard(self, prepared: Any) -> None:
         driver.release(prepared)

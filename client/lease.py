@@ -8,10 +8,18 @@ sent before they are mapped) and maps them: no round trip. Granules the
 daemon asks back (:class:`LeaseRevoke`) and has not seen placed are given
 back (:class:`LeaseReturn`), as is the whole lease when a commit through the
 daemon does not fit without it.
+
+A revoke always wins over a granule this process has in hand: one asked back
+while it is being imported, or while a commit holds it and then puts it back
+unplaced, is returned the moment it would have gone into the lease. Only a
+placement the daemon was told of keeps it (the daemon reads the placement and
+forgets the revoke).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -26,9 +34,26 @@ log = logging.getLogger("hbmd.client")
 MAX_UNWANTED = 4096
 """Chunk ids remembered as not wanted before their grant arrives; the oldest are forgotten past this."""
 
+IMPORT_WAIT_S = 0.05
+"""The longest a commit short of granules waits for those the listener is importing (an import takes 30 to 90 µs on
+an H200, SPEC.md) before it goes to the daemon instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LeasedGranule:
+    """One leased granule: its chunk id, and its import (:meth:`Mapper.prepare`) to map wherever it is placed."""
+
+    chunk_id: int
+    prepared: Any
+
 
 class Lease:
-    """Leased granules by chunk id, each imported (:meth:`Mapper.prepare`) and ready to map."""
+    """Leased granules by chunk id, each imported and ready to map.
+
+    Safe to use from two threads at once (the listener serving grants and
+    revokes, a commit taking granules): every change of which granules are
+    here, in hand or asked back happens under one lock.
+    """
 
     def __init__(self, granule: int, mapper: Callable[[], Mapper], send: Callable[[Message], None]) -> None:
         """``mapper`` gives the session's mapper (asked once, at the first grant); ``send`` sends a datagram."""
@@ -37,9 +62,16 @@ class Lease:
         self._mapper_now: Mapper | None = None
         self._send = send
         self._lock = threading.Lock()
-        self._ready: dict[int, Any] = {}
+        self._ready: dict[int, LeasedGranule] = {}
+        self._in_hand: set[int] = set()
+        """Chunk ids out of ``_ready`` for a while but still this session's: being imported, or taken for a placement."""
+        self._asked_back: set[int] = set()
+        """Those of ``_in_hand`` the daemon asked back meanwhile: they go back instead of into ``_ready``."""
         self._unwanted: set[int] = set()
         """Chunk ids to give back when their grant arrives (asked back, or released, before it was read)."""
+        self._importing = 0
+        """Granules of ``_in_hand`` being imported now."""
+        self._imported = threading.Condition(self._lock)
 
     def _mapper(self) -> Mapper:
         if self._mapper_now is None:
@@ -50,70 +82,139 @@ class Lease:
         return len(self._ready)
 
     def granted(self, grant: LeaseGrant, fds: list[int]) -> None:
-        """Import the granted granules, closing their FDs; those already asked back go straight back."""
+        """Import the granted granules, closing their FDs; those asked back, before or while they are imported, go back."""
         back: list[int] = []
         for chunk_id, fd in zip(grant.chunk_ids, fds):
             try:
-                with self._lock:
-                    unwanted = chunk_id in self._unwanted
-                    self._unwanted.discard(chunk_id)
-                if unwanted or grant.size != self.granule:
+                if grant.size == self.granule and self._arriving(chunk_id):
+                    back.extend(self._import(chunk_id, fd))
+                else:
                     back.append(chunk_id)
-                    continue
-                prepared = self._mapper().prepare(fd)
-                with self._lock:
-                    self._ready[chunk_id] = prepared
-            except Exception as exc:
-                log.warning("importing leased chunk %d failed (%s); giving it back", chunk_id, exc)
-                back.append(chunk_id)
             finally:
                 os.close(fd)
-        if back:
-            self._send(LeaseReturn(back))
+        self._return(back)
+
+    def _arriving(self, chunk_id: int) -> bool:
+        """Whether a granted chunk is still wanted; if so it is in hand from here until :meth:`_settle`."""
+        with self._lock:
+            if chunk_id in self._unwanted:
+                self._unwanted.discard(chunk_id)
+                return False
+            self._in_hand.add(chunk_id)
+            self._importing += 1
+            return True
+
+    def _import(self, chunk_id: int, fd: int) -> list[int]:
+        """Import a chunk in hand into the lease; the ids to give back (it, where it failed or was asked back)."""
+        try:
+            prepared = self._mapper().prepare(fd)
+        except Exception as exc:
+            log.warning("importing leased chunk %d failed (%s); giving it back", chunk_id, exc)
+            self._out_of_hand([chunk_id])  # it goes back now, asked back or not
+            return [chunk_id]
+        else:
+            return self._settle([LeasedGranule(chunk_id, prepared)])
+        finally:
+            with self._lock:
+                self._importing -= 1
+                self._imported.notify_all()
+
+    def _settle(self, granules: list[LeasedGranule]) -> list[int]:
+        """Put granules in hand into the lease, except those asked back meanwhile: those are let go of; their ids.
+
+        The check and the insertion share one hold of the lock, so a revoke
+        either finds a granule here or marks it asked back first.
+        """
+        with self._lock:
+            asked = [g for g in granules if g.chunk_id in self._asked_back]
+            self._ready.update((g.chunk_id, g) for g in granules if g.chunk_id not in self._asked_back)
+            for granule in granules:
+                self._in_hand.discard(granule.chunk_id)
+                self._asked_back.discard(granule.chunk_id)
+        self._discard(asked)
+        return [g.chunk_id for g in asked]
+
+    def serve(
+        self, grants: collections.deque[tuple[LeaseGrant, list[int]]], revokes: collections.deque[LeaseRevoke]
+    ) -> None:
+        """Import what was granted and give back what was asked back, as the handle socket filed them.
+
+        Either thread may serve: each datagram is taken off its queue once.
+        """
+        for queue, serve in ((grants, lambda g: self.granted(*g)), (revokes, self.revoked)):
+            while True:
+                try:
+                    item = queue.popleft()
+                except IndexError:
+                    break
+                serve(item)
 
     def revoked(self, revoke: LeaseRevoke) -> None:
-        """Give back the granules asked for that are still here; remember the others in case their grant is unread."""
-        given = self._drop(revoke.chunk_ids)
-        if given:
-            self._send(LeaseReturn(given))
-
-    def _drop(self, chunk_ids: list[int]) -> list[int]:
+        """Give back the granules asked for that are here; mark those in hand, remember the others for their grant."""
+        given: list[LeasedGranule] = []
         with self._lock:
-            dropped = [(c, self._ready.pop(c)) for c in chunk_ids if c in self._ready]
-            self._unwanted.update(set(chunk_ids).difference(c for c, _ in dropped))
+            for chunk_id in revoke.chunk_ids:
+                if chunk_id in self._ready:
+                    given.append(self._ready.pop(chunk_id))
+                elif chunk_id in self._in_hand:
+                    self._asked_back.add(chunk_id)
+                else:
+                    self._unwanted.add(chunk_id)
             while len(self._unwanted) > MAX_UNWANTED:
                 self._unwanted.discard(min(self._unwanted))
-        for _, prepared in dropped:
-            self._mapper().discard(prepared)
-        return [c for c, _ in dropped]
+        self._discard(given)
+        self._return([g.chunk_id for g in given])
 
     def give_back(self) -> int:
         """Return every granule here to the daemon (it releases them); how many there were."""
         with self._lock:
-            here = list(self._ready)
-        given = self._drop(here)
-        if given:
-            self._send(LeaseReturn(given))
+            given, self._ready = list(self._ready.values()), {}
+        self._discard(given)
+        self._return([g.chunk_id for g in given])
         return len(given)
 
-    def take(self, count: int) -> list[tuple[int, Any]] | None:
-        """``count`` granules to place, or None when fewer are here (nothing is taken then)."""
+    def take(self, count: int) -> list[LeasedGranule] | None:
+        """``count`` granules to place, or None when fewer are here (nothing is taken then).
+
+        They are in hand until :meth:`placed` or :meth:`put_back` says what became of them.
+        """
         with self._lock:
+            # Granules the listener is importing are a moment away: without them the commit would go to the
+            # daemon and grow the session past what its lease was sized for (test_leases.py's tight budget).
+            self._imported.wait_for(lambda: len(self._ready) >= count or not self._importing, IMPORT_WAIT_S)
             if len(self._ready) < count:
                 return None
-            return [self._ready.popitem() for _ in range(count)]
+            taken = [self._ready.popitem()[1] for _ in range(count)]
+            self._in_hand.update(g.chunk_id for g in taken)
+            return taken
 
-    def put_back(self, taken: list[tuple[int, Any]]) -> None:
-        """Granules taken but not placed (the placement could not be sent)."""
+    def placed(self, taken: list[LeasedGranule]) -> None:
+        """The daemon was told where the ``taken`` granules go: they are a buffer's now, asked back or not."""
+        self._out_of_hand([g.chunk_id for g in taken])
+
+    def _out_of_hand(self, chunk_ids: list[int]) -> None:
         with self._lock:
-            self._ready.update(taken)
+            self._in_hand.difference_update(chunk_ids)
+            self._asked_back.difference_update(chunk_ids)
+
+    def put_back(self, taken: list[LeasedGranule]) -> None:
+        """Granules taken but not placed (the placement could not be sent); those asked back meanwhile go back."""
+        self._return(self._settle(taken))
+
+    def _return(self, chunk_ids: list[int]) -> None:
+        if chunk_ids:
+            self._send(LeaseReturn(chunk_ids))
+
+    def _discard(self, granules: list[LeasedGranule]) -> None:
+        """Let go of imports; a failure is logged, never raised, so that their return is still sent."""
+        for granule in granules:
+            try:
+                self._mapper().discard(granule.prepared)
+            except Exception as exc:
+                log.debug("discarding leased chunk %d failed: %s", granule.chunk_id, exc)
 
     def close(self) -> None:
         """Let go of every imported granule; the daemon releases them when the session ends."""
         with self._lock:
-            ready, self._ready = self._ready, {}
-        for prepared in ready.values():
-            try:
-                self._mapper_now.discard(prepared)
-            except Exception as exc:
-                log.debug("discarding a leased chunk failed: %s", exc)
+            ready, self._ready = list(self._ready.values()), {}
+        self._discard(ready)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
 import threading
-import time
 import weakref
 from typing import Any, Callable, TypeVar
 
@@ -16,7 +14,6 @@ from hbmd.proto import (
     PROTOCOL_VERSION,
     Attach,
     BufferInfo,
-    ChunkInfo,
     Commit,
     CommitSegments,
     Committed,
@@ -48,8 +45,6 @@ from hbmd.proto import (
     StatusReply,
 )
 from hbmd.proto.errors import (
-    DaemonUnavailable,
-    DriverError,
     HbmdError,
     InvalidRequest,
     OutOfBudget,
@@ -57,10 +52,13 @@ from hbmd.proto.errors import (
     SessionLost,
     VersionMismatch,
 )
-from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
+from hbmd.proto.instance import InstancePaths, resolve_run_dir
+from hbmd.proto.undo import Undo
 
+from .budget import DeviceMemory
 from .devices import parse_device
-from .lease import Lease
+from .delivery import Delivery
+from .lease import Lease, LeasedGranule
 from .mapper import Mapper
 from .transport import ControlChannel, FdCloser, HandleChannel
 
@@ -69,24 +67,6 @@ DEFAULT_TIMEOUT_S = 10.0
 log = logging.getLogger("hbmd.client")
 
 R = TypeVar("R", bound=Message)
-
-OnChunk = Callable[[ChunkInfo, int], None]
-"""Maps one chunk from its FD; the FD is closed by the caller once it returns."""
-OnReply = Callable[[Committed], None]
-"""Sees the daemon's answer to a request that brings chunks, before the first of them."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceMemory:
-    total: int
-    free: int
-    committed: int
-    budget: int
-    budget_left: int
-
-    def available(self) -> int:
-        """What a commit can take now: the budget left, capped by the device's free memory where known."""
-        return self.budget_left if self.free < 0 else min(self.budget_left, self.free)
 
 
 class ForkedClient(HbmdError):
@@ -130,16 +110,14 @@ class Client:
         self.paths = paths
         self.timeout = timeout
         self._pid = os.getpid()
-        self._handles = HandleChannel(paths, timeout)
-        try:
+        with Undo() as undo:
+            self._handles = HandleChannel(paths, timeout)
+            undo.push(self._handles.close)
             self.welcome = self._handles.handshake(
                 Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
                       lease and not observer)
             )
             self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles)
-        except BaseException:
-            self._handles.close()
-            raise
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
         self.closed = False
@@ -179,7 +157,7 @@ class Client:
     @property
     def requests_sent(self) -> int:
         """Requests this client has sent the daemon so far: round trips (a commit from the lease makes none)."""
-        return self._control.last_request_id
+        return self._control.requests_sent
 
     @property
     def mapper(self) -> Mapper:
@@ -204,16 +182,19 @@ class Client:
         """Send any request and return its reply, typed by the request; the daemon's refusal is raised.
 
         Requests whose reply brings chunk FDs (:class:`Committed`) go through
-        :meth:`commit`, :meth:`attach` or :meth:`defragment` instead, which
-        map what arrives.
+        :meth:`commit`, :meth:`attach`, :meth:`defragment` or :meth:`remap`
+        instead, which deliver them.
         """
+        return self._call_with_id(msg, timeout)[0]
+
+    def _call_with_id(self, msg: Request[R], timeout: float | None = None) -> tuple[R, int]:
         if os.getpid() != self._pid:
             raise ForkedClient("this hbmd client belongs to the parent process; call hbmd.client.connect() in the child")
         if self.closed:
             raise HbmdError("this hbmd client is closed")
         with self._lock:
             try:
-                return self._control.call(msg, timeout)
+                return self._control.call_with_id(msg, timeout)
             except PermissionDenied as exc:
                 if exc.details.get("token") != "unknown":
                     raise
@@ -256,33 +237,18 @@ class Client:
                 f"{self.paths.directory} speaks {major}.{daemon_minor}"
             )
 
-    def commit(
-        self, buffer_id: int, bytes_per_segment: int, on_chunk: OnChunk, on_reply: OnReply | None = None
-    ) -> Committed:
-        """Grow the buffer; ``on_chunk(chunk, fd)`` maps each new chunk (the FD is closed after it returns).
+    def commit(self, buffer_id: int, bytes_per_segment: int) -> Delivery:
+        """Grow the buffer; the :class:`Delivery` brings the reply and the new chunks to map (use it in ``with``)."""
+        return self._deliver(Commit(buffer_id, bytes_per_segment))
 
-        ``on_reply`` sees the daemon's answer before the first chunk.
-        """
-        return self._call_with_chunks(Commit(buffer_id, bytes_per_segment), on_chunk, on_reply)
-
-    def commit_segments(
-        self, buffer_id: int, sizes: list[int], on_chunk: OnChunk, on_reply: OnReply | None = None
-    ) -> Committed:
-        """Grow each segment to its own size in ``sizes``; new chunks go to ``on_chunk`` as with :meth:`commit`."""
+    def commit_segments(self, buffer_id: int, sizes: list[int]) -> Delivery:
+        """Grow each segment to its own size in ``sizes``; the new chunks come as with :meth:`commit`."""
         self._need_minor(1, "per-segment commits")
-        return self._call_with_chunks(CommitSegments(buffer_id, list(sizes)), on_chunk, on_reply)
+        return self._deliver(CommitSegments(buffer_id, list(sizes)))
 
-    def attach(
-        self,
-        name: str,
-        on_chunk: OnChunk,
-        on_reply: Callable[[Committed], None] | None = None,
-        *,
-        readonly: bool = False,
-    ) -> Committed:
-        """Take over this user's orphaned persistent buffer ``name``; every chunk comes to ``on_chunk``.
+    def attach(self, name: str, *, readonly: bool = False) -> Delivery:
+        """Take over this user's orphaned persistent buffer ``name``; the delivery brings its layout and every chunk.
 
-        ``on_reply`` sees the reply (the buffer's layout) before the first chunk.
         ``readonly``: read the sealed buffer ``name`` beside its owner and other
         readers instead (map the chunks read-only); let go with
         ``detach(buffer_id, readonly=True)``.
@@ -290,25 +256,23 @@ class Client:
         if readonly:
             # A daemon that does not know the field would hand over the buffer itself.
             self._need_minor(2, "read-only attaches")
-        return self._call_with_chunks(Attach(name, readonly), on_chunk, on_reply)
+        return self._deliver(Attach(name, readonly))
 
     def seal(self, buffer_id: int) -> Sealed:
         """Make this session's persistent buffer immutable and readable by other sessions of this user at once."""
         self._need_minor(2, "sealed buffers")
         return self.call(Seal(buffer_id))
 
-    def defragment(
-        self, buffer_id: int, preserve: bool, on_chunk: OnChunk, on_reply: OnReply | None = None
-    ) -> Committed:
-        """Ask for one chunk per committed run; the new chunks come to ``on_chunk``."""
-        return self._call_with_chunks(Defragment(buffer_id, preserve), on_chunk, on_reply)
+    def defragment(self, buffer_id: int, preserve: bool) -> Delivery:
+        """Ask for one chunk per committed run; the delivery brings the new chunks."""
+        return self._deliver(Defragment(buffer_id, preserve))
 
     def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
         return self.call(FinishDefragment(buffer_id, keep_new))
 
-    def remap(self, buffer_id: int, on_chunk: OnChunk) -> Committed:
-        """Every chunk of the buffer again, as the daemon records it, to ``on_chunk``: the way back after a failed map."""
-        return self._call_with_chunks(Remap(buffer_id), on_chunk)
+    def remap(self, buffer_id: int) -> Delivery:
+        """Every chunk of the buffer again, as the daemon records it: the way back after a failed map."""
+        return self._deliver(Remap(buffer_id))
 
     def detach(self, buffer_id: int, readonly: bool = False) -> Detached:
         """Let go of this session's persistent buffer without freeing it; any session of this user attaches it again by name.
@@ -332,57 +296,29 @@ class Client:
             )
         return self.call(Delete(name, owner_uid))
 
-    def _call_with_chunks(
-        self, msg: Request[Committed], on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None = None
-    ) -> Committed:
-        """Send a request answered by :class:`Committed`, then take its chunk FDs off the handle socket.
+    def _deliver(self, msg: Request[Committed]) -> Delivery:
+        """Send a request answered by :class:`Committed`; its chunks come in the :class:`Delivery` returned.
 
-        Every FD that arrives is closed even when a callback raises; the first
-        such error is raised once all batches are in.
+        A request the budget refuses while this session holds a lease is
+        sent once more with the lease given back: its bytes are room (the
+        daemon reads the return before the request).
         """
-        with self._lock:
+        self._lock.acquire()  # the delivery releases it once its batches are in
+        with Undo() as undo:
+            undo.push(self._lock.release)
             try:
-                return self._take_chunks(msg, on_chunk, on_reply)
+                reply, request_id = self._call_with_id(msg)
             except OutOfBudget:
-                # The lease is this session's: given back, its bytes are room (the daemon reads the return first).
                 if self._lease is None or not self._lease.give_back():
                     raise
-            return self._take_chunks(msg, on_chunk, on_reply)
-
-    def _take_chunks(
-        self, msg: Request[Committed], on_chunk: OnChunk, on_reply: Callable[[Committed], None] | None
-    ) -> Committed:
-        reply = self.call(msg)
-        request_id = self._control.last_request_id
-        chunks = {c.chunk_id: c for c in reply.chunks}
-        deadline = time.monotonic() + self.timeout
-        failure: BaseException | None = None
-        if on_reply is not None:
-            try:
-                on_reply(reply)
-            except BaseException as exc:
-                failure = exc
-        if reply.fd_batches and self._closer is None:
-            self._closer = FdCloser()
-        for _ in range(reply.fd_batches):
-            batch, fds = self._handles.receive_fds(request_id, deadline)
-            if batch.error and failure is None:
-                failure = DriverError(f"daemon could not export chunks: {batch.error}")
-            for chunk_id, fd in zip(batch.chunk_ids, fds):
-                try:
-                    if failure is None:
-                        on_chunk(chunks[chunk_id], fd)
-                except BaseException as exc:
-                    failure = exc
-                finally:
-                    self._closer.close_later(fd)
-        if failure is not None:
-            raise failure
-        return reply
+                reply, request_id = self._call_with_id(msg)
+            if self._closer is None:
+                self._closer = FdCloser()
+            return Delivery(reply, request_id, self._handles, self._closer, self.timeout, self._lock)
 
     # leases
 
-    def take_lease(self, count: int) -> list[tuple[int, Any]] | None:
+    def take_lease(self, count: int) -> list[LeasedGranule] | None:
         """``count`` leased granules, imported and ready to map; None where the lease holds fewer, is off, or the
         commit is one the daemon serves faster (more than :data:`MAX_PLACED_GRANULES`)."""
         if self._lease is None or count > min(MAX_PLACED_GRANULES, self.welcome.lease_bytes // self.granularity):
@@ -391,11 +327,11 @@ class Client:
         if taken is None:
             # Grants the listener has not read yet may be waiting.
             self._handles.drain()
-            self._serve_lease()
+            self._lease.serve(self._handles.grants, self._handles.revokes)
             taken = self._lease.take(count)
         return taken
 
-    def place(self, buffer_id: int, sizes: list[int], taken: list[tuple[int, Any]], offsets: list[int]) -> None:
+    def place(self, buffer_id: int, sizes: list[int], taken: list[LeasedGranule], offsets: list[int]) -> None:
         """Tell the daemon that the ``taken`` granules back ``buffer_id`` at ``offsets``, its segments grown to ``sizes``.
 
         Call it before mapping them: once it returns the daemon will record
@@ -403,31 +339,21 @@ class Client:
         Where it raises, nothing was sent and the granules are back in the lease.
         """
         try:
-            self._handles.send(LeasePlace(buffer_id, list(sizes), [c for c, _ in taken], list(offsets)))
+            self._handles.send(LeasePlace(buffer_id, list(sizes), [g.chunk_id for g in taken], list(offsets)))
         except BaseException:
             self._lease.put_back(taken)
             raise
+        self._lease.placed(taken)
 
-    def discard_leased(self, taken: list[tuple[int, Any]]) -> None:
+    def discard_leased(self, taken: list[LeasedGranule]) -> None:
         """Let go of placed granules' imports: the mappings made from them hold the memory."""
-        for _, prepared in taken:
-            self.mapper.discard(prepared)
+        for granule in taken:
+            self.mapper.discard(granule.prepared)
 
     @property
     def leased_granules(self) -> int:
         """Leased granules ready in this process."""
         return 0 if self._lease is None else len(self._lease)
-
-    def _serve_lease(self) -> None:
-        """Import what was granted and give back what was asked back (on either thread: each datagram is taken once)."""
-        for queue, serve in ((self._handles.grants, lambda g: self._lease.granted(*g)),
-                             (self._handles.revokes, self._lease.revoked)):
-            while True:
-                try:
-                    item = queue.popleft()
-                except IndexError:
-                    break
-                serve(item)
 
     @property
     def exclusive(self) -> threading.RLock:
@@ -445,7 +371,7 @@ class Client:
         """On the listener thread: serve the leases and reclaim requests that arrived."""
         try:
             if self._lease is not None:
-                self._serve_lease()
+                self._lease.serve(self._handles.grants, self._handles.revokes)
             if self._reclaim_callback is not None:
                 self._answer_reclaims()
         except Exception:
@@ -477,9 +403,13 @@ class Client:
         """
         if self._listener is None:
             self._handles.poll(0)
-        requests = list(self._handles.reclaims)
-        self._handles.reclaims.clear()
-        return requests
+        requests: list[ReclaimRequest] = []
+        while True:
+            try:
+                # One at a time: the listener thread may file another between a copy and a clear.
+                requests.append(self._handles.reclaims.popleft())
+            except IndexError:
+                return requests
 
     def answer_reclaim(self, request: ReclaimRequest, released_bytes: int) -> None:
         self.call(ReclaimDone(request.reclaim_id, released_bytes))
@@ -501,14 +431,7 @@ class Client:
         daemon will admit for this session (its tenant's maximum and others'
         guaranteed minimums counted).
         """
-        s = self.status()
-        return DeviceMemory(
-            total=s.total_bytes,
-            free=s.device_free_bytes,
-            committed=s.committed_bytes,
-            budget=s.budget_bytes,
-            budget_left=s.admissible_bytes if s.admissible_bytes >= 0 else max(0, s.budget_bytes - s.committed_bytes),
-        )
+        return DeviceMemory.of(self.status())
 
     def release(self, buffer_id: int) -> Released:
         return self.call(Release(buffer_id))
@@ -613,17 +536,6 @@ def connect(
     return Client(
         paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer, mapper=mapper, lease=lease
     )
-
-
-def only_instance(run_dir: str | os.PathLike | None) -> str:
-    """The single instance under ``run_dir``; :class:`DaemonUnavailable` when there are none or several."""
-    found = list_instances(run_dir)
-    if len(found) == 1:
-        return found[0]
-    root = resolve_run_dir(run_dir)
-    if not found:
-        raise DaemonUnavailable(f"no hbmd instance under {root}", path=str(root))
-    raise DaemonUnavailable(f"several hbmd instances under {root} ({', '.join(found)}): choose one with --instance")
 
 
 _defaults: dict[tuple[str, str], Client] = {}

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
-from hbmd.proto import BufferInfo, ChunkInfo, Committed
-from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
-from hbmd.proto.runs import new_granules, prefix_offsets
+from hbmd.proto import BufferInfo, ChunkInfo
+from hbmd.proto.errors import InvalidRequest, TensorUnusable
+from hbmd.proto.undo import Undo
 
 from .devices import parse_device
-from .mapper import Mapper
+from .reservation import Reservation
 from .session import Client, default_client
+from .transaction import Transactions
 
 EXPORT_POSIX_FD = 0x1
 EXPORT_FABRIC = 0x8
@@ -49,37 +49,13 @@ def _capacities(max_num_bytes: int, num_segments: int, segment_capacities: Seque
     return capacities
 
 
-T = TypeVar("T")
-
-
-class Reservation:
-    """One buffer's address range in this process.
-
-    It goes back to the system only once the tensor is freed *and* no view
-    of it is left: a view that outlives :meth:`ExtensibleTensor.free` then
-    points at an inaccessible range that nothing else can be placed in, so
-    touching it faults (SIGSEGV on the host, an illegal-address error on a
-    GPU) instead of reading or writing someone else's memory.
-    """
-
-    def __init__(self, mapper: Mapper, size: int) -> None:
-        self.freed = False
-        self.mapper = mapper
-        self.size = size
-        self.base = mapper.reserve(size)
-
-    def __del__(self) -> None:
-        if self.freed and not sys.is_finalizing():
-            self.mapper.unreserve(self.base, self.size)
-
-
 def _uniform(values: list[int]) -> int:
     if len(set(values)) != 1:
         raise ValueError(f"Segments differ: {values}.")
     return values[0]
 
 
-class ExtensibleTensor:
+class ExtensibleTensor(Transactions):
     """A reserved range of ``max_num_bytes`` in segments laid back to back, each committed as a prefix on demand.
 
     Stands in for vLLM's ``vllm.utils.extensible_tensor.ExtensibleTensor``
@@ -124,19 +100,17 @@ class ExtensibleTensor:
             log.warning("hbmd serves POSIX-FD chunks; FABRIC handles are not supported, the FABRIC bit is ignored")
         self._bind(device, client)
         uneven = segment_capacities is not None and len(set(capacities)) > 1
-        info = self._client.create_buffer(
-            max_num_bytes,
-            len(capacities),
-            name=name or "",
-            persistent=persistent,
-            shareable=shareable or bool(export_handle_types),
-            segment_capacities=capacities if uneven else None,
-        )
-        try:
+        with Undo() as undo:
+            info = self._client.create_buffer(
+                max_num_bytes,
+                len(capacities),
+                name=name or "",
+                persistent=persistent,
+                shareable=shareable or bool(export_handle_types),
+                segment_capacities=capacities if uneven else None,
+            )
+            undo.push(self._client.free, info.buffer_id)
             self._adopt(info)
-        except BaseException:
-            self._client.free(info.buffer_id)
-            raise
 
     @classmethod
     def attach(
@@ -157,21 +131,12 @@ class ExtensibleTensor:
         self = cls.__new__(cls)
         self._readonly = readonly
         self._bind(device, client)
-        taken: list[BufferInfo] = []
-
-        def adopt(reply: Committed) -> None:
-            taken.append(reply.buffer)
-            self._adopt(reply.buffer)
-
-        try:
-            self._client.attach(name, self._map_chunk, on_reply=adopt, readonly=readonly)
-        except BaseException:
-            # The buffer and its data stay the daemon's: let go of it (never free it) and of what was mapped.
-            if taken:
-                if hasattr(self, "_reservation"):
-                    self._drop_mappings()
-                self._client.detach(taken[0].buffer_id, readonly=readonly)
-            raise
+        # On a failure the buffer and its data stay the daemon's: let go of it (never free it) and of what was mapped.
+        with Undo() as undo, self._client.attach(name, readonly=readonly) as delivery:
+            undo.push(self._client.detach, delivery.reply.buffer.buffer_id, readonly)
+            self._adopt(delivery.reply.buffer)
+            undo.push(self._drop_mappings)
+            self._map_all(delivery)
         return self
 
     def _bind(self, device: Any, client: Client | None) -> None:
@@ -190,21 +155,11 @@ class ExtensibleTensor:
     def _adopt(self, info: BufferInfo) -> None:
         self._set_info(info)
         self._mapper = self._client.mapper
-        self._mapped: list[tuple[int, int]] = []
         self._view: Any = None
         self._freed = False
         self._unusable: TensorUnusable | None = None
         self._reservation = Reservation(self._mapper, info.reserved_bytes)
         self._base = self._reservation.base
-
-    def _set_info(self, info: BufferInfo) -> None:
-        """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
-        self._info = info
-        self._physical_bytes = info.physical_bytes
-        self._num_chunks = info.num_chunks
-        self._capacities = list(info.segment_capacities) or [info.segment_capacity_bytes] * info.num_segments
-        self._sizes = list(info.segment_sizes) or [info.bytes_per_segment] * info.num_segments
-        self._offsets = prefix_offsets(self._capacities)
 
     # properties
 
@@ -284,7 +239,7 @@ class ExtensibleTensor:
     @property
     def num_physical_chunks(self) -> int:
         """Chunks mapped in this process now."""
-        return len(self._mapped)
+        return 0 if self._freed else len(self._reservation.mapped)
 
     @property
     def granularity(self) -> int:
@@ -334,10 +289,9 @@ class ExtensibleTensor:
 
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
         """For each segment, whether its first ``sizes[i]`` bytes lie inside one chunk (what RDMA registration needs)."""
-        return [
-            any(offset <= start and start + size <= offset + length for offset, length in self._mapped)
-            for start, size in zip(self._offsets, sizes)
-        ]
+        if self._freed:
+            return [False] * len(sizes)
+        return [self._reservation.in_one_chunk(start, size) for start, size in zip(self._offsets, sizes)]
 
     # growth
 
@@ -370,57 +324,6 @@ class ExtensibleTensor:
             self._mapper.synchronize()
         return self
 
-    def _grow_from_lease(self, sizes: list[int]) -> bool:
-        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short or the
-        growth adds a run of several granules (the daemon backs it with one chunk).
-
-        A leased granule is a chunk, as the daemon would have made it: the
-        buffer's chunks are the same whichever way it grew.
-
-        The placement goes to the daemon before the mapping, so however this
-        process dies the daemon's record holds every granule mapped here. A
-        mapping that fails midway is repaired as any commit's (:meth:`_resync`).
-        """
-        if self._info.shareable:
-            return False
-        with self._client.exclusive:  # no other thread's request on this session between the placement and the mapping
-            return self._place_leased(sizes)
-
-    def _place_leased(self, sizes: list[int]) -> bool:
-        granule = self.granularity
-        offsets = new_granules(self._offsets, self._sizes, sizes, granule)
-        if any(b - a == granule for a, b in zip(offsets, offsets[1:])):
-            # The daemon backs a run of several granules with one chunk (what defragmenting by release and
-            # regrowth relies on): a lease, one chunk per granule, serves only runs of one.
-            return False
-        taken = self._client.take_lease(len(offsets))
-        if taken is None:
-            return False
-        self._client.place(self.buffer_id, sizes, taken, offsets)
-        try:
-            for (chunk_id, prepared), offset in zip(taken, offsets):
-                self._mapper.map_prepared(self._base + offset, ChunkInfo(chunk_id, offset, self.granularity, 0), prepared)
-                self._mapped.append((offset, self.granularity))
-        except BaseException as exc:
-            if not self._resync(exc):
-                raise
-            return True
-        finally:
-            self._client.discard_leased(taken)
-        # What the daemon now records too: the placement went before the mapping.
-        self._sizes = list(sizes)
-        self._physical_bytes += len(offsets) * self.granularity
-        self._num_chunks += len(offsets)
-        return True
-
-    def _grow_through_daemon(self, sizes: list[int]) -> None:
-        if len(set(sizes)) == 1:
-            self._transaction(lambda on_reply: self._client.commit(self.buffer_id, sizes[0], self._map_chunk, on_reply))
-        else:
-            self._transaction(
-                lambda on_reply: self._client.commit_segments(self.buffer_id, sizes, self._map_chunk, on_reply)
-            )
-
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> "ExtensibleTensor":
         """Grow every segment's committed prefix to ``bytes_per_segment`` (see :meth:`resize_segments_`)."""
         return self.resize_segments_([bytes_per_segment] * self.num_segments, zero_new)
@@ -432,11 +335,6 @@ class ExtensibleTensor:
             self._mapper.zero(self._base + offset, size)
         self._mapper.synchronize()
         return self
-
-    def _map_chunk(self, chunk: ChunkInfo, fd: int) -> None:
-        # A sealed buffer is mapped read-only everywhere, in its owner's process too.
-        self._mapper.map(self._base + chunk.offset, chunk, fd, self._readonly or self.sealed)
-        self._mapped.append((chunk.offset, chunk.size))
 
     def resize_(self, num_bytes: int, zero_new: bool = False) -> Any:
         """Grow a single-segment buffer to ``num_bytes`` committed bytes; returns the committed prefix."""
@@ -466,14 +364,13 @@ class ExtensibleTensor:
         self._check_writable("defragment")
         if not preserve:
             # The old chunks are unmapped before the daemon drops them; a refusal maps them back.
-            self._transaction(
-                lambda on_reply: self._client.defragment(self.buffer_id, False, self._map_chunk, on_reply),
-                before=self._unmap_all,
-            )
+            self._transaction(lambda: self._client.defragment(self.buffer_id, False), before=self._reservation.unmap_all)
             return self
         fresh: list[tuple[ChunkInfo, int]] = []
         try:
-            self._client.defragment(self.buffer_id, True, lambda chunk, fd: fresh.append((chunk, os.dup(fd))))
+            with self._client.defragment(self.buffer_id, True) as delivery:
+                for chunk, fd in delivery:
+                    fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
             if fresh:
                 self._move_into(fresh)
         finally:
@@ -483,24 +380,16 @@ class ExtensibleTensor:
 
     def _move_into(self, fresh: list[tuple[ChunkInfo, int]]) -> None:
         """Copy the data into the new chunks, remap them in place of the old, and confirm."""
-        try:
+        with Undo() as undo:
+            # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
+            undo.push(self._client.finish_defragment, self.buffer_id, False)
             for chunk, fd in fresh:
-                scratch = self._mapper.reserve(chunk.size)
-                try:
-                    self._mapper.map(scratch, chunk, fd)
-                    self._mapper.synchronize()
-                    self._mapper.copy(scratch, self._base + chunk.offset, chunk.size)
-                    self._mapper.unmap(scratch, chunk.size)
-                finally:
-                    self._mapper.unreserve(scratch, chunk.size)
-        except BaseException:
-            self._client.finish_defragment(self.buffer_id, keep_new=False)
-            raise
+                self._reservation.copy_into(chunk, fd)
         # From here the new chunks hold the data: the daemon keeps them whatever happens next.
         try:
-            self._unmap_all()
+            self._reservation.unmap_all()
             for chunk, fd in fresh:
-                self._map_chunk(chunk, fd)
+                self._reservation.map(chunk, fd, self._maps_readonly)
         finally:
             self._set_info(self._client.finish_defragment(self.buffer_id, keep_new=True).buffer)
 
@@ -521,8 +410,7 @@ class ExtensibleTensor:
         self._check_writable("seal")
         self._mapper.synchronize()
         self._set_info(self._client.seal(self.buffer_id).buffer)
-        for offset, size in self._mapped:
-            self._mapper.protect(self._base + offset, size)
+        self._reservation.protect()
         return self
 
     # sleep and teardown
@@ -534,7 +422,7 @@ class ExtensibleTensor:
         while this process can still reach it.
         """
         self._check_writable("release_physical")
-        self._unmap_all()
+        self._reservation.unmap_all()
         self._set_info(self._client.release(self.buffer_id).buffer)
 
     def free(self) -> None:
@@ -570,63 +458,10 @@ class ExtensibleTensor:
         self._client.detach(self.buffer_id, readonly=self._readonly)
 
     def _drop_mappings(self) -> None:
-        """Unmap everything and hand the address range to its :class:`Reservation` to give back."""
-        self._unmap_all()
+        """Unmap everything and leave the address range to its :class:`Reservation` to give back."""
+        self._reservation.free()
         self._view = None
-        self._reservation.freed = True
-        del self._reservation
-
-    def _unmap_all(self) -> None:
-        self._mapper.synchronize()
-        for offset, size in self._mapped:
-            self._mapper.unmap(self._base + offset, size)
-        self._mapped = []
-
-    def _transaction(
-        self, request: Callable[[Callable[[Committed], None]], Committed], before: Callable[[], None] | None = None
-    ) -> None:
-        """Run a request that maps chunks so that it completes, or leaves the tensor as the daemon records it.
-
-        ``request(on_reply)`` sends it (``on_reply`` sees the daemon's answer
-        before the chunks arrive). A refusal that came before anything was
-        mapped or unmapped changes nothing. Any other failure (a map that
-        failed midway, a refusal after ``before`` unmapped) is repaired by
-        mapping every chunk the daemon records again (:class:`Remap`): if
-        the daemon had done the request, it is then complete here too and
-        returns; otherwise the error is raised with the tensor as before.
-        When the repair fails as well, :class:`TensorUnusable`.
-        """
-        answered: list[Committed] = []
-        mapped_before = list(self._mapped)
-        try:
-            if before is not None:
-                before()
-            reply = request(answered.append)
-        except BaseException as exc:
-            if not answered and self._mapped == mapped_before:
-                raise
-            if not self._resync(exc):
-                raise
-            return
-        self._set_info(reply.buffer)
-
-    def _resync(self, error: BaseException) -> bool:
-        """Map the buffer as the daemon records it; True when the failed request had been done there."""
-        try:
-            self._unmap_all()
-            reply = self._client.remap(self.buffer_id, self._map_chunk)
-        except BaseException as exc:
-            self._unusable = TensorUnusable(
-                f"buffer {self.buffer_id}: {error} and mapping it again failed ({exc}); free it and create or attach "
-                "it anew",
-                buffer_id=self.buffer_id,
-            )
-            raise self._unusable from error
-        done = reply.buffer.segment_sizes != self._sizes or reply.buffer.num_chunks != self._num_chunks
-        self._set_info(reply.buffer)
-        if done:
-            log.warning("buffer %d: %s while mapping; mapped again as the daemon records it", self.buffer_id, error)
-        return done and isinstance(error, (HbmdError, OSError))
+        del self._reservation  # the views that are left hold it; the last one gives the range back
 
     def _check_live(self) -> None:
         if self._freed:

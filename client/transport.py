@@ -13,7 +13,6 @@ with :class:`SessionLost` instead of waiting out its timeout.
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import queue
 import select
@@ -58,9 +57,10 @@ class HandleChannel:
     """The session's handle-plane connection.
 
     Two readers may share it: the caller waiting for a request's FD batches,
-    and the client's listener thread. Reads happen under one lock; whichever
-    reader takes a datagram meant for the other leaves it in ``_backlog``
-    (FD batches), ``reclaims`` (reclaim requests), ``grants`` (leased
+    and the client's listener thread. Reads happen under one lock, never
+    waits (sends need the lock too); whichever reader takes a datagram meant
+    for the other leaves it in ``_backlog`` (FD batches, signalled on
+    ``_filed``), ``reclaims`` (reclaim requests), ``grants`` (leased
     granules, with their FDs) or ``revokes`` (leased granules asked back).
     """
 
@@ -87,6 +87,8 @@ class HandleChannel:
         except OSError as exc:
             self.sock.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}", path=self.path) from None
+        self._filed = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        """Written when an FD batch goes to ``_backlog``: wakes a caller waiting for the batch the listener took."""
 
     def _connect(self, deadline: float) -> None:
         """Connect, waiting while the daemon's backlog is full (a Unix socket says EAGAIN then, it does not wait)."""
@@ -152,18 +154,40 @@ class HandleChannel:
         return None
 
     def receive_fds(self, request_id: int, deadline: float) -> tuple[FdBatch, list[int]]:
-        """The next FD batch of ``request_id``; stale batches are dropped and their FDs closed."""
+        """The next FD batch of ``request_id``; batches of earlier requests are dropped and their FDs closed.
+
+        The lock is held to read and file what waits, not while waiting for
+        it, so the listener's sends go on meanwhile. Raises
+        :class:`DaemonUnavailable` past ``deadline``, :class:`SessionLost`
+        once the daemon has closed the session.
+        """
         while True:
             with self._lock:
-                for i, (waiting, _) in enumerate(self._backlog):
-                    if waiting.request_id == request_id:
-                        return self._backlog.pop(i)
-                data, fds = self._recv(timeout=max(0.001, deadline - time.monotonic()))
-                batch = self._sort(data, fds)
-            if batch is not None:
-                if batch.request_id == request_id:
-                    return batch, fds
-                _close_all(fds)
+                batch = self._take_batch(request_id)
+                if batch is not None:
+                    return batch
+                read = self._read_and_file()
+            if read:
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DaemonUnavailable(f"hbmd at {self.path} sent no chunk FDs within {self.timeout:.1f}s", path=self.path)
+            # Readable socket: a datagram to read; readable _filed: the listener read and filed a batch first.
+            select.select([self.sock, self._filed], [], [], remaining)
+
+    def _take_batch(self, request_id: int) -> tuple[FdBatch, list[int]] | None:
+        """The first filed batch of ``request_id``, the lock held; those of earlier requests are dropped."""
+        try:
+            os.eventfd_read(self._filed)
+        except BlockingIOError:
+            pass  # nothing filed since the last look
+        for stale in [entry for entry in self._backlog if entry[0].request_id < request_id]:
+            self._backlog.remove(stale)
+            _close_all(stale[1])
+        for i, (waiting, _) in enumerate(self._backlog):
+            if waiting.request_id == request_id:
+                return self._backlog.pop(i)
+        return None
 
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for datagrams and file them; False once the daemon has gone."""
@@ -185,17 +209,23 @@ class HandleChannel:
     def _file_next(self) -> bool | None:
         """Read and file one datagram, the lock held: True; None when none waits; False once the daemon has gone."""
         try:
+            return self._read_and_file() or None
+        except (DaemonUnavailable, OSError):
+            return False
+
+    def _read_and_file(self) -> bool:
+        """Read one datagram and file it, the lock held; False when none waits. Raises once the daemon has gone."""
+        try:
             # Non-blocking mode, not MSG_DONTWAIT: with a timeout set, Python waits for the socket to turn readable
             # before it reads, and if the other reader took the datagram, this would sit on the lock (which sends
             # need too) until the next one arrived or the timeout passed.
             data, fds = self._recv(timeout=0.0)
         except BlockingIOError:
-            return None
-        except (DaemonUnavailable, OSError):
             return False
         batch = self._sort(data, fds)
         if batch is not None:
             self._backlog.append((batch, fds))
+            os.eventfd_write(self._filed, 1)
         return True
 
     def send(self, msg: Message) -> None:
@@ -230,6 +260,9 @@ class HandleChannel:
     def close(self) -> None:
         """Close the socket and the FDs that came on it and were never taken."""
         self.sock.close()
+        if self._filed >= 0:
+            os.close(self._filed)
+            self._filed = -1
         for _, fds in (*self._backlog, *self.grants):
             _close_all(fds)
         self._backlog.clear()
@@ -279,8 +312,8 @@ class ControlChannel:
         self.token = token
         self.timeout = timeout
         self.session = session
-        self._ids = itertools.count(1)
-        self.last_request_id = 0
+        self.requests_sent = 0
+        """Requests sent so far; the last one's id (ids count from 1)."""
         self._context = zmq.Context.instance()
         self._socket = self._open()
 
@@ -293,10 +326,15 @@ class ControlChannel:
     def call(self, msg: Request[R], timeout: float | None = None) -> R:
         """Send ``msg`` and return its reply (of the type the request names); raise the daemon's error, or
         :class:`DaemonUnavailable` when no reply comes within ``timeout``."""
+        return self.call_with_id(msg, timeout)[0]
+
+    def call_with_id(self, msg: Request[R], timeout: float | None = None) -> tuple[R, int]:
+        """:meth:`call`, and the request id it went under: the id the FD batches that answer it carry."""
         timeout = self.timeout if timeout is None else timeout
         if self.session is not None and self.session.lost():
             raise self._lost()
-        request_id = self.last_request_id = next(self._ids)
+        self.requests_sent += 1
+        request_id = self.requests_sent
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
@@ -325,7 +363,7 @@ class ControlChannel:
                 raise reply.exception()
             if not isinstance(reply, msg.Reply):
                 raise ProtocolError(f"expected {msg.Reply.KIND} in reply to {msg.KIND}, got {reply.KIND}")
-            return reply  # type: ignore[return-value]  # checked against msg.Reply, which is R
+            return reply, request_id  # type: ignore[return-value]  # checked against msg.Reply, which is R
 
     def _lost(self) -> SessionLost:
         return SessionLost(

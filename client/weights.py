@@ -29,6 +29,7 @@ import json
 import struct
 from typing import Any, Mapping
 
+from hbmd.proto.undo import Undo
 from hbmd.proto.units import round_up
 
 from .session import Client
@@ -70,8 +71,9 @@ def store_weights(state_dict: Mapping[str, Any], name: str, device: Any, client:
     header = HEADER.pack(MAGIC, len(manifest)) + manifest
     data_start = round_up(len(header), ALIGNMENT)
 
-    buffer = ExtensibleTensor(data_start + end, device, client=client, name=name, persistent=True)
-    try:
+    with Undo() as undo:
+        buffer = ExtensibleTensor(data_start + end, device, client=client, name=name, persistent=True)
+        undo.push(buffer.free)
         buffer.resize_(data_start + end)
         view = buffer.full_view()
         view[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
@@ -81,9 +83,6 @@ def store_weights(state_dict: Mapping[str, Any], name: str, device: Any, client:
                 source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
                 view[start : start + entry["nbytes"]].copy_(source)
         buffer.seal()
-    except BaseException:
-        buffer.free()
-        raise
     return buffer
 
 
@@ -99,8 +98,9 @@ def load_weights(name: str, device: Any, client: Client | None = None) -> dict[s
     """
     import torch
 
-    buffer = ExtensibleTensor.attach(name, device, client=client, readonly=True)
-    try:
+    with Undo() as undo:
+        buffer = ExtensibleTensor.attach(name, device, client=client, readonly=True)
+        undo.push(buffer.detach)
         view = buffer.full_view()
         magic, length = HEADER.unpack(_read(view, 0, HEADER.size))
         if magic != MAGIC or HEADER.size + length > buffer.num_bytes:
@@ -116,9 +116,6 @@ def load_weights(name: str, device: Any, client: Client | None = None) -> dict[s
                 raise ValueError(f"weights {name!r}: {entry['name']!r} has unknown dtype {entry['dtype']!r}")
             start = data_start + entry["offset"]
             weights[entry["name"]] = view[start : start + entry["nbytes"]].view(dtype).view(entry["shape"])
-    except BaseException:
-        buffer.detach()
-        raise
     return weights
 
 

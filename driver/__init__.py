@@ -219,11 +219,6 @@ def context_synchronize() -> None:
     call("cuCtxSynchronize")
 
 
-def memory_info() -> tuple[int, int]:
-    """``(free, total)`` of the current context's device."""
-    return call("cuMemGetInfo")
-
-
 def pin_device_order() -> None:
     """Make CUDA ordinals equal nvidia-smi indices in this process (PCI bus order, all GPUs visible).
 

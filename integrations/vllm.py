@@ -86,12 +86,10 @@ def capped_commit(original):
     def commit(self, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
         buffer = self.buffer
         if isinstance(buffer, ExtensibleTensor) and num_blocks > self.num_committed_blocks:
-            admissible = buffer.client.status().admissible_bytes
-            if admissible >= 0:
-                most = self.blocks_within(buffer.physical_bytes + admissible)
-                if most < num_blocks:
-                    log.warning("hbmd admits %d of the %d KV blocks vLLM asked for", most, num_blocks)
-                    num_blocks = most
+            most = self.blocks_within(buffer.physical_bytes + buffer.client.device_memory().budget_left)
+            if most < num_blocks:
+                log.warning("hbmd admits %d of the %d KV blocks vLLM asked for", most, num_blocks)
+                num_blocks = most
         return original(self, num_blocks, *args, **kwargs)
 
     commit.__wrapped__ = original  # type: ignore[attr-defined]

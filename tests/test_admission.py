@@ -96,6 +96,9 @@ def test_quotas_are_enforced_and_shown(quota_daemon):
     with pytest.raises(MemoryError, match="held for other tenants"):
         b.resize_(130 * MiB)  # 256 - 64 used - 96 held for "large" = 96 MiB left
     b.resize_(96 * MiB)
+    shown = json.loads(hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "status").stdout)
+    # What the daemon would admit: the budget has 96 MiB unused, all held for "large".
+    assert shown["budget_left_bytes"] == other.device_memory().budget_left == 0
     large = quota_daemon.connect(tenant="large")
     ExtensibleTensor(96 * MiB, "cpu", client=large).resize_(96 * MiB)  # its guarantee was kept free
     out = subprocess.run(
@@ -191,7 +194,7 @@ for name, call in [
     ("attach", lambda: ExtensibleTensor.attach("roots-kv", "cpu", client=c)),
     ("delete", lambda: c.delete("roots-kv")),
     ("reclaim", lambda: c.reclaim(int(sys.argv[1]), 1 << 20)),
-    ("commit", lambda: c.commit(int(sys.argv[2]), 2 << 20, lambda chunk, fd: None)),
+    ("commit", lambda: c.commit(int(sys.argv[2]), 2 << 20).close()),
 ]:
     try:
         call()

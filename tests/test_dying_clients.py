@@ -70,26 +70,24 @@ if mode.startswith("large commit"):
         send_and_die(client, proto.Commit(info.buffer_id, granule), wait_for_reply=rng.random() < 0.7)
     stop_after = rng.randrange(SEGMENTS)
     received = []
-
-    def on_chunk(chunk, fd):
-        received.append(chunk.chunk_id)
-        if mode == "large commit, killed while reading batches" and len(received) > stop_after:
-            die()
-
     print("committing", flush=True)
-    client.commit(info.buffer_id, granule, on_chunk)
+    with client.commit(info.buffer_id, granule) as delivery:
+        for chunk, fd in delivery:
+            received.append(chunk.chunk_id)
+            if mode == "large commit, killed while reading batches" and len(received) > stop_after:
+                die()
     print("committed", flush=True)
     sys.stdin.readline()
 
 small = client.create_buffer(8 * MiB, 2)
-client.commit(small.buffer_id, granule, lambda chunk, fd: None)
+client.commit(small.buffer_id, granule).close()
 if mode == "after release":
     client.release(small.buffer_id)
     die()
 if mode == "in the middle of free":
     send_and_die(client, proto.Free(small.buffer_id), wait_for_reply=False)
 if mode == "in the middle of a preserving defragment":
-    client.commit(small.buffer_id, 2 * granule, lambda chunk, fd: None)  # two chunks per segment
+    client.commit(small.buffer_id, 2 * granule).close()  # two chunks per segment
     send_and_die(client, proto.Defragment(small.buffer_id, True), wait_for_reply=rng.random() < 0.5)
 if mode == "churning":
     print("churning", flush=True)
@@ -97,8 +95,8 @@ if mode == "churning":
     while True:
         info = client.create_buffer(16 * MiB, rng.choice([1, 2, 4]))
         held.append(info.buffer_id)
-        client.commit(info.buffer_id, granule, lambda chunk, fd: None)
-        client.commit(info.buffer_id, rng.choice([1, 2]) * granule, lambda chunk, fd: None)
+        client.commit(info.buffer_id, granule).close()
+        client.commit(info.buffer_id, rng.choice([1, 2]) * granule).close()
         if rng.random() < 0.5:
             client.release(info.buffer_id)
         if len(held) > 4:  # keep a few buffers held at any moment, well inside the budget
@@ -189,7 +187,7 @@ def test_workers_killed_at_any_point_leave_nothing_behind(start_daemon, spawn_wo
 
         # Nothing of the budget leaked: all of it can be committed again, in one go.
         info = client.create_buffer(BUDGET, 1)
-        client.commit(info.buffer_id, BUDGET, lambda chunk, fd: None)
+        client.commit(info.buffer_id, BUDGET).close()
         assert client.status().committed_bytes == BUDGET
         client.free(info.buffer_id)
         assert client.status().committed_bytes == 0

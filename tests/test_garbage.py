@@ -455,7 +455,7 @@ class Barrage:
             victim = self.legit.buffers(self.legit.session_id)[0].buffer_id
             before = daemon_state(self.legit)
             for what, call in {
-                "commit": lambda: intruder.commit(victim, 8 * MiB, lambda chunk, fd: None),
+                "commit": lambda: intruder.commit(victim, 8 * MiB).close(),
                 "release": lambda: intruder.release(victim),
                 "free": lambda: intruder.free(victim),
             }.items():

@@ -281,11 +281,13 @@ def test_a_failed_set_access_undoes_the_import_and_the_map(gpu_client, monkeypat
         monkeypatch.setattr(driver, "set_access", real_set_access)
         # Had the failed attempt left its mapping, mapping the same range again would fail.
         mapper.map(t.base_ptr + chunk.offset, chunk, fd)
-        t._mapped.append((chunk.offset, chunk.size))
+        t._reservation.mapped.append((chunk.offset, chunk.size))
         attempts.append(chunk.chunk_id)
 
-    reply = gpu_client.commit(t.buffer_id, 4 * MiB, map_twice)
-    t._info = reply.buffer
+    with gpu_client.commit(t.buffer_id, 4 * MiB) as delivery:
+        for chunk, fd in delivery:
+            map_twice(chunk, fd)
+    t._info = delivery.reply.buffer
     assert len(attempts) == 1
     t.full_view()[: 4 * MiB].fill_(1)
     assert int(t.full_view()[: 4 * MiB].sum()) == 4 * MiB

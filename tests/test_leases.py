@@ -289,7 +289,7 @@ def test_a_reader_that_finds_its_datagram_taken_does_not_hold_the_socket(daemon,
 
 def test_a_placement_claiming_a_petabyte_is_refused_without_the_daemon_counting_to_it(daemon, client):
     buffer = client.create_buffer(1 << 50)  # a petabyte of address space costs the daemon nothing
-    client.commit(buffer.buffer_id, GRANULE, lambda chunk, fd: None)
+    client.commit(buffer.buffer_id, GRANULE).close()
     leased_at_least(client, 1)
     client._handles.sock.send(proto.encode_datagram(proto.LeasePlace(buffer.buffer_id, [1 << 50], [1], [GRANULE])))
     started = time.monotonic()

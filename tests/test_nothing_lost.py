@@ -102,10 +102,11 @@ from hbmd.client import NotFound, connect
 
 c = connect("cpu", client_name="holder")
 try:
-    info = c.attach("kv", lambda chunk, fd: None).buffer
+    with c.attach("kv") as attached:
+        info = attached.reply.buffer
 except NotFound:
     info = c.create_buffer(16 << 20, name="kv", persistent=True)
-    c.commit(info.buffer_id, 4 << 20, lambda chunk, fd: None)
+    c.commit(info.buffer_id, 4 << 20).close()
 helper = sys.stdin.readline().strip()
 if helper == "fork":
     child = os.fork()
@@ -134,7 +135,7 @@ def attach_within(client, seconds: float) -> float:
     started = time.monotonic()
     while True:
         try:
-            client.attach("kv", lambda chunk, fd: None)
+            client.attach("kv").close()
             return time.monotonic() - started
         except Conflict:
             if time.monotonic() - started > seconds:
@@ -186,7 +187,8 @@ def test_an_attach_right_after_a_sigkill_never_meets_conflict(daemon, client, sp
             worker.kill()
             if paused:
                 threading.Timer(0.05, os.kill, (daemon.pid, signal.SIGCONT)).start()
-            attached = client.attach("kv", lambda chunk, fd: None)
+            with client.attach("kv") as delivery:
+                attached = delivery.reply
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         assert attached.buffer.buffer_id == buffer_id and attached.buffer.physical_bytes == 4 * MiB
@@ -286,7 +288,7 @@ def test_a_restart_skips_a_buffer_whose_parked_fd_did_not_come_back(start_daemon
         kept = ExtensibleTensor.attach("kept", "cpu", client=client)
         assert int(kept.full_view()[: 6 * MiB].float().mean()) == 42
         with pytest.raises(NotFound):
-            client.attach("lost", lambda chunk, fd: None)
+            client.attach("lost").close()
         again = ExtensibleTensor(16 * MiB, "cpu", client=client, name="lost", persistent=True)
         again.resize_(2 * MiB)
         assert client.status().committed_bytes == 8 * MiB

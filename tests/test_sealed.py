@@ -120,10 +120,10 @@ def test_a_sealed_buffer_refuses_every_change(daemon, client):
 
     # The daemon refuses, whichever way the request comes...
     for refused in (
-        lambda: client.commit(w.buffer_id, 8 * MiB, lambda chunk, fd: None),
+        lambda: client.commit(w.buffer_id, 8 * MiB).close(),
         lambda: client.release(w.buffer_id),
-        lambda: client.defragment(w.buffer_id, True, lambda chunk, fd: None),
-        lambda: client.defragment(w.buffer_id, False, lambda chunk, fd: None),
+        lambda: client.defragment(w.buffer_id, True).close(),
+        lambda: client.defragment(w.buffer_id, False).close(),
     ):
         with pytest.raises(InvalidRequest, match="sealed: it is immutable"):
             refused()

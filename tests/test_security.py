@@ -189,7 +189,9 @@ def fill(chunk, fd):
     kept.append(os.dup(fd))
 
 kept = []
-c.commit(buffer.buffer_id, 2 << 20, fill)
+with c.commit(buffer.buffer_id, 2 << 20) as delivery:
+    for chunk, fd in delivery:
+        fill(chunk, fd)
 c.free(buffer.buffer_id)
 tries.append("kept copy holds " + str(os.fstat(kept[0]).st_blocks * 512))
 print("; ".join(tries), flush=True)

@@ -127,7 +127,7 @@ def test_a_refused_discarding_defragment_leaves_everything_mapped(flaky):
     for step in (2, 4, 6):
         t.resize_(step * MiB)
     t.tensor.fill_(9)
-    client.defragment(t.buffer_id, True, lambda chunk, fd: None)  # a preserving defragment left unfinished
+    client.defragment(t.buffer_id, True).close()  # a preserving defragment left unfinished
     with pytest.raises(Conflict):
         t.defragment(preserve=False)
     assert t.num_bytes == 6 * MiB and int(t.tensor.float().mean()) == 9

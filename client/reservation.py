@@ -1,0 +1,91 @@
+"""One buffer's address range in this process, and the chunks mapped into it.
+
+:class:`~hbmd.client.tensor.ExtensibleTensor` keeps the daemon's record of a
+buffer (its segments, sizes and chunks) and asks the daemon for changes; a
+:class:`Reservation` is this process's side of it: where each chunk is
+mapped, through the backend's :class:`~hbmd.client.mapper.Mapper`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hbmd.proto import ChunkInfo
+
+from .delivery import Delivery
+from .lease import LeasedGranule
+from .mapper import Mapper
+
+
+class Reservation:
+    """One buffer's address range in this process and the chunks mapped in it.
+
+    The range goes back to the system only once :meth:`free` was called
+    *and* no view of it is left (views hold their reservation): a view that
+    outlives :meth:`ExtensibleTensor.free` then points at an inaccessible
+    range that nothing else can be placed in, so touching it faults (SIGSEGV
+    on the host, an illegal-address error on a GPU) instead of reading or
+    writing someone else's memory.
+    """
+
+    def __init__(self, mapper: Mapper, size: int) -> None:
+        self.freed = False
+        self.mapper = mapper
+        self.size = size
+        self.base = mapper.reserve(size)
+        self.mapped: list[tuple[int, int]] = []
+        """``(offset, size)`` of every chunk mapped now, in the order they were mapped."""
+
+    def map(self, chunk: ChunkInfo, fd: int, readonly: bool) -> None:
+        """Map ``chunk`` from its FD at its offset (the caller closes the FD)."""
+        self.mapper.map(self.base + chunk.offset, chunk, fd, readonly)
+        self.mapped.append((chunk.offset, chunk.size))
+
+    def map_all(self, delivery: Delivery, readonly: bool) -> None:
+        """Map every chunk the delivery brings, at its offset."""
+        for chunk, fd in delivery:
+            self.map(chunk, fd, readonly)
+
+    def map_leased(self, taken: list[LeasedGranule], offsets: list[int]) -> None:
+        """Map each leased granule at its offset (the caller discards the imports afterwards)."""
+        granule = self.mapper.granularity
+        for leased, offset in zip(taken, offsets):
+            chunk = ChunkInfo(leased.chunk_id, offset, granule, 0)
+            self.mapper.map_prepared(self.base + offset, chunk, leased.prepared)
+            self.mapped.append((offset, granule))
+
+    def copy_into(self, chunk: ChunkInfo, fd: int) -> None:
+        """Copy the bytes mapped at ``chunk``'s offset into ``chunk`` itself, mapped for it at a scratch address."""
+        scratch = self.mapper.reserve(chunk.size)
+        try:
+            self.mapper.map(scratch, chunk, fd)
+            self.mapper.synchronize()
+            self.mapper.copy(scratch, self.base + chunk.offset, chunk.size)
+            self.mapper.unmap(scratch, chunk.size)
+        finally:
+            self.mapper.unreserve(scratch, chunk.size)
+
+    def protect(self) -> None:
+        """Make every mapped chunk read-only."""
+        for offset, size in self.mapped:
+            self.mapper.protect(self.base + offset, size)
+
+    def in_one_chunk(self, start: int, size: int) -> bool:
+        """Whether ``size`` bytes from offset ``start`` lie inside one mapped chunk."""
+        return any(offset <= start and start + size <= offset + length for offset, length in self.mapped)
+
+    def unmap_all(self) -> None:
+        """Put the whole range back to reserved and inaccessible, once the work on it is done."""
+        self.mapper.synchronize()
+        for offset, size in self.mapped:
+            self.mapper.unmap(self.base + offset, size)
+        self.mapped = []
+
+    def free(self) -> None:
+        """Unmap everything; the range goes back once no view of it is left."""
+        self.unmap_all()
+        self.freed = True
+
+    def __del__(self) -> None:
+        if self.freed and not sys.is_finalizing():
+            self.mapper.unreserve(self.base, self.size)

@@ -1,0 +1,150 @@
+"""Changes of a buffer's chunks that hold in the daemon and in this process alike.
+
+A growth is served from the lease (the placement goes to the daemon before
+the mapping) or through the daemon (the request, then its delivery mapped);
+a defragment goes through the daemon too. Either way a failure part way is
+repaired from the daemon's record (:class:`Remap`), so this process never
+maps what the daemon does not record, nor misses what it does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from hbmd.proto import BufferInfo
+from hbmd.proto.errors import HbmdError, TensorUnusable
+from hbmd.proto.runs import new_granules, prefix_offsets
+
+from .delivery import Delivery
+from .reservation import Reservation
+from .session import Client
+
+log = logging.getLogger("hbmd.client")
+
+
+class Transactions:
+    """The daemon's record of an :class:`~hbmd.client.tensor.ExtensibleTensor`'s buffer, and the changes of its
+    chunks that keep the tensor's :class:`Reservation` in step with it.
+
+    A part of the tensor class: the tensor sets ``_client``,
+    ``_reservation``, ``_readonly`` and ``_unusable``; the record
+    (``_info`` and what follows from it) is set here, by :meth:`_set_info`.
+    """
+
+    _client: Client
+    _reservation: Reservation
+    _readonly: bool
+    _unusable: TensorUnusable | None
+
+    def _set_info(self, info: BufferInfo) -> None:
+        """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
+        self._info = info
+        self._physical_bytes = info.physical_bytes
+        self._num_chunks = info.num_chunks
+        self._capacities = list(info.segment_capacities) or [info.segment_capacity_bytes] * info.num_segments
+        self._sizes = list(info.segment_sizes) or [info.bytes_per_segment] * info.num_segments
+        self._offsets = prefix_offsets(self._capacities)
+
+    def _grow_from_lease(self, sizes: list[int]) -> bool:
+        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short or the
+        growth adds a run of several granules (the daemon backs it with one chunk).
+
+        A leased granule is a chunk, as the daemon would have made it: the
+        buffer's chunks are the same whichever way it grew.
+
+        The placement goes to the daemon before the mapping, so however this
+        process dies the daemon's record holds every granule mapped here. A
+        mapping that fails midway is repaired as any commit's (:meth:`_resync`).
+        """
+        if self._info.shareable:
+            return False
+        with self._client.exclusive:  # no other thread's request on this session between the placement and the mapping
+            return self._place_leased(sizes)
+
+    def _place_leased(self, sizes: list[int]) -> bool:
+        granule = self._client.granularity
+        offsets = new_granules(self._offsets, self._sizes, sizes, granule)
+        if any(b - a == granule for a, b in zip(offsets, offsets[1:])):
+            # The daemon backs a run of several granules with one chunk (what defragmenting by release and
+            # regrowth relies on): a lease, one chunk per granule, serves only runs of one.
+            return False
+        taken = self._client.take_lease(len(offsets))
+        if taken is None:
+            return False
+        self._client.place(self._info.buffer_id, sizes, taken, offsets)
+        try:
+            self._reservation.map_leased(taken, offsets)
+        except BaseException as exc:
+            if not self._resync(exc):
+                raise
+            return True
+        finally:
+            self._client.discard_leased(taken)
+        # What the daemon now records too: the placement went before the mapping.
+        self._sizes = list(sizes)
+        self._physical_bytes += len(offsets) * self._client.granularity
+        self._num_chunks += len(offsets)
+        return True
+
+    def _grow_through_daemon(self, sizes: list[int]) -> None:
+        if len(set(sizes)) == 1:
+            self._transaction(lambda: self._client.commit(self._info.buffer_id, sizes[0]))
+        else:
+            self._transaction(lambda: self._client.commit_segments(self._info.buffer_id, sizes))
+
+    def _map_all(self, delivery: Delivery) -> None:
+        self._reservation.map_all(delivery, self._maps_readonly)
+
+    @property
+    def _maps_readonly(self) -> bool:
+        # A sealed buffer is mapped read-only everywhere, in its owner's process too.
+        return self._readonly or self._info.sealed
+
+    def _transaction(self, request: Callable[[], Delivery], before: Callable[[], None] | None = None) -> None:
+        """Run a request that maps chunks so that it completes, or leaves the tensor as the daemon records it.
+
+        ``request()`` sends it and returns its :class:`Delivery`. A refusal
+        that came before anything was mapped or unmapped changes nothing.
+        Any other failure (a map that failed midway, a refusal after
+        ``before`` unmapped) is repaired by mapping every chunk the daemon
+        records again (:class:`Remap`): if the daemon had done the request,
+        it is then complete here too and returns; otherwise the error is
+        raised with the tensor as before. When the repair fails as well,
+        :class:`TensorUnusable`.
+        """
+        answered = False
+        mapped_before = list(self._reservation.mapped)
+        try:
+            if before is not None:
+                before()
+            with request() as delivery:
+                answered = True
+                self._map_all(delivery)
+        except BaseException as exc:
+            if not answered and self._reservation.mapped == mapped_before:
+                raise
+            if not self._resync(exc):
+                raise
+            return
+        self._set_info(delivery.reply.buffer)
+
+    def _resync(self, error: BaseException) -> bool:
+        """Map the buffer as the daemon records it; True when the failed request had been done there."""
+        try:
+            self._reservation.unmap_all()
+            with self._client.remap(self._info.buffer_id) as delivery:
+                self._map_all(delivery)
+            reply = delivery.reply
+        except BaseException as exc:
+            self._unusable = TensorUnusable(
+                f"buffer {self._info.buffer_id}: {error} and mapping it again failed ({exc}); free it and create or attach "
+                "it anew",
+                buffer_id=self._info.buffer_id,
+            )
+            raise self._unusable from error
+        done = reply.buffer.segment_sizes != self._sizes or reply.buffer.num_chunks != self._num_chunks
+        self._set_info(reply.buffer)
+        if done:
+            log.warning("buffer %d: %s while mapping; mapped again as the daemon records it", self._info.buffer_id, error)
+        return done and isinstance(error, (HbmdError, OSError))
