@@ -102,3 +102,22 @@ def test_a_persistent_buffer_freed_before_any_commit_does_not_come_back(start_da
     assert "0 restored" in second.log()
     with second.connect() as again:
         assert again.buffers() == []
+
+
+@pytest.mark.parametrize("lease", [False, True])
+def test_a_daemon_that_stops_leaves_its_live_clients_pages_alone(start_daemon, lease):
+    daemon = start_daemon("--budget", "128MiB")
+    client = daemon.connect(lease=lease)
+    kv = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
+    for step in range(1, 5):  # small steps: with a lease, placed granules among them
+        kv.resize_per_segment_(step * (2 << 20))
+    view = kv.full_view()
+    view[: 8 * MiB] = 7
+    view[32 * MiB : 40 * MiB] = 9
+
+    assert daemon.stop() == 0
+    # The engine's KV cache is still there to read and write: the daemon went, its pages did not.
+    assert int(view[: 8 * MiB].float().mean()) == 7 and int(view[32 * MiB : 40 * MiB].float().mean()) == 9
+    view[: 8 * MiB] = 11
+    assert int(view[: 8 * MiB].float().mean()) == 11
+    assert "stopping with 1 session(s) connected" in daemon.log()

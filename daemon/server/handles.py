@@ -117,9 +117,19 @@ class HandlePlane(Generic[A, C]):
         self._poller.register(self._listener.fileno(), zmq.POLLIN)
 
     def close(self) -> None:
-        """End every session and close the handle socket."""
+        """Hang up on every session and close the handle socket, ending no session.
+
+        The daemon is stopping, not its clients: what they map stays theirs.
+        Ending their sessions would release their chunks, and on the host
+        backend a released chunk is punched out, so a live worker would read
+        zeros (tests/test_restart.py). The chunks' descriptors close with the
+        process; the pages go once the last client unmaps them.
+        """
+        sessions = sum(conn.session is not None and not conn.session.observer for conn in self._connections.values())
         for conn in list(self._connections.values()):
-            self.close_connection(conn, "daemon stopping")
+            self._hang_up(conn)
+        if sessions:
+            log.info("stopping with %d session(s) connected: their memory stays mapped in their processes", sessions)
         if self._listener is not None:
             self._listener.close()
         if self._reserve_fd >= 0:
@@ -172,6 +182,15 @@ class HandlePlane(Generic[A, C]):
 
     def close_connection(self, conn: HandleConnection[A, C], why: str) -> None:
         """Close the connection and its pidfd and end its session, freeing its anonymous buffers."""
+        self._hang_up(conn)
+        if conn.session is not None:
+            self._by_session.pop(conn.session.session_id, None)
+            freed = self.state.close_session(conn.session)
+            log.log(logging.DEBUG if conn.session.observer else logging.INFO,
+                    "session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
+
+    def _hang_up(self, conn: HandleConnection[A, C]) -> None:
+        """Close the connection and its pidfd, its session's placements read first; the session is left as it is."""
         fd = conn.sock.fileno()
         if conn.session is not None and conn.session.wants_lease:
             # Placements the client sent before it died are in the socket still: its buffers must include them.
@@ -192,11 +211,6 @@ class HandlePlane(Generic[A, C]):
             self._poller.unregister(conn.pidfd)
             os.close(conn.pidfd)
             conn.pidfd = -1
-        if conn.session is not None:
-            self._by_session.pop(conn.session.session_id, None)
-            freed = self.state.close_session(conn.session)
-            log.log(logging.DEBUG if conn.session.observer else logging.INFO,
-                    "session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
 
     # accept
 
