@@ -463,6 +463,11 @@ class Client:
         self.closed = True
         self._handles.close()
 
+    @property
+    def lost(self) -> bool:
+        """Whether the daemon ended this session (it stopped or restarted): every call would raise ``SessionLost``."""
+        return not self.closed and self._handles.lost()
+
     def __enter__(self) -> "Client":
         return self
 
@@ -542,10 +547,13 @@ _defaults: dict[tuple[str, str], Client] = {}
 
 
 def default_client(device: Any) -> Client:
-    """The process-wide client for ``device``'s instance, connected on first use (and again after fork)."""
+    """The process-wide client for ``device``'s instance, connected on first use, and again after fork or once the
+    daemon ended its session (it stopped or restarted: the next tensor gets a new session, not ``SessionLost``)."""
     instance = instance_for(device, None)
     key = (os.fspath(resolve_run_dir(None)), instance)
     client = _defaults.get(key)
-    if client is None or client.closed or client._pid != os.getpid():
+    if client is None or client.closed or client._pid != os.getpid() or client.lost:
+        if client is not None and not client.closed and client._pid == os.getpid():
+            client.close()
         client = _defaults[key] = connect(instance=instance)
     return client

@@ -121,3 +121,16 @@ def test_a_daemon_that_stops_leaves_its_live_clients_pages_alone(start_daemon, l
     view[: 8 * MiB] = 11
     assert int(view[: 8 * MiB].float().mean()) == 11
     assert "stopping with 1 session(s) connected" in daemon.log()
+
+
+def test_the_default_client_connects_again_once_the_daemon_came_back(start_daemon, run_dir, monkeypatch):
+    monkeypatch.setenv("HBMD_RUN_DIR", str(run_dir))
+    first = start_daemon("--budget", "64MiB")
+    before = ExtensibleTensor(8 * MiB, "cpu")  # client=None: the process-wide default client
+    before.resize_(2 * MiB)
+    assert first.stop() == 0
+    start_daemon("--budget", "64MiB")
+    after = ExtensibleTensor(8 * MiB, "cpu")  # a new session, not SessionLost
+    after.resize_(4 * MiB)
+    assert after.client is not before.client and after.client.status().committed_bytes == 4 * MiB
+    after.client.close()
