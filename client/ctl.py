@@ -48,9 +48,22 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
+def shown(text: str) -> str:
+    """``text`` with each non-printable character escaped as ``repr`` writes it (``\\x1b``, ``\\r``).
+
+    Names come from peers, and an older daemon checks none of them: printed raw, a
+    control character could clear the screen, retitle the terminal or forge a row.
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _shown_cell(value: Any) -> Any:
+    return shown(value) if isinstance(value, str) else value
+
+
 def render_table(headers: list[str], rows: list[list[Any]], with_headers: bool = True) -> str:
     """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
-    cells = [[str(c) for c in row] for row in rows]
+    cells = [[shown(str(c)) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     numeric = [all(isinstance(row[i], (int, float)) or _looks_numeric(str(row[i])) for row in rows) for i in range(len(headers))]
 
@@ -105,14 +118,14 @@ def render(output: Output, fmt: str, with_headers: bool) -> str:
         writer = csv.writer(buffer, lineterminator="\n")
         if with_headers:
             writer.writerow([c.header.lower() for c in columns])
-        writer.writerows([[c.raw(item) for c in columns] for item in items])
+        writer.writerows([[_shown_cell(c.raw(item)) for c in columns] for item in items])
         return buffer.getvalue().rstrip("\n")
     if output.columns and (fmt == "wide" or not output.text):
-        shown = [c for c in columns if fmt == "wide" or not c.wide]
+        listed = [c for c in columns if fmt == "wide" or not c.wide]
         if not items:
             return output.empty
-        return render_table([c.header for c in shown], [[c.human(item) for c in shown] for item in items], with_headers)
-    return output.text
+        return render_table([c.header for c in listed], [[c.human(item) for c in listed] for item in items], with_headers)
+    return "\n".join(shown(line) for line in output.text.split("\n"))
 
 
 def _bytes_column(header: str, key: str, wide: bool = False) -> Column:
@@ -485,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hbmctl: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except HbmdError as exc:
-        print(f"hbmctl: refused: {exc}", file=sys.stderr)
+        print(f"hbmctl: refused: {shown(str(exc))}", file=sys.stderr)
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 128 + signal.SIGINT

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from hbmd.client import ExtensibleTensor, PermissionDenied
+from hbmd.client.ctl import Column, Output, render
 from helpers import MiB, hbmctl
 
 pytestmark = pytest.mark.cli
@@ -248,3 +249,13 @@ def test_no_headers_leaves_rows_only(daemon, client):
     assert len(rows) == 1 and rows[0].split()[0] == "1"
     raw = hbmctl("--run-dir", str(daemon.run_dir), "-o", "csv", "sessions").stdout.splitlines()
     assert raw[0].startswith("session,pid,uid") and raw[1].split(",")[8] == str(2 * MiB)
+
+
+@pytest.mark.parametrize("fmt", ["table", "csv"])
+def test_control_characters_from_a_peer_are_shown_escaped(fmt):
+    # A daemon older than the hello's name check passes any client_name on: hbmctl must not emit it raw.
+    forged = "eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx"
+    listing = Output(data={}, columns=[Column("NAME", lambda r: r["name"], lambda r: r["name"])], items=[{"name": forged}])
+    text = render(listing, fmt, with_headers=True)
+    assert text.splitlines()[1] == r"eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx"
+    assert all(c.isprintable() for c in text.replace("\n", ""))
