@@ -323,7 +323,7 @@ def reclaim_target(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_reclaim(client: Client, args: argparse.Namespace) -> Output:
-    size = parse_size(args.bytes)
+    size = args.bytes
     sent = client.reclaim(reclaim_target(client, args), size)
     data = {"reclaim_id": sent.reclaim_id, "session_id": sent.session_id, "pid": sent.pid, "requested_bytes": size}
     text = f"asked session {sent.session_id} (pid {sent.pid}) to release {format_bytes(size)}"
@@ -397,6 +397,54 @@ MULTI_INSTANCE = {"status", "watch"}
 """Commands that show every instance when none is chosen; the others need exactly one."""
 
 
+WIRE_INT_MAX = (1 << 63) - 1
+"""The largest integer a message carries (msgpack's signed 64 bits)."""
+MAX_SECONDS = 86400.0
+"""The longest wait hbmctl takes: a day, far below where sleep and poll overflow."""
+
+
+def whole_number(text: str) -> int:
+    """argparse's type for a session id, pid or uid: a number a message can carry, else a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= WIRE_INT_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is out of range [0, 2**63 - 1]")
+    return value
+
+
+def size_argument(text: str) -> int:
+    """argparse's type for a size (``512MiB``): parsed here, so that a bad one is a usage error, not a refusal."""
+    too_big = argparse.ArgumentTypeError(f"{text} is more than 2**63 - 1 bytes")
+    try:
+        size = parse_size(text)
+    except OverflowError:  # more digits than a float holds
+        raise too_big from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size > WIRE_INT_MAX:
+        raise too_big
+    return size
+
+
+def seconds(zero_ok: bool) -> Callable[[str], float]:
+    """argparse's type for a duration: finite, at most :data:`MAX_SECONDS`, and above zero unless ``zero_ok``."""
+
+    def duration(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        low_ok = value >= 0 if zero_ok else value > 0
+        if not (low_ok and value <= MAX_SECONDS):  # also false for nan
+            least = "at least 0" if zero_ok else "more than 0"
+            raise argparse.ArgumentTypeError(f"{text} seconds: expected {least} and at most {MAX_SECONDS:g}")
+        return value
+
+    return duration
+
+
 def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """The options every command takes, before or after its name.
 
@@ -416,7 +464,7 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
                         help="table (default), wide (more columns), json, or csv (plain numbers of bytes and seconds)")
     parser.add_argument("--no-headers", action="store_true", default=default(False),
                         help="leave out the header row of tables and csv")
-    parser.add_argument("--timeout", type=float, default=default(5.0), metavar="S",
+    parser.add_argument("--timeout", type=seconds(zero_ok=False), default=default(5.0), metavar="S",
                         help="seconds to wait for the daemon (default: 5)")
 
 
@@ -433,21 +481,21 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary, description=summary, epilog=f"example: {example}")
         _add_common(p, defaults=False)
         if name in ("buffers", "watch"):
-            p.add_argument("--session", type=int, default=-1, metavar="ID", help="only this session's buffers")
+            p.add_argument("--session", type=whole_number, default=-1, metavar="ID", help="only this session's buffers")
         if name == "delete":
             p.add_argument("name", metavar="NAME", help="the persistent buffer's name")
-            p.add_argument("--uid", type=int, default=-1, metavar="N",
+            p.add_argument("--uid", type=whole_number, default=-1, metavar="N",
                            help="the buffer's owner, for admins (root, the daemon's user); default: you")
         if name == "reclaim":
             which = p.add_mutually_exclusive_group(required=True)
-            which.add_argument("--session", type=int, metavar="ID", help="the session to ask")
-            which.add_argument("--pid", type=int, metavar="PID", help="the session of this process")
+            which.add_argument("--session", type=whole_number, metavar="ID", help="the session to ask")
+            which.add_argument("--pid", type=whole_number, metavar="PID", help="the session of this process")
             which.add_argument("--name", metavar="CLIENT", help="the session with this client name")
-            p.add_argument("--bytes", required=True, metavar="SIZE", help="how much to ask for: 512MiB, 8GiB, ...")
-            p.add_argument("--wait", type=float, default=0.0, metavar="S",
+            p.add_argument("--bytes", type=size_argument, required=True, metavar="SIZE", help="how much to ask for: 512MiB, 8GiB, ...")
+            p.add_argument("--wait", type=seconds(zero_ok=True), default=0.0, metavar="S",
                            help="wait up to S seconds for the answer (default: do not wait)")
         if name == "watch":
-            p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (default: 1)")
+            p.add_argument("--interval", type=seconds(zero_ok=False), default=1.0, metavar="S", help="seconds between refreshes (default: 1)")
     return parser
 
 
@@ -476,11 +524,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     fmt = "json" if args.json else args.output
-    if args.command == "reclaim":
-        try:
-            parse_size(args.bytes)
-        except ValueError as exc:
-            parser.error(f"--bytes: {exc}")
     failures: list[str] = []
     try:
         instance, names = choose_instance(args)

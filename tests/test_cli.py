@@ -102,12 +102,31 @@ def test_usage_errors_exit_2(daemon):
     assert hbmctl().returncode == 2
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--timeout", "-1", "status"],
+        ["--timeout", "nan", "status"],
+        ["--timeout", "1e308", "status"],
+        ["watch", "--interval", "-1"],
+        ["reclaim", "--session", "1", "--bytes", str(10**30)],
+        ["reclaim", "--session", "1", "--bytes", "9" * 400],
+        ["reclaim", "--session", str(10**30), "--bytes", "1MiB"],
+        ["reclaim", "--pid", "1", "--bytes", "1MiB", "--wait", "inf"],
+        ["buffers", "--session", "-2"],
+    ],
+    ids=lambda args: " ".join(args)[:40],
+)
+def test_a_number_out_of_range_is_a_usage_error_in_one_line(daemon, args):
+    out = hbmctl("--run-dir", str(daemon.run_dir), *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert ": error: argument --" in out.stderr.splitlines()[-1]
+
+
 def test_a_refused_request_exits_3(daemon):
     rd = str(daemon.run_dir)
     out = hbmctl("--run-dir", rd, "buffers", "--session", "999")
     assert out.returncode == 3 and "no session 999" in out.stderr
-    out = hbmctl("--run-dir", rd, "buffers", "--session", str(2**70))
-    assert out.returncode == 3 and "cannot be encoded" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("command", ["status", "sessions", "buffers", "delete", "reclaim", "watch"])
