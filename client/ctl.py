@@ -274,6 +274,10 @@ def _reclaim(session: dict[str, Any]) -> str:
     return f"asked {asked}, {session['reclaim_state']}"
 
 
+def _committed(buffer: dict[str, Any]) -> int:
+    return buffer["physical_bytes"] + buffer["pending_bytes"]
+
+
 BUFFER_COLUMNS = [
     _plain_column("BUFFER", "buffer_id"),
     Column("SESSION", lambda r: r["session_id"] or "orphan", lambda r: r["session_id"] or ""),
@@ -283,7 +287,10 @@ BUFFER_COLUMNS = [
     _plain_column("SEGMENTS", "num_segments"),
     _bytes_column("PER-SEGMENT", "bytes_per_segment"),
     _bytes_column("SEG-CAPACITY", "segment_capacity_bytes"),
-    _bytes_column("COMMITTED", "physical_bytes"),
+    # Mid-defragment a buffer holds its new chunks beside the old, and status counts both: so does COMMITTED,
+    # so that the column adds up to status; PENDING says how much of it is the new chunks.
+    Column("COMMITTED", lambda r: format_bytes(_committed(r)), _committed),
+    _bytes_column("PENDING", "pending_bytes", wide=True),
     _bytes_column("RESERVED", "reserved_bytes", wide=True),
     _plain_column("CHUNKS", "num_chunks"),
     Column("SEALED", lambda r: "yes" if r.get("sealed") else "no", lambda r: int(bool(r.get("sealed")))),

@@ -278,3 +278,26 @@ def test_control_characters_from_a_peer_are_shown_escaped(fmt):
     text = render(listing, fmt, with_headers=True)
     assert text.splitlines()[1] == r"eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx"
     assert all(c.isprintable() for c in text.replace("\n", ""))
+
+
+
+def test_buffers_add_up_to_status_while_a_preserving_defragment_holds_old_and_new_chunks(daemon):
+    rd = str(daemon.run_dir)
+    with daemon.connect(client_name="engine", lease=False) as engine:  # one chunk per commit
+        kv = ExtensibleTensor(16 * MiB, "cpu", client=engine)
+        kv.resize_(2 * MiB)
+        kv.resize_(4 * MiB)
+        with engine.defragment(kv.buffer_id, True) as delivery:
+            new_chunks = list(delivery)  # held by the daemon beside the old ones until told to drop either
+        assert len(new_chunks) == 1
+        status = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)
+        [buffer] = json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]
+        assert buffer["physical_bytes"] == buffer["pending_bytes"] == 4 * MiB
+        assert status["committed_bytes"] == 8 * MiB
+        [row] = hbmctl("--run-dir", rd, "-o", "csv", "--no-headers", "buffers").stdout.splitlines()
+        assert str(8 * MiB) in row.split(",")
+        wide = hbmctl("--run-dir", rd, "-o", "wide", "buffers").stdout.splitlines()
+        assert "PENDING" in wide[0].split() and "8.0 MiB" in wide[1] and "4.0 MiB" in wide[1]
+        engine.finish_defragment(kv.buffer_id, keep_new=False)
+        [buffer] = json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]
+        assert buffer["pending_bytes"] == 0 and buffer["physical_bytes"] == 4 * MiB
