@@ -48,9 +48,22 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
+def shown(text: str) -> str:
+    """``text`` with each non-printable character escaped as ``repr`` writes it (``\\x1b``, ``\\r``).
+
+    Names come from peers, and an older daemon checks none of them: printed raw, a
+    control character could clear the screen, retitle the terminal or forge a row.
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _shown_cell(value: Any) -> Any:
+    return shown(value) if isinstance(value, str) else value
+
+
 def render_table(headers: list[str], rows: list[list[Any]], with_headers: bool = True) -> str:
     """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
-    cells = [[str(c) for c in row] for row in rows]
+    cells = [[shown(str(c)) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     numeric = [all(isinstance(row[i], (int, float)) or _looks_numeric(str(row[i])) for row in rows) for i in range(len(headers))]
 
@@ -105,14 +118,14 @@ def render(output: Output, fmt: str, with_headers: bool) -> str:
         writer = csv.writer(buffer, lineterminator="\n")
         if with_headers:
             writer.writerow([c.header.lower() for c in columns])
-        writer.writerows([[c.raw(item) for c in columns] for item in items])
+        writer.writerows([[_shown_cell(c.raw(item)) for c in columns] for item in items])
         return buffer.getvalue().rstrip("\n")
     if output.columns and (fmt == "wide" or not output.text):
-        shown = [c for c in columns if fmt == "wide" or not c.wide]
+        listed = [c for c in columns if fmt == "wide" or not c.wide]
         if not items:
             return output.empty
-        return render_table([c.header for c in shown], [[c.human(item) for c in shown] for item in items], with_headers)
-    return output.text
+        return render_table([c.header for c in listed], [[c.human(item) for c in listed] for item in items], with_headers)
+    return "\n".join(shown(line) for line in output.text.split("\n"))
 
 
 def _bytes_column(header: str, key: str, wide: bool = False) -> Column:
@@ -261,6 +274,10 @@ def _reclaim(session: dict[str, Any]) -> str:
     return f"asked {asked}, {session['reclaim_state']}"
 
 
+def _committed(buffer: dict[str, Any]) -> int:
+    return buffer["physical_bytes"] + buffer["pending_bytes"]
+
+
 BUFFER_COLUMNS = [
     _plain_column("BUFFER", "buffer_id"),
     Column("SESSION", lambda r: r["session_id"] or "orphan", lambda r: r["session_id"] or ""),
@@ -270,7 +287,10 @@ BUFFER_COLUMNS = [
     _plain_column("SEGMENTS", "num_segments"),
     _bytes_column("PER-SEGMENT", "bytes_per_segment"),
     _bytes_column("SEG-CAPACITY", "segment_capacity_bytes"),
-    _bytes_column("COMMITTED", "physical_bytes"),
+    # Mid-defragment a buffer holds its new chunks beside the old, and status counts both: so does COMMITTED,
+    # so that the column adds up to status; PENDING says how much of it is the new chunks.
+    Column("COMMITTED", lambda r: format_bytes(_committed(r)), _committed),
+    _bytes_column("PENDING", "pending_bytes", wide=True),
     _bytes_column("RESERVED", "reserved_bytes", wide=True),
     _plain_column("CHUNKS", "num_chunks"),
     Column("SEALED", lambda r: "yes" if r.get("sealed") else "no", lambda r: int(bool(r.get("sealed")))),
@@ -310,7 +330,7 @@ def reclaim_target(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_reclaim(client: Client, args: argparse.Namespace) -> Output:
-    size = parse_size(args.bytes)
+    size = args.bytes
     sent = client.reclaim(reclaim_target(client, args), size)
     data = {"reclaim_id": sent.reclaim_id, "session_id": sent.session_id, "pid": sent.pid, "requested_bytes": size}
     text = f"asked session {sent.session_id} (pid {sent.pid}) to release {format_bytes(size)}"
@@ -384,6 +404,54 @@ MULTI_INSTANCE = {"status", "watch"}
 """Commands that show every instance when none is chosen; the others need exactly one."""
 
 
+WIRE_INT_MAX = (1 << 63) - 1
+"""The largest integer a message carries (msgpack's signed 64 bits)."""
+MAX_SECONDS = 86400.0
+"""The longest wait hbmctl takes: a day, far below where sleep and poll overflow."""
+
+
+def whole_number(text: str) -> int:
+    """argparse's type for a session id, pid or uid: a number a message can carry, else a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value <= WIRE_INT_MAX:
+        raise argparse.ArgumentTypeError(f"{text} is out of range [0, 2**63 - 1]")
+    return value
+
+
+def size_argument(text: str) -> int:
+    """argparse's type for a size (``512MiB``): parsed here, so that a bad one is a usage error, not a refusal."""
+    too_big = argparse.ArgumentTypeError(f"{text} is more than 2**63 - 1 bytes")
+    try:
+        size = parse_size(text)
+    except OverflowError:  # more digits than a float holds
+        raise too_big from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size > WIRE_INT_MAX:
+        raise too_big
+    return size
+
+
+def seconds(zero_ok: bool) -> Callable[[str], float]:
+    """argparse's type for a duration: finite, at most :data:`MAX_SECONDS`, and above zero unless ``zero_ok``."""
+
+    def duration(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        low_ok = value >= 0 if zero_ok else value > 0
+        if not (low_ok and value <= MAX_SECONDS):  # also false for nan
+            least = "at least 0" if zero_ok else "more than 0"
+            raise argparse.ArgumentTypeError(f"{text} seconds: expected {least} and at most {MAX_SECONDS:g}")
+        return value
+
+    return duration
+
+
 def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
     """The options every command takes, before or after its name.
 
@@ -403,7 +471,7 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
                         help="table (default), wide (more columns), json, or csv (plain numbers of bytes and seconds)")
     parser.add_argument("--no-headers", action="store_true", default=default(False),
                         help="leave out the header row of tables and csv")
-    parser.add_argument("--timeout", type=float, default=default(5.0), metavar="S",
+    parser.add_argument("--timeout", type=seconds(zero_ok=False), default=default(5.0), metavar="S",
                         help="seconds to wait for the daemon (default: 5)")
 
 
@@ -420,21 +488,21 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=summary, description=summary, epilog=f"example: {example}")
         _add_common(p, defaults=False)
         if name in ("buffers", "watch"):
-            p.add_argument("--session", type=int, default=-1, metavar="ID", help="only this session's buffers")
+            p.add_argument("--session", type=whole_number, default=-1, metavar="ID", help="only this session's buffers")
         if name == "delete":
             p.add_argument("name", metavar="NAME", help="the persistent buffer's name")
-            p.add_argument("--uid", type=int, default=-1, metavar="N",
+            p.add_argument("--uid", type=whole_number, default=-1, metavar="N",
                            help="the buffer's owner, for admins (root, the daemon's user); default: you")
         if name == "reclaim":
             which = p.add_mutually_exclusive_group(required=True)
-            which.add_argument("--session", type=int, metavar="ID", help="the session to ask")
-            which.add_argument("--pid", type=int, metavar="PID", help="the session of this process")
+            which.add_argument("--session", type=whole_number, metavar="ID", help="the session to ask")
+            which.add_argument("--pid", type=whole_number, metavar="PID", help="the session of this process")
             which.add_argument("--name", metavar="CLIENT", help="the session with this client name")
-            p.add_argument("--bytes", required=True, metavar="SIZE", help="how much to ask for: 512MiB, 8GiB, ...")
-            p.add_argument("--wait", type=float, default=0.0, metavar="S",
+            p.add_argument("--bytes", type=size_argument, required=True, metavar="SIZE", help="how much to ask for: 512MiB, 8GiB, ...")
+            p.add_argument("--wait", type=seconds(zero_ok=True), default=0.0, metavar="S",
                            help="wait up to S seconds for the answer (default: do not wait)")
         if name == "watch":
-            p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (default: 1)")
+            p.add_argument("--interval", type=seconds(zero_ok=False), default=1.0, metavar="S", help="seconds between refreshes (default: 1)")
     return parser
 
 
@@ -463,11 +531,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     fmt = "json" if args.json else args.output
-    if args.command == "reclaim":
-        try:
-            parse_size(args.bytes)
-        except ValueError as exc:
-            parser.error(f"--bytes: {exc}")
     failures: list[str] = []
     try:
         instance, names = choose_instance(args)
@@ -485,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hbmctl: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except HbmdError as exc:
-        print(f"hbmctl: refused: {exc}", file=sys.stderr)
+        print(f"hbmctl: refused: {shown(str(exc))}", file=sys.stderr)
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 128 + signal.SIGINT

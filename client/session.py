@@ -277,8 +277,9 @@ class Client:
     def detach(self, buffer_id: int, readonly: bool = False) -> Detached:
         """Let go of this session's persistent buffer without freeing it; any session of this user attaches it again by name.
 
-        Unmap it first: the memory stays with the daemon, not with this
-        process. An anonymous buffer is refused (:class:`InvalidRequest`).
+        Finish writing it first: another session may attach it as soon as
+        this returns. Unmap it then: the memory stays with the daemon, not
+        with this process. An anonymous buffer is refused (:class:`InvalidRequest`).
         ``readonly``: drop one read claim on a sealed buffer instead.
         """
         return self.call(Detach(buffer_id, readonly))

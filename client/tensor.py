@@ -13,7 +13,7 @@ import os
 from typing import Any, Sequence
 
 from hbmd.proto import BufferInfo, ChunkInfo
-from hbmd.proto.errors import InvalidRequest, TensorUnusable
+from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
 from hbmd.proto.undo import Undo
 
 from .devices import parse_device
@@ -423,7 +423,13 @@ class ExtensibleTensor(Transactions):
         """
         self._check_writable("release_physical")
         self._reservation.unmap_all()
-        self._set_info(self._client.release(self.buffer_id).buffer)
+        try:
+            released = self._client.release(self.buffer_id)
+        except HbmdError as exc:
+            # Refused: the daemon still holds the chunks, so they are mapped back and the tensor is as it was.
+            self._resync(exc)
+            raise
+        self._set_info(released.buffer)
 
     def free(self) -> None:
         """Drop the pages and the daemon's buffer (a read-only attach: only its read claim). Idempotent.
@@ -435,15 +441,16 @@ class ExtensibleTensor(Transactions):
         """
         if self._freed:
             return
+        # The daemon first, so that a refusal (a sealed buffer others still read) leaves this tensor whole and
+        # a second free() asks again; the pages it drops stay alive until unmapped just below.
+        if not self._client.closed:
+            if self._readonly:
+                # A reader never owned the buffer: it only lets go of its read claim.
+                self._client.detach(self.buffer_id, readonly=True)
+            else:
+                self._client.free(self.buffer_id)
         self._freed = True
         self._drop_mappings()
-        if self._client.closed:
-            return
-        if self._readonly:
-            # A reader never owned the buffer: it only lets go of its read claim.
-            self._client.detach(self.buffer_id, readonly=True)
-        else:
-            self._client.free(self.buffer_id)
 
     def detach(self) -> None:
         """Let go of this persistent buffer without deleting it: unmap it here, leave it to be attached again.
@@ -453,9 +460,12 @@ class ExtensibleTensor(Transactions):
         after :meth:`free`.
         """
         self._check_live()
+        # This process's writes finish before the daemon lets another attach it; the unmap waits for the
+        # daemon's answer, so that a refusal (an anonymous buffer) leaves this tensor usable.
+        self._mapper.synchronize()
+        self._client.detach(self.buffer_id, readonly=self._readonly)
         self._freed = True
         self._drop_mappings()
-        self._client.detach(self.buffer_id, readonly=self._readonly)
 
     def _drop_mappings(self) -> None:
         """Unmap everything and leave the address range to its :class:`Reservation` to give back."""

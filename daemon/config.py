@@ -90,6 +90,9 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    except RecursionError:
+        # tomllib parses nested arrays and inline tables by recursion; a SIGHUP reload must report it, not die.
+        raise ConfigError(f"{where}: arrays or inline tables nested too deep") from None
     unknown = set(raw) - {"access", "tenants"}
     if unknown:
         raise ConfigError(f"{where}: unknown section(s) {', '.join(sorted(unknown))}")

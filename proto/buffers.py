@@ -55,6 +55,9 @@ class BufferInfo:
     """Sessions holding a read-only attach of this sealed buffer (1.2)."""
     shareable: bool = False
     """Backed by RDMA-capable chunks where the device has them (1.3): such a buffer grows through the daemon, never from a lease."""
+    pending_bytes: int = 0
+    """New chunks of a preserving defragment until the owner confirms its remap: committed and charged beside
+    ``physical_bytes``. Needs no new minor: a peer that does not know it reads 0, as between defragments."""
 
 
 @message("buffer.created")

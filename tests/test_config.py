@@ -52,6 +52,8 @@ def test_the_example_config_parses():
         ("[[tenants]]\nname = 'a'\nguaranteed = '100GiB'", "over the budget"),
         ("[[tenants]]\nname = 'uid:7'", "not starting with 'uid:'"),
         ("this is = not toml =", "config"),
+        ("[access]\nallow_uids = " + "[" * 5000 + "]" * 5000, "nested too deep"),
+        ("x = " + "{a = " * 5000 + "1" + "}" * 5000, "nested too deep"),
     ],
 )
 def test_bad_configs_name_what_is_wrong(text, match):

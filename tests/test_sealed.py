@@ -182,6 +182,49 @@ def test_deleting_a_sealed_buffer_waits_for_its_readers(daemon, client, spawn_wo
     assert client.status().committed_bytes == 0 and client.status().num_buffers == 0
 
 
+def test_a_refused_free_leaves_the_owners_tensor_whole_until_the_readers_are_gone(daemon, client):
+    w = ExtensibleTensor(16 * MiB, "cpu", client=client, name="weights", persistent=True)
+    w.resize_(4 * MiB)
+    w.full_view()[: 4 * MiB] = pattern(4 * MiB)
+    w.seal()
+    with daemon.connect() as other:
+        reader = ExtensibleTensor.attach("weights", "cpu", client=other, readonly=True)
+        for _ in range(2):  # refused again: the first refusal did not forget the buffer
+            with pytest.raises(Conflict, match=f"read by session {other.session_id}"):
+                w.free()
+            assert torch.equal(w.tensor, pattern(4 * MiB))
+        reader.free()
+    w.free()
+    assert client.status().num_buffers == 0 and client.buffers() == []
+
+
+def test_a_refused_detach_leaves_the_tensor_usable(daemon, client):
+    anonymous = ExtensibleTensor(8 * MiB, "cpu", client=client)
+    anonymous.resize_(2 * MiB)
+    anonymous.tensor[:] = 7
+    with pytest.raises(InvalidRequest, match="anonymous"):
+        anonymous.detach()
+    assert int(anonymous.tensor.float().mean()) == 7
+    anonymous.free()
+    assert client.status().num_buffers == 0
+
+
+def test_a_release_the_daemon_refuses_maps_the_tensor_back(daemon, client, monkeypatch):
+    kv = ExtensibleTensor(8 * MiB, "cpu", client=client)
+    kv.resize_(2 * MiB)
+    kv.tensor[:] = 5
+
+    def refuse(buffer_id):
+        raise Conflict(f"buffer {buffer_id} is busy")
+
+    # Every refusal the daemon has for a release the tensor makes first; this one stands for a newer daemon's.
+    monkeypatch.setattr(client, "release", refuse)
+    with pytest.raises(Conflict, match="busy"):
+        kv.release_physical()
+    assert kv.num_physical_chunks == kv.num_chunks == 1  # before a read, which would fault were it unmapped
+    assert int(kv.tensor.float().mean()) == 5 and kv.physical_bytes == 2 * MiB
+
+
 def test_the_budget_counts_a_sealed_buffer_once_to_its_writers_tenant(start_daemon, spawn_worker):
     daemon = start_daemon("--budget", "10MiB")
     writer, buffer_id, writer_session = sealed_writer(daemon, spawn_worker)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from fake_systemd import FakeSystemd
 from hbmd import proto
-from hbmd.client import ExtensibleTensor, HbmdError
+from hbmd.client import ExtensibleTensor, HbmdError, InvalidRequest
 from hbmd.daemon.server import (
     HELLO_TIMEOUT_S,
     MAX_FDS_IN_FLIGHT,
@@ -312,6 +312,18 @@ def test_sessions_per_uid_are_capped(start_daemon):
     for c in sessions:
         c.close()
 
+
+@pytest.mark.parametrize(
+    "client_name",
+    ["eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx", "a" * 129],
+    ids=["control-characters", "129-characters"],
+)
+def test_a_client_name_that_could_forge_log_lines_or_terminal_output_is_refused_at_hello(daemon, client, client_name):
+    with pytest.raises(InvalidRequest, match="client name must be at most 128 printable characters"):
+        daemon.connect(client_name=client_name)
+    longest = daemon.connect(client_name="a" * 128)
+    assert [s.client_name for s in client.sessions()] == ["test", "a" * 128]
+    longest.close()
 
 
 def as_nobody_with_fds(limit: int) -> list[str]:

@@ -198,4 +198,5 @@ class Buffer(Generic[A, C]):
             sealed=self.sealed,
             readers=len(self.readers),
             shareable=self.shareable,
+            pending_bytes=self.pending_bytes,
         )

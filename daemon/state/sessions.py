@@ -6,7 +6,7 @@ import secrets
 import time
 
 from hbmd.proto import SessionInfo
-from hbmd.proto.errors import Conflict, NotFound, PermissionDenied
+from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, PermissionDenied
 
 from .records import MAX_CAPACITY, MAX_NAME, Limits, Reclaim, Session, Tenant, check_int
 
@@ -32,8 +32,14 @@ class Sessions:
     ) -> Session:
         """A new session charged to ``tenant`` (the caller holds it for the session).
 
-        Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`.
+        Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
+        ``InvalidRequest`` for a ``client_name`` longer than ``MAX_NAME`` or not printable.
         """
+        # The name reaches the daemon's log and hbmctl's terminal: a control character would forge lines there.
+        if len(client_name) > MAX_NAME or not client_name.isprintable():
+            raise InvalidRequest(
+                f"client name must be at most {MAX_NAME} printable characters", field="client_name"
+            )
         open_sessions = sum(1 for s in self.by_id.values() if s.uid == uid)
         if open_sessions >= self.limits.sessions_per_uid:
             raise Conflict(
@@ -41,7 +47,7 @@ class Sessions:
                 uid=uid, limit=self.limits.sessions_per_uid,
             )
         session = Session(
-            self._next_id, secrets.token_hex(16), pid, uid, gid, client_name[:MAX_NAME], tenant, admin, observer,
+            self._next_id, secrets.token_hex(16), pid, uid, gid, client_name, tenant, admin, observer,
             wants_lease=lease,
         )
         self._next_id += 1
