@@ -13,7 +13,7 @@ import os
 from typing import Any, Sequence
 
 from hbmd.proto import BufferInfo, ChunkInfo
-from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
+from hbmd.proto.errors import HbmdError, InvalidRequest, SessionLost, TensorUnusable
 from hbmd.proto.undo import Undo
 
 from .devices import parse_device
@@ -442,13 +442,17 @@ class ExtensibleTensor(Transactions):
         if self._freed:
             return
         # The daemon first, so that a refusal (a sealed buffer others still read) leaves this tensor whole and
-        # a second free() asks again; the pages it drops stay alive until unmapped just below.
+        # a second free() asks again; the pages it drops stay alive until unmapped just below. A session the
+        # daemon ended (it stopped or restarted) has nothing left to free there: only the mappings go.
         if not self._client.closed:
-            if self._readonly:
-                # A reader never owned the buffer: it only lets go of its read claim.
-                self._client.detach(self.buffer_id, readonly=True)
-            else:
-                self._client.free(self.buffer_id)
+            try:
+                if self._readonly:
+                    # A reader never owned the buffer: it only lets go of its read claim.
+                    self._client.detach(self.buffer_id, readonly=True)
+                else:
+                    self._client.free(self.buffer_id)
+            except SessionLost:
+                pass
         self._freed = True
         self._drop_mappings()
 

@@ -121,6 +121,11 @@ def test_a_daemon_that_stops_leaves_its_live_clients_pages_alone(start_daemon, l
     view[: 8 * MiB] = 11
     assert int(view[: 8 * MiB].float().mean()) == 11
     assert "stopping with 1 session(s) connected" in daemon.log()
+    del view
+    kv.free()  # the session is gone with the daemon: only the mappings are left to drop
+    kv.free()
+    with pytest.raises(ValueError, match="freed"):
+        kv.full_view()
 
 
 def test_the_default_client_connects_again_once_the_daemon_came_back(start_daemon, run_dir, monkeypatch):
