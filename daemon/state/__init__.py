@@ -33,7 +33,7 @@ from .buffers import Buffers
 from .chunks import Chunks
 from .invariants import check_invariants
 from .leases import DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
-from .records import MAX_CAPACITY, Buffer, Chunk, Limits, Reclaim, Session, Tenant, check_int
+from .records import Buffer, Chunk, Limits, Reclaim, Session, Tenant, check_int
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
 
@@ -314,9 +314,9 @@ class State(Generic[A, C]):
 
     def request_reclaim(self, session: Session, requested_bytes: int, reason: str) -> Reclaim:
         """Record a request that ``session`` give ``requested_bytes`` back (its lease first); the server delivers it."""
-        check_int("bytes", requested_bytes, 1, MAX_CAPACITY)
+        reclaim = self.sessions_room.request_reclaim(session, requested_bytes, reason)
         self.leases.ask_back(session)
-        return self.sessions_room.request_reclaim(session, requested_bytes, reason)
+        return reclaim
 
     def reclaim_answered(self, session: Session, reclaim_id: int, released_bytes: int) -> None:
         self.sessions_room.reclaim_answered(session, reclaim_id, released_bytes)
