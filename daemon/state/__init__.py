@@ -328,9 +328,6 @@ class State(Generic[A, C]):
         (it is given up for it)."""
         return self.budget.admissible(session.tenant) + session.leased_bytes
 
-    def committed_by(self, tenant: Tenant) -> int:
-        return tenant.committed_bytes
-
     def reconfigure(self, config: Config) -> None:
         """Make ``config`` the daemon's (``ConfigError`` and nothing changed where it cannot be honoured); leases
         granted under the old limits are asked back."""
