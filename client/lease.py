@@ -213,6 +213,18 @@ class Lease:
             except Exception as exc:
                 log.debug("discarding leased chunk %d failed: %s", granule.chunk_id, exc)
 
+    def resumed(self, leased: set[int]) -> None:
+        """The session was resumed on a restarted daemon, which records ``leased`` as this session's unplaced granules:
+        let go of those it does not record (it does not count them), give back those it records and this process lacks
+        (their grants were lost with the daemon that went)."""
+        with self._lock:
+            stale = [g for chunk_id, g in self._ready.items() if chunk_id not in leased]
+            for granule in stale:
+                del self._ready[granule.chunk_id]
+            missing = sorted(leased - self._ready.keys() - self._in_hand)
+        self._discard(stale)
+        self._return(missing)
+
     def close(self) -> None:
         """Let go of every imported granule; the daemon releases them when the session ends."""
         with self._lock:

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Callable, TypeVar
 
@@ -43,8 +44,10 @@ from hbmd.proto import (
     SessionInfo,
     Status,
     StatusReply,
+    Welcome,
 )
 from hbmd.proto.errors import (
+    DaemonUnavailable,
     HbmdError,
     InvalidRequest,
     OutOfBudget,
@@ -63,6 +66,9 @@ from .mapper import Mapper
 from .transport import ControlChannel, FdCloser, HandleChannel
 
 DEFAULT_TIMEOUT_S = 10.0
+RESUME_TIMEOUT_S = 30.0
+"""How long a client waits by default for its daemon to come back after it went away (``HBMD_RESUME_TIMEOUT``)."""
+RESUME_POLL_S = 0.05
 
 log = logging.getLogger("hbmd.client")
 
@@ -83,12 +89,18 @@ class Client:
     ``observer`` (a monitoring tool) holds no memory and is not counted
     among the sessions.
 
-    When the daemon stops or restarts, the session is over: the next call
-    (or the one in flight) raises :class:`SessionLost` at once, a retryable
-    :class:`DaemonUnavailable`. To go on, close this client and connect
-    again (once the daemon is back); the new session attaches the
-    persistent buffers by name, with their data where the daemon kept them
-    (across a restart under systemd), and creates anonymous ones anew.
+    When the daemon restarts, the session goes on: what this process maps
+    stays mapped (addresses never move), and the client takes the session
+    back from the new daemon (with the credential of its last welcome) as
+    soon as it serves, waiting up to ``resume_timeout`` seconds
+    (``HBMD_RESUME_TIMEOUT``, default 30). The call in flight is sent again
+    under its request id: the daemon answers it again where it had done it,
+    and does it where it had not. Only where the daemon kept nothing (it
+    restarted with no keeper for its memory: no systemd FD store, no
+    ``--takeover``) or does not come back in time does a call raise
+    :class:`SessionLost`, a retryable :class:`DaemonUnavailable`; then close
+    this client and connect again: the new session attaches the persistent
+    buffers by name and creates anonymous ones anew.
 
     ``lease`` (the default): take the granules the daemon leases ahead of
     need, imported by a listener thread, so that a small commit maps them
@@ -105,10 +117,13 @@ class Client:
         observer: bool = False,
         mapper: Mapper | None = None,
         lease: bool = True,
+        resume_timeout: float | None = None,
     ) -> None:
-        """``mapper`` replaces the backend's own (a test's mapper that fails on demand, say)."""
+        """``mapper`` replaces the backend's own (a test's mapper that fails on demand, say); ``resume_timeout``:
+        seconds to wait for a daemon that went away (None: ``HBMD_RESUME_TIMEOUT``, else 30)."""
         self.paths = paths
         self.timeout = timeout
+        self.resume_timeout = resume_timeout_from_env() if resume_timeout is None else resume_timeout
         self._pid = os.getpid()
         with Undo() as undo:
             self._handles = HandleChannel(paths, timeout)
@@ -127,12 +142,19 @@ class Client:
         self._reclaim_callback: Callable[[ReclaimRequest], int] | None = None
         self._closer: FdCloser | None = None
         self._lease: Lease | None = None
+        self._credential = self.welcome.resume_credential
+        self._unconfirmed: list[LeasePlace] = []
+        """Placements sent since the last reply: one the daemon had not read when it went may be lost with it."""
+        self._lost: SessionLost | None = None
+        """Why the session cannot be resumed, once that is known."""
         if self.welcome.lease_bytes > 0:
             # Neither the lease nor the listener holds the client: one dropped unclosed is collected, and its
             # session ends with its socket, as without leases.
             me = weakref.ref(self)
             self._lease = Lease(self.granularity, lambda: _alive(me).mapper, lambda msg: _alive(me)._handles.send(msg))
             weakref.finalize(self, self._lease.close)
+        if self._lease is not None or self._credential:
+            # The listener takes the session back as soon as the daemon is, idle engine or not.
             self._listen_in_background()
         _clients.add(self)
 
@@ -193,15 +215,99 @@ class Client:
         if self.closed:
             raise HbmdError("this hbmd client is closed")
         with self._lock:
+            request_id = self._control.next_request_id()
+            deadline = None
+            while True:
+                unconfirmed = len(self._unconfirmed)
+                try:
+                    answer = self._control.call_with_id(msg, timeout, request_id)
+                except (SessionLost, PermissionDenied) as exc:
+                    # The daemon issued the token: if it no longer knows it, the daemon restarted or ended the session.
+                    if isinstance(exc, PermissionDenied) and exc.details.get("token") != "unknown":
+                        raise
+                    deadline = deadline or time.monotonic() + self.resume_timeout
+                    self._resume(deadline)
+                    continue  # the same request, under the same id
+                del self._unconfirmed[:unconfirmed]  # the daemon read them before it answered
+                return answer
+
+    def _resume(self, deadline: float) -> None:
+        """Take the session back from the daemon that replaced the one that went away, by ``deadline``; the client's
+        lock held. Raises :class:`SessionLost` where it cannot (and every later call does too)."""
+        if self._lost is not None:
+            raise self._lost
+        if not self._credential:
+            self._lost = SessionLost(
+                f"hbmd at {self.paths.endpoint} no longer knows this session: connect again", path=self.paths.endpoint
+            )
+            raise self._lost
+        started = time.monotonic()
+        handles, welcome = self._reconnect(deadline)
+        old, self._handles = self._handles, handles
+        self._control.resume(welcome.token, handles)
+        self.welcome = welcome
+        self._credential = welcome.resume_credential
+        old.drain()  # grants that came before the daemon went, with their FDs
+        if self._lease is not None:
+            self._lease.serve(old.grants, old.revokes)
+            self._reconcile_lease(welcome.lease_chunk_ids)
+        old.close()
+        self._listener = None
+        self._listen_in_background()
+        log.warning("hbmd at %s went away and came back: session %d resumed after %.2fs", self.paths.directory,
+                    self.session_id, time.monotonic() - started)
+
+    def _reconnect(self, deadline: float) -> tuple[HandleChannel, Welcome]:
+        """A handle channel to the daemon serving again, and its welcome back; waits for it until ``deadline``."""
+        hello = Hello(list(PROTOCOL_VERSION), self._pid, resume_session=self.session_id,
+                      resume_credential=self._credential)
+        while True:
             try:
-                return self._control.call_with_id(msg, timeout)
-            except PermissionDenied as exc:
-                if exc.details.get("token") != "unknown":
-                    raise
-                # The daemon issued this token: if it no longer knows it, the daemon restarted or ended the session.
-                raise SessionLost(
-                    f"hbmd at {self.paths.endpoint} no longer knows this session: connect again", path=self.paths.endpoint
-                ) from exc
+                handles = HandleChannel(self.paths, max(0.1, min(self.timeout, deadline - time.monotonic())))
+                with Undo() as undo:
+                    undo.push(handles.close)
+                    welcome = handles.handshake(hello)
+                return handles, welcome
+            except (SessionLost, PermissionDenied) as exc:
+                self._lost = SessionLost(
+                    f"hbmd at {self.paths.directory} came back without this session ({exc.message}): connect again",
+                    path=self.paths.endpoint,
+                )
+                raise self._lost from exc
+            except DaemonUnavailable as exc:
+                if time.monotonic() > deadline:
+                    self._lost = SessionLost(
+                        f"hbmd at {self.paths.directory} did not come back within {self.resume_timeout:g}s "
+                        f"(HBMD_RESUME_TIMEOUT): {exc.message}",
+                        path=self.paths.endpoint,
+                    )
+                    raise self._lost from exc
+                time.sleep(RESUME_POLL_S)
+
+    def _reconcile_lease(self, leased: list[int]) -> None:
+        """Agree with the resumed daemon on the lease: placements it never read are sent again, granules it does not
+        record are let go of, those it records and this process lacks are given back."""
+        still_leased = set(leased)
+        for placement in self._unconfirmed:
+            if still_leased.issuperset(placement.chunk_ids):
+                self._handles.send(placement)
+                still_leased.difference_update(placement.chunk_ids)
+        self._unconfirmed.clear()
+        self._lease.resumed(still_leased)
+
+    def resumed(self) -> bool:
+        """Take the session back now if the daemon went away (waiting up to :attr:`resume_timeout`); False where it
+        cannot be (see :attr:`lost`)."""
+        with self._lock:
+            if self.closed or os.getpid() != self._pid:
+                return False
+            if not self._handles.lost():
+                return self._lost is None
+            try:
+                self._resume(time.monotonic() + self.resume_timeout)
+            except SessionLost:
+                return False
+            return True
 
     def status(self) -> StatusReply:
         return self.call(Status())
@@ -332,19 +438,29 @@ class Client:
             taken = self._lease.take(count)
         return taken
 
-    def place(self, buffer_id: int, sizes: list[int], taken: list[LeasedGranule], offsets: list[int]) -> None:
+    def place(self, buffer_id: int, sizes: list[int], taken: list[LeasedGranule], offsets: list[int]) -> bool:
         """Tell the daemon that the ``taken`` granules back ``buffer_id`` at ``offsets``, its segments grown to ``sizes``.
 
-        Call it before mapping them: once it returns the daemon will record
-        the placement before anything else this session asks, or its end.
-        Where it raises, nothing was sent and the granules are back in the lease.
+        Call it before mapping them: once it returns True the daemon will
+        record the placement before anything else this session asks, or its
+        end. False: the daemon had gone away and the session is resumed now;
+        nothing was placed and the granules are back in the lease (commit
+        through the daemon instead). Where it raises, nothing was sent and the
+        granules are back in the lease.
         """
+        placement = LeasePlace(buffer_id, list(sizes), [g.chunk_id for g in taken], list(offsets))
         try:
-            self._handles.send(LeasePlace(buffer_id, list(sizes), [g.chunk_id for g in taken], list(offsets)))
+            self._handles.send(placement)
+        except SessionLost:
+            self._lease.put_back(taken)
+            self._resume(time.monotonic() + self.resume_timeout)
+            return False
         except BaseException:
             self._lease.put_back(taken)
             raise
+        self._unconfirmed.append(placement)
         self._lease.placed(taken)
+        return True
 
     def discard_leased(self, taken: list[LeasedGranule]) -> None:
         """Let go of placed granules' imports: the mappings made from them hold the memory."""
@@ -466,8 +582,9 @@ class Client:
 
     @property
     def lost(self) -> bool:
-        """Whether the daemon ended this session (it stopped or restarted): every call would raise ``SessionLost``."""
-        return not self.closed and self._handles.lost()
+        """Whether the daemon went away: it may come back and the session resume (:meth:`resumed`), or not, and every
+        call then raises ``SessionLost``."""
+        return not self.closed and (self._lost is not None or self._handles.lost())
 
     def __enter__(self) -> "Client":
         return self
@@ -477,13 +594,22 @@ class Client:
 
 
 def _listen(client_ref: "weakref.ref[Client]", handles: HandleChannel) -> None:
-    """The listener thread's loop; it holds its client only while serving what arrived."""
+    """The listener thread's loop; it holds its client only while serving what arrived.
+
+    When the daemon goes away it takes the session back as soon as the
+    daemon serves again (a new listener goes on then), so a restart is
+    over before the engine's next call, however long that is.
+    """
     while handles.poll(0.2):
         client = client_ref()
         if client is None or client.closed:
             return
         client._on_datagrams()
         del client
+    client = client_ref()
+    if client is not None and not client.closed and client._handles is handles and client._credential:
+        if not client.resumed():
+            log.warning("%s", client._lost)
 
 
 def _alive(client_ref: "weakref.ref[Client]") -> Client:
@@ -503,6 +629,21 @@ def _let_go_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_let_go_after_fork)
+
+
+def resume_timeout_from_env() -> float:
+    """``HBMD_RESUME_TIMEOUT`` in seconds (default :data:`RESUME_TIMEOUT_S`); ``ValueError`` naming it when it is not a
+    number of seconds, 0 or more (0: never wait)."""
+    text = os.environ.get("HBMD_RESUME_TIMEOUT", "")
+    if not text:
+        return RESUME_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not (0 <= seconds < float("inf")):
+        raise ValueError(f"HBMD_RESUME_TIMEOUT={text!r} is not a number of seconds, 0 or more")
+    return seconds
 
 
 def _program_name() -> str:
@@ -549,11 +690,11 @@ _defaults: dict[tuple[str, str], Client] = {}
 
 def default_client(device: Any) -> Client:
     """The process-wide client for ``device``'s instance, connected on first use, and again after fork or once the
-    daemon ended its session (it stopped or restarted: the next tensor gets a new session, not ``SessionLost``)."""
+    daemon came back without its session (the next tensor gets a new session, not ``SessionLost``)."""
     instance = instance_for(device, None)
     key = (os.fspath(resolve_run_dir(None)), instance)
     client = _defaults.get(key)
-    if client is None or client.closed or client._pid != os.getpid() or client.lost:
+    if client is None or client.closed or client._pid != os.getpid() or (client.lost and not client.resumed()):
         if client is not None and not client.closed and client._pid == os.getpid():
             client.close()
         client = _defaults[key] = connect(instance=instance)

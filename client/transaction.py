@@ -72,7 +72,8 @@ class Transactions:
         taken = self._client.take_lease(len(offsets))
         if taken is None:
             return False
-        self._client.place(self._info.buffer_id, sizes, taken, offsets)
+        if not self._client.place(self._info.buffer_id, sizes, taken, offsets):
+            return False
         try:
             self._reservation.map_leased(taken, offsets)
         except BaseException as exc:

@@ -328,13 +328,21 @@ class ControlChannel:
         :class:`DaemonUnavailable` when no reply comes within ``timeout``."""
         return self.call_with_id(msg, timeout)[0]
 
-    def call_with_id(self, msg: Request[R], timeout: float | None = None) -> tuple[R, int]:
-        """:meth:`call`, and the request id it went under: the id the FD batches that answer it carry."""
+    def next_request_id(self) -> int:
+        """The id of a new request."""
+        self.requests_sent += 1
+        return self.requests_sent
+
+    def call_with_id(self, msg: Request[R], timeout: float | None = None, request_id: int = 0) -> tuple[R, int]:
+        """:meth:`call`, and the request id it went under: the id the FD batches that answer it carry.
+
+        ``request_id``: send it under this id (:meth:`next_request_id`'s), so that, sent again after the session was
+        resumed, the daemon knows it for the same request; 0: a new id.
+        """
         timeout = self.timeout if timeout is None else timeout
         if self.session is not None and self.session.lost():
             raise self._lost()
-        self.requests_sent += 1
-        request_id = self.requests_sent
+        request_id = request_id or self.next_request_id()
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
         deadline = time.monotonic() + timeout
         poller = zmq.Poller()
@@ -370,6 +378,13 @@ class ControlChannel:
             f"the session with hbmd at {self.endpoint} is lost: the daemon stopped or restarted; connect again",
             path=self.endpoint,
         )
+
+    def resume(self, token: str, session: HandleChannel) -> None:
+        """Go on with the session resumed on a restarted daemon: its new token and handle channel, a new socket."""
+        self._socket.close(linger=0)
+        self._socket = self._open()
+        self.token = token
+        self.session = session
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -23,7 +23,7 @@ from .backends import A, Backend, C
 from .backends.host import HostBackend
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
-from .persist import Persistence
+from .persist import RESUME_WINDOW_S, Persistence
 from .reload import ConfigReloader
 from .server import AlreadyRunning, BooksUnbalanced, HandlerTableError, Server
 from .state import DEFAULT_LEASE_BYTES, Limits, State
@@ -142,8 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also export per-session series (labelled by session id and pid: a new series "
                              "per worker restart, so off by default)")
     parser.add_argument("--state-dir", metavar="DIR", default=os.environ.get("STATE_DIRECTORY"),
-                        help="where to journal persistent buffers so they survive a restart under systemd "
-                             "(default: $STATE_DIRECTORY)")
+                        help="where to journal the sessions and buffers so that, their memory parked with systemd, "
+                             "they survive a restart of the daemon (default: $STATE_DIRECTORY)")
+    parser.add_argument("--resume-timeout", type=float, default=RESUME_WINDOW_S, metavar="S",
+                        help="after a restart, seconds a session waits for its client to resume it before it ends "
+                             "as a dead client's does (default: %(default)g)")
     parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
     parser.add_argument("--max-sessions-per-uid", type=int, default=Limits.sessions_per_uid, metavar="N",
@@ -207,8 +210,9 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[
         backend.instance = args.instance_name
     budget = _budget(args, backend)
     lease = _lease_bytes(args, backend)
-    if not (math.isfinite(args.reclaim_timeout) and args.reclaim_timeout > 0):
-        raise Refusal(f"--reclaim-timeout: {args.reclaim_timeout} is not a positive number of seconds", 2)
+    for flag, seconds in (("--reclaim-timeout", args.reclaim_timeout), ("--resume-timeout", args.resume_timeout)):
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise Refusal(f"{flag}: {seconds} is not a positive number of seconds", 2)
     try:
         config = load_config(args.config, backend.total_bytes, budget) if args.config else Config()
     except ConfigError as exc:
@@ -289,16 +293,19 @@ def _limits(args: argparse.Namespace) -> Limits:
 
 
 def _persistence(args: argparse.Namespace, state: State[A, C], notifier: SystemdNotifier) -> Persistence | None:
-    """Journal persistent buffers and park their chunks with systemd, restoring what an earlier run parked; None
-    without a state directory or a service manager, and then the FDs passed in are closed."""
+    """Journal the state and park every chunk with systemd, restoring what an earlier run parked; None without a
+    state directory or a service manager, and then the FDs passed in are closed."""
     passed = listen_fds()
     if not (args.state_dir and notifier.enabled):
         for fd in (fd for fds in passed.values() for fd in fds):
             os.close(fd)
         return None
-    persistence = Persistence(state, notifier, Path(args.state_dir) / f"{state.backend.instance}.journal.json")
-    restored = persistence.restore(passed)
-    log.info("persistent buffers are parked with the service manager; %d restored", restored)
+    persistence = Persistence(
+        state, notifier, Path(args.state_dir) / f"{state.backend.instance}.journal", args.resume_timeout
+    )
+    sessions, buffers = persistence.restore(passed)
+    log.info("every chunk is parked with the service manager; restored: %d sessions (resuming within %gs), %d buffers",
+             sessions, args.resume_timeout, buffers)
     return persistence
 
 

@@ -1,21 +1,36 @@
-"""Persistent buffers across daemon restarts, through systemd's file-descriptor store.
+"""What outlives the daemon: its state, journaled, and its chunks, kept by someone else.
 
-While it runs, the daemon parks an FD for the memory of every persistent
-buffer with the service manager (``FDSTORE=1``, one name per FD) and keeps a
-small journal of their layout under its state directory. Neither the
-sockets nor the sessions survive a restart, but the parked FDs keep the
-memory alive: on start the daemon re-adopts the FDs systemd passes back
-(``LISTEN_FDS``/``LISTEN_FDNAMES``), rebuilds each buffer from the journal as
-an orphan, and workers attach to it again by name with its data.
+A daemon that restarts under live engines must come back with everything it
+had handed out: every buffer (ordinary and persistent, sealed or not, mid-
+defragment or not) with its layout, owner, tenant and readers, every
+session with its lease and its last answer, and the memory itself. The
+memory cannot outlive the process on its own, so a *keeper* holds a
+descriptor for every chunk:
 
-Both backends park one FD per chunk (the host backend its sealed memfd, the
-CUDA backend an exported handle), so ``FileDescriptorStoreMax`` bounds the
-chunks kept.
+- under systemd, the service manager's file-descriptor store: every chunk
+  is parked (``FDSTORE=1``, one name per chunk) as it is made and unparked
+  as it goes, and the state is journaled under the state directory before
+  any reply acknowledges a change (:class:`Persistence`);
+- in a live handover (``hbmd --takeover``), the successor: the old daemon
+  sends an :func:`image_of` its state and every chunk's descriptor
+  (:func:`chunk_fds`), and stops only once the new one serves.
 
-A buffer whose parked FDs did not all come back (dropped from the store, or
-beyond its limit), or that the backend cannot adopt, is skipped and logged
-as lost, and the rest are restored: a restart never fails over one buffer,
-which under ``Restart=on-failure`` would loop forever.
+Either way the new daemon rebuilds the state with :func:`restore`: sessions
+come back *resuming*, each waiting for its client to take it back with the
+credential of its last welcome; one that does not come back in time ends as
+a dead one does. A buffer whose descriptors did not all come back, or that
+the backend cannot adopt, is logged as lost and the rest is restored: a
+restart never fails over one buffer, which under ``Restart=on-failure``
+would loop forever.
+
+The journal is append-only: msgpack records ``[kind, value]`` (``meta``, a
+session ``s`` or buffer ``b`` as it now is, ``-s``/``-b`` one gone),
+rewritten whole from the state once it has grown to several times the size
+of the state. Records are written whole with one ``write``; the page cache
+keeps them across a crash of the daemon, which is what the memory survives
+too (not a crash of the machine), so nothing is synced to disk. A torn last
+record (a full disk) is ignored and logged. Journals of persistent buffers
+only, written before version 4 (JSON), are read as well.
 """
 
 from __future__ import annotations
@@ -24,174 +39,214 @@ import contextlib
 import json
 import logging
 import os
+import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+import msgpack
 from hbmd.proto.errors import HbmdError, NotFound
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes, round_up
 
+from .backends import ParkableBackend
 from .notify import SystemdNotifier
-from .state import Buffer, Chunk, State
+from .state import Answer, Buffer, Chunk, Session, State, Tenant
 
 log = logging.getLogger("hbmd.persist")
 
-JOURNAL_VERSION = 3
-"""3 records a chunk as ``[id, offset, size]``; 2 added a fourth field, always 0, and each segment's capacity and
-size (and whether a buffer is sealed; an entry without it is not); version 1's equal segments are read too."""
+JOURNAL_VERSION = 4
+"""4: every session and buffer, msgpack records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset,
+size]``, 2 added a fourth field, always 0, and each segment's capacity and size; version 1's equal segments are read
+too."""
+COMPACT_MIN_BYTES = 1 << 20
+COMPACT_RATIO = 4
+"""The journal is rewritten whole once it is this many times the size of the state it describes."""
+RESUME_WINDOW_S = 30.0
+"""How long a restored session waits for its client by default (``--resume-timeout``)."""
+
+Image = dict[str, Any]
+"""A state as plain data: ``meta``, ``sessions`` and ``buffers`` (records by id)."""
 
 
 def chunk_name(buffer_id: int, chunk_id: int) -> str:
+    """The FD-store name of a buffer's chunk (mapped or pending)."""
     return f"hbmd-c{buffer_id}-{chunk_id}"
 
 
-class Persistence:
-    """Mirrors the state's persistent buffers into the FD store and the journal."""
+def leased_name(chunk_id: int) -> str:
+    """The FD-store name of a leased granule not placed yet."""
+    return f"hbmd-l{chunk_id}"
 
-    def __init__(self, state: State, notifier: SystemdNotifier, journal: Path) -> None:
-        self.state = state
-        self.notifier = notifier
-        self.journal = journal
-        state.changed = set()
-        self._parked: dict[int, set[str]] = {}
-        """FD-store names parked per buffer id."""
-        self.degraded = False
-        """The last journal write failed (the state directory is full, say)."""
 
-    def sync(self) -> None:
-        """Park what persistent buffers gained, unpark what they lost, rewrite the journal; only if anything changed."""
-        if not self.state.changed:
-            return
-        for buffer_id in sorted(self.state.changed):
-            buffer = self.state.buffers.get(buffer_id)
-            wanted = (
-                {chunk_name(buffer_id, c.chunk_id): c for c in buffer.chunks} if buffer is not None and buffer.persistent
-                else {}
-            )
-            parked = self._parked.setdefault(buffer_id, set())
-            for name in sorted(parked - wanted.keys()):
-                self.notifier.remove_fds(name)
-                parked.discard(name)
-            for name, chunk in wanted.items():
-                if name not in parked and self._park(buffer, chunk, name):
-                    parked.add(name)
-            if not parked:
-                del self._parked[buffer_id]
-        self.state.changed.clear()
-        self._write_journal()
+# the state as records
 
-    def _park(self, buffer: Buffer, chunk: Chunk, name: str) -> bool:
+
+def session_record(session: Session) -> dict[str, Any]:
+    answer = session.answer
+    return {
+        "id": session.session_id, "pid": session.pid, "uid": session.uid, "gid": session.gid,
+        "name": session.client_name, "tenant": session.tenant.name, "admin": session.admin,
+        "wants_lease": session.wants_lease, "credential": session.credential_hash,
+        "lease": [[c.chunk_id, c.size] for c in session.lease.values()],
+        "answer": None if answer is None else [answer.request_id, answer.frames, answer.buffer_id, answer.chunk_ids],
+    }
+
+
+def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
+    return {
+        "id": buffer.buffer_id, "name": buffer.name, "persistent": buffer.persistent, "shareable": buffer.shareable,
+        "owner": buffer.owner.session_id if buffer.owner is not None else 0, "uid": buffer.owner_uid,
+        "tenant": buffer.tenant.name, "capacity": buffer.capacity, "capacities": buffer.segment_capacities,
+        "sizes": buffer.segment_sizes, "sealed": buffer.sealed, "readers": [[s, n] for s, n in buffer.readers.items()],
+        "chunks": [[c.chunk_id, c.offset, c.size] for c in buffer.chunks],
+        "pending": [[c.chunk_id, c.offset, c.size] for c in buffer.pending],
+    }
+
+
+def _journaled_as(session: Session) -> tuple[Any, ...]:
+    """What of a session changes its record (the rest is fixed at its hello)."""
+    answer = session.answer
+    return answer.request_id if answer else 0, session.credential_hash, tuple(session.lease), session.tenant.name
+
+
+def _kept(session: Session) -> bool:
+    """Whether a session outlives a restart: an observer (a tool) holds nothing and connects anew."""
+    return not session.observer
+
+
+def image_of(state: State[Any, Any]) -> Image:
+    """The whole state as records: what a journal is rewritten with, and what a live handover sends."""
+    return {
+        "meta": {"version": JOURNAL_VERSION, "instance": state.backend.instance},
+        "sessions": {s.session_id: session_record(s) for s in state.sessions.values() if _kept(s)},
+        "buffers": {b.buffer_id: buffer_record(b) for b in state.buffers.values()},
+    }
+
+
+def chunk_fds(state: State[Any, Any]) -> Iterable[tuple[str, int]]:
+    """A new descriptor for every chunk the state holds, by FD-store name; the caller closes each."""
+    backend: ParkableBackend[Any, Any] = state.backend  # type: ignore[assignment]  # every backend is parkable
+    for buffer in state.buffers.values():
+        for chunk in (*buffer.chunks, *buffer.pending):
+            yield chunk_name(buffer.buffer_id, chunk.chunk_id), backend.parked_fd(buffer.arena, chunk.handle)
+    for session in state.sessions.values():
+        for chunk in session.lease.values():
+            yield leased_name(chunk.chunk_id), backend.parked_fd(state.leases.arena, chunk.handle)
+
+
+def pack_image(image: Image) -> bytes:
+    return msgpack.packb(image, use_bin_type=True)
+
+
+def unpack_image(data: bytes) -> Image:
+    image = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if not isinstance(image, dict) or not isinstance(image.get("meta"), dict):
+        raise ValueError("not a state image")
+    return image
+
+
+# restoring
+
+
+def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_window_s: float) -> tuple[int, int]:
+    """Rebuild the state of ``image`` from the chunks' descriptors in ``fds`` (taken out of it as they are adopted;
+    the caller closes what is left); returns how many sessions and buffers came back.
+
+    Sessions come back resuming, until ``resume_window_s`` from now.
+    """
+    resume_by = time.monotonic() + resume_window_s
+    sessions = 0
+    for record in image.get("sessions", {}).values():
         try:
-            fd = self.state.backend.parked_fd(buffer.arena, chunk.handle)
-        except (HbmdError, OSError) as exc:
-            log.warning("cannot park %s with the service manager: %s", name, exc)
-            return False
+            _restore_session(state, record, fds, resume_by)
+            sessions += 1
+        except Exception as exc:  # whatever the journal or the backend raised: lose this session, not the daemon
+            log.error("session %s is lost: %s", _field(record, "id"), exc)
+    buffers = 0
+    for record in image.get("buffers", {}).values():
         try:
-            return self.notifier.send_fds([fd], name)
-        finally:
-            os.close(fd)
+            _restore_buffer(state, record, fds)
+            buffers += 1
+        except Exception as exc:
+            log.error("buffer %r (%s) is lost: %s", _field(record, "name"), _journaled_size(record), exc)
+    return sessions, buffers
 
-    def _write_journal(self) -> None:
-        buffers = [
-            {
-                "buffer_id": b.buffer_id,
-                "name": b.name,
-                "owner_uid": b.owner_uid,
-                "tenant": b.tenant.name,
-                "capacity": b.capacity,
-                "segment_capacities": b.segment_capacities,
-                "segment_sizes": b.segment_sizes,
-                "shareable": b.shareable,
-                "sealed": b.sealed,
-                "chunks": [[c.chunk_id, c.offset, c.size] for c in b.chunks],
-            }
-            for b in self.state.buffers.values()
-            if b.persistent
-        ]
-        tmp = self.journal.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps({"version": JOURNAL_VERSION, "instance": self.state.backend.instance, "buffers": buffers}))
-            tmp.replace(self.journal)
-        except OSError as exc:
-            # A full or broken state directory must not stop the daemon: it serves on, and writes again at the next change.
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            if not self.degraded:
-                log.error(
-                    "persistence degraded: cannot write the journal %s (%s); persistent buffers changed since "
-                    "will not survive a restart until it can be written (retried at the next change)",
-                    self.journal, exc.strerror or exc,
-                )
-            self.degraded = True
-            return
-        if self.degraded:
-            log.warning("persistence restored: the journal %s is written again", self.journal)
-        self.degraded = False
 
-    def restore(self, passed: dict[str, list[int]]) -> int:
-        """Re-adopt the buffers of the journal from the FDs passed back; returns how many came back.
+def _field(record: Any, key: str) -> Any:
+    return record.get(key) if isinstance(record, dict) else None
 
-        FDs nobody claims are closed and removed from the store.
-        """
-        try:
-            journal = json.loads(self.journal.read_text())
-        except FileNotFoundError:
-            journal = {"buffers": []}
-        except (OSError, ValueError) as exc:
-            log.error("journal %s unreadable (%s): persistent buffers are not restored", self.journal, exc)
-            journal = {"buffers": []}
-        fds = {name: fds[0] for name, fds in passed.items()}
-        for extra in passed.values():
-            for fd in extra[1:]:
-                os.close(fd)
-        restored = 0
-        for entry in journal.get("buffers", []):
-            try:
-                self._adopt(entry, fds)
-                restored += 1
-            except Exception as exc:  # whatever the journal or the backend raised: lose this buffer, not the daemon
-                name = entry.get("name") if isinstance(entry, dict) else None
-                log.error("persistent buffer %r (%s) is lost: %s", name, _journaled_size(entry), exc)
-        for name, fd in fds.items():
-            # Parked for a buffer that is not coming back (gone from the journal, or lost above): let it go.
-            os.close(fd)
-            self.notifier.remove_fds(name)
-        self._write_journal()
-        return restored
 
-    def _adopt(self, entry: dict, fds: dict[str, int]) -> None:
-        """Adopt one journaled buffer, taking its FDs out of ``fds``; raises, taking none, when any is missing.
+def _restore_session(state: State[Any, Any], record: dict[str, Any], fds: dict[str, int], resume_by: float) -> None:
+    granule = state.backend.granularity
+    lease: list[Chunk[Any]] = []
+    with Undo() as undo:
+        arena = state.leases.adopted_arena()
+        claimed = []
+        for chunk_id, size in record["lease"]:
+            name = leased_name(int(chunk_id))
+            if name not in fds or int(size) != granule:
+                continue  # a granule that did not come back is one the client gives up at its resume
+            handle = state.backend.adopt(arena, 0, granule, fds[name])
+            undo.push(state.backend.release, arena, handle)
+            lease.append(Chunk(int(chunk_id), 0, granule, handle))
+            claimed.append(name)
+        answer = record["answer"]
+        session = Session(
+            session_id=int(record["id"]), token=os.urandom(16).hex(), pid=int(record["pid"]), uid=int(record["uid"]),
+            gid=int(record["gid"]), client_name=str(record["name"]), tenant=Tenant(str(record["tenant"])),
+            admin=bool(record["admin"]), wants_lease=bool(record["wants_lease"]),
+            credential_hash=str(record["credential"]),
+            answer=None if answer is None else Answer(int(answer[0]), answer[1], int(answer[2]), list(answer[3])),
+        )
+        state.restore_session(session, lease, resume_by)
+    _claimed(fds, claimed)
 
-        FDs of a buffer that is not adopted stay in ``fds`` or are unparked:
-        either way the store lets them go.
-        """
-        backend = self.state.backend
-        buffer_id = int(entry["buffer_id"])
-        layout = [_chunk_layout(chunk) for chunk in entry["chunks"]]
-        needed = [chunk_name(buffer_id, chunk_id) for chunk_id, _, _ in layout]
-        missing = [name for name in needed if name not in fds]
-        if missing:
-            shown = ", ".join(missing[:4])
-            raise NotFound(f"{len(missing)} of its {len(needed)} parked descriptors did not come back ({shown})")
-        arena = backend.adopt_arena(round_up(int(entry["capacity"]), backend.granularity), bool(entry["shareable"]))
-        chunks: list[Chunk] = []
-        with Undo() as undo:
-            undo.push(backend.close_arena, arena)
-            for (chunk_id, offset, size), name in zip(layout, needed):
-                fd = fds.pop(name)
-                # Out of ``fds`` now, so if the buffer is not adopted only this undo unparks it.
-                undo.push(self.notifier.remove_fds, name)
-                try:
-                    handle = backend.adopt(arena, offset, size, fd)
-                finally:
-                    os.close(fd)
-                undo.push(backend.release, arena, handle)
-                chunks.append(Chunk(chunk_id, offset, size, handle))
-            self.state.adopt_buffer(
-                buffer_id, entry["name"], int(entry["owner_uid"]), entry["tenant"], int(entry["capacity"]),
-                *_segments(entry), bool(entry["shareable"]), arena, chunks, bool(entry.get("sealed", False)),
-            )
-        self._parked[buffer_id] = set(needed)
-        log.info("restored persistent buffer %r: %d bytes in %d chunks", entry["name"], sum(c.size for c in chunks), len(chunks))
+
+def _claimed(fds: dict[str, int], names: list[str]) -> None:
+    """The chunks parked under ``names`` are adopted (the backend holds copies): close the descriptors passed in.
+
+    Until then they stay in ``fds``, so that those of a session or buffer
+    that is not restored are closed and unparked with the unclaimed ones.
+    """
+    for name in names:
+        os.close(fds.pop(name))
+
+
+def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[str, int]) -> None:
+    """Adopt one journaled buffer, taking its FDs out of ``fds``; raises, taking none, where it cannot be adopted whole."""
+    backend = state.backend
+    buffer_id = int(record["id"])
+    layout = [("chunks", _chunk_layout(c)) for c in record["chunks"]]
+    layout += [("pending", _chunk_layout(c)) for c in record.get("pending", [])]
+    needed = [chunk_name(buffer_id, chunk_id) for _, (chunk_id, _, _) in layout]
+    missing = [name for name in needed if name not in fds]
+    if missing:
+        shown = ", ".join(missing[:4])
+        raise NotFound(f"{len(missing)} of its {len(needed)} parked descriptors did not come back ({shown})")
+    owner_id = int(record.get("owner", 0))
+    owner = state.sessions.get(owner_id) if owner_id else None
+    if owner_id and owner is None and not record["persistent"]:
+        # As when a session ends: its anonymous buffers go with it, its persistent ones stay, orphans.
+        raise NotFound(f"its session {owner_id} did not come back")
+    arena = backend.adopt_arena(round_up(int(record["capacity"]), backend.granularity), bool(record["shareable"]))
+    adopted: dict[str, list[Chunk[Any]]] = {"chunks": [], "pending": []}
+    with Undo() as undo:
+        undo.push(backend.close_arena, arena)
+        for (part, (chunk_id, offset, size)), name in zip(layout, needed):
+            handle = backend.adopt(arena, offset, size, fds[name])
+            undo.push(backend.release, arena, handle)
+            adopted[part].append(Chunk(chunk_id, offset, size, handle))
+        capacities, sizes = _segments(record)
+        state.restore_buffer(
+            buffer_id, str(record["name"]), bool(record["persistent"]), owner, int(record["uid"]),
+            str(record["tenant"]), int(record["capacity"]), capacities, sizes, bool(record["shareable"]), arena,
+            adopted["chunks"], adopted["pending"], bool(record.get("sealed", False)),
+            {int(s): int(n) for s, n in record.get("readers", [])},
+        )
+    _claimed(fds, needed)
+    log.info("restored buffer %d %r: %d bytes in %d chunks", buffer_id, record["name"],
+             sum(c.size for c in adopted["chunks"]), len(adopted["chunks"]))
 
 
 def _chunk_layout(chunk: list) -> tuple[int, int, int]:
@@ -201,17 +256,269 @@ def _chunk_layout(chunk: list) -> tuple[int, int, int]:
     return int(chunk[0]), int(chunk[1]), int(chunk[2])
 
 
-def _segments(entry: dict) -> tuple[list[int], list[int]]:
-    """An entry's segment capacities and committed sizes, from either journal version."""
-    if "segment_capacities" in entry:
-        return [int(c) for c in entry["segment_capacities"]], [int(n) for n in entry["segment_sizes"]]
-    count = int(entry["num_segments"])
-    return [int(entry["capacity"]) // count] * count, [int(entry["bytes_per_segment"])] * count
+def _segments(record: dict) -> tuple[list[int], list[int]]:
+    """A record's segment capacities and committed sizes, from any journal version."""
+    if "capacities" in record:
+        return [int(c) for c in record["capacities"]], [int(n) for n in record["sizes"]]
+    if "segment_capacities" in record:
+        return [int(c) for c in record["segment_capacities"]], [int(n) for n in record["segment_sizes"]]
+    count = int(record["num_segments"])
+    return [int(record["capacity"]) // count] * count, [int(record["bytes_per_segment"])] * count
 
 
-def _journaled_size(entry: dict) -> str:
-    """The bytes a journal entry says its buffer held, for the log line that reports it lost."""
+def _journaled_size(record: Any) -> str:
+    """The bytes a record says its buffer held, for the log line that reports it lost."""
     try:
-        return format_bytes(sum(int(chunk[2]) for chunk in entry["chunks"]))
+        return format_bytes(sum(int(chunk[2]) for chunk in record["chunks"]))
     except (KeyError, TypeError, ValueError, IndexError):
         return "size unknown"
+
+
+# the journal
+
+
+class Journal:
+    """The append-only journal file of one instance's state (see the module's docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = -1
+        self.size = 0
+
+    def read(self) -> Image:
+        """The state the journal describes: its records replayed (a v3 JSON journal beside it read where there is no
+        v4 one); empty where there is none. Raises ``ValueError`` for a journal that cannot be read."""
+        image: Image = {"meta": {}, "sessions": {}, "buffers": {}}
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return _legacy_image(self._legacy) or image
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(data), 1))
+        unpacker.feed(data)
+        used = 0
+        try:
+            for kind, value in unpacker:
+                if kind == "meta":
+                    image["meta"] = value
+                elif kind == "image":
+                    image = value
+                elif kind in ("s", "b"):
+                    image["sessions" if kind == "s" else "buffers"][value["id"]] = value
+                elif kind in ("-s", "-b"):
+                    image["sessions" if kind == "-s" else "buffers"].pop(value, None)
+                used = unpacker.tell()
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise ValueError(f"record at byte {used}: {exc}") from None
+        if used < len(data):
+            log.warning("journal %s ends in a torn record (%d bytes) : ignored", self.path, len(data) - used)
+        return image
+
+    def rewrite(self, image: Image) -> None:
+        """Replace the journal by ``image`` (written aside, then renamed over it); raises ``OSError``."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        data = msgpack.packb(["image", image], use_bin_type=True)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                _write_all(fd, data)
+            finally:
+                os.close(fd)
+            tmp.replace(self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        self.close()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self.size = len(data)
+        self._legacy.unlink(missing_ok=True)
+
+    @property
+    def _legacy(self) -> Path:
+        """Where a journal written before version 4 lies."""
+        return self.path.with_name(self.path.name + ".json")
+
+    def append(self, records: list[list[Any]]) -> None:
+        """Append ``records`` in one write; raises ``OSError``."""
+        data = b"".join(msgpack.packb(r, use_bin_type=True) for r in records)
+        _write_all(self._fd, data)
+        self.size += len(data)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _legacy_image(path: Path) -> Image | None:
+    """The persistent buffers of a journal written before version 4 (JSON), as orphans; None where there is none."""
+    try:
+        journal = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.error("journal %s unreadable (%s): persistent buffers are not restored", path, exc)
+        return None
+    buffers = {}
+    for entry in journal.get("buffers", []):
+        if isinstance(entry, dict) and "buffer_id" in entry:
+            buffers[entry["buffer_id"]] = {
+                **entry, "id": entry["buffer_id"], "persistent": True, "owner": 0, "uid": entry["owner_uid"],
+                "readers": [], "pending": [],
+            }
+    return {"meta": {"version": journal.get("version")}, "sessions": {}, "buffers": buffers}
+
+
+class Persistence:
+    """Keeps the state restartable under systemd: parks every chunk with the service manager and journals every change
+    before it is acknowledged (:meth:`sync`)."""
+
+    def __init__(self, state: State[Any, Any], notifier: SystemdNotifier, journal: Path,
+                 resume_window_s: float = RESUME_WINDOW_S) -> None:
+        self.state = state
+        self.notifier = notifier
+        self.journal = Journal(journal)
+        self.resume_window_s = resume_window_s
+        state.changed = set()
+        self._parked: dict[str, int] = {}
+        """FD-store names parked, and the buffer id (0: a session's lease) each belongs to."""
+        self._sessions: dict[int, tuple[Any, ...]] = {}
+        """What each kept session's record was last journaled from."""
+        self.degraded = False
+        """The last journal write failed (the state directory is full, say)."""
+        self._image_bytes = 0
+        """The size of the journal when last rewritten whole: what the state takes."""
+
+    def sync(self) -> None:
+        """Park what chunks came, unpark what went, and journal what changed since the last sync."""
+        records = self._buffer_records() + self._session_records()
+        if not records:
+            return
+        try:
+            if not self.journal.size or self.journal.size > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self._image_bytes):
+                self._rewrite()
+            else:
+                self.journal.append(records)
+        except OSError as exc:
+            self._failed(exc)
+            return
+        self._restored()
+
+    def _rewrite(self) -> None:
+        self.journal.rewrite(image_of(self.state))
+        self._image_bytes = self.journal.size
+
+    def _buffer_records(self) -> list[list[Any]]:
+        changed = self.state.changed
+        if not changed:
+            return []
+        records: list[list[Any]] = []
+        for buffer_id in sorted(changed):
+            buffer = self.state.buffers.get(buffer_id)
+            wanted = {} if buffer is None else {
+                chunk_name(buffer_id, c.chunk_id): c for c in (*buffer.chunks, *buffer.pending)
+            }
+            self._repark(buffer_id, wanted, None if buffer is None else buffer.arena)
+            records.append(["-b", buffer_id] if buffer is None else ["b", buffer_record(buffer)])
+        changed.clear()
+        return records
+
+    def _session_records(self) -> list[list[Any]]:
+        records: list[list[Any]] = []
+        kept = {s.session_id: s for s in self.state.sessions.values() if _kept(s)}
+        for session_id in sorted(self._sessions.keys() - kept.keys()):
+            del self._sessions[session_id]
+            records.append(["-s", session_id])
+        wanted_lease: dict[str, Chunk[Any]] = {}
+        for session_id, session in kept.items():
+            wanted_lease.update((leased_name(c), chunk) for c, chunk in session.lease.items())
+            seen = _journaled_as(session)
+            if self._sessions.get(session_id) != seen:
+                self._sessions[session_id] = seen
+                records.append(["s", session_record(session)])
+        if records:
+            self._repark(0, wanted_lease, self.state.leases.arena)
+        return records
+
+    def _repark(self, owner: int, wanted: dict[str, Chunk[Any]], arena: Any) -> None:
+        """Make the names parked for ``owner`` (a buffer id; 0 for leases) exactly ``wanted``."""
+        for name in [n for n, o in self._parked.items() if o == owner and n not in wanted]:
+            self.notifier.remove_fds(name)
+            del self._parked[name]
+        for name, chunk in wanted.items():
+            if name not in self._parked and self._park(arena, chunk, name):
+                self._parked[name] = owner
+
+    def _park(self, arena: Any, chunk: Chunk[Any], name: str) -> bool:
+        try:
+            fd = self.state.backend.parked_fd(arena, chunk.handle)
+        except (HbmdError, OSError) as exc:
+            log.warning("cannot park %s with the service manager: %s", name, exc)
+            return False
+        try:
+            return self.notifier.send_fds([fd], name)
+        finally:
+            os.close(fd)
+
+    def _failed(self, exc: OSError) -> None:
+        # A full or broken state directory must not stop the daemon: it serves on, and writes again at the next change.
+        if not self.degraded:
+            log.error(
+                "persistence degraded: cannot write the journal %s (%s); changes since will not survive a restart "
+                "until it can be written (retried at the next change)",
+                self.journal.path, exc.strerror or exc,
+            )
+        self.degraded = True
+        self._sessions.clear()  # so every session is journaled again once it can be
+
+    def _restored(self) -> None:
+        if self.degraded:
+            log.warning("persistence restored: the journal %s is written again", self.journal.path)
+            self.degraded = False
+            with contextlib.suppress(OSError):
+                self._rewrite()
+
+    def restore(self, passed: dict[str, list[int]]) -> tuple[int, int]:
+        """Rebuild the state the journal describes from the FDs the service manager passed back, then journal it
+        afresh; returns how many sessions and buffers came back. FDs nobody claims are closed and unparked."""
+        try:
+            image = self.journal.read()
+        except (OSError, ValueError) as exc:
+            log.error("journal %s unreadable (%s): nothing is restored", self.journal.path, exc)
+            image = {}
+        fds = {name: fds[0] for name, fds in passed.items()}
+        for extra in passed.values():
+            for fd in extra[1:]:
+                os.close(fd)
+        counts = restore(self.state, image, fds, self.resume_window_s) if image else (0, 0)
+        for name, fd in fds.items():
+            # Parked for a chunk that is not coming back (gone from the journal, or lost above): let it go.
+            os.close(fd)
+            self.notifier.remove_fds(name)
+        self.adopt_parked()
+        try:
+            self._rewrite()
+        except OSError as exc:
+            self._failed(exc)
+        return counts
+
+    def adopt_parked(self) -> None:
+        """Take the state as it is now as parked and journaled: its chunks' FDs are in the store already (restored
+        from it), so only what changes from here on is parked anew."""
+        for buffer in self.state.buffers.values():
+            for chunk in (*buffer.chunks, *buffer.pending):
+                self._parked[chunk_name(buffer.buffer_id, chunk.chunk_id)] = buffer.buffer_id
+        for session in self.state.sessions.values():
+            for chunk_id in session.lease:
+                self._parked[leased_name(chunk_id)] = 0
+            self._sessions[session.session_id] = _journaled_as(session)
+        self.state.changed.clear()
+
+    def close(self) -> None:
+        self.journal.close()

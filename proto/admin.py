@@ -80,6 +80,8 @@ class SessionInfo:
     """Of the last reclaim request: "" (none), "pending", "answered" or "ignored"."""
     leased_bytes: int = 0
     """Granules leased to the session and not placed yet (1.3)."""
+    resuming: bool = False
+    """Restored after a daemon restart, its client not back yet (1.4)."""
 
 
 @message("admin.session_list")

@@ -7,6 +7,8 @@ accompany every control-plane request of that session.
 
 from __future__ import annotations
 
+import dataclasses
+
 from .codec import Message, Request, message
 
 
@@ -20,6 +22,14 @@ class Hello(Message):
     ``observer`` marks a tool that only looks (``hbmctl``): it holds no
     memory and is not counted or listed among the sessions. ``lease``
     (1.3): the client places leased granules itself (see :class:`LeaseGrant`).
+
+    ``resume_session`` and ``resume_credential`` (1.4): take back session
+    ``resume_session`` after the daemon restarted, proving it with the
+    credential of its last :class:`Welcome`. Only the process that opened the
+    session (its uid and pid) may, once per credential; the other fields
+    are then ignored. Refused with ``session_lost`` where the daemon does not
+    know the session (it restarted with nothing to keep it, or its window to
+    resume had passed).
     """
 
     version: list[int]
@@ -28,6 +38,8 @@ class Hello(Message):
     tenant: str = ""
     observer: bool = False
     lease: bool = False
+    resume_session: int = 0
+    resume_credential: str = ""
 
 
 @message("session.welcome")
@@ -50,6 +62,11 @@ class Welcome(Message):
     device_index: int = -1
     lease_bytes: int = 0
     """The most this session may be leased (1.3); 0: no leases (the daemon's ``--lease 0``, or not asked for)."""
+    resume_credential: str = ""
+    """What takes this session back after a daemon restart (1.4): good once, for this process only; empty for an
+    observer and where the daemon keeps nothing across a restart. Not the token: it never travels with a request."""
+    lease_chunk_ids: list[int] = dataclasses.field(default_factory=list)
+    """On a resume, the granules the daemon records as leased to the session and not placed."""
 
 
 @message("session.refused")

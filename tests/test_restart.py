@@ -6,6 +6,7 @@ import os
 
 import pytest
 from hbmd.client import ExtensibleTensor
+from hbmd.daemon.persist import Journal
 from helpers import MiB, wait_until
 
 torch = pytest.importorskip("torch")
@@ -46,7 +47,7 @@ def test_a_restart_keeps_persistent_buffers_and_their_data(start_daemon, spawn_w
     second = start_daemon(
         "--budget", "256MiB", "--state-dir", str(state_dir), **systemd.relaunch()
     )
-    assert "1 restored" in second.log()
+    assert "restored: 0 sessions (resuming within 30s), 1 buffers" in second.log()
     client = second.connect()
     assert client.status().committed_bytes == 24 * MiB  # the persistent buffer, not the anonymous one
     kv = ExtensibleTensor.attach("kv", "cpu", client=client)
@@ -79,7 +80,7 @@ def test_unclaimed_fds_are_closed_and_unparked(start_daemon, run_dir, systemd):
     stray = f"pipe:[{os.fstat(stray_r).st_ino}]"
     systemd.store["hbmd-a999"] = [stray_r]  # parked by an earlier run, absent from the journal
     daemon = start_daemon("--state-dir", str(state_dir), **systemd.relaunch())
-    assert "0 restored" in daemon.log()
+    assert "restored: 0 sessions (resuming within 30s), 0 buffers" in daemon.log()
     wait_until(lambda: systemd.names() == set())
     held = {os.readlink(f"/proc/{daemon.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{daemon.pid}/fd")}
     assert stray not in held
@@ -91,15 +92,16 @@ def test_a_persistent_buffer_freed_before_any_commit_does_not_come_back(start_da
     first = start_daemon("--state-dir", str(state_dir), env={"NOTIFY_SOCKET": str(systemd.path)})
     client = first.connect()
     empty = ExtensibleTensor(8 * MiB, "cpu", client=client, name="empty", persistent=True)
-    journal = state_dir / "host.journal.json"
-    wait_until(lambda: journal.exists() and '"empty"' in journal.read_text())
+    journal = Journal(state_dir / "host.journal")
+    journaled = lambda: [b["name"] for b in journal.read()["buffers"].values()]  # noqa: E731
+    wait_until(lambda: journaled() == ["empty"])
     assert systemd.names() == set()  # no chunk, nothing to park
     empty.free()
-    wait_until(lambda: '"empty"' not in journal.read_text())
+    wait_until(lambda: journaled() == [])
     client.close()
     assert first.stop() == 0
     second = start_daemon("--state-dir", str(state_dir), **systemd.relaunch())
-    assert "0 restored" in second.log()
+    assert "restored: 0 sessions (resuming within 30s), 0 buffers" in second.log()
     with second.connect() as again:
         assert again.buffers() == []
 

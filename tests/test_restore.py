@@ -82,7 +82,7 @@ def parked(tmp_path):
     systemd = FakeSystemd(tmp_path / "notify.sock")
     notifier = SystemdNotifier(os.fsencode(systemd.path))
     state = State(PipeBackend(), 32 * GRANULE)
-    persistence = Persistence(state, notifier, tmp_path / "journal.json")
+    persistence = Persistence(state, notifier, tmp_path / "journal")
     session = state.open_session(1, 1000, 1000, "writer", "")
     ids = {}
     for name, chunks in (("kept", 2), ("lost", 3)):
@@ -94,7 +94,8 @@ def parked(tmp_path):
     names = {chunk_name(b.buffer_id, c.chunk_id) for b in ids.values() for c in b.chunks}
     wait_until(lambda: systemd.names() == names)
     state.close_session(session)
-    yield systemd, notifier, tmp_path / "journal.json", ids
+    persistence.sync()
+    yield systemd, notifier, tmp_path / "journal", ids
     for buffer in list(state.buffers.values()):
         for chunk in buffer.chunks:
             os.close(chunk.handle)
@@ -120,12 +121,13 @@ def test_a_buffer_missing_one_chunk_fd_is_skipped_and_unparked(parked, caplog):
     before = fds_held(systemd)
     with caplog.at_level(logging.ERROR, "hbmd.persist"):
         state, restored = restart(systemd, notifier, journal, PipeBackend())
-    assert restored == 1 and [b.name for b in state.buffers.values()] == ["kept"]
-    assert "persistent buffer 'lost' (6.0 MiB) is lost: 1 of its 3 parked descriptors did not come back" in caplog.text
+    assert restored == (0, 1) and [b.name for b in state.buffers.values()] == ["kept"]
+    assert "buffer 'lost' (6.0 MiB) is lost: 1 of its 3 parked descriptors did not come back" in caplog.text
     state.check_invariants()
     kept = buffers["kept"]
     wait_until(lambda: systemd.names() == {chunk_name(kept.buffer_id, c.chunk_id) for c in kept.chunks})
-    assert fds_held(systemd) == before + 2  # the two chunks of 'kept'; the FDs of 'lost' that did come back are closed
+    # The two chunks of 'kept' and the journal, open to append; the FDs of 'lost' that did come back are closed.
+    assert fds_held(systemd) == before + 3
     for chunk in state.buffers[kept.buffer_id].chunks:
         os.close(chunk.handle)
 
@@ -136,11 +138,11 @@ def test_a_buffer_the_backend_cannot_adopt_is_skipped_and_what_was_adopted_relea
     before = fds_held(systemd)
     with caplog.at_level(logging.ERROR, "hbmd.persist"):
         state, restored = restart(systemd, notifier, journal, PipeBackend(refuse_at=lost.chunks[2].offset))
-    assert restored == 1 and [b.name for b in state.buffers.values()] == ["kept"]
-    assert "persistent buffer 'lost' (6.0 MiB) is lost: the driver is gone" in caplog.text
+    assert restored == (0, 1) and [b.name for b in state.buffers.values()] == ["kept"]
+    assert "buffer 'lost' (6.0 MiB) is lost: the driver is gone" in caplog.text
     state.check_invariants()
     kept = buffers["kept"]
     wait_until(lambda: systemd.names() == {chunk_name(kept.buffer_id, c.chunk_id) for c in kept.chunks})
-    assert fds_held(systemd) == before + 2  # the two adopted chunks of 'lost' were released
+    assert fds_held(systemd) == before + 3  # 'kept' and the journal: the two adopted chunks of 'lost' were released
     for chunk in state.buffers[kept.buffer_id].chunks:
         os.close(chunk.handle)

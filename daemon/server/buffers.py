@@ -33,7 +33,7 @@ from hbmd.proto import (
 )
 
 from ..backends import A, C
-from ..state import Buffer, Chunk
+from ..state import Answer, Buffer, Chunk
 from .connection import HandleConnection
 from .registry import RequestRoom, handles
 
@@ -140,6 +140,14 @@ class BufferRequests(RequestRoom[A, C]):
             "session %d (uid %d) deleted persistent buffer %r of uid %d", conn.session.session_id, conn.uid, msg.name, owner
         )
         return Freed(buffer_id, freed)
+
+    def deliver_again(self, conn: HandleConnection[A, C], request_id: int, answer: Answer) -> Committed:
+        """The chunks of the session's answered request ``request_id`` once more, its reply having been lost with the
+        daemon before a restart."""
+        self.plane.outbox.check_reading(conn)
+        buffer = self.state.buffer_of(conn.session, answer.buffer_id)
+        by_id = {c.chunk_id: c for c in (*buffer.chunks, *buffer.pending)}
+        return self._deliver(conn, request_id, buffer, [by_id[c] for c in answer.chunk_ids if c in by_id])
 
     def _deliver(
         self, conn: HandleConnection[A, C], request_id: int, buffer: Buffer[A, C], chunks: list[Chunk[C]]

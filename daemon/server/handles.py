@@ -403,17 +403,11 @@ class HandlePlane(Generic[A, C]):
     def _open_session(self, conn: HandleConnection[A, C], data: bytes) -> None:
         try:
             hello = self._check_hello(conn, data)
-            access = self.state.config.access
-            session = self.state.open_session(
-                conn.pid,
-                conn.uid,
-                conn.gid,
-                hello.client_name,
-                hello.tenant,
-                admin=conn.uid in access.admin_uids,
-                observer=hello.observer,
-                lease=hello.lease and hello.version[1] >= 3,
-            )
+            resumed = hello.resume_session != 0
+            if resumed:
+                session = self.state.resume_session(hello.resume_session, conn.uid, conn.pid, hello.resume_credential)
+            else:
+                session = self._new_session(conn, hello)
         except HbmdError as exc:
             conn.send_quietly(Refused(exc.code.wire, exc.message))
             self.close_connection(conn, f"refused: {exc.message}")
@@ -423,15 +417,23 @@ class HandlePlane(Generic[A, C]):
         self._by_session[session.session_id] = conn
         if session.wants_lease:
             self._placing.register(conn.sock.fileno(), select.POLLIN)
-        conn.send_quietly(self._welcome(session))
+        conn.send_quietly(self._welcome(session, resumed))
         # Observers (hbmctl, probes) connect every few seconds: at INFO they would bury the workers.
         log.log(
             logging.DEBUG if session.observer else logging.INFO,
-            "session %d opened: pid %d uid %d%s",
+            "session %d %s: pid %d uid %d%s",
             session.session_id,
+            "resumed" if resumed else "opened",
             conn.pid,
             conn.uid,
-            f" ({hello.client_name})" if hello.client_name else "",
+            f" ({session.client_name})" if session.client_name else "",
+        )
+
+    def _new_session(self, conn: HandleConnection[A, C], hello: Hello) -> Session:
+        access = self.state.config.access
+        return self.state.open_session(
+            conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant, admin=conn.uid in access.admin_uids,
+            observer=hello.observer, lease=hello.lease and hello.version[1] >= 3,
         )
 
     def _check_hello(self, conn: HandleConnection[A, C], data: bytes) -> Hello:
@@ -450,7 +452,9 @@ class HandlePlane(Generic[A, C]):
             raise PermissionDenied(f"uid {conn.uid} is not allowed to use hbmd instance {self.state.backend.instance}")
         return hello
 
-    def _welcome(self, session: Session) -> Welcome:
+    def _welcome(self, session: Session, resumed: bool) -> Welcome:
+        """The welcome of a new or resumed session, with the credential that resumes it next time (none for an
+        observer: a tool connects anew)."""
         backend = self.state.backend
         return Welcome(
             token=session.token,
@@ -463,4 +467,27 @@ class HandlePlane(Generic[A, C]):
             device_uuid=backend.device_uuid,
             device_index=backend.device_index,
             lease_bytes=self.state.lease_bytes_for(session),
+            resume_credential="" if session.observer else self.state.issue_credential(session),
+            lease_chunk_ids=list(session.lease) if resumed else [],
         )
+
+    def end_unresumed(self, now: float) -> None:
+        """End the sessions restored after a restart whose clients did not come back in time, or whose processes are
+        gone, as a dead client's session ends (its anonymous buffers freed, its persistent ones orphaned)."""
+        for session in self.state.unresumed_sessions(now, self._gone):
+            freed = self.state.close_session(session)
+            log.info("session %d (pid %d) was not resumed after the restart: ended, freed %d bytes",
+                     session.session_id, session.pid, freed)
+
+    @staticmethod
+    def _gone(pid: int) -> bool:
+        """Whether process ``pid`` has exited (one this daemon cannot see, in another pid namespace, never is)."""
+        if pid <= 0:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False

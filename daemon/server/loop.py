@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Generic
 import zmq
 from hbmd.proto import (
     MAX_FRAME_BYTES,
+    Committed,
     PROTOCOL_VERSION,
     ErrorReply,
     Message,
@@ -40,9 +41,10 @@ from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 from ..backends import A, C
 from ..notify import SystemdNotifier
 from ..rundir import create_file, open_instance_directory, open_lock
-from ..state import Session, State
+from ..state import Answer, Session, State
 from .admin import AdminRequests
 from .buffers import BufferRequests
+from .connection import HandleConnection
 from .handles import HELLO_TIMEOUT_S, HandlePlane
 from .outbox import DRAIN_CHECK_S
 from .registry import RequestRoom, handler_table
@@ -107,6 +109,7 @@ class Server(Generic[A, C]):
         self._plane: HandlePlane[A, C] = HandlePlane(state, self._poller)
         self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane)
         rooms = {room: room(state, self._plane) for room in self.ROOMS}
+        self._buffer_requests = rooms[BufferRequests]
         self._handlers: dict[type[Request], Callable[..., Message]] = {
             kind: getattr(rooms[room], name) for kind, (room, name) in table.items()
         }
@@ -244,6 +247,7 @@ class Server(Generic[A, C]):
         now = time.monotonic()
         self.state.ask_back_idle_leases(now)
         self._plane.expire_hellos(now)
+        self._plane.end_unresumed(now)
         self._notices.report_ignored_reclaims(now)
         self._notices.serve_leases()
 
@@ -283,9 +287,12 @@ class Server(Generic[A, C]):
                 log.debug("reply dropped: %s", exc)
 
     def _dispatch(self, frames: list[bytes]) -> list[bytes]:
+        """Answer one request; what it changed is journaled before the answer goes (where the state is kept)."""
         started = time.perf_counter()
         request_id = peek_request_id(frames)
         operation = "invalid"
+        session: Session | None = None
+        fresh = False  # not a request answered already: its answer becomes the session's last
         try:
             kind, request_id, token, raw = read_envelope(frames)
             handler = self._handlers.get(kind)
@@ -295,7 +302,12 @@ class Server(Generic[A, C]):
             # The token before the body: an unknown peer costs no decoding.
             session = self.state.session_for(token)
             self._plane.take_placements()
-            reply = handler(self._plane.by_session[session.session_id], request_id, decode_body(kind, raw))
+            conn = self._plane.by_session[session.session_id]
+            answered = session.answer
+            if answered is not None and request_id <= answered.request_id:
+                return self._answer_again(conn, request_id, answered)
+            fresh = True
+            reply = handler(conn, request_id, decode_body(kind, raw))
         except OutOfBudget as exc:
             self._log_refusal(operation, session, exc)  # only a handler refuses for budget: the session is known
             reply = ErrorReply.of(exc)
@@ -308,7 +320,29 @@ class Server(Generic[A, C]):
         self._notices.send_revokes()
         if self.metrics is not None:
             self.metrics.record(operation, reply.code if isinstance(reply, ErrorReply) else "ok", started)
-        return encode_frames(reply, request_id)
+        encoded = encode_frames(reply, request_id)
+        if fresh and not session.observer:
+            session.answer = (
+                Answer(request_id, None, reply.buffer.buffer_id, [c.chunk_id for c in reply.chunks])
+                if isinstance(reply, Committed) else Answer(request_id, encoded)
+            )
+        if self.persistence is not None:
+            self.persistence.sync()
+        return encoded
+
+    def _answer_again(self, conn: HandleConnection[A, C], request_id: int, answered: Answer) -> list[bytes]:
+        """A request sent again after a restart: the daemon did it before, so it answers as it did, once more.
+
+        Only the last request of a session can be sent again (a client has
+        one in flight); an earlier one is refused.
+        """
+        if request_id != answered.request_id:
+            raise ProtocolError(f"request {request_id} was answered already; this session's last is {answered.request_id}")
+        log.info("session %d sent request %d again after a restart: answered as before", conn.session.session_id,
+                 request_id)
+        if answered.frames is not None:
+            return answered.frames
+        return encode_frames(self._buffer_requests.deliver_again(conn, request_id, answered), request_id)
 
     @staticmethod
     def _log_refusal(operation: str, session: Session, exc: OutOfBudget) -> None:

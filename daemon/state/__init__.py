@@ -21,7 +21,7 @@ new chunks leaves the buffer released (its data was already given up).
 from __future__ import annotations
 
 import time
-from typing import Generic
+from typing import Callable, Generic
 
 from hbmd.proto import ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
@@ -33,11 +33,11 @@ from .buffers import Buffers
 from .chunks import Chunks
 from .invariants import check_invariants
 from .leases import DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
-from .records import Buffer, Chunk, Limits, Reclaim, Session, Tenant, check_int
+from .records import Answer, Buffer, Chunk, Limits, Reclaim, Session, Tenant, check_int
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
 
-__all__ = ["DEFAULT_LEASE_BYTES", "Buffer", "Chunk", "Limits", "Reclaim", "Session", "State", "Tenant"]
+__all__ = ["DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "Limits", "Reclaim", "Session", "State", "Tenant"]
 
 
 class State(Generic[A, C]):
@@ -147,6 +147,24 @@ class State(Generic[A, C]):
         self.budget.hold(charged)
         return session
 
+    def restore_session(self, session: Session, lease: list[Chunk[C]], resume_by: float) -> None:
+        """Take back a session journaled before a restart (its tenant recorded by name on it) with its leased granules;
+        it waits for its client until ``resume_by``."""
+        session.tenant = self.budget.named(session.tenant.name)
+        self.sessions_room.restore(session, resume_by)
+        self.budget.hold(session.tenant)
+        self.leases.adopt(session, lease)
+
+    def resume_session(self, session_id: int, uid: int, pid: int, credential: str) -> Session:
+        """A restored session back with its client; see :meth:`Sessions.resume`."""
+        return self.sessions_room.resume(session_id, uid, pid, credential)
+
+    def issue_credential(self, session: Session) -> str:
+        return self.sessions_room.issue_credential(session)
+
+    def unresumed_sessions(self, now: float, gone: Callable[[int], bool]) -> list[Session]:
+        return self.sessions_room.unresumed(now, gone)
+
     def session_for(self, token: str) -> Session:
         return self.sessions_room.for_token(token)
 
@@ -168,18 +186,27 @@ class State(Generic[A, C]):
         """A buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities`` (summing to ``capacity``)."""
         return self.buffers_room.create(session, capacity, num_segments, segment_capacities, name, persistent, shareable)
 
-    def adopt_buffer(
-        self, buffer_id: int, name: str, owner_uid: int, tenant: str, capacity: int, capacities: list[int],
-        sizes: list[int], shareable: bool, arena: A, chunks: list[Chunk[C]], sealed: bool = False,
+    def restore_buffer(
+        self, buffer_id: int, name: str, persistent: bool, owner: Session | None, owner_uid: int, tenant: str,
+        capacity: int, capacities: list[int], sizes: list[int], shareable: bool, arena: A, chunks: list[Chunk[C]],
+        pending: list[Chunk[C]], sealed: bool, readers: dict[int, int],
     ) -> Buffer[A, C]:
-        """Bring back an orphaned persistent buffer after a restart; its memory counts whatever the budget."""
+        """Bring back a buffer journaled before a restart, with its owner (None: an orphan) and read claims; its memory
+        counts whatever the budget: it is there already."""
         buffer = Buffer(
-            buffer_id=buffer_id, name=name, persistent=True, shareable=shareable, owner=None, owner_uid=owner_uid,
-            tenant=self.budget.named(tenant), capacity=capacity, reserved=round_up(capacity, self.backend.granularity),
-            segment_capacities=capacities, arena=arena, segment_sizes=sizes,
-            chunks=chunks, sealed=sealed,
+            buffer_id=buffer_id, name=name, persistent=persistent, shareable=shareable, owner=owner,
+            owner_uid=owner_uid, tenant=self.budget.named(tenant), capacity=capacity,
+            reserved=round_up(capacity, self.backend.granularity), segment_capacities=capacities, arena=arena,
+            segment_sizes=sizes, chunks=chunks, pending=pending, sealed=sealed,
         )
         self.buffers_room.adopt(buffer)
+        if owner is not None:
+            owner.buffers[buffer_id] = buffer
+        for session_id, claims in readers.items():
+            reader = self.sessions.get(session_id)
+            if reader is not None:
+                buffer.readers[session_id] = claims
+                reader.reading[buffer_id] = buffer
         return buffer
 
     def buffer_of(self, session: Session, buffer_id: int) -> Buffer[A, C]:

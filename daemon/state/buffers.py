@@ -11,13 +11,31 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol
 
-from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, OutOfBudget, OutOfDeviceMemory, PermissionDenied, VersionMismatch
+from hbmd.proto.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    OutOfBudget,
+    OutOfDeviceMemory,
+    PermissionDenied,
+    VersionMismatch,
+)
 from hbmd.proto.runs import subtract_runs
 from hbmd.proto.units import round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
-from .records import MAX_CAPACITY, MAX_NAME, MAX_SEGMENTS, Buffer, Chunk, Limits, Session, Tenant, check_int
+from .records import (
+    MAX_CAPACITY,
+    MAX_NAME,
+    MAX_SEGMENTS,
+    Buffer,
+    Chunk,
+    Limits,
+    Session,
+    Tenant,
+    check_int,
+)
 from .tenants import Tenants
 
 
@@ -66,7 +84,7 @@ class Buffers(Generic[A, C]):
         self.persistent: dict[tuple[int, str], Buffer[A, C]] = {}
         self._next_id = 1
         self.changed: set[int] | None = None
-        """Persistent buffers whose chunks changed since the persistence layer last synced them
+        """Buffers changed (chunks, owner, readers, seal; or dropped) since the persistence layer last journaled them
         (None: nobody is tracking, and nothing is recorded)."""
 
     # the books
@@ -79,7 +97,7 @@ class Buffers(Generic[A, C]):
         self.mark_changed(buffer)
 
     def mark_changed(self, buffer: Buffer[A, C]) -> None:
-        if buffer.persistent and self.changed is not None:
+        if self.changed is not None:
             self.changed.add(buffer.buffer_id)
 
     @property
@@ -193,12 +211,11 @@ class Buffers(Generic[A, C]):
             self.persistent[(buffer.owner_uid, buffer.name)] = buffer
 
     def adopt(self, buffer: Buffer[A, C]) -> None:
-        """Bring back an orphaned persistent buffer after a restart, its chunks not counted yet; they count whatever
-        the budget."""
+        """Bring back a buffer after a restart, its chunks not counted yet; they count whatever the budget."""
         self._add(buffer)
-        self.account(buffer, mapped=sum(c.size for c in buffer.chunks))
+        self.account(buffer, mapped=sum(c.size for c in buffer.chunks), pending=sum(c.size for c in buffer.pending))
         self._next_id = max(self._next_id, buffer.buffer_id + 1)
-        self.chunks.adopted(buffer.chunks)
+        self.chunks.adopted(buffer.chunks + buffer.pending)
 
     def drop_mapped(self, buffer: Buffer[A, C]) -> int:
         """Release the buffer's (mapped) chunks; returns their bytes."""
@@ -230,6 +247,7 @@ class Buffers(Generic[A, C]):
         if buffer.persistent:
             self.persistent.pop((buffer.owner_uid, buffer.name), None)
         self.tenants.let_go(buffer.tenant)
+        self.mark_changed(buffer)
         return freed
 
     def disown(self, buffer: Buffer[A, C]) -> int:
@@ -242,12 +260,14 @@ class Buffers(Generic[A, C]):
         if buffer.owner is not None:
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         buffer.owner = None
+        self.mark_changed(buffer)
         return freed
 
     def end_session(self, session: Session) -> int:
         """The session ended: its read claims go, its anonymous buffers are freed, its persistent ones orphaned."""
         for buffer in session.reading.values():
             buffer.readers.pop(session.session_id, None)
+            self.mark_changed(buffer)
         session.reading.clear()
         return sum(
             self.disown(buffer) if buffer.persistent else self.drop(buffer) for buffer in list(session.buffers.values())
@@ -364,6 +384,7 @@ class Buffers(Generic[A, C]):
         _check_readable_layout(buffer, uneven_ok)
         buffer.owner = session
         session.buffers[buffer.buffer_id] = buffer
+        self.mark_changed(buffer)
         return buffer
 
     def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
@@ -404,6 +425,7 @@ class Buffers(Generic[A, C]):
         _check_readable_layout(buffer, uneven_ok)
         buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
         session.reading[buffer.buffer_id] = buffer
+        self.mark_changed(buffer)
         return buffer
 
     def detach_reader(self, session: Session, buffer_id: int) -> Buffer[A, C]:
@@ -417,6 +439,7 @@ class Buffers(Generic[A, C]):
         else:
             del buffer.readers[session.session_id]
             del session.reading[buffer_id]
+        self.mark_changed(buffer)
         return buffer
 
     def detach(self, session: Session, buffer_id: int) -> int:

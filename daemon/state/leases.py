@@ -170,6 +170,19 @@ class Leases(Generic[A, C]):
             if session.lease and not session.revoking and now - session.lease_used_at > self.idle_s:
                 self.ask_back(session)
 
+    def adopt(self, session: Session, chunks: list[Chunk[C]]) -> None:
+        """Granules journaled as leased to ``session`` before a restart, adopted into :attr:`arena` by the caller."""
+        for chunk in chunks:
+            session.lease[chunk.chunk_id] = chunk
+        self._account(session, sum(c.size for c in chunks))
+        self.chunks.adopted(chunks)
+
+    def adopted_arena(self) -> A:
+        """The arena leased granules live in, to adopt journaled ones into after a restart."""
+        if self.arena is None:
+            self.arena = self.backend.adopt_arena(self.backend.granularity, False)
+        return self.arena
+
     def export(self, chunk: Chunk[C]) -> int:
         """A new FD for a leased granule."""
         return self.backend.export(self.arena, chunk.handle)

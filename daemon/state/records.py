@@ -93,6 +93,18 @@ class Reclaim:
 
 
 @dataclasses.dataclass
+class Answer:
+    """A session's last request and what answered it, kept so that the request sent again after a daemon restart is
+    answered again rather than done twice."""
+
+    request_id: int
+    frames: list[bytes] | None
+    """The encoded reply; None for a reply that brought chunks, rebuilt from ``buffer_id`` and ``chunk_ids``."""
+    buffer_id: int = 0
+    chunk_ids: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class Session:
     session_id: int
     token: str
@@ -104,8 +116,8 @@ class Session:
     admin: bool = False
     observer: bool = False
     connected_at: float = dataclasses.field(default_factory=time.monotonic)
-    buffers: dict[int, "Buffer[Any, Any]"] = dataclasses.field(default_factory=dict)
-    reading: dict[int, "Buffer[Any, Any]"] = dataclasses.field(default_factory=dict)
+    buffers: dict[int, Buffer[Any, Any]] = dataclasses.field(default_factory=dict)
+    reading: dict[int, Buffer[Any, Any]] = dataclasses.field(default_factory=dict)
     """Sealed buffers this session holds a read claim on (it maps them read-only)."""
     reclaim: Reclaim | None = None
     wants_lease: bool = False
@@ -119,6 +131,12 @@ class Session:
     """Leased chunk ids asked back and not returned yet."""
     lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last placed leased granules or found its lease short."""
+    credential_hash: str = ""
+    """SHA-256 of the credential that resumes the session after a daemon restart (the credential itself is never kept)."""
+    resume_by: float | None = None
+    """Restored after a restart and not resumed yet: the monotonic time by which its client must come back, or the
+    session ends as a dead one's does. None for a connected session."""
+    answer: Answer | None = None
 
     @property
     def committed_bytes(self) -> int:

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import time
+from typing import Callable
 
 from hbmd.proto import SessionInfo
-from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, PermissionDenied
+from hbmd.proto.errors import (
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    PermissionDenied,
+    SessionLost,
+)
 
 from .records import MAX_CAPACITY, MAX_NAME, Limits, Reclaim, Session, Tenant, check_int
 
@@ -55,6 +64,45 @@ class Sessions:
         self._by_token[session.token] = session
         return session
 
+    def issue_credential(self, session: Session) -> str:
+        """A new credential that resumes ``session`` after a restart; the one before it is void. Only its hash is kept."""
+        credential = secrets.token_hex(16)
+        session.credential_hash = _digest(credential)
+        return credential
+
+    def restore(self, session: Session, resume_by: float) -> None:
+        """Take back a session journaled before a restart; it waits for its client until ``resume_by``."""
+        session.resume_by = resume_by
+        self.by_id[session.session_id] = session
+        self._by_token[session.token] = session
+        self._next_id = max(self._next_id, session.session_id + 1)
+
+    def resume(self, session_id: int, uid: int, pid: int, credential: str) -> Session:
+        """The restored session ``session_id``, back with its client: its process (``uid``, ``pid``) proved it with
+        its credential. It gets a new token.
+
+        Raises ``SessionLost`` where no such session waits to be resumed (the
+        client connects anew), ``PermissionDenied`` for another process or a
+        wrong credential (the session goes on waiting for its own).
+        """
+        session = self.by_id.get(session_id)
+        if session is None or session.resume_by is None:
+            raise SessionLost(f"hbmd has no session {session_id} to resume: connect anew", session_id=session_id)
+        if (uid, pid) != (session.uid, session.pid) or not session.credential_hash or not hmac.compare_digest(
+            _digest(credential), session.credential_hash
+        ):
+            raise PermissionDenied(f"session {session_id} belongs to another process or credential")
+        del self._by_token[session.token]
+        session.token = secrets.token_hex(16)
+        self._by_token[session.token] = session
+        session.resume_by = None
+        session.connected_at = time.monotonic()
+        return session
+
+    def unresumed(self, now: float, gone: Callable[[int], bool]) -> list[Session]:
+        """Restored sessions whose clients did not come back in time, or whose process is ``gone`` (by pid)."""
+        return [s for s in self.by_id.values() if s.resume_by is not None and (now > s.resume_by or gone(s.pid))]
+
     def forget(self, session: Session) -> None:
         self.by_id.pop(session.session_id, None)
         self._by_token.pop(session.token, None)
@@ -90,6 +138,7 @@ class Sessions:
             reclaim_released_bytes=reclaim.released_bytes if reclaim and reclaim.released_bytes is not None else -1,
             reclaim_state=reclaim.outcome(time.monotonic(), self.reclaim_patience_s) if reclaim else "",
             leased_bytes=session.leased_bytes,
+            resuming=session.resume_by is not None,
         )
 
     def sessions_per_tenant(self) -> dict[str, int]:
@@ -113,3 +162,7 @@ class Sessions:
             raise NotFound(f"no reclaim request {reclaim_id} for this session", reclaim_id=reclaim_id)
         check_int("released_bytes", released_bytes, 0, MAX_CAPACITY)
         session.reclaim.released_bytes = released_bytes
+
+
+def _digest(credential: str) -> str:
+    return hashlib.sha256(credential.encode()).hexdigest()

@@ -1,0 +1,183 @@
+"""A daemon restart that the engines do not notice: their sessions, buffers and data come back, calls go on.
+
+The daemon runs under the systemd stand-in (its FD store keeps every chunk,
+the state directory the journal); it is killed (SIGKILL, a crash) or stopped
+(SIGTERM, an upgrade) and a new one started on what the store passes back,
+as ``Restart=`` does. The clients never close: they map what they mapped,
+and their next call goes to the new daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from hbmd.client import ExtensibleTensor
+from hbmd.client.transport import HandleChannel
+from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello, Status
+from hbmd.proto.errors import PermissionDenied, ProtocolError, SessionLost
+from hbmd.proto.instance import InstancePaths
+from helpers import MiB, wait_until
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.ipc
+
+
+@pytest.fixture
+def restartable(start_daemon, run_dir, systemd):
+    """Start a daemon that parks its chunks with the systemd stand-in; ``restart(how)`` replaces it."""
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--budget", "256MiB", "--state-dir", str(state_dir))
+
+    class Restartable:
+        daemon = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
+
+        def restart(self, how: str, *more: str):
+            if how == "kill":
+                self.daemon.kill()
+            else:
+                assert self.daemon.stop() == 0
+            self.daemon = start_daemon(*args, *more, **systemd.relaunch())
+            return self.daemon
+
+    return Restartable()
+
+
+def books(client):
+    """What ``hbmctl status/buffers/sessions`` show, less what moves by itself (time, free memory)."""
+    status = client.status()
+    sessions = sorted((s.session_id, s.pid, s.tenant, s.committed_bytes, s.num_buffers, s.num_chunks)
+                      for s in client.sessions())
+    return status.committed_bytes, status.num_chunks, sessions, sorted(map(repr, client.buffers()))
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+@pytest.mark.parametrize("lease", [False, True])
+def test_a_restart_keeps_every_session_and_buffer_and_the_next_call_goes_on(restartable, how, lease):
+    client = restartable.daemon.connect(client_name="engine", lease=lease)
+    kv = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
+    for step in range(1, 5):  # small steps: with a lease, placed granules among them
+        kv.resize_per_segment_(step * 2 * MiB)
+    weights = ExtensibleTensor(16 * MiB, "cpu", client=client, name="weights", persistent=True)
+    weights.resize_(6 * MiB)
+    weights.full_view()[: 6 * MiB] = 5
+    view = kv.full_view()
+    view[: 8 * MiB] = 7
+    view[32 * MiB : 40 * MiB] = 9
+    with restartable.daemon.connect(observer=True) as look:
+        before = books(look)
+
+    daemon = restartable.restart(how)
+    assert "restored: 1 sessions (resuming within 30s), 2 buffers" in daemon.log()
+    # The engine's memory was never unmapped: it reads and writes on while the daemon is away.
+    assert int(view[: 8 * MiB].float().mean()) == 7 and int(view[32 * MiB : 40 * MiB].float().mean()) == 9
+    wait_until(lambda: "session 1 resumed" in daemon.log())  # the listener took it back before any call
+    with daemon.connect(observer=True) as look:
+        assert books(look) == before
+
+    kv.resize_per_segment_(12 * MiB)  # the next call goes to the new daemon as if nothing happened
+    assert int(view[: 8 * MiB].float().mean()) == 7 and int(view[32 * MiB : 40 * MiB].float().mean()) == 9
+    kv.full_view()[8 * MiB : 12 * MiB] = 3
+    assert int(kv.full_view()[8 * MiB : 12 * MiB].float().mean()) == 3
+    assert client.status().committed_bytes == 24 * MiB + 6 * MiB
+    assert int(weights.full_view()[: 6 * MiB].float().mean()) == 5
+    del view
+    kv.free()
+    weights.free()
+    assert client.status().committed_bytes == 0
+    client.close()
+    wait_until(lambda: "session 1 ended" in daemon.log())
+
+
+def test_a_session_whose_client_does_not_come_back_ends_as_a_dead_one(restartable, spawn_worker):
+    worker = spawn_worker(restartable.daemon, """
+        from hbmd.client import ExtensibleTensor, connect
+        c = connect("cpu")
+        kv = ExtensibleTensor(32 << 20, "cpu", client=c)
+        kv.resize_(8 << 20)
+        keep = ExtensibleTensor(8 << 20, "cpu", client=c, name="keep", persistent=True)
+        keep.resize_(2 << 20)
+        print("ready", flush=True)
+        input()
+    """)
+    assert worker.readline().strip() == "ready"
+    daemon = restartable.restart("kill", "--resume-timeout", "1")
+    worker.kill()  # it dies while the daemon is away: nobody will resume its session
+    with daemon.connect(observer=True) as look:
+        wait_until(lambda: look.status().committed_bytes == 2 * MiB, timeout=5)
+        assert [(b.name, b.session_id) for b in look.buffers()] == [("keep", 0)]  # an orphan, attachable by name
+    assert "was not resumed after the restart: ended, freed 8388608 bytes" in daemon.log()
+
+
+def test_a_client_whose_daemon_comes_back_without_its_session_gets_session_lost(start_daemon, monkeypatch):
+    monkeypatch.setenv("HBMD_RESUME_TIMEOUT", "5")
+    first = start_daemon("--budget", "64MiB")
+    client = first.connect()
+    kv = ExtensibleTensor(8 * MiB, "cpu", client=client)
+    kv.resize_(2 * MiB)
+    assert first.stop() == 0
+    start_daemon("--budget", "64MiB")  # no keeper: the new daemon knows nothing of the old one's sessions
+    started = time.monotonic()
+    with pytest.raises(SessionLost, match="came back without this session"):
+        kv.resize_(4 * MiB)
+    assert time.monotonic() - started < 2  # told at once, not after the resume timeout
+    with pytest.raises(SessionLost):
+        client.status()
+
+
+def test_a_client_gives_up_once_the_daemon_is_not_back_within_its_resume_timeout(start_daemon, monkeypatch):
+    monkeypatch.setenv("HBMD_RESUME_TIMEOUT", "0.5")
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    kv = ExtensibleTensor(8 * MiB, "cpu", client=client)
+    kv.resize_(2 * MiB)
+    daemon.kill()
+    with pytest.raises(SessionLost, match=r"did not come back within 0.5s \(HBMD_RESUME_TIMEOUT\)"):
+        kv.resize_(4 * MiB)
+
+
+def test_only_the_process_that_opened_a_session_may_resume_it(restartable, spawn_worker):
+    worker = spawn_worker(restartable.daemon, """
+        from hbmd.client import ExtensibleTensor, connect
+        c = connect("cpu")
+        kv = ExtensibleTensor(8 << 20, "cpu", client=c)
+        kv.resize_(2 << 20)
+        print(c.session_id, c._credential, flush=True)
+        input()
+        kv.resize_(4 << 20)
+        print(c.status().committed_bytes, c._credential, flush=True)
+    """)
+    session_id, credential = worker.readline().split()
+    os.kill(worker.proc.pid, signal.SIGSTOP)  # so that the thief comes first
+    daemon = restartable.restart("kill")
+    thief = HandleChannel(InstancePaths.of(daemon.run_dir, daemon.instance), 5)
+    with pytest.raises(PermissionDenied, match=f"session {session_id} belongs to another process"):
+        thief.handshake(Hello(list(PROTOCOL_VERSION), os.getpid(), resume_session=int(session_id),
+                              resume_credential=credential))
+    thief.close()
+    os.kill(worker.proc.pid, signal.SIGCONT)
+    worker.send("")
+    committed, new_credential = worker.readline().split()
+    assert int(committed) == 4 * MiB  # the session is still its own
+    assert new_credential != credential  # and a credential resumes it once
+
+
+def test_a_request_sent_again_after_a_restart_is_answered_again_not_done_twice(restartable):
+    client = restartable.daemon.connect(lease=False)
+    control = client._control
+    client.status()
+    # Done and journaled by the daemon that then died: its reply lost, the client sends it again under its id.
+    request_id = control.next_request_id()
+    created, _ = control.call_with_id(CreateBuffer(8 * MiB, 1), None, request_id)
+    restartable.restart("kill")
+    assert client.resumed()
+    again, _ = control.call_with_id(CreateBuffer(8 * MiB, 1), None, request_id)
+    assert again == created
+    with pytest.raises(ProtocolError, match="was answered already"):
+        control.call_with_id(Status(), None, request_id - 1)
+    assert [b.buffer_id for b in client.buffers()] == [created.buffer.buffer_id]
+    client.close()
