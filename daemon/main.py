@@ -13,9 +13,11 @@ import re
 import resource
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Generic, NoReturn
 
+from hbmd.proto import PROTOCOL_VERSION
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
 
@@ -23,9 +25,11 @@ from .backends import A, Backend, C
 from .backends.host import HostBackend
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
-from .persist import RESUME_WINDOW_S, Persistence
+from .persist import RESUME_WINDOW_S, Persistence, restore, unpack_image
 from .reload import ConfigReloader
 from .server import AlreadyRunning, BooksUnbalanced, HandlerTableError, Server
+from .server.loop import HANDOVER_TIMEOUT_S
+from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
 from .state import DEFAULT_LEASE_BYTES, Limits, State
 
 log = logging.getLogger("hbmd")
@@ -131,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the most one session is leased: granules created ahead of need that its client places "
                              "itself, so a small commit costs no round trip; grows with demand, none while the budget "
                              "is tight, 0 turns leases off (default: %(default)s)")
+    parser.add_argument("--takeover", action="store_true",
+                        help="take over from the daemon serving this instance: it hands over its sessions, buffers "
+                             "and memory and stops once this one serves, so clients resume here without a gap "
+                             "(upgrades without systemd; a rolling update); starts afresh where none serves")
     parser.add_argument("--config", metavar="FILE",
                         help="TOML file with access rules and per-tenant quotas; SIGHUP reloads it")
     parser.add_argument("--group", metavar="NAME",
@@ -186,6 +194,8 @@ class Daemon(Generic[A, C]):
     paths: InstancePaths
     notifier: SystemdNotifier
     server: Server[A, C]
+    handover: Handover | None = None
+    """What the daemon this one takes over from handed over (``--takeover``); told once this one serves."""
 
 
 def build(args: argparse.Namespace) -> Daemon[Any, Any]:
@@ -227,6 +237,9 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[
     state = State(backend, budget, config, args.reclaim_timeout, limits, lease)
     lock = threading.Lock()
     persistence = _persistence(args, state, notifier)
+    handover = _take_over(args, state, paths) if args.takeover else None
+    if handover is not None and state.changed is not None:
+        state.changed.update(state.buffers)  # parked and journaled from now on
     metrics = None
     if args.metrics_addr:
         from .metrics import Metrics
@@ -235,11 +248,11 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[
     try:
         server = Server(
             state, paths, lock=lock, notifier=notifier, group=group, metrics=metrics, persistence=persistence,
-            check_invariants=args.check_invariants,
+            check_invariants=args.check_invariants, resume_window_s=args.resume_timeout,
         )
     except HandlerTableError as exc:
         raise Refusal(f"this hbmd build is inconsistent: {exc}", 1) from None
-    return Daemon(args, backend, why, budget, paths, notifier, server)
+    return Daemon(args, backend, why, budget, paths, notifier, server, handover)
 
 
 def _budget(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
@@ -309,6 +322,28 @@ def _persistence(args: argparse.Namespace, state: State[A, C], notifier: Systemd
     return persistence
 
 
+def _take_over(args: argparse.Namespace, state: State[A, C], paths: InstancePaths) -> Handover | None:
+    """Take the state and chunks of the daemon serving the instance into ``state``; None where none serves. Raises
+    :class:`Refusal` where it refuses or fails: it then serves on, and this daemon must not start."""
+    try:
+        handover = take_over(paths.takeover, PROTOCOL_VERSION[0], HANDOVER_TIMEOUT_S)
+    except NothingToTakeOver as exc:
+        log.info("--takeover: %s; starting afresh", exc)
+        return None
+    except TakeoverError as exc:
+        raise Refusal(f"--takeover: {exc}", 1) from None
+    try:
+        image = unpack_image(bytes(handover.state))
+        sessions, buffers = restore(state, image, handover.fds, args.resume_timeout)
+    except Exception as exc:  # the old daemon serves on: whatever went wrong here must not end both
+        handover.abandon()
+        raise Refusal(f"--takeover: the state handed over cannot be read ({exc}); pid {handover.peer_pid} serves on",
+                      1) from None
+    log.info("took over from pid %d: %d sessions (resuming within %gs), %d buffers", handover.peer_pid, sessions,
+             args.resume_timeout, buffers)
+    return handover
+
+
 def run(daemon: Daemon[A, C]) -> int:
     """Bind, publish, serve until SIGTERM, and clean up; returns the exit code.
 
@@ -325,6 +360,8 @@ def run(daemon: Daemon[A, C]) -> int:
     ConfigReloader(args.config, server.state, server.lock, notifier).install()
     _announce(daemon, metrics_url)
     server.publish()
+    if daemon.handover is not None and not daemon.handover.serving():
+        log.warning("the daemon taken over from exited before it heard this one serves")
     notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(daemon.budget)}")
     try:
         server.run()
@@ -359,11 +396,21 @@ def _bind(daemon: Daemon[Any, Any]) -> str | None:
     """Bind the server's sockets, and serve its metrics if asked: their URL ("" without), or None (logged) when
     something could not be bound."""
     server = daemon.server
-    try:
-        server.bind()
-    except (AlreadyRunning, ValueError, OSError) as exc:
-        log.error("cannot serve %s: %s", daemon.paths.directory, exc)
-        return None
+    # The daemon taken over from lets the instance go once it has handed over: a moment after, at most.
+    deadline = time.monotonic() + (HANDOVER_TIMEOUT_S if daemon.handover is not None else 0)
+    while True:
+        try:
+            server.bind()
+            break
+        except AlreadyRunning as exc:
+            if time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            log.error("cannot serve %s: %s", daemon.paths.directory, exc)
+            return None
+        except (ValueError, OSError) as exc:
+            log.error("cannot serve %s: %s", daemon.paths.directory, exc)
+            return None
     if server.metrics is None:
         return ""
     host, port = daemon.args.metrics_addr

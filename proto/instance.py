@@ -67,12 +67,17 @@ class InstancePaths:
         return self.directory / "lock"
 
     @property
+    def takeover(self) -> Path:
+        """Where a daemon hands its state over to its successor (``hbmd --takeover``); its own user's only."""
+        return self.directory / "takeover.sock"
+
+    @property
     def endpoint(self) -> str:
         return f"ipc://{self.control}"
 
     def check_lengths(self) -> None:
         """Raise ``ValueError`` if a socket path does not fit ``sun_path``."""
-        for path in (self.control, self.handles):
+        for path in (self.control, self.handles, self.takeover):
             if len(os.fsencode(path)) > SUN_PATH_MAX:
                 raise ValueError(
                     f"socket path {path} is {len(os.fsencode(path))} bytes, over the "

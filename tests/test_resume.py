@@ -16,6 +16,7 @@ import time
 import pytest
 from hbmd.client import ExtensibleTensor
 from hbmd.client.transport import HandleChannel
+from hbmd.daemon.takeover import take_over
 from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello, Status
 from hbmd.proto.errors import PermissionDenied, ProtocolError, SessionLost
 from hbmd.proto.instance import InstancePaths
@@ -181,3 +182,55 @@ def test_a_request_sent_again_after_a_restart_is_answered_again_not_done_twice(r
         control.call_with_id(Status(), None, request_id - 1)
     assert [b.buffer_id for b in client.buffers()] == [created.buffer.buffer_id]
     client.close()
+
+
+def test_a_daemon_taken_over_hands_every_session_and_buffer_to_its_successor(start_daemon):
+    first = start_daemon("--budget", "256MiB")
+    client = first.connect(client_name="engine")
+    kv = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
+    for step in range(1, 5):
+        kv.resize_per_segment_(step * 2 * MiB)
+    view = kv.full_view()
+    view[: 8 * MiB] = 7
+    weights = ExtensibleTensor(8 * MiB, "cpu", client=client, name="weights", persistent=True)
+    weights.resize_(4 * MiB)
+    weights.full_view()[: 4 * MiB] = 5
+    weights.seal()
+    with first.connect(observer=True) as look:
+        before = books(look)
+
+    second = start_daemon("--budget", "256MiB", "--takeover")
+    assert first.proc.wait(10) == 0  # it stops once its successor serves
+    assert "serves in this daemon's place: stopping" in first.log()
+    assert "took over from pid" in second.log()
+    wait_until(lambda: "session 1 resumed" in second.log())
+    with second.connect(observer=True) as look:
+        assert books(look) == before
+    kv.resize_per_segment_(12 * MiB)
+    assert int(view[: 8 * MiB].float().mean()) == 7
+    reader = ExtensibleTensor.attach("weights", "cpu", client=second.connect(), readonly=True)
+    assert int(reader.full_view()[: 4 * MiB].float().mean()) == 5
+    assert client.status().committed_bytes == 24 * MiB + 4 * MiB
+
+
+def test_a_daemon_whose_successor_fails_serves_on_and_its_clients_resume_there(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    kv = ExtensibleTensor(16 * MiB, "cpu", client=client)
+    kv.resize_(4 * MiB)
+    kv.full_view()[: 4 * MiB] = 3
+    paths = InstancePaths.of(daemon.run_dir, daemon.instance)
+    handover = take_over(paths.takeover, PROTOCOL_VERSION[0], 5)  # a successor that takes all, then fails
+    assert handover.fds
+    handover.abandon()
+    kv.resize_(8 * MiB)  # the old daemon serves on: the session resumed there
+    assert int(kv.full_view()[: 4 * MiB].float().mean()) == 3
+    assert client.status().committed_bytes == 8 * MiB
+    assert "did not take over: serving on" in daemon.log() and daemon.alive()
+
+
+def test_takeover_with_nothing_to_take_over_starts_afresh(start_daemon):
+    daemon = start_daemon("--takeover")
+    assert "starting afresh" in daemon.log()
+    with daemon.connect() as client:
+        assert client.status().committed_bytes == 0

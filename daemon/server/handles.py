@@ -128,6 +128,7 @@ class HandlePlane(Generic[A, C]):
         sessions = sum(conn.session is not None and not conn.session.observer for conn in self._connections.values())
         for conn in list(self._connections.values()):
             self._hang_up(conn)
+        self._by_session.clear()
         if sessions:
             log.info("stopping with %d session(s) connected: their memory stays mapped in their processes", sessions)
         if self._listener is not None:

@@ -40,8 +40,10 @@ from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 
 from ..backends import A, C
 from ..notify import SystemdNotifier
+from ..persist import RESUME_WINDOW_S, Persistence, chunk_fds, image_of, pack_image
 from ..rundir import create_file, open_instance_directory, open_lock
 from ..state import Answer, Session, State
+from ..takeover import TakeoverError, TakeoverListener
 from .admin import AdminRequests
 from .buffers import BufferRequests
 from .connection import HandleConnection
@@ -50,9 +52,11 @@ from .outbox import DRAIN_CHECK_S
 from .registry import RequestRoom, handler_table
 from .session import SessionNotices, SessionRequests
 
-if TYPE_CHECKING:  # both are optional collaborators; prometheus_client loads only when metrics are asked for
+if TYPE_CHECKING:  # an optional collaborator: prometheus_client loads only when metrics are asked for
     from ..metrics import Metrics
-    from ..persist import Persistence
+
+HANDOVER_TIMEOUT_S = 30.0
+"""Seconds a successor has to take the state and chunks, and then to serve."""
 
 log = logging.getLogger("hbmd.server")
 
@@ -82,13 +86,15 @@ class Server(Generic[A, C]):
         metrics: Metrics | None = None,
         persistence: Persistence | None = None,
         check_invariants: bool = False,
+        resume_window_s: float = RESUME_WINDOW_S,
     ) -> None:
         """Raises :class:`HandlerTableError` when a request of the protocol has no handler here.
 
         ``lock`` is held while the loop touches the state, so a metrics scrape
         or a config reload on another thread sees it whole. ``check_invariants``:
         check the state's books after every batch of events, and stop with
-        :class:`BooksUnbalanced` where they do not balance (tests).
+        :class:`BooksUnbalanced` where they do not balance (tests). ``resume_window_s``: how long sessions
+        handed over to a successor wait for their clients (here too, should it fail).
         """
         table = handler_table(self.ROOMS, requests())
         self.state = state
@@ -98,12 +104,14 @@ class Server(Generic[A, C]):
         self.metrics = metrics
         self.persistence = persistence
         self.check_invariants = check_invariants
+        self.resume_window_s = resume_window_s
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._lock_fd = -1
         self._dir_fd = -1
         self._context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
+        self._successors: TakeoverListener | None = None
         self._wake_r = self._wake_w = -1
         self._poller = zmq.Poller()
         self._plane: HandlePlane[A, C] = HandlePlane(state, self._poller)
@@ -129,7 +137,8 @@ class Server(Generic[A, C]):
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            self._lock_fd = -1
+            os.close(self._dir_fd)
+            self._lock_fd = self._dir_fd = -1
             raise AlreadyRunning(f"another hbmd is already serving {self.paths.directory}") from None
         for stale in (self.paths.control, self.paths.handles, self.paths.info, self._info_tmp):
             try:
@@ -146,9 +155,13 @@ class Server(Generic[A, C]):
         self._share(self.paths.control)
         self._poller.register(self._router, zmq.POLLIN)
         self._plane.listen(self.paths.handles, self._share)
+        self._successors = TakeoverListener(PROTOCOL_VERSION[0])
+        self._successors.bind(self.paths.takeover)
+        self._poller.register(self._successors.fileno(), zmq.POLLIN)
 
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        if self._wake_r < 0:
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            self._poller.register(self._wake_r, zmq.POLLIN)
 
     def _share(self, path: Path) -> None:
         """Let the ``--group`` connect to the socket at ``path`` (mode 0660, its group).
@@ -215,20 +228,36 @@ class Server(Generic[A, C]):
             self._notifier.watchdog()
 
     def close(self) -> None:
-        """End every session, drop the sockets, files and lock."""
+        """Hang up on every session, drop the sockets, files and lock."""
+        self._unbind()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def _unbind(self) -> None:
+        """Hang up on every session (ending none) and close the sockets; remove their files while the lock is held,
+        and let it go."""
         self._plane.close()
         if self._router is not None:
+            self._poller.unregister(self._router)
             self._router.close(linger=0)
+            self._router = None
+        if self._successors is not None:
+            self._poller.unregister(self._successors.fileno())
+            self._successors.close()
+            self._successors = None
         if self._lock_fd >= 0:
             # Only the daemon holding the lock may remove what it made: another one may be serving.
-            for path in (self.paths.control, self.paths.handles, self.paths.info):
+            for path in (self.paths.control, self.paths.handles, self.paths.info, self.paths.takeover):
                 try:
                     os.unlink(path.name, dir_fd=self._dir_fd)
                 except FileNotFoundError:
                     pass
-        for fd in (self._wake_r, self._wake_w, self._lock_fd, self._dir_fd):
+        for fd in (self._lock_fd, self._dir_fd):
             if fd >= 0:
                 os.close(fd)
+        self._lock_fd = self._dir_fd = -1
 
     # the loop's steps
 
@@ -237,8 +266,52 @@ class Server(Generic[A, C]):
             self._drain_control(self._router)
         elif fd_or_socket == self._wake_r:
             self._drain_wake()
+        elif self._successors is not None and fd_or_socket == self._successors.fileno():
+            self._hand_over()
         elif isinstance(fd_or_socket, int):
             self._plane.on_event(fd_or_socket)
+
+    def _hand_over(self) -> None:
+        """Hand the state and every chunk to a successor daemon asking for them (``hbmd --takeover``), and stop once it
+        serves.
+
+        The sessions are hung up on (not ended) and marked resuming, and the
+        sockets and the lock let go, so that the successor can bind them; its
+        clients reconnect to it and resume. Where it fails before it serves,
+        this daemon binds again and serves on: its clients resume here.
+        """
+        pending = self._successors.accept()
+        if pending is None:
+            return
+        self._plane.take_placements()
+        resume_by = time.monotonic() + self.resume_window_s
+        for session in list(self.state.sessions.values()):
+            if session.observer:
+                self._plane.close_connection(self._plane.by_session[session.session_id], "handing over")
+        image = pack_image(image_of(self.state))
+        fds = list(chunk_fds(self.state))
+        log.info("handing over to pid %d: %d sessions, %d buffers, %d chunks, state of %d bytes", pending.peer_pid,
+                 len(self.state.sessions), len(self.state.buffers), len(fds), len(image))
+        self._unbind()
+        for session in self.state.sessions.values():
+            self.state.suspend_session(session, resume_by)
+        try:
+            pending.hand_over(image, fds, HANDOVER_TIMEOUT_S)
+            served = pending.wait_serving(HANDOVER_TIMEOUT_S)
+        except (TakeoverError, OSError) as exc:
+            log.error("handing over to pid %d failed: %s", pending.peer_pid, exc)
+            pending.refuse(str(exc))
+            served = False
+        finally:
+            for _, fd in fds:
+                os.close(fd)
+        if served:
+            log.info("pid %d serves in this daemon's place: stopping", pending.peer_pid)
+            self.stop()
+            return
+        log.warning("pid %d did not take over: serving on; sessions resume here", pending.peer_pid)
+        self.bind()
+        self.publish()
 
     def _look_after_sessions(self) -> None:
         """What is due whatever the events were: held FDs sent on, idle leases asked back, hello-less connections

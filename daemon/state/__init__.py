@@ -159,6 +159,9 @@ class State(Generic[A, C]):
         """A restored session back with its client; see :meth:`Sessions.resume`."""
         return self.sessions_room.resume(session_id, uid, pid, credential)
 
+    def suspend_session(self, session: Session, resume_by: float) -> None:
+        self.sessions_room.suspend(session, resume_by)
+
     def issue_credential(self, session: Session) -> str:
         return self.sessions_room.issue_credential(session)
 

@@ -77,6 +77,14 @@ class Sessions:
         self._by_token[session.token] = session
         self._next_id = max(self._next_id, session.session_id + 1)
 
+    def suspend(self, session: Session, resume_by: float) -> None:
+        """The session's client was hung up on (its daemon hands over to another): it may resume until ``resume_by``,
+        with its credential; its token is void."""
+        del self._by_token[session.token]
+        session.token = secrets.token_hex(16)
+        self._by_token[session.token] = session
+        session.resume_by = resume_by
+
     def resume(self, session_id: int, uid: int, pid: int, credential: str) -> Session:
         """The restored session ``session_id``, back with its client: its process (``uid``, ``pid``) proved it with
         its credential. It gets a new token.
