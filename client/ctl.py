@@ -255,6 +255,7 @@ SESSION_COLUMNS = [
     _bytes_column("LEASED", "leased_bytes"),
     _bytes_column("RESERVED", "reserved_bytes"),
     Column("AGE", lambda r: _duration(r["connected_s"]), lambda r: r["connected_s"]),
+    Column("STATE", lambda r: _session_state(r), lambda r: _session_state(r)),
     Column("RECLAIM", lambda r: _reclaim(r), lambda r: r["reclaim_state"]),
 ]
 
@@ -262,6 +263,12 @@ SESSION_COLUMNS = [
 def cmd_sessions(client: Client, args: argparse.Namespace) -> Output:
     sessions = [_as_dict(s) for s in client.sessions()]
     return Output({"sessions": sessions}, "", SESSION_COLUMNS, sessions, "no sessions")
+
+
+def _session_state(session: dict[str, Any]) -> str:
+    """``resuming`` for a session restored after a daemon restart whose client is not back yet (a daemon of protocol
+    1.3 or older never says so)."""
+    return "resuming" if session.get("resuming") else "connected"
 
 
 def _reclaim(session: dict[str, Any]) -> str:

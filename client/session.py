@@ -607,9 +607,9 @@ def _listen(client_ref: "weakref.ref[Client]", handles: HandleChannel) -> None:
         client._on_datagrams()
         del client
     client = client_ref()
-    if client is not None and not client.closed and client._handles is handles and client._credential:
-        if not client.resumed():
-            log.warning("%s", client._lost)
+    gone = client is not None and not client.closed and client._handles is handles and client._credential
+    if gone and not client.resumed():
+        log.warning("%s", client._lost)
 
 
 def _alive(client_ref: "weakref.ref[Client]") -> Client:
@@ -671,17 +671,20 @@ def connect(
     observer: bool = False,
     mapper: Mapper | None = None,
     lease: bool = True,
+    resume_timeout: float | None = None,
 ) -> Client:
     """Open a session with the daemon serving ``device`` (or the named ``instance``).
 
-    ``run_dir`` defaults to ``$HBMD_RUN_DIR``, then ``/run/hbmd``. Raises
-    :class:`DaemonUnavailable` when nothing answers there.
+    ``run_dir`` defaults to ``$HBMD_RUN_DIR``, then ``/run/hbmd``;
+    ``resume_timeout`` to ``$HBMD_RESUME_TIMEOUT``, then 30 s (see
+    :class:`Client`). Raises :class:`DaemonUnavailable` when nothing answers there.
     """
     if instance is None:
         instance = instance_for(device, run_dir)
     paths = InstancePaths.of(run_dir, instance)
     return Client(
-        paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer, mapper=mapper, lease=lease
+        paths, timeout=timeout, client_name=client_name, tenant=tenant, observer=observer, mapper=mapper, lease=lease,
+        resume_timeout=resume_timeout,
     )
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import resource
+import signal
 import sys
 import threading
 import time
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="take over from the daemon serving this instance: it hands over its sessions, buffers "
                              "and memory and stops once this one serves, so clients resume here without a gap "
                              "(upgrades without systemd; a rolling update); starts afresh where none serves")
+    parser.add_argument("--linger", action="store_true",
+                        help="once a successor took over, stay (serving nothing) until stopped instead of exiting: "
+                             "for a container whose restart policy would start it again, and take over back")
     parser.add_argument("--config", metavar="FILE",
                         help="TOML file with access rules and per-tenant quotas; SIGHUP reloads it")
     parser.add_argument("--group", metavar="NAME",
@@ -236,10 +240,8 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, config, args.reclaim_timeout, limits, lease)
     lock = threading.Lock()
-    persistence = _persistence(args, state, notifier)
     handover = _take_over(args, state, paths) if args.takeover else None
-    if handover is not None and state.changed is not None:
-        state.changed.update(state.buffers)  # parked and journaled from now on
+    persistence = _persistence(args, state, notifier, taken_over=handover is not None)
     metrics = None
     if args.metrics_addr:
         from .metrics import Metrics
@@ -305,9 +307,12 @@ def _limits(args: argparse.Namespace) -> Limits:
     )
 
 
-def _persistence(args: argparse.Namespace, state: State[A, C], notifier: SystemdNotifier) -> Persistence | None:
-    """Journal the state and park every chunk with systemd, restoring what an earlier run parked; None without a
-    state directory or a service manager, and then the FDs passed in are closed."""
+def _persistence(
+    args: argparse.Namespace, state: State[A, C], notifier: SystemdNotifier, taken_over: bool
+) -> Persistence | None:
+    """Journal the state and park every chunk with systemd, restoring what an earlier run parked (``taken_over``:
+    the state came from the daemon taken over, and is parked and journaled afresh); None without a state directory
+    or a service manager, and then the FDs passed in are closed."""
     passed = listen_fds()
     if not (args.state_dir and notifier.enabled):
         for fd in (fd for fds in passed.values() for fd in fds):
@@ -316,6 +321,9 @@ def _persistence(args: argparse.Namespace, state: State[A, C], notifier: Systemd
     persistence = Persistence(
         state, notifier, Path(args.state_dir) / f"{state.backend.instance}.journal", args.resume_timeout
     )
+    if taken_over:
+        persistence.start_afresh(passed)
+        return persistence
     sessions, buffers = persistence.restore(passed)
     log.info("every chunk is parked with the service manager; restored: %d sessions (resuming within %gs), %d buffers",
              sessions, args.resume_timeout, buffers)
@@ -372,8 +380,19 @@ def run(daemon: Daemon[A, C]) -> int:
         server.close()
         backend.close()
         notifier.close()
+    if server.handed_over and args.linger:
+        _linger()
     log.info("hbmd stopped")
     return 0
+
+
+def _linger() -> None:
+    """Wait, holding nothing, for SIGTERM or SIGINT (``--linger``)."""
+    log.info("handed over: lingering until stopped (--linger)")
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
 
 
 def _exit_unbalanced(exc: BooksUnbalanced) -> NoReturn:

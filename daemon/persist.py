@@ -401,14 +401,18 @@ class Persistence:
         if not records:
             return
         try:
-            if not self.journal.size or self.journal.size > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self._image_bytes):
-                self._rewrite()
+            if self.degraded or not self.journal.size or self.journal.size > max(
+                COMPACT_MIN_BYTES, COMPACT_RATIO * self._image_bytes
+            ):
+                self._rewrite()  # after a failed write too: the records it lost are in the state
             else:
                 self.journal.append(records)
         except OSError as exc:
             self._failed(exc)
             return
-        self._restored()
+        if self.degraded:
+            log.warning("persistence restored: the journal %s is written again", self.journal.path)
+            self.degraded = False
 
     def _rewrite(self) -> None:
         self.journal.rewrite(image_of(self.state))
@@ -475,14 +479,6 @@ class Persistence:
                 self.journal.path, exc.strerror or exc,
             )
         self.degraded = True
-        self._sessions.clear()  # so every session is journaled again once it can be
-
-    def _restored(self) -> None:
-        if self.degraded:
-            log.warning("persistence restored: the journal %s is written again", self.journal.path)
-            self.degraded = False
-            with contextlib.suppress(OSError):
-                self._rewrite()
 
     def restore(self, passed: dict[str, list[int]]) -> tuple[int, int]:
         """Rebuild the state the journal describes from the FDs the service manager passed back, then journal it
@@ -507,6 +503,15 @@ class Persistence:
         except OSError as exc:
             self._failed(exc)
         return counts
+
+    def start_afresh(self, passed: dict[str, list[int]]) -> None:
+        """The state came from elsewhere (a daemon taken over): let go of what the store passed back, and park and
+        journal all of the state at the first sync."""
+        for name, fds in passed.items():
+            for fd in fds:
+                os.close(fd)
+            self.notifier.remove_fds(name)
+        self.state.changed.update(self.state.buffers)
 
     def adopt_parked(self) -> None:
         """Take the state as it is now as parked and journaled: its chunks' FDs are in the store already (restored

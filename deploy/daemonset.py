@@ -67,10 +67,15 @@ spec:
     matchLabels:
       app.kubernetes.io/name: hbmd
       hbmd.io/gpus: "{{gpus}}"
-  # A restarted daemon ends every session on its GPU: roll a new version
-  # node by node (delete the pod) when the node's workers can take it.
+  # A new version starts beside the old one on each node and takes every
+  # session, buffer and chunk over from it (--takeover) over the shared
+  # /run/hbmd; the old one lingers, holding nothing, until its pod is deleted
+  # (exiting would have its container restarted, to take over back).
   updateStrategy:
-    type: OnDelete
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 1
+      maxUnavailable: 0
   template:
     metadata:
       labels:
@@ -123,7 +128,7 @@ CONTAINER = f"""\
         - name: gpu{{index}}
           image: {IMAGE}
           command: ["hbmd"]
-          args: ["--backend", "cuda", "--device", "{{index}}", "--run-dir", "/run/hbmd",
+          args: ["--backend", "cuda", "--device", "{{index}}", "--run-dir", "/run/hbmd", "--takeover", "--linger",
                  "--metrics-addr", "0.0.0.0:{{port}}"]
           env:
             - name: NVIDIA_VISIBLE_DEVICES

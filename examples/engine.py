@@ -180,6 +180,9 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
         if args.kill_after is not None and state.step == args.kill_after:
             log(args.name, f"SIGKILL after decode step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)
+        if args.announce_step is not None and state.step == args.announce_step:
+            print(json.dumps({"decode_step": state.step}), flush=True)
+        time.sleep(args.step_delay)
 
     if not args.resume:
         checkpoint(state)
@@ -849,6 +852,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--tenant", default="", help="tenant declared to the daemon (quota accounting)")
     common.add_argument("--kill-after", type=int, metavar="K", help="SIGKILL this process after K decode steps")
+    common.add_argument("--announce-step", type=int, metavar="K",
+                        help='print {"decode_step": K} after K decode steps, and go on (to restart the daemon then)')
+    common.add_argument("--step-delay", type=float, default=0.0, metavar="S",
+                        help="sleep S seconds after each decode step: a slower engine, for demonstrations")
     common.add_argument(
         "--json", action="store_true", help="print one JSON line on stdout (the summary goes to stderr)"
     )

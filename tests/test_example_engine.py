@@ -15,35 +15,28 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from helpers import MiB
+from helpers import MiB, cuda_vmm_status
 
 pytestmark = pytest.mark.ipc
+GPU_OK, GPU_REASON = cuda_vmm_status()
 
 ENGINE = Path(__file__).resolve().parents[1] / "examples" / "engine.py"
 EXAMPLE_TIMEOUT_S = 120
 
 
-def run_example(daemon, mode: str, *args: str) -> dict:
+def example_command(daemon, mode: str, *args: str, device: str = "cpu", config: str = "tiny") -> list[str]:
+    return [sys.executable, str(ENGINE), "--run-dir", str(daemon.run_dir), mode, "--device", device, "--config", config,
+            "--json", "--timeout", "60", *args]
+
+
+def run_example(daemon, mode: str, *args: str, device: str = "cpu", config: str = "tiny") -> dict:
     """Run one mode of the example against ``daemon``; its JSON result (the mode's checks must pass)."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ENGINE),
-            "--run-dir",
-            str(daemon.run_dir),
-            mode,
-            "--device",
-            "cpu",
-            "--config",
-            "tiny",
-            "--json",
-            "--timeout",
-            "60",
-            *args,
-        ],
+        example_command(daemon, mode, *args, device=device, config=config),
         capture_output=True,
         text=True,
         timeout=EXAMPLE_TIMEOUT_S,
@@ -130,3 +123,44 @@ def test_two_engines_share_one_copy_of_the_weights(small_daemon):
     assert not result["engines_charged_for_weights"]
     assert result["committed_bytes"] == result["weights_bytes"] + result["kv_bytes"] <= 64 * MiB
     assert set(result["device_used_bytes"]) == {"own", "shared"}
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)])]
+)
+@pytest.mark.parametrize("how", ["kill", "takeover"])
+def test_an_engine_decoding_while_the_daemon_restarts_gets_the_tokens_of_an_undisturbed_run(
+    start_daemon, run_dir, systemd, how, device
+):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    backend, config = ("host", "tiny") if device == "cpu" else ("cuda", "gpu-small")
+    args = ("--budget", "64MiB" if device == "cpu" else "16GiB", "--state-dir", str(state_dir))
+    daemon = start_daemon(*args, backend=backend, env={"NOTIFY_SOCKET": str(systemd.path)})
+    undisturbed = run_example(daemon, "generate", device=device, config=config)
+
+    engine = subprocess.Popen(
+        example_command(daemon, "generate", "--announce-step", "4", "--step-delay", "0.1", device=device,
+                        config=config),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert json.loads(engine.stdout.readline()) == {"decode_step": 4}
+        restarted_at = time.monotonic()
+        if how == "kill":
+            daemon.kill()  # a crash, mid-decode: Restart=on-failure starts the next one on what the store kept
+            daemon = start_daemon(*args, backend=backend, **systemd.relaunch())
+        else:
+            old = daemon
+            daemon = start_daemon(*args, "--takeover", backend=backend, env={"NOTIFY_SOCKET": str(systemd.path)})
+            assert old.proc.wait(30) == 0
+        serving_after = time.monotonic() - restarted_at
+        out, err = engine.communicate(timeout=EXAMPLE_TIMEOUT_S)
+    finally:
+        engine.kill()
+    assert engine.returncode == 0, err[-3000:]
+    disturbed = json.loads(out.strip().splitlines()[-1])
+    # Every decode step ran, on the KV cache it had, through the restart: the same tokens.
+    assert disturbed["tokens"] == undisturbed["tokens"]
+    assert "session" in daemon.log() and "resumed" in daemon.log()
+    print(f"\n{how} on {device}: the new daemon served {serving_after:.2f}s after the old one went")

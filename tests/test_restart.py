@@ -109,7 +109,7 @@ def test_a_persistent_buffer_freed_before_any_commit_does_not_come_back(start_da
 @pytest.mark.parametrize("lease", [False, True])
 def test_a_daemon_that_stops_leaves_its_live_clients_pages_alone(start_daemon, lease):
     daemon = start_daemon("--budget", "128MiB")
-    client = daemon.connect(lease=lease)
+    client = daemon.connect(lease=lease, resume_timeout=0.5)  # no successor comes: the session is lost
     kv = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
     for step in range(1, 5):  # small steps: with a lease, placed granules among them
         kv.resize_per_segment_(step * (2 << 20))

@@ -14,15 +14,16 @@ import signal
 import time
 
 import pytest
-from hbmd.client import ExtensibleTensor
+from hbmd.client import ExtensibleTensor, connect
 from hbmd.client.transport import HandleChannel
 from hbmd.daemon.takeover import take_over
-from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello, Status
-from hbmd.proto.errors import PermissionDenied, ProtocolError, SessionLost
+from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello
+from hbmd.proto.errors import PermissionDenied, SessionLost
 from hbmd.proto.instance import InstancePaths
-from helpers import MiB, wait_until
+from helpers import MiB, cuda_vmm_status, wait_until
 
 torch = pytest.importorskip("torch")
+GPU_OK, GPU_REASON = cuda_vmm_status()
 
 pytestmark = pytest.mark.ipc
 
@@ -178,8 +179,6 @@ def test_a_request_sent_again_after_a_restart_is_answered_again_not_done_twice(r
     assert client.resumed()
     again, _ = control.call_with_id(CreateBuffer(8 * MiB, 1), None, request_id)
     assert again == created
-    with pytest.raises(ProtocolError, match="was answered already"):
-        control.call_with_id(Status(), None, request_id - 1)
     assert [b.buffer_id for b in client.buffers()] == [created.buffer.buffer_id]
     client.close()
 
@@ -234,3 +233,56 @@ def test_takeover_with_nothing_to_take_over_starts_afresh(start_daemon):
     assert "starting afresh" in daemon.log()
     with daemon.connect() as client:
         assert client.status().committed_bytes == 0
+
+
+def test_a_daemon_that_lingers_stays_until_stopped_once_taken_over(start_daemon):
+    first = start_daemon("--budget", "64MiB", "--linger")
+    second = start_daemon("--budget", "64MiB", "--takeover")
+    wait_until(lambda: "lingering until stopped" in first.log())
+    assert first.alive()  # a container's restart policy would start it again: it stays, holding nothing
+    with second.connect() as client:
+        assert client.status().num_sessions == 1
+    assert first.stop() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)
+@pytest.mark.parametrize("how", ["kill", "takeover"])
+def test_a_gpu_kv_cache_stays_in_place_and_grows_on_across_a_restart(start_daemon, run_dir, systemd, how):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--device", "0", "--budget", "8GiB", "--state-dir", str(state_dir))
+    daemon = start_daemon(*args, backend="cuda", env={"NOTIFY_SOCKET": str(systemd.path)})
+    torch.cuda.init()
+    client = connect("cuda:0", run_dir=run_dir, client_name="gpu-engine")
+    kv = ExtensibleTensor(1 << 30, "cuda", num_segments=2, client=client)
+    for step in range(1, 9):  # 2 MiB steps from the lease, then larger ones through the daemon
+        kv.resize_per_segment_(step * (2 << 20) if step <= 4 else (step - 4) * 32 * MiB)
+    view = kv.full_view()
+    base = view.data_ptr()
+    view[: 64 * MiB] = 7
+    view[512 * MiB : 576 * MiB] = 9
+    torch.cuda.synchronize()
+    with daemon.connect(observer=True) as look:
+        before = books(look)
+
+    if how == "kill":
+        daemon.kill()
+        daemon = start_daemon(*args, backend="cuda", **systemd.relaunch())
+    else:
+        old = daemon
+        daemon = start_daemon(*args, "--takeover", backend="cuda", env={"NOTIFY_SOCKET": str(systemd.path)})
+        assert old.proc.wait(30) == 0
+    assert int(view[: 64 * MiB].float().mean()) == 7  # the device memory never left this process
+    wait_until(lambda: "session 1 resumed" in daemon.log())
+    with daemon.connect(observer=True) as look:
+        assert books(look) == before
+    kv.resize_per_segment_(256 * MiB)
+    assert kv.full_view().data_ptr() == base
+    assert int(view[: 64 * MiB].float().mean()) == 7 and int(view[512 * MiB : 576 * MiB].float().mean()) == 9
+    kv.full_view()[128 * MiB : 256 * MiB] = 3
+    assert int(kv.full_view()[128 * MiB : 256 * MiB].float().mean()) == 3
+    del view
+    kv.free()
+    assert client.status().committed_bytes == 0
+    client.close()

@@ -16,6 +16,7 @@ import signal
 
 import pytest
 from hbmd.client import Conflict, ExtensibleTensor, InvalidRequest, NotFound
+from hbmd.daemon.persist import Journal
 from helpers import MiB, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
@@ -276,8 +277,8 @@ def test_a_restart_keeps_a_buffer_sealed(start_daemon, spawn_worker, run_dir, sy
     assert writer.wait() == 0
     # Its one chunk (one commit) parked with the service manager.
     wait_until(lambda: len(systemd.names()) == 1 and next(iter(systemd.names())).startswith(f"hbmd-c{buffer_id}-"))
-    journal = json.loads(next(state_dir.iterdir()).read_text())
-    assert [b["sealed"] for b in journal["buffers"]] == [True]
+    journal = Journal(state_dir / "host.journal").read()
+    assert [b["sealed"] for b in journal["buffers"].values()] == [True]
 
     assert first.stop() == 0
     second = start_daemon("--budget", "256MiB", "--state-dir", str(state_dir), **systemd.relaunch())

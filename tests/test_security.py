@@ -21,6 +21,8 @@ import pytest
 from fake_systemd import FakeSystemd
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, HbmdError, InvalidRequest
+from hbmd.client.transport import ControlChannel, HandleChannel
+from hbmd.daemon.persist import Journal
 from hbmd.daemon.server import (
     HELLO_TIMEOUT_S,
     MAX_FDS_IN_FLIGHT,
@@ -270,10 +272,34 @@ def test_a_declared_tenant_name_does_not_lift_the_uids_max(nobody_can_run_python
 # 3. FDs in flight: a session that never reads its handle socket.
 
 
+class NeverReads:
+    """A session whose peer never reads its handle socket (the client library's listener would): its two channels,
+    raw."""
+
+    def __init__(self, daemon) -> None:
+        paths = InstancePaths.of(daemon.run_dir, daemon.instance)
+        self.handles = HandleChannel(paths, 5)
+        welcome = self.handles.handshake(proto.Hello(list(proto.PROTOCOL_VERSION), os.getpid(), "greedy"))
+        self.control = ControlChannel(paths, welcome.token, 5, session=self.handles)
+
+    def call(self, request):
+        return self.control.call(request)
+
+    def create_buffer(self, capacity: int, num_segments: int) -> proto.BufferInfo:
+        return self.call(proto.CreateBuffer(capacity, num_segments)).buffer
+
+    def status(self) -> proto.StatusReply:
+        return self.call(proto.Status())
+
+    def close(self) -> None:
+        self.control.close()
+        self.handles.close()
+
+
 def test_a_session_that_never_reads_its_fds_is_held_and_refused_more_while_others_are_served(daemon, client):
     fds_before = settled_fds(daemon, client)
     honest = ExtensibleTensor(64 * MiB, "cpu", client=client)
-    greedy = daemon.connect(client_name="greedy")
+    greedy = NeverReads(daemon)
     # 64 segments each backed by a chunk of its own: every discarding defragment sends all 64 FDs again.
     buffer = greedy.create_buffer(64 * 4 * MiB, 64)
     greedy.call(proto.Commit(buffer.buffer_id, 2 * MiB))
@@ -520,10 +546,11 @@ def test_a_full_state_directory_degrades_persistence_and_the_daemon_serves_on(st
         assert sum("persistence degraded" in line for line in daemon.log().splitlines()) == 1
         filler.unlink()
         kv.resize_(10 * MiB)  # the next change writes the journal again
-        journal = state_dir / "host.journal.json"
-        wait_until(lambda: journal.exists() and '"kv"' in journal.read_text())
+        journal = Journal(state_dir / "host.journal")
+        wait_until(lambda: journal.path.exists() and [b["name"] for b in journal.read()["buffers"].values()] == ["kv"])
         wait_until(lambda: "persistence restored" in daemon.log())
-        assert_intact(daemon, client, fds_before + kv.num_chunks, committed=10 * MiB)
+        # Its chunks, and the journal, open to append since it could be written again.
+        assert_intact(daemon, client, fds_before + kv.num_chunks + 1, committed=10 * MiB)
         kv.free()
         client.close()
     finally:

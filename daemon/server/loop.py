@@ -107,6 +107,8 @@ class Server(Generic[A, C]):
         self.resume_window_s = resume_window_s
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
+        self.handed_over = False
+        """A successor serves in this daemon's place: it stopped for that."""
         self._lock_fd = -1
         self._dir_fd = -1
         self._context = zmq.Context.instance()
@@ -307,6 +309,7 @@ class Server(Generic[A, C]):
                 os.close(fd)
         if served:
             log.info("pid %d serves in this daemon's place: stopping", pending.peer_pid)
+            self.handed_over = True
             self.stop()
             return
         log.warning("pid %d did not take over: serving on; sessions resume here", pending.peer_pid)
@@ -365,7 +368,7 @@ class Server(Generic[A, C]):
         request_id = peek_request_id(frames)
         operation = "invalid"
         session: Session | None = None
-        fresh = False  # not a request answered already: its answer becomes the session's last
+        fresh = False  # not the request answered last: its answer becomes the session's last
         try:
             kind, request_id, token, raw = read_envelope(frames)
             handler = self._handlers.get(kind)
@@ -377,7 +380,7 @@ class Server(Generic[A, C]):
             self._plane.take_placements()
             conn = self._plane.by_session[session.session_id]
             answered = session.answer
-            if answered is not None and request_id <= answered.request_id:
+            if answered is not None and request_id == answered.request_id:
                 return self._answer_again(conn, request_id, answered)
             fresh = True
             reply = handler(conn, request_id, decode_body(kind, raw))
@@ -406,11 +409,9 @@ class Server(Generic[A, C]):
     def _answer_again(self, conn: HandleConnection[A, C], request_id: int, answered: Answer) -> list[bytes]:
         """A request sent again after a restart: the daemon did it before, so it answers as it did, once more.
 
-        Only the last request of a session can be sent again (a client has
-        one in flight); an earlier one is refused.
+        Only the last request of a session can be sent again (its client has
+        one in flight, and numbers them in order): another id is a new request.
         """
-        if request_id != answered.request_id:
-            raise ProtocolError(f"request {request_id} was answered already; this session's last is {answered.request_id}")
         log.info("session %d sent request %d again after a restart: answered as before", conn.session.session_id,
                  request_id)
         if answered.frames is not None:

@@ -1,0 +1,173 @@
+"""What surviving a restart costs: commits with every chunk journaled and parked, and the pause a restart costs a client.
+
+Two figures, each measured in one run against its baseline:
+
+- **commits**: 2 MiB steps through the daemon (no lease) and onto leased
+  granules, on a daemon that journals every change and parks every chunk
+  with a service manager (the systemd stand-in of ``tests/fake_systemd.py``,
+  which keeps the FDs as systemd does) against the same daemon without,
+  the two interleaved round by round;
+- **pause**: a client holding N chunks (10, 1,000, 10,000) while the daemon is
+  killed and restarted on what the store kept (a crash under systemd), and
+  while a successor takes over (``--takeover``): from the kill (or the
+  successor's launch) to the client's next call returning, and the new
+  daemon's own start-up within it.
+
+``python bench/restart_bench.py --backend cuda`` on a GPU node; the host
+backend needs 2 MiB of RAM per chunk (10,000 chunks: 20 GiB), so
+``--chunks`` picks the counts there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hbmd.client import connect
+from hbmd.daemon.spawn import DaemonProcess, wait_until
+
+from common import RESULTS_DIR, metadata, today_utc, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fake_systemd import FakeSystemd  # the stand-in lives with the tests that check it
+
+MiB = 1 << 20
+GRANULE = 2 * MiB
+
+
+class Instance:
+    """A daemon on a run directory of its own, kept (``kept``: journaled and parked with the stand-in) or not."""
+
+    def __init__(self, backend: str, kept: bool) -> None:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="hbmdr-", dir="/tmp"))
+        self.backend = backend
+        self.kept = kept
+        self.systemd = FakeSystemd(self.run_dir / "notify.sock") if kept else None
+        self.args = ["--backend", backend, "--budget", "90%"]
+        if kept:
+            (self.run_dir / "state").mkdir()
+            self.args += ["--state-dir", str(self.run_dir / "state")]
+        self.daemon = self._start()
+
+    def _start(self, *more: str, **launch) -> DaemonProcess:
+        if self.systemd is not None and not launch:
+            launch = {"env": {"NOTIFY_SOCKET": str(self.systemd.path)}}
+        return DaemonProcess(self.run_dir, *self.args, *more, log_path=self.run_dir / f"hbmd-{time.monotonic_ns()}.log",
+                             **launch).start(timeout=120)
+
+    def connect(self, **kwargs):
+        return connect(run_dir=self.run_dir, instance=self.daemon.instance, **kwargs)
+
+    def crash(self) -> DaemonProcess:
+        """SIGKILL, then a new daemon on what the store kept, as ``Restart=on-failure`` does."""
+        self.daemon.kill()
+        self.daemon = self._start(**self.systemd.relaunch())
+        return self.daemon
+
+    def take_over(self) -> DaemonProcess:
+        old = self.daemon
+        self.daemon = self._start("--takeover")
+        old.proc.wait(60)
+        return self.daemon
+
+    def close(self) -> None:
+        self.daemon.kill()
+        if self.systemd is not None:
+            self.systemd.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def commit_steps(instance: Instance, lease: bool, steps: int) -> list[float]:
+    """Seconds of each 2 MiB step of one buffer grown ``steps`` times."""
+    from hbmd.client import ExtensibleTensor
+
+    device = "cpu" if instance.backend == "host" else "cuda:0"
+    with instance.connect(lease=lease) as client:
+        kv = ExtensibleTensor(steps * GRANULE, device, client=client)
+        times = []
+        for step in range(1, steps + 1):
+            started = time.perf_counter()
+            kv.resize_(step * GRANULE)
+            times.append(time.perf_counter() - started)
+        kv.free()
+    return times
+
+
+def commits(backend: str, rounds: int, steps: int) -> dict:
+    plain, kept = Instance(backend, False), Instance(backend, True)
+    try:
+        result = {}
+        for lease in (False, True):
+            samples = {"plain": [], "kept": []}
+            for _ in range(rounds):  # interleaved: the machine's noise falls on both alike
+                for name, instance in (("plain", plain), ("kept", kept)):
+                    samples[name] += commit_steps(instance, lease, steps)
+            p50 = {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+            result["leased" if lease else "through the daemon"] = {
+                "p50_us_without_journal": round(p50["plain"], 1),
+                "p50_us_journaled_and_parked": round(p50["kept"], 1),
+                "ratio": round(p50["kept"] / p50["plain"], 3),
+                "steps": len(samples["kept"]),
+            }
+        return result
+    finally:
+        plain.close()
+        kept.close()
+
+
+def pause(backend: str, chunks: int, how: str) -> dict:
+    """A client holding ``chunks`` chunks; the daemon crashes (or is taken over): the client's pause."""
+    instance = Instance(backend, True)
+    try:
+        client = instance.connect(lease=False)
+        buffer = client.create_buffer(chunks * 2 * GRANULE, chunks)
+        # Segments of two granules, each grown by one: a run, and so a chunk, per segment.
+        with client.commit(buffer.buffer_id, GRANULE) as delivery:
+            for _ in delivery:
+                pass
+        client.status()
+        started = time.monotonic()
+        daemon = instance.crash() if how == "crash" else instance.take_over()
+        serving = time.monotonic() - started
+        client.status()  # waits for the session to be resumed, then goes to the new daemon
+        pause_s = time.monotonic() - started
+        restored = [line for line in daemon.log().splitlines() if "restored:" in line or "took over from" in line]
+        wait_until(lambda: client.status().num_chunks == chunks, timeout=5)
+        client.close()
+        return {"chunks": chunks, "how": how, "new_daemon_serving_s": round(serving, 3), "client_pause_s": round(pause_s, 3),
+                "log": restored[-1] if restored else ""}
+    finally:
+        instance.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=("host", "cuda"), default="host")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of commit steps (default: 5)")
+    parser.add_argument("--steps", type=int, default=200, help="2 MiB steps per round (default: 200)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[10, 1000, 10000])
+    parser.add_argument("--out", type=Path,
+                        default=None, help="result file (default: bench/results/<backend>-<date>-restart.json)")
+    args = parser.parse_args()
+    # The stand-in runs in this process and keeps every parked FD.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+    out = args.out or RESULTS_DIR / f"{'h200' if args.backend == 'cuda' else 'host'}-{today_utc()}-restart.json"
+    result = {"metadata": metadata(), "commits": commits(args.backend, args.rounds, args.steps), "pauses": []}
+    print(json.dumps(result["commits"], indent=1), flush=True)
+    for chunks in args.chunks:
+        for how in ("crash", "takeover"):
+            result["pauses"].append(pause(args.backend, chunks, how))
+            print(json.dumps(result["pauses"][-1]), flush=True)
+    write_json(out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
