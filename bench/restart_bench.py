@@ -7,11 +7,12 @@ Two figures, each measured in one run against its baseline:
   with a service manager (the systemd stand-in of ``tests/fake_systemd.py``,
   which keeps the FDs as systemd does) against the same daemon without,
   the two interleaved round by round;
-- **pause**: a client holding N chunks (10, 1,000, 10,000) while the daemon is
-  killed and restarted on what the store kept (a crash under systemd), and
-  while a successor takes over (``--takeover``): from the kill (or the
-  successor's launch) to the client's next call returning, and the new
-  daemon's own start-up within it.
+- **pause**: a client holding N chunks (10, 1,000, 10,000) and calling the
+  daemon in a loop while the daemon is killed and restarted on what the store
+  kept (a crash under systemd), and while a successor takes over
+  (``--takeover``): the longest wait between two of its calls' answers (how
+  long its engine would stand), how many calls failed (none may), and how
+  long the new daemon took from its launch to serving.
 
 ``python bench/restart_bench.py --backend cuda`` on a GPU node; the host
 backend needs 2 MiB of RAM per chunk (10,000 chunks: 20 GiB), so
@@ -27,6 +28,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -122,6 +124,33 @@ def commits(backend: str, rounds: int, steps: int) -> dict:
         kept.close()
 
 
+class CallsInALoop:
+    """``status()`` over and over on a thread, as an engine's calls would come: the longest gap between two answers is
+    the pause it sees."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.failures = 0
+        self._answered = [time.monotonic()]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.client.status()
+            except Exception:
+                self.failures += 1
+            self._answered.append(time.monotonic())
+
+    def stop(self) -> list[float]:
+        """The gaps between answers, in seconds."""
+        self._stop.set()
+        self._thread.join()
+        return [b - a for a, b in zip(self._answered, self._answered[1:])]
+
+
 def pause(backend: str, chunks: int, how: str) -> dict:
     """A client holding ``chunks`` chunks; the daemon crashes (or is taken over): the client's pause."""
     instance = Instance(backend, True)
@@ -132,16 +161,17 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         with client.commit(buffer.buffer_id, GRANULE) as delivery:
             for _ in delivery:
                 pass
-        client.status()
+        calls = CallsInALoop(client)
         started = time.monotonic()
         daemon = instance.crash() if how == "crash" else instance.take_over()
         serving = time.monotonic() - started
-        client.status()  # waits for the session to be resumed, then goes to the new daemon
-        pause_s = time.monotonic() - started
+        time.sleep(0.5)
+        gaps = calls.stop()
         restored = [line for line in daemon.log().splitlines() if "restored:" in line or "took over from" in line]
         wait_until(lambda: client.status().num_chunks == chunks, timeout=5)
         client.close()
-        return {"chunks": chunks, "how": how, "new_daemon_serving_s": round(serving, 3), "client_pause_s": round(pause_s, 3),
+        return {"chunks": chunks, "how": how, "new_daemon_serving_s": round(serving, 3),
+                "client_pause_s": round(max(gaps), 3), "calls": len(gaps), "failed_calls": calls.failures,
                 "log": restored[-1] if restored else ""}
     finally:
         instance.close()

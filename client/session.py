@@ -68,7 +68,7 @@ from .transport import ControlChannel, FdCloser, HandleChannel
 DEFAULT_TIMEOUT_S = 10.0
 RESUME_TIMEOUT_S = 30.0
 """How long a client waits by default for its daemon to come back after it went away (``HBMD_RESUME_TIMEOUT``)."""
-RESUME_POLL_S = 0.05
+RESUME_POLL_S = 0.01
 
 log = logging.getLogger("hbmd.client")
 
