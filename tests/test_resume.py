@@ -107,6 +107,7 @@ def test_a_session_whose_client_does_not_come_back_ends_as_a_dead_one(restartabl
         input()
     """)
     assert worker.readline().strip() == "ready"
+    os.kill(worker.proc.pid, signal.SIGSTOP)  # so that it cannot resume before it dies
     daemon = restartable.restart("kill", "--resume-timeout", "1")
     worker.kill()  # it dies while the daemon is away: nobody will resume its session
     with daemon.connect(observer=True) as look:
