@@ -69,14 +69,29 @@ Image = dict[str, Any]
 """A state as plain data: ``meta``, ``sessions`` and ``buffers`` (records by id)."""
 
 
-def chunk_name(buffer_id: int, chunk_id: int) -> str:
-    """The FD-store name of a buffer's chunk (mapped or pending)."""
+MAX_PARKED = 16384
+"""The most chunks parked with the service manager (``FileDescriptorStoreMax`` in ``deploy/hbmd@.service``)."""
+MAX_NAMES_CHARS = (128 << 10) - 64
+"""What the names of the parked chunks may take, a colon each: the service manager passes them back in one
+environment variable, ``LISTEN_FDNAMES``, and the kernel refuses an ``execve`` where a variable is over 128 KiB
+(``MAX_ARG_STRLEN``), so that the service would not start again. 16384 names of 6 characters fit (chunk ids below
+60 million); longer ones leave room for fewer."""
+
+
+def chunk_name(chunk_id: int) -> str:
+    """The FD-store name of a chunk, whether it backs a buffer, waits in a defragment or is leased: ``c`` and its id
+    in base 36 (short: see :data:`MAX_PARKED`)."""
+    digits = ""
+    while True:
+        chunk_id, digit = divmod(chunk_id, 36)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[digit] + digits
+        if not chunk_id:
+            return "c" + digits
+
+
+def legacy_chunk_name(buffer_id: int, chunk_id: int) -> str:
+    """The name a daemon of journal version 3 or older parked a persistent buffer's chunk under."""
     return f"hbmd-c{buffer_id}-{chunk_id}"
-
-
-def leased_name(chunk_id: int) -> str:
-    """The FD-store name of a leased granule not placed yet."""
-    return f"hbmd-l{chunk_id}"
 
 
 # the state as records
@@ -124,15 +139,21 @@ def image_of(state: State[Any, Any]) -> Image:
     }
 
 
+def every_chunk(state: State[Any, Any]) -> Iterable[tuple[Chunk[Any], Any]]:
+    """Every chunk the state holds, with its arena."""
+    for buffer in state.buffers.values():
+        for chunk in (*buffer.chunks, *buffer.pending):
+            yield chunk, buffer.arena
+    for session in state.sessions.values():
+        for chunk in session.lease.values():
+            yield chunk, state.leases.arena
+
+
 def chunk_fds(state: State[Any, Any]) -> Iterable[tuple[str, int]]:
     """A new descriptor for every chunk the state holds, by FD-store name; the caller closes each."""
     backend: ParkableBackend[Any, Any] = state.backend  # type: ignore[assignment]  # every backend is parkable
-    for buffer in state.buffers.values():
-        for chunk in (*buffer.chunks, *buffer.pending):
-            yield chunk_name(buffer.buffer_id, chunk.chunk_id), backend.parked_fd(buffer.arena, chunk.handle)
-    for session in state.sessions.values():
-        for chunk in session.lease.values():
-            yield leased_name(chunk.chunk_id), backend.parked_fd(state.leases.arena, chunk.handle)
+    for chunk, arena in every_chunk(state):
+        yield chunk_name(chunk.chunk_id), backend.parked_fd(arena, chunk.handle)
 
 
 def pack_image(image: Image) -> bytes:
@@ -164,9 +185,10 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
         except Exception as exc:  # whatever the journal or the backend raised: lose this session, not the daemon
             log.error("session %s is lost: %s", _field(record, "id"), exc)
     buffers = 0
+    version = image["meta"].get("version") or JOURNAL_VERSION
     for record in image.get("buffers", {}).values():
         try:
-            _restore_buffer(state, record, fds)
+            _restore_buffer(state, record, fds, version)
             buffers += 1
         except Exception as exc:
             log.error("buffer %r (%s) is lost: %s", _field(record, "name"), _journaled_size(record), exc)
@@ -184,7 +206,7 @@ def _restore_session(state: State[Any, Any], record: dict[str, Any], fds: dict[s
         arena = state.leases.adopted_arena()
         claimed = []
         for chunk_id, size in record["lease"]:
-            name = leased_name(int(chunk_id))
+            name = chunk_name(int(chunk_id))
             if name not in fds or int(size) != granule:
                 continue  # a granule that did not come back is one the client gives up at its resume
             handle = state.backend.adopt(arena, 0, granule, fds[name])
@@ -213,13 +235,14 @@ def _claimed(fds: dict[str, int], names: list[str]) -> None:
         os.close(fds.pop(name))
 
 
-def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[str, int]) -> None:
+def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[str, int], image_version: int) -> None:
     """Adopt one journaled buffer, taking its FDs out of ``fds``; raises, taking none, where it cannot be adopted whole."""
     backend = state.backend
     buffer_id = int(record["id"])
     layout = [("chunks", _chunk_layout(c)) for c in record["chunks"]]
     layout += [("pending", _chunk_layout(c)) for c in record.get("pending", [])]
-    needed = [chunk_name(buffer_id, chunk_id) for _, (chunk_id, _, _) in layout]
+    named = legacy_chunk_name if int(image_version) < 4 else lambda _, chunk_id: chunk_name(chunk_id)
+    needed = [named(buffer_id, chunk_id) for _, (chunk_id, _, _) in layout]
     missing = [name for name in needed if name not in fds]
     if missing:
         shown = ", ".join(missing[:4])
@@ -372,31 +395,72 @@ def _legacy_image(path: Path) -> Image | None:
                 **entry, "id": entry["buffer_id"], "persistent": True, "owner": 0, "uid": entry["owner_uid"],
                 "readers": [], "pending": [],
             }
-    return {"meta": {"version": journal.get("version")}, "sessions": {}, "buffers": buffers}
+    return {"meta": {"version": journal.get("version") or 3}, "sessions": {}, "buffers": buffers}
 
 
 class Persistence:
-    """Keeps the state restartable under systemd: parks every chunk with the service manager and journals every change
-    before it is acknowledged (:meth:`sync`)."""
+    """Keeps the state restartable under systemd: parks every chunk with the service manager as it is made (and
+    unparks it as it goes), and journals every change before it is acknowledged (:meth:`sync`)."""
 
     def __init__(self, state: State[Any, Any], notifier: SystemdNotifier, journal: Path,
-                 resume_window_s: float = RESUME_WINDOW_S) -> None:
+                 resume_window_s: float = RESUME_WINDOW_S, max_parked: int = MAX_PARKED) -> None:
         self.state = state
         self.notifier = notifier
         self.journal = Journal(journal)
         self.resume_window_s = resume_window_s
+        self.max_parked = min(max_parked, MAX_PARKED)
         state.changed = set()
-        self._parked: dict[str, int] = {}
-        """FD-store names parked, and the buffer id (0: a session's lease) each belongs to."""
+        state.chunks.keeper = self
+        self._parked: set[int] = set()
+        """Ids of the chunks parked."""
+        self._names_chars = 0
+        """What their names take in ``LISTEN_FDNAMES``."""
         self._sessions: dict[int, tuple[Any, ...]] = {}
         """What each kept session's record was last journaled from."""
         self.degraded = False
         """The last journal write failed (the state directory is full, say)."""
         self._image_bytes = 0
         """The size of the journal when last rewritten whole: what the state takes."""
+        self._full = False
+        """Whether chunks went unparked for want of room (logged once until there is room again)."""
+
+    # parking, as chunks come and go (the state's Chunks calls these)
+
+    def made(self, chunk: Chunk[Any], arena: Any) -> None:
+        """Park a chunk just made: from now on it outlives the daemon."""
+        name = chunk_name(chunk.chunk_id)
+        if len(self._parked) >= self.max_parked or self._names_chars + len(name) + 1 > MAX_NAMES_CHARS:
+            if not self._full:
+                log.warning("%d chunks are parked with the service manager, the most it can pass back "
+                            "(FileDescriptorStoreMax, LISTEN_FDNAMES): the buffers of further chunks will not survive "
+                            "a restart (defragmenting makes fewer chunks)", len(self._parked))
+                self._full = True
+            return
+        try:
+            fd = self.state.backend.parked_fd(arena, chunk.handle)
+        except (HbmdError, OSError) as exc:
+            log.warning("cannot park chunk %d with the service manager: %s", chunk.chunk_id, exc)
+            return
+        try:
+            if self.notifier.send_fds([fd], name):
+                self._parked.add(chunk.chunk_id)
+                self._names_chars += len(name) + 1
+        finally:
+            os.close(fd)
+
+    def released(self, chunk: Chunk[Any]) -> None:
+        """Unpark a chunk released: the service manager must not keep its memory alive."""
+        if chunk.chunk_id in self._parked:
+            name = chunk_name(chunk.chunk_id)
+            self._parked.discard(chunk.chunk_id)
+            self._names_chars -= len(name) + 1
+            self.notifier.remove_fds(name)
+            self._full = False
+
+    # the journal
 
     def sync(self) -> None:
-        """Park what chunks came, unpark what went, and journal what changed since the last sync."""
+        """Journal what changed since the last sync."""
         records = self._buffer_records() + self._session_records()
         if not records:
             return
@@ -422,14 +486,10 @@ class Persistence:
         changed = self.state.changed
         if not changed:
             return []
-        records: list[list[Any]] = []
-        for buffer_id in sorted(changed):
-            buffer = self.state.buffers.get(buffer_id)
-            wanted = {} if buffer is None else {
-                chunk_name(buffer_id, c.chunk_id): c for c in (*buffer.chunks, *buffer.pending)
-            }
-            self._repark(buffer_id, wanted, None if buffer is None else buffer.arena)
-            records.append(["-b", buffer_id] if buffer is None else ["b", buffer_record(buffer)])
+        records = [
+            ["-b", buffer_id] if buffer is None else ["b", buffer_record(buffer)]
+            for buffer_id, buffer in ((b, self.state.buffers.get(b)) for b in sorted(changed))
+        ]
         changed.clear()
         return records
 
@@ -439,36 +499,12 @@ class Persistence:
         for session_id in sorted(self._sessions.keys() - kept.keys()):
             del self._sessions[session_id]
             records.append(["-s", session_id])
-        wanted_lease: dict[str, Chunk[Any]] = {}
         for session_id, session in kept.items():
-            wanted_lease.update((leased_name(c), chunk) for c, chunk in session.lease.items())
             seen = _journaled_as(session)
             if self._sessions.get(session_id) != seen:
                 self._sessions[session_id] = seen
                 records.append(["s", session_record(session)])
-        if records:
-            self._repark(0, wanted_lease, self.state.leases.arena)
         return records
-
-    def _repark(self, owner: int, wanted: dict[str, Chunk[Any]], arena: Any) -> None:
-        """Make the names parked for ``owner`` (a buffer id; 0 for leases) exactly ``wanted``."""
-        for name in [n for n, o in self._parked.items() if o == owner and n not in wanted]:
-            self.notifier.remove_fds(name)
-            del self._parked[name]
-        for name, chunk in wanted.items():
-            if name not in self._parked and self._park(arena, chunk, name):
-                self._parked[name] = owner
-
-    def _park(self, arena: Any, chunk: Chunk[Any], name: str) -> bool:
-        try:
-            fd = self.state.backend.parked_fd(arena, chunk.handle)
-        except (HbmdError, OSError) as exc:
-            log.warning("cannot park %s with the service manager: %s", name, exc)
-            return False
-        try:
-            return self.notifier.send_fds([fd], name)
-        finally:
-            os.close(fd)
 
     def _failed(self, exc: OSError) -> None:
         # A full or broken state directory must not stop the daemon: it serves on, and writes again at the next change.
@@ -479,6 +515,8 @@ class Persistence:
                 self.journal.path, exc.strerror or exc,
             )
         self.degraded = True
+
+    # starting
 
     def restore(self, passed: dict[str, list[int]]) -> tuple[int, int]:
         """Rebuild the state the journal describes from the FDs the service manager passed back, then journal it
@@ -497,33 +535,39 @@ class Persistence:
             # Parked for a chunk that is not coming back (gone from the journal, or lost above): let it go.
             os.close(fd)
             self.notifier.remove_fds(name)
-        self.adopt_parked()
-        try:
-            self._rewrite()
-        except OSError as exc:
-            self._failed(exc)
+        parked_before = {name for name in passed if name not in fds}
+        for chunk, arena in every_chunk(self.state):
+            name = chunk_name(chunk.chunk_id)
+            if name in parked_before:
+                self._parked.add(chunk.chunk_id)
+                self._names_chars += len(name) + 1
+            else:
+                # Parked by an older daemon under another name, which it forgets: under this one from now on.
+                self.made(chunk, arena)
+        for name in parked_before - {chunk_name(c) for c in self._parked}:
+            self.notifier.remove_fds(name)
+        self._start_journal()
         return counts
 
     def start_afresh(self, passed: dict[str, list[int]]) -> None:
         """The state came from elsewhere (a daemon taken over): let go of what the store passed back, and park and
-        journal all of the state at the first sync."""
+        journal all of the state."""
         for name, fds in passed.items():
             for fd in fds:
                 os.close(fd)
             self.notifier.remove_fds(name)
-        self.state.changed.update(self.state.buffers)
+        for chunk, arena in every_chunk(self.state):
+            self.made(chunk, arena)
+        self._start_journal()
 
-    def adopt_parked(self) -> None:
-        """Take the state as it is now as parked and journaled: its chunks' FDs are in the store already (restored
-        from it), so only what changes from here on is parked anew."""
-        for buffer in self.state.buffers.values():
-            for chunk in (*buffer.chunks, *buffer.pending):
-                self._parked[chunk_name(buffer.buffer_id, chunk.chunk_id)] = buffer.buffer_id
-        for session in self.state.sessions.values():
-            for chunk_id in session.lease:
-                self._parked[leased_name(chunk_id)] = 0
-            self._sessions[session.session_id] = _journaled_as(session)
+    def _start_journal(self) -> None:
+        """Take the state as it is now as journaled, and write it whole; from here on each change is a record."""
         self.state.changed.clear()
+        self._sessions = {s.session_id: _journaled_as(s) for s in self.state.sessions.values() if _kept(s)}
+        try:
+            self._rewrite()
+        except OSError as exc:
+            self._failed(exc)
 
     def close(self) -> None:
         self.journal.close()

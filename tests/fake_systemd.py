@@ -8,17 +8,21 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 MAX_FDS = 253
 
 # Runs as the relaunched daemon's first program: puts the stored FDs at 3, 4, ... and
-# sets LISTEN_PID to its own pid, which exec keeps, exactly as systemd does.
+# sets LISTEN_PID to its own pid, which exec keeps, exactly as systemd does. The FDs and
+# their names come in a file (a store of thousands would not fit an argument); the names
+# go on in LISTEN_FDNAMES, so that a list too long for execve fails as it does for systemd.
 LAUNCHER = """
 import fcntl, json, os, sys
-fds = json.loads(sys.argv[1])
-names = json.loads(sys.argv[2])
-high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in fds]
+with open(sys.argv[1]) as passed:
+    fds, names = json.load(passed)
+os.unlink(sys.argv[1])
+high = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(fds, default=0) + 1) for fd in fds]
 for fd in fds:
     os.close(fd)  # systemd passes the FDs at 3, 4, ... only
 for i, fd in enumerate(high):
@@ -26,7 +30,7 @@ for i, fd in enumerate(high):
 for fd in high:
     os.close(fd)
 os.environ.update(LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=":".join(names), LISTEN_PID=str(os.getpid()))
-os.execv(sys.executable, [sys.executable, *sys.argv[3:]])
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
 
 
@@ -82,12 +86,11 @@ class FakeSystemd:
         with self.lock:
             pairs = [(name, fd) for name, fds in sorted(self.store.items()) for fd in fds]
         fds = [fd for _, fd in pairs]
+        passed = self.path.with_name(f"passed-{time.monotonic_ns()}.json")
+        passed.write_text(json.dumps([fds, [name for name, _ in pairs]]))
         return {
             "env": {"NOTIFY_SOCKET": str(self.path)},
-            "command": [
-                sys.executable, "-c", LAUNCHER, json.dumps(fds), json.dumps([name for name, _ in pairs]),
-                "-m", "hbmd.daemon",
-            ],
+            "command": [sys.executable, "-c", LAUNCHER, str(passed), "-m", "hbmd.daemon"],
             "pass_fds": tuple(fds),
         }
 

@@ -41,3 +41,14 @@ def hbmctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hbmd.client.ctl", *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def parked_names(state_dir, buffer_name: str, instance: str = "host") -> set[str]:
+    """The FD-store names of the chunks of the buffer named ``buffer_name``, as its daemon journaled them."""
+    from hbmd.daemon.persist import Journal, chunk_name
+
+    journal = Journal(state_dir / f"{instance}.journal")
+    if not journal.path.exists():
+        return set()
+    buffers = [b for b in journal.read()["buffers"].values() if b["name"] == buffer_name]
+    return {chunk_name(chunk[0]) for b in buffers for chunk in (*b["chunks"], *b["pending"])}

@@ -15,7 +15,7 @@ import os
 import pytest
 from fake_systemd import FakeSystemd
 from hbmd.daemon.notify import SystemdNotifier
-from hbmd.daemon.persist import Persistence, chunk_name
+from hbmd.daemon.persist import MAX_NAMES_CHARS, MAX_PARKED, Persistence, chunk_name
 from hbmd.daemon.state import State
 from helpers import GRANULE, wait_until
 
@@ -91,7 +91,7 @@ def parked(tmp_path):
             state.commit(session, buffer.buffer_id, size * GRANULE)
         ids[name] = buffer
     persistence.sync()
-    names = {chunk_name(b.buffer_id, c.chunk_id) for b in ids.values() for c in b.chunks}
+    names = {chunk_name(c.chunk_id) for b in ids.values() for c in b.chunks}
     wait_until(lambda: systemd.names() == names)
     state.close_session(session)
     persistence.sync()
@@ -114,7 +114,7 @@ def restart(systemd, notifier, journal, backend):
 def test_a_buffer_missing_one_chunk_fd_is_skipped_and_unparked(parked, caplog):
     systemd, notifier, journal, buffers = parked
     lost = buffers["lost"]
-    dropped = chunk_name(lost.buffer_id, lost.chunks[1].chunk_id)
+    dropped = chunk_name(lost.chunks[1].chunk_id)
     with systemd.lock:  # the store lets one go, as beyond FileDescriptorStoreMax
         for fd in systemd.store.pop(dropped):
             os.close(fd)
@@ -125,7 +125,7 @@ def test_a_buffer_missing_one_chunk_fd_is_skipped_and_unparked(parked, caplog):
     assert "buffer 'lost' (6.0 MiB) is lost: 1 of its 3 parked descriptors did not come back" in caplog.text
     state.check_invariants()
     kept = buffers["kept"]
-    wait_until(lambda: systemd.names() == {chunk_name(kept.buffer_id, c.chunk_id) for c in kept.chunks})
+    wait_until(lambda: systemd.names() == {chunk_name(c.chunk_id) for c in kept.chunks})
     # The two chunks of 'kept' and the journal, open to append; the FDs of 'lost' that did come back are closed.
     assert fds_held(systemd) == before + 3
     for chunk in state.buffers[kept.buffer_id].chunks:
@@ -142,7 +142,27 @@ def test_a_buffer_the_backend_cannot_adopt_is_skipped_and_what_was_adopted_relea
     assert "buffer 'lost' (6.0 MiB) is lost: the driver is gone" in caplog.text
     state.check_invariants()
     kept = buffers["kept"]
-    wait_until(lambda: systemd.names() == {chunk_name(kept.buffer_id, c.chunk_id) for c in kept.chunks})
+    wait_until(lambda: systemd.names() == {chunk_name(c.chunk_id) for c in kept.chunks})
     assert fds_held(systemd) == before + 3  # 'kept' and the journal: the two adopted chunks of 'lost' were released
     for chunk in state.buffers[kept.buffer_id].chunks:
         os.close(chunk.handle)
+
+
+def test_no_more_chunks_are_parked_than_the_service_manager_can_pass_back(tmp_path, caplog):
+    # LISTEN_FDNAMES must fit one environment variable: the most parked, with typical ids, does.
+    assert len(":".join(chunk_name(i) for i in range(50_000_000, 50_000_000 + MAX_PARKED))) < MAX_NAMES_CHARS
+    systemd = FakeSystemd(tmp_path / "notify.sock")
+    notifier = SystemdNotifier(os.fsencode(systemd.path))
+    state = State(PipeBackend(), 32 * GRANULE)
+    Persistence(state, notifier, tmp_path / "journal", max_parked=3)
+    session = state.open_session(1, 1000, 1000, "writer", "")
+    buffer = state.create_buffer(session, 8 * GRANULE, 4)
+    with caplog.at_level(logging.WARNING, "hbmd.persist"):
+        state.commit(session, buffer.buffer_id, [GRANULE, 0, 0, 0])
+        state.commit(session, buffer.buffer_id, [GRANULE, GRANULE, GRANULE, GRANULE])  # 3 runs: 4 chunks in all
+    assert "the buffers of further chunks will not survive a restart" in caplog.text
+    wait_until(lambda: systemd.names() == {chunk_name(c.chunk_id) for c in buffer.chunks[:3]})
+    state.close_session(session)  # releases them all: unparked
+    wait_until(lambda: systemd.names() == set())
+    notifier.close()
+    systemd.close()

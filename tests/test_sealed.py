@@ -17,7 +17,7 @@ import signal
 import pytest
 from hbmd.client import Conflict, ExtensibleTensor, InvalidRequest, NotFound
 from hbmd.daemon.persist import Journal
-from helpers import MiB, hbmctl, wait_until
+from helpers import MiB, hbmctl, parked_names, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -276,7 +276,7 @@ def test_a_restart_keeps_a_buffer_sealed(start_daemon, spawn_worker, run_dir, sy
     writer.send("done")
     assert writer.wait() == 0
     # Its one chunk (one commit) parked with the service manager.
-    wait_until(lambda: len(systemd.names()) == 1 and next(iter(systemd.names())).startswith(f"hbmd-c{buffer_id}-"))
+    wait_until(lambda: len(systemd.names()) == 1 and systemd.names() == parked_names(state_dir, "weights"))
     journal = Journal(state_dir / "host.journal").read()
     assert [b["sealed"] for b in journal["buffers"].values()] == [True]
 

@@ -7,7 +7,7 @@ across the instance and a release that fails is handled one way.
 from __future__ import annotations
 
 import logging
-from typing import Generic
+from typing import Any, Generic, Protocol
 
 from hbmd.proto.errors import HbmdError
 from hbmd.proto.undo import Undo
@@ -18,17 +18,29 @@ from .records import Chunk
 log = logging.getLogger("hbmd.state")
 
 
+class Keeper(Protocol):
+    """Who keeps chunks alive across a restart of the daemon (``daemon/persist.py``): told of each one made and
+    released."""
+
+    def made(self, chunk: Chunk[Any], arena: Any) -> None: ...
+
+    def released(self, chunk: Chunk[Any]) -> None: ...
+
+
 class Chunks(Generic[A, C]):
     """Makes chunks with the backend and gives them ids; releases them."""
 
     def __init__(self, backend: Backend[A, C]) -> None:
         self.backend = backend
         self.next_id = 1
+        self.keeper: Keeper | None = None
 
     def make(self, arena: A, offset: int, size: int) -> Chunk[C]:
         """One chunk of ``size`` bytes at ``offset``; raises as the backend does (``OutOfDeviceMemory``...)."""
         chunk = Chunk(self.next_id, offset, size, self.backend.create(arena, offset, size))
         self.next_id += 1
+        if self.keeper is not None:
+            self.keeper.made(chunk, arena)
         return chunk
 
     def make_runs(self, arena: A, runs: list[tuple[int, int]]) -> list[Chunk[C]]:
@@ -48,6 +60,8 @@ class Chunks(Generic[A, C]):
     def release(self, chunk: Chunk[C], arena: A) -> None:
         """Give the chunk's memory back; never raises (a queued export of it is cancelled by ``live``)."""
         chunk.live = False
+        if self.keeper is not None:
+            self.keeper.released(chunk)
         try:
             self.backend.release(arena, chunk.handle)
         except (HbmdError, OSError):
