@@ -186,8 +186,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path,
                         default=None, help="result file (default: bench/results/<backend>-<date>-restart.json)")
     args = parser.parse_args()
-    # The stand-in runs in this process and keeps every parked FD.
-    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+    # The stand-in runs in this process and keeps every parked FD; its launcher moves them, twice as many at once.
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))
+    except (ValueError, OSError):  # not root: as far as the hard limit goes
+        resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     out = args.out or RESULTS_DIR / f"{'h200' if args.backend == 'cuda' else 'host'}-{today_utc()}-restart.json"
     result = {"metadata": metadata(), "commits": commits(args.backend, args.rounds, args.steps), "pauses": []}
     print(json.dumps(result["commits"], indent=1), flush=True)

@@ -367,9 +367,6 @@ def run(daemon: Daemon[A, C]) -> int:
     server.install_signal_handlers()
     ConfigReloader(args.config, server.state, server.lock, notifier).install()
     _announce(daemon, metrics_url)
-    # A status asks the backend for free memory, and NVML takes a few hundred ms to start on its first call: paid
-    # here, not by the first client, nor by every client resuming after a restart.
-    backend.free_bytes()
     server.publish()
     if daemon.handover is not None and not daemon.handover.serving():
         log.warning("the daemon taken over from exited before it heard this one serves")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from typing import Any
 
 from hbmd import driver
@@ -91,6 +92,10 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         self.device_index = index
         self.instance = gpu_instance(index)
         self.device_uuid = driver.device_uuid(index)
+        # NVML takes a few hundred ms to start: while the daemon starts (restores, takes over, binds), not at the
+        # first status, which every client resuming after a restart sends.
+        self._nvml_started = threading.Thread(target=self._nvml_free_bytes, name="hbmd-nvml", daemon=True)
+        self._nvml_started.start()
         self.device_name = driver.device_name(index)
         self.total_bytes = driver.total_memory(index)
         self.granularity = driver.granularity(index)
@@ -132,7 +137,12 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         """Nothing per buffer to drop: each chunk is its own allocation."""
 
     def parked_fd(self, arena: CudaArena, chunk: CudaChunk) -> int:
-        return chunk.export()
+        """An FD for the service manager; the chunk keeps a copy for its first export to a client, so that one driver
+        export serves both (a chunk is parked as it is made, and its client asks for it at once)."""
+        fd = chunk.export()
+        if chunk.handle is not None and chunk.fd < 0:
+            chunk.fd = os.dup(fd)
+        return fd
 
     def adopt_arena(self, reserved_bytes: int, shareable: bool) -> CudaArena:
         return CudaArena(rdma=shareable and not self._rdma_refused)
@@ -165,6 +175,10 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
 
     def free_bytes(self) -> int:
         """From NVML, which needs no context; -1 where NVML is unavailable."""
+        self._nvml_started.join()
+        return self._nvml_free_bytes()
+
+    def _nvml_free_bytes(self) -> int:
         try:
             return nvml.free_bytes(self.device_uuid)
         except nvml.NvmlUnavailable as exc:
