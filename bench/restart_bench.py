@@ -194,11 +194,12 @@ def main() -> int:
     out = args.out or RESULTS_DIR / f"{'h200' if args.backend == 'cuda' else 'host'}-{today_utc()}-restart.json"
     result = {"metadata": metadata(), "commits": commits(args.backend, args.rounds, args.steps), "pauses": []}
     print(json.dumps(result["commits"], indent=1), flush=True)
+    write_json(out, result)
     for chunks in args.chunks:
         for how in ("crash", "takeover"):
             result["pauses"].append(pause(args.backend, chunks, how))
             print(json.dumps(result["pauses"][-1]), flush=True)
-    write_json(out, result)
+            write_json(out, result)  # a run cut short keeps what it measured
     return 0
 
 

@@ -333,6 +333,9 @@ def _persistence(
 def _take_over(args: argparse.Namespace, state: State[A, C], paths: InstancePaths) -> Handover | None:
     """Take the state and chunks of the daemon serving the instance into ``state``; None where none serves. Raises
     :class:`Refusal` where it refuses or fails: it then serves on, and this daemon must not start."""
+    # Ready before the old daemon stops: what this one still has to start (NVML's first query) would be the clients'
+    # pause otherwise.
+    state.backend.free_bytes()
     try:
         handover = take_over(paths.takeover, PROTOCOL_VERSION[0], HANDOVER_TIMEOUT_S)
     except NothingToTakeOver as exc:

@@ -18,18 +18,19 @@ MAX_FDS = 253
 # their names come in a file (a store of thousands would not fit an argument); the names
 # go on in LISTEN_FDNAMES, so that a list too long for execve fails as it does for systemd.
 LAUNCHER = """
-import fcntl, json, os, sys
+import json, os, sys
 with open(sys.argv[1]) as passed:
     fds, names = json.load(passed)
 os.unlink(sys.argv[1])
-high = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(fds, default=0) + 1) for fd in fds]
-for fd in fds:
-    os.close(fd)  # systemd passes the FDs at 3, 4, ... only
-for i, fd in enumerate(high):
-    os.dup2(fd, 3 + i)
-for fd in high:
-    os.close(fd)
-os.environ.update(LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=":".join(names), LISTEN_PID=str(os.getpid()))
+# In order of their numbers, each FD moves down to 3, 4, ...: the i-th is at 3 + i or above, so a
+# move never lands on one not moved yet, and no more FDs are open at once than were passed.
+pairs = sorted(zip(fds, names))
+for i, (fd, _) in enumerate(pairs):
+    if fd != 3 + i:
+        os.dup2(fd, 3 + i)
+        os.close(fd)
+names = [name for _, name in pairs]
+os.environ.update(LISTEN_FDS=str(len(pairs)), LISTEN_FDNAMES=":".join(names), LISTEN_PID=str(os.getpid()))
 os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
 """
 

@@ -163,4 +163,4 @@ def test_an_engine_decoding_while_the_daemon_restarts_gets_the_tokens_of_an_undi
     # Every decode step ran, on the KV cache it had, through the restart: the same tokens.
     assert disturbed["tokens"] == undisturbed["tokens"]
     assert "session" in daemon.log() and "resumed" in daemon.log()
-    print(f"\n{how} on {device}: the new daemon served {serving_after:.2f}s after the old one went")
+    print(f"\n{how} on {device}: the new daemon served {serving_after:.2f}s after {'the kill' if how == 'kill' else 'its launch'}")
