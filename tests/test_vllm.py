@@ -84,14 +84,20 @@ def test_an_unknown_vllm_version_is_refused_clearly():
 
 
 @pytest.fixture
-def hbmd_cache(daemon, monkeypatch):
+def vllm_on_hbmd(monkeypatch):
     """vLLM's KV cache module with its ExtensibleTensor name pointed at hbmd, as the plugin does."""
-    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
     monkeypatch.setattr(vllm_cache, "ExtensibleTensor", plugin.VllmExtensibleTensor)
     monkeypatch.setattr(
         vllm_cache.ExtensibleKVCache, "commit", plugin.capped_commit(vllm_cache.ExtensibleKVCache.commit)
     )
     return vllm_cache
+
+
+@pytest.fixture
+def hbmd_cache(vllm_on_hbmd, daemon, monkeypatch):
+    """The same, served by the ``daemon`` fixture's daemon."""
+    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
+    return vllm_on_hbmd
 
 
 def planned(layout_name: str, groups, available: int):
@@ -163,3 +169,36 @@ def test_vllm_commits_no_more_than_the_daemon_admits(hbmd_cache, daemon):
     assert 0 < kv.num_committed_blocks < kv.capacity_blocks
     assert kv.physical_bytes <= 256 * MiB
     kv.free()
+
+
+@pytest.mark.parametrize("how", ["takeover", "kill"])
+def test_vllms_kv_cache_goes_on_across_a_daemon_restart(vllm_on_hbmd, start_daemon, run_dir, systemd, monkeypatch, how):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--budget", "256MiB", "--state-dir", str(state_dir))
+    daemon = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
+    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
+    layout, config = planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 4 * PAGE * 300)
+    kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    kv.allocate(kv.size)
+    kv.commit(100)
+    stride = kv.segment_strides[0]
+    kv.buffer.segment_view(0)[: 100 * stride].fill_(7)
+
+    if how == "kill":
+        daemon.kill()
+        daemon = start_daemon(*args, **systemd.relaunch())
+    else:
+        old = daemon
+        daemon = start_daemon(*args, "--takeover", env={"NOTIFY_SOCKET": str(systemd.path)})
+        assert old.proc.wait(10) == 0
+    kv.commit(300)  # vLLM's next resize goes to the new daemon, on the same addresses
+    assert int(kv.buffer.segment_view(0)[: 100 * stride].float().mean()) == 7
+    with daemon.connect(observer=True) as observer:
+        assert observer.status().committed_bytes == kv.physical_bytes
+        kv.release_physical()
+        assert observer.status().committed_bytes == 0
+        kv.recommit()
+        assert observer.status().committed_bytes == kv.physical_bytes > 0
+        kv.free()
+        assert observer.buffers() == []
