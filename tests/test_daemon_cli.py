@@ -160,7 +160,7 @@ sys.exit(main.main(sys.argv[1:]))
 def test_a_daemon_checking_its_books_exits_at_the_first_that_does_not_balance(run_dir):
     launcher = [sys.executable, "-c", MISCOUNTING_DAEMON]
     with DaemonProcess(run_dir, "--backend", "host", "--budget", "64MiB", "--check-invariants", command=launcher) as daemon:
-        with connect(run_dir=run_dir, instance=daemon.instance, lease=False) as client:
+        with connect(run_dir=run_dir, instance=daemon.instance, lease=False, resume_timeout=0.5) as client:
             buffer = client.create_buffer(8 * MiB)
             # The books are checked after the reply is queued; whether it leaves before the daemon ends is a race.
             with contextlib.suppress(SessionLost):

@@ -284,10 +284,12 @@ def test_connecting_where_no_daemon_runs_names_the_socket(run_dir):
 
 
 def test_a_dead_daemon_is_reported_not_hung(daemon):
-    client = daemon.connect(timeout=1.0)
+    client = daemon.connect(timeout=1.0, resume_timeout=1.0)
     daemon.kill()
-    with pytest.raises(DaemonUnavailable):
+    started = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match=r"did not come back within 1s \(HBMD_RESUME_TIMEOUT\)"):
         client.status()
+    assert time.monotonic() - started < 2.5
 
 
 def test_the_client_refuses_use_after_fork(client):
