@@ -26,7 +26,7 @@ from .backends import A, Backend, C
 from .backends.host import HostBackend
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
-from .persist import RESUME_WINDOW_S, Persistence, restore, unpack_image
+from .persist import RESUME_WINDOW_S, NewerState, Persistence, restore, unpack_image
 from .reload import ConfigReloader
 from .server import AlreadyRunning, BooksUnbalanced, HandlerTableError, Server
 from .server.loop import HANDOVER_TIMEOUT_S
@@ -324,7 +324,10 @@ def _persistence(
     if taken_over:
         persistence.start_afresh(passed)
         return persistence
-    sessions, buffers = persistence.restore(passed)
+    try:
+        sessions, buffers = persistence.restore(passed)
+    except NewerState as exc:
+        raise Refusal(f"the journal {persistence.journal.path} cannot be restored: {exc}", 1) from None
     log.info("every chunk is parked with the service manager; restored: %d sessions (resuming within %gs), %d buffers",
              sessions, args.resume_timeout, buffers)
     return persistence

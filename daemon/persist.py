@@ -170,12 +170,21 @@ def unpack_image(data: bytes) -> Image:
 # restoring
 
 
+class NewerState(ValueError):
+    """A journal or handover written by a newer daemon: this one does not know what it may hold."""
+
+
 def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_window_s: float) -> tuple[int, int]:
     """Rebuild the state of ``image`` from the chunks' descriptors in ``fds`` (taken out of it as they are adopted;
     the caller closes what is left); returns how many sessions and buffers came back.
 
     Sessions come back resuming, until ``resume_window_s`` from now.
+    Raises :class:`NewerState`, with nothing restored, for an image of a
+    later version than this daemon's.
     """
+    version = image["meta"].get("version") or JOURNAL_VERSION
+    if version > JOURNAL_VERSION:
+        raise NewerState(f"it is of version {version}, newer than this daemon's {JOURNAL_VERSION}: run the newer hbmd")
     resume_by = time.monotonic() + resume_window_s
     sessions = 0
     for record in image.get("sessions", {}).values():
@@ -185,7 +194,6 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
         except Exception as exc:  # whatever the journal or the backend raised: lose this session, not the daemon
             log.error("session %s is lost: %s", _field(record, "id"), exc)
     buffers = 0
-    version = image["meta"].get("version") or JOURNAL_VERSION
     for record in image.get("buffers", {}).values():
         try:
             _restore_buffer(state, record, fds, version)
@@ -520,7 +528,10 @@ class Persistence:
 
     def restore(self, passed: dict[str, list[int]]) -> tuple[int, int]:
         """Rebuild the state the journal describes from the FDs the service manager passed back, then journal it
-        afresh; returns how many sessions and buffers came back. FDs nobody claims are closed and unparked."""
+        afresh; returns how many sessions and buffers came back. FDs nobody claims are closed and unparked.
+
+        Raises :class:`NewerState` for a newer daemon's journal, leaving it and the store as they are.
+        """
         try:
             image = self.journal.read()
         except (OSError, ValueError) as exc:
@@ -530,7 +541,12 @@ class Persistence:
         for extra in passed.values():
             for fd in extra[1:]:
                 os.close(fd)
-        counts = restore(self.state, image, fds, self.resume_window_s) if image else (0, 0)
+        try:
+            counts = restore(self.state, image, fds, self.resume_window_s) if image else (0, 0)
+        except NewerState:
+            for fd in fds.values():
+                os.close(fd)
+            raise
         for name, fd in fds.items():
             # Parked for a chunk that is not coming back (gone from the journal, or lost above): let it go.
             os.close(fd)

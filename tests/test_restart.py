@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import msgpack
 import pytest
 from hbmd.client import ExtensibleTensor
 from hbmd.daemon.persist import Journal
+from hbmd.daemon.spawn import DaemonProcess
 from helpers import MiB, parked_names, wait_until
 
 torch = pytest.importorskip("torch")
@@ -141,3 +143,17 @@ def test_the_default_client_connects_again_once_the_daemon_came_back(start_daemo
     after.resize_(4 * MiB)
     assert after.client is not before.client and after.client.status().committed_bytes == 4 * MiB
     after.client.close()
+
+
+def test_a_journal_of_a_newer_daemon_is_left_alone_and_the_older_one_does_not_start(run_dir, systemd):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    journal = state_dir / "host.journal"
+    journal.write_bytes(msgpack.packb(["image", {"meta": {"version": 99}, "sessions": {}, "buffers": {}}]))
+    before = journal.read_bytes()
+    daemon = DaemonProcess(run_dir, "--backend", "host", "--state-dir", str(state_dir),
+                           env={"NOTIFY_SOCKET": str(systemd.path)})
+    with pytest.raises(RuntimeError, match="hbmd exited with 1"):
+        daemon.start()
+    assert "it is of version 99, newer than this daemon's 4: run the newer hbmd" in daemon.log()
+    assert journal.read_bytes() == before  # a downgrade loses nothing: the newer daemon finds it all again
