@@ -5,8 +5,8 @@ Two figures, each measured in one run against its baseline:
 - **commits**: 2 MiB steps through the daemon (no lease) and onto leased
   granules, on a daemon that journals every change and parks every chunk
   with a service manager (the systemd stand-in of ``tests/fake_systemd.py``,
-  which keeps the FDs as systemd does) against the same daemon without,
-  the two interleaved round by round;
+  which keeps the FDs as systemd does, in a process of its own) against the
+  same daemon without, the two interleaved round by round;
 - **pause**: a client holding N chunks (10, 1,000, 10,000) and calling the
   daemon in a loop while the daemon is killed and restarted on what the store
   kept (a crash under systemd), and while a successor takes over
@@ -26,6 +26,7 @@ import json
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -44,14 +45,46 @@ MiB = 1 << 20
 GRANULE = 2 * MiB
 
 
-class Instance:
-    """A daemon on a run directory of its own, kept (``kept``: journaled and parked with the stand-in) or not."""
+STORE_PROCESS = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from fake_systemd import FakeSystemd
+store = FakeSystemd(Path(sys.argv[1]))
+print("ready", flush=True)
+sys.stdin.read()
+store.close()
+"""
 
-    def __init__(self, backend: str, kept: bool) -> None:
+
+class StoreProcess:
+    """The systemd stand-in in a process of its own, as systemd is: in the measuring process its thread would wake
+    for every chunk parked and take the interpreter from the client being timed. It cannot restart the daemon."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        tests = Path(__file__).resolve().parent.parent / "tests"
+        self.proc = subprocess.Popen([sys.executable, "-c", STORE_PROCESS, str(path), str(tests)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+
+class Instance:
+    """A daemon on a run directory of its own, kept (``kept``: journaled and parked with a stand-in) or not.
+
+    ``restartable``: the stand-in keeps the FDs in this process, so that it can start the next daemon on them.
+    """
+
+    def __init__(self, backend: str, kept: bool, restartable: bool = False) -> None:
         self.run_dir = Path(tempfile.mkdtemp(prefix="hbmdr-", dir="/tmp"))
         self.backend = backend
         self.kept = kept
-        self.systemd = FakeSystemd(self.run_dir / "notify.sock") if kept else None
+        store = FakeSystemd if restartable else StoreProcess
+        self.systemd = store(self.run_dir / "notify.sock") if kept else None
         self.args = ["--backend", backend, "--budget", "90%"]
         if kept:
             (self.run_dir / "state").mkdir()
@@ -153,7 +186,7 @@ class CallsInALoop:
 
 def pause(backend: str, chunks: int, how: str) -> dict:
     """A client holding ``chunks`` chunks; the daemon crashes (or is taken over): the client's pause."""
-    instance = Instance(backend, True)
+    instance = Instance(backend, True, restartable=True)
     try:
         client = instance.connect(lease=False)
         buffer = client.create_buffer(chunks * 2 * GRANULE, chunks)

@@ -103,6 +103,7 @@ def session_record(session: Session) -> dict[str, Any]:
         "id": session.session_id, "pid": session.pid, "uid": session.uid, "gid": session.gid,
         "name": session.client_name, "tenant": session.tenant.name, "admin": session.admin,
         "wants_lease": session.wants_lease, "credential": session.credential_hash,
+        "previous_credential": session.previous_credential_hash,
         "lease": [[c.chunk_id, c.size] for c in session.lease.values()],
         "answer": None if answer is None else [answer.request_id, answer.frames, answer.buffer_id, answer.chunk_ids],
     }
@@ -122,7 +123,8 @@ def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
 def _journaled_as(session: Session) -> tuple[Any, ...]:
     """What of a session changes its record (the rest is fixed at its hello)."""
     answer = session.answer
-    return answer.request_id if answer else 0, session.credential_hash, tuple(session.lease), session.tenant.name
+    return (answer.request_id if answer else 0, session.credential_hash, session.previous_credential_hash,
+            tuple(session.lease), session.tenant.name)
 
 
 def _kept(session: Session) -> bool:
@@ -227,6 +229,7 @@ def _restore_session(state: State[Any, Any], record: dict[str, Any], fds: dict[s
             gid=int(record["gid"]), client_name=str(record["name"]), tenant=Tenant(str(record["tenant"])),
             admin=bool(record["admin"]), wants_lease=bool(record["wants_lease"]),
             credential_hash=str(record["credential"]),
+            previous_credential_hash=str(record.get("previous_credential", "")),
             answer=None if answer is None else Answer(int(answer[0]), answer[1], int(answer[2]), list(answer[3])),
         )
         state.restore_session(session, lease, resume_by)
@@ -423,6 +426,8 @@ class Persistence:
         """Ids of the chunks parked."""
         self._names_chars = 0
         """What their names take in ``LISTEN_FDNAMES``."""
+        self._unparking: list[str] = []
+        """Names of chunks released since the last sync, unparked once it has journaled their release."""
         self._sessions: dict[int, tuple[Any, ...]] = {}
         """What each kept session's record was last journaled from."""
         self.degraded = False
@@ -457,21 +462,28 @@ class Persistence:
             os.close(fd)
 
     def released(self, chunk: Chunk[Any]) -> None:
-        """Unpark a chunk released: the service manager must not keep its memory alive."""
+        """Unpark a chunk released, once the journal says so (:meth:`sync`): the service manager must not keep its
+        memory alive, but a daemon that dies before the journal is written comes back from a journal that still
+        lists the chunk, and finds it."""
         if chunk.chunk_id in self._parked:
             name = chunk_name(chunk.chunk_id)
             self._parked.discard(chunk.chunk_id)
             self._names_chars -= len(name) + 1
-            self.notifier.remove_fds(name)
+            self._unparking.append(name)
             self._full = False
 
     # the journal
 
     def sync(self) -> None:
-        """Journal what changed since the last sync."""
+        """Journal what changed since the last sync, then unpark the chunks released meanwhile."""
         records = self._buffer_records() + self._session_records()
-        if not records:
-            return
+        if records:
+            self._journal(records)
+        for name in self._unparking:
+            self.notifier.remove_fds(name)
+        self._unparking.clear()
+
+    def _journal(self, records: list[list[Any]]) -> None:
         try:
             if self.degraded or not self.journal.size or self.journal.size > max(
                 COMPACT_MIN_BYTES, COMPACT_RATIO * self._image_bytes

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 from fake_systemd import FakeSystemd
 from hbmd.daemon.notify import SystemdNotifier
-from hbmd.daemon.persist import MAX_NAMES_CHARS, MAX_PARKED, Persistence, chunk_name
+from hbmd.daemon.persist import MAX_NAMES_CHARS, MAX_PARKED, Journal, Persistence, chunk_name
 from hbmd.daemon.state import State
 from helpers import GRANULE, wait_until
 
@@ -154,7 +155,7 @@ def test_no_more_chunks_are_parked_than_the_service_manager_can_pass_back(tmp_pa
     systemd = FakeSystemd(tmp_path / "notify.sock")
     notifier = SystemdNotifier(os.fsencode(systemd.path))
     state = State(PipeBackend(), 32 * GRANULE)
-    Persistence(state, notifier, tmp_path / "journal", max_parked=3)
+    persistence = Persistence(state, notifier, tmp_path / "journal", max_parked=3)
     session = state.open_session(1, 1000, 1000, "writer", "")
     buffer = state.create_buffer(session, 8 * GRANULE, 4)
     with caplog.at_level(logging.WARNING, "hbmd.persist"):
@@ -162,7 +163,31 @@ def test_no_more_chunks_are_parked_than_the_service_manager_can_pass_back(tmp_pa
         state.commit(session, buffer.buffer_id, [GRANULE, GRANULE, GRANULE, GRANULE])  # 3 runs: 4 chunks in all
     assert "the buffers of further chunks will not survive a restart" in caplog.text
     wait_until(lambda: systemd.names() == {chunk_name(c.chunk_id) for c in buffer.chunks[:3]})
-    state.close_session(session)  # releases them all: unparked
+    state.close_session(session)  # releases them all: unparked once the journal says so
+    persistence.sync()
     wait_until(lambda: systemd.names() == set())
+    notifier.close()
+    systemd.close()
+
+
+def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_path):
+    # A daemon that dies between the two comes back from a journal that still lists the chunk: it must find it.
+    systemd = FakeSystemd(tmp_path / "notify.sock")
+    notifier = SystemdNotifier(os.fsencode(systemd.path))
+    state = State(PipeBackend(), 32 * GRANULE)
+    persistence = Persistence(state, notifier, tmp_path / "journal")
+    session = state.open_session(1, 1000, 1000, "writer", "")
+    buffer = state.create_buffer(session, 8 * GRANULE, 1)
+    state.commit(session, buffer.buffer_id, 2 * GRANULE)
+    persistence.sync()
+    names = {chunk_name(c.chunk_id) for c in buffer.chunks}
+    wait_until(lambda: systemd.names() == names)
+    state.release(session, buffer.buffer_id)
+    time.sleep(0.2)  # what the stand-in would have received by now
+    assert systemd.names() == names  # the journal still lists them
+    persistence.sync()
+    assert Journal(tmp_path / "journal").read()["buffers"][buffer.buffer_id]["chunks"] == []
+    wait_until(lambda: systemd.names() == set())
+    state.close_session(session)
     notifier.close()
     systemd.close()

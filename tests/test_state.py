@@ -16,6 +16,8 @@ from hbmd.proto.errors import (
     NotFound,
     OutOfBudget,
     OutOfDeviceMemory,
+    PermissionDenied,
+    SessionLost,
 )
 from hbmd.proto.runs import backed_runs, merge_runs, new_granules, subtract_runs
 from hbmd.proto.units import round_up
@@ -317,3 +319,25 @@ def test_a_lease_left_idle_is_asked_back_and_grows_again_with_demand():
     assert len(state.top_up_lease(session)) == 2
     state.close_session(session)
     state.check_invariants()
+
+
+def test_a_credential_resumes_once_and_the_one_before_only_until_the_client_speaks():
+    state = State(HostBackend(), 64 * MiB)
+    session = state.open_session(4242, 1000, 1000, "engine", "")
+    first = state.issue_credential(session)
+    state.suspend_session(session, float("inf"))  # the daemon went away
+    assert state.resume_session(session.session_id, 1000, 4242, first) is session
+    second = state.issue_credential(session)  # in a welcome the daemon may have gone with, unsent
+    state.suspend_session(session, float("inf"))
+    state.resume_session(session.session_id, 1000, 4242, first)  # the client never got `second`
+    third = state.issue_credential(session)
+    session.previous_credential_hash = ""  # what a request of the session does: it holds `third`
+    state.suspend_session(session, float("inf"))
+    for stale in (first, second):
+        with pytest.raises(PermissionDenied, match="another process or credential"):
+            state.resume_session(session.session_id, 1000, 4242, stale)
+    with pytest.raises(PermissionDenied):
+        state.resume_session(session.session_id, 1000, 4243, third)  # another process
+    state.resume_session(session.session_id, 1000, 4242, third)
+    with pytest.raises(SessionLost, match="no session 1 to resume"):
+        state.resume_session(session.session_id, 1000, 4242, third)  # it is back: nothing to resume

@@ -86,10 +86,12 @@ class HandlePlane(Generic[A, C]):
     Its :attr:`outbox` holds what is sent back to them.
     """
 
-    def __init__(self, state: State[A, C], poller: zmq.Poller) -> None:
-        """``poller``: the loop's; every socket and pidfd of the handle plane is registered on it."""
+    def __init__(self, state: State[A, C], poller: zmq.Poller, journal: Callable[[], None] = lambda: None) -> None:
+        """``poller``: the loop's; every socket and pidfd of the handle plane is registered on it. ``journal``: writes
+        what changed where the state is kept across restarts, before a welcome acknowledges it."""
         self.state = state
         self._poller = poller
+        self._journal = journal
         self._listener: socket.socket | None = None
         self._reserve_fd = -1
         """Kept open to be closed when the descriptors run out: one to accept a waiting peer with, and refuse it."""
@@ -418,7 +420,9 @@ class HandlePlane(Generic[A, C]):
         self._by_session[session.session_id] = conn
         if session.wants_lease:
             self._placing.register(conn.sock.fileno(), select.POLLIN)
-        conn.send_quietly(self._welcome(session, resumed))
+        welcome = self._welcome(session, resumed)
+        self._journal()  # the session and its new credential, before the client holds them
+        conn.send_quietly(welcome)
         # Observers (hbmctl, probes) connect every few seconds: at INFO they would bury the workers.
         log.log(
             logging.DEBUG if session.observer else logging.INFO,

@@ -116,7 +116,9 @@ class Server(Generic[A, C]):
         self._successors: TakeoverListener | None = None
         self._wake_r = self._wake_w = -1
         self._poller = zmq.Poller()
-        self._plane: HandlePlane[A, C] = HandlePlane(state, self._poller)
+        self._plane: HandlePlane[A, C] = HandlePlane(
+            state, self._poller, persistence.sync if persistence is not None else lambda: None
+        )
         self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane)
         rooms = {room: room(state, self._plane) for room in self.ROOMS}
         self._buffer_requests = rooms[BufferRequests]
@@ -383,6 +385,7 @@ class Server(Generic[A, C]):
             if answered is not None and request_id == answered.request_id:
                 return self._answer_again(conn, request_id, answered)
             fresh = True
+            session.previous_credential_hash = ""  # the client speaks: it holds its last welcome's credential
             reply = handler(conn, request_id, decode_body(kind, raw))
         except OutOfBudget as exc:
             self._log_refusal(operation, session, exc)  # only a handler refuses for budget: the session is known

@@ -133,6 +133,9 @@ class Session:
     """When the session last placed leased granules or found its lease short."""
     credential_hash: str = ""
     """SHA-256 of the credential that resumes the session after a daemon restart (the credential itself is never kept)."""
+    previous_credential_hash: str = ""
+    """The one before, good until the client next speaks: the daemon may have gone with the welcome that carried the
+    new one still unsent."""
     resume_by: float | None = None
     """Restored after a restart and not resumed yet: the monotonic time by which its client must come back, or the
     session ends as a dead one's does. None for a connected session."""
