@@ -45,6 +45,7 @@ from hbmd.proto.errors import (
     SessionLost,
     error_from_wire,
 )
+from hbmd.proto.fdpass import receive_with_fds
 from hbmd.proto.instance import InstancePaths
 
 MAX_DATAGRAM = 64 << 10
@@ -124,7 +125,7 @@ class HandleChannel:
     def _recv(self, timeout: float) -> tuple[bytes, list[int]]:
         self.sock.settimeout(timeout)
         try:
-            data, fds, _, _ = socket.recv_fds(self.sock, MAX_DATAGRAM, MAX_FDS_PER_DATAGRAM)
+            data, fds, _ = receive_with_fds(self.sock, MAX_DATAGRAM, MAX_FDS_PER_DATAGRAM)
         except socket.timeout:
             raise DaemonUnavailable(f"hbmd at {self.path} sent nothing within {timeout:.1f}s", path=self.path) from None
         if not data and not fds:

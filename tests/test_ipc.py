@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -334,3 +335,10 @@ def test_a_session_that_never_says_hello_is_dropped(daemon):
     sock.connect(str(InstancePaths.of(daemon.run_dir, "host").handles))
     assert sock.recv(65536) == b""
     sock.close()
+
+
+def test_the_chunk_fds_a_client_receives_are_not_inherited_by_what_it_spawns(client):
+    buffer = client.create_buffer(8 * MiB, 2)
+    with client.commit(buffer.buffer_id, 2 * MiB) as delivery:
+        flags = [fcntl.fcntl(fd, fcntl.F_GETFD) for _, fd in delivery]
+    assert len(flags) == 2 and all(f & fcntl.FD_CLOEXEC for f in flags)

@@ -55,6 +55,7 @@ from hbmd.proto.errors import (
     ProtocolError,
     VersionMismatch,
 )
+from hbmd.proto.fdpass import receive_with_fds
 from hbmd.proto.instance import VERSION
 
 from ..backends import A, C
@@ -334,7 +335,7 @@ class HandlePlane(Generic[A, C]):
         Inbound FDs are closed.
         """
         try:
-            data, fds, flags, _ = socket.recv_fds(conn.sock, MAX_DATAGRAM, MAX_FDS_IN, socket.MSG_DONTWAIT)
+            data, fds, flags = receive_with_fds(conn.sock, MAX_DATAGRAM, MAX_FDS_IN, socket.MSG_DONTWAIT)
         except InterruptedError:
             raise BlockingIOError from None
         except BlockingIOError:
