@@ -275,6 +275,8 @@ class Client:
                 )
                 raise self._lost from exc
             except DaemonUnavailable as exc:
+                if self.closed:  # closed meanwhile (its close waits for the listener, which may be here)
+                    raise SessionLost("this hbmd client was closed while its daemon was away") from exc
                 if time.monotonic() > deadline:
                     self._lost = SessionLost(
                         f"hbmd at {self.paths.directory} did not come back within {self.resume_timeout:g}s "
@@ -608,7 +610,7 @@ def _listen(client_ref: "weakref.ref[Client]", handles: HandleChannel) -> None:
         del client
     client = client_ref()
     gone = client is not None and not client.closed and client._handles is handles and client._credential
-    if gone and not client.resumed():
+    if gone and not client.resumed() and not client.closed:
         log.warning("%s", client._lost)
 
 
