@@ -320,10 +320,17 @@ class State(Generic[A, C]):
     # pressure: what a commit that met a limit asks of other sessions
 
     def refused(self, requester: Session | None) -> None:
-        """Budget pressure: ask every other session for its unplaced granules, and lease them none until they commit again."""
+        """Budget pressure: ask every other session for its unplaced granules, and lease them none until they commit again.
+
+        The requester gives its own lease back and asks again (the client
+        does so at once): it is leased nothing more meanwhile, or a top-up
+        would take the room its retry needs.
+        """
         for session in self.sessions.values():
             if session is not requester:
                 self.leases.ask_back(session)
+        if requester is not None:
+            self.leases.hold_off(requester)
 
     def short(self, tenant: Tenant, needed: int) -> None:
         """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""

@@ -156,6 +156,11 @@ class Leases(Generic[A, C]):
         self.drop(session)
         self.due.discard(session.session_id)
 
+    def hold_off(self, session: Session) -> None:
+        """Lease the session nothing more until it commits again (it is giving back what it holds)."""
+        session.lease_target = 0
+        self.due.discard(session.session_id)
+
     def ask_back(self, session: Session) -> None:
         """Ask the session for its unplaced granules, and lease it none until it commits again."""
         session.lease_target = 0
