@@ -267,6 +267,7 @@ class Client:
                 with Undo() as undo:
                     undo.push(handles.close)
                     welcome = handles.handshake(hello)
+                handles.timeout = self.timeout  # what is left of the wait was for the handshake only
                 return handles, welcome
             except (SessionLost, PermissionDenied) as exc:
                 self._lost = SessionLost(
