@@ -78,13 +78,27 @@ def fds_held(systemd: FakeSystemd) -> int:
 
 
 @pytest.fixture
-def parked(tmp_path):
-    """Two persistent buffers parked chunk by chunk: 'kept' (2 chunks) and 'lost' (3 chunks)."""
+def store(tmp_path):
+    """The systemd stand-in, and a notifier that speaks to it."""
     systemd = FakeSystemd(tmp_path / "notify.sock")
     notifier = SystemdNotifier(os.fsencode(systemd.path))
+    yield systemd, notifier
+    notifier.close()
+    systemd.close()
+
+
+def kept_state(notifier, journal, max_parked=MAX_PARKED):
+    """A state of pipe chunks, each parked and journaled, and a session of it."""
     state = State(PipeBackend(), 32 * GRANULE)
-    persistence = Persistence(state, notifier, tmp_path / "journal")
-    session = state.open_session(1, 1000, 1000, "writer", "")
+    persistence = Persistence(state, notifier, journal, max_parked=max_parked)
+    return state, persistence, state.open_session(1, 1000, 1000, "writer", "")
+
+
+@pytest.fixture
+def parked(tmp_path, store):
+    """Two persistent buffers parked chunk by chunk: 'kept' (2 chunks) and 'lost' (3 chunks)."""
+    systemd, notifier = store
+    state, persistence, session = kept_state(notifier, tmp_path / "journal")
     ids = {}
     for name, chunks in (("kept", 2), ("lost", 3)):
         buffer = state.create_buffer(session, 8 * GRANULE, 1, name, persistent=True)
@@ -100,8 +114,6 @@ def parked(tmp_path):
     for buffer in list(state.buffers.values()):
         for chunk in buffer.chunks:
             os.close(chunk.handle)
-    notifier.close()
-    systemd.close()
 
 
 def restart(systemd, notifier, journal, backend):
@@ -149,14 +161,11 @@ def test_a_buffer_the_backend_cannot_adopt_is_skipped_and_what_was_adopted_relea
         os.close(chunk.handle)
 
 
-def test_no_more_chunks_are_parked_than_the_service_manager_can_pass_back(tmp_path, caplog):
+def test_no_more_chunks_are_parked_than_the_service_manager_can_pass_back(tmp_path, store, caplog):
     # LISTEN_FDNAMES must fit one environment variable: the most parked, with typical ids, does.
     assert len(":".join(chunk_name(i) for i in range(50_000_000, 50_000_000 + MAX_PARKED))) < MAX_NAMES_CHARS
-    systemd = FakeSystemd(tmp_path / "notify.sock")
-    notifier = SystemdNotifier(os.fsencode(systemd.path))
-    state = State(PipeBackend(), 32 * GRANULE)
-    persistence = Persistence(state, notifier, tmp_path / "journal", max_parked=3)
-    session = state.open_session(1, 1000, 1000, "writer", "")
+    systemd, notifier = store
+    state, persistence, session = kept_state(notifier, tmp_path / "journal", max_parked=3)
     buffer = state.create_buffer(session, 8 * GRANULE, 4)
     with caplog.at_level(logging.WARNING, "hbmd.persist"):
         state.commit(session, buffer.buffer_id, [GRANULE, 0, 0, 0])
@@ -166,17 +175,12 @@ def test_no_more_chunks_are_parked_than_the_service_manager_can_pass_back(tmp_pa
     state.close_session(session)  # releases them all: unparked once the journal says so
     persistence.sync()
     wait_until(lambda: systemd.names() == set())
-    notifier.close()
-    systemd.close()
 
 
-def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_path):
+def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_path, store):
     # A daemon that dies between the two comes back from a journal that still lists the chunk: it must find it.
-    systemd = FakeSystemd(tmp_path / "notify.sock")
-    notifier = SystemdNotifier(os.fsencode(systemd.path))
-    state = State(PipeBackend(), 32 * GRANULE)
-    persistence = Persistence(state, notifier, tmp_path / "journal")
-    session = state.open_session(1, 1000, 1000, "writer", "")
+    systemd, notifier = store
+    state, persistence, session = kept_state(notifier, tmp_path / "journal")
     buffer = state.create_buffer(session, 8 * GRANULE, 1)
     state.commit(session, buffer.buffer_id, 2 * GRANULE)
     persistence.sync()
@@ -189,5 +193,3 @@ def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_
     assert Journal(tmp_path / "journal").read()["buffers"][buffer.buffer_id]["chunks"] == []
     wait_until(lambda: systemd.names() == set())
     state.close_session(session)
-    notifier.close()
-    systemd.close()
