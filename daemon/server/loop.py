@@ -215,7 +215,9 @@ class Server(Generic[A, C]):
         idle_work = True
         while not self._stopping:
             timeout = 0 if idle_work else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
-            events = self._poller.poll(timeout=timeout)
+            # Control requests last: a request sees every session the same turn of the loop ended (a worker that
+            # exited just before its peer asked for status is gone from the status).
+            events = sorted(self._poller.poll(timeout=timeout), key=lambda event: event[0] is self._router)
             with self.lock:
                 for fd_or_socket, _ in events:
                     try:
