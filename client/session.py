@@ -7,8 +7,9 @@ import os
 import sys
 import threading
 import time
+import dataclasses
 import weakref
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar
 
 from hbmd.proto import (
     MAX_PLACED_GRANULES,
@@ -35,6 +36,7 @@ from hbmd.proto import (
     ReclaimDone,
     ReclaimRequest,
     ReclaimSent,
+    Redeclare,
     Release,
     Released,
     Remap,
@@ -75,6 +77,20 @@ log = logging.getLogger("hbmd.client")
 R = TypeVar("R", bound=Message)
 
 
+class Holder(Protocol):
+    """What maps a buffer of the session in this process (an ``ExtensibleTensor``): should the daemon restart with
+    nothing to keep its memory, the client declares the buffer again on its new session (:meth:`Client.holds`)."""
+
+    @property
+    def buffer_id(self) -> int: ...
+
+    def _declaration(self) -> Redeclare | None:
+        """The buffer as this process maps it; None where it maps nothing the daemon should count."""
+
+    def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:
+        """The new daemon's record of the buffer, or why it refused to count it."""
+
+
 class ForkedClient(HbmdError):
     """A client was used in a child process after ``fork()``; connect anew there."""
 
@@ -102,6 +118,14 @@ class Client:
     this client and connect again: the new session attaches the persistent
     buffers by name and creates anonymous ones anew.
 
+    Where the daemon kept nothing, the session starts over instead: a new
+    one, on which this client declares again every buffer its tensors still
+    map (:class:`Redeclare`), so that the new daemon counts memory still in
+    use; their tensors go on at the same addresses, under new buffer ids.
+    A buffer the daemon refuses to count makes its tensor unusable
+    (:class:`TensorUnusable`; free it). Persistent buffers that no process
+    maps are lost then, and anything this process had leased.
+
     ``lease`` (the default): take the granules the daemon leases ahead of
     need, imported by a listener thread, so that a small commit maps them
     without a round trip (:mod:`hbmd.client.lease`).
@@ -125,13 +149,13 @@ class Client:
         self.timeout = timeout
         self.resume_timeout = resume_timeout_from_env() if resume_timeout is None else resume_timeout
         self._pid = os.getpid()
+        self._hello = Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
+                            lease and not observer)
+        """The hello of a new session: sent again where the session must start over."""
         with Undo() as undo:
             self._handles = HandleChannel(paths, timeout)
             undo.push(self._handles.close)
-            self.welcome = self._handles.handshake(
-                Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
-                      lease and not observer)
-            )
+            self.welcome = self._handles.handshake(self._hello)
             self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles)
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
@@ -147,6 +171,8 @@ class Client:
         """Placements sent since the last reply: one the daemon had not read when it went may be lost with it."""
         self._lost: SessionLost | None = None
         """Why the session cannot be resumed, once that is known."""
+        self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
+        """What maps this session's buffers here: declared again where the session starts over."""
         if self.welcome.lease_bytes > 0:
             # Neither the lease nor the listener holds the client: one dropped unclosed is collected, and its
             # session ends with its socket, as without leases.
@@ -226,14 +252,18 @@ class Client:
                     if isinstance(exc, PermissionDenied) and exc.details.get("token") != "unknown":
                         raise
                     deadline = deadline or time.monotonic() + self.resume_timeout
-                    self._resume(deadline)
+                    moved = self._resume(deadline)
+                    buffer_id = getattr(msg, "buffer_id", None)
+                    if buffer_id in moved:
+                        msg = dataclasses.replace(msg, buffer_id=moved[buffer_id])  # type: ignore[type-var]
                     continue  # the same request, under the same id
                 del self._unconfirmed[:unconfirmed]  # the daemon read them before it answered
                 return answer
 
-    def _resume(self, deadline: float) -> None:
-        """Take the session back from the daemon that replaced the one that went away, by ``deadline``; the client's
-        lock held. Raises :class:`SessionLost` where it cannot (and every later call does too)."""
+    def _resume(self, deadline: float) -> dict[int, int]:
+        """Take the session back from the daemon that replaced the one that went away, by ``deadline``, or start it
+        over where that daemon kept nothing; the client's lock held. Returns the new id of each buffer declared again,
+        by its old one. Raises :class:`SessionLost` where it cannot (and every later call does too)."""
         if self._lost is not None:
             raise self._lost
         if not self._credential:
@@ -242,7 +272,7 @@ class Client:
             )
             raise self._lost
         started = time.monotonic()
-        handles, welcome = self._reconnect(deadline)
+        handles, welcome, anew = self._reconnect(deadline)
         old, self._handles = self._handles, handles
         self._control.resume(welcome.token, handles)
         self.welcome = welcome
@@ -254,11 +284,48 @@ class Client:
         old.close()
         self._listener = None
         self._listen_in_background()
-        log.warning("hbmd at %s went away and came back: session %d resumed after %.2fs", self.paths.directory,
-                    self.session_id, time.monotonic() - started)
+        if not anew:
+            log.warning("hbmd at %s went away and came back: session %d resumed after %.2fs", self.paths.directory,
+                        self.session_id, time.monotonic() - started)
+            return {}
+        moved = self._declare_again()
+        log.warning("hbmd at %s restarted with nothing kept: session %d started over after %.2fs, %d buffers declared "
+                    "again", self.paths.directory, self.session_id, time.monotonic() - started, len(moved))
+        return moved
 
-    def _reconnect(self, deadline: float) -> tuple[HandleChannel, Welcome]:
-        """A handle channel to the daemon serving again, and its welcome back; waits for it until ``deadline``."""
+    def _declare_again(self) -> dict[int, int]:
+        """Declare every buffer this process maps on the session started over; returns their new ids by their old."""
+        moved: dict[int, int] = {}
+        for holder in list(self._holders):
+            declaration = holder._declaration()
+            if declaration is None:
+                continue
+            old = holder.buffer_id
+            try:
+                created, _ = self._control.call_with_id(declaration, None, self._control.next_request_id())
+            except (SessionLost, DaemonUnavailable):
+                raise
+            except HbmdError as exc:
+                log.error("hbmd refused to count buffer %d again after its restart (%s): its tensor is unusable, "
+                          "free it", old, exc.message)
+                self._holders.discard(holder)
+                holder._declared(None, exc)
+                continue
+            holder._declared(created.buffer, None)
+            moved[old] = created.buffer.buffer_id
+        return moved
+
+    def holds(self, holder: Holder) -> None:
+        """``holder`` maps a buffer of this session here: declare it again should the session have to start over."""
+        self._holders.add(holder)
+
+    def lets_go(self, holder: Holder) -> None:
+        """``holder`` maps nothing of this session any more."""
+        self._holders.discard(holder)
+
+    def _reconnect(self, deadline: float) -> tuple[HandleChannel, Welcome, bool]:
+        """A handle channel to the daemon serving again, its welcome back, and whether that welcomes a new session
+        (the daemon kept nothing); waits for it until ``deadline``."""
         hello = Hello(list(PROTOCOL_VERSION), self._pid, resume_session=self.session_id,
                       resume_credential=self._credential)
         while True:
@@ -268,8 +335,17 @@ class Client:
                     undo.push(handles.close)
                     welcome = handles.handshake(hello)
                 handles.timeout = self.timeout  # what is left of the wait was for the handshake only
-                return handles, welcome
-            except (SessionLost, PermissionDenied) as exc:
+                return handles, welcome, hello.resume_session == 0
+            except SessionLost as exc:
+                if hello.resume_session == 0 or not self._holders:
+                    self._lost = SessionLost(
+                        f"hbmd at {self.paths.directory} came back without this session ({exc.message}): "
+                        "connect again", path=self.paths.endpoint,
+                    )
+                    raise self._lost from exc
+                # It restarted with nothing kept: a new session, on which this process declares what it still maps.
+                hello = self._hello
+            except PermissionDenied as exc:
                 self._lost = SessionLost(
                     f"hbmd at {self.paths.directory} came back without this session ({exc.message}): connect again",
                     path=self.paths.endpoint,

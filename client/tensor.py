@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any, Sequence
 
-from hbmd.proto import BufferInfo, ChunkInfo
+from hbmd.proto import BufferInfo, ChunkInfo, Redeclare
 from hbmd.proto.errors import HbmdError, InvalidRequest, SessionLost, TensorUnusable
 from hbmd.proto.undo import Undo
 
@@ -160,6 +160,9 @@ class ExtensibleTensor(Transactions):
         self._unusable: TensorUnusable | None = None
         self._reservation = Reservation(self._mapper, info.reserved_bytes)
         self._base = self._reservation.base
+        self._recorded = True
+        """Whether the daemon records the buffer (it refused to count it again after a restart that kept nothing)."""
+        self._client.holds(self)
 
     # properties
 
@@ -444,7 +447,7 @@ class ExtensibleTensor(Transactions):
         # The daemon first, so that a refusal (a sealed buffer others still read) leaves this tensor whole and
         # a second free() asks again; the pages it drops stay alive until unmapped just below. A session the
         # daemon ended (it stopped or restarted) has nothing left to free there: only the mappings go.
-        if not self._client.closed:
+        if self._recorded and not self._client.closed:
             try:
                 if self._readonly:
                     # A reader never owned the buffer: it only lets go of its read claim.
@@ -471,8 +474,42 @@ class ExtensibleTensor(Transactions):
         self._freed = True
         self._drop_mappings()
 
+    # after a restart of the daemon that kept nothing
+
+    def _declaration(self) -> Redeclare | None:
+        """The buffer as this process maps it, to declare on the session started over; None once freed."""
+        if self._freed:
+            return None
+        mapped = self._reservation.mapped
+        return Redeclare(
+            capacity=self._info.capacity_bytes,
+            segment_capacities=list(self._capacities),
+            # Released by a request the old daemon took with it: nothing mapped, nothing committed.
+            segment_sizes=list(self._sizes) if mapped else [0] * self.num_segments,
+            chunks=[ChunkInfo(0, offset, size) for offset, size in mapped],
+            name=self._info.name,
+            persistent=self._info.persistent,
+            shareable=self._info.shareable,
+            sealed=self._info.sealed,
+            readonly=self._readonly,
+        )
+
+    def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:
+        """The new daemon counts the buffer again (``buffer``, under a new id), or refused to (``refusal``): the tensor
+        keeps its mapping, for views still in use, but goes no further."""
+        if buffer is not None:
+            self._set_info(buffer)
+            return
+        self._recorded = False
+        self._unusable = TensorUnusable(
+            f"buffer {self.buffer_id}: hbmd restarted with nothing to keep its memory and refused to count it again "
+            f"({refusal}); free it and create or attach it anew",
+            buffer_id=self.buffer_id,
+        )
+
     def _drop_mappings(self) -> None:
         """Unmap everything and leave the address range to its :class:`Reservation` to give back."""
+        self._client.lets_go(self)
         self._reservation.free()
         self._view = None
         del self._reservation  # the views that are left hold it; the last one gives the range back

@@ -117,6 +117,7 @@ def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
         "sizes": buffer.segment_sizes, "sealed": buffer.sealed, "readers": [[s, n] for s, n in buffer.readers.items()],
         "chunks": [[c.chunk_id, c.offset, c.size] for c in buffer.chunks],
         "pending": [[c.chunk_id, c.offset, c.size] for c in buffer.pending],
+        "held": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.handle is None],
     }
 
 
@@ -145,7 +146,8 @@ def every_chunk(state: State[Any, Any]) -> Iterable[tuple[Chunk[Any], Any]]:
     """Every chunk the state holds, with its arena."""
     for buffer in state.buffers.values():
         for chunk in (*buffer.chunks, *buffer.pending):
-            yield chunk, buffer.arena
+            if chunk.handle is not None:  # one held only by its mappers has nothing to keep here
+                yield chunk, buffer.arena
     for session in state.sessions.values():
         for chunk in session.lease.values():
             yield chunk, state.leases.arena
@@ -253,7 +255,8 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
     layout = [("chunks", _chunk_layout(c)) for c in record["chunks"]]
     layout += [("pending", _chunk_layout(c)) for c in record.get("pending", [])]
     named = legacy_chunk_name if int(image_version) < 4 else lambda _, chunk_id: chunk_name(chunk_id)
-    needed = [named(buffer_id, chunk_id) for _, (chunk_id, _, _) in layout]
+    held = {int(chunk_id) for chunk_id in record.get("held", [])}
+    needed = [named(buffer_id, chunk_id) for _, (chunk_id, _, _) in layout if chunk_id not in held]
     missing = [name for name in needed if name not in fds]
     if missing:
         shown = ", ".join(missing[:4])
@@ -267,9 +270,11 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
     adopted: dict[str, list[Chunk[Any]]] = {"chunks": [], "pending": []}
     with Undo() as undo:
         undo.push(backend.close_arena, arena)
-        for (part, (chunk_id, offset, size)), name in zip(layout, needed):
-            handle = backend.adopt(arena, offset, size, fds[name])
-            undo.push(backend.release, arena, handle)
+        names = iter(needed)
+        for part, (chunk_id, offset, size) in layout:
+            handle = None if chunk_id in held else backend.adopt(arena, offset, size, fds[next(names)])
+            if handle is not None:
+                undo.push(backend.release, arena, handle)
             adopted[part].append(Chunk(chunk_id, offset, size, handle))
         capacities, sizes = _segments(record)
         state.restore_buffer(

@@ -32,6 +32,7 @@ from .buffers import (
     FinishDefragment,
     Free,
     Freed,
+    Redeclare,
     Release,
     Remap,
     Released,

@@ -58,6 +58,9 @@ class BufferInfo:
     pending_bytes: int = 0
     """New chunks of a preserving defragment until the owner confirms its remap: committed and charged beside
     ``physical_bytes``. Needs no new minor: a peer that does not know it reads 0, as between defragments."""
+    held_elsewhere: bool = False
+    """Some of its memory is held only by the processes that map it (1.5): declared again by its client after the
+    daemon restarted with no keeper (:class:`Redeclare`). It is counted, but cannot be attached by another process."""
 
 
 @message("buffer.created")
@@ -118,6 +121,37 @@ class CreateBuffer(Request[BufferCreated]):
     shareable: bool = False
     segment_capacities: list[int] = dataclasses.field(default_factory=list)
     """Uneven segments (1.1): positive, summing to ``capacity``; ``num_segments`` is then ignored."""
+
+
+@message("buffer.redeclare")
+class Redeclare(Request[BufferCreated]):
+    """Declare again a buffer this process still maps, after its daemon restarted with nothing to keep its memory (1.5).
+
+    A daemon restarted with no keeper (no service manager's FD store, no
+    ``--takeover``) knows no session or buffer of the one before; the memory
+    lives on in the processes that map it. A client that finds its session
+    gone opens a new one and declares each buffer it maps: its layout
+    (``capacity``, ``segment_capacities``, ``segment_sizes``) and the chunks
+    mapped (``chunks``: offset and size; ids are the daemon's to give).
+    The daemon admits the bytes as it would a commit of them, charged to this
+    session's tenant, and records the buffer as held elsewhere
+    (:attr:`BufferInfo.held_elsewhere`): it grows, releases and defragments
+    as any other, but cannot be attached by another process.
+
+    ``readonly``: this process reads the sealed persistent buffer ``name`` of
+    its user; the claim joins the buffer already declared under that name, or
+    declares it, an orphan, for the owner to join.
+    """
+
+    capacity: int
+    segment_capacities: list[int]
+    segment_sizes: list[int]
+    chunks: list[ChunkInfo]
+    name: str = ""
+    persistent: bool = False
+    shareable: bool = False
+    sealed: bool = False
+    readonly: bool = False
 
 
 @message("buffer.commit")

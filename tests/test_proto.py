@@ -154,6 +154,7 @@ def test_the_requests_are_the_ones_clients_send():
     assert {cls.KIND for cls in proto.requests()} == {
         "admin.status", "admin.sessions", "admin.buffers", "admin.reclaim", "buffer.create", "buffer.commit",
         "buffer.commit_segments", "buffer.remap", "buffer.release", "buffer.free", "buffer.attach", "buffer.detach", "buffer.delete",
+        "buffer.redeclare",
         "buffer.defragment", "buffer.seal",
         "buffer.finish_defragment", "session.reclaim_done",
     }

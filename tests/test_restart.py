@@ -132,17 +132,26 @@ def test_a_daemon_that_stops_leaves_its_live_clients_pages_alone(start_daemon, l
         kv.full_view()
 
 
-def test_the_default_client_connects_again_once_the_daemon_came_back(start_daemon, run_dir, monkeypatch):
+def test_the_default_client_goes_on_once_the_daemon_came_back(start_daemon, run_dir, monkeypatch):
     monkeypatch.setenv("HBMD_RUN_DIR", str(run_dir))
     first = start_daemon("--budget", "64MiB")
     before = ExtensibleTensor(8 * MiB, "cpu")  # client=None: the process-wide default client
     before.resize_(2 * MiB)
     assert first.stop() == 0
-    start_daemon("--budget", "64MiB")
-    after = ExtensibleTensor(8 * MiB, "cpu")  # a new session, not SessionLost
+    second = start_daemon("--budget", "64MiB")
+    after = ExtensibleTensor(8 * MiB, "cpu")  # not SessionLost
     after.resize_(4 * MiB)
-    assert after.client is not before.client and after.client.status().committed_bytes == 4 * MiB
-    after.client.close()
+    # The default client started its session over, declaring what the first tensor maps: both count.
+    assert after.client is before.client and after.client.status().committed_bytes == 6 * MiB
+    before.free()
+    after.free()
+    assert second.stop() == 0
+    start_daemon("--budget", "64MiB")
+    # One that mapped nothing when its daemon came back without its session is replaced by a new one.
+    lone = ExtensibleTensor(8 * MiB, "cpu")
+    lone.resize_(2 * MiB)
+    assert lone.client is not before.client and lone.client.status().committed_bytes == 2 * MiB
+    lone.client.close()
 
 
 def test_a_journal_of_a_newer_daemon_is_left_alone_and_the_older_one_does_not_start(run_dir, systemd):

@@ -25,6 +25,7 @@ from hbmd.proto import (
     FinishDefragment,
     Free,
     Freed,
+    Redeclare,
     Release,
     Released,
     Remap,
@@ -64,7 +65,7 @@ class BufferRequests(RequestRoom[A, C]):
     def remap(self, conn: HandleConnection[A, C], request_id: int, msg: Remap) -> Committed:
         """Send every chunk of the buffer again, for a client whose mapping failed midway."""
         self.plane.outbox.check_reading(conn)
-        buffer = self.state.buffer_of(conn.session, msg.buffer_id)
+        buffer = self.state.remappable(conn.session, msg.buffer_id)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
     @handles(Attach)
@@ -84,6 +85,18 @@ class BufferRequests(RequestRoom[A, C]):
                 conn.session.session_id, msg.name, buffer.physical_bytes,
             )
         return self._deliver(conn, request_id, buffer, buffer.chunks)
+
+    @handles(Redeclare)
+    def redeclare(self, conn: HandleConnection[A, C], request_id: int, msg: Redeclare) -> BufferCreated:
+        """Record a buffer the client still maps after a restart with no keeper; its memory counts from now on."""
+        buffer = self.state.redeclare(
+            conn.session, msg.segment_capacities, msg.segment_sizes, [(c.offset, c.size) for c in msg.chunks],
+            msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly,
+        )
+        log.info("session %d declared again %s buffer %d%s: %d bytes its process still maps",
+                 conn.session.session_id, "a read claim on" if msg.readonly else "its",
+                 buffer.buffer_id, f" {buffer.name!r}" if buffer.name else "", sum(c.size for c in msg.chunks))
+        return BufferCreated(buffer.info())
 
     @handles(Defragment)
     def defragment(self, conn: HandleConnection[A, C], request_id: int, msg: Defragment) -> Committed:
@@ -123,8 +136,8 @@ class BufferRequests(RequestRoom[A, C]):
         """Let go of a persistent buffer, which stays as an orphan, or drop one read claim (``readonly``)."""
         if msg.readonly:
             return Detached(self.state.detach_reader(conn.session, msg.buffer_id).info(), 0)
+        buffer = self.state.buffer_of(conn.session, msg.buffer_id)
         freed = self.state.detach(conn.session, msg.buffer_id)
-        buffer = self.state.buffers[msg.buffer_id]
         log.info(
             "session %d detached persistent buffer %r (%d bytes)",
             conn.session.session_id, buffer.name, buffer.physical_bytes,

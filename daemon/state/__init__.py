@@ -212,6 +212,21 @@ class State(Generic[A, C]):
                 reader.reading[buffer_id] = buffer
         return buffer
 
+    def redeclare(
+        self, session: Session, capacities: list[int], sizes: list[int], chunks: list[tuple[int, int]], name: str,
+        persistent: bool, shareable: bool, sealed: bool, readonly: bool,
+    ) -> Buffer[A, C]:
+        """A buffer the session's process still maps, declared again after a restart with no keeper; see
+        :meth:`Buffers.redeclare`."""
+        return self.buffers_room.redeclare(session, capacities, sizes, chunks, name, persistent, shareable, sealed,
+                                           readonly)
+
+    def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""
+        buffer = self.buffers_room.of(session, buffer_id)
+        self.buffers_room.check_handed_out(buffer)
+        return buffer
+
     def buffer_of(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         return self.buffers_room.of(session, buffer_id)
 

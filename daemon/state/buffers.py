@@ -20,7 +20,7 @@ from hbmd.proto.errors import (
     PermissionDenied,
     VersionMismatch,
 )
-from hbmd.proto.runs import subtract_runs
+from hbmd.proto.runs import merge_runs, subtract_runs
 from hbmd.proto.units import round_up
 
 from ..backends import A, Backend, C
@@ -175,6 +175,93 @@ class Buffers(Generic[A, C]):
         self.mark_changed(buffer)
         return buffer
 
+    def redeclare(self, session: Session, capacities: list[int], sizes: list[int], chunks: list[tuple[int, int]],
+                  name: str, persistent: bool, shareable: bool, sealed: bool, readonly: bool) -> Buffer[A, C]:
+        """A buffer its client still maps, declared again after the daemon restarted with no keeper.
+
+        The chunks (``(offset, size)``) are recorded as held elsewhere, and
+        their bytes admitted and charged as a commit of them would be. A
+        reader's claim joins the sealed buffer already declared under its
+        name, or declares it, an orphan its owner joins. What a client may
+        claim is what it could have made: only in its own user's names,
+        within its tenant's budget and the per-uid limits; nothing declared is
+        ever handed to another process. Raises with nothing changed.
+        """
+        check_observer(session)
+        capacity = sum(capacities)
+        capacities = layout_segments(capacity, len(capacities), capacities)
+        if len(name) > MAX_NAME or not name.isprintable():
+            raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
+        if (readonly or sealed) and not (persistent and sealed):
+            raise InvalidRequest("only a sealed persistent buffer is read or sealed", field="sealed")
+        reserved = round_up(capacity, self.backend.granularity)
+        record = Buffer(
+            buffer_id=self._next_id, name=name, persistent=persistent, shareable=shareable,
+            owner=None if readonly else session, owner_uid=session.uid, tenant=session.tenant, capacity=capacity,
+            reserved=reserved, segment_capacities=capacities, arena=None, sealed=sealed,
+        )
+        self.check_sizes(record, sizes)
+        record.segment_sizes = list(sizes)
+        self._check_tiling(record, chunks)
+        existing = self.persistent.get((session.uid, name)) if persistent else None
+        if existing is not None:
+            return self._join(session, existing, record, chunks, readonly)
+        self._check_room_of(session.uid, len(capacities))
+        if persistent:
+            self._check_new_name(session.uid, name)
+        held = sum(size for _, size in chunks)
+        self.tenants.admit(session.tenant, held, "declaring again memory it maps", in_use=True)
+        if self.tenants.committed_bytes + self.tenants.leased_bytes + held > self.tenants.budget_bytes:
+            self.pressure.refused(None)  # leases made before it was declared give way to it
+        record.arena = self.backend.open_arena(reserved, shareable)
+        record.chunks = [Chunk(self.chunks.take_id(), offset, size, None) for offset, size in chunks]
+        self._next_id += 1
+        self._add(record)
+        self.account(record, mapped=held)
+        if readonly:
+            record.readers[session.session_id] = 1
+            session.reading[record.buffer_id] = record
+        else:
+            session.buffers[record.buffer_id] = record
+        return record
+
+    def _check_tiling(self, buffer: Buffer[A, C], chunks: list[tuple[int, int]]) -> None:
+        """Refuse declared chunks that are not granules tiling exactly what the segments' sizes must back."""
+        granule = self.backend.granularity
+        ends = [offset + size for offset, size in sorted(chunks)]
+        starts = [offset for offset, _ in sorted(chunks)]
+        ragged = any(offset % granule or size <= 0 or size % granule for offset, size in chunks)
+        overlapping = any(end > start for end, start in zip(ends, starts[1:]))
+        if ragged or overlapping or merge_runs((o, o + n) for o, n in chunks) != buffer.backed_runs(buffer.segment_sizes, granule):
+            raise InvalidRequest(
+                "the declared chunks must be whole granules, apart, backing exactly the segments' committed bytes",
+                field="chunks",
+            )
+
+    def _join(self, session: Session, buffer: Buffer[A, C], declared: Buffer[A, C], chunks: list[tuple[int, int]],
+              readonly: bool) -> Buffer[A, C]:
+        """A declared claim on the persistent buffer of the same name, declared already: a reader's read claim, or its
+        owner taking back the orphan its readers declared. Both must describe the same memory."""
+        same = (
+            buffer.held_elsewhere and buffer.sealed and declared.sealed
+            and buffer.segment_capacities == declared.segment_capacities
+            and buffer.segment_sizes == declared.segment_sizes
+            and sorted((c.offset, c.size) for c in buffer.chunks) == sorted(chunks)
+        )
+        if not same or not (readonly or buffer.owner is None):
+            raise Conflict(
+                f"a persistent buffer named {buffer.name!r} is declared already, with other memory or another owner",
+                buffer_id=buffer.buffer_id,
+            )
+        if readonly:
+            buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
+            session.reading[buffer.buffer_id] = buffer
+        else:
+            buffer.owner = session
+            session.buffers[buffer.buffer_id] = buffer
+        self.mark_changed(buffer)
+        return buffer
+
     def _check_room_of(self, uid: int, new_segments: int) -> None:
         """Refuse a buffer past the uid's :attr:`Limits.buffers_per_uid` or :attr:`Limits.segments_per_uid`."""
         held = [b for b in self.by_id.values() if b.owner_uid == uid]
@@ -261,17 +348,36 @@ class Buffers(Generic[A, C]):
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         buffer.owner = None
         self.mark_changed(buffer)
-        return freed
+        return freed + self.forget_unheld(buffer)
+
+    def forget_unheld(self, buffer: Buffer[A, C]) -> int:
+        """Drop an orphan whose memory was held only by processes that no longer map it (see :meth:`redeclare`): it
+        is gone. Returns the bytes it had."""
+        if buffer.owner is not None or buffer.readers or not buffer.held_elsewhere or buffer.buffer_id not in self.by_id:
+            return 0
+        return self.drop(buffer)
+
+    def check_handed_out(self, buffer: Buffer[A, C]) -> None:
+        """Refuse to hand a buffer's chunks to a process where some exist only in the mappings of others."""
+        if buffer.held_elsewhere:
+            raise Conflict(
+                f"buffer {buffer.buffer_id} ({buffer.name!r}) was declared again by the processes that map it after "
+                "hbmd restarted with nothing to keep its memory: the daemon cannot hand it to another process; "
+                "its holders may copy it into a new buffer",
+                buffer_id=buffer.buffer_id,
+            )
 
     def end_session(self, session: Session) -> int:
         """The session ended: its read claims go, its anonymous buffers are freed, its persistent ones orphaned."""
-        for buffer in session.reading.values():
+        read = list(session.reading.values())
+        for buffer in read:
             buffer.readers.pop(session.session_id, None)
             self.mark_changed(buffer)
         session.reading.clear()
-        return sum(
+        freed = sum(
             self.disown(buffer) if buffer.persistent else self.drop(buffer) for buffer in list(session.buffers.values())
         )
+        return freed + sum(self.forget_unheld(buffer) for buffer in read)
 
     # growth
 
@@ -347,7 +453,7 @@ class Buffers(Generic[A, C]):
         """
         buffer = self.changeable(session, buffer_id)
         runs = buffer.backed_runs(buffer.segment_sizes, self.backend.granularity)
-        if len(buffer.chunks) == len(runs):
+        if len(buffer.chunks) == len(runs) and (preserve or not buffer.held_elsewhere):
             return [] if preserve else buffer.chunks
         if preserve:
             buffer.pending = self.make_runs(buffer, runs, "defragment (old and new chunks coexist until the copy is done)")
@@ -382,6 +488,7 @@ class Buffers(Generic[A, C]):
         check_observer(session)
         buffer = self.orphan(session.uid, name)
         _check_readable_layout(buffer, uneven_ok)
+        self.check_handed_out(buffer)
         buffer.owner = session
         session.buffers[buffer.buffer_id] = buffer
         self.mark_changed(buffer)
@@ -423,6 +530,7 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer.buffer_id,
             )
         _check_readable_layout(buffer, uneven_ok)
+        self.check_handed_out(buffer)
         buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
         session.reading[buffer.buffer_id] = buffer
         self.mark_changed(buffer)
@@ -440,6 +548,7 @@ class Buffers(Generic[A, C]):
             del buffer.readers[session.session_id]
             del session.reading[buffer_id]
         self.mark_changed(buffer)
+        self.forget_unheld(buffer)
         return buffer
 
     def detach(self, session: Session, buffer_id: int) -> int:

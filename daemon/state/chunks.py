@@ -43,6 +43,11 @@ class Chunks(Generic[A, C]):
             self.keeper.made(chunk, arena)
         return chunk
 
+    def take_id(self) -> int:
+        """An id for a chunk the backend did not make (one a client declares it still maps)."""
+        self.next_id += 1
+        return self.next_id - 1
+
     def make_runs(self, arena: A, runs: list[tuple[int, int]]) -> list[Chunk[C]]:
         """One chunk per ``(start, end)`` run, in order; none on any failure."""
         created: list[Chunk[C]] = []
@@ -60,6 +65,8 @@ class Chunks(Generic[A, C]):
     def release(self, chunk: Chunk[C], arena: A) -> None:
         """Give the chunk's memory back; never raises (a queued export of it is cancelled by ``live``)."""
         chunk.live = False
+        if chunk.handle is None:
+            return  # held by the processes that map it: their unmapping frees it
         if self.keeper is not None:
             self.keeper.released(chunk)
         try:

@@ -69,6 +69,8 @@ def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids:
     require(buffer.persistent or not buffer.sealed, f"anonymous buffer {buffer.buffer_id} is sealed")
     require(buffer.sealed or not buffer.readers, f"unsealed buffer {buffer.buffer_id} has readers")
     require(not (buffer.sealed and buffer.pending), f"sealed buffer {buffer.buffer_id} is mid-defragment")
+    require(buffer.owner is not None or bool(buffer.readers) or not buffer.held_elsewhere,
+            f"orphan {buffer.buffer_id} is held only by processes that no longer map it")
     for session_id, claims in buffer.readers.items():
         reader = state.sessions.get(session_id)
         require(claims > 0, f"buffer {buffer.buffer_id}: session {session_id} holds {claims} read claims")

@@ -34,7 +34,9 @@ class Chunk(Generic[C]):
     chunk_id: int
     offset: int
     size: int
-    handle: C
+    handle: C | None
+    """None: the chunk is held only by the processes that map it (declared by its client after a restart of the
+    daemon with no keeper): the daemon counts it, but can neither hand it out nor free its memory."""
     live: bool = True
     """False once released: a queued export of it must not happen."""
 
@@ -200,6 +202,11 @@ class Buffer(Generic[A, C]):
     def backed_runs(self, sizes: list[int], granule: int) -> list[tuple[int, int]]:
         return backed_runs(self.segment_offsets, sizes, granule)
 
+    @property
+    def held_elsewhere(self) -> bool:
+        """Whether some of its memory is held only by the processes that map it (see :attr:`Chunk.handle`)."""
+        return any(c.handle is None for c in (*self.chunks, *self.pending))
+
     def info(self) -> BufferInfo:
         return BufferInfo(
             buffer_id=self.buffer_id,
@@ -220,4 +227,5 @@ class Buffer(Generic[A, C]):
             readers=len(self.readers),
             shareable=self.shareable,
             pending_bytes=self.pending_bytes,
+            held_elsewhere=self.held_elsewhere,
         )

@@ -111,10 +111,13 @@ class Tenants:
             room = min(room, tenant.max_bytes - tenant.used_bytes)
         return max(0, room)
 
-    def admit(self, tenant: Tenant, requested: int, purpose: str) -> None:
+    def admit(self, tenant: Tenant, requested: int, purpose: str, in_use: bool = False) -> None:
         """Check ``requested`` more bytes against the tenant's maximum, the budget and others' guarantees.
 
-        Raises ``OutOfBudget`` saying which limit it met.
+        ``in_use``: the memory exists already (declared again by its client
+        after a restart): others' guarantees do not hold it back, and leases
+        are room, being asked back. Raises ``OutOfBudget`` saying which limit
+        it met.
         """
         if tenant.max_bytes is not None and tenant.used_bytes + requested > tenant.max_bytes:
             raise OutOfBudget(
@@ -126,11 +129,11 @@ class Tenants:
                 used=tenant.used_bytes,
                 requested=requested,
             )
-        held = self._held_for_others(tenant)
-        used = self.committed_bytes + self.leased_bytes
+        held = 0 if in_use else self._held_for_others(tenant)
+        used = self.committed_bytes + (0 if in_use else self.leased_bytes)
         if used + requested + held > self.budget_bytes:
             extra = f", {format_bytes(held)} held for other tenants' guaranteed minimums" if held else ""
-            if self.leased_bytes:
+            if self.leased_bytes and not in_use:
                 extra += f", {format_bytes(self.leased_bytes)} of it leased (being asked back: retry)"
             raise OutOfBudget(
                 f"{purpose} of {format_bytes(requested)} does not fit the budget: "

@@ -1,0 +1,241 @@
+"""A restart with no keeper: the clients declare again what they still map, and the new daemon counts it.
+
+No systemd FD store and no ``--takeover``: a plain daemon is killed or
+stopped and started again on the same run directory. It knows nothing of the
+old one, but the memory lives on in the clients' mappings; each client starts
+its session over and declares every buffer its tensors map, so that the new
+daemon's budget counts memory still in use. Every daemon here runs with
+``--check-invariants``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hbmd.client import ExtensibleTensor, connect
+from hbmd.proto import ChunkInfo, Redeclare
+from hbmd.proto.errors import Conflict, InvalidRequest, OutOfBudget, SessionLost, TensorUnusable
+from helpers import MiB, cuda_vmm_status, wait_until
+
+torch = pytest.importorskip("torch")
+GPU_OK, GPU_REASON = cuda_vmm_status()
+
+pytestmark = pytest.mark.ipc
+
+
+def restart(start_daemon, daemon, how: str, *args: str):
+    if how == "kill":
+        daemon.kill()
+    else:
+        assert daemon.stop() == 0
+    return start_daemon(*args)
+
+
+def committed(daemon) -> int:
+    with daemon.connect(observer=True) as look:
+        return look.status().committed_bytes
+
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+@pytest.mark.parametrize("lease", [False, True])
+def test_after_a_restart_with_no_keeper_the_new_daemon_counts_what_the_clients_map(start_daemon, how, lease):
+    daemon = start_daemon("--budget", "256MiB")
+    client = daemon.connect(client_name="engine", lease=lease)
+    kv = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
+    for step in range(1, 5):  # small steps: with a lease, placed granules among them
+        kv.resize_per_segment_(step * 2 * MiB)
+    weights = ExtensibleTensor(16 * MiB, "cpu", client=client, name="weights", persistent=True)
+    weights.resize_(6 * MiB)
+    weights.full_view()[: 6 * MiB] = 5
+    view = kv.full_view()
+    view[: 8 * MiB] = 7
+    view[32 * MiB : 40 * MiB] = 9
+    base = kv.base_ptr
+
+    daemon = restart(start_daemon, daemon, how, "--budget", "256MiB")
+    # It knew nothing of them; the listener declared them before any call of the engine.
+    wait_until(lambda: committed(daemon) == 22 * MiB)
+    with daemon.connect(observer=True) as look:
+        held = {b.name: (b.held_elsewhere, b.physical_bytes, b.segment_sizes) for b in look.buffers()}
+    assert held == {"": (True, 16 * MiB, [8 * MiB, 8 * MiB]), "weights": (True, 6 * MiB, [6 * MiB])}
+
+    kv.resize_per_segment_(12 * MiB)  # the tensor goes on, at the same address, under its new id
+    assert kv.base_ptr == base
+    assert int(view[: 8 * MiB].float().mean()) == 7 and int(view[32 * MiB : 40 * MiB].float().mean()) == 9
+    kv.full_view()[8 * MiB : 12 * MiB] = 3
+    assert int(kv.full_view()[8 * MiB : 12 * MiB].float().mean()) == 3
+    assert committed(daemon) == 24 * MiB + 6 * MiB
+    kv.defragment()  # the client copies out of what it maps: nothing needs the old daemon's chunks
+    assert int(view[: 8 * MiB].float().mean()) == 7 and int(view[32 * MiB : 40 * MiB].float().mean()) == 9
+    kv.release_physical()
+    kv.resize_per_segment_(2 * MiB)
+    assert int(weights.full_view()[: 6 * MiB].float().mean()) == 5
+    del view
+    kv.free()
+    weights.free()
+    assert committed(daemon) == 0
+    client.close()
+
+
+def test_the_call_in_flight_goes_to_the_new_session_under_the_new_buffer_id(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    kv = ExtensibleTensor(16 * MiB, "cpu", client=client)
+    kv.resize_(4 * MiB)
+    kv.full_view()[: 4 * MiB] = 6
+    with client.exclusive:  # the listener cannot start over first: the call finds its session gone
+        daemon.kill()
+        daemon = start_daemon("--budget", "64MiB")
+        other = ExtensibleTensor(2 * MiB, "cpu", client=daemon.connect())  # takes the id the buffer had
+        assert other.buffer_id == kv.buffer_id
+        kv.resize_(8 * MiB)
+    assert kv.buffer_id != other.buffer_id
+    assert int(kv.full_view()[: 4 * MiB].float().mean()) == 6
+    assert committed(daemon) == 8 * MiB
+
+
+def test_a_sealed_buffer_its_readers_map_is_counted_once_and_goes_with_the_last_of_them(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    with daemon.connect() as loader:
+        weights = ExtensibleTensor(8 * MiB, "cpu", client=loader, name="weights", persistent=True)
+        weights.resize_(6 * MiB)
+        weights.full_view()[: 6 * MiB] = 4
+        weights.seal()
+        weights.detach()  # the loader is done: the weights are an orphan its readers keep using
+    first, second = daemon.connect(), daemon.connect()
+    readers = [ExtensibleTensor.attach("weights", "cpu", client=c, readonly=True) for c in (first, second)]
+
+    daemon = restart(start_daemon, daemon, "kill", "--budget", "64MiB")
+    wait_until(lambda: committed(daemon) == 6 * MiB)
+    with daemon.connect(observer=True) as look:
+        wait_until(lambda: [(b.name, b.readers) for b in look.buffers()] == [("weights", 2)])
+    assert all(int(r.full_view()[: 6 * MiB].float().mean()) == 4 for r in readers)
+    with daemon.connect() as another, pytest.raises(Conflict, match="cannot hand it to another process"):
+        ExtensibleTensor.attach("weights", "cpu", client=another, readonly=True)
+    readers[0].free()
+    assert committed(daemon) == 6 * MiB
+    readers[1].free()  # nobody maps it any more: its memory is gone, and so is the buffer
+    assert committed(daemon) == 0
+    with daemon.connect(observer=True) as look:
+        assert look.buffers() == []
+
+
+def test_a_buffer_the_new_daemon_will_not_count_makes_its_tensor_unusable_and_the_rest_goes_on(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    big = ExtensibleTensor(32 * MiB, "cpu", client=client)
+    big.resize_(24 * MiB)
+    small = ExtensibleTensor(8 * MiB, "cpu", client=client)
+    small.resize_(4 * MiB)
+    daemon = restart(start_daemon, daemon, "term", "--budget", "16MiB")  # restarted with a smaller budget
+    wait_until(lambda: committed(daemon) == 4 * MiB)  # the small one only: the big one is past the budget
+    with pytest.raises(TensorUnusable, match="refused to count it again"):
+        big.resize_(28 * MiB)
+    small.resize_(6 * MiB)
+    big.free()  # nothing to free at the daemon: only the mapping goes
+    assert committed(daemon) == 6 * MiB
+
+
+def test_a_client_that_maps_nothing_through_tensors_gets_session_lost_at_once(start_daemon, monkeypatch):
+    monkeypatch.setenv("HBMD_RESUME_TIMEOUT", "5")
+    first = start_daemon("--budget", "64MiB")
+    client = first.connect()
+    client.status()
+    assert first.stop() == 0
+    start_daemon("--budget", "64MiB")
+    with pytest.raises(SessionLost, match="came back without this session"):
+        client.status()
+
+
+def declaration(**fields) -> Redeclare:
+    base = {"capacity": 8 * MiB, "segment_capacities": [8 * MiB], "segment_sizes": [4 * MiB],
+            "chunks": [ChunkInfo(0, 0, 2 * MiB), ChunkInfo(0, 2 * MiB, 2 * MiB)]}
+    return Redeclare(**{**base, **fields})
+
+
+@pytest.mark.parametrize("fields, refusal", [
+    ({"chunks": [ChunkInfo(0, 0, 2 * MiB)]}, InvalidRequest),  # short of the committed bytes
+    ({"chunks": [ChunkInfo(0, 0, 4 * MiB), ChunkInfo(0, 2 * MiB, 2 * MiB)]}, InvalidRequest),  # overlapping
+    ({"chunks": [ChunkInfo(0, 4096, 4 * MiB)]}, InvalidRequest),  # off the granules
+    ({"chunks": [ChunkInfo(0, 0, 4 * MiB), ChunkInfo(0, 4 * MiB, 2 * MiB)]}, InvalidRequest),  # beyond the sizes
+    ({"segment_sizes": [16 * MiB], "chunks": [ChunkInfo(0, 0, 16 * MiB)]}, InvalidRequest),  # beyond capacity
+    ({"segment_sizes": [4 * MiB, 0]}, InvalidRequest),  # sizes for segments it does not have
+    ({"capacity": 0, "segment_capacities": [], "segment_sizes": [], "chunks": []}, InvalidRequest),
+    ({"readonly": True, "name": "w", "persistent": True}, InvalidRequest),  # a read claim on an unsealed buffer
+    ({"sealed": True}, InvalidRequest),  # an anonymous buffer is never sealed
+    ({"name": "x\x1b[2J"}, InvalidRequest),
+    ({"capacity": 64 * MiB, "segment_capacities": [64 * MiB], "segment_sizes": [48 * MiB],
+      "chunks": [ChunkInfo(0, 0, 48 * MiB)]}, OutOfBudget),  # more than the budget holds
+    ({"name": "taken", "persistent": True}, Conflict),  # a name the daemon holds memory for itself
+])
+def test_a_declaration_is_checked_as_a_commit_would_be_and_a_refusal_changes_nothing(start_daemon, fields, refusal):
+    daemon = start_daemon("--budget", "32MiB")
+    with daemon.connect() as owner:
+        kept = ExtensibleTensor(4 * MiB, "cpu", client=owner, name="taken", persistent=True)
+        kept.resize_(2 * MiB)
+        kept.detach()
+    with daemon.connect(lease=False) as client:
+        before = sorted(map(repr, client.buffers())), client.status().committed_bytes
+        with pytest.raises(refusal):
+            client.call(declaration(**fields))
+        assert (sorted(map(repr, client.buffers())), client.status().committed_bytes) == before
+        # What it could have committed, it may declare: counted, and held only by its own mappings.
+        declared = client.call(declaration()).buffer
+        assert (declared.held_elsewhere, declared.physical_bytes) == (True, 4 * MiB)
+        with pytest.raises(Conflict, match="another process"):
+            client.remap(declared.buffer_id)
+
+
+def test_what_was_declared_again_is_handed_over_to_a_successor_and_goes_on_there(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    kv = ExtensibleTensor(16 * MiB, "cpu", num_segments=2, client=client)
+    kv.resize_per_segment_(2 * MiB)
+    kv.full_view()[: 2 * MiB] = 8
+    daemon = restart(start_daemon, daemon, "kill", "--budget", "64MiB")
+    wait_until(lambda: committed(daemon) == 4 * MiB)
+
+    successor = start_daemon("--budget", "64MiB", "--takeover")
+    assert daemon.proc.wait(10) == 0
+    wait_until(lambda: "resumed" in successor.log())  # the session resumes: nothing to declare again
+    with successor.connect(observer=True) as look:
+        assert [(b.held_elsewhere, b.physical_bytes) for b in look.buffers()] == [(True, 4 * MiB)]
+    kv.resize_per_segment_(4 * MiB)
+    assert int(kv.full_view()[: 2 * MiB].float().mean()) == 8
+    assert committed(successor) == 8 * MiB
+    kv.free()
+    assert committed(successor) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)
+def test_a_gpu_kv_cache_goes_on_after_a_restart_with_no_keeper_and_its_memory_is_freed_at_the_end(start_daemon, run_dir):
+    args = ("--device", "0", "--budget", "8GiB")
+    daemon = start_daemon(*args, backend="cuda")
+    torch.cuda.init()
+    client = connect("cuda:0", run_dir=run_dir, client_name="gpu-engine")
+    kv = ExtensibleTensor(1 << 30, "cuda", num_segments=2, client=client)
+    for step in range(1, 9):  # 2 MiB steps from the lease, then larger ones through the daemon
+        kv.resize_per_segment_(step * (2 << 20) if step <= 4 else (step - 4) * 32 * MiB)
+    view = kv.full_view()
+    base = view.data_ptr()
+    view[: 64 * MiB] = 7
+    view[512 * MiB : 576 * MiB] = 9
+    torch.cuda.synchronize()
+    held = committed(daemon)
+
+    daemon.kill()
+    daemon = start_daemon(*args, backend="cuda")
+    assert int(view[: 64 * MiB].float().mean()) == 7  # the device memory never left this process
+    wait_until(lambda: committed(daemon) == held)
+    kv.resize_per_segment_(256 * MiB)
+    assert kv.full_view().data_ptr() == base
+    assert int(view[: 64 * MiB].float().mean()) == 7 and int(view[512 * MiB : 576 * MiB].float().mean()) == 9
+    kv.full_view()[128 * MiB : 256 * MiB] = 3
+    assert int(kv.full_view()[128 * MiB : 256 * MiB].float().mean()) == 3
+    free_before = torch.cuda.mem_get_info()[0]
+    del view
+    kv.free()
+    assert committed(daemon) == 0
+    # The declared chunks went with this process's mappings, the new ones with the daemon: none is left behind.
+    wait_until(lambda: torch.cuda.mem_get_info()[0] >= free_before + 500 * MiB)
+    client.close()
