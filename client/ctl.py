@@ -302,6 +302,9 @@ BUFFER_COLUMNS = [
     _plain_column("CHUNKS", "num_chunks"),
     Column("SEALED", lambda r: "yes" if r.get("sealed") else "no", lambda r: int(bool(r.get("sealed")))),
     _plain_column("READERS", "readers"),
+    # Declared again by the processes that map it after a restart with no keeper: counted, not attachable elsewhere.
+    Column("KEPT-BY", lambda r: "mappers" if r.get("held_elsewhere") else "hbmd",
+           lambda r: int(bool(r.get("held_elsewhere"))), wide=True),
 ]
 
 

@@ -173,6 +173,9 @@ class Client:
         """Why the session cannot be resumed, once that is known."""
         self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
         """What maps this session's buffers here: declared again where the session starts over."""
+        self._moved: dict[int, int] = {}
+        """The new id of each buffer whose id changed when the session last started over, by its old one: a request
+        built before (by another thread, say) goes to the buffer it meant."""
         if self.welcome.lease_bytes > 0:
             # Neither the lease nor the listener holds the client: one dropped unclosed is collected, and its
             # session ends with its socket, as without leases.
@@ -244,6 +247,9 @@ class Client:
             request_id = self._control.next_request_id()
             deadline = None
             while True:
+                buffer_id = getattr(msg, "buffer_id", None)
+                if buffer_id in self._moved:
+                    msg = dataclasses.replace(msg, buffer_id=self._moved[buffer_id])  # type: ignore[type-var]
                 unconfirmed = len(self._unconfirmed)
                 try:
                     answer = self._control.call_with_id(msg, timeout, request_id)
@@ -252,18 +258,15 @@ class Client:
                     if isinstance(exc, PermissionDenied) and exc.details.get("token") != "unknown":
                         raise
                     deadline = deadline or time.monotonic() + self.resume_timeout
-                    moved = self._resume(deadline)
-                    buffer_id = getattr(msg, "buffer_id", None)
-                    if buffer_id in moved:
-                        msg = dataclasses.replace(msg, buffer_id=moved[buffer_id])  # type: ignore[type-var]
-                    continue  # the same request, under the same id
+                    self._resume(deadline)
+                    continue  # the same request, under the same id (and the buffer's new one, if it moved)
                 del self._unconfirmed[:unconfirmed]  # the daemon read them before it answered
                 return answer
 
-    def _resume(self, deadline: float) -> dict[int, int]:
+    def _resume(self, deadline: float) -> None:
         """Take the session back from the daemon that replaced the one that went away, by ``deadline``, or start it
-        over where that daemon kept nothing; the client's lock held. Returns the new id of each buffer declared again,
-        by its old one. Raises :class:`SessionLost` where it cannot (and every later call does too)."""
+        over where that daemon kept nothing; the client's lock held. Raises :class:`SessionLost` where it cannot
+        (and every later call does too)."""
         if self._lost is not None:
             raise self._lost
         if not self._credential:
@@ -287,16 +290,17 @@ class Client:
         if not anew:
             log.warning("hbmd at %s went away and came back: session %d resumed after %.2fs", self.paths.directory,
                         self.session_id, time.monotonic() - started)
-            return {}
-        moved = self._declare_again()
+            return
+        declared = self._declare_again()
         log.warning("hbmd at %s restarted with nothing kept: session %d started over after %.2fs, %d buffers declared "
-                    "again", self.paths.directory, self.session_id, time.monotonic() - started, len(moved))
-        return moved
+                    "again", self.paths.directory, self.session_id, time.monotonic() - started, declared)
 
-    def _declare_again(self) -> dict[int, int]:
-        """Declare every buffer this process maps on the session started over; returns their new ids by their old."""
-        moved: dict[int, int] = {}
-        for holder in list(self._holders):
+    def _declare_again(self) -> int:
+        """Declare every buffer this process maps on the session started over, highest id first (see
+        :attr:`Redeclare.buffer_id`); returns how many the daemon counts."""
+        self._moved = {}
+        declared = 0
+        for holder in sorted(self._holders, key=lambda h: h.buffer_id, reverse=True):
             declaration = holder._declaration()
             if declaration is None:
                 continue
@@ -312,8 +316,10 @@ class Client:
                 holder._declared(None, exc)
                 continue
             holder._declared(created.buffer, None)
-            moved[old] = created.buffer.buffer_id
-        return moved
+            declared += 1
+            if created.buffer.buffer_id != old:
+                self._moved[old] = created.buffer.buffer_id
+        return declared
 
     def holds(self, holder: Holder) -> None:
         """``holder`` maps a buffer of this session here: declare it again should the session have to start over."""

@@ -487,6 +487,7 @@ class ExtensibleTensor(Transactions):
             # Released by a request the old daemon took with it: nothing mapped, nothing committed.
             segment_sizes=list(self._sizes) if mapped else [0] * self.num_segments,
             chunks=[ChunkInfo(0, offset, size) for offset, size in mapped],
+            buffer_id=self.buffer_id,
             name=self._info.name,
             persistent=self._info.persistent,
             shareable=self._info.shareable,

@@ -147,6 +147,9 @@ class Redeclare(Request[BufferCreated]):
     segment_capacities: list[int]
     segment_sizes: list[int]
     chunks: list[ChunkInfo]
+    buffer_id: int = 0
+    """The id the buffer had: kept where no buffer has it now, so that calls the client built before it started over
+    still find it. Declared highest first, ids that have to change then move above every id the client had."""
     name: str = ""
     persistent: bool = False
     shareable: bool = False

@@ -14,7 +14,7 @@ import pytest
 from hbmd.client import ExtensibleTensor, connect
 from hbmd.proto import ChunkInfo, Redeclare
 from hbmd.proto.errors import Conflict, InvalidRequest, OutOfBudget, SessionLost, TensorUnusable
-from helpers import MiB, cuda_vmm_status, wait_until
+from helpers import MiB, cuda_vmm_status, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
 GPU_OK, GPU_REASON = cuda_vmm_status()
@@ -49,14 +49,17 @@ def test_after_a_restart_with_no_keeper_the_new_daemon_counts_what_the_clients_m
     view = kv.full_view()
     view[: 8 * MiB] = 7
     view[32 * MiB : 40 * MiB] = 9
-    base = kv.base_ptr
+    base, ids = kv.base_ptr, (kv.buffer_id, weights.buffer_id)
 
     daemon = restart(start_daemon, daemon, how, "--budget", "256MiB")
-    # It knew nothing of them; the listener declared them before any call of the engine.
+    # It knew nothing of them; the listener declared them before any call of the engine, under the ids they had.
     wait_until(lambda: committed(daemon) == 22 * MiB)
+    assert client.resumed() and (kv.buffer_id, weights.buffer_id) == ids
     with daemon.connect(observer=True) as look:
         held = {b.name: (b.held_elsewhere, b.physical_bytes, b.segment_sizes) for b in look.buffers()}
     assert held == {"": (True, 16 * MiB, [8 * MiB, 8 * MiB]), "weights": (True, 6 * MiB, [6 * MiB])}
+    listing = hbmctl("--run-dir", str(daemon.run_dir), "-o", "wide", "buffers").stdout.splitlines()
+    assert "KEPT-BY" in listing[0].split() and all(row.split()[-1] == "mappers" for row in listing[1:])
 
     kv.resize_per_segment_(12 * MiB)  # the tensor goes on, at the same address, under its new id
     assert kv.base_ptr == base
@@ -128,6 +131,7 @@ def test_a_buffer_the_new_daemon_will_not_count_makes_its_tensor_unusable_and_th
     small.resize_(4 * MiB)
     daemon = restart(start_daemon, daemon, "term", "--budget", "16MiB")  # restarted with a smaller budget
     wait_until(lambda: committed(daemon) == 4 * MiB)  # the small one only: the big one is past the budget
+    assert client.resumed()  # waits for the listener to finish starting over
     with pytest.raises(TensorUnusable, match="refused to count it again"):
         big.resize_(28 * MiB)
     small.resize_(6 * MiB)

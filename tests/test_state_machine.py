@@ -315,7 +315,8 @@ class StateMachine(RuleBasedStateMachine):
             chunks = chunks[1:] + [(sum(capacities) // GRANULE * GRANULE, GRANULE)]
         named = sorted(b.name for b in self.state.buffers.values() if b.persistent and b.owner_uid == session.uid)
         name = "" if kind == "anonymous" else data.draw(st.sampled_from(named + [f"b{next(self.names)}"]))
-        self.attempt(self.state.redeclare, session, capacities, sizes, chunks, name, kind != "anonymous", False,
+        previous = data.draw(st.sampled_from([0, *sorted(self.state.buffers)[:3], 10_000]))
+        self.attempt(self.state.redeclare, session, previous, capacities, sizes, chunks, name, kind != "anonymous", False,
                      kind == "reader" or data.draw(st.booleans()) and kind == "persistent", kind == "reader")
 
     @invariant()

@@ -90,7 +90,8 @@ class BufferRequests(RequestRoom[A, C]):
     def redeclare(self, conn: HandleConnection[A, C], request_id: int, msg: Redeclare) -> BufferCreated:
         """Record a buffer the client still maps after a restart with no keeper; its memory counts from now on."""
         buffer = self.state.redeclare(
-            conn.session, msg.segment_capacities, msg.segment_sizes, [(c.offset, c.size) for c in msg.chunks],
+            conn.session, msg.buffer_id, msg.segment_capacities, msg.segment_sizes,
+            [(c.offset, c.size) for c in msg.chunks],
             msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly,
         )
         log.info("session %d declared again %s buffer %d%s: %d bytes its process still maps",

@@ -213,13 +213,13 @@ class State(Generic[A, C]):
         return buffer
 
     def redeclare(
-        self, session: Session, capacities: list[int], sizes: list[int], chunks: list[tuple[int, int]], name: str,
-        persistent: bool, shareable: bool, sealed: bool, readonly: bool,
+        self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
+        chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool, readonly: bool,
     ) -> Buffer[A, C]:
         """A buffer the session's process still maps, declared again after a restart with no keeper; see
         :meth:`Buffers.redeclare`."""
-        return self.buffers_room.redeclare(session, capacities, sizes, chunks, name, persistent, shareable, sealed,
-                                           readonly)
+        return self.buffers_room.redeclare(session, previous_id, capacities, sizes, chunks, name, persistent,
+                                           shareable, sealed, readonly)
 
     def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""

@@ -175,8 +175,9 @@ class Buffers(Generic[A, C]):
         self.mark_changed(buffer)
         return buffer
 
-    def redeclare(self, session: Session, capacities: list[int], sizes: list[int], chunks: list[tuple[int, int]],
-                  name: str, persistent: bool, shareable: bool, sealed: bool, readonly: bool) -> Buffer[A, C]:
+    def redeclare(self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
+                  chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool,
+                  readonly: bool) -> Buffer[A, C]:
         """A buffer its client still maps, declared again after the daemon restarted with no keeper.
 
         The chunks (``(offset, size)``) are recorded as held elsewhere, and
@@ -185,9 +186,14 @@ class Buffers(Generic[A, C]):
         name, or declares it, an orphan its owner joins. What a client may
         claim is what it could have made: only in its own user's names,
         within its tenant's budget and the per-uid limits; nothing declared is
-        ever handed to another process. Raises with nothing changed.
+        ever handed to another process. The buffer keeps ``previous_id``, the
+        id it had, where no buffer has it now. Raises with nothing changed but
+        the ids given from now on, which come after ``previous_id``.
         """
         check_observer(session)
+        check_int("buffer_id", previous_id, 0, MAX_CAPACITY)
+        keep = previous_id if previous_id and previous_id not in self.by_id else 0
+        self._next_id = max(self._next_id, previous_id + 1)
         capacity = sum(capacities)
         capacities = layout_segments(capacity, len(capacities), capacities)
         if len(name) > MAX_NAME or not name.isprintable():
@@ -196,7 +202,7 @@ class Buffers(Generic[A, C]):
             raise InvalidRequest("only a sealed persistent buffer is read or sealed", field="sealed")
         reserved = round_up(capacity, self.backend.granularity)
         record = Buffer(
-            buffer_id=self._next_id, name=name, persistent=persistent, shareable=shareable,
+            buffer_id=keep or self._next_id, name=name, persistent=persistent, shareable=shareable,
             owner=None if readonly else session, owner_uid=session.uid, tenant=session.tenant, capacity=capacity,
             reserved=reserved, segment_capacities=capacities, arena=None, sealed=sealed,
         )
@@ -215,7 +221,7 @@ class Buffers(Generic[A, C]):
             self.pressure.refused(None)  # leases made before it was declared give way to it
         record.arena = self.backend.open_arena(reserved, shareable)
         record.chunks = [Chunk(self.chunks.take_id(), offset, size, None) for offset, size in chunks]
-        self._next_id += 1
+        self._next_id = max(self._next_id, record.buffer_id + 1)
         self._add(record)
         self.account(record, mapped=held)
         if readonly:
