@@ -10,9 +10,11 @@ Two figures, each measured in one run against its baseline:
 - **pause**: a client holding N chunks (10, 1,000, 10,000) and calling the
   daemon in a loop while the daemon is killed and restarted on what the store
   kept (a crash under systemd), and while a successor takes over
-  (``--takeover``): the longest wait between two of its calls' answers (how
-  long its engine would stand), how many calls failed (none may), and how
-  long the new daemon took from its launch to serving.
+  (``--takeover``), and while a daemon with no keeper is killed and started
+  again (the client declares again what its tensor maps): the longest wait
+  between two of its calls' answers (how long its engine would stand), how
+  many calls failed (none may), and how long the new daemon took from its
+  launch to serving.
 
 ``python bench/restart_bench.py --backend cuda`` on a GPU node; the host
 backend needs 2 MiB of RAM per chunk (10,000 chunks: 20 GiB), so
@@ -101,9 +103,10 @@ class Instance:
         return connect(run_dir=self.run_dir, instance=self.daemon.instance, **kwargs)
 
     def crash(self) -> DaemonProcess:
-        """SIGKILL, then a new daemon on what the store kept, as ``Restart=on-failure`` does."""
+        """SIGKILL, then a new daemon on what the store kept, as ``Restart=on-failure`` does (with no store, on
+        nothing)."""
         self.daemon.kill()
-        self.daemon = self._start(**self.systemd.relaunch())
+        self.daemon = self._start(**self.systemd.relaunch()) if self.systemd is not None else self._start()
         return self.daemon
 
     def take_over(self) -> DaemonProcess:
@@ -185,23 +188,28 @@ class CallsInALoop:
 
 
 def pause(backend: str, chunks: int, how: str) -> dict:
-    """A client holding ``chunks`` chunks; the daemon crashes (or is taken over): the client's pause."""
-    instance = Instance(backend, True, restartable=True)
+    """A client holding ``chunks`` chunks; the daemon crashes (or is taken over, or crashes with no keeper): the
+    client's pause."""
+    from hbmd.client import ExtensibleTensor
+
+    instance = Instance(backend, how != "no keeper", restartable=True)
     try:
         client = instance.connect(lease=False)
-        buffer = client.create_buffer(chunks * 2 * GRANULE, chunks)
-        # Segments of two granules, each grown by one: a run, and so a chunk, per segment.
-        with client.commit(buffer.buffer_id, GRANULE) as delivery:
-            for _ in delivery:
-                pass
+        # Segments of two granules, each grown by one: a run, and so a chunk, per segment. Mapped, so that with no
+        # keeper there is something to declare again.
+        kv = ExtensibleTensor(chunks * 2 * GRANULE, "cpu" if backend == "host" else "cuda:0", num_segments=chunks,
+                              client=client)
+        kv.resize_per_segment_(GRANULE)
         calls = CallsInALoop(client)
         started = time.monotonic()
-        daemon = instance.crash() if how == "crash" else instance.take_over()
+        daemon = instance.take_over() if how == "takeover" else instance.crash()
         serving = time.monotonic() - started
         time.sleep(0.5)
         gaps = calls.stop()
-        restored = [line for line in daemon.log().splitlines() if "restored:" in line or "took over from" in line]
+        restored = [line for line in daemon.log().splitlines()
+                    if "restored:" in line or "took over from" in line or "declared again" in line]
         wait_until(lambda: client.status().num_chunks == chunks, timeout=5)
+        kv.free()
         client.close()
         return {"chunks": chunks, "how": how, "new_daemon_serving_s": round(serving, 3),
                 "client_pause_s": round(max(gaps), 3), "calls": len(gaps), "failed_calls": calls.failures,
@@ -229,7 +237,7 @@ def main() -> int:
     print(json.dumps(result["commits"], indent=1), flush=True)
     write_json(out, result)
     for chunks in args.chunks:
-        for how in ("crash", "takeover"):
+        for how in ("crash", "takeover", "no keeper"):
             result["pauses"].append(pause(args.backend, chunks, how))
             print(json.dumps(result["pauses"][-1]), flush=True)
             write_json(out, result)  # a run cut short keeps what it measured
