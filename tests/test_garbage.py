@@ -412,7 +412,7 @@ class Barrage:
                     msg = cls(**{**fields, field.name: value})
                     self.ask_unchanged(self.request(msg), f"{cls.KIND}.{field.name}={value!r:.30}")
                 for name, raw in RAW_NOT_INTS.items() if tp is int else ():
-                    body = {**fields, field.name: PLACEHOLDER}
+                    body = {**codec.to_wire(fields), field.name: PLACEHOLDER}
                     frames = [cls.KIND.encode(), pack_with({"id": 9, "token": self.token, "body": body}, raw)]
                     self.ask_unchanged(frames, f"{cls.KIND}.{field.name} = {name}", ErrorCode.PROTOCOL)
 

@@ -234,6 +234,8 @@ class Buffers(Generic[A, C]):
     def _check_tiling(self, buffer: Buffer[A, C], chunks: list[tuple[int, int]]) -> None:
         """Refuse declared chunks that are not granules tiling exactly what the segments' sizes must back."""
         granule = self.backend.granularity
+        if len(chunks) > buffer.reserved // granule:  # refused before sorting what could be a frame of them
+            raise InvalidRequest(f"more chunks than the buffer has granules ({len(chunks)})", field="chunks")
         ends = [offset + size for offset, size in sorted(chunks)]
         starts = [offset for offset, _ in sorted(chunks)]
         ragged = any(offset % granule or size <= 0 or size % granule for offset, size in chunks)
