@@ -208,7 +208,11 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         gaps = calls.stop()
         restored = [line for line in daemon.log().splitlines()
                     if "restored:" in line or "took over from" in line or "declared again" in line]
-        wait_until(lambda: client.status().num_chunks == chunks, timeout=5)
+        try:
+            wait_until(lambda: client.status().num_chunks == chunks, timeout=30)
+        except TimeoutError:
+            restored.append(f"{client.status().num_chunks} of {chunks} chunks back after 30 s; the daemon's log ends: "
+                            + " | ".join(daemon.log().splitlines()[-6:]))
         kv.free()
         client.close()
         return {"chunks": chunks, "how": how, "new_daemon_serving_s": round(serving, 3),
@@ -221,7 +225,8 @@ def pause(backend: str, chunks: int, how: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("host", "cuda"), default="host")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of commit steps (default: 5)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds of commit steps (default: 5; 0: pauses only)")
     parser.add_argument("--steps", type=int, default=200, help="2 MiB steps per round (default: 200)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[10, 1000, 10000])
     parser.add_argument("--out", type=Path,
@@ -233,7 +238,8 @@ def main() -> int:
     except (ValueError, OSError):  # not root: as far as the hard limit goes
         resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     out = args.out or RESULTS_DIR / f"{'h200' if args.backend == 'cuda' else 'host'}-{today_utc()}-restart.json"
-    result = {"metadata": metadata(), "commits": commits(args.backend, args.rounds, args.steps), "pauses": []}
+    result = {"metadata": metadata(), "commits": commits(args.backend, args.rounds, args.steps) if args.rounds else {},
+              "pauses": []}
     print(json.dumps(result["commits"], indent=1), flush=True)
     write_json(out, result)
     for chunks in args.chunks:
