@@ -24,7 +24,9 @@ restart never fails over one buffer, which under ``Restart=on-failure``
 would loop forever.
 
 The journal is append-only: msgpack records ``[kind, value]`` (``meta``, a
-session ``s`` or buffer ``b`` as it now is, ``-s``/``-b`` one gone),
+session ``s`` or buffer ``b`` as it now is, ``b+`` the chunks a buffer
+gained and its new sizes, so that a commit costs the same at 10 chunks as at
+10,000, ``-s``/``-b`` one gone),
 rewritten whole from the state once it has grown to several times the size
 of the state. Records are written whole with one ``write``; the page cache
 keeps them across a crash of the daemon, which is what the memory survives
@@ -55,8 +57,8 @@ from .state import Answer, Buffer, Chunk, Session, State, Tenant
 
 log = logging.getLogger("hbmd.persist")
 
-JOURNAL_VERSION = 4
-"""4: every session and buffer, msgpack records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset,
+JOURNAL_VERSION = 5
+"""5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset,
 size]``, 2 added a fourth field, always 0, and each segment's capacity and size; version 1's equal segments are read
 too."""
 COMPACT_MIN_BYTES = 1 << 20
@@ -119,6 +121,28 @@ def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
         "pending": [[c.chunk_id, c.offset, c.size] for c in buffer.pending],
         "held": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.handle is None],
     }
+
+
+def _shape(buffer: Buffer[Any, Any]) -> tuple[tuple[Any, ...], int, int]:
+    """What a buffer's record was journaled from: all but its chunks and sizes, then how many chunks and the last
+    one's id. Chunk ids are never reused, so a buffer whose first chunks are still these only gained chunks."""
+    head = (buffer.name, buffer.persistent, buffer.shareable, buffer.owner.session_id if buffer.owner else 0,
+            buffer.owner_uid, buffer.tenant.name, buffer.capacity, tuple(buffer.segment_capacities), buffer.sealed,
+            tuple(sorted(buffer.readers.items())), tuple(c.chunk_id for c in buffer.pending))
+    return head, len(buffer.chunks), buffer.chunks[-1].chunk_id if buffer.chunks else 0
+
+
+def _growth_record(buffer: Buffer[Any, Any], since: int) -> dict[str, Any]:
+    """The chunks a buffer gained after its first ``since``, and its sizes now."""
+    gained = buffer.chunks[since:]
+    return {"id": buffer.buffer_id, "sizes": buffer.segment_sizes,
+            "chunks": [[c.chunk_id, c.offset, c.size] for c in gained],
+            "held": [c.chunk_id for c in gained if c.handle is None]}
+
+
+def _only_grew(buffer: Buffer[Any, Any], count: int, last_id: int) -> bool:
+    """Whether the buffer's first ``count`` chunks, the last of them ``last_id``, are still its first ones."""
+    return count <= len(buffer.chunks) and (count == 0 or buffer.chunks[count - 1].chunk_id == last_id)
 
 
 def _journaled_as(session: Session) -> tuple[Any, ...]:
@@ -343,10 +367,15 @@ class Journal:
                     image = value
                 elif kind in ("s", "b"):
                     image["sessions" if kind == "s" else "buffers"][value["id"]] = value
+                elif kind == "b+":
+                    grown = image["buffers"][value["id"]]
+                    grown["sizes"] = value["sizes"]
+                    grown["chunks"] = grown["chunks"] + value["chunks"]
+                    grown["held"] = grown.get("held", []) + value["held"]
                 elif kind in ("-s", "-b"):
                     image["sessions" if kind == "-s" else "buffers"].pop(value, None)
                 used = unpacker.tell()
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
             raise ValueError(f"record at byte {used}: {exc}") from None
         if used < len(data):
             log.warning("journal %s ends in a torn record (%d bytes) : ignored", self.path, len(data) - used)
@@ -435,6 +464,8 @@ class Persistence:
         """Names of chunks released since the last sync, unparked once it has journaled their release."""
         self._sessions: dict[int, tuple[Any, ...]] = {}
         """What each kept session's record was last journaled from."""
+        self._buffers: dict[int, tuple[tuple[Any, ...], int, int]] = {}
+        """What each buffer's record was last journaled from (:func:`_shape`)."""
         self.degraded = False
         """The last journal write failed (the state directory is full, say)."""
         self._image_bytes = 0
@@ -511,10 +542,19 @@ class Persistence:
         changed = self.state.changed
         if not changed:
             return []
-        records = [
-            ["-b", buffer_id] if buffer is None else ["b", buffer_record(buffer)]
-            for buffer_id, buffer in ((b, self.state.buffers.get(b)) for b in sorted(changed))
-        ]
+        records: list[list[Any]] = []
+        for buffer_id in sorted(changed):
+            buffer = self.state.buffers.get(buffer_id)
+            if buffer is None:
+                self._buffers.pop(buffer_id, None)
+                records.append(["-b", buffer_id])
+                continue
+            before, shape = self._buffers.get(buffer_id), _shape(buffer)
+            self._buffers[buffer_id] = shape
+            if before is not None and before[0] == shape[0] and _only_grew(buffer, before[1], before[2]):
+                records.append(["b+", _growth_record(buffer, before[1])])
+            else:
+                records.append(["b", buffer_record(buffer)])
         changed.clear()
         return records
 
@@ -597,6 +637,7 @@ class Persistence:
         """Take the state as it is now as journaled, and write it whole; from here on each change is a record."""
         self.state.changed.clear()
         self._sessions = {s.session_id: _journaled_as(s) for s in self.state.sessions.values() if _kept(s)}
+        self._buffers = {b.buffer_id: _shape(b) for b in self.state.buffers.values()}
         try:
             self._rewrite()
         except OSError as exc:

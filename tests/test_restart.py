@@ -164,5 +164,5 @@ def test_a_journal_of_a_newer_daemon_is_left_alone_and_the_older_one_does_not_st
                            env={"NOTIFY_SOCKET": str(systemd.path)})
     with pytest.raises(RuntimeError, match="hbmd exited with 1"):
         daemon.start()
-    assert "it is of version 99, newer than this daemon's 4: run the newer hbmd" in daemon.log()
+    assert "it is of version 99, newer than this daemon's 5: run the newer hbmd" in daemon.log()
     assert journal.read_bytes() == before  # a downgrade loses nothing: the newer daemon finds it all again

@@ -13,10 +13,11 @@ import logging
 import os
 import time
 
+import msgpack
 import pytest
 from fake_systemd import FakeSystemd
 from hbmd.daemon.notify import SystemdNotifier
-from hbmd.daemon.persist import MAX_NAMES_CHARS, MAX_PARKED, Journal, Persistence, chunk_name
+from hbmd.daemon.persist import MAX_NAMES_CHARS, MAX_PARKED, Journal, Persistence, buffer_record, chunk_name
 from hbmd.daemon.state import State
 from helpers import GRANULE, wait_until
 
@@ -193,3 +194,26 @@ def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_
     assert Journal(tmp_path / "journal").read()["buffers"][buffer.buffer_id]["chunks"] == []
     wait_until(lambda: systemd.names() == set())
     state.close_session(session)
+
+
+def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_exactly(tmp_path, store):
+    systemd, notifier = store
+    state, persistence, session = kept_state(notifier, tmp_path / "journal")
+    state.budget.budget_bytes = 1024 * GRANULE
+    buffer = state.create_buffer(session, 512 * GRANULE, 2)
+    journal = persistence.journal
+    growth = []
+    for step in range(1, 201):  # granule by granule: a chunk a commit, each segment's list growing
+        state.commit(session, buffer.buffer_id, step * GRANULE)
+        before = journal.size
+        persistence.sync()
+        growth.append(journal.size - before)
+    # The record of a commit does not grow with the chunks before it (a whole record would, by ~12 bytes each).
+    assert max(growth[150:]) <= max(growth[:10]) + 8
+    state.release(session, buffer.buffer_id)  # a shrink is a whole record again
+    state.commit(session, buffer.buffer_id, 3 * GRANULE)
+    persistence.sync()
+    replayed = Journal(tmp_path / "journal").read()["buffers"][buffer.buffer_id]
+    assert replayed == msgpack.unpackb(msgpack.packb(buffer_record(buffer)), strict_map_key=False)
+    state.close_session(session)
+    persistence.sync()
