@@ -60,6 +60,8 @@ class StatusReply(Message):
 class Status(Request[StatusReply]):
     """Ask for the instance's totals."""
 
+    changes_state = False
+
 
 @record
 class SessionInfo:
@@ -93,6 +95,8 @@ class SessionList(Message):
 class ListSessions(Request[SessionList]):
     """Ask for every live session."""
 
+    changes_state = False
+
 
 @message("admin.buffer_list")
 class BufferList(Message):
@@ -102,6 +106,8 @@ class BufferList(Message):
 @message("admin.buffers")
 class ListBuffers(Request[BufferList]):
     """Ask for buffers; ``session_id`` = -1 lists all."""
+
+    changes_state = False
 
     session_id: int = -1
 

@@ -59,6 +59,9 @@ class Request(Message, Generic[R]):
     """
 
     Reply: ClassVar[type[Message]]
+    changes_state: ClassVar[bool] = True
+    """False for a request that only reads: sent again after a daemon restart, it is simply answered anew, so its
+    answer is not kept (nor journaled) for that."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

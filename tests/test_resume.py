@@ -282,3 +282,15 @@ def test_a_client_closed_while_its_daemon_is_away_closes_at_once(start_daemon):
     started = time.monotonic()
     client.close()
     assert time.monotonic() - started < 1  # not the 30 s of HBMD_RESUME_TIMEOUT
+
+
+def test_a_request_that_only_reads_costs_the_journal_nothing(restartable, run_dir):
+    client = restartable.daemon.connect(lease=False)
+    ExtensibleTensor(8 * MiB, "cpu", client=client).resize_(2 * MiB)
+    journal = run_dir / "state" / "host.journal"
+    size = journal.stat().st_size
+    for _ in range(20):  # an engine's status polls: sent again after a restart, they are simply answered anew
+        client.status()
+        client.sessions()
+        client.buffers()
+    assert journal.stat().st_size == size

@@ -372,7 +372,7 @@ class Server(Generic[A, C]):
         request_id = peek_request_id(frames)
         operation = "invalid"
         session: Session | None = None
-        fresh = False  # not the request answered last: its answer becomes the session's last
+        fresh = False  # a change not answered yet: its answer becomes the session's last
         try:
             kind, request_id, token, raw = read_envelope(frames)
             handler = self._handlers.get(kind)
@@ -386,7 +386,7 @@ class Server(Generic[A, C]):
             answered = session.answer
             if answered is not None and request_id == answered.request_id:
                 return self._answer_again(conn, request_id, answered)
-            fresh = True
+            fresh = kind.changes_state
             session.previous_credential_hash = ""  # the client speaks: it holds its last welcome's credential
             reply = handler(conn, request_id, decode_body(kind, raw))
         except OutOfBudget as exc:
