@@ -52,3 +52,36 @@ def parked_names(state_dir, buffer_name: str, instance: str = "host") -> set[str
         return set()
     buffers = [b for b in journal.read()["buffers"].values() if b["name"] == buffer_name]
     return {chunk_name(chunk[0]) for b in buffers for chunk in (*b["chunks"], *b["pending"])}
+
+
+class GpuKvCache:
+    """A 1 GiB two-segment KV cache on the GPU, grown as an engine grows it (2 MiB steps from the lease, then
+    larger ones through the daemon), with 7 and 9 written in each segment: what a GPU restart test keeps alive."""
+
+    def __init__(self, client) -> None:
+        import torch
+        from hbmd.client import ExtensibleTensor
+
+        self.kv = ExtensibleTensor(1 << 30, "cuda", num_segments=2, client=client)
+        for step in range(1, 9):
+            self.kv.resize_per_segment_(step * GRANULE if step <= 4 else (step - 4) * 32 * MiB)
+        self.view = self.kv.full_view()
+        self.base = self.view.data_ptr()
+        self.view[: 64 * MiB] = 7
+        self.view[512 * MiB : 576 * MiB] = 9
+        torch.cuda.synchronize()
+
+    def intact(self) -> bool:
+        return int(self.view[: 64 * MiB].float().mean()) == 7 and int(self.view[512 * MiB : 576 * MiB].float().mean()) == 9
+
+    def grows_on(self) -> None:
+        """Grow it further after the restart: at the same address, with its data, and writable where it grew."""
+        self.kv.resize_per_segment_(256 * MiB)
+        assert self.kv.full_view().data_ptr() == self.base
+        assert self.intact()
+        self.kv.full_view()[128 * MiB : 256 * MiB] = 3
+        assert int(self.kv.full_view()[128 * MiB : 256 * MiB].float().mean()) == 3
+
+    def free(self) -> None:
+        del self.view
+        self.kv.free()

@@ -14,7 +14,7 @@ import pytest
 from hbmd.client import ExtensibleTensor, connect
 from hbmd.proto import ChunkInfo, Redeclare
 from hbmd.proto.errors import Conflict, InvalidRequest, OutOfBudget, SessionLost, TensorUnusable
-from helpers import MiB, cuda_vmm_status, hbmctl, wait_until
+from helpers import GpuKvCache, MiB, cuda_vmm_status, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
 GPU_OK, GPU_REASON = cuda_vmm_status()
@@ -217,28 +217,16 @@ def test_a_gpu_kv_cache_goes_on_after_a_restart_with_no_keeper_and_its_memory_is
     daemon = start_daemon(*args, backend="cuda")
     torch.cuda.init()
     client = connect("cuda:0", run_dir=run_dir, client_name="gpu-engine")
-    kv = ExtensibleTensor(1 << 30, "cuda", num_segments=2, client=client)
-    for step in range(1, 9):  # 2 MiB steps from the lease, then larger ones through the daemon
-        kv.resize_per_segment_(step * (2 << 20) if step <= 4 else (step - 4) * 32 * MiB)
-    view = kv.full_view()
-    base = view.data_ptr()
-    view[: 64 * MiB] = 7
-    view[512 * MiB : 576 * MiB] = 9
-    torch.cuda.synchronize()
+    cache = GpuKvCache(client)
     held = committed(daemon)
 
     daemon.kill()
     daemon = start_daemon(*args, backend="cuda")
-    assert int(view[: 64 * MiB].float().mean()) == 7  # the device memory never left this process
+    assert cache.intact()  # the device memory never left this process
     wait_until(lambda: committed(daemon) == held)
-    kv.resize_per_segment_(256 * MiB)
-    assert kv.full_view().data_ptr() == base
-    assert int(view[: 64 * MiB].float().mean()) == 7 and int(view[512 * MiB : 576 * MiB].float().mean()) == 9
-    kv.full_view()[128 * MiB : 256 * MiB] = 3
-    assert int(kv.full_view()[128 * MiB : 256 * MiB].float().mean()) == 3
+    cache.grows_on()
     free_before = torch.cuda.mem_get_info()[0]
-    del view
-    kv.free()
+    cache.free()
     assert committed(daemon) == 0
     # The declared chunks went with this process's mappings, the new ones with the daemon: none is left behind.
     wait_until(lambda: torch.cuda.mem_get_info()[0] >= free_before + 500 * MiB)

@@ -20,7 +20,7 @@ from hbmd.daemon.takeover import take_over
 from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello
 from hbmd.proto.errors import PermissionDenied, SessionLost
 from hbmd.proto.instance import InstancePaths
-from helpers import MiB, cuda_vmm_status, wait_until
+from helpers import GpuKvCache, MiB, cuda_vmm_status, wait_until
 
 torch = pytest.importorskip("torch")
 GPU_OK, GPU_REASON = cuda_vmm_status()
@@ -240,14 +240,7 @@ def test_a_gpu_kv_cache_stays_in_place_and_grows_on_across_a_restart(start_daemo
     daemon = start_daemon(*args, backend="cuda", env={"NOTIFY_SOCKET": str(systemd.path)})
     torch.cuda.init()
     client = connect("cuda:0", run_dir=run_dir, client_name="gpu-engine")
-    kv = ExtensibleTensor(1 << 30, "cuda", num_segments=2, client=client)
-    for step in range(1, 9):  # 2 MiB steps from the lease, then larger ones through the daemon
-        kv.resize_per_segment_(step * (2 << 20) if step <= 4 else (step - 4) * 32 * MiB)
-    view = kv.full_view()
-    base = view.data_ptr()
-    view[: 64 * MiB] = 7
-    view[512 * MiB : 576 * MiB] = 9
-    torch.cuda.synchronize()
+    cache = GpuKvCache(client)
     with daemon.connect(observer=True) as look:
         before = books(look)
 
@@ -258,17 +251,12 @@ def test_a_gpu_kv_cache_stays_in_place_and_grows_on_across_a_restart(start_daemo
         old = daemon
         daemon = start_daemon(*args, "--takeover", backend="cuda", env={"NOTIFY_SOCKET": str(systemd.path)})
         assert old.proc.wait(30) == 0
-    assert int(view[: 64 * MiB].float().mean()) == 7  # the device memory never left this process
+    assert cache.intact()  # the device memory never left this process
     wait_until(lambda: "session 1 resumed" in daemon.log())
     with daemon.connect(observer=True) as look:
         assert books(look) == before
-    kv.resize_per_segment_(256 * MiB)
-    assert kv.full_view().data_ptr() == base
-    assert int(view[: 64 * MiB].float().mean()) == 7 and int(view[512 * MiB : 576 * MiB].float().mean()) == 9
-    kv.full_view()[128 * MiB : 256 * MiB] = 3
-    assert int(kv.full_view()[128 * MiB : 256 * MiB].float().mean()) == 3
-    del view
-    kv.free()
+    cache.grows_on()
+    cache.free()
     assert client.status().committed_bytes == 0
     client.close()
 
