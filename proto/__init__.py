@@ -17,6 +17,7 @@ from .admin import (
     TenantInfo,
 )
 from .buffers import (
+    MAX_SEGMENTS,
     Attach,
     BufferCreated,
     BufferInfo,
@@ -40,6 +41,7 @@ from .buffers import (
 )
 from .codec import (
     MAX_FRAME_BYTES,
+    MAX_REQUEST_BYTES,
     PROTOCOL_VERSION,
     Envelope,
     ErrorReply,

@@ -37,6 +37,7 @@ from typing import Callable, Generic, Mapping, TypeVar
 
 import zmq
 from hbmd.proto import (
+    MAX_SEGMENTS,
     PROTOCOL_VERSION,
     Hello,
     LeasePlace,
@@ -380,7 +381,7 @@ class HandlePlane(Generic[A, C]):
     def _apply_datagram(self, conn: HandleConnection[A, C], data: bytes) -> None:
         session = conn.session
         try:
-            msg = decode_datagram(data)
+            msg = decode_datagram(data, MAX_SEGMENTS)
             if isinstance(msg, LeasePlace):
                 self.state.place(session, msg.buffer_id, msg.sizes, msg.chunk_ids, msg.offsets)
             elif isinstance(msg, LeaseReturn):
@@ -444,7 +445,7 @@ class HandlePlane(Generic[A, C]):
 
     def _check_hello(self, conn: HandleConnection[A, C], data: bytes) -> Hello:
         """The client's hello, if it speaks this daemon's major version and its uid may use the instance."""
-        hello = decode_datagram(data)
+        hello = decode_datagram(data, MAX_SEGMENTS)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected a hello, got {hello.KIND}")
         if len(hello.version) != 2 or min(hello.version) < 0:

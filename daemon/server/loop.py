@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Callable, Generic
 import zmq
 from hbmd.proto import (
     MAX_FRAME_BYTES,
+    MAX_REQUEST_BYTES,
+    MAX_SEGMENTS,
     Committed,
     PROTOCOL_VERSION,
     ErrorReply,
@@ -369,12 +371,13 @@ class Server(Generic[A, C]):
     def _dispatch(self, frames: list[bytes]) -> list[bytes]:
         """Answer one request; what it changed is journaled before the answer goes (where the state is kept)."""
         started = time.perf_counter()
-        request_id = peek_request_id(frames)
+        request_id = 0
         operation = "invalid"
         session: Session | None = None
         fresh = False  # not the request answered last: its answer becomes the session's last
         try:
-            kind, request_id, token, raw = read_envelope(frames)
+            # Decoded once, within a request's bounds: a larger frame or a longer list is refused unread.
+            kind, request_id, token, raw = read_envelope(frames, MAX_REQUEST_BYTES, MAX_SEGMENTS)
             handler = self._handlers.get(kind)
             if handler is None:
                 raise ProtocolError(f"{kind.KIND} is not a request")
@@ -397,6 +400,9 @@ class Server(Generic[A, C]):
         except Exception:
             log.exception("request %d failed", request_id)
             reply = ErrorReply.of(InternalError(f"internal error handling request {request_id}; see the daemon log"))
+        if not request_id:
+            # Refused before its id was read: the id alone is read from the frame, so the refusal reaches its caller.
+            request_id = peek_request_id(frames)
         self._notices.send_reclaims()
         self._notices.send_revokes()
         if self.metrics is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol
 
+from hbmd.proto import MAX_SEGMENTS
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -28,7 +29,6 @@ from .chunks import Chunks
 from .records import (
     MAX_CAPACITY,
     MAX_NAME,
-    MAX_SEGMENTS,
     Buffer,
     Chunk,
     Limits,

@@ -19,7 +19,6 @@ from ..backends import A, C
 
 MAX_CAPACITY = 1 << 50
 """1 PiB: more than any device, small enough that offsets never overflow."""
-MAX_SEGMENTS = 1 << 16
 MAX_NAME = 128
 
 
