@@ -78,6 +78,7 @@ from .errors import (
 )
 from .session import (
     MAX_PLACED_GRANULES,
+    MAX_PLACED_SEGMENTS,
     Ack,
     FdBatch,
     Hello,

@@ -190,6 +190,9 @@ def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
         proto.LeasePlace(t.buffer_id, [64 * MiB] * 2, [], []),  # beyond the capacity
         proto.LeasePlace(theirs.buffer_id, [GRANULE], [], []),  # another session's buffer
         proto.LeasePlace(t.buffer_id, [2 * GRANULE], [], []),  # one size for two segments
+        proto.LeasePlace(t.buffer_id, [GRANULE] * (proto.MAX_PLACED_SEGMENTS + 1), [], []),  # more sizes than a buffer
+        proto.LeasePlace(t.buffer_id, [9 * GRANULE] * 2, list(range(1, 17)), [GRANULE * i for i in range(1, 17)]),  # 16
+        proto.LeasePlace(t.buffer_id, [2 * GRANULE] * 2, [1, 2], [GRANULE]),  # an offset short
         proto.LeaseReturn([10**9, -1, 0]),  # nothing of it is leased
     ]
     for msg in bad:
@@ -201,6 +204,19 @@ def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
     t.resize_per_segment_(3 * GRANULE)  # the session and its lease still work
     assert daemon_view(client, t).segment_sizes == [3 * GRANULE] * 2
     other.close()
+
+
+def test_a_buffer_of_more_segments_than_a_placement_carries_grows_through_the_daemon(daemon, client):
+    small = ExtensibleTensor(16 * MiB, "cpu", client=client)
+    small.resize_(GRANULE)
+    leased_at_least(client, 2)
+    segments = proto.MAX_PLACED_SEGMENTS + 1
+    wide = ExtensibleTensor(segments * GRANULE, "cpu", num_segments=segments, client=client)
+    sent = client.requests_sent
+    wide.resize_segments_([GRANULE] + [0] * (segments - 1))  # one granule, which the lease holds
+    assert client.requests_sent == sent + 1
+    assert daemon_view(client, wide).segment_sizes == wide.segment_sizes
+    assert daemon_view(client, wide).physical_bytes == wide.physical_bytes == GRANULE
 
 
 def test_a_session_that_dies_with_placements_unread_keeps_them(daemon, client, spawn_worker):

@@ -301,6 +301,7 @@ class State(Generic[A, C]):
         of the session's lease; otherwise nothing changes.
         """
         buffer = self.buffers_room.changeable(session, buffer_id)
+        self.leases.check_placement(session, buffer, sizes, chunk_ids, offsets)
         runs = self.buffers_room.growth(buffer, sizes)
         self.buffers_room.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
         return buffer
