@@ -74,8 +74,13 @@ HELLO_TIMEOUT_S = 5.0
 MAX_DATAGRAM = 64 << 10
 MAX_FDS_IN = 16
 """FDs accepted (and closed at once) on an inbound datagram; clients send none."""
-MAX_DATAGRAMS_PER_DRAIN = 1024
-"""Datagrams read from one session at a time (placements of leased granules; an honest client sends one per commit)."""
+WORK_PER_TURN_S = 0.005
+"""Seconds one session's datagrams may take of each turn of the loop; what it sends beyond waits for the next turn.
+Work is counted, not datagrams: one placement costs from microseconds to a couple of milliseconds (a full 64 KiB
+datagram), so a count would let a peer hold the loop for as many times the dearest one. An honest client sends a
+placement per commit, at most one per leased granule it holds, each well within this."""
+MAX_ACCEPTS_PER_TURN = 64
+"""Connections accepted in one turn of the loop; more wait for the next, so a burst of connects cannot hold it."""
 MAX_PENDING_HELLOS_PER_UID = 64
 """Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
 
@@ -104,6 +109,8 @@ class HandlePlane(Generic[A, C]):
         """Handle sockets of sessions that place leased granules: read before any request is answered."""
         self.outbox = Outbox(state, poller, self._connections)
         self._warnings = RateLimitedLog(log)
+        self._worked: dict[int, float] = {}
+        """Seconds each session's datagrams took this turn, by socket fd (see :data:`WORK_PER_TURN_S`)."""
 
     @property
     def by_session(self) -> Mapping[int, HandleConnection[A, C]]:
@@ -141,6 +148,10 @@ class HandlePlane(Generic[A, C]):
             os.close(self._reserve_fd)
             self._reserve_fd = -1
 
+    def new_turn(self) -> None:
+        """A new turn of the loop: every session may send :data:`WORK_PER_TURN_S` of work again."""
+        self._worked.clear()
+
     def on_event(self, fd: int) -> None:
         """Serve what woke the poll on ``fd``: the listener, a connection's socket or its peer's pidfd."""
         if self._listener is not None and fd == self._listener.fileno():
@@ -165,7 +176,8 @@ class HandlePlane(Generic[A, C]):
         """Apply every leased granule's placement sent so far, by any session: a request sees all commits that returned.
 
         One ``poll`` over the placing sessions' sockets; only those with
-        datagrams waiting are read.
+        datagrams waiting are read, each within what is left of its work this
+        turn (an honest client's placements always fit).
         """
         for fd, _ in self._placing.poll(0):
             conn = self._connections.get(fd)
@@ -199,12 +211,15 @@ class HandlePlane(Generic[A, C]):
         fd = conn.sock.fileno()
         if conn.session is not None and conn.session.wants_lease:
             # Placements the client sent before it died are in the socket still: its buffers must include them.
+            # A turn's work, whatever it spent this turn: a flood left there is cut, an honest client's few are not.
+            self._worked.pop(fd, None)
             self._drain_datagrams(conn)
             try:
                 self._placing.unregister(fd)
             except KeyError:
                 pass
         self._connections.pop(fd, None)
+        self._worked.pop(fd, None)
         try:
             self._poller.unregister(fd)
         except KeyError:
@@ -220,7 +235,7 @@ class HandlePlane(Generic[A, C]):
     # accept
 
     def _accept(self, listener: socket.socket) -> None:
-        while True:
+        for _ in range(MAX_ACCEPTS_PER_TURN):
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -355,23 +370,33 @@ class HandlePlane(Generic[A, C]):
         return data
 
     def _drain_datagrams(self, conn: HandleConnection[A, C]) -> bool:
-        """Apply every datagram the session's client has sent (its leased granules' placements); False at its EOF.
+        """Apply the datagrams the session's client has sent (its leased granules' placements); False at its EOF.
 
         Run before any request is answered and before the session ends, so
         the daemon's record of its buffers includes every placement its
-        client sent before. An honest client has one or two in flight; a
-        peer that keeps sending is read :data:`MAX_DATAGRAMS_PER_DRAIN` at a
-        time, so it cannot hold the loop.
+        client sent before. An honest client has a few in flight; a peer
+        that keeps sending is read until its :data:`WORK_PER_TURN_S` for this
+        turn is spent, and the rest waits for the next turn: it cannot hold
+        the loop, nor delay anyone but itself.
         """
-        for _ in range(MAX_DATAGRAMS_PER_DRAIN):
-            try:
-                data = self._receive(conn)
-            except BlockingIOError:
-                return True
-            if data is None:
-                return False
-            if data:
-                self._apply_datagram(conn, data)
+        fd = conn.sock.fileno()
+        worked = self._worked.get(fd, 0.0)
+        started = time.perf_counter()
+        try:
+            while worked < WORK_PER_TURN_S:
+                try:
+                    data = self._receive(conn)
+                except BlockingIOError:
+                    return True
+                if data is None:
+                    return False
+                if data:
+                    self._apply_datagram(conn, data)
+                now = time.perf_counter()
+                worked += now - started
+                started = now
+        finally:
+            self._worked[fd] = worked
         self._warnings.warning(
             f"flood-{conn.uid}", "session %d (pid %d) sends datagrams faster than they are read", conn.session.session_id,
             conn.pid,
