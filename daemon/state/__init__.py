@@ -333,6 +333,9 @@ class State(Generic[A, C]):
         if requester is not None:
             self.leases.hold_off(requester)
 
+    def withheld_bytes(self) -> int:
+        return self.leases.withheld_bytes(list(self.sessions.values()), time.monotonic())
+
     def short(self, tenant: Tenant, needed: int) -> None:
         """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""
         self.refused(None)

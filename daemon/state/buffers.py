@@ -48,6 +48,9 @@ class Pressure(Protocol):
     def short(self, tenant: Tenant, needed: int) -> None:
         """The device is short of ``needed`` bytes that ``tenant`` was guaranteed: ask those above theirs."""
 
+    def withheld_bytes(self) -> int:
+        """Leased bytes asked back long ago and still not given back: a retry will not find them."""
+
 
 def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
     """The segments of a new buffer: ``num_segments`` equal ones, or the uneven ``capacities`` summing to ``capacity``."""
@@ -322,7 +325,7 @@ class Buffers(Generic[A, C]):
         """One new chunk per run, admitted as a whole; none on any failure. The caller accounts for them."""
         requested = sum(end - start for start, end in runs)
         try:
-            self.tenants.admit(buffer.tenant, requested, purpose)
+            self.tenants.admit(buffer.tenant, requested, purpose, self.pressure.withheld_bytes())
         except OutOfBudget:
             self.pressure.refused(buffer.owner)
             raise

@@ -30,6 +30,9 @@ DEFAULT_LEASE_BYTES = 64 << 20
 """The most one session is leased (``--lease``): 32 granules of 2 MiB."""
 LEASE_IDLE_S = 30.0
 """A lease the session has not drawn on for this long is asked back; it grows again with the next demand."""
+LEASE_RETURN_PATIENCE_S = 2.0
+"""A client's listener gives asked-back granules back within milliseconds; one that has not after this is not reading
+its socket (stopped, hung), and a commit refused for want of them is no longer told that a retry will find them."""
 
 
 class Leases(Generic[A, C]):
@@ -185,8 +188,16 @@ class Leases(Generic[A, C]):
         session.lease_target = 0
         asked = [c for c in session.lease if c not in session.revoking]
         if asked:
+            if not session.revoking:
+                session.revoking_since = time.monotonic()
             session.revoking.update(asked)
             self.revokes_due.append((session, asked))
+
+    def withheld_bytes(self, sessions: list[Session], now: float) -> int:
+        """Leased bytes asked back more than :data:`LEASE_RETURN_PATIENCE_S` ago and not given back yet: theirs until
+        their sessions read the request, or end."""
+        late = (s for s in sessions if s.revoking and now - s.revoking_since > LEASE_RETURN_PATIENCE_S)
+        return self.backend.granularity * sum(len(s.revoking) for s in late)
 
     def ask_back_idle(self, sessions: list[Session], now: float) -> None:
         """Ask back the leases their sessions have not drawn on for :attr:`idle_s`: demand went elsewhere."""

@@ -128,6 +128,8 @@ class Session:
     """Granules the daemon keeps leased to it: doubles when a commit found the lease short, 0 under pressure."""
     revoking: set[int] = dataclasses.field(default_factory=set)
     """Leased chunk ids asked back and not returned yet."""
+    revoking_since: float = 0.0
+    """When the session was asked for the first of ``revoking`` (monotonic)."""
     lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last placed leased granules or found its lease short."""
     credential_hash: str = ""

@@ -111,10 +111,12 @@ class Tenants:
             room = min(room, tenant.max_bytes - tenant.used_bytes)
         return max(0, room)
 
-    def admit(self, tenant: Tenant, requested: int, purpose: str) -> None:
+    def admit(self, tenant: Tenant, requested: int, purpose: str, withheld: int = 0) -> None:
         """Check ``requested`` more bytes against the tenant's maximum, the budget and others' guarantees.
 
-        Raises ``OutOfBudget`` saying which limit it met.
+        Raises ``OutOfBudget`` saying which limit it met, and whether a retry
+        may find room: leased bytes are being asked back, except ``withheld``
+        ones, asked back long ago from sessions that do not answer.
         """
         if tenant.max_bytes is not None and tenant.used_bytes + requested > tenant.max_bytes:
             raise OutOfBudget(
@@ -130,8 +132,11 @@ class Tenants:
         used = self.committed_bytes + self.leased_bytes
         if used + requested + held > self.budget_bytes:
             extra = f", {format_bytes(held)} held for other tenants' guaranteed minimums" if held else ""
-            if self.leased_bytes:
-                extra += f", {format_bytes(self.leased_bytes)} of it leased (being asked back: retry)"
+            if self.leased_bytes > withheld:
+                extra += f", {format_bytes(self.leased_bytes - withheld)} of it leased (being asked back: retry)"
+            if withheld:
+                extra += (f", {format_bytes(withheld)} of it leased to sessions that have not given it back when asked "
+                          "(it is theirs until they read the request or end)")
             raise OutOfBudget(
                 f"{purpose} of {format_bytes(requested)} does not fit the budget: "
                 f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(used)}, "
