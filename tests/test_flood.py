@@ -83,7 +83,7 @@ def timed(call) -> float:
 @pytest.mark.parametrize("plane", ["handles", "control"])
 def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker, plane):
     daemon = start_daemon("--budget", "128MiB")
-    engine = daemon.connect(client_name="engine")
+    engine = daemon.connect(client_name="engine", resume_timeout=1)  # the daemon is stopped for good at the end
     kv = ExtensibleTensor(32 * MiB, "cpu", client=engine)
     kv.resize_(GRANULE)  # the first view loads torch: not the daemon's time
     flooder = spawn_worker(daemon, f"plane = {plane!r}\n{FLOODER}")
@@ -124,6 +124,7 @@ def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker,
     except subprocess.TimeoutExpired:
         pass  # reported below
     stopped_in = time.monotonic() - started
+    engine.close()
     print(
         f"{plane} flood: {len(calls)} calls, p50 {statistics.median(calls) * 1e3:.1f} ms, "
         f"p90 {percentile(calls, 0.9) * 1e3:.1f} ms, max {max(calls) * 1e3:.1f} ms, {len(errors)} errors; "
