@@ -4,8 +4,9 @@ A connection's first datagram is the :class:`Hello`; the peer's pid/uid/gid
 come from ``SO_PEERCRED``; when it closes the session ends and its buffers
 are freed. After the hello the client sends only the placements of leased
 granules and their returns (``LeasePlace``, ``LeaseReturn``), read before any
-request is answered. What the daemon sends back, FDs above all, goes through
-the outbox (``outbox.py``).
+request is answered, each session's within its share of a turn of the loop
+(:data:`WORK_PER_TURN_S`). What the daemon sends back, FDs above all, goes
+through the outbox (``outbox.py``).
 
 A session ends with its process, not with the last copy of its socket. A
 worker that forked a helper (which never speaks to hbmd) shares the socket
