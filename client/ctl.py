@@ -28,6 +28,7 @@ from hbmd.proto.instance import (
     list_instances,
     resolve_run_dir,
 )
+from hbmd.proto.text import shown
 from hbmd.proto.units import format_bytes, parse_size
 
 from . import __version__
@@ -48,16 +49,8 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
-def shown(text: str) -> str:
-    """``text`` with each non-printable character escaped as ``repr`` writes it (``\\x1b``, ``\\r``).
-
-    Names come from peers, and an older daemon checks none of them: printed raw, a
-    control character could clear the screen, retitle the terminal or forge a row.
-    """
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
 def _shown_cell(value: Any) -> Any:
+    # Names come from peers, and a daemon older than the hello's check passes any on.
     return shown(value) if isinstance(value, str) else value
 
 
@@ -388,7 +381,7 @@ def watch(args: argparse.Namespace, instance: str | None, names: list[str]) -> i
             else:
                 header = f"{stamp}  every {args.interval}s, Ctrl-C to leave"
                 body = "\n\n".join(render(o, fmt, not args.no_headers) for o in outputs.values())
-                frame = ("\x1b[H\x1b[2J" if redraw else "") + "\n".join([header, "", body, *failures])
+                frame = ("\x1b[H\x1b[2J" if redraw else "") + "\n".join([header, "", body, *map(shown, failures)])
             sys.stdout.write(frame + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)
@@ -552,10 +545,10 @@ def main(argv: list[str] | None = None) -> int:
             with open_client(args, instance) as client:
                 output = COMMANDS[args.command][0](client, args)
     except UsageError as exc:
-        print(f"hbmctl: {exc}", file=sys.stderr)
+        print(f"hbmctl: {shown(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except DaemonUnavailable as exc:
-        print(f"hbmctl: {exc}", file=sys.stderr)
+        print(f"hbmctl: {shown(str(exc))}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except HbmdError as exc:
         print(f"hbmctl: refused: {shown(str(exc))}", file=sys.stderr)
@@ -566,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     if text:
         print(text)
     for failure in failures:
-        print(f"hbmctl: {failure}", file=sys.stderr)
+        print(f"hbmctl: {shown(failure)}", file=sys.stderr)
     return EXIT_UNREACHABLE if failures else EXIT_OK
 
 if __name__ == "__main__":

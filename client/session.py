@@ -239,8 +239,7 @@ class Client:
         return self._call_with_id(msg, timeout)[0]
 
     def _call_with_id(self, msg: Request[R], timeout: float | None = None) -> tuple[R, int]:
-        if os.getpid() != self._pid:
-            raise ForkedClient("this hbmd client belongs to the parent process; call hbmd.client.connect() in the child")
+        self._check_not_forked()
         if self.closed:
             raise HbmdError("this hbmd client is closed")
         with self._lock:
@@ -262,6 +261,11 @@ class Client:
                     continue  # the same request, under the same id (and the buffer's new one, if it moved)
                 del self._unconfirmed[:unconfirmed]  # the daemon read them before it answered
                 return answer
+
+    def _check_not_forked(self) -> None:
+        """Raise :class:`ForkedClient` in a process forked from this client's: the session is the parent's."""
+        if os.getpid() != self._pid:
+            raise ForkedClient("this hbmd client belongs to the parent process; call hbmd.client.connect() in the child")
 
     def _resume(self, deadline: float) -> None:
         """Take the session back from the daemon that replaced the one that went away, by ``deadline``, or start it
@@ -512,7 +516,9 @@ class Client:
 
     def take_lease(self, count: int) -> list[LeasedGranule] | None:
         """``count`` leased granules, imported and ready to map; None where the lease holds fewer, is off, or the
-        commit is one the daemon serves faster (more than :data:`MAX_PLACED_GRANULES`)."""
+        commit is one the daemon serves faster (more than :data:`MAX_PLACED_GRANULES`). Raises :class:`ForkedClient` in a
+        forked child: the lease is the parent's, its handle socket closed here."""
+        self._check_not_forked()
         if self._lease is None or count > min(MAX_PLACED_GRANULES, self.welcome.lease_bytes // self.granularity):
             return None
         taken = self._lease.take(count)

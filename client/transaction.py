@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from hbmd.proto import BufferInfo
+from hbmd.proto import MAX_PLACED_SEGMENTS, BufferInfo
 from hbmd.proto.errors import HbmdError, TensorUnusable
 from hbmd.proto.runs import new_granules, prefix_offsets
 
@@ -47,8 +47,9 @@ class Transactions:
         self._offsets = prefix_offsets(self._capacities)
 
     def _grow_from_lease(self, sizes: list[int]) -> bool:
-        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short or the
-        growth adds a run of several granules (the daemon backs it with one chunk).
+        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short, the
+        growth adds a run of several granules (the daemon backs it with one chunk) or the buffer has more segments
+        than a placement carries (:data:`MAX_PLACED_SEGMENTS`).
 
         A leased granule is a chunk, as the daemon would have made it: the
         buffer's chunks are the same whichever way it grew.
@@ -57,7 +58,7 @@ class Transactions:
         process dies the daemon's record holds every granule mapped here. A
         mapping that fails midway is repaired as any commit's (:meth:`_resync`).
         """
-        if self._info.shareable:
+        if self._info.shareable or len(self._sizes) > MAX_PLACED_SEGMENTS:
             return False
         with self._client.exclusive:  # no other thread's request on this session between the placement and the mapping
             return self._place_leased(sizes)

@@ -20,6 +20,7 @@ from typing import Any, Generic, NoReturn
 
 from hbmd.proto import PROTOCOL_VERSION
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
+from hbmd.proto.text import shown
 from hbmd.proto.units import format_bytes, parse_size
 
 from .backends import A, Backend, C
@@ -472,13 +473,19 @@ def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
         log.warning("--warm-chunks applies to the CUDA backend only; ignored")
 
 
+class LogFormatter(logging.Formatter):
+    """Each record one line, its control characters escaped: a name or a message a peer chose can neither forge a
+    line of the log nor reach the terminal of whoever reads it. A traceback follows on lines of its own."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return shown(super().formatMessage(record))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s hbmd %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogFormatter("%(asctime)s hbmd %(levelname)s %(message)s"))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
     raise_fd_limit()
     try:
         daemon = build(args)

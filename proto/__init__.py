@@ -17,6 +17,7 @@ from .admin import (
     TenantInfo,
 )
 from .buffers import (
+    MAX_SEGMENTS,
     Attach,
     BufferCreated,
     BufferInfo,
@@ -41,6 +42,7 @@ from .buffers import (
 )
 from .codec import (
     MAX_FRAME_BYTES,
+    MAX_REQUEST_BYTES,
     PROTOCOL_VERSION,
     Envelope,
     ErrorReply,
@@ -77,6 +79,7 @@ from .errors import (
 )
 from .session import (
     MAX_PLACED_GRANULES,
+    MAX_PLACED_SEGMENTS,
     Ack,
     FdBatch,
     Hello,

@@ -13,6 +13,10 @@ import dataclasses
 
 from .codec import Message, Request, message, record
 
+MAX_SEGMENTS = 1 << 16
+"""The most segments a buffer has, so also the longest list a request carries (a size per segment): a daemon decodes
+no longer one."""
+
 
 @record
 class ChunkInfo:

@@ -306,6 +306,25 @@ def test_the_client_refuses_use_after_fork(client):
     assert client.status().num_sessions == 1
 
 
+def test_a_forked_child_growing_its_parents_tensor_from_the_lease_is_told_it_is_forked(client):
+    kv = ExtensibleTensor(32 * MiB, "cpu", client=client)
+    kv.resize_(GRANULE)  # through the daemon: the lease grows from this demand
+    wait_until(lambda: client.leased_granules >= 2)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            kv.resize_(2 * GRANULE)  # a granule the lease holds: no request, the placement goes on the handle socket
+        except ForkedClient:
+            os._exit(0)
+        except BaseException:
+            os._exit(2)
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    kv.resize_(2 * GRANULE)  # the parent's session and lease are as they were
+    assert [b.segment_sizes for b in client.buffers()] == [[2 * GRANULE]]
+
+
 def test_a_forged_token_is_refused(daemon, client):
     paths = InstancePaths.of(daemon.run_dir, "host")
     forged = ControlChannel(paths, "0" * 32, timeout=5)

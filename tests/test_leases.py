@@ -11,11 +11,13 @@ import ctypes
 import json
 import os
 import select
+import signal
 import time
 
 import pytest
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, OutOfBudget
+from hbmd.daemon.state.leases import LEASE_RETURN_PATIENCE_S
 from helpers import GRANULE, MiB, hbmctl, wait_until
 
 pytestmark = pytest.mark.ipc
@@ -173,6 +175,36 @@ def test_hbmctl_reclaim_takes_the_lease_back_first(daemon, client):
     worker.close()
 
 
+def test_a_lease_its_session_does_not_give_back_is_not_promised_to_a_retry(daemon, spawn_worker):
+    deaf = spawn_worker(
+        daemon,
+        """
+        import time
+        from hbmd.client import ExtensibleTensor, connect
+        c = connect("cpu", client_name="deaf")
+        ExtensibleTensor(64 << 20, "cpu", client=c).resize_(2 << 20)
+        while c.leased_granules < 2:
+            time.sleep(0.01)
+        print(c.leased_granules, flush=True)
+        time.sleep(600)
+        """,
+    )
+    leased = int(deaf.readline()) * GRANULE
+    os.kill(deaf.proc.pid, signal.SIGSTOP)  # it reads nothing more, the daemon's requests to give the lease back included
+    with daemon.connect(client_name="engine", lease=False) as engine:
+        big = engine.create_buffer(256 * MiB, 1)
+        with pytest.raises(OutOfBudget, match=r"leased \(being asked back: retry\)"):
+            engine.commit(big.buffer_id, 256 * MiB - 2 * MiB)
+        time.sleep(LEASE_RETURN_PATIENCE_S + 0.5)
+        with pytest.raises(OutOfBudget) as refused:
+            engine.commit(big.buffer_id, 256 * MiB - 2 * MiB)
+        assert "retry" not in refused.value.message
+        assert f"{leased >> 20}.0 MiB of it leased to sessions that have not given it back" in refused.value.message
+        os.kill(deaf.proc.pid, signal.SIGCONT)  # it reads the request at last, and gives the lease back
+        wait_until(lambda: engine.status().leased_bytes == 0)
+        engine.commit(big.buffer_id, 256 * MiB - 2 * MiB).close()
+
+
 def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
     """Hostile or stale placements on the handle socket: refused one by one, the daemon's books whole."""
     t = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
@@ -190,6 +222,9 @@ def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
         proto.LeasePlace(t.buffer_id, [64 * MiB] * 2, [], []),  # beyond the capacity
         proto.LeasePlace(theirs.buffer_id, [GRANULE], [], []),  # another session's buffer
         proto.LeasePlace(t.buffer_id, [2 * GRANULE], [], []),  # one size for two segments
+        proto.LeasePlace(t.buffer_id, [GRANULE] * (proto.MAX_PLACED_SEGMENTS + 1), [], []),  # too many sizes
+        proto.LeasePlace(t.buffer_id, [9 * GRANULE] * 2, list(range(1, 17)), [i * GRANULE for i in range(1, 17)]),
+        proto.LeasePlace(t.buffer_id, [2 * GRANULE] * 2, [1, 2], [GRANULE]),  # an offset short
         proto.LeaseReturn([10**9, -1, 0]),  # nothing of it is leased
     ]
     for msg in bad:
@@ -201,6 +236,19 @@ def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
     t.resize_per_segment_(3 * GRANULE)  # the session and its lease still work
     assert daemon_view(client, t).segment_sizes == [3 * GRANULE] * 2
     other.close()
+
+
+def test_a_buffer_of_more_segments_than_a_placement_carries_grows_through_the_daemon(daemon, client):
+    small = ExtensibleTensor(16 * MiB, "cpu", client=client)
+    small.resize_(GRANULE)
+    leased_at_least(client, 2)
+    segments = proto.MAX_PLACED_SEGMENTS + 1
+    wide = ExtensibleTensor(segments * GRANULE, "cpu", num_segments=segments, client=client)
+    sent = client.requests_sent
+    wide.resize_segments_([GRANULE] + [0] * (segments - 1))  # one granule, which the lease holds
+    assert client.requests_sent == sent + 1
+    assert daemon_view(client, wide).segment_sizes == wide.segment_sizes
+    assert daemon_view(client, wide).physical_bytes == wide.physical_bytes == GRANULE
 
 
 def test_a_session_that_dies_with_placements_unread_keeps_them(daemon, client, spawn_worker):

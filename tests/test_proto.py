@@ -121,6 +121,19 @@ def test_peek_request_id_survives_garbage():
     assert proto.peek_request_id([b"x"]) == 0
 
 
+def test_a_request_past_a_daemons_bounds_is_refused_undecoded_and_keeps_its_id():
+    sizes = [1] * (proto.MAX_SEGMENTS + 1)
+    long_list = msgpack.packb({"id": 5, "token": "", "body": {"buffer_id": 1, "sizes": sizes}})
+    with pytest.raises(ProtocolError, match="malformed"):
+        proto.read_envelope([b"buffer.commit_segments", long_list], proto.MAX_REQUEST_BYTES, proto.MAX_SEGMENTS)
+    assert proto.read_envelope([b"buffer.commit_segments", long_list])[3]["sizes"] == sizes  # a client's bounds
+    large = msgpack.packb({"id": 6, "token": "", "body": {"capacity": 1, "name": "n" * proto.MAX_REQUEST_BYTES}})
+    with pytest.raises(ProtocolError, match="exceeds"):
+        proto.read_envelope([b"buffer.create", large], proto.MAX_REQUEST_BYTES, proto.MAX_SEGMENTS)
+    assert proto.peek_request_id([b"buffer.create", large]) == 6
+    assert proto.peek_request_id([b"buffer.create", msgpack.packb({"body": {"sizes": sizes}, "id": 7})]) == 7
+
+
 def test_error_table_round_trips_every_code():
     for code, cls in ERROR_CLASSES.items():
         exc = cls("boom", function="cuMemCreate", result="CUDA_ERROR_OUT_OF_MEMORY")

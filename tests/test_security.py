@@ -8,6 +8,7 @@ and held no memory outside its budget.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import site
 import socket
@@ -22,6 +23,7 @@ from fake_systemd import FakeSystemd
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, HbmdError, InvalidRequest
 from hbmd.client.transport import ControlChannel, HandleChannel
+from hbmd.daemon.main import LogFormatter
 from hbmd.daemon.persist import Journal
 from hbmd.daemon.server import (
     HELLO_TIMEOUT_S,
@@ -339,17 +341,25 @@ def test_sessions_per_uid_are_capped(start_daemon):
         c.close()
 
 
-@pytest.mark.parametrize(
-    "client_name",
-    ["eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx", "a" * 129],
-    ids=["control-characters", "129-characters"],
-)
+FORGED = "eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx"
+"""A name that clears the screen, retitles the terminal, turns red and forges a line after it."""
+
+
+@pytest.mark.parametrize("client_name", [FORGED, "a" * 129, "a" * 500], ids=["control-characters", "129", "500"])
 def test_a_client_name_that_could_forge_log_lines_or_terminal_output_is_refused_at_hello(daemon, client, client_name):
     with pytest.raises(InvalidRequest, match="client name must be at most 128 printable characters"):
         daemon.connect(client_name=client_name)
     longest = daemon.connect(client_name="a" * 128)
     assert [s.client_name for s in client.sessions()] == ["test", "a" * 128]
     longest.close()
+    log = daemon.log()
+    assert all(line.isprintable() for line in log.splitlines()) and "a" * 129 not in log
+
+
+def test_the_daemon_log_shows_a_message_a_peer_could_have_shaped_on_one_line_escaped():
+    record = logging.LogRecord("hbmd", logging.INFO, __file__, 1, "session %d opened (%s)", (3, FORGED), None)
+    line = LogFormatter("%(levelname)s %(message)s").format(record)
+    assert line == r"INFO session 3 opened (eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx)"
 
 
 def as_nobody_with_fds(limit: int) -> list[str]:

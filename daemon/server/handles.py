@@ -4,8 +4,9 @@ A connection's first datagram is the :class:`Hello`; the peer's pid/uid/gid
 come from ``SO_PEERCRED``; when it closes the session ends and its buffers
 are freed. After the hello the client sends only the placements of leased
 granules and their returns (``LeasePlace``, ``LeaseReturn``), read before any
-request is answered. What the daemon sends back, FDs above all, goes through
-the outbox (``outbox.py``).
+request is answered, each session's within its share of a turn of the loop
+(:data:`WORK_PER_TURN_S`). What the daemon sends back, FDs above all, goes
+through the outbox (``outbox.py``).
 
 A session ends with its process, not with the last copy of its socket. A
 worker that forked a helper (which never speaks to hbmd) shares the socket
@@ -37,6 +38,7 @@ from typing import Callable, Generic, Mapping, TypeVar
 
 import zmq
 from hbmd.proto import (
+    MAX_SEGMENTS,
     PROTOCOL_VERSION,
     Hello,
     LeasePlace,
@@ -73,8 +75,13 @@ HELLO_TIMEOUT_S = 5.0
 MAX_DATAGRAM = 64 << 10
 MAX_FDS_IN = 16
 """FDs accepted (and closed at once) on an inbound datagram; clients send none."""
-MAX_DATAGRAMS_PER_DRAIN = 1024
-"""Datagrams read from one session at a time (placements of leased granules; an honest client sends one per commit)."""
+WORK_PER_TURN_S = 0.005
+"""Seconds one session's datagrams may take of each turn of the loop; what it sends beyond waits for the next turn.
+Work is counted, not datagrams: one placement costs from microseconds to a couple of milliseconds (a full 64 KiB
+datagram), so a count would let a peer hold the loop for as many times the dearest one. An honest client sends a
+placement per commit, at most one per leased granule it holds, each well within this."""
+MAX_ACCEPTS_PER_TURN = 64
+"""Connections accepted in one turn of the loop; more wait for the next, so a burst of connects cannot hold it."""
 MAX_PENDING_HELLOS_PER_UID = 64
 """Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
 
@@ -103,6 +110,8 @@ class HandlePlane(Generic[A, C]):
         """Handle sockets of sessions that place leased granules: read before any request is answered."""
         self.outbox = Outbox(state, poller, self._connections)
         self._warnings = RateLimitedLog(log)
+        self._worked: dict[int, float] = {}
+        """Seconds each session's datagrams took this turn, by socket fd (see :data:`WORK_PER_TURN_S`)."""
 
     @property
     def by_session(self) -> Mapping[int, HandleConnection[A, C]]:
@@ -140,6 +149,10 @@ class HandlePlane(Generic[A, C]):
             os.close(self._reserve_fd)
             self._reserve_fd = -1
 
+    def new_turn(self) -> None:
+        """A new turn of the loop: every session may send :data:`WORK_PER_TURN_S` of work again."""
+        self._worked.clear()
+
     def on_event(self, fd: int) -> None:
         """Serve what woke the poll on ``fd``: the listener, a connection's socket or its peer's pidfd."""
         if self._listener is not None and fd == self._listener.fileno():
@@ -164,7 +177,8 @@ class HandlePlane(Generic[A, C]):
         """Apply every leased granule's placement sent so far, by any session: a request sees all commits that returned.
 
         One ``poll`` over the placing sessions' sockets; only those with
-        datagrams waiting are read.
+        datagrams waiting are read, each within what is left of its work this
+        turn (an honest client's placements always fit).
         """
         for fd, _ in self._placing.poll(0):
             conn = self._connections.get(fd)
@@ -198,12 +212,15 @@ class HandlePlane(Generic[A, C]):
         fd = conn.sock.fileno()
         if conn.session is not None and conn.session.wants_lease:
             # Placements the client sent before it died are in the socket still: its buffers must include them.
+            # A turn's work, whatever it spent this turn: a flood left there is cut, an honest client's few are not.
+            self._worked.pop(fd, None)
             self._drain_datagrams(conn)
             try:
                 self._placing.unregister(fd)
             except KeyError:
                 pass
         self._connections.pop(fd, None)
+        self._worked.pop(fd, None)
         try:
             self._poller.unregister(fd)
         except KeyError:
@@ -219,7 +236,7 @@ class HandlePlane(Generic[A, C]):
     # accept
 
     def _accept(self, listener: socket.socket) -> None:
-        while True:
+        for _ in range(MAX_ACCEPTS_PER_TURN):
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -354,23 +371,33 @@ class HandlePlane(Generic[A, C]):
         return data
 
     def _drain_datagrams(self, conn: HandleConnection[A, C]) -> bool:
-        """Apply every datagram the session's client has sent (its leased granules' placements); False at its EOF.
+        """Apply the datagrams the session's client has sent (its leased granules' placements); False at its EOF.
 
         Run before any request is answered and before the session ends, so
         the daemon's record of its buffers includes every placement its
-        client sent before. An honest client has one or two in flight; a
-        peer that keeps sending is read :data:`MAX_DATAGRAMS_PER_DRAIN` at a
-        time, so it cannot hold the loop.
+        client sent before. An honest client has a few in flight; a peer
+        that keeps sending is read until its :data:`WORK_PER_TURN_S` for this
+        turn is spent, and the rest waits for the next turn: it cannot hold
+        the loop, nor delay anyone but itself.
         """
-        for _ in range(MAX_DATAGRAMS_PER_DRAIN):
-            try:
-                data = self._receive(conn)
-            except BlockingIOError:
-                return True
-            if data is None:
-                return False
-            if data:
-                self._apply_datagram(conn, data)
+        fd = conn.sock.fileno()
+        worked = self._worked.get(fd, 0.0)
+        started = time.perf_counter()
+        try:
+            while worked < WORK_PER_TURN_S:
+                try:
+                    data = self._receive(conn)
+                except BlockingIOError:
+                    return True
+                if data is None:
+                    return False
+                if data:
+                    self._apply_datagram(conn, data)
+                now = time.perf_counter()
+                worked += now - started
+                started = now
+        finally:
+            self._worked[fd] = worked
         self._warnings.warning(
             f"flood-{conn.uid}", "session %d (pid %d) sends datagrams faster than they are read", conn.session.session_id,
             conn.pid,
@@ -380,7 +407,7 @@ class HandlePlane(Generic[A, C]):
     def _apply_datagram(self, conn: HandleConnection[A, C], data: bytes) -> None:
         session = conn.session
         try:
-            msg = decode_datagram(data)
+            msg = decode_datagram(data, MAX_SEGMENTS)
             if isinstance(msg, LeasePlace):
                 self.state.place(session, msg.buffer_id, msg.sizes, msg.chunk_ids, msg.offsets)
             elif isinstance(msg, LeaseReturn):
@@ -444,7 +471,7 @@ class HandlePlane(Generic[A, C]):
 
     def _check_hello(self, conn: HandleConnection[A, C], data: bytes) -> Hello:
         """The client's hello, if it speaks this daemon's major version and its uid may use the instance."""
-        hello = decode_datagram(data)
+        hello = decode_datagram(data, MAX_SEGMENTS)
         if not isinstance(hello, Hello):
             raise ProtocolError(f"expected a hello, got {hello.KIND}")
         if len(hello.version) != 2 or min(hello.version) < 0:

@@ -8,6 +8,14 @@ while it handles a batch of events, and they take it too: they see and
 change the state between two batches, never in the middle of a request.
 The server decodes, checks the session token, calls the :class:`State` and
 encodes the reply; it never calls the driver itself.
+
+Every turn of the loop is bounded: signals, new connections and hellos are
+served each turn, then each session's datagrams and the control requests,
+each only for a share of work (``WORK_PER_TURN_S`` per session,
+:data:`CONTROL_WORK_PER_TURN_S` for the control plane); what is left waits
+for the next turn. So a peer flooding either plane delays itself, SIGTERM is
+honoured within a turn, and the systemd watchdog, fed once per turn, is fed
+as long as the loop truly turns.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from typing import TYPE_CHECKING, Callable, Generic
 import zmq
 from hbmd.proto import (
     MAX_FRAME_BYTES,
+    MAX_REQUEST_BYTES,
+    MAX_SEGMENTS,
     Committed,
     PROTOCOL_VERSION,
     ErrorReply,
@@ -49,6 +59,7 @@ from .buffers import BufferRequests
 from .connection import HandleConnection
 from .handles import HELLO_TIMEOUT_S, HandlePlane
 from .outbox import DRAIN_CHECK_S
+from .ratelimit import RateLimitedLog
 from .registry import RequestRoom, handler_table
 from .session import SessionNotices, SessionRequests
 
@@ -57,6 +68,11 @@ if TYPE_CHECKING:  # an optional collaborator: prometheus_client loads only when
 
 HANDOVER_TIMEOUT_S = 30.0
 """Seconds a successor has to take the state and chunks, and then to serve."""
+CONTROL_WORK_PER_TURN_S = 0.02
+"""Seconds of control requests served in one turn of the loop; those left wait for the next turn, after the handle
+plane, new connections, hellos and signals have been seen to. ZeroMQ hands the requests of the control connections
+over in turn (a ROUTER fair-queues them), so a peer pipelining requests gets one served, then every other waiting
+peer gets one: a flood delays its sender, others wait at most for one of its requests (tests/test_flood.py)."""
 
 log = logging.getLogger("hbmd.server")
 
@@ -120,6 +136,7 @@ class Server(Generic[A, C]):
             state, self._poller, persistence.sync if persistence is not None else lambda: None
         )
         self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane)
+        self._refusals = RateLimitedLog(log)
         rooms = {room: room(state, self._plane) for room in self.ROOMS}
         self._buffer_requests = rooms[BufferRequests]
         self._handlers: dict[type[Request], Callable[..., Message]] = {
@@ -219,6 +236,7 @@ class Server(Generic[A, C]):
             # exited just before its peer asked for status is gone from the status).
             events = sorted(self._poller.poll(timeout=timeout), key=lambda event: event[0] is self._router)
             with self.lock:
+                self._plane.new_turn()
                 for fd_or_socket, _ in events:
                     try:
                         self._on_event(fd_or_socket)
@@ -231,6 +249,7 @@ class Server(Generic[A, C]):
                 if self.persistence is not None:
                     self.persistence.sync()
                 idle_work = self._idle() if not events else True
+            # Fed here only, once per turn, and every turn is bounded: a loop that stops turning stops feeding it.
             self._notifier.watchdog()
 
     def close(self) -> None:
@@ -355,7 +374,11 @@ class Server(Generic[A, C]):
     # control plane
 
     def _drain_control(self, router: zmq.Socket) -> None:
-        while True:
+        """Answer the control requests waiting, for :data:`CONTROL_WORK_PER_TURN_S` at most (one request at least,
+        however long it takes); the rest stay queued, and the next poll returns at once for them. A stop asked
+        meanwhile ends it at once."""
+        ends = time.perf_counter() + CONTROL_WORK_PER_TURN_S
+        while not self._stopping:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -365,16 +388,19 @@ class Server(Generic[A, C]):
                 router.send_multipart([identity, *self._dispatch(body)], zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 log.debug("reply dropped: %s", exc)
+            if time.perf_counter() >= ends:
+                return
 
     def _dispatch(self, frames: list[bytes]) -> list[bytes]:
         """Answer one request; what it changed is journaled before the answer goes (where the state is kept)."""
         started = time.perf_counter()
-        request_id = peek_request_id(frames)
+        request_id = 0
         operation = "invalid"
         session: Session | None = None
         fresh = False  # a change not answered yet: its answer becomes the session's last
         try:
-            kind, request_id, token, raw = read_envelope(frames)
+            # Decoded once, within a request's bounds: a larger frame or a longer list is refused unread.
+            kind, request_id, token, raw = read_envelope(frames, MAX_REQUEST_BYTES, MAX_SEGMENTS)
             handler = self._handlers.get(kind)
             if handler is None:
                 raise ProtocolError(f"{kind.KIND} is not a request")
@@ -397,6 +423,9 @@ class Server(Generic[A, C]):
         except Exception:
             log.exception("request %d failed", request_id)
             reply = ErrorReply.of(InternalError(f"internal error handling request {request_id}; see the daemon log"))
+        if not request_id:
+            # Refused before its id was read: the id alone is read from the frame, so the refusal reaches its caller.
+            request_id = peek_request_id(frames)
         self._notices.send_reclaims()
         self._notices.send_revokes()
         if self.metrics is not None:
@@ -423,11 +452,10 @@ class Server(Generic[A, C]):
             return answered.frames
         return encode_frames(self._buffer_requests.deliver_again(conn, request_id, answered), request_id)
 
-    @staticmethod
-    def _log_refusal(operation: str, session: Session, exc: OutOfBudget) -> None:
+    def _log_refusal(self, operation: str, session: Session, exc: OutOfBudget) -> None:
         """A refusal for want of budget, at INFO for a session holding a lease: it gives that back and retries, so the
-        first refusal is expected, not news."""
-        log.log(logging.INFO if session.leased_bytes else logging.WARNING,
-                "refused %s of session %d (pid %d, uid %d, tenant %r): %s%s", operation, session.session_id,
-                session.pid, session.uid, session.tenant.name, exc.message,
-                " (it holds a lease to give back)" if session.leased_bytes else "")
+        first refusal is expected, not news. A peer can ask for refusals at will: one line per uid per interval."""
+        self._refusals.log(logging.INFO if session.leased_bytes else logging.WARNING, f"budget-{session.uid}",
+                           "refused %s of session %d (pid %d, uid %d, tenant %r): %s%s", operation, session.session_id,
+                           session.pid, session.uid, session.tenant.name, exc.message,
+                           " (it holds a lease to give back)" if session.leased_bytes else "")

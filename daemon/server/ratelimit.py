@@ -1,4 +1,4 @@
-"""Warnings a peer can provoke at will, logged at most once per interval so it cannot flood the log."""
+"""Warnings (and refusals) a peer can provoke at will, logged at most once per interval so it cannot flood the log."""
 
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ class RateLimitedLog:
 
     def warning(self, kind: str, message: str, *args: object) -> None:
         """Log ``message % args`` unless a warning of ``kind`` went out less than an interval ago."""
+        self.log(logging.WARNING, kind, message, *args)
+
+    def log(self, level: int, kind: str, message: str, *args: object) -> None:
+        """The same at ``level``."""
         now = time.monotonic()
         last, held_back = self._last.get(kind, (-self._interval_s, 0))
         if now - last < self._interval_s:
@@ -25,4 +29,4 @@ class RateLimitedLog:
             return
         self._last[kind] = (now, 0)
         suffix = f" ({held_back} more like it in the last {self._interval_s:.0f} s)" if held_back else ""
-        self._log.warning(message + suffix, *args)
+        self._log.log(level, message + suffix, *args)

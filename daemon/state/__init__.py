@@ -316,6 +316,7 @@ class State(Generic[A, C]):
         of the session's lease; otherwise nothing changes.
         """
         buffer = self.buffers_room.changeable(session, buffer_id)
+        self.leases.check_placement(session, buffer, sizes, chunk_ids, offsets)
         runs = self.buffers_room.growth(buffer, sizes)
         self.buffers_room.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
         return buffer
@@ -346,6 +347,9 @@ class State(Generic[A, C]):
                 self.leases.ask_back(session)
         if requester is not None:
             self.leases.hold_off(requester)
+
+    def withheld_bytes(self) -> int:
+        return self.leases.withheld_bytes(list(self.sessions.values()), time.monotonic())
 
     def short(self, tenant: Tenant, needed: int) -> None:
         """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol
 
+from hbmd.proto import MAX_SEGMENTS
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -28,7 +29,6 @@ from .chunks import Chunks
 from .records import (
     MAX_CAPACITY,
     MAX_NAME,
-    MAX_SEGMENTS,
     Buffer,
     Chunk,
     Limits,
@@ -47,6 +47,9 @@ class Pressure(Protocol):
 
     def short(self, tenant: Tenant, needed: int) -> None:
         """The device is short of ``needed`` bytes that ``tenant`` was guaranteed: ask those above theirs."""
+
+    def withheld_bytes(self) -> int:
+        """Leased bytes asked back long ago and still not given back: a retry will not find them."""
 
 
 def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
@@ -436,7 +439,7 @@ class Buffers(Generic[A, C]):
         """One new chunk per run, admitted as a whole; none on any failure. The caller accounts for them."""
         requested = sum(end - start for start, end in runs)
         try:
-            self.tenants.admit(buffer.tenant, requested, purpose)
+            self.tenants.admit(buffer.tenant, requested, purpose, self.pressure.withheld_bytes())
         except OutOfBudget:
             self.pressure.refused(buffer.owner)
             raise

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any, Generic
 
-from hbmd.proto import MAX_PLACED_GRANULES
+from hbmd.proto import MAX_PLACED_GRANULES, MAX_PLACED_SEGMENTS
 from hbmd.proto.errors import HbmdError, InvalidRequest
 
 from ..backends import A, Backend, C
@@ -30,6 +30,9 @@ DEFAULT_LEASE_BYTES = 64 << 20
 """The most one session is leased (``--lease``): 32 granules of 2 MiB."""
 LEASE_IDLE_S = 30.0
 """A lease the session has not drawn on for this long is asked back; it grows again with the next demand."""
+LEASE_RETURN_PATIENCE_S = 2.0
+"""A client's listener gives asked-back granules back within milliseconds; one that has not after this is not reading
+its socket (stopped, hung), and a commit refused for want of them is no longer told that a retry will find them."""
 
 
 class Leases(Generic[A, C]):
@@ -101,16 +104,37 @@ class Leases(Generic[A, C]):
         self._account(session, len(created) * granule)
         return created
 
+    def check_placement(self, session: Session, buffer: Buffer[Any, Any], sizes: list[int], chunk_ids: list[int],
+                        offsets: list[int]) -> None:
+        """Refuse, before the growth is worked out, a placement no client sends: into a shareable buffer or one of more
+        than :data:`MAX_PLACED_SEGMENTS` segments, of more than :data:`MAX_PLACED_GRANULES` granules, or of chunks not
+        leased to the session. Each check costs next to nothing, whatever the peer sent (``InvalidRequest``)."""
+        buffer_id = buffer.buffer_id
+        if buffer.shareable:
+            raise InvalidRequest(f"buffer {buffer_id} is shareable: leased granules are plain ones", buffer_id=buffer_id)
+        if len(sizes) > MAX_PLACED_SEGMENTS:
+            raise InvalidRequest(
+                f"buffer {buffer_id}: a placement carries at most {MAX_PLACED_SEGMENTS} segment sizes, got {len(sizes)}",
+                buffer_id=buffer_id,
+            )
+        if len(chunk_ids) > MAX_PLACED_GRANULES or len(offsets) != len(chunk_ids):
+            raise InvalidRequest(
+                f"buffer {buffer_id}: a placement is of at most {MAX_PLACED_GRANULES} granules, each with its offset; "
+                f"got {len(chunk_ids)} chunks and {len(offsets)} offsets",
+                buffer_id=buffer_id,
+            )
+        if len(set(chunk_ids)) != len(chunk_ids) or not all(c in session.lease for c in chunk_ids):
+            raise InvalidRequest(f"buffer {buffer_id}: chunks {chunk_ids} are not all leased to this session")
+
     def take(self, session: Session, buffer: Buffer[Any, Any], runs: list[tuple[int, int]], chunk_ids: list[int],
              offsets: list[int]) -> list[Chunk[C]]:
         """Take the leased ``chunk_ids`` out of the session's lease to back ``runs`` of ``buffer`` at ``offsets``.
 
-        They must be exactly the granules the runs need, each a chunk of the
-        session's lease; otherwise ``InvalidRequest`` and nothing changes.
+        The placement passed :meth:`check_placement`; the chunks must be
+        exactly the granules the runs need, otherwise ``InvalidRequest`` and
+        nothing changes.
         """
         buffer_id = buffer.buffer_id
-        if buffer.shareable:
-            raise InvalidRequest(f"buffer {buffer_id} is shareable: leased granules are plain ones", buffer_id=buffer_id)
         granule = self.backend.granularity
         # Counted before any list of granules is made: a peer's sizes may claim a petabyte.
         needed_bytes = sum(end - start for start, end in runs)
@@ -120,13 +144,11 @@ class Leases(Generic[A, C]):
                 buffer_id=buffer_id,
             )
         needed = [start for begin, end in runs for start in range(begin, end, granule)]
-        if len(chunk_ids) != len(offsets) or sorted(offsets) != needed:
+        if sorted(offsets) != needed:
             raise InvalidRequest(
                 f"buffer {buffer_id}: the growth needs granules at {needed[:8]}, got {sorted(offsets)[:8]}",
                 buffer_id=buffer_id,
             )
-        if len(set(chunk_ids)) != len(chunk_ids) or not all(c in session.lease for c in chunk_ids):
-            raise InvalidRequest(f"buffer {buffer_id}: chunks {chunk_ids[:8]} are not all leased to this session")
         placed = []
         for chunk_id, offset in zip(chunk_ids, offsets):
             chunk = session.lease.pop(chunk_id)
@@ -166,8 +188,16 @@ class Leases(Generic[A, C]):
         session.lease_target = 0
         asked = [c for c in session.lease if c not in session.revoking]
         if asked:
+            if not session.revoking:
+                session.revoking_since = time.monotonic()
             session.revoking.update(asked)
             self.revokes_due.append((session, asked))
+
+    def withheld_bytes(self, sessions: list[Session], now: float) -> int:
+        """Leased bytes asked back more than :data:`LEASE_RETURN_PATIENCE_S` ago and not given back yet: theirs until
+        their sessions read the request, or end."""
+        late = (s for s in sessions if s.revoking and now - s.revoking_since > LEASE_RETURN_PATIENCE_S)
+        return self.backend.granularity * sum(len(s.revoking) for s in late)
 
     def ask_back_idle(self, sessions: list[Session], now: float) -> None:
         """Ask back the leases their sessions have not drawn on for :attr:`idle_s`: demand went elsewhere."""

@@ -19,7 +19,6 @@ from ..backends import A, C
 
 MAX_CAPACITY = 1 << 50
 """1 PiB: more than any device, small enough that offsets never overflow."""
-MAX_SEGMENTS = 1 << 16
 MAX_NAME = 128
 
 
@@ -131,6 +130,8 @@ class Session:
     """Granules the daemon keeps leased to it: doubles when a commit found the lease short, 0 under pressure."""
     revoking: set[int] = dataclasses.field(default_factory=set)
     """Leased chunk ids asked back and not returned yet."""
+    revoking_since: float = 0.0
+    """When the session was asked for the first of ``revoking`` (monotonic)."""
     lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last placed leased granules or found its lease short."""
     credential_hash: str = ""

@@ -111,13 +111,15 @@ class Tenants:
             room = min(room, tenant.max_bytes - tenant.used_bytes)
         return max(0, room)
 
-    def admit(self, tenant: Tenant, requested: int, purpose: str, in_use: bool = False) -> None:
+    def admit(self, tenant: Tenant, requested: int, purpose: str, withheld: int = 0, in_use: bool = False) -> None:
         """Check ``requested`` more bytes against the tenant's maximum, the budget and others' guarantees.
 
         ``in_use``: the memory exists already (declared again by its client
         after a restart): others' guarantees do not hold it back, and leases
         are room, being asked back. Raises ``OutOfBudget`` saying which limit
-        it met.
+        it met, and whether a retry may find room: leased bytes are being
+        asked back, except ``withheld`` ones, asked back long ago from
+        sessions that do not answer.
         """
         if tenant.max_bytes is not None and tenant.used_bytes + requested > tenant.max_bytes:
             raise OutOfBudget(
@@ -133,8 +135,11 @@ class Tenants:
         used = self.committed_bytes + (0 if in_use else self.leased_bytes)
         if used + requested + held > self.budget_bytes:
             extra = f", {format_bytes(held)} held for other tenants' guaranteed minimums" if held else ""
-            if self.leased_bytes and not in_use:
-                extra += f", {format_bytes(self.leased_bytes)} of it leased (being asked back: retry)"
+            if self.leased_bytes > withheld and not in_use:
+                extra += f", {format_bytes(self.leased_bytes - withheld)} of it leased (being asked back: retry)"
+            if withheld and not in_use:
+                extra += (f", {format_bytes(withheld)} of it leased to sessions that have not given it back when asked "
+                          "(it is theirs until they read the request or end)")
             raise OutOfBudget(
                 f"{purpose} of {format_bytes(requested)} does not fit the budget: "
                 f"budget {format_bytes(self.budget_bytes)}, used {format_bytes(used)}, "

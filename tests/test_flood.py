@@ -1,0 +1,137 @@
+"""One session floods the daemon with the costliest messages it can build; another session does not notice.
+
+The flooder makes a buffer of 60,000 segments, then sends, as fast as the
+daemon reads them, either placements of leased granules that the daemon must
+refuse (handle plane) or pipelined commits of every segment that the budget
+refuses (control plane). Meanwhile an engine of the same uid commits and asks
+for status every 100 ms, newcomers connect and an operator runs ``hbmctl
+status``, and at the end the daemon is sent SIGTERM. The promise: no error,
+the engine's calls answered within 250 ms at the 90th percentile and 2 s at
+worst, the newcomers and ``hbmctl`` within 1 s, SIGTERM honoured within 1 s.
+``HBMD_FLOOD_SECONDS`` sets how long each flood is measured (default 8).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import threading
+import time
+
+import pytest
+from hbmd.client import ExtensibleTensor
+from helpers import GRANULE, MiB, hbmctl
+
+pytestmark = [pytest.mark.flood, pytest.mark.ipc]
+
+FLOOD_SECONDS = float(os.environ.get("HBMD_FLOOD_SECONDS", "8"))
+TICK_S = 0.1
+OPERATOR_EVERY_S = 1.5
+
+FLOODER = """
+import time
+import zmq
+from hbmd.client import connect
+from hbmd.proto import CommitSegments, LeasePlace, encode_datagram, encode_frames
+
+SEGMENTS = 60_000
+client = connect("cpu", client_name="flood", timeout=60)
+# A commit through the daemon starts the lease; its granules' ids make a placement pass the cheap checks.
+small = client.create_buffer(8 << 20, 1)
+with client.commit(small.buffer_id, 2 << 20):
+    pass
+deadline = time.monotonic() + 30
+while client.leased_granules < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
+leased = sorted(client._lease._ready)[:2]
+wide = client.create_buffer(SEGMENTS * 4096, SEGMENTS)
+if plane == "handles":
+    # Every segment grows by one byte: the growth needs every granule of the buffer, two are placed.
+    placement = encode_datagram(LeasePlace(wide.buffer_id, [1] * SEGMENTS, leased, [0, 2 << 20]))
+    sock = client._handles.sock
+    sock.settimeout(None)
+    print("flooding", len(placement), flush=True)
+    while True:
+        sock.send(placement)
+else:
+    # Every segment full: the whole buffer is worked out, then refused for want of budget.
+    frames = encode_frames(CommitSegments(wide.buffer_id, [4096] * SEGMENTS), 1, client._control.token)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(client._control.endpoint)
+    print("flooding", len(frames[1]), flush=True)
+    while True:
+        dealer.send_multipart(frames)
+        while dealer.poll(0):
+            dealer.recv_multipart()
+"""
+
+
+def percentile(samples: list[float], fraction: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def timed(call) -> float:
+    started = time.monotonic()
+    call()
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("plane", ["handles", "control"])
+def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker, plane):
+    daemon = start_daemon("--budget", "128MiB")
+    engine = daemon.connect(client_name="engine", resume_timeout=1)  # the daemon is stopped for good at the end
+    kv = ExtensibleTensor(32 * MiB, "cpu", client=engine)
+    kv.resize_(GRANULE)  # the first view loads torch: not the daemon's time
+    flooder = spawn_worker(daemon, f"plane = {plane!r}\n{FLOODER}")
+    assert flooder.readline().startswith("flooding")
+    ends = time.monotonic() + FLOOD_SECONDS
+    errors: list[str] = []
+    newcomers: list[float] = []
+    operators: list[int] = []
+
+    def operate() -> None:
+        """A newcomer connects and an operator asks for status, now and then, beside the engine."""
+        while time.monotonic() < ends:
+            try:
+                newcomers.append(timed(lambda: daemon.connect(client_name="newcomer", timeout=5).close()))
+                operators.append(hbmctl("--run-dir", str(daemon.run_dir), "--timeout", "1", "status").returncode)
+            except Exception as exc:  # every failure is counted, not just the first
+                errors.append(f"newcomer: {type(exc).__name__}: {exc}")
+            time.sleep(OPERATOR_EVERY_S)
+
+    operator = threading.Thread(target=operate)
+    operator.start()
+    calls: list[float] = []
+    while time.monotonic() < ends:
+        tick = time.monotonic()
+        try:
+            if kv.num_bytes == kv.max_num_bytes:
+                kv.release_physical()
+            calls.append(timed(lambda: kv.resize_(kv.num_bytes + GRANULE)))
+            calls.append(timed(engine.status))
+        except Exception as exc:  # every failure is counted, not just the first
+            errors.append(f"engine: {type(exc).__name__}: {exc}")
+        time.sleep(max(0.0, TICK_S - (time.monotonic() - tick)))
+    operator.join()
+    started = time.monotonic()
+    daemon.proc.send_signal(signal.SIGTERM)
+    try:
+        daemon.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass  # reported below
+    stopped_in = time.monotonic() - started
+    engine.close()
+    print(
+        f"{plane} flood: {len(calls)} calls, p50 {statistics.median(calls) * 1e3:.1f} ms, "
+        f"p90 {percentile(calls, 0.9) * 1e3:.1f} ms, max {max(calls) * 1e3:.1f} ms, {len(errors)} errors; "
+        f"connect max {max(newcomers, default=0) * 1e3:.0f} ms; SIGTERM {stopped_in * 1e3:.0f} ms"
+    )
+    assert errors == []
+    assert percentile(calls, 0.9) <= 0.25 and max(calls) <= 2.0
+    assert newcomers and max(newcomers) <= 1.0
+    assert operators and set(operators) == {0}
+    assert stopped_in <= 1.0
