@@ -10,22 +10,15 @@ and index, pid). The instance is ``host`` for the host backend and
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from hbmd import __version__
 
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("hbmd")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-VERSION = _package_version()
-"""The installed hbmd's version, from the package metadata: what the daemon reports and both CLIs print."""
+VERSION = __version__
+"""The installed hbmd's version: what the daemon reports and both CLIs print."""
 
 DEFAULT_RUN_DIR = "/run/hbmd"
 RUN_DIR_ENV = "HBMD_RUN_DIR"
