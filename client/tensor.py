@@ -151,6 +151,8 @@ class ExtensibleTensor(Transactions):
 
     _readonly = False
     """Mapped read-only: a read claim on a sealed buffer, not its ownership."""
+    _sizes_before_release: list[int] | None = None
+    """What :meth:`recommit` grows the segments back to: their sizes before :meth:`release_physical`."""
 
     def _adopt(self, info: BufferInfo) -> None:
         self._set_info(info)
@@ -422,6 +424,7 @@ class ExtensibleTensor(Transactions):
         while this process can still reach it.
         """
         self._check_writable("release_physical")
+        held = self.segment_sizes
         self._reservation.unmap_all()
         try:
             released = self._client.release(self.buffer_id)
@@ -430,6 +433,23 @@ class ExtensibleTensor(Transactions):
             self._resync(exc)
             raise
         self._set_info(released.buffer)
+        self._sizes_before_release = [max(a, b) for a, b in zip(self._sizes_before_release or held, held)]
+
+    def recommit(self) -> "ExtensibleTensor":
+        """Commit again, with zeroed pages, the segment sizes held before :meth:`release_physical` (wake).
+
+        As :meth:`ExtensibleKVCacheBuffers.recommit` does for its buffers:
+        after several releases the largest sizes come back, and a segment
+        grown meanwhile is not shrunk. Without a release before (in this
+        object: a buffer attached released has no sizes to go back to) it is
+        a no-op. Raises as :meth:`resize_segments_` does (``OutOfBudget`` when
+        the pages do not fit); the sizes stay remembered for a second try.
+        """
+        self._check_writable("recommit")
+        if self._sizes_before_release is not None:
+            self.resize_segments_([max(a, b) for a, b in zip(self._sizes, self._sizes_before_release)], zero_new=True)
+            self._sizes_before_release = None
+        return self
 
     def free(self) -> None:
         """Drop the pages and the daemon's buffer (a read-only attach: only its read claim). Idempotent.
