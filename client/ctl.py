@@ -514,7 +514,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def open_client(args: argparse.Namespace, instance: str) -> Client:
-    return Client(InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl", observer=True)
+    # No tenant of its own, whatever HBMD_TENANT says: an operator's shell may hold an engine's.
+    return Client(
+        InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl", tenant="", observer=True
+    )
 
 
 def choose_instance(args: argparse.Namespace) -> tuple[str | None, list[str]]:

@@ -69,6 +69,9 @@ DEFAULT_TIMEOUT_S = 10.0
 RESUME_TIMEOUT_S = 30.0
 """How long a client waits by default for its daemon to come back after it went away (``HBMD_RESUME_TIMEOUT``)."""
 RESUME_POLL_S = 0.01
+TENANT_ENV = "HBMD_TENANT"
+"""The tenant a client declares where its code names none: how an operator sets it for an engine it does not write
+(vLLM's workers, say)."""
 
 log = logging.getLogger("hbmd.client")
 
@@ -105,6 +108,11 @@ class Client:
     ``lease`` (the default): take the granules the daemon leases ahead of
     need, imported by a listener thread, so that a small commit maps them
     without a round trip (:mod:`hbmd.client.lease`).
+
+    ``tenant``: the name this session's memory is charged to, as the
+    daemon's ``--config`` declares tenants (None: ``HBMD_TENANT``, else
+    none, and the session is charged to its uid). A name this user may not
+    declare is refused at connect with ``PermissionDenied``.
     """
 
     def __init__(
@@ -113,7 +121,7 @@ class Client:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         client_name: str = "",
-        tenant: str = "",
+        tenant: str | None = None,
         observer: bool = False,
         mapper: Mapper | None = None,
         lease: bool = True,
@@ -124,6 +132,8 @@ class Client:
         self.paths = paths
         self.timeout = timeout
         self.resume_timeout = resume_timeout_from_env() if resume_timeout is None else resume_timeout
+        if tenant is None:
+            tenant = os.environ.get(TENANT_ENV, "")
         self._pid = os.getpid()
         with Undo() as undo:
             self._handles = HandleChannel(paths, timeout)
@@ -670,17 +680,18 @@ def connect(
     instance: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     client_name: str = "",
-    tenant: str = "",
+    tenant: str | None = None,
     observer: bool = False,
     mapper: Mapper | None = None,
     lease: bool = True,
     resume_timeout: float | None = None,
 ) -> Client:
-    """Open a session with the daemon serving ``device`` (or the named ``instance``).
+    """Open a session with the daemon serving ``device`` (or the named ``instance``: ``gpu0``, ``host``, ...).
 
-    ``run_dir`` defaults to ``$HBMD_RUN_DIR``, then ``/run/hbmd``;
-    ``resume_timeout`` to ``$HBMD_RESUME_TIMEOUT``, then 30 s (see
-    :class:`Client`). Raises :class:`DaemonUnavailable` when nothing answers there.
+    ``run_dir`` defaults to ``$HBMD_RUN_DIR``, then ``/run/hbmd``; ``tenant``
+    to ``$HBMD_TENANT``, then none; ``resume_timeout`` to
+    ``$HBMD_RESUME_TIMEOUT``, then 30 s (see :class:`Client`). Raises
+    :class:`DaemonUnavailable` when nothing answers there.
     """
     if instance is None:
         instance = instance_for(device, run_dir)
