@@ -1,23 +1,5 @@
-"""The daemon's optional TOML config: who may connect and per-tenant limits.
+"""The daemon's optional TOML config: who may connect and per-tenant limits; :data:`FORMAT` shows it.
 
-Example (``hbmd --config /etc/hbmd/gpu0.toml``)::
-
-    [access]
-    allow_uids = [1000, 1001]   # default: anyone who can reach the socket
-    allow_gids = [2000]         # a peer whose primary or supplementary group is listed
-    admin_uids = [0]            # see and steer every session (root and the daemon's uid always may)
-
-    [[tenants]]
-    name = "llama-70b"          # declared by clients: connect(..., tenant="llama-70b")
-    uids = [1000]               # who may declare it (default: anyone allowed in)
-    max = "80GiB"               # burst limit
-    guaranteed = "40GiB"        # no other tenant's commit can eat into this
-
-    [[tenants]]
-    uid = 1001                  # every session of uid 1001: a name it declares is charged here too,
-    max = "50%"                 # unless a named tenant lists 1001 in its uids
-
-Sizes take the units of ``--budget``; a percentage is of the device's memory.
 A declared tenant name never lifts a uid's limits: a uid with its own entry
 is refused a configured name that does not list it in ``uids``, and an unknown
 name it declares is charged to its own entry (see ``State.tenant_for``).
@@ -31,6 +13,29 @@ import tomllib
 from typing import Any
 
 from hbmd.proto.units import parse_size
+
+FORMAT = """\
+[access]
+allow_uids = [1000, 1001]   # default: anyone who can reach the socket
+allow_gids = [2000]         # a peer whose primary or supplementary group is listed
+admin_uids = [0]            # see and steer every session (root and the daemon's uid always may)
+
+[[tenants]]
+name = "llama-70b"          # declared by clients: connect(tenant="llama-70b") or HBMD_TENANT=llama-70b
+uids = [1000]               # who may declare it (default: anyone allowed in)
+max = "80GiB"               # burst limit
+guaranteed = "40GiB"        # no other tenant's commit can eat into this
+
+[[tenants]]
+uid = 1001                  # every session of uid 1001: a name it declares is charged here too,
+max = "50%"                 # unless a named tenant lists 1001 in its uids
+"""
+"""An example of every key (``hbmd --config /etc/hbmd/gpu0.toml``), as ``hbmd --help`` and the README show it.
+
+Sizes take the units of ``--budget``; a percentage is of the device's memory.
+Both sections are optional, a tenant names exactly one of ``name`` and
+``uid``, and an unknown section or key is refused.
+"""
 
 
 class ConfigError(ValueError):

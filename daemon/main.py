@@ -13,6 +13,7 @@ import re
 import resource
 import signal
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from hbmd.proto.units import format_bytes, parse_size
 
 from .backends import A, Backend, C
 from .backends.host import HostBackend
+from .config import FORMAT as CONFIG_FORMAT
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .persist import RESUME_WINDOW_S, NewerState, Persistence, restore, unpack_image
@@ -113,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hbmd",
         description="Per-GPU memory daemon: owns device memory and serves growable buffers to worker processes.",
-        epilog="example: hbmd --backend host --run-dir /tmp/hbmd --budget 8GiB",
+        epilog="example: hbmd --backend host --run-dir /tmp/hbmd --budget 8GiB\n\n"
+               "--config FILE is TOML, every key shown here (sizes as --budget takes them, a percentage of the\n"
+               "device's memory; both sections optional; SIGHUP reloads it):\n\n" + textwrap.indent(CONFIG_FORMAT, "  "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto",
                         help="memory to serve (default: auto, CUDA where a driver and the device are present, else host)")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hbmd.daemon.backends.host import HostBackend
-from hbmd.daemon.config import Access, ConfigError, parse_config
+from hbmd.daemon.config import FORMAT, Access, ConfigError, parse_config
 from hbmd.daemon.state import State
 from hbmd.proto.errors import OutOfBudget, OutOfDeviceMemory, PermissionDenied
 from helpers import MiB
@@ -36,6 +40,17 @@ def test_the_example_config_parses():
     assert (by_uid.name, by_uid.uid, by_uid.max_bytes, by_uid.guaranteed_bytes) == ("uid:1001", 1001, 32 * GiB, 0)
     assert config.access.admits(1000, {1000}) and config.access.admits(1234, {1234, 2000})
     assert not config.access.admits(1234, {1234}) and config.access.admits(0, {0})
+
+
+def test_the_format_help_and_the_readme_show_is_a_config_the_daemon_takes():
+    config = parse_config(FORMAT, total_bytes=128 * GiB, budget_bytes=120 * GiB)
+    assert [(t.name, t.max_bytes, t.guaranteed_bytes) for t in config.tenants] == [
+        ("llama-70b", 80 * GiB, 40 * GiB), ("uid:1001", 64 * GiB, 0)
+    ]
+    shown = subprocess.run([sys.executable, "-m", "hbmd.daemon", "--help"], capture_output=True, text=True, timeout=60)
+    assert all(line.strip() in shown.stdout for line in FORMAT.splitlines())
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert f"```toml\n{FORMAT}```" in readme
 
 
 @pytest.mark.parametrize(
