@@ -25,8 +25,10 @@ from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound
 from hbmd.proto.instance import (
     DEFAULT_RUN_DIR,
     InstancePaths,
-    list_instances,
+    access_denied,
     resolve_run_dir,
+    run_dir_origin,
+    scan_instances,
 )
 from hbmd.proto.units import format_bytes, parse_size
 
@@ -524,10 +526,13 @@ def choose_instance(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """The instance to ask (None: several, none chosen) and every instance under the run directory."""
     if args.instance:
         return args.instance, [args.instance]
-    names = list_instances(args.run_dir)
+    names, denied = scan_instances(args.run_dir)
     root = resolve_run_dir(args.run_dir)
+    if not names and denied:
+        more = f" (and {len(denied) - 1} more like it)" if len(denied) > 1 else ""
+        raise DaemonUnavailable(f"{access_denied(denied[0])}{more}", path=str(root))
     if not names:
-        raise DaemonUnavailable(f"no hbmd instance under {root}", path=str(root))
+        raise DaemonUnavailable(f"no hbmd instance under {run_dir_origin(args.run_dir)}", path=str(root))
     if len(names) == 1:
         return names[0], names
     if args.command not in MULTI_INSTANCE:

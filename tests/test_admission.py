@@ -271,3 +271,16 @@ def test_a_uid_not_in_the_allow_list_is_refused_at_the_handshake(nobody_can_run_
     assert result["connect"] == "PermissionDenied" and "not allowed" in result["message"]
     with connect(run_dir=run_dir, instance="host") as admin:  # root is always admitted
         assert admin.status().num_sessions == 1
+
+
+def test_hbmctl_outside_the_daemons_group_says_permission_denied_and_names_the_group(nobody_can_run_python, daemon):
+    ctl = (f"import site, sys; [site.addsitedir(p) for p in {site.getsitepackages()!r}]; "
+           "from hbmd.client.ctl import main; sys.exit(main())")
+    for choice in ([], ["--instance", "host"]):  # found by listing the run directory, or named
+        out = subprocess.run(
+            [*nobody_python(), "-c", ctl, "--run-dir", str(daemon.run_dir), *choice, "status"],
+            user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 1 and out.stdout == ""
+        assert "permission denied" in out.stderr and "group root" in out.stderr, out.stderr
+        assert f"{daemon.run_dir}/host is root:root drwxr-x---" in out.stderr and "no hbmd" not in out.stderr

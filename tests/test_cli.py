@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from hbmd.client import ExtensibleTensor, PermissionDenied
+from hbmd.client import DaemonUnavailable, ExtensibleTensor, PermissionDenied, connect
 from hbmd.client.ctl import Column, Output, render
 from helpers import MiB, hbmctl
 
@@ -85,6 +85,17 @@ def test_unreachable_daemon_exits_1_with_a_message(run_dir):
     assert out.returncode == 1 and "no hbmd instance" in out.stderr and out.stdout == ""
     out = hbmctl("--run-dir", str(run_dir), "--instance", "gpu3", "status")
     assert out.returncode == 1 and "handles.sock" in out.stderr
+
+
+def test_where_no_daemon_serves_the_message_says_where_the_run_directory_came_from(run_dir, monkeypatch):
+    given = hbmctl("--run-dir", str(run_dir), "status").stderr
+    assert f"run directory {run_dir}, as given; choose another with --run-dir" in given
+    monkeypatch.setenv("HBMD_RUN_DIR", str(run_dir))
+    with pytest.raises(DaemonUnavailable, match=rf"run directory {run_dir}, from \$HBMD_RUN_DIR"):
+        connect("cpu")
+    monkeypatch.delenv("HBMD_RUN_DIR")
+    with pytest.raises(DaemonUnavailable, match="run directory /run/hbmd, the default"):
+        connect(instance="no-such-instance")
 
 
 def test_a_silent_daemon_exits_1_within_the_timeout(daemon):
