@@ -55,7 +55,7 @@ from hbmd.proto.errors import (
     SessionLost,
     VersionMismatch,
 )
-from hbmd.proto.instance import InstancePaths, resolve_run_dir
+from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 from hbmd.proto.undo import Undo
 
 from .budget import DeviceMemory
@@ -668,9 +668,19 @@ def instance_for(device: Any, run_dir: str | os.PathLike | None) -> str:
     kind, index = parse_device(device)
     if kind == "cpu":
         return "host"
+    from hbmd.driver import CudaUnavailable
+
     from .cuda import instance_for_cuda_device
 
-    return instance_for_cuda_device(index, run_dir)
+    try:
+        return instance_for_cuda_device(index, run_dir)
+    except CudaUnavailable as exc:
+        # A host instance may well be what this user meant to reach: its device is "cpu".
+        if "host" not in list_instances(run_dir):
+            raise
+        raise CudaUnavailable(
+            f"{exc}; an hbmd host instance serves under {resolve_run_dir(run_dir)}: device 'cpu' uses it"
+        ) from None
 
 
 def connect(
