@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from hbmd.proto import BufferInfo, ChunkInfo
 from hbmd.proto.errors import HbmdError, InvalidRequest, SessionLost, TensorUnusable
 from hbmd.proto.undo import Undo
+from hbmd.proto.units import exact_bytes
 
 from .devices import parse_device
 from .reservation import Reservation
@@ -311,9 +312,14 @@ class ExtensibleTensor(Transactions):
             raise ValueError(f"Expected {self.num_segments} sizes, got {len(sizes)}.")
         for new, old, capacity in zip(sizes, self._sizes, self._capacities):
             if new < old:
-                raise ValueError(f"ExtensibleTensor is grow-only: cannot resize from {old} to {new} bytes per segment.")
+                raise ValueError(
+                    f"ExtensibleTensor is grow-only: cannot resize from {exact_bytes(old)} to {exact_bytes(new)} per "
+                    "segment."
+                )
             if new > capacity:
-                raise ValueError(f"Requested {new} bytes per segment exceeds the segment capacity {capacity}.")
+                raise ValueError(
+                    f"Requested {exact_bytes(new)} per segment exceeds the segment capacity {exact_bytes(capacity)}."
+                )
         old_sizes = self._sizes
         if sizes == old_sizes:
             return self

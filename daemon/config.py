@@ -12,7 +12,7 @@ import os
 import tomllib
 from typing import Any
 
-from hbmd.proto.units import parse_size
+from hbmd.proto.units import exact_bytes, parse_size
 
 FORMAT = """\
 [access]
@@ -135,7 +135,7 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
         max_bytes = _size(f"{at}.max", entry["max"], total_bytes) if "max" in entry else None
         guaranteed = _size(f"{at}.guaranteed", entry.get("guaranteed", 0), total_bytes)
         if max_bytes is not None and guaranteed > max_bytes:
-            raise ConfigError(f"{at}: guaranteed ({guaranteed}) exceeds max ({max_bytes})")
+            raise ConfigError(f"{at}: guaranteed ({exact_bytes(guaranteed)}) exceeds max ({exact_bytes(max_bytes)})")
         tenants.append(
             TenantLimits(
                 name=name,
@@ -147,7 +147,9 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
         )
     promised = sum(t.guaranteed_bytes for t in tenants)
     if promised > budget_bytes:
-        raise ConfigError(f"{where}: guaranteed minimums add up to {promised} bytes, over the budget of {budget_bytes}")
+        raise ConfigError(
+            f"{where}: guaranteed minimums add up to {exact_bytes(promised)}, over the budget of {exact_bytes(budget_bytes)}"
+        )
     return Config(access, tuple(tenants))
 
 

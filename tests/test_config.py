@@ -62,7 +62,7 @@ def test_the_format_help_and_the_readme_show_is_a_config_the_daemon_takes():
         ("[[tenants]]\nmax = '1GiB'", "exactly one of name or uid"),
         ("[[tenants]]\nname = 'a'\nuid = 3", "exactly one of name or uid"),
         ("[[tenants]]\nname = 'a'\nmax = 'lots'", "tenants\\[0\\].max"),
-        ("[[tenants]]\nname = 'a'\nmax = '1GiB'\nguaranteed = '2GiB'", "exceeds max"),
+        ("[[tenants]]\nname = 'a'\nmax = '1GiB'\nguaranteed = '2GiB'", r"guaranteed \(2.0 GiB\) exceeds max \(1.0 GiB\)"),
         ("[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'a'", "configured twice"),
         ("[[tenants]]\nname = 'a'\nguaranteed = '100GiB'", "over the budget"),
         ("[[tenants]]\nname = 'uid:7'", "not starting with 'uid:'"),

@@ -21,6 +21,7 @@ from hbmd.proto import (
 )
 from hbmd.proto.errors import NotFound
 from hbmd.proto.instance import VERSION
+from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
 from ..state import Session
@@ -92,7 +93,7 @@ class AdminRequests(RequestRoom[A, C]):
         target = self._visible_session(conn.session, msg.session_id)
         reason = f"asked by session {conn.session.session_id} (uid {conn.uid})"
         reclaim = self.state.request_reclaim(target, msg.bytes, reason)
-        log.info("asked session %d (pid %d) to release %d bytes", target.session_id, target.pid, msg.bytes)
+        log.info("asked session %d (pid %d) to release %s", target.session_id, target.pid, format_bytes(msg.bytes))
         return ReclaimSent(reclaim.reclaim_id, target.session_id, target.pid)
 
     def _visible_session(self, me: Session, session_id: int) -> Session:
