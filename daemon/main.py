@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto",
                         help="memory to serve (default: auto, CUDA where a driver and the device are present, else host)")
-    parser.add_argument("--device", type=int, default=0, metavar="N",
-                        help="GPU index as nvidia-smi numbers it (default: 0)")
+    parser.add_argument("--device", type=int, metavar="N",
+                        help="GPU index as nvidia-smi numbers it (default: 0); not with --backend host")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help=f"directory for the instance's sockets (default: $HBMD_RUN_DIR, else {DEFAULT_RUN_DIR})")
     parser.add_argument("--budget", metavar="SIZE",
@@ -213,8 +213,12 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
     The backend is chosen at run time, so its arena and chunk types are
     known only from here on (:func:`_wire`).
     """
+    if args.backend == "host" and args.device is not None:
+        raise Refusal(f"--device {args.device}: the host backend serves host memory, no GPU; leave --device out, or "
+                      "serve the GPU with --backend cuda", 2)
+    device = 0 if args.device is None else args.device
     try:
-        backend, why = select_backend(args.backend, args.device, args.warm_chunks, not args.no_export_sentinel)
+        backend, why = select_backend(args.backend, device, args.warm_chunks, not args.no_export_sentinel)
     except BackendUnavailable as exc:
         raise Refusal(str(exc), 1) from None
     try:

@@ -43,6 +43,12 @@ def test_a_second_host_instance_runs_under_its_own_name(start_daemon):
         assert client.instance == "host-numa1" and client.status().budget_bytes == 32 * MiB
 
 
+def test_a_gpu_index_for_the_host_backend_is_refused_not_ignored(run_dir):
+    out = hbmd("--backend", "host", "--device", "1", "--run-dir", str(run_dir), "--budget", "64MiB")
+    assert out.returncode == 2 and "--device 1: the host backend serves host memory" in out.stderr
+    assert not (run_dir / "host").exists()
+
+
 @pytest.mark.parametrize("name", ["Host", "1gpu", "a/b", "x" * 33, ""])
 def test_instance_names_are_plain_directory_names(run_dir, name):
     out = hbmd("--backend", "host", "--run-dir", str(run_dir), "--instance-name", name)
