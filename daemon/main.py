@@ -23,6 +23,7 @@ from hbmd.proto import PROTOCOL_VERSION
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
 
+from . import logs
 from .backends import A, Backend, C
 from .backends.host import HostBackend
 from .config import FORMAT as CONFIG_FORMAT
@@ -35,7 +36,7 @@ from .server.loop import HANDOVER_TIMEOUT_S
 from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
 from .state import DEFAULT_LEASE_BYTES, Limits, State
 
-log = logging.getLogger("hbmd")
+log = logging.getLogger("hbmd.daemon")
 
 HOST_DEFAULT_BUDGET = "50%"
 """The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
@@ -180,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "events; where they do not balance, log what is off and exit at once with status "
                              f"{EXIT_BOOKS_UNBALANCED} (EX_SOFTWARE); costs time, for tests")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-format", default="auto", choices=logs.FORMATS,
+                        help="text (with a timestamp), journal (<N> priority prefixes, no timestamp: journald adds "
+                             "one), or json (one object per line); default auto: journal where stderr is systemd's "
+                             "journal, else text")
     parser.add_argument("--version", action="version", version=f"hbmd {VERSION}")
     return parser
 
@@ -483,11 +488,7 @@ def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s hbmd %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    logs.configure(args.log_level, args.log_format)
     raise_fd_limit()
     try:
         daemon = build(args)
