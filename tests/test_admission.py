@@ -96,7 +96,7 @@ def test_quotas_are_enforced_and_shown(quota_daemon):
     with pytest.raises(MemoryError, match="held for other tenants"):
         b.resize_(130 * MiB)  # 256 - 64 used - 96 held for "large" = 96 MiB left
     b.resize_(96 * MiB)
-    shown = json.loads(hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "status").stdout)
+    [shown] = json.loads(hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "status").stdout)["instances"]
     # What the daemon would admit: the budget has 96 MiB unused, all held for "large".
     assert shown["budget_left_bytes"] == other.device_memory().budget_left == 0
     large = quota_daemon.connect(tenant="large")
@@ -105,7 +105,7 @@ def test_quotas_are_enforced_and_shown(quota_daemon):
         [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(quota_daemon.run_dir), "--json", "status"],
         capture_output=True, text=True, timeout=60,
     )
-    tenants = {t["name"]: t for t in json.loads(out.stdout)["tenants"]}
+    tenants = {t["name"]: t for t in json.loads(out.stdout)["instances"][0]["tenants"]}
     assert tenants["small"]["used_bytes"] == 64 * MiB and tenants["small"]["max_bytes"] == 64 * MiB
     assert tenants["large"]["used_bytes"] == 96 * MiB and tenants["large"]["guaranteed_bytes"] == 96 * MiB
     assert tenants[f"uid:{os.getuid()}"]["used_bytes"] == 96 * MiB

@@ -37,7 +37,7 @@ def test_auto_falls_back_to_host_memory_and_says_why(start_daemon, run_dir):
             capture_output=True, text=True, timeout=60,
         )
         assert status.returncode == 0, status.stderr
-        assert json.loads(status.stdout)["committed_bytes"] == 4 * MiB
+        assert json.loads(status.stdout)["instances"][0]["committed_bytes"] == 4 * MiB
 
 
 def test_asking_for_cuda_without_the_bindings_is_a_clear_error(run_dir):
