@@ -231,6 +231,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
             if r["held_back_bytes"]
             else []
         )
+        + ([f"    config:      {_config_line(r)}"] if r["config_path"] else [])
     )
     tenants = [
         t for t in r["tenants"]
@@ -247,6 +248,16 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
     if r.get("tenants_left_out"):
         text += f"\n... and {r['tenants_left_out']} more tenants"
     return Output({"instances": [r]}, text, STATUS_COLUMNS, [r])
+
+
+def _config_line(r: dict[str, Any]) -> str:
+    """The config file, when the one in force was loaded, and a refused reload since, if any."""
+    loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["config_loaded_at"]))
+    line = f"{r['config_path']}, loaded {loaded}"
+    if r["config_reload_failed_at"]:
+        refused = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["config_reload_failed_at"]))
+        line += f"; the reload at {refused} was refused, the config loaded before serves on: {r['config_reload_error']}"
+    return line
 
 
 def status_of_all(args: argparse.Namespace, names: list[str]) -> tuple[Output, list[str]]:

@@ -253,6 +253,9 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, config, args.reclaim_timeout, limits, lease)
+    if args.config:
+        state.config_load.path = os.path.abspath(args.config)
+        state.config_load.loaded()
     lock = threading.Lock()
     handover = _take_over(args, state, paths) if args.takeover else None
     persistence = _persistence(args, state, notifier, taken_over=handover is not None)

@@ -22,7 +22,7 @@ import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 4)
+PROTOCOL_VERSION = (1, 5)
 """1.1 added uneven segments (``segment_capacities``, ``CommitSegments``), ``Detach``, ``Remap``, the
 ``session_lost`` error code and the status figures ``admissible_bytes`` and ``held_back_bytes``; 1.2 an
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
@@ -30,7 +30,9 @@ admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffer
 ``Welcome.lease_bytes``, the ``LeaseGrant``/``LeaseRevoke``/``LeasePlace``/``LeaseReturn`` datagrams,
 ``BufferInfo.shareable`` and ``leased_bytes`` in status and sessions); 1.4 resuming a session across a daemon
 restart (``Hello.resume_session``/``resume_credential``, ``Welcome.resume_credential``/``lease_chunk_ids``, a
-request sent again under its id is answered again, not done twice). A 1.0 peer ignores what it does not know."""
+request sent again under its id is answered again, not done twice); 1.5 the config file and its last reload in
+status (``config_path``, ``config_loaded_at``, ``config_reload_failed_at``, ``config_reload_error``). A 1.0 peer
+ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_MESSAGE_CHARS = 1000
 MAX_DETAIL_CHARS = 256

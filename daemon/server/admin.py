@@ -69,6 +69,10 @@ class AdminRequests(RequestRoom[A, C]):
             admissible_bytes=state.admissible_for(conn.session),
             held_back_bytes=backend.held_back_bytes(),
             leased_bytes=state.leased_bytes,
+            config_path=state.config_load.path,
+            config_loaded_at=state.config_load.loaded_at,
+            config_reload_failed_at=state.config_load.failed_at,
+            config_reload_error=state.config_load.error,
         )
 
     @handles(ListSessions)
