@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,14 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _clean_copy(tmp_path: Path) -> Path:
+    """The tree without earlier build output: setuptools adds what an old egg-info lists, whatever MANIFEST.in says."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
+    return tree
 
 
 def test_hbmd_is_a_regular_package_that_knows_its_version():
@@ -38,10 +49,7 @@ def test_every_package_ships_its_type_hints():
 
 def test_the_sdist_carries_what_the_readme_and_the_operator_need(tmp_path):
     build_meta = pytest.importorskip("setuptools.build_meta")
-    # A copy without earlier build output: setuptools adds what an old egg-info lists, whatever MANIFEST.in says.
-    tree = tmp_path / "tree"
-    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
-        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
+    tree = _clean_copy(tmp_path)
     here = os.getcwd()
     os.chdir(tree)
     try:
@@ -55,3 +63,24 @@ def test_the_sdist_carries_what_the_readme_and_the_operator_need(tmp_path):
                  "__init__.py", "py.typed"):
         assert path in members, path
     assert not any(m.startswith((".venv", ".git/")) or "__pycache__" in m for m in members)
+
+
+def test_the_wheel_ships_what_a_node_needs_besides_the_code(tmp_path):
+    build_meta = pytest.importorskip("setuptools.build_meta")
+    tree = _clean_copy(tmp_path)
+    here = os.getcwd()
+    os.chdir(tree)
+    try:
+        name = build_meta.build_wheel(str(tmp_path))
+    finally:
+        os.chdir(here)
+    with zipfile.ZipFile(tmp_path / name) as wheel:
+        members = set(wheel.namelist())
+    for path in ("hbmd@.service", "hbmd.sysusers.conf", "grafana-dashboard.json", "daemonset.py", "README.md"):
+        assert f"hbmd/deploy/{path}" in members, path
+    assert not any(m.startswith(("hbmd/tests/", "hbmd/bench/")) for m in members)
+
+
+def test_python_m_hbmd_deploy_says_where_the_files_are():
+    out = subprocess.run([sys.executable, "-m", "hbmd.deploy"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and (Path(out.stdout.strip()) / "hbmd@.service").is_file()
