@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-IMAGE = "registry.example.com/hbmd:0.1.0"
+IMAGE = "registry.example.com/hbmd:0.2.0"
 UID = GID = 990
 """deploy/hbmd.sysusers.conf pins the same ids, so sockets mean the same group on every node."""
 METRICS_PORT_BASE = 9470
