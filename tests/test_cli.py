@@ -159,10 +159,10 @@ def test_hbmctl_is_an_observer_it_is_neither_counted_nor_listed(daemon, client):
     observer.close()
 
 
-def test_watch_refreshes_until_ctrl_c(daemon, client):
-    ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
+def watch_for_a_while(daemon, *args: str) -> tuple[int, str, str]:
+    """``hbmctl watch ARGS`` refreshing every 0.1 s, left with Ctrl-C after 3 s: its exit status, stdout and stderr."""
     watch = subprocess.Popen(
-        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", "--interval", "0.1"],
+        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", *args, "--interval", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -172,7 +172,13 @@ def test_watch_refreshes_until_ctrl_c(daemon, client):
     finally:
         if watch.poll() is None:
             watch.kill()
-    assert watch.returncode == 0, err
+    return watch.returncode, out, err
+
+
+def test_watch_refreshes_until_ctrl_c(daemon, client):
+    ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
+    returncode, out, err = watch_for_a_while(daemon)
+    assert returncode == 0, err
     assert out.count("● hbmd instance host") >= 2 and "committed:   6.0 MiB" in out and "Ctrl-C" in out
     # Not a terminal: no escape codes; and nothing after the last frame on leaving.
     assert "\x1b" not in out and out.rstrip().endswith("6.0 MiB       1  no            0") and err == ""
@@ -180,19 +186,9 @@ def test_watch_refreshes_until_ctrl_c(daemon, client):
 
 def test_watch_streams_json_lines(daemon, client):
     ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", "--json", "--interval", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        time.sleep(3)
-        watch.send_signal(signal.SIGINT)
-        out, err = watch.communicate(timeout=30)
-    finally:
-        if watch.poll() is None:
-            watch.kill()
+    returncode, out, err = watch_for_a_while(daemon, "--json")
     frames = [json.loads(line) for line in out.splitlines()]
-    assert watch.returncode == 0 and err == "" and len(frames) >= 2
+    assert returncode == 0 and err == "" and len(frames) >= 2
     assert frames[-1]["instances"][0]["committed_bytes"] == 6 * MiB
     assert [s["session_id"] for s in frames[-1]["sessions"]] == [client.session_id]
 
@@ -266,20 +262,9 @@ def test_json_has_one_shape_whatever_the_node_and_null_for_what_does_not_exist(d
 
 def test_watch_writes_status_as_a_csv_time_series(daemon, client):
     ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", "-o", "csv",
-         "--interval", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        time.sleep(3)
-        watch.send_signal(signal.SIGINT)
-        out, err = watch.communicate(timeout=30)
-    finally:
-        if watch.poll() is None:
-            watch.kill()
+    returncode, out, err = watch_for_a_while(daemon, "-o", "csv")
     header, *rows = out.splitlines()
-    assert watch.returncode == 0 and err == "" and len(rows) >= 2
+    assert returncode == 0 and err == "" and len(rows) >= 2
     assert header.startswith("time,instance,backend,device,budget,committed,")
     times = [float(row.split(",")[0]) for row in rows]
     assert times == sorted(times) and abs(times[-1] - time.time()) < 30

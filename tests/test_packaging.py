@@ -29,6 +29,18 @@ def _clean_copy(tmp_path: Path) -> Path:
     return tree
 
 
+def _build(tmp_path: Path, kind: str) -> Path:
+    """The sdist or wheel (``kind``) setuptools builds from a clean copy of the tree."""
+    build_meta = pytest.importorskip("setuptools.build_meta")
+    tree = _clean_copy(tmp_path)
+    here = os.getcwd()
+    os.chdir(tree)
+    try:
+        return tmp_path / getattr(build_meta, f"build_{kind}")(str(tmp_path))
+    finally:
+        os.chdir(here)
+
+
 def test_hbmd_is_a_regular_package_that_knows_its_version():
     import hbmd
 
@@ -48,15 +60,7 @@ def test_every_package_ships_its_type_hints():
 
 
 def test_the_sdist_carries_what_the_readme_and_the_operator_need(tmp_path):
-    build_meta = pytest.importorskip("setuptools.build_meta")
-    tree = _clean_copy(tmp_path)
-    here = os.getcwd()
-    os.chdir(tree)
-    try:
-        name = build_meta.build_sdist(str(tmp_path))
-    finally:
-        os.chdir(here)
-    with tarfile.open(tmp_path / name) as sdist:
+    with tarfile.open(_build(tmp_path, "sdist")) as sdist:
         members = {m.name.split("/", 1)[1] for m in sdist.getmembers() if "/" in m.name}
     for path in ("SECURITY.md", "README.md", "CHANGELOG.md", "Dockerfile", ".dockerignore", "deploy/hbmd@.service",
                  "deploy/daemonset.py", "bench/README.md", "bench/restart_bench.py", "scripts/vllm-tier.sh",
@@ -66,15 +70,7 @@ def test_the_sdist_carries_what_the_readme_and_the_operator_need(tmp_path):
 
 
 def test_the_wheel_ships_what_a_node_needs_besides_the_code(tmp_path):
-    build_meta = pytest.importorskip("setuptools.build_meta")
-    tree = _clean_copy(tmp_path)
-    here = os.getcwd()
-    os.chdir(tree)
-    try:
-        name = build_meta.build_wheel(str(tmp_path))
-    finally:
-        os.chdir(here)
-    with zipfile.ZipFile(tmp_path / name) as wheel:
+    with zipfile.ZipFile(_build(tmp_path, "wheel")) as wheel:
         members = set(wheel.namelist())
     for path in ("hbmd@.service", "hbmd.sysusers.conf", "grafana-dashboard.json", "daemonset.py", "README.md"):
         assert f"hbmd/deploy/{path}" in members, path
