@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hbmd",
         description="Per-GPU memory daemon: owns device memory and serves growable buffers to worker processes.",
-        epilog="example: hbmd --backend host --run-dir /tmp/hbmd --budget 8GiB\n\n"
+        epilog="example: hbmd --backend host --run-dir ~/.hbmd --budget 8GiB\n\n"
                "--config FILE is TOML, every key shown here (sizes as --budget takes them, a percentage of the\n"
                "device's memory; both sections optional; SIGHUP reloads it):\n\n" + textwrap.indent(CONFIG_FORMAT, "  "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
