@@ -7,6 +7,11 @@ Output: a table for people (``-o wide`` adds columns), ``--json`` (or
 ``-o json``) and ``-o csv`` for scripts; csv cells are plain numbers of
 bytes and seconds. ``status`` with several instances under the run directory
 shows one row per instance, as ``nvidia-smi`` shows one per GPU.
+
+JSON has one shape per command whatever the node: ``status`` is always
+``{"instances": [...]}`` (one record each, ``error`` null where it
+answered), and a figure that does not exist (a host instance's GPU index, an
+unanswered reclaim) is ``null``, never ``-1``; csv leaves that cell empty.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ import sys
 import time
 from typing import Any, Callable
 
+from hbmd.proto import StatusReply
 from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound
 from hbmd.proto.instance import (
     DEFAULT_RUN_DIR,
     InstancePaths,
-    list_instances,
+    access_denied,
     resolve_run_dir,
+    run_dir_origin,
+    scan_instances,
 )
 from hbmd.proto.text import shown
 from hbmd.proto.units import format_bytes, parse_size
@@ -143,27 +151,39 @@ def _plain_column(header: str, key: str, wide: bool = False, human: Callable[[An
 # commands: each is one client call plus formatting
 
 
-def status_record(client: Client) -> dict[str, Any]:
-    """An instance's status as JSON, in the words the table uses: budget left (what the daemon would admit), device free."""
-    s = client.status()
-    record = _as_dict(s)
-    record["budget_left_bytes"] = budget_left(s)
-    record["device_free_bytes"] = s.device_free_bytes if s.device_free_bytes >= 0 else None
-    for tenant in record["tenants"]:
-        tenant["max_bytes"] = tenant["max_bytes"] if tenant["max_bytes"] >= 0 else None
+def _none_for_negative(record: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``record`` with each of ``keys`` whose wire value is -1 ("none" or "unknown") set to None: JSON's null."""
+    for key in keys:
+        if record[key] is not None and record[key] < 0:
+            record[key] = None
     return record
 
 
+def status_record(client: Client) -> dict[str, Any]:
+    """An instance's status as JSON, in the words the table uses: budget left (what the daemon would admit), device free."""
+    s = client.status()
+    record = _none_for_negative(_as_dict(s), "device_index", "device_free_bytes", "admissible_bytes")
+    record["budget_left_bytes"] = budget_left(s)
+    record["error"] = None
+    for tenant in record["tenants"]:
+        _none_for_negative(tenant, "max_bytes")
+    return record
+
+
+UNREACHABLE = dict.fromkeys([f.name for f in dataclasses.fields(StatusReply)] + ["budget_left_bytes"])
+"""The record of an instance that did not answer: every figure null, beside its name and the error."""
+
+
 def _device(r: dict[str, Any]) -> str:
-    if "backend" not in r:
+    if r["error"] is not None:
         return "-"
-    return f"gpu {r['device_index']}" if r["device_index"] >= 0 else "host memory"
+    return "host memory" if r["device_index"] is None else f"gpu {r['device_index']}"
 
 
 STATUS_COLUMNS = [
     _plain_column("INSTANCE", "instance"),
-    Column("BACKEND", lambda r: r.get("backend", "unreachable"), lambda r: r.get("backend", "unreachable")),
-    Column("DEVICE", _device, lambda r: r.get("device_index", "")),
+    Column("BACKEND", lambda r: r["backend"] or "unreachable", lambda r: r["backend"] or "unreachable"),
+    Column("DEVICE", _device, lambda r: r["device_index"]),
     _bytes_column("BUDGET", "budget_bytes"),
     _bytes_column("COMMITTED", "committed_bytes"),
     _bytes_column("LEASED", "leased_bytes"),
@@ -174,7 +194,7 @@ STATUS_COLUMNS = [
     _plain_column("BUFFERS", "num_buffers", wide=True),
     _plain_column("CHUNKS", "num_chunks", wide=True),
     _plain_column("PID", "pid", wide=True),
-    Column("UP", lambda r: _duration(r["uptime_s"]) if "uptime_s" in r else "-", lambda r: r.get("uptime_s", ""), True),
+    Column("UP", lambda r: "-" if r["uptime_s"] is None else _duration(r["uptime_s"]), lambda r: r["uptime_s"], True),
     _plain_column("VERSION", "daemon_version", wide=True),
     _plain_column("UUID", "device_uuid", wide=True),
 ]
@@ -182,7 +202,7 @@ STATUS_COLUMNS = [
 
 def cmd_status(client: Client, args: argparse.Namespace) -> Output:
     r = status_record(client)
-    device = f"GPU {r['device_index']} ({r['device_uuid']})" if r["device_index"] >= 0 else "host memory"
+    device = "host memory" if r["device_index"] is None else f"GPU {r['device_index']} ({r['device_uuid']})"
     share = 100 * r["committed_bytes"] / r["budget_bytes"] if r["budget_bytes"] else 0.0
     device_free = "unknown" if r["device_free_bytes"] is None else format_bytes(r["device_free_bytes"])
     text = "\n".join(
@@ -204,6 +224,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
             if r["held_back_bytes"]
             else []
         )
+        + ([f"    config:      {_config_line(r)}"] if r["config_path"] else [])
     )
     tenants = [
         t for t in r["tenants"]
@@ -219,7 +240,17 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
         text += "\n\n" + render_table(["TENANT", "SESSIONS", "USED", "GUARANTEED", "MAX"], rows)
     if r.get("tenants_left_out"):
         text += f"\n... and {r['tenants_left_out']} more tenants"
-    return Output(r, text, STATUS_COLUMNS, [r])
+    return Output({"instances": [r]}, text, STATUS_COLUMNS, [r])
+
+
+def _config_line(r: dict[str, Any]) -> str:
+    """The config file, when the one in force was loaded, and a refused reload since, if any."""
+    loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["config_loaded_at"]))
+    line = f"{r['config_path']}, loaded {loaded}"
+    if r["config_reload_failed_at"]:
+        refused = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["config_reload_failed_at"]))
+        line += f"; the reload at {refused} was refused, the config loaded before serves on: {r['config_reload_error']}"
+    return line
 
 
 def status_of_all(args: argparse.Namespace, names: list[str]) -> tuple[Output, list[str]]:
@@ -230,7 +261,7 @@ def status_of_all(args: argparse.Namespace, names: list[str]) -> tuple[Output, l
             with open_client(args, name) as client:
                 records.append(status_record(client))
         except HbmdError as exc:
-            records.append({"instance": name, "error": exc.message})
+            records.append(UNREACHABLE | {"instance": name, "error": exc.message})
             failures.append(f"{name}: {exc.message}")
     return Output({"instances": records}, "", STATUS_COLUMNS, records), failures
 
@@ -254,7 +285,7 @@ SESSION_COLUMNS = [
 
 
 def cmd_sessions(client: Client, args: argparse.Namespace) -> Output:
-    sessions = [_as_dict(s) for s in client.sessions()]
+    sessions = [_none_for_negative(_as_dict(s), "reclaim_released_bytes") for s in client.sessions()]
     return Output({"sessions": sessions}, "", SESSION_COLUMNS, sessions, "no sessions")
 
 
@@ -355,13 +386,16 @@ def watch(args: argparse.Namespace, instance: str | None, names: list[str]) -> i
     """Show status (and, for one instance, sessions and buffers) every ``--interval`` seconds until Ctrl-C.
 
     On a terminal each frame replaces the last; elsewhere frames follow one
-    another, and ``--json`` writes one JSON object per frame and line.
+    another. ``--json`` writes one JSON object per frame and line:
+    ``{"time": ..., "instances": [...], "sessions": [...], "buffers": [...]}``,
+    sessions and buffers null when watching several instances. ``-o csv``
+    writes the status columns, after a ``time`` column (Unix seconds), one
+    row per instance and frame: a time series, its header once.
     """
-    if args.output == "csv":
-        raise UsageError("watch writes a table or JSON lines, not csv")
     fmt = "json" if args.json else args.output
-    redraw = sys.stdout.isatty() and fmt != "json"
+    redraw = sys.stdout.isatty() and fmt not in ("json", "csv")
     client = open_client(args, instance) if instance is not None else None
+    headers = not args.no_headers
     try:
         while True:
             failures: list[str] = []
@@ -371,13 +405,17 @@ def watch(args: argparse.Namespace, instance: str | None, names: list[str]) -> i
             else:
                 everyone, failures = status_of_all(args, names)
                 outputs = {"status": everyone}
-            stamp = time.strftime("%H:%M:%S")
+            now, stamp = time.time(), time.strftime("%H:%M:%S")
             if fmt == "json":
-                # One instance: {"status": {...}, "sessions": [...], "buffers": [...]}; several: {"instances": [...]}.
-                record = {"time": time.time()}
-                for key, output in outputs.items():
-                    record |= {"status": output.data} if key == "status" and client is not None else output.data
+                record = {"time": now, "sessions": None, "buffers": None}
+                for output in outputs.values():
+                    record |= output.data
                 frame = json.dumps(record, sort_keys=True)
+            elif fmt == "csv":
+                now_s = round(now, 3)
+                at = Column("TIME", lambda r, t=now_s: t, lambda r, t=now_s: t)
+                frame = render(Output({}, columns=[at, *STATUS_COLUMNS], items=outputs["status"].items), "csv", headers)
+                headers = False
             else:
                 header = f"{stamp}  every {args.interval}s, Ctrl-C to leave"
                 body = "\n\n".join(render(o, fmt, not args.no_headers) for o in outputs.values())
@@ -401,7 +439,8 @@ COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], Output] | None,
                "hbmctl delete --uid 1000 kv-cache-layer0"),
     "reclaim": (cmd_reclaim, "ask a session to give memory back; its engine decides what to release",
                 "hbmctl reclaim --pid 4242 --bytes 8GiB --wait 10"),
-    "watch": (None, "live view of status, sessions and buffers (Ctrl-C to leave)", "hbmctl watch --interval 2"),
+    "watch": (None, "live view of status, sessions and buffers (Ctrl-C to leave); -o csv: status as a time series",
+              "hbmctl watch --interval 2"),
 }
 MULTI_INSTANCE = {"status", "watch"}
 """Commands that show every instance when none is chosen; the others need exactly one."""
@@ -510,17 +549,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def open_client(args: argparse.Namespace, instance: str) -> Client:
-    return Client(InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl", observer=True)
+    # No tenant of its own, whatever HBMD_TENANT says: an operator's shell may hold an engine's.
+    return Client(
+        InstancePaths.of(args.run_dir, instance), timeout=args.timeout, client_name="hbmctl", tenant="", observer=True
+    )
 
 
 def choose_instance(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """The instance to ask (None: several, none chosen) and every instance under the run directory."""
     if args.instance:
         return args.instance, [args.instance]
-    names = list_instances(args.run_dir)
+    names, denied = scan_instances(args.run_dir)
     root = resolve_run_dir(args.run_dir)
+    if not names and denied:
+        more = f" (and {len(denied) - 1} more like it)" if len(denied) > 1 else ""
+        raise DaemonUnavailable(f"{access_denied(denied[0])}{more}", path=str(root))
     if not names:
-        raise DaemonUnavailable(f"no hbmd instance under {root}", path=str(root))
+        raise DaemonUnavailable(f"no hbmd instance under {run_dir_origin(args.run_dir)}", path=str(root))
     if len(names) == 1:
         return names[0], names
     if args.command not in MULTI_INSTANCE:

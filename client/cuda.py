@@ -19,6 +19,7 @@ from hbmd.proto.instance import (
     InstancePaths,
     list_instances,
     resolve_run_dir,
+    run_dir_origin,
 )
 from hbmd.proto.undo import Undo
 
@@ -37,7 +38,7 @@ def instance_for_cuda_device(ordinal: int, run_dir: str | os.PathLike | None) ->
         info = InstanceInfo.read(InstancePaths.of(root, instance).info)
         if info is not None and info.device_uuid == uuid:
             return instance
-    raise NotFound(f"no hbmd instance under {root} serves cuda:{ordinal} ({uuid})", device_uuid=uuid)
+    raise NotFound(f"no hbmd instance serves cuda:{ordinal} ({uuid}) under {run_dir_origin(run_dir)}", device_uuid=uuid)
 
 
 class CudaMapper:

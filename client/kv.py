@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hbmd.proto.units import exact_bytes
+
 from .tensor import ExtensibleTensor
 
 
@@ -24,7 +26,8 @@ class ExtensibleKVCacheBuffers:
                     raise ValueError(f"bytes per block per segment must be positive, got {stride}")
                 if stride * num_blocks_capacity > capacity:
                     raise ValueError(
-                        f"{num_blocks_capacity} blocks of {stride} bytes exceed the segment capacity of {capacity} bytes"
+                        f"{num_blocks_capacity} blocks of {exact_bytes(stride)} exceed the segment capacity of "
+                        f"{exact_bytes(capacity)}"
                     )
         self.buffers = buffers
         self.num_blocks_capacity = num_blocks_capacity

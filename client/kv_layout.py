@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from hbmd.proto.units import exact_bytes
+
 from .session import Client
 from .tensor import ExtensibleTensor
 
@@ -58,7 +60,10 @@ def kv_view(tensor: ExtensibleTensor, shape: Sequence[int], stride_order: Sequen
     itemsize = torch.empty(0, dtype=dtype).element_size()
     needed = math.prod(shape) * itemsize
     if needed > tensor.max_num_bytes:
-        raise ValueError(f"layout {tuple(shape)} of {dtype} needs {needed} bytes; the buffer holds {tensor.max_num_bytes}")
+        raise ValueError(
+            f"layout {tuple(shape)} of {dtype} needs {exact_bytes(needed)}; the buffer holds "
+            f"{exact_bytes(tensor.max_num_bytes)}"
+        )
     physical = tensor.full_view()[:needed].view(dtype).view([shape[d] for d in stride_order])
     return physical.permute([list(stride_order).index(d) for d in range(len(shape))])
 

@@ -57,7 +57,7 @@ from hbmd.proto.errors import (
     SessionLost,
     VersionMismatch,
 )
-from hbmd.proto.instance import InstancePaths, resolve_run_dir
+from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
 from hbmd.proto.undo import Undo
 
 from .budget import DeviceMemory
@@ -71,6 +71,9 @@ DEFAULT_TIMEOUT_S = 10.0
 RESUME_TIMEOUT_S = 30.0
 """How long a client waits by default for its daemon to come back after it went away (``HBMD_RESUME_TIMEOUT``)."""
 RESUME_POLL_S = 0.01
+TENANT_ENV = "HBMD_TENANT"
+"""The tenant a client declares where its code names none: how an operator sets it for an engine it does not write
+(vLLM's workers, say)."""
 
 log = logging.getLogger("hbmd.client")
 
@@ -129,6 +132,11 @@ class Client:
     ``lease`` (the default): take the granules the daemon leases ahead of
     need, imported by a listener thread, so that a small commit maps them
     without a round trip (:mod:`hbmd.client.lease`).
+
+    ``tenant``: the name this session's memory is charged to, as the
+    daemon's ``--config`` declares tenants (None: ``HBMD_TENANT``, else
+    none, and the session is charged to its uid). A name this user may not
+    declare is refused at connect with ``PermissionDenied``.
     """
 
     def __init__(
@@ -137,7 +145,7 @@ class Client:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         client_name: str = "",
-        tenant: str = "",
+        tenant: str | None = None,
         observer: bool = False,
         mapper: Mapper | None = None,
         lease: bool = True,
@@ -148,6 +156,8 @@ class Client:
         self.paths = paths
         self.timeout = timeout
         self.resume_timeout = resume_timeout_from_env() if resume_timeout is None else resume_timeout
+        if tenant is None:
+            tenant = os.environ.get(TENANT_ENV, "")
         self._pid = os.getpid()
         self._hello = Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
                             lease and not observer)
@@ -746,9 +756,19 @@ def instance_for(device: Any, run_dir: str | os.PathLike | None) -> str:
     kind, index = parse_device(device)
     if kind == "cpu":
         return "host"
+    from hbmd.driver import CudaUnavailable
+
     from .cuda import instance_for_cuda_device
 
-    return instance_for_cuda_device(index, run_dir)
+    try:
+        return instance_for_cuda_device(index, run_dir)
+    except CudaUnavailable as exc:
+        # A host instance may well be what this user meant to reach: its device is "cpu".
+        if "host" not in list_instances(run_dir):
+            raise
+        raise CudaUnavailable(
+            f"{exc}; an hbmd host instance serves under {resolve_run_dir(run_dir)}: device 'cpu' uses it"
+        ) from None
 
 
 def connect(
@@ -758,17 +778,18 @@ def connect(
     instance: str | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     client_name: str = "",
-    tenant: str = "",
+    tenant: str | None = None,
     observer: bool = False,
     mapper: Mapper | None = None,
     lease: bool = True,
     resume_timeout: float | None = None,
 ) -> Client:
-    """Open a session with the daemon serving ``device`` (or the named ``instance``).
+    """Open a session with the daemon serving ``device`` (or the named ``instance``: ``gpu0``, ``host``, ...).
 
-    ``run_dir`` defaults to ``$HBMD_RUN_DIR``, then ``/run/hbmd``;
-    ``resume_timeout`` to ``$HBMD_RESUME_TIMEOUT``, then 30 s (see
-    :class:`Client`). Raises :class:`DaemonUnavailable` when nothing answers there.
+    ``run_dir`` defaults to ``$HBMD_RUN_DIR``, then ``/run/hbmd``; ``tenant``
+    to ``$HBMD_TENANT``, then none; ``resume_timeout`` to
+    ``$HBMD_RESUME_TIMEOUT``, then 30 s (see :class:`Client`). Raises
+    :class:`DaemonUnavailable` when nothing answers there.
     """
     if instance is None:
         instance = instance_for(device, run_dir)

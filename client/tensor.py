@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from hbmd.proto import BufferInfo, ChunkInfo, Redeclare
 from hbmd.proto.errors import HbmdError, InvalidRequest, SessionLost, TensorUnusable
 from hbmd.proto.undo import Undo
+from hbmd.proto.units import exact_bytes
 
 from .devices import parse_device
 from .reservation import Reservation
@@ -151,6 +152,8 @@ class ExtensibleTensor(Transactions):
 
     _readonly = False
     """Mapped read-only: a read claim on a sealed buffer, not its ownership."""
+    _sizes_before_release: list[int] | None = None
+    """What :meth:`recommit` grows the segments back to: their sizes before :meth:`release_physical`."""
 
     def _adopt(self, info: BufferInfo) -> None:
         self._set_info(info)
@@ -312,9 +315,14 @@ class ExtensibleTensor(Transactions):
             raise ValueError(f"Expected {self.num_segments} sizes, got {len(sizes)}.")
         for new, old, capacity in zip(sizes, self._sizes, self._capacities):
             if new < old:
-                raise ValueError(f"ExtensibleTensor is grow-only: cannot resize from {old} to {new} bytes per segment.")
+                raise ValueError(
+                    f"ExtensibleTensor is grow-only: cannot resize from {exact_bytes(old)} to {exact_bytes(new)} per "
+                    "segment."
+                )
             if new > capacity:
-                raise ValueError(f"Requested {new} bytes per segment exceeds the segment capacity {capacity}.")
+                raise ValueError(
+                    f"Requested {exact_bytes(new)} per segment exceeds the segment capacity {exact_bytes(capacity)}."
+                )
         old_sizes = self._sizes
         if sizes == old_sizes:
             return self
@@ -425,6 +433,7 @@ class ExtensibleTensor(Transactions):
         while this process can still reach it.
         """
         self._check_writable("release_physical")
+        held = self.segment_sizes
         self._reservation.unmap_all()
         try:
             released = self._client.release(self.buffer_id)
@@ -433,6 +442,23 @@ class ExtensibleTensor(Transactions):
             self._resync(exc)
             raise
         self._set_info(released.buffer)
+        self._sizes_before_release = [max(a, b) for a, b in zip(self._sizes_before_release or held, held)]
+
+    def recommit(self) -> "ExtensibleTensor":
+        """Commit again, with zeroed pages, the segment sizes held before :meth:`release_physical` (wake).
+
+        As :meth:`ExtensibleKVCacheBuffers.recommit` does for its buffers:
+        after several releases the largest sizes come back, and a segment
+        grown meanwhile is not shrunk. Without a release before (in this
+        object: a buffer attached released has no sizes to go back to) it is
+        a no-op. Raises as :meth:`resize_segments_` does (``OutOfBudget`` when
+        the pages do not fit); the sizes stay remembered for a second try.
+        """
+        self._check_writable("recommit")
+        if self._sizes_before_release is not None:
+            self.resize_segments_([max(a, b) for a, b in zip(self._sizes, self._sizes_before_release)], zero_new=True)
+            self._sizes_before_release = None
+        return self
 
     def free(self) -> None:
         """Drop the pages and the daemon's buffer (a read-only attach: only its read claim). Idempotent.

@@ -46,7 +46,7 @@ from hbmd.proto.errors import (
     error_from_wire,
 )
 from hbmd.proto.fdpass import receive_with_fds
-from hbmd.proto.instance import InstancePaths
+from hbmd.proto.instance import InstancePaths, access_denied
 
 MAX_DATAGRAM = 64 << 10
 CONNECT_RETRY_S = 0.005
@@ -79,12 +79,12 @@ class HandleChannel:
             self._connect(time.monotonic() + timeout)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self.sock.close()
-            raise DaemonUnavailable(f"no hbmd is serving {self.path}: {exc.strerror}", path=self.path) from None
+            raise DaemonUnavailable(
+                f"no hbmd is serving {self.path}: {exc.strerror} ({paths.origin})", path=self.path
+            ) from None
         except PermissionError:
             self.sock.close()
-            raise DaemonUnavailable(
-                f"permission denied connecting to {self.path}: is this user in the daemon's group?", path=self.path
-            ) from None
+            raise DaemonUnavailable(f"cannot connect to {self.path}: {access_denied(self.path)}", path=self.path) from None
         except OSError as exc:
             self.sock.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}", path=self.path) from None

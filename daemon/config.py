@@ -1,23 +1,5 @@
-"""The daemon's optional TOML config: who may connect and per-tenant limits.
+"""The daemon's optional TOML config: who may connect and per-tenant limits; :data:`FORMAT` shows it.
 
-Example (``hbmd --config /etc/hbmd/gpu0.toml``)::
-
-    [access]
-    allow_uids = [1000, 1001]   # default: anyone who can reach the socket
-    allow_gids = [2000]         # a peer whose primary or supplementary group is listed
-    admin_uids = [0]            # see and steer every session (root and the daemon's uid always may)
-
-    [[tenants]]
-    name = "llama-70b"          # declared by clients: connect(..., tenant="llama-70b")
-    uids = [1000]               # who may declare it (default: anyone allowed in)
-    max = "80GiB"               # burst limit
-    guaranteed = "40GiB"        # no other tenant's commit can eat into this
-
-    [[tenants]]
-    uid = 1001                  # every session of uid 1001: a name it declares is charged here too,
-    max = "50%"                 # unless a named tenant lists 1001 in its uids
-
-Sizes take the units of ``--budget``; a percentage is of the device's memory.
 A declared tenant name never lifts a uid's limits: a uid with its own entry
 is refused a configured name that does not list it in ``uids``, and an unknown
 name it declares is charged to its own entry (see ``State.tenant_for``).
@@ -30,7 +12,30 @@ import os
 import tomllib
 from typing import Any
 
-from hbmd.proto.units import parse_size
+from hbmd.proto.units import exact_bytes, parse_size
+
+FORMAT = """\
+[access]
+allow_uids = [1000, 1001]   # default: anyone who can reach the socket
+allow_gids = [2000]         # a peer whose primary or supplementary group is listed
+admin_uids = [0]            # see and steer every session (root and the daemon's uid always may)
+
+[[tenants]]
+name = "llama-70b"          # declared by clients: connect(tenant="llama-70b") or HBMD_TENANT=llama-70b
+uids = [1000]               # who may declare it (default: anyone allowed in)
+max = "80GiB"               # burst limit
+guaranteed = "40GiB"        # no other tenant's commit can eat into this
+
+[[tenants]]
+uid = 1001                  # every session of uid 1001: a name it declares is charged here too,
+max = "50%"                 # unless a named tenant lists 1001 in its uids
+"""
+"""An example of every key (``hbmd --config /etc/hbmd/gpu0.toml``), as ``hbmd --help`` and the README show it.
+
+Sizes take the units of ``--budget``; a percentage is of the device's memory.
+Both sections are optional, a tenant names exactly one of ``name`` and
+``uid``, and an unknown section or key is refused.
+"""
 
 
 class ConfigError(ValueError):
@@ -130,7 +135,7 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
         max_bytes = _size(f"{at}.max", entry["max"], total_bytes) if "max" in entry else None
         guaranteed = _size(f"{at}.guaranteed", entry.get("guaranteed", 0), total_bytes)
         if max_bytes is not None and guaranteed > max_bytes:
-            raise ConfigError(f"{at}: guaranteed ({guaranteed}) exceeds max ({max_bytes})")
+            raise ConfigError(f"{at}: guaranteed ({exact_bytes(guaranteed)}) exceeds max ({exact_bytes(max_bytes)})")
         tenants.append(
             TenantLimits(
                 name=name,
@@ -142,7 +147,9 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
         )
     promised = sum(t.guaranteed_bytes for t in tenants)
     if promised > budget_bytes:
-        raise ConfigError(f"{where}: guaranteed minimums add up to {promised} bytes, over the budget of {budget_bytes}")
+        raise ConfigError(
+            f"{where}: guaranteed minimums add up to {exact_bytes(promised)}, over the budget of {exact_bytes(budget_bytes)}"
+        )
     return Config(access, tuple(tenants))
 
 

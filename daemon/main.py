@@ -13,6 +13,7 @@ import re
 import resource
 import signal
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -20,11 +21,12 @@ from typing import Any, Generic, NoReturn
 
 from hbmd.proto import PROTOCOL_VERSION
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
-from hbmd.proto.text import shown
 from hbmd.proto.units import format_bytes, parse_size
 
+from . import logs
 from .backends import A, Backend, C
 from .backends.host import HostBackend
+from .config import FORMAT as CONFIG_FORMAT
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .persist import RESUME_WINDOW_S, NewerState, Persistence, restore, unpack_image
@@ -34,7 +36,7 @@ from .server.loop import HANDOVER_TIMEOUT_S
 from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
 from .state import DEFAULT_LEASE_BYTES, Limits, State
 
-log = logging.getLogger("hbmd")
+log = logging.getLogger("hbmd.daemon")
 
 HOST_DEFAULT_BUDGET = "50%"
 """The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
@@ -114,12 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hbmd",
         description="Per-GPU memory daemon: owns device memory and serves growable buffers to worker processes.",
-        epilog="example: hbmd --backend host --run-dir /tmp/hbmd --budget 8GiB",
+        epilog="example: hbmd --backend host --run-dir ~/.hbmd --budget 8GiB\n\n"
+               "--config FILE is TOML, every key shown here (sizes as --budget takes them, a percentage of the\n"
+               "device's memory; both sections optional; SIGHUP reloads it):\n\n" + textwrap.indent(CONFIG_FORMAT, "  "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto",
                         help="memory to serve (default: auto, CUDA where a driver and the device are present, else host)")
-    parser.add_argument("--device", type=int, default=0, metavar="N",
-                        help="GPU index as nvidia-smi numbers it (default: 0)")
+    parser.add_argument("--device", type=int, metavar="N",
+                        help="GPU index as nvidia-smi numbers it (default: 0); not with --backend host")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help=f"directory for the instance's sockets (default: $HBMD_RUN_DIR, else {DEFAULT_RUN_DIR})")
     parser.add_argument("--budget", metavar="SIZE",
@@ -176,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "events; where they do not balance, log what is off and exit at once with status "
                              f"{EXIT_BOOKS_UNBALANCED} (EX_SOFTWARE); costs time, for tests")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-format", default="auto", choices=logs.FORMATS,
+                        help="text (with a timestamp), journal (<N> priority prefixes, no timestamp: journald adds "
+                             "one), or json (one object per line); default auto: journal where stderr is systemd's "
+                             "journal, else text")
     parser.add_argument("--version", action="version", version=f"hbmd {VERSION}")
     return parser
 
@@ -209,8 +218,12 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
     The backend is chosen at run time, so its arena and chunk types are
     known only from here on (:func:`_wire`).
     """
+    if args.backend == "host" and args.device is not None:
+        raise Refusal(f"--device {args.device}: the host backend serves host memory, no GPU; leave --device out, or "
+                      "serve the GPU with --backend cuda", 2)
+    device = 0 if args.device is None else args.device
     try:
-        backend, why = select_backend(args.backend, args.device, args.warm_chunks, not args.no_export_sentinel)
+        backend, why = select_backend(args.backend, device, args.warm_chunks, not args.no_export_sentinel)
     except BackendUnavailable as exc:
         raise Refusal(str(exc), 1) from None
     try:
@@ -240,6 +253,9 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, config, args.reclaim_timeout, limits, lease)
+    if args.config:
+        state.config_load.path = os.path.abspath(args.config)
+        state.config_load.loaded()
     lock = threading.Lock()
     handover = _take_over(args, state, paths) if args.takeover else None
     persistence = _persistence(args, state, notifier, taken_over=handover is not None)
@@ -473,19 +489,9 @@ def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
         log.warning("--warm-chunks applies to the CUDA backend only; ignored")
 
 
-class LogFormatter(logging.Formatter):
-    """Each record one line, its control characters escaped: a name or a message a peer chose can neither forge a
-    line of the log nor reach the terminal of whoever reads it. A traceback follows on lines of its own."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        return shown(super().formatMessage(record))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(LogFormatter("%(asctime)s hbmd %(levelname)s %(message)s"))
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
+    logs.configure(args.log_level, args.log_format)
     raise_fd_limit()
     try:
         daemon = build(args)

@@ -88,9 +88,31 @@ class StateCollector(Collector):
             free = backend.free_bytes()
             if free >= 0:
                 yield self._add(self._family("hbmd_device_free_bytes", "Free device memory as the driver reports it."), free)
+            orphans = state.orphans
+            yield self._add(self._family(
+                "hbmd_orphaned_bytes",
+                "Bytes committed to persistent buffers no session holds: kept until attached again or deleted.",
+            ), sum(b.physical_bytes + b.pending_bytes for b in orphans))
+            yield self._add(self._family("hbmd_orphaned_buffers", "Persistent buffers no session holds."), len(orphans))
+            yield from self._config()
             yield from self._tenants()
             if self.per_session:
                 yield from self._sessions()
+
+    def _config(self) -> Iterator[GaugeMetricFamily]:
+        """Whether the last reload of ``--config`` took effect, and when the config in force was read (as
+        Prometheus's own ``prometheus_config_last_reload_*`` series say it); nothing without ``--config``."""
+        load = self.state.config_load
+        if not load.path:
+            return
+        yield self._add(self._family(
+            "hbmd_config_last_reload_successful",
+            "1 when the last load of --config took effect, 0 when a reload was refused and the config before serves on.",
+        ), 0 if load.failed_at else 1)
+        yield self._add(self._family(
+            "hbmd_config_last_reload_success_timestamp_seconds",
+            "Unix time the config in force was read (at start or by the last reload that took effect).",
+        ), load.loaded_at)
 
     def _tenants(self) -> Iterator[GaugeMetricFamily]:
         labels = ["tenant"]
@@ -168,12 +190,17 @@ class Metrics:
         return True
 
     def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        """``/healthz`` answers 200 or 503; every other path is the metrics page."""
-        if environ.get("PATH_INFO") == "/healthz":
+        """``/metrics`` is the metrics page, ``/healthz`` answers 200 or 503, any other path 404: a typo in a scrape
+        config must fail, not scrape the page under the wrong name."""
+        path = environ.get("PATH_INFO")
+        if path == "/healthz":
             ok = self.healthy()
             start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
             return [b"ok\n" if ok else b"server loop stuck\n"]
-        return self._metrics_app(environ, start_response)
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: the metrics are on /metrics, the health check on /healthz\n"]
 
     def serve(self, host: str, port: int) -> None:
         """Serve on ``host:port`` from background threads; ``OSError`` if the address cannot be bound."""

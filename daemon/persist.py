@@ -308,8 +308,8 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
             {int(s): int(n) for s, n in record.get("readers", [])},
         )
     _claimed(fds, needed)
-    log.info("restored buffer %d %r: %d bytes in %d chunks", buffer_id, record["name"],
-             sum(c.size for c in adopted["chunks"]), len(adopted["chunks"]))
+    log.info("restored buffer %d %r: %s in %d chunks", buffer_id, record["name"],
+             format_bytes(sum(c.size for c in adopted["chunks"])), len(adopted["chunks"]))
 
 
 def _chunk_layout(chunk: list) -> tuple[int, int, int]:

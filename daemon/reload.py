@@ -43,7 +43,10 @@ class ConfigReloader:
             config = load_config(self.path, self.state.backend.total_bytes, self.state.budget_bytes)
             with self.lock:
                 self.state.reconfigure(config)
+                self.state.config_load.loaded()
         except ConfigError as exc:
+            with self.lock:
+                self.state.config_load.failed(str(exc))
             log.error("SIGHUP: kept the previous config: %s", exc)
             return False
         finally:

@@ -2,7 +2,8 @@
 
 ``python deploy/daemonset.py --gpus 4 > hbmd-4gpu.yaml`` gives a DaemonSet
 with one hbmd container per GPU, selecting nodes whose ``nvidia.com/gpu.count``
-label (from GPU feature discovery) is 4, and a PodMonitor scraping each
+label (from GPU feature discovery) is 4, a NetworkPolicy that lets only the
+monitoring namespace reach the metrics ports, and a PodMonitor scraping each
 container's metrics port. Keep one output per node shape in the fleet.
 ``deploy/hbmd-daemonset.yaml`` is this script's output for 8 GPUs.
 """
@@ -11,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 
-IMAGE = "registry.example.com/hbmd:0.1.0"
+IMAGE = "registry.example.com/hbmd:0.2.0"
 UID = GID = 990
 """deploy/hbmd.sysusers.conf pins the same ids, so sockets mean the same group on every node."""
 METRICS_PORT_BASE = 9470
 """GPU N serves metrics on 9470+N (not 9400, which is dcgm-exporter's)."""
+BUDGET = "90%"
+"""Of each GPU's memory: the rest is for what hbmd does not hold (CUDA contexts, activations, NCCL; README,
+"Run it in production")."""
+MONITORING_NAMESPACE = "monitoring"
+"""Where Prometheus runs: the one namespace the NetworkPolicy lets reach the metrics."""
 
 HEADER = f"""\
 # hbmd on Kubernetes for nodes with {{gpus}} GPUs, written by deploy/daemonset.py --gpus {{gpus}}:
@@ -129,7 +135,7 @@ CONTAINER = f"""\
           image: {IMAGE}
           command: ["hbmd"]
           args: ["--backend", "cuda", "--device", "{{index}}", "--run-dir", "/run/hbmd", "--takeover", "--linger",
-                 "--metrics-addr", "0.0.0.0:{{port}}"]
+                 "--budget", "{BUDGET}", "--metrics-addr", "0.0.0.0:{{port}}"]
           env:
             - name: NVIDIA_VISIBLE_DEVICES
               value: all
@@ -165,8 +171,38 @@ CONTAINER = f"""\
               mountPath: /run/hbmd
 """
 
+NETWORKPOLICY = f"""\
+# The metrics show every session's and tenant's figures to whoever reaches them,
+# with no access check (SECURITY.md), and the daemons listen on the pod's
+# address: only Prometheus's namespace ({MONITORING_NAMESPACE}; change it to yours) may
+# connect, and only to the metrics ports. Workers reach hbmd through the
+# hostPath sockets, never the network. Kubelet probes come from the node,
+# which network plugins let through.
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: hbmd-{{gpus}}gpu-metrics
+  namespace: hbmd-system
+spec:
+  podSelector:
+    matchLabels:
+      app.kubernetes.io/name: hbmd
+      hbmd.io/gpus: "{{gpus}}"
+  policyTypes: ["Ingress"]
+  ingress:
+    - from:
+        - namespaceSelector:
+            matchLabels:
+              kubernetes.io/metadata.name: {MONITORING_NAMESPACE}
+      ports:
+        - protocol: TCP
+          port: {METRICS_PORT_BASE}
+          endPort: {{last_port}}
+"""
+
 PODMONITOR = """\
 # For the Prometheus Operator; without it, scrape the metrics-gpuN ports by your own means.
+# Each series gets the node's name as label "node" (the Grafana dashboard's legends show it).
 apiVersion: monitoring.coreos.com/v1
 kind: PodMonitor
 metadata:
@@ -180,8 +216,20 @@ spec:
   podMetricsEndpoints:
 {endpoints}"""
 
+ENDPOINT = """\
+    - port: metrics-gpu{index}
+      path: /metrics
+      relabelings:
+        - sourceLabels: [__meta_kubernetes_pod_node_name]
+          targetLabel: node
+"""
+
 WORKER = f"""\
-# A worker pod that uses the node's hbmd (trimmed to what concerns hbmd):
+# A worker pod that uses the node's hbmd (trimmed to what concerns hbmd). Its
+# namespace must allow hostPath volumes, which only the "privileged" Pod
+# Security level does (baseline and restricted refuse them): label it
+# pod-security.kubernetes.io/enforce=privileged, or keep such workers in a
+# namespace of their own that is.
 #
 # apiVersion: v1
 # kind: Pod
@@ -215,10 +263,11 @@ WORKER = f"""\
 
 def manifests(gpus: int) -> str:
     containers = "".join(CONTAINER.format(index=i, port=METRICS_PORT_BASE + i) for i in range(gpus))
-    endpoints = "".join(f"    - port: metrics-gpu{i}\n      path: /metrics\n" for i in range(gpus))
+    endpoints = "".join(ENDPOINT.format(index=i) for i in range(gpus))
     return "---\n".join([
         HEADER.format(gpus=gpus) + NAMESPACE,
         DAEMONSET.format(gpus=gpus, containers=containers),
+        NETWORKPOLICY.format(gpus=gpus, last_port=METRICS_PORT_BASE + gpus - 1),
         PODMONITOR.format(gpus=gpus, endpoints=endpoints),
     ]) + "\n" + WORKER
 

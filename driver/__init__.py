@@ -16,12 +16,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from typing import Any
 
 from hbmd.proto.errors import DriverError, OutOfDeviceMemory
 
 
 log = logging.getLogger("hbmd.driver")
+
+
+DRIVER_VERSION_FILE = "/proc/driver/nvidia/version"
+"""Where a loaded NVIDIA kernel module says its version, which decides the cuda-bindings major to install."""
 
 
 class CudaUnavailable(RuntimeError):
@@ -33,8 +38,26 @@ def _bindings() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError as exc:
-        raise CudaUnavailable(f"cuda-bindings is not installed ({exc})") from None
+        raise CudaUnavailable(f"cuda-bindings is not installed ({exc}): {bindings_to_install()}") from None
     return driver
+
+
+def bindings_to_install(version_file: str = DRIVER_VERSION_FILE) -> str:
+    """Which of hbmd's extras brings the cuda-bindings that this node's driver runs: ``cuda13`` needs an R580 or newer
+    driver, ``cuda12`` R525 or newer (pyproject's extras)."""
+    try:
+        with open(version_file, encoding="utf-8") as f:
+            found = re.search(r"\s(\d+)\.\d+(?:\.\d+)?\s", f.read())
+    except OSError:
+        found = None
+    if found is None:
+        return ("install the extra for the node's driver: pip install 'hbmd[cuda13]' for R580 and newer, "
+                "'hbmd[cuda12]' for R525 and newer (no NVIDIA driver is loaded here)")
+    major = int(found.group(1))
+    if major < 525:
+        return f"this node's driver R{major} is older than any cuda-bindings hbmd takes (R525 for cuda-bindings 12)"
+    extra = "cuda13" if major >= 580 else "cuda12"
+    return f"pip install 'hbmd[{extra}]' (this node's driver is R{major}; '.[{extra}]' from a checkout)"
 
 
 def check(result: Any, function: str) -> Any:

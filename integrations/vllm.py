@@ -2,7 +2,8 @@
 
 Registered as a ``vllm.general_plugins`` entry point, so vLLM calls
 :func:`register` in every process it starts (front end, engine core,
-workers). It does nothing unless the operator opts in with ``HBMD_VLLM=1``;
+workers). It does nothing unless the operator opts in with ``HBMD_VLLM=1``
+(or ``true``, ``yes``, ``on``; any spelling it does not know is refused);
 then it checks the vLLM version and points the name vLLM's KV cache looks
 up (``vllm.v1.worker.extensible_kv_cache.ExtensibleTensor``) at
 :class:`VllmExtensibleTensor`, hbmd's class with vLLM's interface, and caps
@@ -12,7 +13,8 @@ pages to the daemon and take fresh ones.
 
 Buffers are named ``vllm-<engine>-rank<R>`` (``HBMD_VLLM_ENGINE``, default
 the pid; the rank from ``RANK``/``LOCAL_RANK``), so ``hbmctl buffers`` shows
-which engine holds what. The KV cache is not persistent: a restarted vLLM
+which engine holds what; ``HBMD_TENANT`` charges them to a tenant of the
+daemon's ``--config``. The KV cache is not persistent: a restarted vLLM
 rebuilds its prefix index from nothing, so a cache that outlived the worker
 would be unreadable to it.
 """
@@ -32,12 +34,23 @@ SUPPORTED = ((0, 34),)
 """vLLM releases whose ``extensible_kv_cache`` module this plugin was checked against (major, minor)."""
 
 
+ON = ("1", "true", "yes", "on")
+OFF = ("", "0", "false", "no", "off")
+
+
 class UnsupportedVllm(RuntimeError):
     """The installed vLLM is not one this plugin knows: refusing beats silently allocating the wrong way."""
 
 
 def enabled() -> bool:
-    return os.environ.get(OPT_IN, "") == "1"
+    """Whether ``HBMD_VLLM`` opts in; ``ValueError`` for a value that is neither on nor off, which an operator meant
+    as something: running vLLM without hbmd (or with it) against their word would go unnoticed."""
+    value = os.environ.get(OPT_IN, "")
+    if value.strip().lower() in ON:
+        return True
+    if value.strip().lower() in OFF:
+        return False
+    raise ValueError(f"{OPT_IN}={value!r}: expected one of {', '.join(ON)} (on) or {', '.join(OFF[1:])} or unset (off)")
 
 
 def check_version(version: str) -> None:
@@ -97,7 +110,7 @@ def capped_commit(original):
 
 
 def register() -> None:
-    """The entry point: inert without ``HBMD_VLLM=1``; otherwise route vLLM's extensible KV cache to hbmd."""
+    """The entry point: inert unless ``HBMD_VLLM`` is on; otherwise route vLLM's extensible KV cache to hbmd."""
     if not enabled():
         return
     import vllm

@@ -54,6 +54,14 @@ class StatusReply(Message):
     """Tenants not listed in ``tenants`` (1.2)."""
     leased_bytes: int = 0
     """Granules leased to sessions and not placed yet (1.3): charged to their tenants, not part of ``committed_bytes``."""
+    config_path: str = ""
+    """The daemon's ``--config`` file, empty without one (1.5)."""
+    config_loaded_at: float = 0.0
+    """Unix time the config in force was read, at start or by the last reload that took effect (1.5)."""
+    config_reload_failed_at: float = 0.0
+    """Unix time of the last reload refused since then, the config in force kept; 0 for none (1.5)."""
+    config_reload_error: str = ""
+    """Why that reload was refused (1.5)."""
 
 
 @message("admin.status")

@@ -31,7 +31,9 @@ admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffer
 ``BufferInfo.shareable`` and ``leased_bytes`` in status and sessions); 1.4 resuming a session across a daemon
 restart (``Hello.resume_session``/``resume_credential``, ``Welcome.resume_credential``/``lease_chunk_ids``, a
 request sent again under its id is answered again, not done twice); 1.5 declaring a buffer again after a restart
-with no keeper (``Redeclare``, ``BufferInfo.held_elsewhere``). A 1.0 peer ignores what it does not know."""
+with no keeper (``Redeclare``, ``BufferInfo.held_elsewhere``), the config file and its last reload in status
+(``config_path``, ``config_loaded_at``, ``config_reload_failed_at``, ``config_reload_error``). A 1.0 peer ignores
+what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request a daemon reads: the longest a client sends, a buffer's 65,536 segment sizes, takes under

@@ -10,22 +10,18 @@ and index, pid). The instance is ``host`` for the host backend and
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
+import grp
 import json
 import os
+import pwd
+import stat
 from pathlib import Path
 from typing import Any
 
+from hbmd import __version__
 
-def _package_version() -> str:
-    try:
-        return importlib.metadata.version("hbmd")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
-
-
-VERSION = _package_version()
-"""The installed hbmd's version, from the package metadata: what the daemon reports and both CLIs print."""
+VERSION = __version__
+"""The installed hbmd's version: what the daemon reports and both CLIs print."""
 
 DEFAULT_RUN_DIR = "/run/hbmd"
 RUN_DIR_ENV = "HBMD_RUN_DIR"
@@ -38,6 +34,48 @@ def resolve_run_dir(run_dir: str | os.PathLike | None) -> Path:
     return Path(run_dir or os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
 
 
+def run_dir_origin(run_dir: str | os.PathLike | None) -> str:
+    """Which run directory :func:`resolve_run_dir` chose, why, and how to choose another: what a message saying that
+    no daemon is there must add, since the daemon may well be serving under another one."""
+    source = "as given" if run_dir else f"from ${RUN_DIR_ENV}" if os.environ.get(RUN_DIR_ENV) else "the default"
+    return (f"run directory {resolve_run_dir(run_dir)}, {source}; choose another with --run-dir, "
+            f"run_dir= in Python, or ${RUN_DIR_ENV}")
+
+
+def access_denied(path: str | os.PathLike) -> str:
+    """Why this process may not reach ``path`` and what would let it: the nearest directory above it (or ``path``
+    itself) that it can see, with its owner, group and mode."""
+    blocking = Path(path)
+    while True:
+        try:
+            st = os.stat(blocking)
+            break
+        except PermissionError:
+            blocking = blocking.parent
+        except OSError:
+            return f"permission denied on {path}"
+    user, group = _user_name(st.st_uid), _group_name(st.st_gid)
+    who = "root" if user == "root" else f"{user} or root"
+    return (
+        f"permission denied: {blocking} is {user}:{group} {stat.filemode(st.st_mode)}, for its owner and group only: "
+        f"add this user to group {group} (sudo usermod -aG {group} $USER, effective at the next login) or run as {who}"
+    )
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
 def gpu_instance(index: int) -> str:
     return f"gpu{index}"
 
@@ -45,10 +83,12 @@ def gpu_instance(index: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class InstancePaths:
     directory: Path
+    origin: str = dataclasses.field(default="", compare=False)
+    """Where the run directory came from and how to choose another (:func:`run_dir_origin`), for messages."""
 
     @classmethod
     def of(cls, run_dir: str | os.PathLike | None, instance: str) -> "InstancePaths":
-        return cls(resolve_run_dir(run_dir) / instance)
+        return cls(resolve_run_dir(run_dir) / instance, run_dir_origin(run_dir))
 
     @property
     def control(self) -> Path:
@@ -129,12 +169,28 @@ class InstanceInfo:
 
 def list_instances(run_dir: str | os.PathLike | None) -> list[str]:
     """Instances with a published ``instance.json`` under the run directory, sorted."""
+    return scan_instances(run_dir)[0]
+
+
+def scan_instances(run_dir: str | os.PathLike | None) -> tuple[list[str], list[Path]]:
+    """The instances under the run directory (as :func:`list_instances`), and the paths there this process was denied:
+    the run directory where it cannot be listed, else each instance's ``instance.json`` it may not see (an instance
+    directory of a daemon whose group this user is not in)."""
     root = resolve_run_dir(run_dir)
     try:
-        entries = sorted(p.name for p in root.iterdir() if (p / "instance.json").is_file())
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
-        return []
-    return entries
+        entries = sorted(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []
+    except PermissionError:
+        return [], [root]
+    found, denied = [], []
+    for entry in entries:
+        try:
+            if (entry / "instance.json").is_file():
+                found.append(entry.name)
+        except PermissionError:
+            denied.append(entry / "instance.json")
+    return found, denied
 
 
 def instance_published_by(run_dir: str | os.PathLike | None, pid: int) -> str | None:

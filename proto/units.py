@@ -55,6 +55,15 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+def exact_bytes(n: int) -> str:
+    """``n`` as :func:`format_bytes` writes it, with the exact count beside it where that rounds: ``'64.0 MiB'``,
+    ``'64.0 MiB (67108865 B)'``. For messages about one request, where the byte that went over must show."""
+    shown = format_bytes(n)
+    if n < 1024 or parse_size(shown.replace(" ", "")) == n:
+        return shown
+    return f"{shown} ({n} B)"
+
+
 def round_up(n: int, granule: int) -> int:
     """``n`` rounded up to a whole number of ``granule``s (the driver's and every chunk's unit)."""
     return -(-n // granule) * granule

@@ -96,7 +96,7 @@ def test_quotas_are_enforced_and_shown(quota_daemon):
     with pytest.raises(MemoryError, match="held for other tenants"):
         b.resize_(130 * MiB)  # 256 - 64 used - 96 held for "large" = 96 MiB left
     b.resize_(96 * MiB)
-    shown = json.loads(hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "status").stdout)
+    [shown] = json.loads(hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "status").stdout)["instances"]
     # What the daemon would admit: the budget has 96 MiB unused, all held for "large".
     assert shown["budget_left_bytes"] == other.device_memory().budget_left == 0
     large = quota_daemon.connect(tenant="large")
@@ -105,7 +105,7 @@ def test_quotas_are_enforced_and_shown(quota_daemon):
         [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(quota_daemon.run_dir), "--json", "status"],
         capture_output=True, text=True, timeout=60,
     )
-    tenants = {t["name"]: t for t in json.loads(out.stdout)["tenants"]}
+    tenants = {t["name"]: t for t in json.loads(out.stdout)["instances"][0]["tenants"]}
     assert tenants["small"]["used_bytes"] == 64 * MiB and tenants["small"]["max_bytes"] == 64 * MiB
     assert tenants["large"]["used_bytes"] == 96 * MiB and tenants["large"]["guaranteed_bytes"] == 96 * MiB
     assert tenants[f"uid:{os.getuid()}"]["used_bytes"] == 96 * MiB
@@ -271,3 +271,16 @@ def test_a_uid_not_in_the_allow_list_is_refused_at_the_handshake(nobody_can_run_
     assert result["connect"] == "PermissionDenied" and "not allowed" in result["message"]
     with connect(run_dir=run_dir, instance="host") as admin:  # root is always admitted
         assert admin.status().num_sessions == 1
+
+
+def test_hbmctl_outside_the_daemons_group_says_permission_denied_and_names_the_group(nobody_can_run_python, daemon):
+    ctl = (f"import site, sys; [site.addsitedir(p) for p in {site.getsitepackages()!r}]; "
+           "from hbmd.client.ctl import main; sys.exit(main())")
+    for choice in ([], ["--instance", "host"]):  # found by listing the run directory, or named
+        out = subprocess.run(
+            [*nobody_python(), "-c", ctl, "--run-dir", str(daemon.run_dir), *choice, "status"],
+            user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 1 and out.stdout == ""
+        assert "permission denied" in out.stderr and "group root" in out.stderr, out.stderr
+        assert f"{daemon.run_dir}/host is root:root drwxr-x---" in out.stderr and "no hbmd" not in out.stderr

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from hbmd.client import ExtensibleTensor, PermissionDenied
+from hbmd.client import DaemonUnavailable, ExtensibleTensor, PermissionDenied, connect
 from hbmd.client.ctl import Column, Output, render
 from helpers import MiB, hbmctl
 
@@ -35,7 +35,7 @@ def test_json_numbers_match_what_clients_committed(daemon, spawn_worker):
     session_id = int(worker.readline())
     rd = str(daemon.run_dir)
 
-    status = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)
+    [status] = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)["instances"]
     # 5 MiB per segment rounds to 6 MiB per segment; 3 MiB rounds to 4 MiB.
     assert status["committed_bytes"] == 16 * MiB
     assert status["reserved_bytes"] == 80 * MiB
@@ -77,7 +77,7 @@ def test_tables_use_binary_units(daemon):
 
 def test_instance_is_chosen_by_name_too(daemon):
     out = hbmctl("--run-dir", str(daemon.run_dir), "--instance", "host", "--json", "status")
-    assert out.returncode == 0 and json.loads(out.stdout)["instance"] == "host"
+    assert out.returncode == 0 and json.loads(out.stdout)["instances"][0]["instance"] == "host"
 
 
 def test_unreachable_daemon_exits_1_with_a_message(run_dir):
@@ -85,6 +85,17 @@ def test_unreachable_daemon_exits_1_with_a_message(run_dir):
     assert out.returncode == 1 and "no hbmd instance" in out.stderr and out.stdout == ""
     out = hbmctl("--run-dir", str(run_dir), "--instance", "gpu3", "status")
     assert out.returncode == 1 and "handles.sock" in out.stderr
+
+
+def test_where_no_daemon_serves_the_message_says_where_the_run_directory_came_from(run_dir, monkeypatch):
+    given = hbmctl("--run-dir", str(run_dir), "status").stderr
+    assert f"run directory {run_dir}, as given; choose another with --run-dir" in given
+    monkeypatch.setenv("HBMD_RUN_DIR", str(run_dir))
+    with pytest.raises(DaemonUnavailable, match=rf"run directory {run_dir}, from \$HBMD_RUN_DIR"):
+        connect("cpu")
+    monkeypatch.delenv("HBMD_RUN_DIR")
+    with pytest.raises(DaemonUnavailable, match="run directory /run/hbmd, the default"):
+        connect(instance="no-such-instance")
 
 
 def test_a_silent_daemon_exits_1_within_the_timeout(daemon):
@@ -137,7 +148,8 @@ def test_every_subcommand_has_help_with_an_example(command):
 
 def test_hbmctl_is_an_observer_it_is_neither_counted_nor_listed(daemon, client):
     rd = str(daemon.run_dir)
-    assert json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)["num_sessions"] == 1  # only `client`
+    [status] = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)["instances"]
+    assert status["num_sessions"] == 1  # only `client`
     sessions = json.loads(hbmctl("--run-dir", rd, "--json", "sessions").stdout)["sessions"]
     assert [s["session_id"] for s in sessions] == [client.session_id]
     observer = daemon.connect(observer=True)
@@ -147,10 +159,10 @@ def test_hbmctl_is_an_observer_it_is_neither_counted_nor_listed(daemon, client):
     observer.close()
 
 
-def test_watch_refreshes_until_ctrl_c(daemon, client):
-    ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
+def watch_for_a_while(daemon, *args: str) -> tuple[int, str, str]:
+    """``hbmctl watch ARGS`` refreshing every 0.1 s, left with Ctrl-C after 3 s: its exit status, stdout and stderr."""
     watch = subprocess.Popen(
-        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", "--interval", "0.1"],
+        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", *args, "--interval", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -160,7 +172,13 @@ def test_watch_refreshes_until_ctrl_c(daemon, client):
     finally:
         if watch.poll() is None:
             watch.kill()
-    assert watch.returncode == 0, err
+    return watch.returncode, out, err
+
+
+def test_watch_refreshes_until_ctrl_c(daemon, client):
+    ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
+    returncode, out, err = watch_for_a_while(daemon)
+    assert returncode == 0, err
     assert out.count("● hbmd instance host") >= 2 and "committed:   6.0 MiB" in out and "Ctrl-C" in out
     # Not a terminal: no escape codes; and nothing after the last frame on leaving.
     assert "\x1b" not in out and out.rstrip().endswith("6.0 MiB       1  no            0") and err == ""
@@ -168,20 +186,10 @@ def test_watch_refreshes_until_ctrl_c(daemon, client):
 
 def test_watch_streams_json_lines(daemon, client):
     ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", "--json", "--interval", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        time.sleep(3)
-        watch.send_signal(signal.SIGINT)
-        out, err = watch.communicate(timeout=30)
-    finally:
-        if watch.poll() is None:
-            watch.kill()
+    returncode, out, err = watch_for_a_while(daemon, "--json")
     frames = [json.loads(line) for line in out.splitlines()]
-    assert watch.returncode == 0 and err == "" and len(frames) >= 2
-    assert frames[-1]["status"]["committed_bytes"] == 6 * MiB
+    assert returncode == 0 and err == "" and len(frames) >= 2
+    assert frames[-1]["instances"][0]["committed_bytes"] == 6 * MiB
     assert [s["session_id"] for s in frames[-1]["sessions"]] == [client.session_id]
 
 
@@ -216,13 +224,52 @@ def test_status_shows_every_instance_of_a_node(two_instances):
         ("host", 64 * MiB, first.pid), ("host2", 32 * MiB, second.pid)
     ]
     csv_rows = hbmctl("--run-dir", rd, "-o", "csv", "--no-headers", "status").stdout.splitlines()
-    assert [row.split(",")[:4] for row in csv_rows] == [["host", "host", "-1", str(64 * MiB)], ["host2", "host", "-1", str(32 * MiB)]]
+    # A host instance has no GPU index: an empty cell, as for every figure that does not exist.
+    assert [row.split(",")[:4] for row in csv_rows] == [["host", "host", "", str(64 * MiB)], ["host2", "host", "", str(32 * MiB)]]
     wide = hbmctl("--run-dir", rd, "-o", "wide", "status").stdout
     assert "PID" in wide and str(second.pid) in wide
 
     second.kill()  # killed, so its instance.json stays behind: the row says so and the exit code too
     out = hbmctl("--run-dir", rd, "status", "--timeout", "2")
     assert out.returncode == 1 and "host2" in out.stderr and "unreachable" in out.stdout
+    out = hbmctl("--run-dir", rd, "--json", "status", "--timeout", "2")
+    answered, unreachable = json.loads(out.stdout)["instances"]
+    assert out.returncode == 1 and answered["error"] is None and unreachable["error"]
+    assert set(unreachable) == set(answered) and unreachable["budget_bytes"] is None  # one shape, nulls for the unknown
+
+
+def test_json_has_one_shape_whatever_the_node_and_null_for_what_does_not_exist(daemon, spawn_worker):
+    worker = spawn_worker(daemon, """
+        import sys
+        from hbmd.client import connect
+        c = connect("cpu", client_name="deaf")  # never answers a reclaim
+        print(c.session_id, flush=True)
+        sys.stdin.readline()
+        """)
+    session_id = int(worker.readline())
+    rd = str(daemon.run_dir)
+    hbmctl("--run-dir", rd, "reclaim", "--session", str(session_id), "--bytes", "1MiB")
+    alone = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)
+    named = json.loads(hbmctl("--run-dir", rd, "--instance", "host", "--json", "status").stdout)
+    assert list(alone) == list(named) == ["instances"] and len(alone["instances"]) == 1
+    [status] = alone["instances"]
+    assert status["device_index"] is None and status["error"] is None and status["admissible_bytes"] >= 0
+    [session] = json.loads(hbmctl("--run-dir", rd, "--json", "sessions").stdout)["sessions"]
+    assert session["reclaim_state"] == "pending" and session["reclaim_released_bytes"] is None
+    worker.send("done")
+    assert worker.wait() == 0
+
+
+def test_watch_writes_status_as_a_csv_time_series(daemon, client):
+    ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
+    returncode, out, err = watch_for_a_while(daemon, "-o", "csv")
+    header, *rows = out.splitlines()
+    assert returncode == 0 and err == "" and len(rows) >= 2
+    assert header.startswith("time,instance,backend,device,budget,committed,")
+    times = [float(row.split(",")[0]) for row in rows]
+    assert times == sorted(times) and abs(times[-1] - time.time()) < 30
+    columns = header.split(",")
+    assert all(dict(zip(columns, row.split(",")))["committed"] == str(6 * MiB) for row in rows)
 
 
 def test_a_command_for_one_instance_is_a_usage_error_when_several_run(two_instances):
@@ -290,7 +337,7 @@ def test_buffers_add_up_to_status_while_a_preserving_defragment_holds_old_and_ne
         with engine.defragment(kv.buffer_id, True) as delivery:
             new_chunks = list(delivery)  # held by the daemon beside the old ones until told to drop either
         assert len(new_chunks) == 1
-        status = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)
+        [status] = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)["instances"]
         [buffer] = json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]
         assert buffer["physical_bytes"] == buffer["pending_bytes"] == 4 * MiB
         assert status["committed_bytes"] == 8 * MiB

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hbmd.daemon.backends.host import HostBackend
-from hbmd.daemon.config import Access, ConfigError, parse_config
+from hbmd.daemon.config import FORMAT, Access, ConfigError, parse_config
 from hbmd.daemon.state import State
 from hbmd.proto.errors import OutOfBudget, OutOfDeviceMemory, PermissionDenied
 from helpers import MiB
@@ -38,6 +42,17 @@ def test_the_example_config_parses():
     assert not config.access.admits(1234, {1234}) and config.access.admits(0, {0})
 
 
+def test_the_format_help_and_the_readme_show_is_a_config_the_daemon_takes():
+    config = parse_config(FORMAT, total_bytes=128 * GiB, budget_bytes=120 * GiB)
+    assert [(t.name, t.max_bytes, t.guaranteed_bytes) for t in config.tenants] == [
+        ("llama-70b", 80 * GiB, 40 * GiB), ("uid:1001", 64 * GiB, 0)
+    ]
+    shown = subprocess.run([sys.executable, "-m", "hbmd.daemon", "--help"], capture_output=True, text=True, timeout=60)
+    assert all(line.strip() in shown.stdout for line in FORMAT.splitlines())
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert f"```toml\n{FORMAT}```" in readme
+
+
 @pytest.mark.parametrize(
     "text, match",
     [
@@ -47,7 +62,7 @@ def test_the_example_config_parses():
         ("[[tenants]]\nmax = '1GiB'", "exactly one of name or uid"),
         ("[[tenants]]\nname = 'a'\nuid = 3", "exactly one of name or uid"),
         ("[[tenants]]\nname = 'a'\nmax = 'lots'", "tenants\\[0\\].max"),
-        ("[[tenants]]\nname = 'a'\nmax = '1GiB'\nguaranteed = '2GiB'", "exceeds max"),
+        ("[[tenants]]\nname = 'a'\nmax = '1GiB'\nguaranteed = '2GiB'", r"guaranteed \(2.0 GiB\) exceeds max \(1.0 GiB\)"),
         ("[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'a'", "configured twice"),
         ("[[tenants]]\nname = 'a'\nguaranteed = '100GiB'", "over the budget"),
         ("[[tenants]]\nname = 'uid:7'", "not starting with 'uid:'"),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +15,7 @@ import pytest
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, OutOfBudget, SessionLost, connect
 from hbmd.daemon.backends.host import host_memory_bytes
+from hbmd.daemon.logs import JournalFormatter, JsonFormatter
 from hbmd.daemon.main import EXIT_BOOKS_UNBALANCED
 from hbmd.daemon.spawn import DaemonProcess
 from helpers import MiB, wait_until
@@ -41,6 +45,12 @@ def test_a_second_host_instance_runs_under_its_own_name(start_daemon):
     assert (first.instance, second.instance) == ("host", "host-numa1")
     with second.connect() as client:
         assert client.instance == "host-numa1" and client.status().budget_bytes == 32 * MiB
+
+
+def test_a_gpu_index_for_the_host_backend_is_refused_not_ignored(run_dir):
+    out = hbmd("--backend", "host", "--device", "1", "--run-dir", str(run_dir), "--budget", "64MiB")
+    assert out.returncode == 2 and "--device 1: the host backend serves host memory" in out.stderr
+    assert not (run_dir / "host").exists()
 
 
 @pytest.mark.parametrize("name", ["Host", "1gpu", "a/b", "x" * 33, ""])
@@ -133,7 +143,7 @@ def test_the_log_names_who_was_refused_and_keeps_observers_quiet(start_daemon, r
         with pytest.raises(OutOfBudget):
             ExtensibleTensor(64 * MiB, "cpu", client=worker).resize_(64 * MiB)
         daemon.connect(observer=True).close()
-        wait_until(lambda: "WARNING refused buffer.commit" in daemon.log())
+        wait_until(lambda: "WARNING hbmd.server: refused buffer.commit" in daemon.log())
     refusal = next(line for line in daemon.log().splitlines() if "refused buffer.commit" in line)
     assert f"pid {os.getpid()}" in refusal and "tenant 'team-a'" in refusal and "requested 64.0 MiB" in refusal
     assert daemon.log().count("opened") == 1  # the worker's; the observer's went to DEBUG
@@ -172,3 +182,45 @@ def test_a_daemon_checking_its_books_exits_at_the_first_that_does_not_balance(ru
     with DaemonProcess(run_dir, "--backend", "host", "--budget", "64MiB") as again:
         with connect(run_dir=run_dir, instance=again.instance) as client:
             assert client.status().committed_bytes == 0
+
+
+def test_under_journald_each_line_carries_its_priority_and_no_timestamp(start_daemon, run_dir):
+    stream = run_dir / "journal-stream.log"
+    stream.touch()
+    st = stream.stat()  # systemd names the stream it gave the daemon as stderr by device and inode
+    daemon = start_daemon("--budget", "64MiB", log_path=stream, env={"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+    os.kill(daemon.pid, signal.SIGHUP)  # a warning: there is no config to reload
+    wait_until(lambda: "no --config to reload" in daemon.log())
+    lines = daemon.log().splitlines()
+    assert lines[0].startswith("<6>hbmd.daemon: hbmd ") and "<4>hbmd.reload: SIGHUP: no --config to reload" in lines
+    assert all(re.match(r"<[2-7]>hbmd\.[a-z.]+: ", line) for line in lines), lines
+    assert not re.search(r"\d\d:\d\d:\d\d", daemon.log())  # journald stamps the time
+
+
+def test_json_logs_are_one_object_a_line_with_level_and_component(start_daemon):
+    daemon = start_daemon("--budget", "64MiB", "--log-format", "json")
+    os.kill(daemon.pid, signal.SIGHUP)
+    wait_until(lambda: "no --config to reload" in daemon.log())
+    entries = [json.loads(line) for line in daemon.log().splitlines()]
+    assert entries[0]["logger"] == "hbmd.daemon" and entries[0]["level"] == "info"
+    assert {"time", "level", "logger", "message"} <= set(entries[0])
+    assert {"level": "warning", "logger": "hbmd.reload", "message": "SIGHUP: no --config to reload"} == {
+        k: v for k, v in entries[-1].items() if k != "time"
+    }
+
+
+def test_text_logs_name_the_component(start_daemon):
+    first = start_daemon("--budget", "64MiB").log().splitlines()[0]
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO hbmd\.daemon: hbmd ", first), first
+
+
+@pytest.mark.unit
+def test_every_line_of_a_journal_record_carries_its_priority_a_traceback_too():
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("hbmd.server", logging.ERROR, __file__, 1, "request %d failed", (7,), sys.exc_info())
+    lines = JournalFormatter().format(record).split("\n")
+    assert lines[0] == "<3>hbmd.server: request 7 failed" and len(lines) > 3
+    assert all(line.startswith("<3>") for line in lines) and lines[-1] == "<3>ValueError: boom"
+    assert json.loads(JsonFormatter().format(record))["exception"].endswith("ValueError: boom")

@@ -41,3 +41,14 @@ def test_every_query_names_a_metric_the_daemon_exports(start_daemon, run_dir):
     assert named and named - exported == set()
     # The only other metric family is dcgm-exporter's, for the side-by-side panel.
     assert {m for expr in queries() for m in re.findall(r"\b[A-Z][A-Z_]+_[A-Z_]+\b", expr)} == {"DCGM_FI_DEV_FB_USED"}
+
+
+@pytest.mark.unit
+def test_a_legend_that_names_a_gpu_names_its_node_and_the_operators_panels_are_there():
+    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    targets = [target for panel in dashboard["panels"] for target in panel["targets"]]
+    per_gpu = [t["legendFormat"] for t in targets if "{{gpu}}" in t["legendFormat"]]
+    assert per_gpu and all("{{node}}" in legend or "{{Hostname}}" in legend for legend in per_gpu)
+    expressions = " ".join(t["expr"] for t in targets)
+    for figure in ("hbmd_leased_bytes", "hbmd_orphaned_bytes", "hbmd_budget_bytes{UUID=~\"$gpu\"} - hbmd_committed_bytes"):
+        assert figure in expressions

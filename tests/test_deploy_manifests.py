@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hbmd.daemon.main import build_parser
 
 pytestmark = pytest.mark.unit
 
@@ -36,7 +37,30 @@ def test_one_container_metrics_port_and_scrape_endpoint_per_gpu():
 def test_the_manifests_parse_as_kubernetes_objects():
     yaml = pytest.importorskip("yaml")
     kinds = [doc["kind"] for doc in yaml.safe_load_all(generate(2).stdout)]
-    assert kinds == ["Namespace", "DaemonSet", "PodMonitor"]
+    assert kinds == ["Namespace", "DaemonSet", "NetworkPolicy", "PodMonitor"]
+
+
+def test_only_the_monitoring_namespace_reaches_the_metrics_and_each_series_names_its_node():
+    yaml = pytest.importorskip("yaml")
+    _, daemonset, policy, monitor = yaml.safe_load_all(generate(3).stdout)
+    pod = daemonset["spec"]["template"]
+    ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]]
+    [rule] = policy["spec"]["ingress"]
+    [allowed] = rule["ports"]
+    assert (allowed["port"], allowed["endPort"]) == (min(ports), max(ports)) == (9470, 9472)
+    assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert policy["spec"]["podSelector"] == daemonset["spec"]["selector"] and policy["spec"]["policyTypes"] == ["Ingress"]
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
+
+
+def test_every_daemon_leaves_room_beside_its_budget():
+    yaml = pytest.importorskip("yaml")
+    daemonset = list(yaml.safe_load_all(generate(2).stdout))[1]
+    for container in daemonset["spec"]["template"]["spec"]["containers"]:
+        args = container["args"]
+        assert args[args.index("--budget") + 1] == "90%"
+        assert build_parser().parse_args(args).budget == "90%"  # and hbmd takes every argument given
 
 
 def test_sysusers_pins_the_ids_the_daemonset_and_image_use():

@@ -136,7 +136,7 @@ def test_resize_value_errors_change_nothing(client):
     t.resize_per_segment_(2 * MiB)
     with pytest.raises(ValueError, match="grow-only"):
         t.resize_per_segment_(MiB)
-    with pytest.raises(ValueError, match="exceeds the segment capacity"):
+    with pytest.raises(ValueError, match=r"8.0 MiB \(8388609 B\) per segment exceeds the segment capacity 8.0 MiB\."):
         t.resize_per_segment_(8 * MiB + 1)
     for op in (lambda: t.resize_(4 * MiB), lambda: t.tensor, lambda: t.append(MiB)):
         with pytest.raises(ValueError, match="single-segment"):
@@ -172,6 +172,40 @@ def test_release_physical_then_recommit_through_kv_buffers(client):
     kv.free()
     kv.free()
     assert client.status().num_buffers == 0
+
+
+def test_a_tensor_recommits_the_sizes_it_held_before_its_release_zeroed(client):
+    t = ExtensibleTensor(32 * MiB, "cpu", segment_capacities=[8 * MiB, 24 * MiB], client=client)
+    t.resize_segments_([2 * MiB, 6 * MiB])
+    t.segment_view(0)[:] = 7
+    t.segment_view(1)[:] = 7
+    base = t.base_ptr
+    t.release_physical()
+    t.release_physical()  # a second sleep forgets nothing
+    assert t.segment_sizes == [0, 0] and client.status().committed_bytes == 0
+    t.recommit()
+    assert t.segment_sizes == [2 * MiB, 6 * MiB] and client.status().committed_bytes == 8 * MiB
+    assert t.base_ptr == base and int(t.segment_view(0).sum()) == 0 and int(t.segment_view(1).sum()) == 0
+    t.recommit()  # nothing released since: a no-op
+    assert t.segment_sizes == [2 * MiB, 6 * MiB]
+    t.release_physical()
+    t.resize_segments_([4 * MiB, 0])  # grown while asleep: recommit does not shrink it
+    t.recommit()
+    assert t.segment_sizes == [4 * MiB, 6 * MiB]
+
+
+def test_a_recommit_refused_for_budget_can_be_tried_again(client):
+    t = ExtensibleTensor(192 * MiB, "cpu", client=client)
+    t.resize_(128 * MiB)
+    t.release_physical()
+    other = ExtensibleTensor(192 * MiB, "cpu", client=client)
+    other.resize_(192 * MiB)  # the daemon's 256 MiB budget leaves 64 MiB
+    with pytest.raises(OutOfBudget):
+        t.recommit()
+    assert t.segment_sizes == [0]
+    other.free()
+    t.recommit()
+    assert t.segment_sizes == [128 * MiB]
 
 
 def test_kv_buffers_refuse_more_blocks_than_capacity(client):

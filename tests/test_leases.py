@@ -96,7 +96,7 @@ def test_leased_bytes_are_charged_at_grant_shown_apart_and_returned_when_the_ses
     assert status.admissible_bytes == status.budget_bytes - GRANULE - leased
     (session,) = [s for s in client.sessions() if s.session_id == worker.session_id]
     assert session.leased_bytes == leased and session.committed_bytes == GRANULE
-    shown = json.loads(hbmctl("--run-dir", str(daemon.run_dir), "--json", "status").stdout)
+    [shown] = json.loads(hbmctl("--run-dir", str(daemon.run_dir), "--json", "status").stdout)["instances"]
     assert shown["leased_bytes"] == leased and shown["budget_left_bytes"] == 256 * MiB - GRANULE - leased
     assert "LEASED" in hbmctl("--run-dir", str(daemon.run_dir), "sessions").stdout
     worker.close()

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 
 import pytest
 from hbmd.client import ExtensibleTensor, OutOfBudget
-from helpers import MiB, wait_until
+from helpers import MiB, hbmctl, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.ipc
@@ -154,3 +158,66 @@ def test_leased_bytes_are_a_metric_of_their_own_and_count_in_the_tenants(start_d
     assert value(samples, "hbmd_tenant_committed_bytes", tenant="team-a") == 2 * MiB + leased
     worker.close()
     wait_until(lambda: value(scrape(port), "hbmd_leased_bytes") == 0)
+
+
+def test_a_path_other_than_metrics_and_healthz_is_not_found(start_daemon):
+    port = free_port()
+    start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    assert "hbmd_committed_bytes" in page(port, "/metrics") and page(port, "/healthz") == "ok\n"
+    for path in ("/", "/foo", "/metrics/", "/healthz/x"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            page(port, path)
+        assert refused.value.code == 404, path
+
+
+def test_orphaned_persistent_buffers_are_counted_until_attached_again(start_daemon):
+    port = free_port()
+    daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    samples = scrape(port)
+    assert value(samples, "hbmd_orphaned_bytes") == 0 and value(samples, "hbmd_orphaned_buffers") == 0
+    with daemon.connect(lease=False) as engine:
+        ExtensibleTensor(16 * MiB, "cpu", client=engine, name="kv", persistent=True).resize_(6 * MiB)
+        ExtensibleTensor(16 * MiB, "cpu", client=engine).resize_(2 * MiB)  # anonymous: freed with its session
+        assert value(scrape(port), "hbmd_orphaned_bytes") == 0
+    wait_until(lambda: value(scrape(port), "hbmd_orphaned_bytes") == 6 * MiB)
+    assert value(scrape(port), "hbmd_orphaned_buffers") == 1
+    with daemon.connect() as engine:
+        ExtensibleTensor.attach("kv", "cpu", client=engine)
+        samples = scrape(port)
+        assert value(samples, "hbmd_orphaned_bytes") == 0 and value(samples, "hbmd_committed_bytes") == 6 * MiB
+
+
+def test_config_reloads_show_in_metrics_and_in_hbmctl_status(start_daemon, run_dir):
+    port = free_port()
+    config = run_dir / "tenants.toml"
+    config.write_text('[[tenants]]\nname = "team-a"\nmax = "64MiB"\n')
+    daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}", "--config", str(config))
+    first = scrape(port)
+    assert value(first, "hbmd_config_last_reload_successful") == 1
+    loaded = value(first, "hbmd_config_last_reload_success_timestamp_seconds")
+    assert abs(loaded - time.time()) < 60
+
+    config.write_text('[[tenants]]\nname = "team-a"\nmax = "1TiB"\nguaranteed = "1TiB"\n')  # over the budget
+    os.kill(daemon.pid, signal.SIGHUP)
+    wait_until(lambda: value(scrape(port), "hbmd_config_last_reload_successful") == 0)
+    assert value(scrape(port), "hbmd_config_last_reload_success_timestamp_seconds") == loaded
+    status = hbmctl("--run-dir", str(run_dir), "status").stdout
+    [line] = [line for line in status.splitlines() if line.strip().startswith("config:")]
+    assert str(config) in line and "was refused, the config loaded before serves on" in line and "over the budget" in line
+    [record] = json.loads(hbmctl("--run-dir", str(run_dir), "--json", "status").stdout)["instances"]
+    assert record["config_loaded_at"] == loaded and record["config_reload_failed_at"] >= loaded
+    assert "over the budget" in record["config_reload_error"]
+
+    config.write_text('[[tenants]]\nname = "team-a"\nmax = "32MiB"\n')
+    os.kill(daemon.pid, signal.SIGHUP)
+    wait_until(lambda: value(scrape(port), "hbmd_config_last_reload_successful") == 1)
+    assert value(scrape(port), "hbmd_config_last_reload_success_timestamp_seconds") >= loaded
+    [line] = [line for line in hbmctl("--run-dir", str(run_dir), "status").stdout.splitlines() if "config:" in line]
+    assert "refused" not in line
+
+
+def test_without_a_config_there_is_no_reload_to_report(start_daemon, run_dir):
+    port = free_port()
+    start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    assert not any(name.startswith("hbmd_config_") for name, _ in scrape(port))
+    assert "config:" not in hbmctl("--run-dir", str(run_dir), "status").stdout

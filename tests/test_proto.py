@@ -10,6 +10,7 @@ import pytest
 from hbmd import proto
 from hbmd.proto import codec
 from hbmd.proto.errors import ERROR_CLASSES, ErrorCode, OutOfBudget, ProtocolError
+from hbmd.proto.units import exact_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -200,3 +201,12 @@ def test_proto_imports_only_stdlib_and_msgpack():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    "n, shown",
+    [(5, "5 B"), (64 << 20, "64.0 MiB"), ((64 << 20) + 1, "64.0 MiB (67108865 B)"), (3 << 29, "1.5 GiB"),
+     (123456789, "117.7 MiB (123456789 B)")],
+)
+def test_a_size_in_a_message_is_in_human_units_and_exact_where_they_round(n, shown):
+    assert exact_bytes(n) == shown

@@ -113,7 +113,7 @@ def test_a_session_whose_client_does_not_come_back_ends_as_a_dead_one(restartabl
     with daemon.connect(observer=True) as look:
         wait_until(lambda: look.status().committed_bytes == 2 * MiB, timeout=5)
         assert [(b.name, b.session_id) for b in look.buffers()] == [("keep", 0)]  # an orphan, attachable by name
-    assert "was not resumed after the restart: ended, freed 8388608 bytes" in daemon.log()
+    assert "was not resumed after the restart: ended, freed 8.0 MiB" in daemon.log()
 
 
 def test_a_client_gives_up_once_the_daemon_is_not_back_within_its_resume_timeout(start_daemon, monkeypatch):

@@ -23,7 +23,7 @@ from fake_systemd import FakeSystemd
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, HbmdError, InvalidRequest
 from hbmd.client.transport import ControlChannel, HandleChannel
-from hbmd.daemon.main import LogFormatter
+from hbmd.daemon.logs import formatter
 from hbmd.daemon.persist import Journal
 from hbmd.daemon.server import (
     HELLO_TIMEOUT_S,
@@ -356,10 +356,12 @@ def test_a_client_name_that_could_forge_log_lines_or_terminal_output_is_refused_
     assert all(line.isprintable() for line in log.splitlines()) and "a" * 129 not in log
 
 
-def test_the_daemon_log_shows_a_message_a_peer_could_have_shaped_on_one_line_escaped():
+@pytest.mark.parametrize("log_format", ["text", "journal", "json"])
+def test_the_daemon_log_shows_a_message_a_peer_could_have_shaped_on_one_line_escaped(log_format):
     record = logging.LogRecord("hbmd", logging.INFO, __file__, 1, "session %d opened (%s)", (3, FORGED), None)
-    line = LogFormatter("%(levelname)s %(message)s").format(record)
-    assert line == r"INFO session 3 opened (eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx)"
+    line = formatter(log_format).format(record)
+    assert "\n" not in line and "\x1b" not in line and "\r" not in line
+    assert r"session 3 opened (eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx)" in line.replace(r"\\", "\\")
 
 
 def as_nobody_with_fds(limit: int) -> list[str]:

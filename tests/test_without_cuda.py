@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from hbmd.client import ExtensibleTensor
+from hbmd.driver import bindings_to_install
 from helpers import MiB
 
 pytestmark = pytest.mark.ipc
@@ -36,7 +37,7 @@ def test_auto_falls_back_to_host_memory_and_says_why(start_daemon, run_dir):
             capture_output=True, text=True, timeout=60,
         )
         assert status.returncode == 0, status.stderr
-        assert json.loads(status.stdout)["committed_bytes"] == 4 * MiB
+        assert json.loads(status.stdout)["instances"][0]["committed_bytes"] == 4 * MiB
 
 
 def test_asking_for_cuda_without_the_bindings_is_a_clear_error(run_dir):
@@ -47,3 +48,34 @@ def test_asking_for_cuda_without_the_bindings_is_a_clear_error(run_dir):
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 1 and "cuda-bindings is not installed" in out.stderr and "Traceback" not in out.stderr
+    assert bindings_to_install() in out.stderr  # the extra to install
+
+
+def test_a_gpu_client_without_the_bindings_is_told_what_to_install_and_of_the_host_instance(start_daemon, run_dir):
+    start_daemon("--budget", "64MiB")
+    code = "import sys; sys.modules['cuda'] = None\nfrom hbmd.client import connect\nconnect('cuda:0', run_dir=sys.argv[1])"
+    out = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=60)
+    message = out.stderr.strip().splitlines()[-1]
+    assert message.startswith("hbmd.driver.CudaUnavailable: cuda-bindings is not installed"), out.stderr
+    assert bindings_to_install() in message
+    assert f"an hbmd host instance serves under {run_dir}: device 'cpu' uses it" in message
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "version, advice",
+    [
+        ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (dvs-builder@U16)",
+         "pip install 'hbmd[cuda13]' (this node's driver is R580"),
+        ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024",
+         "pip install 'hbmd[cuda12]' (this node's driver is R535"),
+        ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02  Thu May  2 14:37:44 UTC 2024",
+         "driver R470 is older than any cuda-bindings hbmd takes"),
+        (None, "'hbmd[cuda13]' for R580 and newer, 'hbmd[cuda12]' for R525 and newer (no NVIDIA driver is loaded here)"),
+    ],
+)
+def test_the_extra_to_install_follows_the_nodes_driver(tmp_path, version, advice):
+    path = tmp_path / "version"
+    if version is not None:
+        path.write_text(version + "\nGCC version:  gcc version 12.3.0\n")
+    assert advice in bindings_to_install(str(path))

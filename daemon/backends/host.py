@@ -34,6 +34,7 @@ import os
 
 from hbmd.proto.errors import InternalError, OutOfDeviceMemory
 from hbmd.proto.undo import Undo
+from hbmd.proto.units import format_bytes
 
 from .. import fds
 from . import ParkableBackend
@@ -96,7 +97,7 @@ def sealed_memfd(size: int) -> int:
         except OSError as exc:
             if exc.errno in (errno.ENOMEM, errno.ENOSPC):
                 raise OutOfDeviceMemory(
-                    f"host memory exhausted backing {size} bytes: {exc.strerror}", requested=size
+                    f"host memory exhausted backing {format_bytes(size)}: {exc.strerror}", requested=size
                 ) from None
             raise
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)

@@ -21,6 +21,7 @@ from hbmd.proto import (
 )
 from hbmd.proto.errors import NotFound
 from hbmd.proto.instance import VERSION
+from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
 from ..state import Session
@@ -68,6 +69,10 @@ class AdminRequests(RequestRoom[A, C]):
             admissible_bytes=state.admissible_for(conn.session),
             held_back_bytes=backend.held_back_bytes(),
             leased_bytes=state.leased_bytes,
+            config_path=state.config_load.path,
+            config_loaded_at=state.config_load.loaded_at,
+            config_reload_failed_at=state.config_load.failed_at,
+            config_reload_error=state.config_load.error,
         )
 
     @handles(ListSessions)
@@ -92,7 +97,7 @@ class AdminRequests(RequestRoom[A, C]):
         target = self._visible_session(conn.session, msg.session_id)
         reason = f"asked by session {conn.session.session_id} (uid {conn.uid})"
         reclaim = self.state.request_reclaim(target, msg.bytes, reason)
-        log.info("asked session %d (pid %d) to release %d bytes", target.session_id, target.pid, msg.bytes)
+        log.info("asked session %d (pid %d) to release %s", target.session_id, target.pid, format_bytes(msg.bytes))
         return ReclaimSent(reclaim.reclaim_id, target.session_id, target.pid)
 
     def _visible_session(self, me: Session, session_id: int) -> Session:

@@ -32,6 +32,7 @@ from hbmd.proto import (
     Seal,
     Sealed,
 )
+from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
 from ..state import Answer, Buffer, Chunk
@@ -81,8 +82,8 @@ class BufferRequests(RequestRoom[A, C]):
         else:
             buffer = self.plane.unless_holder_exited(lambda: self.state.attach(conn.session, msg.name, uneven_ok=uneven_ok))
             log.info(
-                "session %d attached persistent buffer %r (%d bytes)",
-                conn.session.session_id, msg.name, buffer.physical_bytes,
+                "session %d attached persistent buffer %r (%s)",
+                conn.session.session_id, msg.name, format_bytes(buffer.physical_bytes),
             )
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
@@ -128,7 +129,8 @@ class BufferRequests(RequestRoom[A, C]):
         """Make a persistent buffer immutable, so sessions of its user may read it side by side."""
         buffer = self.state.seal(conn.session, msg.buffer_id)
         log.info(
-            "session %d sealed persistent buffer %r (%d bytes)", conn.session.session_id, buffer.name, buffer.physical_bytes
+            "session %d sealed persistent buffer %r (%s)", conn.session.session_id, buffer.name,
+            format_bytes(buffer.physical_bytes),
         )
         return Sealed(buffer.info())
 
@@ -140,8 +142,8 @@ class BufferRequests(RequestRoom[A, C]):
         buffer = self.state.buffer_of(conn.session, msg.buffer_id)
         freed = self.state.detach(conn.session, msg.buffer_id)
         log.info(
-            "session %d detached persistent buffer %r (%d bytes)",
-            conn.session.session_id, buffer.name, buffer.physical_bytes,
+            "session %d detached persistent buffer %r (%s)",
+            conn.session.session_id, buffer.name, format_bytes(buffer.physical_bytes),
         )
         return Detached(buffer.info(), freed)
 

@@ -59,6 +59,7 @@ from hbmd.proto.errors import (
 )
 from hbmd.proto.fdpass import receive_with_fds
 from hbmd.proto.instance import VERSION
+from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
 from ..fds import limit as fd_limit
@@ -205,7 +206,7 @@ class HandlePlane(Generic[A, C]):
             self._by_session.pop(conn.session.session_id, None)
             freed = self.state.close_session(conn.session)
             log.log(logging.DEBUG if conn.session.observer else logging.INFO,
-                    "session %d ended (%s): freed %d bytes", conn.session.session_id, why, freed)
+                    "session %d ended (%s): freed %s", conn.session.session_id, why, format_bytes(freed))
 
     def _hang_up(self, conn: HandleConnection[A, C]) -> None:
         """Close the connection and its pidfd, its session's placements read first; the session is left as it is."""
@@ -509,8 +510,8 @@ class HandlePlane(Generic[A, C]):
         gone, as a dead client's session ends (its anonymous buffers freed, its persistent ones orphaned)."""
         for session in self.state.unresumed_sessions(now, self._gone):
             freed = self.state.close_session(session)
-            log.info("session %d (pid %d) was not resumed after the restart: ended, freed %d bytes",
-                     session.session_id, session.pid, freed)
+            log.info("session %d (pid %d) was not resumed after the restart: ended, freed %s",
+                     session.session_id, session.pid, format_bytes(freed))
 
     @staticmethod
     def _gone(pid: int) -> bool:

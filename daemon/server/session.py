@@ -14,6 +14,7 @@ import logging
 from typing import Generic
 
 from hbmd.proto import Ack, LeaseRevoke, ReclaimDone, ReclaimRequest
+from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
 from ..state import State
@@ -32,8 +33,8 @@ class SessionRequests(RequestRoom[A, C]):
         """Record how much the session released for reclaim ``msg.reclaim_id``."""
         self.state.reclaim_answered(conn.session, msg.reclaim_id, msg.released_bytes)
         log.info(
-            "session %d answered reclaim %d: released %d bytes",
-            conn.session.session_id, msg.reclaim_id, msg.released_bytes,
+            "session %d answered reclaim %d: released %s",
+            conn.session.session_id, msg.reclaim_id, format_bytes(msg.released_bytes),
         )
         return Ack()
 
@@ -79,6 +80,6 @@ class SessionNotices(Generic[A, C]):
             if reclaim.outcome(now, self.state.reclaim_patience_s) == "ignored":
                 reclaim.reported = True
                 log.warning(
-                    "session %d (pid %d) has not answered reclaim request %d for %d bytes; it keeps running",
-                    conn.session.session_id, conn.pid, reclaim.reclaim_id, reclaim.requested_bytes,
+                    "session %d (pid %d) has not answered reclaim request %d for %s; it keeps running",
+                    conn.session.session_id, conn.pid, reclaim.reclaim_id, format_bytes(reclaim.requested_bytes),
                 )

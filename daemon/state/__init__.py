@@ -33,11 +33,23 @@ from .buffers import Buffers
 from .chunks import Chunks
 from .invariants import check_invariants
 from .leases import DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
-from .records import Answer, Buffer, Chunk, Limits, Reclaim, Session, Tenant, check_int
+from .records import (
+    Answer,
+    Buffer,
+    Chunk,
+    ConfigLoad,
+    Limits,
+    Reclaim,
+    Session,
+    Tenant,
+    check_int,
+)
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
 
-__all__ = ["DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "Limits", "Reclaim", "Session", "State", "Tenant"]
+__all__ = [
+    "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim", "Session", "State", "Tenant"
+]
 
 
 class State(Generic[A, C]):
@@ -62,6 +74,8 @@ class State(Generic[A, C]):
         self.buffers_room: Buffers[A, C] = Buffers(backend, self.chunks, self.budget, limits, self)
         self.leases: Leases[A, C] = Leases(backend, self.chunks, self.budget, lease_bytes, lease_idle_s)
         self.started_at = time.monotonic()
+        self.config_load = ConfigLoad()
+        """The ``--config`` file and its reloads (the daemon's command line and SIGHUP set it)."""
 
     # what the server, metrics and persistence read
 
@@ -104,6 +118,11 @@ class State(Generic[A, C]):
     @property
     def num_chunks(self) -> int:
         return self.buffers_room.num_chunks
+
+    @property
+    def orphans(self) -> list[Buffer[A, C]]:
+        """Persistent buffers no session holds: their memory stays committed until attached again or deleted."""
+        return [b for b in self.buffers.values() if b.owner is None]
 
     @property
     def workers(self) -> list[Session]:

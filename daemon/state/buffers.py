@@ -22,7 +22,7 @@ from hbmd.proto.errors import (
     VersionMismatch,
 )
 from hbmd.proto.runs import merge_runs, subtract_runs
-from hbmd.proto.units import round_up
+from hbmd.proto.units import exact_bytes, round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
@@ -401,12 +401,13 @@ class Buffers(Generic[A, C]):
                 raise InvalidRequest(f"segment {index}: size {size} is negative", field="bytes_per_segment")
             if size > capacity:
                 raise InvalidRequest(
-                    f"segment {index}: {size} bytes exceeds the segment capacity of {capacity} bytes",
+                    f"segment {index}: {exact_bytes(size)} exceeds the segment capacity of {exact_bytes(capacity)}",
                     field="bytes_per_segment",
                 )
             if size < old:
                 raise InvalidRequest(
-                    f"buffers are grow-only: segment {index} has {old} bytes committed, asked for {size}",
+                    f"buffers are grow-only: segment {index} has {exact_bytes(old)} committed, asked for "
+                    f"{exact_bytes(size)}",
                     field="bytes_per_segment",
                 )
 

@@ -29,6 +29,26 @@ def check_int(name: str, value: int, low: int, high: int) -> None:
 
 
 @dataclasses.dataclass
+class ConfigLoad:
+    """Where the config in force came from and how its last reload went, as status and metrics report it."""
+
+    path: str = ""
+    """The ``--config`` file; empty without one."""
+    loaded_at: float = 0.0
+    """Unix time the config in force was read: at start, or by the last reload that took effect."""
+    failed_at: float = 0.0
+    """Unix time of the last reload refused since then (the config in force stayed); 0 for none."""
+    error: str = ""
+    """Why that reload was refused."""
+
+    def loaded(self) -> None:
+        self.loaded_at, self.failed_at, self.error = time.time(), 0.0, ""
+
+    def failed(self, error: str) -> None:
+        self.failed_at, self.error = time.time(), error
+
+
+@dataclasses.dataclass
 class Chunk(Generic[C]):
     chunk_id: int
     offset: int

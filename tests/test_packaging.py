@@ -1,0 +1,82 @@
+"""What an install holds: a regular ``hbmd`` package with its version, type hints everywhere, and an sdist an
+operator can build and deploy from."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _clean_copy(tmp_path: Path) -> Path:
+    """The tree without earlier build output: setuptools adds what an old egg-info lists, whatever MANIFEST.in says."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
+    return tree
+
+
+def _build(tmp_path: Path, kind: str) -> Path:
+    """The sdist or wheel (``kind``) setuptools builds from a clean copy of the tree."""
+    build_meta = pytest.importorskip("setuptools.build_meta")
+    tree = _clean_copy(tmp_path)
+    here = os.getcwd()
+    os.chdir(tree)
+    try:
+        return tmp_path / getattr(build_meta, f"build_{kind}")(str(tmp_path))
+    finally:
+        os.chdir(here)
+
+
+def test_hbmd_is_a_regular_package_that_knows_its_version():
+    import hbmd
+
+    # A namespace package has no __file__, and any directory named hbmd on the path would join it.
+    assert hbmd.__file__ is not None and Path(hbmd.__file__).name == "__init__.py"
+    assert hbmd.__version__ == importlib.metadata.version("hbmd")
+
+
+def test_every_package_ships_its_type_hints():
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    for package in setuptools["packages"]:
+        directory = ROOT / setuptools["package-dir"].get(package, "")
+        if package in setuptools["package-dir"]:
+            assert "py.typed" in setuptools["package-data"][package], package
+            assert (directory / "py.typed").is_file(), package
+    assert "hbmd" in setuptools["packages"]  # PEP 561: the top package's py.typed covers the subpackages
+
+
+def test_the_sdist_carries_what_the_readme_and_the_operator_need(tmp_path):
+    with tarfile.open(_build(tmp_path, "sdist")) as sdist:
+        members = {m.name.split("/", 1)[1] for m in sdist.getmembers() if "/" in m.name}
+    for path in ("SECURITY.md", "README.md", "CHANGELOG.md", "Dockerfile", ".dockerignore", "deploy/hbmd@.service",
+                 "deploy/daemonset.py", "bench/README.md", "bench/restart_bench.py", "scripts/vllm-tier.sh",
+                 "__init__.py", "py.typed"):
+        assert path in members, path
+    assert not any(m.startswith((".venv", ".git/")) or "__pycache__" in m for m in members)
+
+
+def test_the_wheel_ships_what_a_node_needs_besides_the_code(tmp_path):
+    with zipfile.ZipFile(_build(tmp_path, "wheel")) as wheel:
+        members = set(wheel.namelist())
+    for path in ("hbmd@.service", "hbmd.sysusers.conf", "grafana-dashboard.json", "daemonset.py", "README.md"):
+        assert f"hbmd/deploy/{path}" in members, path
+    assert not any(m.startswith(("hbmd/tests/", "hbmd/bench/")) for m in members)
+
+
+def test_python_m_hbmd_deploy_says_where_the_files_are():
+    out = subprocess.run([sys.executable, "-m", "hbmd.deploy"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and (Path(out.stdout.strip()) / "hbmd@.service").is_file()
