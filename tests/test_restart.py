@@ -101,6 +101,8 @@ def test_a_persistent_buffer_freed_before_any_commit_does_not_come_back(start_da
     empty.free()
     wait_until(lambda: journaled() == [])
     client.close()
+    # Its end is journaled once the daemon has read the hang-up; a stop before that would restore it, resuming.
+    wait_until(lambda: journal.read()["sessions"] == {})
     assert first.stop() == 0
     second = start_daemon("--state-dir", str(state_dir), **systemd.relaunch())
     assert "restored: 0 sessions (resuming within 30s), 0 buffers" in second.log()
