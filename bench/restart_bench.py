@@ -211,9 +211,11 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         try:
             wait_until(lambda: client.status().num_chunks == chunks, timeout=30)
         except TimeoutError:
-            restored.append(f"{client.status().num_chunks} of {chunks} chunks back after 30 s; the daemon's log ends: "
-                            + " | ".join(daemon.log().splitlines()[-6:]))
-        kv.free()
+            restored.append(f"{client.status().num_chunks} of {chunks} chunks back after 30 s; the daemon's log: "
+                            + " | ".join(line for line in daemon.log().splitlines() if "WARNING" in line or "ERROR" in line))
+            kv = None  # the daemon does not know it: nothing to free there
+        if kv is not None:
+            kv.free()
         client.close()
         return {"chunks": chunks, "how": how, "new_daemon_serving_s": round(serving, 3),
                 "client_pause_s": round(max(gaps), 3), "calls": len(gaps), "failed_calls": calls.failures,
