@@ -265,8 +265,8 @@ def _restore_session(state: State[Any, Any], record: dict[str, Any], fds: dict[s
 def _claimed(fds: dict[str, int], names: list[str]) -> None:
     """The chunks parked under ``names`` are adopted (the backend holds copies): close the descriptors passed in.
 
-    Until then they stay in ``fds``, so that those of a session or buffer
-    that is not restored are closed and unparked with the unclaimed ones.
+    Until then they stay in ``fds``, so that those of a session that is not
+    restored are closed and unparked with the unclaimed ones.
     """
     for name in names:
         os.close(fds.pop(name))
@@ -296,9 +296,14 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
         undo.push(backend.close_arena, arena)
         names = iter(needed)
         for part, (chunk_id, offset, size) in layout:
-            handle = None if chunk_id in held else backend.adopt(arena, offset, size, fds[next(names)])
-            if handle is not None:
+            handle = None
+            if chunk_id not in held:
+                name = next(names)
+                handle = backend.adopt(arena, offset, size, fds[name])
                 undo.push(backend.release, arena, handle)
+                # The backend holds its own copy: one descriptor a chunk, not two, at any moment of a restore of
+                # thousands. Should a later chunk fail, the name is unparked with those of buffers not restored.
+                os.close(fds.pop(name))
             adopted[part].append(Chunk(chunk_id, offset, size, handle))
         capacities, sizes = _segments(record)
         state.restore_buffer(
@@ -307,7 +312,6 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
             adopted["chunks"], adopted["pending"], bool(record.get("sealed", False)),
             {int(s): int(n) for s, n in record.get("readers", [])},
         )
-    _claimed(fds, needed)
     log.info("restored buffer %d %r: %s in %d chunks", buffer_id, record["name"],
              format_bytes(sum(c.size for c in adopted["chunks"])), len(adopted["chunks"]))
 

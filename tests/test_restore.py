@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 
 import msgpack
@@ -217,3 +218,27 @@ def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_e
     assert replayed == msgpack.unpackb(msgpack.packb(buffer_record(buffer)), strict_map_key=False)
     state.close_session(session)
     persistence.sync()
+
+
+def test_a_restore_holds_one_descriptor_a_chunk_not_two(tmp_path, store):
+    # Thousands of chunks come back under an FD limit that holds them once: each passed FD closes once adopted.
+    systemd, notifier = store
+    state, persistence, session = kept_state(notifier, tmp_path / "journal")
+    state.budget.budget_bytes = 1024 * GRANULE
+    buffer = state.create_buffer(session, 800 * GRANULE, 400, "many", persistent=True)
+    state.commit(session, buffer.buffer_id, GRANULE)  # a chunk per segment: 400
+    persistence.sync()
+    wait_until(lambda: len(systemd.names()) == 400)
+    with systemd.lock:
+        passed = {name: [os.dup(fd) for fd in fds] for name, fds in systemd.store.items()}
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+    try:
+        restored = State(PipeBackend(), 1024 * GRANULE)
+        assert Persistence(restored, notifier, tmp_path / "journal").restore(passed) == (1, 1)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(restored.buffers[buffer.buffer_id].chunks) == 400
+    for state_of in (state, restored):
+        for chunk in state_of.buffers[buffer.buffer_id].chunks:
+            os.close(chunk.handle)
