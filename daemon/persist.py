@@ -51,7 +51,6 @@ from hbmd.proto.errors import HbmdError, NotFound
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes, round_up
 
-from .backends import ParkableBackend
 from .notify import SystemdNotifier
 from .state import Answer, Buffer, Chunk, Session, State, Tenant
 
@@ -178,10 +177,13 @@ def every_chunk(state: State[Any, Any]) -> Iterable[tuple[Chunk[Any], Any]]:
 
 
 def chunk_fds(state: State[Any, Any]) -> Iterable[tuple[str, int]]:
-    """A new descriptor for every chunk the state holds, by FD-store name; the caller closes each."""
-    backend: ParkableBackend[Any, Any] = state.backend  # type: ignore[assignment]  # every backend is parkable
+    """A new descriptor for every chunk the state holds, by FD-store name; the caller closes each.
+
+    Exported as for a client, not as for parking: parking keeps a copy of each FD for the chunk's first client, and
+    a handover of 10,000 chunks would then hold twice as many descriptors as it sends.
+    """
     for chunk, arena in every_chunk(state):
-        yield chunk_name(chunk.chunk_id), backend.parked_fd(arena, chunk.handle)
+        yield chunk_name(chunk.chunk_id), state.backend.export(arena, chunk.handle)
 
 
 def pack_image(image: Image) -> bytes:
