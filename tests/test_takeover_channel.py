@@ -145,7 +145,7 @@ def test_a_large_state_and_1000_fds_arrive_whole_and_the_old_daemon_may_exit(lis
         os.close(fd)
     for _, fd in chunks:
         os.close(fd)
-    assert open_count() == before
+    assert open_count() <= before  # fewer where an earlier test's client threads closed theirs meanwhile
 
 
 def test_wait_serving_is_false_when_the_new_daemon_abandons(listener, socket_path):
