@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -187,11 +188,15 @@ class CallsInALoop:
         return [b - a for a, b in zip(self._answered, self._answered[1:])]
 
 
+HOWS = ("crash", "takeover", "no keeper")
+
+
 def pause(backend: str, chunks: int, how: str) -> dict:
     """A client holding ``chunks`` chunks; the daemon crashes (or is taken over, or crashes with no keeper): the
     client's pause."""
     from hbmd.client import ExtensibleTensor
 
+    fds_before = len(os.listdir("/proc/self/fd"))  # this process keeps the stand-in's store and the client
     instance = Instance(backend, how != "no keeper", restartable=True)
     try:
         client = instance.connect(lease=False)
@@ -217,7 +222,8 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         if kv is not None:
             kv.free()
         client.close()
-        return {"chunks": chunks, "how": how, "new_daemon_serving_s": round(serving, 3),
+        return {"chunks": chunks, "how": how, "benchmark_fds_before": fds_before,
+                "new_daemon_serving_s": round(serving, 3),
                 "client_pause_s": round(max(gaps), 3), "calls": len(gaps), "failed_calls": calls.failures,
                 "log": restored[-1] if restored else ""}
     finally:
@@ -231,6 +237,7 @@ def main() -> int:
                         help="interleaved rounds of commit steps (default: 5; 0: pauses only)")
     parser.add_argument("--steps", type=int, default=200, help="2 MiB steps per round (default: 200)")
     parser.add_argument("--chunks", type=int, nargs="+", default=[10, 1000, 10000])
+    parser.add_argument("--how", nargs="+", choices=HOWS, default=list(HOWS), help="which restarts to pause for")
     parser.add_argument("--out", type=Path,
                         default=None, help="result file (default: bench/results/<backend>-<date>-restart.json)")
     args = parser.parse_args()
@@ -245,7 +252,7 @@ def main() -> int:
     print(json.dumps(result["commits"], indent=1), flush=True)
     write_json(out, result)
     for chunks in args.chunks:
-        for how in ("crash", "takeover", "no keeper"):
+        for how in args.how:
             result["pauses"].append(pause(args.backend, chunks, how))
             print(json.dumps(result["pauses"][-1]), flush=True)
             write_json(out, result)  # a run cut short keeps what it measured
