@@ -636,6 +636,9 @@ class Persistence:
                 os.close(fd)
             self.notifier.remove_fds(name)
         for chunk, arena in every_chunk(self.state):
+            # The daemon taken over may have parked it with this same service under this same name: the store
+            # keeps one descriptor a name, not one from each daemon (10,000 chunks would hold 20,000).
+            self.notifier.remove_fds(chunk_name(chunk.chunk_id))
             self.made(chunk, arena)
         self._start_journal()
 

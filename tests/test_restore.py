@@ -242,3 +242,18 @@ def test_a_restore_holds_one_descriptor_a_chunk_not_two(tmp_path, store):
     for state_of in (state, restored):
         for chunk in state_of.buffers[buffer.buffer_id].chunks:
             os.close(chunk.handle)
+
+
+def test_a_daemon_that_took_over_parks_each_chunk_once_beside_what_its_predecessor_parked(tmp_path, store):
+    systemd, notifier = store
+    state, persistence, session = kept_state(notifier, tmp_path / "journal")
+    buffer = state.create_buffer(session, 8 * GRANULE, 4)
+    state.commit(session, buffer.buffer_id, GRANULE)
+    persistence.sync()
+    wait_until(lambda: len(systemd.names()) == 4)
+    # The successor holds the same chunks (handed over) and parks them with the same service.
+    Persistence(state, notifier, tmp_path / "journal").start_afresh({})
+    time.sleep(0.2)  # what the stand-in would have received by now
+    with systemd.lock:
+        assert sorted(len(fds) for fds in systemd.store.values()) == [1, 1, 1, 1]
+    state.close_session(session)
