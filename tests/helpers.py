@@ -85,3 +85,39 @@ class GpuKvCache:
     def free(self) -> None:
         del self.view
         self.kv.free()
+
+
+class HostEngine:
+    """An engine's buffers on the host backend, as a restart test keeps them alive: a 64 MiB two-segment KV cache
+    grown in 2 MiB steps (onto leased granules where the client has a lease) with 7 and 9 written in each segment,
+    and 6 MiB of persistent weights reading 5."""
+
+    def __init__(self, client) -> None:
+        from hbmd.client import ExtensibleTensor
+
+        self.kv = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
+        for step in range(1, 5):
+            self.kv.resize_per_segment_(step * GRANULE)
+        self.weights = ExtensibleTensor(16 * MiB, "cpu", client=client, name="weights", persistent=True)
+        self.weights.resize_(6 * MiB)
+        self.weights.full_view()[: 6 * MiB] = 5
+        self.view = self.kv.full_view()
+        self.view[: 8 * MiB] = 7
+        self.view[32 * MiB : 40 * MiB] = 9
+
+    def intact(self) -> bool:
+        return (int(self.view[: 8 * MiB].float().mean()) == 7 and int(self.view[32 * MiB : 40 * MiB].float().mean()) == 9
+                and int(self.weights.full_view()[: 6 * MiB].float().mean()) == 5)
+
+    def grows_on(self) -> None:
+        """Grow the KV cache to 12 MiB a segment (24 MiB with the weights' 6 committed: 30): its data stays, and
+        what it gained takes writes."""
+        self.kv.resize_per_segment_(12 * MiB)
+        assert self.intact()
+        self.kv.full_view()[8 * MiB : 12 * MiB] = 3
+        assert int(self.kv.full_view()[8 * MiB : 12 * MiB].float().mean()) == 3
+
+    def free(self) -> None:
+        del self.view
+        self.kv.free()
+        self.weights.free()
