@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
-import dataclasses
 import weakref
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -124,7 +124,8 @@ class Client:
     Where the daemon kept nothing, the session starts over instead: a new
     one, on which this client declares again every buffer its tensors still
     map (:class:`Redeclare`), so that the new daemon counts memory still in
-    use; their tensors go on at the same addresses, under new buffer ids.
+    use; their tensors go on at the same addresses, under the buffer ids
+    they had wherever those are free.
     A buffer the daemon refuses to count makes its tensor unusable
     (:class:`TensorUnusable`; free it). Persistent buffers that no process
     maps are lost then, and anything this process had leased.
