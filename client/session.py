@@ -184,6 +184,8 @@ class Client:
         """Why the session cannot be resumed, once that is known."""
         self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
         """What maps this session's buffers here: declared again where the session starts over."""
+        self.started_over = 0
+        """How many times the session started over on a daemon that had kept nothing of it (see :meth:`_resume`)."""
         self._moved: dict[int, int] = {}
         """The new id of each buffer whose id changed when the session last started over, by its old one: a request
         built before (by another thread, say) goes to the buffer it meant."""
@@ -306,6 +308,7 @@ class Client:
             log.warning("hbmd at %s went away and came back: session %d resumed after %.2fs", self.paths.directory,
                         self.session_id, time.monotonic() - started)
             return
+        self.started_over += 1
         declared = self._declare_again()
         log.warning("hbmd at %s restarted with nothing kept: session %d started over after %.2fs, %d buffers declared "
                     "again", self.paths.directory, self.session_id, time.monotonic() - started, declared)

@@ -378,22 +378,23 @@ class ExtensibleTensor(Transactions):
             self._transaction(lambda: self._client.defragment(self.buffer_id, False), before=self._reservation.unmap_all)
             return self
         fresh: list[tuple[ChunkInfo, int]] = []
+        started_over = self._client.started_over
         try:
             with self._client.defragment(self.buffer_id, True) as delivery:
                 for chunk, fd in delivery:
                     fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
             if fresh:
-                self._move_into(fresh)
+                self._move_into(fresh, started_over)
         finally:
             for _, fd in fresh:
                 os.close(fd)
         return self
 
-    def _move_into(self, fresh: list[tuple[ChunkInfo, int]]) -> None:
+    def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int) -> None:
         """Copy the data into the new chunks, remap them in place of the old, and confirm."""
         with Undo() as undo:
             # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
-            undo.push(self._client.finish_defragment, self.buffer_id, False)
+            undo.push(self._finish_defragment, False, started_over)
             for chunk, fd in fresh:
                 self._reservation.copy_into(chunk, fd)
         # From here the new chunks hold the data: the daemon keeps them whatever happens next.
@@ -402,7 +403,17 @@ class ExtensibleTensor(Transactions):
             for chunk, fd in fresh:
                 self._reservation.map(chunk, fd, self._maps_readonly)
         finally:
-            self._set_info(self._client.finish_defragment(self.buffer_id, keep_new=True).buffer)
+            self._finish_defragment(True, started_over)
+
+    def _finish_defragment(self, keep_new: bool, started_over: int) -> None:
+        """Tell the daemon which chunks back the buffer now. Where the session started over meanwhile (its daemon
+        restarted with nothing kept), the defragment went with the old daemon and the buffer was declared again as
+        it is mapped here: there is nothing left to tell."""
+        try:
+            self._set_info(self._client.finish_defragment(self.buffer_id, keep_new).buffer)
+        except InvalidRequest:
+            if self._client.started_over == started_over:
+                raise
 
     # sharing
 
