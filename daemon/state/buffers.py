@@ -239,11 +239,11 @@ class Buffers(Generic[A, C]):
         granule = self.backend.granularity
         if len(chunks) > buffer.reserved // granule:  # refused before sorting what could be a frame of them
             raise InvalidRequest(f"more chunks than the buffer has granules ({len(chunks)})", field="chunks")
-        ends = [offset + size for offset, size in sorted(chunks)]
-        starts = [offset for offset, _ in sorted(chunks)]
-        ragged = any(offset % granule or size <= 0 or size % granule for offset, size in chunks)
-        overlapping = any(end > start for end, start in zip(ends, starts[1:]))
-        if ragged or overlapping or merge_runs((o, o + n) for o, n in chunks) != buffer.backed_runs(buffer.segment_sizes, granule):
+        ordered = sorted(chunks)
+        ragged = any(offset % granule or size <= 0 or size % granule for offset, size in ordered)
+        overlapping = any(offset + size > after for (offset, size), (after, _) in zip(ordered, ordered[1:]))
+        covered = merge_runs((offset, offset + size) for offset, size in ordered)
+        if ragged or overlapping or covered != buffer.backed_runs(buffer.segment_sizes, granule):
             raise InvalidRequest(
                 "the declared chunks must be whole granules, apart, backing exactly the segments' committed bytes",
                 field="chunks",
