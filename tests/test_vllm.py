@@ -171,7 +171,7 @@ def test_vllm_commits_no_more_than_the_daemon_admits(hbmd_cache, daemon):
     kv.free()
 
 
-@pytest.mark.parametrize("how", ["takeover", "kill"])
+@pytest.mark.parametrize("how", ["takeover", "kill", "kill with no keeper"])
 def test_vllms_kv_cache_goes_on_across_a_daemon_restart(vllm_on_hbmd, start_daemon, run_dir, systemd, monkeypatch, how):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -188,6 +188,9 @@ def test_vllms_kv_cache_goes_on_across_a_daemon_restart(vllm_on_hbmd, start_daem
     if how == "kill":
         daemon.kill()
         daemon = start_daemon(*args, **systemd.relaunch())
+    elif how == "kill with no keeper":
+        daemon.kill()
+        daemon = start_daemon("--budget", "256MiB")  # it knows nothing: the worker declares what it maps
     else:
         old = daemon
         daemon = start_daemon(*args, "--takeover", env={"NOTIFY_SOCKET": str(systemd.path)})
