@@ -123,10 +123,10 @@ def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
 
 
 def _shape(buffer: Buffer[Any, Any]) -> tuple[tuple[Any, ...], int, int]:
-    """What a buffer's record was journaled from: all but its chunks and sizes, then how many chunks and the last
-    one's id. Chunk ids are never reused, so a buffer whose first chunks are still these only gained chunks."""
-    head = (buffer.name, buffer.persistent, buffer.shareable, buffer.owner.session_id if buffer.owner else 0,
-            buffer.owner_uid, buffer.tenant.name, buffer.capacity, tuple(buffer.segment_capacities), buffer.sealed,
+    """What a buffer's record was journaled from: what of it may change besides its chunks and sizes (its layout,
+    name and user are fixed at its creation), then how many chunks and the last one's id. Chunk ids are never
+    reused, so a buffer whose first chunks are still these only gained chunks."""
+    head = (buffer.owner.session_id if buffer.owner else 0, buffer.tenant.name, buffer.sealed,
             tuple(sorted(buffer.readers.items())), tuple(c.chunk_id for c in buffer.pending))
     return head, len(buffer.chunks), buffer.chunks[-1].chunk_id if buffer.chunks else 0
 
@@ -376,8 +376,8 @@ class Journal:
                 elif kind == "b+":
                     grown = image["buffers"][value["id"]]
                     grown["sizes"] = value["sizes"]
-                    grown["chunks"] = grown["chunks"] + value["chunks"]
-                    grown["held"] = grown.get("held", []) + value["held"]
+                    grown["chunks"].extend(value["chunks"])
+                    grown.setdefault("held", []).extend(value["held"])
                 elif kind in ("-s", "-b"):
                     image["sessions" if kind == "-s" else "buffers"].pop(value, None)
                 used = unpacker.tell()
