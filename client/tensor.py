@@ -533,8 +533,8 @@ class ExtensibleTensor(Transactions):
         )
 
     def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:
-        """The new daemon counts the buffer again (``buffer``, under a new id), or refused to (``refusal``): the tensor
-        keeps its mapping, for views still in use, but goes no further."""
+        """The new daemon counts the buffer again (``buffer``, under its id where that was free), or refused to
+        (``refusal``): the tensor keeps its mapping, for views still in use, but goes no further."""
         if buffer is not None:
             self._set_info(buffer)
             return

@@ -97,7 +97,7 @@ class BufferRequests(RequestRoom[A, C]):
         )
         log.info("session %d declared again %s buffer %d%s: %d bytes its process still maps",
                  conn.session.session_id, "a read claim on" if msg.readonly else "its",
-                 buffer.buffer_id, f" {buffer.name!r}" if buffer.name else "", sum(c.size for c in msg.chunks))
+                 buffer.buffer_id, f" {buffer.name!r}" if buffer.name else "", buffer.physical_bytes)
         return BufferCreated(buffer.info())
 
     @handles(Defragment)

@@ -161,8 +161,7 @@ class Buffers(Generic[A, C]):
         """A new buffer of the session (segments as :func:`layout_segments` makes them); raises with nothing made."""
         check_observer(session)
         capacities = layout_segments(capacity, num_segments, segment_capacities)
-        if len(name) > MAX_NAME or not name.isprintable():
-            raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
+        _check_name(name)
         self._check_room_of(session.uid, len(capacities))
         if persistent:
             self._check_new_name(session.uid, name)
@@ -199,8 +198,7 @@ class Buffers(Generic[A, C]):
         self._next_id = max(self._next_id, previous_id + 1)
         capacity = sum(capacities)
         capacities = layout_segments(capacity, len(capacities), capacities)
-        if len(name) > MAX_NAME or not name.isprintable():
-            raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
+        _check_name(name)
         if (readonly or sealed) and not (persistent and sealed):
             raise InvalidRequest("only a sealed persistent buffer is read or sealed", field="sealed")
         reserved = round_up(capacity, self.backend.granularity)
@@ -228,8 +226,7 @@ class Buffers(Generic[A, C]):
         self._add(record)
         self.account(record, mapped=held)
         if readonly:
-            record.readers[session.session_id] = 1
-            session.reading[record.buffer_id] = record
+            _add_read_claim(session, record)
         else:
             session.buffers[record.buffer_id] = record
         return record
@@ -265,11 +262,9 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer.buffer_id,
             )
         if readonly:
-            buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
-            session.reading[buffer.buffer_id] = buffer
+            _add_read_claim(session, buffer)
         else:
-            buffer.owner = session
-            session.buffers[buffer.buffer_id] = buffer
+            _give_to(session, buffer)
         self.mark_changed(buffer)
         return buffer
 
@@ -501,8 +496,7 @@ class Buffers(Generic[A, C]):
         buffer = self.orphan(session.uid, name)
         _check_readable_layout(buffer, uneven_ok)
         self.check_handed_out(buffer)
-        buffer.owner = session
-        session.buffers[buffer.buffer_id] = buffer
+        _give_to(session, buffer)
         self.mark_changed(buffer)
         return buffer
 
@@ -543,8 +537,7 @@ class Buffers(Generic[A, C]):
             )
         _check_readable_layout(buffer, uneven_ok)
         self.check_handed_out(buffer)
-        buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
-        session.reading[buffer.buffer_id] = buffer
+        _add_read_claim(session, buffer)
         self.mark_changed(buffer)
         return buffer
 
@@ -595,6 +588,22 @@ class Buffers(Generic[A, C]):
             session_id=readers[0],
             readers=",".join(map(str, readers)),
         )
+
+
+def _check_name(name: str) -> None:
+    if len(name) > MAX_NAME or not name.isprintable():
+        raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
+
+
+def _give_to(session: Session, buffer: Buffer[Any, Any]) -> None:
+    """Make the session the owner of an orphan."""
+    buffer.owner = session
+    session.buffers[buffer.buffer_id] = buffer
+
+
+def _add_read_claim(session: Session, buffer: Buffer[Any, Any]) -> None:
+    buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
+    session.reading[buffer.buffer_id] = buffer
 
 
 def _check_readable_layout(buffer: Buffer[Any, Any], uneven_ok: bool) -> None:
