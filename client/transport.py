@@ -90,6 +90,9 @@ class HandleChannel:
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}", path=self.path) from None
         self._filed = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         """Written when an FD batch goes to ``_backlog``: wakes a caller waiting for the batch the listener took."""
+        self._hang_up = select.poll()
+        """Watches the socket for the daemon's hang-up; made once, as :meth:`lost` runs before every call."""
+        self._hang_up.register(self.sock, select.POLLRDHUP)
 
     def _connect(self, deadline: float) -> None:
         """Connect, waiting while the daemon's backlog is full (a Unix socket says EAGAIN then, it does not wait)."""
@@ -247,9 +250,7 @@ class HandleChannel:
         """
         if self.sock.fileno() < 0:
             return True
-        poller = select.poll()
-        poller.register(self.sock, select.POLLRDHUP)
-        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in self._hang_up.poll(0))
 
     def shut(self) -> None:
         """End the connection for both sides (the daemon ends the session); a reader waiting on it wakes."""
@@ -317,12 +318,23 @@ class ControlChannel:
         """Requests sent so far; the last one's id (ids count from 1)."""
         self._context = zmq.Context.instance()
         self._socket = self._open()
+        self._poller = self._watch()
 
     def _open(self) -> zmq.Socket:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         return sock
+
+    def _watch(self) -> zmq.Poller:
+        """What a call waits on: its reply, or the daemon hanging up on the session. Made once per socket and session,
+        not per call."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        if self.session is not None:
+            # POLLERR is how zmq reports a raw descriptor's hang-up: the daemon closed the session.
+            poller.register(self.session.sock.fileno(), zmq.POLLERR)
+        return poller
 
     def call(self, msg: Request[R], timeout: float | None = None) -> R:
         """Send ``msg`` and return its reply (of the type the request names); raise the daemon's error, or
@@ -346,18 +358,14 @@ class ControlChannel:
         request_id = request_id or self.next_request_id()
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
         deadline = time.monotonic() + timeout
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        if self.session is not None:
-            # POLLERR is how zmq reports a raw descriptor's hang-up: the daemon closed the session.
-            poller.register(self.session.sock.fileno(), zmq.POLLERR)
         while True:
             remaining = deadline - time.monotonic()
-            ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+            ready = dict(self._poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
             if self._socket not in ready:
                 # A late reply would answer the wrong call: start over on a new socket.
                 self._socket.close(linger=0)
                 self._socket = self._open()
+                self._poller = self._watch()
                 if ready:
                     raise self._lost()
                 raise DaemonUnavailable(
@@ -386,6 +394,7 @@ class ControlChannel:
         self._socket = self._open()
         self.token = token
         self.session = session
+        self._poller = self._watch()
 
     def close(self) -> None:
         self._socket.close(linger=0)
