@@ -378,7 +378,9 @@ class Server(Generic[A, C]):
         however long it takes); the rest stay queued, and the next poll returns at once for them. A stop asked
         meanwhile ends it at once."""
         ends = time.perf_counter() + CONTROL_WORK_PER_TURN_S
-        while not self._stopping:
+        # Asked before each read: a read of an empty socket raises zmq.Again, half again as dear as asking (5.6 against
+        # 3.8 µs on the 2-core CI machine), and the last read of every drain finds it empty.
+        while not self._stopping and router.get(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
