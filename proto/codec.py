@@ -113,21 +113,21 @@ def kind_class(kind: str) -> type[Message]:
 
 
 _SCALARS = frozenset({int, str, bool, float, bytes, type(None)})
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {}
 
 
 def to_wire(value: Any) -> Any:
     """Turn a message or record (recursively) into msgpack-ready values.
 
-    Every reply goes through here, so scalars return first and each record
-    type's field names are looked up once.
+    Every request and reply goes through here, so a record type's encoder
+    is built once (:func:`_record_encoder`) and found first.
     """
+    encode = _ENCODERS.get(type(value))
+    if encode is not None:
+        return encode(value)
     cls = type(value)
     if cls in _SCALARS:
         return value
-    names = _FIELD_NAMES.get(cls)
-    if names is not None:
-        return {name: to_wire(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         if all(type(v) in _SCALARS for v in value):
             return value  # sizes, ids: msgpack packs them as they are
@@ -135,9 +135,36 @@ def to_wire(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(value))
-        return to_wire(value)
+        encode = _ENCODERS[cls] = _record_encoder(cls)
+        return encode(value)
     return value
+
+
+def _record_encoder(cls: type) -> Callable[[Any], dict[str, Any]]:
+    """The encoder of a record type: its fields read in one pass, and only those whose type can hold a record
+    converted further (most are ints, strings and lists of them, which msgpack packs as they are)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    try:
+        hints = typing.get_type_hints(cls)
+    except NameError:
+        hints = {}  # a type it cannot resolve: every field is converted, as any value is
+    nested = tuple(name for name in names if not _plain(hints.get(name)))
+
+    def encode(value: Any) -> dict[str, Any]:
+        wire = {name: getattr(value, name) for name in names}
+        for name in nested:
+            wire[name] = to_wire(wire[name])
+        return wire
+
+    return encode
+
+
+def _plain(tp: Any) -> bool:
+    """Whether values of field type ``tp`` are msgpack-ready as they are: scalars, and lists, maps and unions of them."""
+    if tp in _SCALARS:
+        return True
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) in (list, dict, typing.Union, types.UnionType) and all(_plain(a) for a in args)
 
 
 def from_wire(cls: type[M], data: Any) -> M:
@@ -201,7 +228,9 @@ def _record_decoder(tp: type) -> Decoder:
     fields = [
         (
             f.name,
-            "." + f.name,
+            # Most fields are ints, strings, bools or floats: their check is made here, without a call (an int sent
+            # for a float goes to its decoder, which converts it).
+            hints[f.name] if hints[f.name] in (int, str, bool, float) else None,
             _decoder(hints[f.name]),
             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
         )
@@ -212,14 +241,21 @@ def _record_decoder(tp: type) -> Decoder:
         if not isinstance(data, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
         kwargs = {}
-        for name, suffix, decode, required in fields:
-            if name in data:
-                kwargs[name] = decode(data[name], where + suffix)
-            elif required:
-                raise ProtocolError(f"{where}: missing field {name!r}")
+        for name, exact, decode, required in fields:
+            value = data.get(name, _ABSENT)
+            if value is _ABSENT:
+                if required:
+                    raise ProtocolError(f"{where}: missing field {name!r}")
+            elif type(value) is exact:
+                kwargs[name] = value
+            else:
+                kwargs[name] = decode(value, f"{where}.{name}")
         return tp(**kwargs)
 
     return record
+
+
+_ABSENT = object()
 
 
 def _union_decoder(tp: Any) -> Decoder:
