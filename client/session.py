@@ -161,13 +161,14 @@ class Client:
             tenant = os.environ.get(TENANT_ENV, "")
         self._pid = os.getpid()
         self._hello = Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
-                            lease and not observer)
+                            lease and not observer, replies_with_fds=True)
         """The hello of a new session: sent again where the session must start over."""
         with Undo() as undo:
             self._handles = HandleChannel(paths, timeout)
             undo.push(self._handles.close)
             self.welcome = self._handles.handshake(self._hello)
-            self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles)
+            self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles,
+                                           replies_with_fds=_replies_with_fds(self.welcome))
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
         self.closed = False
@@ -294,7 +295,7 @@ class Client:
         started = time.monotonic()
         handles, welcome, anew = self._reconnect(deadline)
         old, self._handles = self._handles, handles
-        self._control.resume(welcome.token, handles)
+        self._control.resume(welcome.token, handles, _replies_with_fds(welcome))
         self.welcome = welcome
         self._credential = welcome.resume_credential
         old.drain()  # grants that came before the daemon went, with their FDs
@@ -351,7 +352,7 @@ class Client:
         """A handle channel to the daemon serving again, its welcome back, and whether that welcomes a new session
         (the daemon kept nothing); waits for it until ``deadline``."""
         hello = Hello(list(PROTOCOL_VERSION), self._pid, resume_session=self.session_id,
-                      resume_credential=self._credential)
+                      resume_credential=self._credential, replies_with_fds=True)
         while True:
             try:
                 handles = HandleChannel(self.paths, max(0.1, min(self.timeout, deadline - time.monotonic())))
@@ -715,6 +716,11 @@ def _listen(client_ref: "weakref.ref[Client]", handles: HandleChannel) -> None:
     gone = client is not None and not client.closed and client._handles is handles and client._credential
     if gone and not client.resumed() and not client.closed:
         log.warning("%s", client._lost)
+
+
+def _replies_with_fds(welcome: Welcome) -> bool:
+    """Whether the daemon of this welcome sends a commit's reply with its FDs, as every hello of this client asks."""
+    return tuple(welcome.version) >= (1, 6)
 
 
 def _alive(client_ref: "weakref.ref[Client]") -> Client:
