@@ -94,8 +94,8 @@ class HandleChannel:
         """Written when an FD batch goes to ``_backlog``: wakes a caller waiting for the batch the listener took."""
         self._listener_may_read = threading.Event()
         """Cleared while a caller waits for its datagrams (a reply, FDs) and reads them itself: the listener, woken by
-        the same datagram, leaves it to the caller instead of racing it for the socket and the GIL, and wakes the
-        caller through ``_filed`` (a second wake-up, after the first)."""
+        the same datagram, leaves it to the caller. Were it to read it first, it would hold the socket's lock and the
+        GIL meanwhile, then wake the caller a second time, through ``_filed``."""
         self._listener_may_read.set()
         self._hang_up = select.poll()
         """Watches the socket for the daemon's hang-up; made once, as :meth:`lost` runs before every call."""
