@@ -13,14 +13,13 @@ with :class:`SessionLost` instead of waiting out its timeout.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import queue
 import select
 import socket
 import threading
 import time
-from typing import Iterator, TypeVar
+from typing import TypeVar
 
 import zmq
 from hbmd.proto import (
@@ -92,11 +91,6 @@ class HandleChannel:
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}", path=self.path) from None
         self._filed = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         """Written when an FD batch goes to ``_backlog``: wakes a caller waiting for the batch the listener took."""
-        self._listener_may_read = threading.Event()
-        """Cleared while a caller waits for its datagrams (a reply, FDs) and reads them itself: the listener, woken by
-        the same datagram, leaves it to the caller. Were it to read it first, it would hold the socket's lock and the
-        GIL meanwhile, then wake the caller a second time, through ``_filed``."""
-        self._listener_may_read.set()
         self._hang_up = select.poll()
         """Watches the socket for the daemon's hang-up; made once, as :meth:`lost` runs before every call."""
         self._hang_up.register(self.sock, select.POLLRDHUP)
@@ -172,32 +166,19 @@ class HandleChannel:
         :class:`DaemonUnavailable` past ``deadline``, :class:`SessionLost`
         once the daemon has closed the session.
         """
-        with self.reading_here():
-            while True:
-                with self._lock:
-                    batch = self._take_batch(request_id)
-                    if batch is not None:
-                        return batch
-                    read = self._read_and_file()
-                if read:
-                    continue
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DaemonUnavailable(
-                        f"hbmd at {self.path} sent no chunk FDs within {self.timeout:.1f}s", path=self.path
-                    )
-                # Readable socket: a datagram to read; readable _filed: the listener read and filed a batch first.
-                select.select([self.sock, self._filed], [], [], remaining)
-
-    @contextlib.contextmanager
-    def reading_here(self) -> Iterator[None]:
-        """While a caller waits for datagrams it reads itself: the listener stays off the socket (one caller at a
-        time: the client's lock is held for the call)."""
-        self._listener_may_read.clear()
-        try:
-            yield
-        finally:
-            self._listener_may_read.set()
+        while True:
+            with self._lock:
+                batch = self._take_batch(request_id)
+                if batch is not None:
+                    return batch
+                read = self._read_and_file()
+            if read:
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DaemonUnavailable(f"hbmd at {self.path} sent no chunk FDs within {self.timeout:.1f}s", path=self.path)
+            # Readable socket: a datagram to read; readable _filed: the listener read and filed a batch first.
+            select.select([self.sock, self._filed], [], [], remaining)
 
     def _take_batch(self, request_id: int) -> tuple[FdBatch, list[int]] | None:
         """The first filed batch of ``request_id``, the lock held; those of earlier requests are dropped."""
@@ -241,10 +222,6 @@ class HandleChannel:
         except (OSError, ValueError):
             return False
         if not readable:
-            return True
-        if not self._listener_may_read.is_set():
-            # A caller reads it: wait for the call to end, then serve what it filed meanwhile (grants, revokes).
-            self._listener_may_read.wait(timeout)
             return True
         with self._lock:
             return self._file_next() is not False  # None: the other reader took it
@@ -423,16 +400,8 @@ class ControlChannel:
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
         deadline = time.monotonic() + timeout
         with_fds = self.replies_with_fds and msg.Reply is Committed
-        if not with_fds:
-            return self._wait(msg, timeout, request_id, deadline, with_fds=False)
-        with self.session.reading_here():
-            return self._wait(msg, timeout, request_id, deadline, with_fds=True)
-
-    def _wait(self, msg: Request[R], timeout: float, request_id: int, deadline: float, with_fds: bool) -> tuple[R, int]:
-        """Wait for the reply to ``request_id`` until ``deadline``: on the control socket, or, ``with_fds``, riding
-        with its FDs on the handle socket."""
+        poller = self._poller_with_fds if with_fds else self._poller
         while True:
-            poller = self._poller_with_fds if with_fds else self._poller
             remaining = deadline - time.monotonic()
             ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
             if with_fds and ready and self._socket not in ready:
