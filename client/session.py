@@ -168,7 +168,7 @@ class Client:
             undo.push(self._handles.close)
             self.welcome = self._handles.handshake(self._hello)
             self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles,
-                                           replies_with_fds=_replies_with_fds(self.welcome))
+                                           replies_with_fds=_replies_with_fds(self._hello, self.welcome))
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
         self.closed = False
@@ -295,7 +295,7 @@ class Client:
         started = time.monotonic()
         handles, welcome, anew = self._reconnect(deadline)
         old, self._handles = self._handles, handles
-        self._control.resume(welcome.token, handles, _replies_with_fds(welcome))
+        self._control.resume(welcome.token, handles, _replies_with_fds(self._hello, welcome))
         self.welcome = welcome
         self._credential = welcome.resume_credential
         old.drain()  # grants that came before the daemon went, with their FDs
@@ -718,9 +718,10 @@ def _listen(client_ref: "weakref.ref[Client]", handles: HandleChannel) -> None:
         log.warning("%s", client._lost)
 
 
-def _replies_with_fds(welcome: Welcome) -> bool:
-    """Whether the daemon of this welcome sends a commit's reply with its FDs, as every hello of this client asks."""
-    return tuple(welcome.version) >= (1, 6)
+def _replies_with_fds(hello: Hello, welcome: Welcome) -> bool:
+    """Whether a commit's reply rides with its FDs: the client's hellos ask for it, and the daemon of this welcome
+    knows to (1.6)."""
+    return hello.replies_with_fds and tuple(welcome.version) >= (1, 6)
 
 
 def _alive(client_ref: "weakref.ref[Client]") -> Client:
