@@ -150,7 +150,7 @@ def _record_encoder(cls: type) -> Callable[[Any], dict[str, Any]]:
     except NameError:
         hints = {}  # a type it cannot resolve: every field is converted, as any value is
     nested = tuple(name for name in names if not _plain(hints.get(name)))
-    by_dict = not hasattr(cls, "__slots__")
+    by_dict = "__slots__" not in vars(cls)  # its own: typing.Generic, a request's base, declares empty ones
 
     def encode(value: Any) -> dict[str, Any]:
         # A dataclass's __init__ sets its fields, in order, and nothing else: a copy of its __dict__ is the map, ten
@@ -239,27 +239,45 @@ def _record_decoder(tp: type) -> Decoder:
             # for a float goes to its decoder, which converts it).
             hints[f.name] if hints[f.name] in (int, str, bool, float) else None,
             _decoder(hints[f.name]),
-            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            _default_of(f),
         )
         for f in dataclasses.fields(tp)
     ]
+    # The values go straight into a new instance's __dict__, in field order, as the frozen dataclass's __init__ would
+    # set them one object.__setattr__ at a time (a third of a status reply's decoding); no message has a __post_init__.
+    if "__slots__" in vars(tp) or hasattr(tp, "__post_init__"):
+        raise TypeError(f"{tp.__name__}: a wire record has no __slots__ and no __post_init__")
+    new = object.__new__
 
     def record(data: Any, where: str) -> Any:
         if not isinstance(data, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
-        kwargs = {}
-        for name, exact, decode, required in fields:
+        values = {}
+        for name, exact, decode, default in fields:
             value = data.get(name, _ABSENT)
             if value is _ABSENT:
-                if required:
+                if default is None:
                     raise ProtocolError(f"{where}: missing field {name!r}")
+                values[name] = default()
             elif type(value) is exact:
-                kwargs[name] = value
+                values[name] = value
             else:
-                kwargs[name] = decode(value, f"{where}.{name}")
-        return tp(**kwargs)
+                values[name] = decode(value, f"{where}.{name}")
+        instance = new(tp)
+        instance.__dict__.update(values)
+        return instance
 
     return record
+
+
+def _default_of(field: dataclasses.Field) -> Callable[[], Any] | None:
+    """What makes a field's default (a fresh one each time, for a factory's); None for a required field."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory
+    if field.default is not dataclasses.MISSING:
+        default = field.default
+        return lambda: default
+    return None
 
 
 _ABSENT = object()
