@@ -520,7 +520,7 @@ class Client:
             try:
                 reply, request_id = self._call_with_id(msg)
             except OutOfBudget:
-                if self._lease is None or not self._lease.give_back():
+                if self._lease is None or not self._give_back_lease():
                     raise
                 reply, request_id = self._call_with_id(msg)
             if self._closer is None:
@@ -528,6 +528,19 @@ class Client:
             return Delivery(reply, request_id, self._handles, self._closer, self.timeout, self._lock)
 
     # leases
+
+    def _give_back_lease(self) -> int:
+        """Give every leased granule back, those granted and not imported yet too; how many went.
+
+        A call that waits for a reply riding with FDs reads the handle socket
+        itself and files the grants that come meanwhile for the listener to
+        import: left there, they would come into the lease after it was given
+        back, and stay leased to a session that was just refused for want of
+        room.
+        """
+        self._handles.drain()
+        self._lease.serve(self._handles.grants, self._handles.revokes)
+        return self._lease.give_back()
 
     def take_lease(self, count: int) -> list[LeasedGranule] | None:
         """``count`` leased granules, imported and ready to map; None where the lease holds fewer, is off, or the
