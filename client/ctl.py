@@ -337,6 +337,23 @@ def cmd_buffers(client: Client, args: argparse.Namespace) -> Output:
     return Output({"buffers": buffers}, "", BUFFER_COLUMNS, buffers, "no buffers")
 
 
+WEIGHTS_COLUMNS = [
+    _plain_column("NAME", "name"),
+    Column("SIZE", lambda r: format_bytes(r["physical_bytes"]), lambda r: r["physical_bytes"]),
+    _plain_column("READERS", "readers"),
+    Column("HELD-BY", lambda r: f"session {r['session_id']}" if r["session_id"] else "nobody (orphan)",
+           lambda r: r["session_id"]),
+    _plain_column("BUFFER", "buffer_id"),
+    _plain_column("OWNER", "owner_uid", wide=True),
+]
+
+
+def cmd_weights(client: Client, args: argparse.Namespace) -> Output:
+    """Sealed buffers: the models resident on the device, each read by its engines from one copy."""
+    weights = [_as_dict(b) for b in client.buffers() if b.sealed]
+    return Output({"weights": weights}, "", WEIGHTS_COLUMNS, weights, "no sealed weights")
+
+
 def cmd_delete(client: Client, args: argparse.Namespace) -> Output:
     freed = client.delete(args.name, args.uid)
     owner = f" of uid {args.uid}" if args.uid != -1 else ""
@@ -435,6 +452,8 @@ COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], Output] | None,
                "hbmctl status"),
     "sessions": (cmd_sessions, "connected worker sessions and what each holds", "hbmctl sessions --json"),
     "buffers": (cmd_buffers, "buffers with their segments, committed bytes and chunk counts", "hbmctl buffers --session 3"),
+    "weights": (cmd_weights, "sealed weights resident on the device: size, readers and key (vLLM's in the name)",
+                "hbmctl weights"),
     "delete": (cmd_delete, "delete an orphaned persistent buffer by name (yours; an admin names another user's with --uid)",
                "hbmctl delete --uid 1000 kv-cache-layer0"),
     "reclaim": (cmd_reclaim, "ask a session to give memory back; its engine decides what to release",

@@ -71,6 +71,34 @@ def store_weights(
     ``name`` exists; on any failure nothing is left behind. A process killed
     before the seal leaves an unsealed buffer, which no reader can attach.
     """
+    plan = _plan(state_dict, meta)
+    with Undo() as undo:
+        buffer = ExtensibleTensor(plan.size, device, client=client, name=name, persistent=True)
+        undo.push(buffer.free)
+        _write(buffer, plan)
+    return buffer
+
+
+def write_weights(buffer: ExtensibleTensor, state_dict: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> None:
+    """:func:`store_weights` into ``buffer``, an empty persistent buffer of this session made beforehand (to claim its
+    name before the tensors exist, say) with room for them; ``ValueError`` when it has too little."""
+    plan = _plan(state_dict, meta)
+    if plan.size > buffer.max_num_bytes:
+        raise ValueError(f"weights of {plan.size} bytes do not fit buffer {buffer.name!r} of {buffer.max_num_bytes}")
+    _write(buffer, plan)
+
+
+@dataclass
+class _Plan:
+    """Where each tensor goes in a weights buffer, and the header that says so."""
+
+    header: bytes
+    data_start: int
+    tensors: list[tuple[dict[str, Any], Any]]
+    size: int
+
+
+def _plan(state_dict: Mapping[str, Any], meta: Mapping[str, Any] | None) -> _Plan:
     import torch
 
     tensors: list[tuple[dict[str, Any], Any]] = []
@@ -96,19 +124,20 @@ def store_weights(
     manifest = json.dumps(contents).encode()
     header = HEADER.pack(MAGIC, len(manifest)) + manifest
     data_start = round_up(len(header), ALIGNMENT)
+    return _Plan(header, data_start, tensors, data_start + end)
 
-    with Undo() as undo:
-        buffer = ExtensibleTensor(data_start + end, device, client=client, name=name, persistent=True)
-        undo.push(buffer.free)
-        buffer.resize_(data_start + end)
-        view = buffer.full_view()
-        view[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        for entry, tensor in tensors:
-            if entry["nbytes"]:
-                start = data_start + entry["offset"]
-                view[start : start + entry["nbytes"]].copy_(_memory_order(tensor.detach()).view(torch.uint8))
-        buffer.seal()
-    return buffer
+
+def _write(buffer: ExtensibleTensor, plan: _Plan) -> None:
+    import torch
+
+    buffer.resize_(plan.size)
+    view = buffer.full_view()
+    view[: len(plan.header)].copy_(torch.frombuffer(bytearray(plan.header), dtype=torch.uint8))
+    for entry, tensor in plan.tensors:
+        if entry["nbytes"]:
+            start = plan.data_start + entry["offset"]
+            view[start : start + entry["nbytes"]].copy_(_memory_order(tensor.detach()).view(torch.uint8))
+    buffer.seal()
 
 
 def load_weights(name: str, device: Any, client: Client | None = None) -> dict[str, Any]:

@@ -9,7 +9,9 @@ up (``vllm.v1.worker.extensible_kv_cache.ExtensibleTensor``) at
 :class:`VllmExtensibleTensor`, hbmd's class with vLLM's interface, and caps
 each commit by what the daemon would admit for this worker. No vLLM code is
 copied or changed; sleep mode's ``release_physical``/``recommit`` return the
-pages to the daemon and take fresh ones.
+pages to the daemon and take fresh ones. It also registers the model loader
+``--load-format hbmd`` (:mod:`hbmd.integrations.vllm_weights`): weights
+loaded once per GPU into a sealed buffer, mapped by every later engine.
 
 Buffers are named ``vllm-<engine>-rank<R>`` (``HBMD_VLLM_ENGINE``, default
 the pid; the rank from ``RANK``/``LOCAL_RANK``), so ``hbmctl buffers`` shows
@@ -27,7 +29,8 @@ from typing import Any
 
 from hbmd.client.tensor import ExtensibleTensor
 
-log = logging.getLogger("hbmd.vllm")
+# Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
+log = logging.getLogger("vllm.hbmd")
 
 OPT_IN = "HBMD_VLLM"
 SUPPORTED = ((0, 34),)
@@ -122,4 +125,10 @@ def register() -> None:
     extensible_kv_cache.ExtensibleTensor = VllmExtensibleTensor
     cache = extensible_kv_cache.ExtensibleKVCache
     cache.commit = capped_commit(cache.commit)
-    log.info("vLLM %s: the extensible KV cache allocates through hbmd", vllm.__version__)
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from .vllm_weights import LOAD_FORMAT, HbmdModelLoader
+
+    register_model_loader(LOAD_FORMAT)(HbmdModelLoader)
+    log.info("vLLM %s: the extensible KV cache allocates through hbmd, and --load-format %s maps weights from it",
+             vllm.__version__, LOAD_FORMAT)
