@@ -70,6 +70,7 @@ from vllm.model_executor.model_loader.weight_cache.utils import (
 from hbmd.client import Client, Conflict, HbmdError, NotFound, default_client
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.client.weights import Weights, open_weights, write_weights
+from hbmd.proto.buffers import BufferInfo
 from hbmd.proto.units import format_bytes
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
@@ -202,7 +203,7 @@ class HbmdModelLoader(IpcModelLoader):
         deadline = time.monotonic() + self.wait_s
         waited = False
         while True:
-            info = next((b for b in client.buffers() if b.name == name), None)
+            info = _named(client, name)
             if info is None:
                 model = self._store(vllm_config, model_config, prefix, key, name, device, client)
                 if model is not None:
@@ -353,7 +354,8 @@ class HbmdModelLoader(IpcModelLoader):
             key = self._key(vllm_config, model_config)
             name = weights_name(key)
             client = default_client(self._device(vllm_config))
-            size = next((b.physical_bytes for b in client.buffers() if b.name == name and b.sealed), 0)
+            info = _named(client, name)
+            size = info.physical_bytes if info is not None and info.sealed else 0
         except Exception as exc:
             if not self.fallback:
                 raise
@@ -367,6 +369,16 @@ class HbmdModelLoader(IpcModelLoader):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
+
+
+def _named(client: Client, name: str) -> BufferInfo | None:
+    """This user's persistent buffer ``name`` (an admin's list holds every user's, and names are per user).
+
+    The uid is the one the daemon sees, from this session's record: in
+    another user namespace it is not ``os.getuid()``.
+    """
+    uid = next(s.uid for s in client.sessions() if s.session_id == client.session_id)
+    return next((b for b in client.buffers() if b.name == name and b.persistent and b.owner_uid == uid), None)
 
 
 def _forget(model: nn.Module, vllm_config: VllmConfig) -> None:
