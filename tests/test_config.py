@@ -140,7 +140,7 @@ def test_a_guaranteed_tenant_hitting_driver_oom_asks_borrowers_to_reclaim(state,
     commit(state, borrower, 100 * MiB)
     b = state.open_session(7, 1000, 1000, "", "b")
 
-    def out_of_memory(arena, offset, size):
+    def out_of_memory(arena, offset, size, tier):
         raise OutOfDeviceMemory("device full", requested=size)
 
     monkeypatch.setattr(state.backend, "create", out_of_memory)

@@ -44,11 +44,11 @@ class FailingHostBackend(HostBackend):
         self.arenas -= 1
         super().close_arena(arena)
 
-    def create(self, arena, offset, size):
+    def create(self, arena, offset, size, tier="device"):
         self.calls += 1
         if self.calls == self.fail_at:
             raise OutOfDeviceMemory("injected failure")
-        chunk = super().create(arena, offset, size)
+        chunk = super().create(arena, offset, size, tier)
         self.live += 1
         return chunk
 

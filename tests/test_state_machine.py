@@ -42,6 +42,7 @@ class FlakyBackend:
     name = "flaky"
     instance = "test"
     granularity = GRANULE
+    host_piece = 4 * GRANULE
     total_bytes = 64 * GRANULE
     device_uuid = ""
     device_index = -1
@@ -59,7 +60,7 @@ class FlakyBackend:
         self.arenas.add(arena)
         return arena
 
-    def create(self, arena: int, offset: int, size: int) -> int:
+    def create(self, arena: int, offset: int, size: int, tier: str = "device") -> int:
         if self.fail_create_in is not None:
             if self.fail_create_in == 0:
                 self.fail_create_in = None
@@ -90,8 +91,11 @@ class FlakyBackend:
     def held_back_bytes(self) -> int:
         return 0
 
-    def idle(self) -> bool:
+    def idle(self, host_room: int) -> bool:
         return False
+
+    def host_pool_bytes(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass

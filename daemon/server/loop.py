@@ -357,9 +357,9 @@ class Server(Generic[A, C]):
             raise BooksUnbalanced(str(exc)) from exc
 
     def _idle(self) -> bool:
-        """One step of the backend's background work (the warm pool); False when done or failing."""
+        """One step of the backend's background work (the warm pool, the host pool); False when done or failing."""
         try:
-            return self.state.backend.idle()
+            return self.state.idle()
         except (HbmdError, OSError) as exc:
             log.debug("background work paused: %s", exc)
             return False

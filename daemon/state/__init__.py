@@ -64,11 +64,13 @@ class State(Generic[A, C]):
         limits: Limits = Limits(),
         lease_bytes: int = DEFAULT_LEASE_BYTES,
         lease_idle_s: float = LEASE_IDLE_S,
+        host_budget_bytes: int = 0,
     ) -> None:
-        """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`."""
+        """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`;
+        ``host_budget_bytes``: the most the host tier holds (0: no host tier)."""
         self.backend = backend
         self.limits = limits
-        self.budget = Tenants(budget_bytes, config or Config())
+        self.budget = Tenants(budget_bytes, config or Config(), host_budget_bytes)
         self.chunks: Chunks[A, C] = Chunks(backend)
         self.sessions_room = Sessions(limits, reclaim_patience_s)
         self.buffers_room: Buffers[A, C] = Buffers(backend, self.chunks, self.budget, limits, self)
@@ -110,6 +112,14 @@ class State(Generic[A, C]):
     @property
     def leased_bytes(self) -> int:
         return self.budget.leased_bytes
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return self.budget.host_budget_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.budget.host_bytes
 
     @property
     def reserved_bytes(self) -> int:
@@ -264,6 +274,14 @@ class State(Generic[A, C]):
     def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
         return self.buffers_room.finish_defragment(session, buffer_id, keep_new)
 
+    def move(self, session: Session, buffer_id: int, tier: str) -> list[Chunk[C]]:
+        """Demote the buffer to the host tier or promote it back; see :meth:`Buffers.move`."""
+        return self.buffers_room.move(session, buffer_id, tier)
+
+    def idle(self) -> bool:
+        """A step of the backend's background work, its host pool kept within the host budget's room."""
+        return self.backend.idle(self.budget.host_room())
+
     def release(self, session: Session, buffer_id: int) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""
         return self.buffers_room.release_all(self.buffers_room.changeable(session, buffer_id))
@@ -334,7 +352,7 @@ class State(Generic[A, C]):
         The granules must be exactly the ones the growth needs, each a chunk
         of the session's lease; otherwise nothing changes.
         """
-        buffer = self.buffers_room.changeable(session, buffer_id)
+        buffer = self.buffers_room.growable(session, buffer_id)
         self.leases.check_placement(session, buffer, sizes, chunk_ids, offsets)
         runs = self.buffers_room.growth(buffer, sizes)
         self.buffers_room.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))

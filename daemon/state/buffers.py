@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol
 
-from hbmd.proto import MAX_SEGMENTS
+from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, TIERS
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -92,11 +92,16 @@ class Buffers(Generic[A, C]):
 
     # the books
 
-    def account(self, buffer: Buffer[A, C], mapped: int = 0, pending: int = 0) -> None:
-        """A buffer's mapped and pending chunks changed by these bytes: its record, its tenant's, the totals."""
+    def account(self, buffer: Buffer[A, C], mapped: int = 0, pending: int = 0, tier: str = TIER_DEVICE) -> None:
+        """A buffer's mapped and pending chunks in ``tier`` changed by these bytes: its record, its tenant's, the
+        totals (the device budget's, or the host tier's)."""
         buffer.physical_bytes += mapped
         buffer.pending_bytes += pending
-        self.tenants.charge(buffer.tenant, committed=mapped + pending)
+        if tier == TIER_HOST:
+            buffer.host_bytes += mapped + pending
+            self.tenants.charge(buffer.tenant, host=mapped + pending)
+        else:
+            self.tenants.charge(buffer.tenant, committed=mapped + pending)
         self.mark_changed(buffer)
 
     def mark_changed(self, buffer: Buffer[A, C]) -> None:
@@ -132,7 +137,17 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer_id,
             )
         if buffer.pending:
-            raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
+            raise Conflict(f"buffer {buffer_id} is being defragmented or moved", buffer_id=buffer_id)
+        return buffer
+
+    def growable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """The session's buffer, to grow or defragment: refused, besides as :meth:`changeable` refuses, while demoted."""
+        buffer = self.changeable(session, buffer_id)
+        if buffer.demoted:
+            raise Conflict(
+                f"buffer {buffer_id} is demoted to the host tier: promote it before growing or defragmenting it",
+                buffer_id=buffer_id,
+            )
         return buffer
 
     def named(self, uid: int, name: str) -> Buffer[A, C]:
@@ -306,22 +321,25 @@ class Buffers(Generic[A, C]):
     def adopt(self, buffer: Buffer[A, C]) -> None:
         """Bring back a buffer after a restart, its chunks not counted yet; they count whatever the budget."""
         self._add(buffer)
-        self.account(buffer, mapped=sum(c.size for c in buffer.chunks), pending=sum(c.size for c in buffer.pending))
+        self.account(buffer, mapped=sum(c.size for c in buffer.chunks), tier=buffer.tier)
+        self.account(buffer, pending=sum(c.size for c in buffer.pending), tier=buffer.pending_tier)
         self._next_id = max(self._next_id, buffer.buffer_id + 1)
         self.chunks.adopted(buffer.chunks + buffer.pending)
 
     def drop_mapped(self, buffer: Buffer[A, C]) -> int:
         """Release the buffer's (mapped) chunks; returns their bytes."""
+        tier = buffer.tier
         freed = self.chunks.release_all(buffer.chunks, buffer.arena)
         buffer.chunks = []
-        self.account(buffer, mapped=-freed)
+        self.account(buffer, mapped=-freed, tier=tier)
         return freed
 
     def drop_pending(self, buffer: Buffer[A, C]) -> int:
-        """Release the chunks of an unfinished preserving defragment; returns their bytes."""
+        """Release the chunks of an unfinished preserving defragment or move; returns their bytes."""
+        tier = buffer.pending_tier
         freed = self.chunks.release_all(buffer.pending, buffer.arena)
         buffer.pending = []
-        self.account(buffer, pending=-freed)
+        self.account(buffer, pending=-freed, tier=tier)
         return freed
 
     def release_all(self, buffer: Buffer[A, C]) -> int:
@@ -424,7 +442,7 @@ class Buffers(Generic[A, C]):
         One chunk per maximal run of uncommitted granules, in offset order.
         The whole growth fits the budget or nothing is allocated.
         """
-        buffer = self.changeable(session, buffer_id)
+        buffer = self.growable(session, buffer_id)
         if isinstance(sizes, int):
             sizes = [sizes] * buffer.num_segments
         created = self.make_runs(buffer, self.growth(buffer, sizes), "commit")
@@ -458,7 +476,7 @@ class Buffers(Generic[A, C]):
         defragment returns ``[]``, a discarding one the chunks as they are
         (the caller unmapped them and maps them again).
         """
-        buffer = self.changeable(session, buffer_id)
+        buffer = self.growable(session, buffer_id)
         runs = buffer.backed_runs(buffer.segment_sizes, self.backend.granularity)
         if len(buffer.chunks) == len(runs) and (preserve or not buffer.held_elsewhere):
             return [] if preserve else buffer.chunks
@@ -472,16 +490,50 @@ class Buffers(Generic[A, C]):
         return buffer.chunks
 
     def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
-        """Swap in the pending chunks (``keep_new``) or drop them; returns the bytes freed."""
+        """Swap in the pending chunks of a defragment or a move (``keep_new``) or drop them; returns the bytes freed."""
         buffer = self.of(session, buffer_id)
         if not buffer.pending:
-            raise InvalidRequest(f"buffer {buffer_id} has no defragment in progress", buffer_id=buffer_id)
+            raise InvalidRequest(f"buffer {buffer_id} has no defragment or move in progress", buffer_id=buffer_id)
         if not keep_new:
             return self.drop_pending(buffer)
         freed = self.drop_mapped(buffer)
+        tier = buffer.pending_tier
         buffer.chunks, buffer.pending = buffer.pending, []
-        self.account(buffer, mapped=buffer.pending_bytes, pending=-buffer.pending_bytes)
+        self.account(buffer, mapped=buffer.pending_bytes, pending=-buffer.pending_bytes, tier=tier)
         return freed
+
+    def move(self, session: Session, buffer_id: int, tier: str) -> list[Chunk[C]]:
+        """Make chunks in ``tier`` for the buffer's committed bytes, pending beside the old ones; returns them.
+
+        As a preserving defragment: both are charged until
+        :meth:`finish_defragment` (the old tier's budget and the new one's),
+        so a client that dies mid-way loses nothing. To the host tier the
+        host budget admits them; back to the device, the device budget (and
+        pressure on others where it refuses). A buffer already in ``tier``,
+        or with nothing committed, returns ``[]``. A sealed buffer is mapped
+        by its readers as well, whose mappings would keep the old chunks: it
+        does not move.
+        """
+        if tier not in TIERS:
+            raise InvalidRequest(f"tier {tier[:32]!r} is not one of {', '.join(TIERS)}", field="tier")
+        buffer = self.of(session, buffer_id)
+        if buffer.sealed:
+            raise InvalidRequest(
+                f"buffer {buffer_id} ({buffer.name!r}) is sealed: its readers map its chunks too, so it stays where "
+                "it is",
+                buffer_id=buffer_id,
+            )
+        buffer = self.changeable(session, buffer_id)
+        if buffer.tier == tier or not buffer.chunks:
+            return []
+        runs = buffer.backed_runs(buffer.segment_sizes, self.backend.granularity)
+        if tier == TIER_HOST:
+            self.tenants.admit_host(sum(end - start for start, end in runs), "demote")
+            buffer.pending = self.chunks.make_runs(buffer.arena, runs, TIER_HOST)
+        else:
+            buffer.pending = self.make_runs(buffer, runs, "promote (the host copy stays until the move is done)")
+        self.account(buffer, pending=sum(c.size for c in buffer.pending), tier=tier)
+        return buffer.pending
 
     # persistent buffers: attach, seal, readers
 
