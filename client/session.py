@@ -32,6 +32,7 @@ from hbmd.proto import (
     ListBuffers,
     ListSessions,
     Message,
+    Move,
     Reclaim,
     ReclaimDone,
     ReclaimRequest,
@@ -477,7 +478,14 @@ class Client:
         return self._deliver(Defragment(buffer_id, preserve))
 
     def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
+        """The remap of a preserving defragment or a move is done (``keep_new``) or given up."""
         return self.call(FinishDefragment(buffer_id, keep_new))
+
+    def move(self, buffer_id: int, tier: str) -> Delivery:
+        """Ask for the buffer's chunks in ``tier`` (``"host"``: demote, ``"device"``: promote); the delivery brings them,
+        none where the buffer is there already. Finish with :meth:`finish_defragment`."""
+        self._need_minor(6, "demote and promote")
+        return self._deliver(Move(buffer_id, tier))
 
     def remap(self, buffer_id: int) -> Delivery:
         """Every chunk of the buffer again, as the daemon records it: the way back after a failed map."""

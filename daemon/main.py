@@ -25,7 +25,8 @@ from hbmd.proto.units import format_bytes, parse_size
 
 from . import logs
 from .backends import A, Backend, C
-from .backends.host import HostBackend, host_memory_bytes
+from .backends.host import GRANULE, HostBackend, host_memory_bytes
+from .backends.pool import HOST_PIECE
 from .config import FORMAT as CONFIG_FORMAT
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
@@ -86,14 +87,15 @@ class BackendUnavailable(RuntimeError):
 
 
 def select_backend(
-    kind: str, device: int, warm_chunks: int = 0, export_sentinel: bool = True, host_pool_bytes: int = 0
+    kind: str, device: int, warm_chunks: int = 0, export_sentinel: bool = True, host_pool_bytes: int = 0,
+    host_piece: int = HOST_PIECE,
 ) -> tuple[Backend[Any, Any], str]:
     """The backend named by ``--backend`` and a note on why it was chosen.
 
     ``auto`` takes CUDA where a driver and the device are usable, else host.
     """
     if kind == "host":
-        return HostBackend(host_pool_bytes), "as asked"
+        return HostBackend(host_pool_bytes, host_piece), "as asked"
     from hbmd.driver import CudaUnavailable
     from hbmd.proto.errors import HbmdError
 
@@ -101,11 +103,11 @@ def select_backend(
 
     try:
         why = "as asked" if kind == "cuda" else "auto: CUDA driver and device found"
-        return CudaBackend(device, warm_chunks, export_sentinel, host_pool_bytes), why
+        return CudaBackend(device, warm_chunks, export_sentinel, host_pool_bytes, host_piece), why
     except (CudaUnavailable, HbmdError) as exc:
         if kind == "cuda":
             raise BackendUnavailable(f"CUDA backend unusable for GPU {device}: {exc}") from None
-        return HostBackend(host_pool_bytes), f"auto: CUDA unusable ({exc})"
+        return HostBackend(host_pool_bytes, host_piece), f"auto: CUDA unusable ({exc})"
 
 
 def raise_fd_limit() -> None:
@@ -140,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-pool", default=HOST_POOL_DEFAULT, metavar="SIZE",
                         help="host-tier memory made ahead of demotes while idle, within --host-budget "
                              "(default: %(default)s)")
+    parser.add_argument("--host-piece", default=f"{HOST_PIECE >> 20}MiB", metavar="SIZE",
+                        help="size of the host-tier chunks a demote is cut into and the pool makes ahead, whole "
+                             "granules (default: %(default)s)")
     parser.add_argument("--instance-name", type=instance_name, metavar="NAME",
                         help="serve under <run-dir>/NAME instead of gpu<N> or host, e.g. a second host pool")
     parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
@@ -232,9 +237,10 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
         raise Refusal(f"--device {args.device}: the host backend serves host memory, no GPU; leave --device out, or "
                       "serve the GPU with --backend cuda", 2)
     device = 0 if args.device is None else args.device
-    host_budget, host_pool = _host_tier(args)
+    host_budget, host_pool, host_piece = _host_tier(args)
     try:
-        backend, why = select_backend(args.backend, device, args.warm_chunks, not args.no_export_sentinel, host_pool)
+        backend, why = select_backend(args.backend, device, args.warm_chunks, not args.no_export_sentinel, host_pool,
+                                      host_piece)
     except BackendUnavailable as exc:
         raise Refusal(str(exc), 1) from None
     try:
@@ -246,19 +252,23 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
         raise
 
 
-def _host_tier(args: argparse.Namespace) -> tuple[int, int]:
-    """``--host-budget`` and ``--host-pool`` in bytes (the pool within the budget)."""
+def _host_tier(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``--host-budget``, ``--host-pool`` (within the budget) and ``--host-piece`` in bytes."""
     ram = host_memory_bytes()
     try:
         budget = parse_size(args.host_budget, ram)
         pool = parse_size(args.host_pool, ram)
+        piece = parse_size(args.host_piece)
     except ValueError as exc:
-        raise Refusal(f"--host-budget/--host-pool: {exc}", 2) from None
+        raise Refusal(f"--host-budget/--host-pool/--host-piece: {exc}", 2) from None
+    # Both backends' granule is 2 MiB (the CUDA one checks its own before serving a host tier).
+    if piece <= 0 or piece % GRANULE:
+        raise Refusal(f"--host-piece: {args.host_piece} is not a positive whole number of 2 MiB granules", 2)
     if budget > ram:
         raise Refusal(f"--host-budget: {format_bytes(budget)} is more than the {format_bytes(ram)} of RAM there is", 2)
     if budget < 0 or pool < 0:
         raise Refusal("--host-budget/--host-pool: a size cannot be negative", 2)
-    return budget, min(pool, budget)
+    return budget, min(pool, budget), piece
 
 
 def _check_host_tier(backend: Backend[Any, Any]) -> None:

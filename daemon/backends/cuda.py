@@ -127,11 +127,12 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
 
     def check_host_tier(self) -> None:
         """Refuse, with ``DriverError``, a host tier this driver cannot serve: host-NUMA memory whose granule does not
-        divide the device's (chunks are whole device granules)."""
+        divide the device's, or pieces that are not whole device granules (chunks are)."""
         host_granule = driver.host_granularity(self.host_numa_node)
-        if self.granularity % host_granule:
+        if self.granularity % host_granule or self.host_piece % self.granularity:
             raise DriverError(
-                f"host-NUMA granularity {host_granule} does not divide the device's {self.granularity}",
+                f"host-NUMA granularity {host_granule} and pieces of {self.host_piece} bytes do not fit the device's "
+                f"granule of {self.granularity}",
                 function="cuMemGetAllocationGranularity", result="CUDA_ERROR_NOT_SUPPORTED",
             )
 
