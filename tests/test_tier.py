@@ -237,6 +237,26 @@ def test_hbmctl_shows_bytes_per_tier_per_tenant(tiered):
     assert [b["tier"] for b in json.loads(listing.stdout)["buffers"]] == ["host"]
 
 
+def test_metrics_show_bytes_per_tier_per_tenant(start_daemon):
+    from test_metrics import free_port, scrape
+
+    port = free_port()
+    daemon = start_daemon("--budget", "64MiB", *TIER, "--metrics-addr", f"127.0.0.1:{port}")
+    awake, _ = written(daemon.connect(tenant="team-a", lease=False), sizes=(4 * MiB, 4 * MiB))
+    asleep, _ = written(daemon.connect(tenant="team-b", lease=False))
+    asleep.demote()
+    samples = scrape(port)
+    tier = {
+        (dict(labels)["tenant"], dict(labels)["tier"]): v
+        for (name, labels), v in samples.items() if name == "hbmd_tenant_tier_bytes"
+    }
+    assert tier == {("team-a", "device"): 8 * MiB, ("team-a", "host"): 0, ("team-b", "device"): 0,
+                    ("team-b", "host"): 26 * MiB}
+    totals = {name: v for (name, _), v in samples.items() if name.startswith("hbmd_host_")}
+    assert totals == {"hbmd_host_budget_bytes": 96 * MiB, "hbmd_host_bytes": 26 * MiB,
+                      "hbmd_host_pool_bytes": totals["hbmd_host_pool_bytes"]}
+
+
 def test_a_restart_keeps_each_buffers_tier(start_daemon, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
