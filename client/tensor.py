@@ -575,6 +575,7 @@ class ExtensibleTensor(Transactions):
             shareable=self._info.shareable,
             sealed=self._info.sealed,
             readonly=self._readonly,
+            tier=self._info.tier,
         )
 
     def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:

@@ -167,6 +167,8 @@ class Redeclare(Request[BufferCreated]):
     shareable: bool = False
     sealed: bool = False
     readonly: bool = False
+    tier: str = TIER_DEVICE
+    """Where the chunks are (1.6): a demoted buffer's are declared in the host tier, charged to the host budget."""
 
 
 @message("buffer.commit")

@@ -89,12 +89,15 @@ def test_demote_and_promote_keep_bytes_address_and_views_and_move_the_charge(tie
     wait_until(lambda: client.status().committed_bytes == 0)
 
 
-def test_a_demoted_buffer_is_refused_growth_and_defragment_until_promoted(tiered):
-    client = tiered.connect(lease=False)
+@pytest.mark.parametrize("lease", [False, True])
+def test_a_demoted_buffer_is_refused_growth_and_defragment_until_promoted(tiered, lease):
+    client = tiered.connect(lease=lease)
     t, data = written(client)
     t.demote()
     with pytest.raises(Conflict, match="promote it"):
         t.resize_segments_([22 * MiB, 6 * MiB])
+    with pytest.raises(Conflict, match="promote it"):
+        t.resize_segments_([20 * MiB, 8 * MiB])  # one granule: what a lease would place
     with pytest.raises(Conflict, match="promote it"):
         t.defragment()
     assert t.tier == "host" and intact(t, data) and t.segment_sizes == [20 * MiB, 6 * MiB]
@@ -336,3 +339,21 @@ def test_workers_killed_mid_demote_and_promote_lose_no_byte_and_leak_nothing(tie
     assert client.status().committed_bytes == client.status().host_bytes == 0
     wait_until(lambda: tiered.open_fds() <= fds_before, timeout=10)
     print(f"\ntier kill loop: rounds={KILL_ROUNDS}, {physical >> 20} MiB checked each round, bytes lost=0")
+
+
+def test_a_restart_with_no_keeper_declares_a_demoted_buffer_in_the_host_tier(start_daemon):
+    flags = ("--budget", "64MiB", *TIER)
+    daemon = start_daemon(*flags)
+    client = daemon.connect(client_name="engine", lease=False)
+    t, data = written(client)
+    t.demote()
+    daemon.kill()
+    daemon = start_daemon(*flags)
+    with daemon.connect(observer=True) as look:
+        wait_until(lambda: look.status().host_bytes == 26 * MiB)  # the client declared it where it is
+        assert look.status().committed_bytes == 0 and [b.tier for b in look.buffers()] == ["host"]
+    assert client.resumed() and intact(t, data)
+    t.promote()  # the client copies out of what it maps: nothing needs the old daemon's chunks
+    assert t.tier == "device" and intact(t, data)
+    with daemon.connect(observer=True) as look:
+        assert (look.status().committed_bytes, look.status().host_bytes) == (26 * MiB, 0)

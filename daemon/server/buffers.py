@@ -94,7 +94,7 @@ class BufferRequests(RequestRoom[A, C]):
         buffer = self.state.redeclare(
             conn.session, msg.buffer_id, msg.segment_capacities, msg.segment_sizes,
             [(c.offset, c.size) for c in msg.chunks],
-            msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly,
+            msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly, msg.tier,
         )
         log.info("session %d declared again %s buffer %d%s: %d bytes its process still maps",
                  conn.session.session_id, "a read claim on" if msg.readonly else "its",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Generic
 
-from hbmd.proto import ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto import TIER_DEVICE, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
 from hbmd.proto.units import round_up
 
@@ -244,11 +244,12 @@ class State(Generic[A, C]):
     def redeclare(
         self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
         chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool, readonly: bool,
+        tier: str = TIER_DEVICE,
     ) -> Buffer[A, C]:
         """A buffer the session's process still maps, declared again after a restart with no keeper; see
         :meth:`Buffers.redeclare`."""
         return self.buffers_room.redeclare(session, previous_id, capacities, sizes, chunks, name, persistent,
-                                           shareable, sealed, readonly)
+                                           shareable, sealed, readonly, tier)
 
     def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""

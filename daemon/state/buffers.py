@@ -194,7 +194,7 @@ class Buffers(Generic[A, C]):
 
     def redeclare(self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
                   chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool,
-                  readonly: bool) -> Buffer[A, C]:
+                  readonly: bool, tier: str = TIER_DEVICE) -> Buffer[A, C]:
         """A buffer its client still maps, declared again after the daemon restarted with no keeper.
 
         The chunks (``(offset, size)``) are recorded as held elsewhere, and
@@ -203,12 +203,15 @@ class Buffers(Generic[A, C]):
         name, or declares it, an orphan its owner joins. What a client may
         claim is what it could have made: only in its own user's names,
         within its tenant's budget and the per-uid limits; nothing declared is
-        ever handed to another process. The buffer keeps ``previous_id``, the
-        id it had, where no buffer has it now. Raises with nothing changed but
+        ever handed to another process. A demoted buffer's chunks are declared
+        in the host tier (``tier``) and admitted by the host budget. The
+        buffer keeps ``previous_id``, the id it had, where no buffer has it now. Raises with nothing changed but
         the ids given from now on, which come after ``previous_id``.
         """
         check_observer(session)
         check_int("buffer_id", previous_id, 0, MAX_CAPACITY)
+        if tier not in TIERS:
+            raise InvalidRequest(f"tier {tier[:32]!r} is not one of {', '.join(TIERS)}", field="tier")
         keep = previous_id if previous_id and previous_id not in self.by_id else 0
         self._next_id = max(self._next_id, previous_id + 1)
         capacity = sum(capacities)
@@ -227,19 +230,22 @@ class Buffers(Generic[A, C]):
         self._check_tiling(record, chunks)
         existing = self.persistent.get((session.uid, name)) if persistent else None
         if existing is not None:
-            return self._join(session, existing, record, chunks, readonly)
+            return self._join(session, existing, record, chunks, readonly, tier)
         self._check_room_of(session.uid, len(capacities))
         if persistent:
             self._check_new_name(session.uid, name)
         held = sum(size for _, size in chunks)
-        self.tenants.admit(session.tenant, held, "declaring again memory it maps", in_use=True)
-        if self.tenants.committed_bytes + self.tenants.leased_bytes + held > self.tenants.budget_bytes:
-            self.pressure.refused(None)  # leases made before it was declared give way to it
+        if tier == TIER_HOST:
+            self.tenants.admit_host(held, "declaring again host memory it maps")
+        else:
+            self.tenants.admit(session.tenant, held, "declaring again memory it maps", in_use=True)
+            if self.tenants.committed_bytes + self.tenants.leased_bytes + held > self.tenants.budget_bytes:
+                self.pressure.refused(None)  # leases made before it was declared give way to it
         record.arena = self.backend.open_arena(reserved, shareable)
-        record.chunks = [Chunk(self.chunks.take_id(), offset, size, None) for offset, size in chunks]
+        record.chunks = [Chunk(self.chunks.take_id(), offset, size, None, tier=tier) for offset, size in chunks]
         self._next_id = max(self._next_id, record.buffer_id + 1)
         self._add(record)
-        self.account(record, mapped=held)
+        self.account(record, mapped=held, tier=tier)
         if readonly:
             _add_read_claim(session, record)
         else:
@@ -262,7 +268,7 @@ class Buffers(Generic[A, C]):
             )
 
     def _join(self, session: Session, buffer: Buffer[A, C], declared: Buffer[A, C], chunks: list[tuple[int, int]],
-              readonly: bool) -> Buffer[A, C]:
+              readonly: bool, tier: str) -> Buffer[A, C]:
         """A declared claim on the persistent buffer of the same name, declared already: a reader's read claim, or its
         owner taking back the orphan its readers declared. Both must describe the same memory."""
         same = (
@@ -270,6 +276,7 @@ class Buffers(Generic[A, C]):
             and buffer.segment_capacities == declared.segment_capacities
             and buffer.segment_sizes == declared.segment_sizes
             and sorted((c.offset, c.size) for c in buffer.chunks) == sorted(chunks)
+            and (buffer.tier == tier or not chunks)
         )
         if not same or not (readonly or buffer.owner is None):
             raise Conflict(

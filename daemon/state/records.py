@@ -170,7 +170,8 @@ class Session:
 
     @property
     def committed_bytes(self) -> int:
-        return sum(b.physical_bytes for b in self.buffers.values())
+        """Device bytes its buffers map (a demoted buffer's are host memory, charged apart)."""
+        return sum(b.physical_bytes for b in self.buffers.values() if not b.demoted)
 
 
 @dataclasses.dataclass
