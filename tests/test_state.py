@@ -428,3 +428,18 @@ def test_the_host_pool_fills_within_the_room_the_host_tier_leaves():
     assert backend.host_pool_bytes() == 4 * MiB  # trimmed to the room left
     backend.close()
     assert backend.host_pool_bytes() == 0
+
+
+def test_a_demoted_buffer_is_not_sealed_for_it_would_never_move_again():
+    state = tiered_state()
+    session = state.open_session(1, 1000, 1000, "", "")
+    buf = state.create_buffer(session, 8 * MiB, 1, name="weights", persistent=True)
+    state.commit(session, buf.buffer_id, 4 * MiB)
+    state.move(session, buf.buffer_id, "host")
+    with pytest.raises(Conflict, match="moved"):
+        state.seal(session, buf.buffer_id)
+    state.finish_defragment(session, buf.buffer_id, True)
+    with pytest.raises(Conflict, match="promote it before sealing"):
+        state.seal(session, buf.buffer_id)
+    assert not buf.sealed
+    state.check_invariants()

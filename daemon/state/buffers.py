@@ -205,13 +205,13 @@ class Buffers(Generic[A, C]):
         within its tenant's budget and the per-uid limits; nothing declared is
         ever handed to another process. A demoted buffer's chunks are declared
         in the host tier (``tier``) and admitted by the host budget. The
-        buffer keeps ``previous_id``, the id it had, where no buffer has it now. Raises with nothing changed but
-        the ids given from now on, which come after ``previous_id``.
+        buffer keeps ``previous_id``, the id it had, where no buffer has it
+        now. Raises with nothing changed but the ids given from now on, which
+        come after ``previous_id``.
         """
         check_observer(session)
         check_int("buffer_id", previous_id, 0, MAX_CAPACITY)
-        if tier not in TIERS:
-            raise InvalidRequest(f"tier {tier[:32]!r} is not one of {', '.join(TIERS)}", field="tier")
+        _check_tier(tier)
         keep = previous_id if previous_id and previous_id not in self.by_id else 0
         self._next_id = max(self._next_id, previous_id + 1)
         capacity = sum(capacities)
@@ -521,8 +521,7 @@ class Buffers(Generic[A, C]):
         by its readers as well, whose mappings would keep the old chunks: it
         does not move.
         """
-        if tier not in TIERS:
-            raise InvalidRequest(f"tier {tier[:32]!r} is not one of {', '.join(TIERS)}", field="tier")
+        _check_tier(tier)
         buffer = self.of(session, buffer_id)
         if buffer.sealed:
             raise InvalidRequest(
@@ -564,7 +563,8 @@ class Buffers(Generic[A, C]):
 
         Sealing a sealed buffer changes nothing. An anonymous buffer ends with
         its session, so there is nothing for others to read: refused; so is a
-        buffer mid-defragment, whose chunks are about to change.
+        buffer mid-defragment or mid-move, whose chunks are about to change,
+        and a demoted one, which would stay in the host tier for good.
         """
         buffer = self.of(session, buffer_id)
         if buffer.sealed:
@@ -575,7 +575,11 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer_id,
             )
         if buffer.pending:
-            raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
+            raise Conflict(f"buffer {buffer_id} is being defragmented or moved", buffer_id=buffer_id)
+        if buffer.demoted:
+            # A sealed buffer never moves (its readers map it too): sealed in the host tier, it would stay there.
+            raise Conflict(f"buffer {buffer_id} is demoted to the host tier: promote it before sealing it",
+                           buffer_id=buffer_id)
         buffer.sealed = True
         self.mark_changed(buffer)
         return buffer
@@ -647,6 +651,11 @@ class Buffers(Generic[A, C]):
             session_id=readers[0],
             readers=",".join(map(str, readers)),
         )
+
+
+def _check_tier(tier: str) -> None:
+    if tier not in TIERS:
+        raise InvalidRequest(f"tier {tier[:32]!r} is not one of {', '.join(TIERS)}", field="tier")
 
 
 def _check_name(name: str) -> None:
