@@ -46,7 +46,7 @@ def check_invariants(state: "State[Any, Any]") -> None:
         for buffer in session.reading.values():
             require(state.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} reads a dropped buffer")
             require(session.session_id in buffer.readers, f"session {session.session_id} reads {buffer.buffer_id} unrecorded")
-    require(state.committed_bytes == total, f"committed {state.committed_bytes} != {total} in device chunks")
+    require(state.committed_bytes == total, f"committed {state.committed_bytes} != {total} in chunks")
     leased = _check_leases(state, chunk_ids)
     require(state.leased_bytes == leased, f"leased {state.leased_bytes} != {leased} in sessions' leases")
     _check_tenants(state)
