@@ -51,8 +51,11 @@ class SessionNotices(Generic[A, C]):
         while self.state.reclaims_due:
             session, reclaim = self.state.reclaims_due.pop(0)
             conn = self.plane.by_session.get(session.session_id)
-            if conn is not None:
-                conn.send_quietly(ReclaimRequest(reclaim.reclaim_id, reclaim.requested_bytes, reclaim.reason))
+            # A client of an earlier minor would read a demote as a reclaim, and drop the memory: it is not asked.
+            if conn is not None and (conn.protocol_minor >= 6 or not reclaim.demote):
+                conn.send_quietly(
+                    ReclaimRequest(reclaim.reclaim_id, reclaim.requested_bytes, reclaim.reason, reclaim.demote)
+                )
 
     def send_revokes(self) -> None:
         """Ask sessions for the leased granules the state wants back."""

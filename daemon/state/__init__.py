@@ -47,6 +47,9 @@ from .records import (
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
 
+DEMOTE_IDLE_S = 2.0
+"""A session that grew a buffer within this many seconds is busy: it is not asked to demote its buffers."""
+
 __all__ = [
     "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim", "Session", "State", "Tenant"
 ]
@@ -267,6 +270,7 @@ class State(Generic[A, C]):
         """
         created = self.buffers_room.commit(session, buffer_id, sizes)
         self.leases.note_demand(session, created)
+        session.grown_at = time.monotonic()
         return created
 
     def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk[C]]:
@@ -357,6 +361,7 @@ class State(Generic[A, C]):
         self.leases.check_placement(session, buffer, sizes, chunk_ids, offsets)
         runs = self.buffers_room.growth(buffer, sizes)
         self.buffers_room.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
+        session.grown_at = time.monotonic()
         return buffer
 
     def return_lease(self, session: Session, chunk_ids: list[int]) -> list[int]:
@@ -389,6 +394,35 @@ class State(Generic[A, C]):
     def withheld_bytes(self) -> int:
         return self.leases.withheld_bytes(list(self.sessions.values()), time.monotonic())
 
+    def demote_for(self, tenant: Tenant, needed: int) -> int:
+        """Ask idle sessions of demotable tenants (the config's ``demote``, in its order; never ``tenant``'s own, never
+        a guaranteed one) to demote ``needed`` bytes of their buffers to the host tier; returns the bytes asked for, and
+        still being demoted from earlier asks, up to ``needed``.
+
+        As reclaim, through each session's client and with its patience as
+        deadline: nothing is taken by force. Not beyond the host tier's room,
+        and not of a session that grew a buffer in the last
+        :data:`DEMOTE_IDLE_S`.
+        """
+        needed = min(needed, self.budget.host_room())
+        now = time.monotonic()
+        asked = 0
+        for other in self.budget.demotable():
+            if other is tenant:
+                continue
+            for session in sorted(self.sessions.values(), key=lambda s: s.session_id):
+                held = session.committed_bytes
+                if asked >= needed or session.tenant is not other or held == 0 or now - session.grown_at < DEMOTE_IDLE_S:
+                    continue
+                reclaim = session.reclaim
+                if reclaim is not None and reclaim.demote and reclaim.outcome(now, self.reclaim_patience_s) == "pending":
+                    asked += reclaim.requested_bytes  # asked already: on its way
+                    continue
+                ask = min(held, needed - asked)
+                self.request_reclaim(session, ask, f"tenant {tenant.name!r} needs device memory", demote=True)
+                asked += ask
+        return min(asked, needed)
+
     def short(self, tenant: Tenant, needed: int) -> None:
         """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""
         self.refused(None)
@@ -406,9 +440,10 @@ class State(Generic[A, C]):
 
     # reclaim
 
-    def request_reclaim(self, session: Session, requested_bytes: int, reason: str) -> Reclaim:
-        """Record a request that ``session`` give ``requested_bytes`` back (its lease first); the server delivers it."""
-        reclaim = self.sessions_room.request_reclaim(session, requested_bytes, reason)
+    def request_reclaim(self, session: Session, requested_bytes: int, reason: str, demote: bool = False) -> Reclaim:
+        """Record a request that ``session`` give ``requested_bytes`` back (its lease first; ``demote``: demote them to
+        the host tier); the server delivers it."""
+        reclaim = self.sessions_room.request_reclaim(session, requested_bytes, reason, demote)
         self.leases.ask_back(session)
         return reclaim
 

@@ -22,7 +22,7 @@ from hbmd.proto.errors import (
     VersionMismatch,
 )
 from hbmd.proto.runs import merge_runs, subtract_runs
-from hbmd.proto.units import exact_bytes, round_up
+from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
@@ -50,6 +50,10 @@ class Pressure(Protocol):
 
     def withheld_bytes(self) -> int:
         """Leased bytes asked back long ago and still not given back: a retry will not find them."""
+
+    def demote_for(self, tenant: Tenant, needed: int) -> int:
+        """The budget refused ``tenant`` ``needed`` bytes: ask idle sessions of demotable tenants to demote buffers;
+        returns the bytes being demoted for it."""
 
 
 def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
@@ -461,9 +465,16 @@ class Buffers(Generic[A, C]):
         requested = sum(end - start for start, end in runs)
         try:
             self.tenants.admit(buffer.tenant, requested, purpose, self.pressure.withheld_bytes())
-        except OutOfBudget:
+        except OutOfBudget as exc:
             self.pressure.refused(buffer.owner)
-            raise
+            demoting = self.pressure.demote_for(buffer.tenant, requested)
+            if not demoting:
+                raise
+            raise OutOfBudget(
+                f"{exc.message}; {format_bytes(demoting)} of idle tenants' buffers are being demoted to the host "
+                "tier: retry",
+                **exc.details, demoting=demoting,
+            ) from None
         try:
             return self.chunks.make_runs(buffer.arena, runs)
         except OutOfDeviceMemory:

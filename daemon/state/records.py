@@ -108,6 +108,8 @@ class Reclaim:
     reason: str
     asked_at: float = dataclasses.field(default_factory=time.monotonic)
     released_bytes: int | None = None
+    demote: bool = False
+    """Asked to demote its buffers to the host tier rather than to release memory."""
     reported: bool = False
     """Whether the daemon already logged it as ignored."""
 
@@ -158,6 +160,8 @@ class Session:
     """When the session was asked for the first of ``revoking`` (monotonic)."""
     lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last placed leased granules or found its lease short."""
+    grown_at: float = dataclasses.field(default_factory=time.monotonic)
+    """When the session last grew a buffer: one that grew lately is busy, and not asked to demote."""
     credential_hash: str = ""
     """SHA-256 of the credential that resumes the session after a daemon restart (the credential itself is never kept)."""
     previous_credential_hash: str = ""

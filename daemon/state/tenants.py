@@ -187,6 +187,11 @@ class Tenants:
         room = self.admissible(tenant) - self.budget_bytes // LEASE_TIGHT_DIVISOR
         return max(0, min(room, self.budget_bytes // LEASE_TOTAL_DIVISOR - self.leased_bytes))
 
+    def demotable(self) -> list[Tenant]:
+        """The tenants whose idle buffers are demoted under pressure, in the config's order (its ``demote``)."""
+        marked = sorted((t for t in self.config.tenants if t.demote is not None), key=lambda t: (t.demote, t.name))
+        return [self.by_name[t.name] for t in marked if t.name in self.by_name and not t.guaranteed_bytes]
+
     def short_of_guarantee(self, tenant: Tenant, requested: int) -> bool:
         """Whether ``requested`` more bytes would still be within the tenant's guaranteed minimum."""
         return tenant.used_bytes + requested <= tenant.guaranteed_bytes
