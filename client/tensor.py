@@ -412,6 +412,14 @@ class ExtensibleTensor(Transactions):
         self._reback(lambda: self._client.move(self.buffer_id, TIER_DEVICE))
         return self
 
+    def _demote_under_pressure(self) -> int:
+        """Demote this buffer where its owner may (the client serving the daemon's request); returns the bytes."""
+        if self._freed or self._readonly or self.sealed or self.tier == TIER_HOST or self._unusable is not None:
+            return 0
+        physical = self.physical_bytes
+        self.demote()
+        return physical if self.tier == TIER_HOST else 0
+
     def _reback(self, ask: Callable[[], Delivery]) -> None:
         """Re-back the buffer with the chunks ``ask`` brings (a preserving defragment's or a move's): copied into,
         then mapped in place of the old ones. None brought: nothing to do."""

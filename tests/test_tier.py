@@ -357,3 +357,34 @@ def test_a_restart_with_no_keeper_declares_a_demoted_buffer_in_the_host_tier(sta
     assert t.tier == "device" and intact(t, data)
     with daemon.connect(observer=True) as look:
         assert (look.status().committed_bytes, look.status().host_bytes) == (26 * MiB, 0)
+
+
+DEMOTABLE = '[[tenants]]\nname = "batch"\ndemote = 1\n\n[[tenants]]\nname = "online"\n'
+
+
+@pytest.mark.parametrize("demote", [True, False])
+def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_instead(start_daemon, tmp_path, demote):
+    config = tmp_path / "hbmd.toml"
+    config.write_text(DEMOTABLE if demote else DEMOTABLE.replace("demote = 1\n", ""))
+    daemon = start_daemon("--budget", "64MiB", *TIER, "--config", str(config))
+    batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
+    sleeping, data = written(batch, sizes=(32 * MiB, 16 * MiB))
+    online = daemon.connect(client_name="online", tenant="online", lease=False)
+    growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
+    with pytest.raises(OutOfBudget):
+        growing.resize_(32 * MiB)  # the batch engine grew a moment ago: busy, it is not asked
+    time.sleep(2.2)  # idle now (DEMOTE_IDLE_S)
+    if not demote:
+        with pytest.raises(OutOfBudget):
+            growing.resize_(32 * MiB)
+        assert sleeping.tier == "device"
+        return
+    growing.resize_(32 * MiB)  # its client demoted the batch buffer by itself; the commit went through
+    assert sleeping.tier == "host" and intact(sleeping, data) and sleeping.base_ptr == sleeping.full_view().data_ptr()
+    status = online.status()
+    assert (status.committed_bytes, status.host_bytes) == (32 * MiB, 48 * MiB)
+    assert {t.name: (t.used_bytes, t.host_bytes) for t in status.tenants if t.name in ("batch", "online")} == {
+        "batch": (0, 48 * MiB), "online": (32 * MiB, 0)}
+    growing.free()
+    sleeping.promote()  # room again: the batch engine takes its cache back when it wakes
+    assert sleeping.tier == "device" and intact(sleeping, data)
