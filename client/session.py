@@ -101,6 +101,9 @@ class Holder(Protocol):
     def _demote_under_pressure(self) -> int:
         """Demote the buffer to the host tier where it can be; returns the device bytes that gave back."""
 
+    def _promote_after_pressure(self) -> int:
+        """Promote the buffer back where :meth:`_demote_under_pressure` demoted it; returns the bytes promoted."""
+
 
 class ForkedClient(HbmdError):
     """A client was used in a child process after ``fork()``; connect anew there."""
@@ -671,8 +674,9 @@ class Client:
 
     def _serve_demotes(self) -> None:
         """Answer the daemon's requests to demote buffers (another tenant's commit waits for the room): the buffers
-        this process maps go to the host tier, oldest first, until the bytes asked for have moved. The daemon asks
-        only clients of tenants configured to be demoted, when idle; their engines need do nothing."""
+        this process maps go to the host tier, oldest first, until the bytes asked for have moved; and promote them
+        back when the daemon says the device has room again. The daemon asks only clients of tenants configured to be
+        demoted, when idle; their engines need do nothing."""
         while True:
             try:
                 request = self._handles.demotes.popleft()
@@ -681,14 +685,20 @@ class Client:
             moved = 0
             with self._lock:  # the engine's own calls wait; its kernels keep running on the same addresses
                 for holder in sorted(self._holders, key=lambda h: h.buffer_id):
-                    if moved >= request.bytes:
+                    if isinstance(request, ReclaimRequest) and moved >= request.bytes:
                         break
                     try:
-                        moved += holder._demote_under_pressure()
+                        if isinstance(request, ReclaimRequest):
+                            moved += holder._demote_under_pressure()
+                        else:
+                            moved += holder._promote_after_pressure()
                     except HbmdError as exc:
-                        log.warning("demoting buffer %d for the daemon failed: %s", holder.buffer_id, exc)
-            log.info("demoted %d bytes to the host tier for the daemon (%s)", moved, request.reason)
-            self.answer_reclaim(request, moved)
+                        log.warning("moving buffer %d for the daemon failed: %s", holder.buffer_id, exc)
+            if isinstance(request, ReclaimRequest):
+                log.info("demoted %d bytes to the host tier for the daemon (%s)", moved, request.reason)
+                self.answer_reclaim(request, moved)
+            else:
+                log.info("promoted %d bytes back to the device: the daemon has room again", moved)
 
     def _answer_reclaims(self) -> None:
         for request in self.pending_reclaims():

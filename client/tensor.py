@@ -412,13 +412,26 @@ class ExtensibleTensor(Transactions):
         self._reback(lambda: self._client.move(self.buffer_id, TIER_DEVICE))
         return self
 
+    _demoted_under_pressure = False
+    """Demoted by the client for the daemon, not by the engine: promoted back by the client once there is room."""
+
     def _demote_under_pressure(self) -> int:
         """Demote this buffer where its owner may (the client serving the daemon's request); returns the bytes."""
         if self._freed or self._readonly or self.sealed or self.tier == TIER_HOST or self._unusable is not None:
             return 0
         physical = self.physical_bytes
         self.demote()
-        return physical if self.tier == TIER_HOST else 0
+        self._demoted_under_pressure = self.tier == TIER_HOST
+        return physical if self._demoted_under_pressure else 0
+
+    def _promote_after_pressure(self) -> int:
+        """Promote this buffer back if the client demoted it for the daemon and it is still there; returns the bytes."""
+        if not self._demoted_under_pressure or self._freed or self._unusable is not None or self.tier != TIER_HOST:
+            self._demoted_under_pressure = False
+            return 0
+        self.promote()
+        self._demoted_under_pressure = False
+        return self.physical_bytes
 
     def _reback(self, ask: Callable[[], Delivery]) -> None:
         """Re-back the buffer with the chunks ``ask`` brings (a preserving defragment's or a move's): copied into,

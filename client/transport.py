@@ -30,6 +30,7 @@ from hbmd.proto import (
     LeaseGrant,
     LeaseRevoke,
     Message,
+    PromoteRequest,
     ReclaimRequest,
     Refused,
     Request,
@@ -71,8 +72,9 @@ class HandleChannel:
         self._lock = threading.Lock()
         self._backlog: list[tuple[FdBatch, list[int]]] = []
         self.reclaims: collections.deque[ReclaimRequest] = collections.deque()
-        self.demotes: collections.deque[ReclaimRequest] = collections.deque()
-        """Requests to demote buffers under pressure (``ReclaimRequest.demote``): the client serves them itself."""
+        self.demotes: collections.deque[ReclaimRequest | PromoteRequest] = collections.deque()
+        """Requests to demote buffers under pressure (``ReclaimRequest.demote``) and to promote them back once there
+        is room: the client serves them itself."""
         self.grants: collections.deque[tuple[LeaseGrant, list[int]]] = collections.deque()
         self.revokes: collections.deque[LeaseRevoke] = collections.deque()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -154,6 +156,8 @@ class HandleChannel:
             (self.demotes if msg.demote else self.reclaims).append(msg)
         elif isinstance(msg, LeaseRevoke):
             self.revokes.append(msg)
+        elif isinstance(msg, PromoteRequest):
+            self.demotes.append(msg)
         return None
 
     def receive_fds(self, request_id: int, deadline: float) -> tuple[FdBatch, list[int]]:

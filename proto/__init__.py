@@ -91,6 +91,7 @@ from .session import (
     LeaseGrant,
     LeaseReturn,
     LeaseRevoke,
+    PromoteRequest,
     ReclaimDone,
     ReclaimRequest,
     Refused,

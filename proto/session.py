@@ -151,6 +151,14 @@ class LeaseGrant(Message):
     size: int
 
 
+@message("session.promote_request")
+class PromoteRequest(Message):
+    """Daemon → client on the handle plane (1.6): the device has room again for the ``bytes`` of buffers this
+    session's client demoted when asked (:attr:`ReclaimRequest.demote`); the client promotes them back by itself."""
+
+    bytes: int
+
+
 @message("session.lease_revoke")
 class LeaseRevoke(Message):
     """Daemon → client: give back the leased ``chunk_ids`` not placed yet (:class:`LeaseReturn`); budget pressure."""

@@ -443,3 +443,30 @@ def test_a_demoted_buffer_is_not_sealed_for_it_would_never_move_again():
         state.seal(session, buf.buffer_id)
     assert not buf.sealed
     state.check_invariants()
+
+
+def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wait_for_quiet():
+    from hbmd.daemon.config import parse_config
+
+    config = parse_config('[[tenants]]\nname = "batch"\ndemote = 1\n', total_bytes=64 * MiB, budget_bytes=64 * MiB)
+    state = State(HostBackend(host_piece=4 * MiB), budget_bytes=64 * MiB, config=config, host_budget_bytes=16 * MiB)
+    batch = state.open_session(1, 1000, 1000, "", "batch")
+    online = state.open_session(2, 1001, 1001, "", "online")
+    idle = state.create_buffer(batch, 48 * MiB, 1)
+    state.commit(batch, idle.buffer_id, 40 * MiB)
+    wanted = state.create_buffer(online, 64 * MiB, 1)
+    with pytest.raises(OutOfBudget) as refused:
+        state.commit(online, wanted.buffer_id, 32 * MiB)
+    assert "demoting" not in refused.value.details and not state.reclaims_due  # it grew just now: busy
+    batch.grown_at -= 10
+    with pytest.raises(OutOfBudget, match="being demoted") as refused:
+        state.commit(online, wanted.buffer_id, 32 * MiB)
+    # Never more than the host tier holds; its own tenant's sessions are never asked.
+    assert refused.value.details["demoting"] == 16 * MiB
+    assert [(s.session_id, r.requested_bytes, r.demote) for s, r in state.reclaims_due] == [(1, 16 * MiB, True)]
+    more = state.create_buffer(batch, 32 * MiB, 1)
+    with pytest.raises(OutOfBudget) as own:
+        state.commit(batch, more.buffer_id, 32 * MiB)
+    assert "demoting" not in own.value.details  # nor for its own tenant's commits
+    state.reclaim_answered(batch, batch.reclaim.reclaim_id, 0)
+    assert batch.demoted_under_pressure is False and state.promotes_due(time.monotonic() + 60) == []

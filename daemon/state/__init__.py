@@ -49,6 +49,11 @@ from .tenants import Tenants
 
 DEMOTE_IDLE_S = 2.0
 """A session that grew a buffer within this many seconds is busy: it is not asked to demote its buffers."""
+PROMOTE_ASK_EVERY_S = 1.0
+"""How often a client that demoted buffers when asked is told again that the device has room for them."""
+PROMOTE_QUIET_S = 2.0
+"""No buffer is promoted back within this many seconds of a commit the budget refused: the room a demote made is the
+refused commit's first, which its client is sending again."""
 
 __all__ = [
     "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim", "Session", "State", "Tenant"
@@ -79,6 +84,8 @@ class State(Generic[A, C]):
         self.buffers_room: Buffers[A, C] = Buffers(backend, self.chunks, self.budget, limits, self)
         self.leases: Leases[A, C] = Leases(backend, self.chunks, self.budget, lease_bytes, lease_idle_s)
         self.started_at = time.monotonic()
+        self.refused_at = float("-inf")
+        """When the budget last refused a commit (monotonic)."""
         self.config_load = ConfigLoad()
         """The ``--config`` file and its reloads (the daemon's command line and SIGHUP set it)."""
 
@@ -404,8 +411,8 @@ class State(Generic[A, C]):
         and not of a session that grew a buffer in the last
         :data:`DEMOTE_IDLE_S`.
         """
+        now = self.refused_at = time.monotonic()
         needed = min(needed, self.budget.host_room())
-        now = time.monotonic()
         asked = 0
         for other in self.budget.demotable():
             if other is tenant:
@@ -437,6 +444,24 @@ class State(Generic[A, C]):
                 self.request_reclaim(session, ask, f"tenant {tenant.name!r} needs its guaranteed minimum")
                 needed -= ask
                 excess -= ask
+
+    def promotes_due(self, now: float) -> list[tuple[Session, int]]:
+        """Sessions whose clients demoted buffers when asked and whose tenant has device room for them again, with
+        their demoted bytes; each is named again after :data:`PROMOTE_ASK_EVERY_S` while they stay demoted, none
+        within :data:`PROMOTE_QUIET_S` of a refused commit."""
+        due: list[tuple[Session, int]] = []
+        if now - self.refused_at < PROMOTE_QUIET_S:
+            return due
+        for session in self.sessions.values():
+            if not session.demoted_under_pressure:
+                continue
+            demoted = sum(b.physical_bytes for b in session.buffers.values() if b.demoted)
+            if not demoted:
+                session.demoted_under_pressure = False
+            elif now - session.promote_asked_at >= PROMOTE_ASK_EVERY_S and self.admissible_for(session) >= demoted:
+                session.promote_asked_at = now
+                due.append((session, demoted))
+        return due
 
     # reclaim
 

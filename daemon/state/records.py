@@ -162,6 +162,10 @@ class Session:
     """When the session last placed leased granules or found its lease short."""
     grown_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last grew a buffer: one that grew lately is busy, and not asked to demote."""
+    demoted_under_pressure: bool = False
+    """Its client demoted buffers when asked: they are promoted back once the device has room for them."""
+    promote_asked_at: float = 0.0
+    """When its client was last told the device has room for them (monotonic)."""
     credential_hash: str = ""
     """SHA-256 of the credential that resumes the session after a daemon restart (the credential itself is never kept)."""
     previous_credential_hash: str = ""

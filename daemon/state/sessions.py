@@ -173,6 +173,8 @@ class Sessions:
             raise NotFound(f"no reclaim request {reclaim_id} for this session", reclaim_id=reclaim_id)
         check_int("released_bytes", released_bytes, 0, MAX_CAPACITY)
         session.reclaim.released_bytes = released_bytes
+        if session.reclaim.demote and released_bytes:
+            session.demoted_under_pressure = True
 
 
 def _digest(credential: str) -> str:
