@@ -153,9 +153,13 @@ def _host_allocation_prop(numa_node: int) -> Any:
     """Pinned host memory on NUMA node ``numa_node``, exportable as a POSIX FD: a context-free process makes it and a
     client maps it with device access beside device chunks (H200, driver 580: SPEC, "host-NUMA VMM memory")."""
     cu = _bindings()
+    host_numa = getattr(cu.CUmemLocationType, "CU_MEM_LOCATION_TYPE_HOST_NUMA", None)
+    if host_numa is None:  # cuda-bindings before 12.2
+        raise DriverError("these cuda-bindings have no host-NUMA allocations (CUDA 12.2 and later do)",
+                          function="cuMemCreate", result="CUDA_ERROR_NOT_SUPPORTED")
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+    prop.location.type = host_numa
     prop.location.id = numa_node
     prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     return prop

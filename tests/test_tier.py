@@ -388,3 +388,15 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
     growing.free()
     wait_until(lambda: sleeping.tier == "device")  # room again: its client promoted it back by itself
     assert intact(sleeping, data) and online.status().host_bytes == 0
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--host-piece", "3MiB"), "--host-piece: 3MiB is not a positive whole number of 2 MiB granules"),
+    (("--host-budget", "150%"), "a percentage must be in (0, 100]"),
+    (("--host-budget", "lots"), "--host-budget/--host-pool/--host-piece: bad size"),
+    (("--host-budget", "1000000TiB"), "--host-budget: "),
+])
+def test_host_tier_flags_that_make_no_sense_are_refused_as_usage_errors(run_dir, flags, words):
+    out = subprocess.run([sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir), *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and words in out.stderr, out.stderr
