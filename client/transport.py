@@ -30,6 +30,7 @@ from hbmd.proto import (
     LeaseGrant,
     LeaseRevoke,
     Message,
+    PromoteRequest,
     ReclaimRequest,
     Refused,
     Request,
@@ -61,7 +62,7 @@ class HandleChannel:
     and the client's listener thread. Reads happen under one lock, never
     waits (sends need the lock too); whichever reader takes a datagram meant
     for the other leaves it in ``_backlog`` (FD batches, signalled on
-    ``_filed``), ``reclaims`` (reclaim requests), ``grants`` (leased
+    ``_filed``), ``reclaims`` and ``demotes`` (reclaim requests), ``grants`` (leased
     granules, with their FDs) or ``revokes`` (leased granules asked back).
     """
 
@@ -71,6 +72,9 @@ class HandleChannel:
         self._lock = threading.Lock()
         self._backlog: list[tuple[FdBatch, list[int]]] = []
         self.reclaims: collections.deque[ReclaimRequest] = collections.deque()
+        self.demotes: collections.deque[ReclaimRequest | PromoteRequest] = collections.deque()
+        """Requests to demote buffers under pressure (``ReclaimRequest.demote``) and to promote them back once there
+        is room: the client serves them itself."""
         self.grants: collections.deque[tuple[LeaseGrant, list[int]]] = collections.deque()
         self.revokes: collections.deque[LeaseRevoke] = collections.deque()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -149,9 +153,11 @@ class HandleChannel:
             return msg
         _close_all(fds)
         if isinstance(msg, ReclaimRequest):
-            self.reclaims.append(msg)
+            (self.demotes if msg.demote else self.reclaims).append(msg)
         elif isinstance(msg, LeaseRevoke):
             self.revokes.append(msg)
+        elif isinstance(msg, PromoteRequest):
+            self.demotes.append(msg)
         return None
 
     def receive_fds(self, request_id: int, deadline: float) -> tuple[FdBatch, list[int]]:

@@ -109,6 +109,10 @@ class ReclaimRequest(Message):
     reclaim_id: int
     bytes: int
     reason: str
+    demote: bool = False
+    """Demote instead (1.6): the client library itself moves this many bytes of its buffers to the host tier, at the
+    same addresses, and answers with the bytes moved; the daemon asks only sessions of tenants its config marks
+    ``demote``, idle for a while, and never a client of an earlier minor."""
 
 
 @message("session.reclaim_done")
@@ -145,6 +149,14 @@ class LeaseGrant(Message):
 
     chunk_ids: list[int]
     size: int
+
+
+@message("session.promote_request")
+class PromoteRequest(Message):
+    """Daemon → client on the handle plane (1.6): the device has room again for the ``bytes`` of buffers this
+    session's client demoted when asked (:attr:`ReclaimRequest.demote`); the client promotes them back by itself."""
+
+    bytes: int
 
 
 @message("session.lease_revoke")

@@ -170,7 +170,7 @@ def test_the_requests_are_the_ones_clients_send():
         "buffer.commit_segments", "buffer.remap", "buffer.release", "buffer.free", "buffer.attach", "buffer.detach", "buffer.delete",
         "buffer.redeclare",
         "buffer.defragment", "buffer.seal",
-        "buffer.finish_defragment", "session.reclaim_done",
+        "buffer.finish_defragment", "buffer.move", "session.reclaim_done",
     }
 
 
