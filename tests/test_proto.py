@@ -206,7 +206,8 @@ def test_proto_imports_only_stdlib_and_msgpack():
 @pytest.mark.parametrize(
     "n, shown",
     [(5, "5 B"), (64 << 20, "64.0 MiB"), ((64 << 20) + 1, "64.0 MiB (67108865 B)"), (3 << 29, "1.5 GiB"),
-     (123456789, "117.7 MiB (123456789 B)")],
+     (123456789, "117.7 MiB (123456789 B)"), (1 << 50, "1.0 PiB"), (1 << 62, "4096.0 PiB"),
+     ((1 << 62) + 1, "4096.0 PiB (4611686018427387905 B)")],
 )
 def test_a_size_in_a_message_is_in_human_units_and_exact_where_they_round(n, shown):
     assert exact_bytes(n) == shown
