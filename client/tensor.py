@@ -453,8 +453,7 @@ class ExtensibleTensor(Transactions):
         with Undo() as undo:
             # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
             undo.push(self._finish_defragment, False, started_over)
-            for chunk, fd in fresh:
-                self._reservation.copy_into(chunk, fd)
+            self._reservation.copy_into(fresh)
         # From here the new chunks hold the data: the daemon keeps them whatever happens next.
         try:
             self._reservation.unmap_all()

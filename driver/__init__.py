@@ -275,10 +275,6 @@ def copy_async(destination: int, source: int, size: int, stream: Any) -> None:
     call("cuMemcpyAsync", destination, source, size, stream)
 
 
-def stream_synchronize(stream: Any) -> None:
-    call("cuStreamSynchronize", stream)
-
-
 def context_synchronize() -> None:
     call("cuCtxSynchronize")
 
