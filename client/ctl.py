@@ -188,6 +188,7 @@ STATUS_COLUMNS = [
     _bytes_column("COMMITTED", "committed_bytes"),
     _bytes_column("LEASED", "leased_bytes"),
     _bytes_column("BUDGET-LEFT", "budget_left_bytes"),
+    _bytes_column("HOST-TIER", "host_bytes", wide=True),
     _bytes_column("DEVICE-FREE", "device_free_bytes"),
     _plain_column("SESSIONS", "num_sessions"),
     _bytes_column("RESERVED", "reserved_bytes", wide=True),
@@ -224,20 +225,27 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
             if r["held_back_bytes"]
             else []
         )
+        + (
+            [f"    host tier:   {format_bytes(r['host_bytes'])} demoted of {format_bytes(r['host_budget_bytes'])}, "
+             f"{format_bytes(r['host_pool_bytes'])} made ahead"]
+            if r["host_budget_bytes"]
+            else []
+        )
         + ([f"    config:      {_config_line(r)}"] if r["config_path"] else [])
     )
     tenants = [
         t for t in r["tenants"]
-        if t["num_sessions"] or t["used_bytes"] or t["guaranteed_bytes"] or t["max_bytes"] is not None
+        if t["num_sessions"] or t["used_bytes"] or t["host_bytes"] or t["guaranteed_bytes"] or t["max_bytes"] is not None
     ]
-    if len(tenants) > 1 or any(t["guaranteed_bytes"] or t["max_bytes"] is not None for t in tenants):
+    limited = any(t["guaranteed_bytes"] or t["max_bytes"] is not None for t in tenants)
+    if len(tenants) > 1 or limited or r["host_bytes"]:
         rows = [
-            [t["name"], t["num_sessions"], format_bytes(t["used_bytes"]),
+            [t["name"], t["num_sessions"], format_bytes(t["used_bytes"]), format_bytes(t["host_bytes"]),
              format_bytes(t["guaranteed_bytes"]) if t["guaranteed_bytes"] else "-",
              format_bytes(t["max_bytes"]) if t["max_bytes"] is not None else "-"]
             for t in tenants
         ]
-        text += "\n\n" + render_table(["TENANT", "SESSIONS", "USED", "GUARANTEED", "MAX"], rows)
+        text += "\n\n" + render_table(["TENANT", "SESSIONS", "USED", "HOST-TIER", "GUARANTEED", "MAX"], rows)
     if r.get("tenants_left_out"):
         text += f"\n... and {r['tenants_left_out']} more tenants"
     return Output({"instances": [r]}, text, STATUS_COLUMNS, [r])
@@ -324,6 +332,7 @@ BUFFER_COLUMNS = [
     _bytes_column("PENDING", "pending_bytes", wide=True),
     _bytes_column("RESERVED", "reserved_bytes", wide=True),
     _plain_column("CHUNKS", "num_chunks"),
+    _plain_column("TIER", "tier", wide=True),
     Column("SEALED", lambda r: "yes" if r.get("sealed") else "no", lambda r: int(bool(r.get("sealed")))),
     _plain_column("READERS", "readers"),
     # Declared again by the processes that map it after a restart with no keeper: counted, not attachable elsewhere.
@@ -335,6 +344,23 @@ BUFFER_COLUMNS = [
 def cmd_buffers(client: Client, args: argparse.Namespace) -> Output:
     buffers = [_as_dict(b) for b in client.buffers(args.session)]
     return Output({"buffers": buffers}, "", BUFFER_COLUMNS, buffers, "no buffers")
+
+
+WEIGHTS_COLUMNS = [
+    _plain_column("NAME", "name"),
+    Column("SIZE", lambda r: format_bytes(r["physical_bytes"]), lambda r: r["physical_bytes"]),
+    _plain_column("READERS", "readers"),
+    Column("HELD-BY", lambda r: f"session {r['session_id']}" if r["session_id"] else "nobody (orphan)",
+           lambda r: r["session_id"]),
+    _plain_column("BUFFER", "buffer_id"),
+    _plain_column("OWNER", "owner_uid", wide=True),
+]
+
+
+def cmd_weights(client: Client, args: argparse.Namespace) -> Output:
+    """Sealed buffers: the models resident on the device, each read by its engines from one copy."""
+    weights = [_as_dict(b) for b in client.buffers() if b.sealed]
+    return Output({"weights": weights}, "", WEIGHTS_COLUMNS, weights, "no sealed weights")
 
 
 def cmd_delete(client: Client, args: argparse.Namespace) -> Output:
@@ -435,6 +461,8 @@ COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], Output] | None,
                "hbmctl status"),
     "sessions": (cmd_sessions, "connected worker sessions and what each holds", "hbmctl sessions --json"),
     "buffers": (cmd_buffers, "buffers with their segments, committed bytes and chunk counts", "hbmctl buffers --session 3"),
+    "weights": (cmd_weights, "sealed weights resident on the device: size, readers and key (vLLM's in the name)",
+                "hbmctl weights"),
     "delete": (cmd_delete, "delete an orphaned persistent buffer by name (yours; an admin names another user's with --uid)",
                "hbmctl delete --uid 1000 kv-cache-layer0"),
     "reclaim": (cmd_reclaim, "ask a session to give memory back; its engine decides what to release",

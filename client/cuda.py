@@ -90,10 +90,9 @@ class CudaMapper:
         driver.set_access(address, size, [self.ordinal], readonly=True)
 
     def copy(self, destination: int, source: int, size: int) -> None:
-        """Device-to-device copy, finished when this returns."""
+        """Queue a copy on the mapper's stream (device or host-NUMA memory alike); :meth:`synchronize` waits for it."""
         driver.make_current(self._ctx)
         driver.copy_async(destination, source, size, self._stream)
-        driver.stream_synchronize(self._stream)
 
     def zero(self, address: int, size: int) -> None:
         """Queue zeroing on the mapper's stream; :meth:`synchronize` waits for it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hbmd.proto import TIER_HOST
 from hbmd.proto.units import exact_bytes
 
 from .tensor import ExtensibleTensor
@@ -65,15 +66,25 @@ class ExtensibleKVCacheBuffers:
     def physical_bytes(self) -> int:
         return sum(tensor.physical_bytes for tensor, _ in self.buffers)
 
-    def release_physical(self) -> None:
-        """Drop every buffer's pages, keep the address ranges; :meth:`recommit` restores the size."""
+    def release_physical(self, keep: bool = False) -> None:
+        """Drop every buffer's pages, keep the address ranges; :meth:`recommit` restores the size.
+
+        ``keep``: demote the pages to the daemon's host tier instead, with
+        their data (:meth:`ExtensibleTensor.demote`); the blocks stay committed.
+        """
         for tensor, _ in self.buffers:
-            tensor.release_physical()
+            tensor.release_physical(keep)
+        if keep:
+            return
         self._blocks_before_release = max(self._blocks_before_release, self.num_blocks_committed)
         self.num_blocks_committed = 0
 
     def recommit(self) -> None:
-        """Commit again the block count held before :meth:`release_physical`, with zeroed pages."""
+        """Commit again the block count held before :meth:`release_physical`, with zeroed pages; buffers demoted by
+        ``release_physical(keep=True)`` come back to the device with their data."""
+        for tensor, _ in self.buffers:
+            if tensor.tier == TIER_HOST:
+                tensor.promote()
         self.commit(self._blocks_before_release)
         self._blocks_before_release = 0
 

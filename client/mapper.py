@@ -58,7 +58,7 @@ class Mapper(Protocol):
         ...
 
     def copy(self, destination: int, source: int, size: int) -> None:
-        """Copy bytes, finished when this returns."""
+        """Copy bytes; :meth:`synchronize` waits for it (copies are done in the order they were asked for)."""
         ...
 
     def zero(self, address: int, size: int) -> None:

@@ -59,16 +59,28 @@ class Reservation:
             self.mapped.append((offset, granule))
             self.changes += 1
 
-    def copy_into(self, chunk: ChunkInfo, fd: int) -> None:
-        """Copy the bytes mapped at ``chunk``'s offset into ``chunk`` itself, mapped for it at a scratch address."""
-        scratch = self.mapper.reserve(chunk.size)
+    def copy_into(self, chunks: list[tuple[ChunkInfo, int]]) -> None:
+        """Copy the bytes mapped at each chunk's offset into the chunk itself, mapped for it in one scratch range.
+
+        Every copy is queued before the one wait, so that a move of many
+        chunks runs at the copy engine's pace rather than a round trip each.
+        """
+        total = sum(chunk.size for chunk, _ in chunks)
+        scratch = self.mapper.reserve(total)
+        mapped: list[tuple[int, int]] = []
         try:
-            self.mapper.map(scratch, chunk, fd)
+            self.mapper.synchronize()  # the bytes to copy are final: nothing may still be writing them
+            at = scratch
+            for chunk, fd in chunks:
+                self.mapper.map(at, chunk, fd)
+                mapped.append((at, chunk.size))
+                self.mapper.copy(at, self.base + chunk.offset, chunk.size)
+                at += chunk.size
             self.mapper.synchronize()
-            self.mapper.copy(scratch, self.base + chunk.offset, chunk.size)
-            self.mapper.unmap(scratch, chunk.size)
         finally:
-            self.mapper.unreserve(scratch, chunk.size)
+            for address, size in mapped:
+                self.mapper.unmap(address, size)
+            self.mapper.unreserve(scratch, total)
 
     def protect(self) -> None:
         """Make every mapped chunk read-only."""

@@ -32,6 +32,7 @@ from hbmd.proto import (
     ListBuffers,
     ListSessions,
     Message,
+    Move,
     Reclaim,
     ReclaimDone,
     ReclaimRequest,
@@ -71,6 +72,10 @@ DEFAULT_TIMEOUT_S = 10.0
 RESUME_TIMEOUT_S = 30.0
 """How long a client waits by default for its daemon to come back after it went away (``HBMD_RESUME_TIMEOUT``)."""
 RESUME_POLL_S = 0.01
+DEMOTE_WAIT_S = 10.0
+"""How long a commit refused while other tenants' idle buffers are demoted for it is sent again (each idle client
+copies its buffers out at copy speed: 64 GiB took about 1.2 s at the H200's 55 GB/s)."""
+DEMOTE_RETRY_S = 0.02
 TENANT_ENV = "HBMD_TENANT"
 """The tenant a client declares where its code names none: how an operator sets it for an engine it does not write
 (vLLM's workers, say)."""
@@ -92,6 +97,12 @@ class Holder(Protocol):
 
     def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:
         """The new daemon's record of the buffer, or why it refused to count it."""
+
+    def _demote_under_pressure(self) -> int:
+        """Demote the buffer to the host tier where it can be; returns the device bytes that gave back."""
+
+    def _promote_after_pressure(self) -> int:
+        """Promote the buffer back where :meth:`_demote_under_pressure` demoted it; returns the bytes promoted."""
 
 
 class ForkedClient(HbmdError):
@@ -478,7 +489,14 @@ class Client:
         return self._deliver(Defragment(buffer_id, preserve))
 
     def finish_defragment(self, buffer_id: int, keep_new: bool) -> Released:
+        """The remap of a preserving defragment or a move is done (``keep_new``) or given up."""
         return self.call(FinishDefragment(buffer_id, keep_new))
+
+    def move(self, buffer_id: int, tier: str) -> Delivery:
+        """Ask for the buffer's chunks in ``tier`` (``"host"``: demote, ``"device"``: promote); the delivery brings them,
+        none where the buffer is there already. Finish with :meth:`finish_defragment`."""
+        self._need_minor(6, "demote and promote")
+        return self._deliver(Move(buffer_id, tier))
 
     def remap(self, buffer_id: int) -> Delivery:
         """Every chunk of the buffer again, as the daemon records it: the way back after a failed map."""
@@ -512,20 +530,37 @@ class Client:
 
         A request the budget refuses while this session holds a lease is
         sent once more with the lease given back: its bytes are room (the
-        daemon reads the return before the request).
+        daemon reads the return before the request). One refused while other
+        tenants' idle buffers are being demoted for it is sent again until
+        they are, for :data:`DEMOTE_WAIT_S` at most.
         """
         self._lock.acquire()  # the delivery releases it once its batches are in
         with Undo() as undo:
             undo.push(self._lock.release)
             try:
                 reply, request_id = self._call_with_id(msg)
-            except OutOfBudget:
-                if self._lease is None or not self._give_back_lease():
+            except OutOfBudget as exc:
+                if self._lease is not None and self._give_back_lease():
+                    reply, request_id = self._call_with_id(msg)
+                elif exc.details.get("demoting"):
+                    reply, request_id = self._call_while_demoting(msg)
+                else:
                     raise
-                reply, request_id = self._call_with_id(msg)
             if self._closer is None:
                 self._closer = FdCloser()
             return Delivery(reply, request_id, self._handles, self._closer, self.timeout, self._lock)
+
+    def _call_while_demoting(self, msg: Request[Committed]) -> tuple[Committed, int]:
+        """Send ``msg`` again until the budget admits it or no demote is under way for it, :data:`DEMOTE_WAIT_S` at
+        most; raises the last refusal."""
+        deadline = time.monotonic() + DEMOTE_WAIT_S
+        while True:
+            time.sleep(DEMOTE_RETRY_S)
+            try:
+                return self._call_with_id(msg)
+            except OutOfBudget as exc:
+                if not exc.details.get("demoting") or time.monotonic() > deadline:
+                    raise
 
     # leases
 
@@ -610,6 +645,7 @@ class Client:
                 self._lease.serve(self._handles.grants, self._handles.revokes)
             if self._reclaim_callback is not None:
                 self._answer_reclaims()
+            self._serve_demotes()
         except Exception:
             if not self.closed:
                 log.exception("the hbmd listener thread failed on a datagram")
@@ -649,6 +685,34 @@ class Client:
 
     def answer_reclaim(self, request: ReclaimRequest, released_bytes: int) -> None:
         self.call(ReclaimDone(request.reclaim_id, released_bytes))
+
+    def _serve_demotes(self) -> None:
+        """Answer the daemon's requests to demote buffers (another tenant's commit waits for the room): the buffers
+        this process maps go to the host tier, oldest first, until the bytes asked for have moved; and promote them
+        back when the daemon says the device has room again. The daemon asks only clients of tenants configured to be
+        demoted, when idle; their engines need do nothing."""
+        while True:
+            try:
+                request = self._handles.demotes.popleft()
+            except IndexError:
+                return
+            moved = 0
+            with self._lock:  # the engine's own calls wait; its kernels keep running on the same addresses
+                for holder in sorted(self._holders, key=lambda h: h.buffer_id):
+                    if isinstance(request, ReclaimRequest) and moved >= request.bytes:
+                        break
+                    try:
+                        if isinstance(request, ReclaimRequest):
+                            moved += holder._demote_under_pressure()
+                        else:
+                            moved += holder._promote_after_pressure()
+                    except HbmdError as exc:
+                        log.warning("moving buffer %d for the daemon failed: %s", holder.buffer_id, exc)
+            if isinstance(request, ReclaimRequest):
+                log.info("demoted %d bytes to the host tier for the daemon (%s)", moved, request.reason)
+                self.answer_reclaim(request, moved)
+            else:
+                log.info("promoted %d bytes back to the device: the daemon has room again", moved)
 
     def _answer_reclaims(self) -> None:
         for request in self.pending_reclaims():
@@ -733,8 +797,8 @@ def _listen(client_ref: "weakref.ref[Client]", handles: HandleChannel) -> None:
 
 def _replies_with_fds(hello: Hello, welcome: Welcome) -> bool:
     """Whether a commit's reply rides with its FDs: the client's hellos ask for it, and the daemon of this welcome
-    knows to (1.6)."""
-    return hello.replies_with_fds and tuple(welcome.version) >= (1, 6)
+    knows to (1.7)."""
+    return hello.replies_with_fds and tuple(welcome.version) >= (1, 7)
 
 
 def _alive(client_ref: "weakref.ref[Client]") -> Client:

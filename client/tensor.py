@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from hbmd.proto import BufferInfo, ChunkInfo, Redeclare
+from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo, ChunkInfo, Redeclare
 from hbmd.proto.errors import HbmdError, InvalidRequest, SessionLost, TensorUnusable
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import exact_bytes
 
+from .delivery import Delivery
 from .devices import parse_device
 from .reservation import Reservation
 from .session import Client, default_client
@@ -243,6 +244,11 @@ class ExtensibleTensor(Transactions):
         return self._num_chunks
 
     @property
+    def tier(self) -> str:
+        """Where the pages are: ``"device"``, or ``"host"`` once :meth:`demote` moved them to the daemon's host tier."""
+        return self._info.tier
+
+    @property
     def num_physical_chunks(self) -> int:
         """Chunks mapped in this process now."""
         return 0 if self._freed else len(self._reservation.mapped)
@@ -377,10 +383,63 @@ class ExtensibleTensor(Transactions):
             # The old chunks are unmapped before the daemon drops them; a refusal maps them back.
             self._transaction(lambda: self._client.defragment(self.buffer_id, False), before=self._reservation.unmap_all)
             return self
+        self._reback(lambda: self._client.defragment(self.buffer_id, True))
+        return self
+
+    def demote(self) -> "ExtensibleTensor":
+        """Move the committed bytes to the daemon's host tier, at the same addresses; the device pages go back at once.
+
+        Views, ``base_ptr`` and CUDA graphs captured over the buffer stay
+        valid (kernels then read host memory over the bus); the data is
+        copied as :meth:`defragment` copies it, so a worker killed midway
+        loses nothing. Growing or defragmenting a demoted buffer is refused
+        (``Conflict``) until :meth:`promote`. Already there, or with nothing
+        committed: a no-op. Raises ``OutOfBudget`` where the host budget is
+        short or the daemon has no host tier (``hbmd --host-budget``),
+        ``InvalidRequest`` for a sealed buffer (its readers map it too).
+        """
+        self._check_writable("demote")
+        self._reback(lambda: self._client.move(self.buffer_id, TIER_HOST))
+        return self
+
+    def promote(self) -> "ExtensibleTensor":
+        """Move a demoted buffer's bytes back to device memory, at the same addresses (see :meth:`demote`).
+
+        Raises ``OutOfBudget`` where the device budget cannot hold them now
+        (the buffer stays in the host tier, whole); a no-op on the device.
+        """
+        self._check_writable("promote")
+        self._reback(lambda: self._client.move(self.buffer_id, TIER_DEVICE))
+        return self
+
+    _demoted_under_pressure = False
+    """Demoted by the client for the daemon, not by the engine: promoted back by the client once there is room."""
+
+    def _demote_under_pressure(self) -> int:
+        """Demote this buffer where its owner may (the client serving the daemon's request); returns the bytes."""
+        if self._freed or self._readonly or self.sealed or self.tier == TIER_HOST or self._unusable is not None:
+            return 0
+        physical = self.physical_bytes
+        self.demote()
+        self._demoted_under_pressure = self.tier == TIER_HOST
+        return physical if self._demoted_under_pressure else 0
+
+    def _promote_after_pressure(self) -> int:
+        """Promote this buffer back if the client demoted it for the daemon and it is still there; returns the bytes."""
+        if not self._demoted_under_pressure or self._freed or self._unusable is not None or self.tier != TIER_HOST:
+            self._demoted_under_pressure = False
+            return 0
+        self.promote()
+        self._demoted_under_pressure = False
+        return self.physical_bytes
+
+    def _reback(self, ask: Callable[[], Delivery]) -> None:
+        """Re-back the buffer with the chunks ``ask`` brings (a preserving defragment's or a move's): copied into,
+        then mapped in place of the old ones. None brought: nothing to do."""
         fresh: list[tuple[ChunkInfo, int]] = []
         started_over = self._client.started_over
         try:
-            with self._client.defragment(self.buffer_id, True) as delivery:
+            with ask() as delivery:
                 for chunk, fd in delivery:
                     fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
             if fresh:
@@ -388,15 +447,13 @@ class ExtensibleTensor(Transactions):
         finally:
             for _, fd in fresh:
                 os.close(fd)
-        return self
 
     def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int) -> None:
         """Copy the data into the new chunks, remap them in place of the old, and confirm."""
         with Undo() as undo:
             # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
             undo.push(self._finish_defragment, False, started_over)
-            for chunk, fd in fresh:
-                self._reservation.copy_into(chunk, fd)
+            self._reservation.copy_into(fresh)
         # From here the new chunks hold the data: the daemon keeps them whatever happens next.
         try:
             self._reservation.unmap_all()
@@ -437,12 +494,17 @@ class ExtensibleTensor(Transactions):
 
     # sleep and teardown
 
-    def release_physical(self) -> None:
+    def release_physical(self, keep: bool = False) -> None:
         """Drop every page but keep the address range and the views (sleep).
 
         The mappings go first, then the daemon is told, so no page is freed
-        while this process can still reach it.
+        while this process can still reach it. ``keep``: the sleep that keeps
+        the data: the pages are demoted to the host tier instead (see
+        :meth:`demote`), and :meth:`recommit` promotes them back.
         """
+        if keep:
+            self.demote()
+            return
         self._check_writable("release_physical")
         held = self.segment_sizes
         self._reservation.unmap_all()
@@ -456,7 +518,8 @@ class ExtensibleTensor(Transactions):
         self._sizes_before_release = [max(a, b) for a, b in zip(self._sizes_before_release or held, held)]
 
     def recommit(self) -> "ExtensibleTensor":
-        """Commit again, with zeroed pages, the segment sizes held before :meth:`release_physical` (wake).
+        """Commit again, with zeroed pages, the segment sizes held before :meth:`release_physical` (wake); a buffer
+        demoted by ``release_physical(keep=True)`` is promoted back first, its data kept.
 
         As :meth:`ExtensibleKVCacheBuffers.recommit` does for its buffers:
         after several releases the largest sizes come back, and a segment
@@ -466,6 +529,8 @@ class ExtensibleTensor(Transactions):
         the pages do not fit); the sizes stay remembered for a second try.
         """
         self._check_writable("recommit")
+        if self.tier == TIER_HOST:
+            self.promote()
         if self._sizes_before_release is not None:
             self.resize_segments_([max(a, b) for a, b in zip(self._sizes, self._sizes_before_release)], zero_new=True)
             self._sizes_before_release = None
@@ -530,6 +595,7 @@ class ExtensibleTensor(Transactions):
             shareable=self._info.shareable,
             sealed=self._info.sealed,
             readonly=self._readonly,
+            tier=self._info.tier,
         )
 
     def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:

@@ -31,6 +31,7 @@ from hbmd.proto import (
     LeaseGrant,
     LeaseRevoke,
     Message,
+    PromoteRequest,
     ReclaimRequest,
     Refused,
     Request,
@@ -62,7 +63,7 @@ class HandleChannel:
     and the client's listener thread. Reads happen under one lock, never
     waits (sends need the lock too); whichever reader takes a datagram meant
     for the other leaves it in ``_backlog`` (FD batches, signalled on
-    ``_filed``), ``reclaims`` (reclaim requests), ``grants`` (leased
+    ``_filed``), ``reclaims`` and ``demotes`` (reclaim requests), ``grants`` (leased
     granules, with their FDs) or ``revokes`` (leased granules asked back).
     """
 
@@ -72,6 +73,9 @@ class HandleChannel:
         self._lock = threading.Lock()
         self._backlog: list[tuple[FdBatch, list[int]]] = []
         self.reclaims: collections.deque[ReclaimRequest] = collections.deque()
+        self.demotes: collections.deque[ReclaimRequest | PromoteRequest] = collections.deque()
+        """Requests to demote buffers under pressure (``ReclaimRequest.demote``) and to promote them back once there
+        is room: the client serves them itself."""
         self.grants: collections.deque[tuple[LeaseGrant, list[int]]] = collections.deque()
         self.revokes: collections.deque[LeaseRevoke] = collections.deque()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -153,9 +157,11 @@ class HandleChannel:
             return msg
         _close_all(fds)
         if isinstance(msg, ReclaimRequest):
-            self.reclaims.append(msg)
+            (self.demotes if msg.demote else self.reclaims).append(msg)
         elif isinstance(msg, LeaseRevoke):
             self.revokes.append(msg)
+        elif isinstance(msg, PromoteRequest):
+            self.demotes.append(msg)
         return None
 
     def receive_fds(self, request_id: int, deadline: float) -> tuple[FdBatch, list[int]]:
@@ -331,7 +337,7 @@ class ControlChannel:
     once the daemon has closed it, calls raise :class:`SessionLost` at once.
     ``replies_with_fds``: the session's daemon sends a :class:`Committed`
     reply with the request's first FD batch, on the handle socket (its hello
-    asked, protocol 1.6): a call for one waits on that socket too.
+    asked, protocol 1.7): a call for one waits on that socket too.
     """
 
     def __init__(

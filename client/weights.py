@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import json
 import struct
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hbmd.proto.undo import Undo
@@ -41,15 +42,63 @@ ALIGNMENT = 256
 MANIFEST_VERSION = 1
 
 
-def store_weights(state_dict: Mapping[str, Any], name: str, device: Any, client: Client | None = None) -> ExtensibleTensor:
+@dataclass
+class Weights:
+    """A sealed weights buffer as one reader maps it."""
+
+    tensors: dict[str, Any]
+    """Read-only views of the buffer, by name, in stored order."""
+    meta: dict[str, Any]
+    """What the storer recorded beside the tensors (``{}`` when nothing)."""
+    buffer: ExtensibleTensor
+    """The read claim: the views stay valid until it is detached or this session ends."""
+
+
+def store_weights(
+    state_dict: Mapping[str, Any],
+    name: str,
+    device: Any,
+    client: Client | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> ExtensibleTensor:
     """Copy ``state_dict``'s tensors into a new persistent buffer ``name`` on ``device``, and seal it.
 
-    Returns the sealed tensor, owned by this session: it stays in the daemon
-    for readers when this process detaches or ends, until deleted
-    (``hbmctl delete NAME``). Raises ``TypeError`` for a value that is not a
-    dense tensor, ``Conflict`` when ``name`` exists; on any failure nothing
-    is left behind.
+    ``meta``: JSON-serialisable facts to keep beside the tensors, which every
+    reader gets back (:func:`open_weights`). Returns the sealed tensor, owned
+    by this session: it stays in the daemon for readers when this process
+    detaches or ends, until deleted (``hbmctl delete NAME``). Raises
+    ``TypeError`` for a value that is not a dense tensor, ``Conflict`` when
+    ``name`` exists; on any failure nothing is left behind. A process killed
+    before the seal leaves an unsealed buffer, which no reader can attach.
     """
+    plan = _plan(state_dict, meta)
+    with Undo() as undo:
+        buffer = ExtensibleTensor(plan.size, device, client=client, name=name, persistent=True)
+        undo.push(buffer.free)
+        _write(buffer, plan)
+    return buffer
+
+
+def write_weights(buffer: ExtensibleTensor, state_dict: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> None:
+    """:func:`store_weights` into ``buffer``, an empty persistent buffer of this session made beforehand (to claim its
+    name before the tensors exist, say) with room for them; ``ValueError`` when it has too little."""
+    plan = _plan(state_dict, meta)
+    if plan.size > buffer.max_num_bytes:
+        raise ValueError(f"weights of {plan.size} bytes do not fit buffer {buffer.name!r} of {buffer.max_num_bytes}")
+    _write(buffer, plan)
+
+
+@dataclass
+class _Plan:
+    """Where each tensor goes in a weights buffer, and the header that says so."""
+
+    header: bytes
+    data_start: int
+    tensors: list[tuple[dict[str, Any], Any]]
+    size: int
+
+
+def _plan(state_dict: Mapping[str, Any], meta: Mapping[str, Any] | None) -> _Plan:
     import torch
 
     tensors: list[tuple[dict[str, Any], Any]] = []
@@ -65,25 +114,30 @@ def store_weights(state_dict: Mapping[str, Any], name: str, device: Any, client:
             "offset": end,
             "nbytes": nbytes,
         }
+        if not tensor.is_contiguous() and _dense_order(tensor):
+            entry["stride"] = list(tensor.stride())
         tensors.append((entry, tensor))
         end = round_up(end + nbytes, ALIGNMENT)
-    manifest = json.dumps({"version": MANIFEST_VERSION, "tensors": [entry for entry, _ in tensors]}).encode()
+    contents: dict[str, Any] = {"version": MANIFEST_VERSION, "tensors": [entry for entry, _ in tensors]}
+    if meta:
+        contents["meta"] = dict(meta)
+    manifest = json.dumps(contents).encode()
     header = HEADER.pack(MAGIC, len(manifest)) + manifest
     data_start = round_up(len(header), ALIGNMENT)
+    return _Plan(header, data_start, tensors, data_start + end)
 
-    with Undo() as undo:
-        buffer = ExtensibleTensor(data_start + end, device, client=client, name=name, persistent=True)
-        undo.push(buffer.free)
-        buffer.resize_(data_start + end)
-        view = buffer.full_view()
-        view[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-        for entry, tensor in tensors:
-            if entry["nbytes"]:
-                start = data_start + entry["offset"]
-                source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                view[start : start + entry["nbytes"]].copy_(source)
-        buffer.seal()
-    return buffer
+
+def _write(buffer: ExtensibleTensor, plan: _Plan) -> None:
+    import torch
+
+    buffer.resize_(plan.size)
+    view = buffer.full_view()
+    view[: len(plan.header)].copy_(torch.frombuffer(bytearray(plan.header), dtype=torch.uint8))
+    for entry, tensor in plan.tensors:
+        if entry["nbytes"]:
+            start = plan.data_start + entry["offset"]
+            view[start : start + entry["nbytes"]].copy_(_memory_order(tensor.detach()).view(torch.uint8))
+    buffer.seal()
 
 
 def load_weights(name: str, device: Any, client: Client | None = None) -> dict[str, Any]:
@@ -96,6 +150,11 @@ def load_weights(name: str, device: Any, client: Client | None = None) -> dict[s
     ``InvalidRequest`` for a buffer that is not sealed, ``ValueError`` for a
     buffer that holds no weights manifest.
     """
+    return open_weights(name, device, client).tensors
+
+
+def open_weights(name: str, device: Any, client: Client | None = None) -> Weights:
+    """:func:`load_weights`, with what the storer recorded beside the tensors and the read claim itself."""
     import torch
 
     with Undo() as undo:
@@ -115,8 +174,36 @@ def load_weights(name: str, device: Any, client: Client | None = None) -> dict[s
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"weights {name!r}: {entry['name']!r} has unknown dtype {entry['dtype']!r}")
             start = data_start + entry["offset"]
-            weights[entry["name"]] = view[start : start + entry["nbytes"]].view(dtype).view(entry["shape"])
-    return weights
+            flat = view[start : start + entry["nbytes"]].view(dtype)
+            stride = entry.get("stride")
+            if stride is None:
+                weights[entry["name"]] = flat.view(entry["shape"])
+            else:
+                _check_strides(name, entry, flat.numel())
+                weights[entry["name"]] = flat.as_strided(entry["shape"], stride)
+    return Weights(weights, manifest.get("meta", {}), buffer)
+
+
+def _check_strides(name: str, entry: dict[str, Any], elements: int) -> None:
+    """Refuse strides that would reach outside the entry's own bytes: the manifest is read, not trusted."""
+    shape, stride = entry["shape"], entry["stride"]
+    last = sum((size - 1) * step for size, step in zip(shape, stride) if size > 0)
+    if len(stride) != len(shape) or any(step < 0 for step in stride) or (elements and last >= elements):
+        raise ValueError(f"weights {name!r}: {entry['name']!r} has strides {stride} outside its {elements} elements")
+
+
+def _dense_order(tensor: Any) -> list[int] | None:
+    """The order of ``tensor``'s dimensions, outermost first, in which its elements fill one gapless run of memory;
+    None when they do not (an expanded or sliced view)."""
+    outermost_first = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    return outermost_first if tensor.permute(outermost_first).is_contiguous() else None
+
+
+def _memory_order(tensor: Any) -> Any:
+    """``tensor``'s elements as one flat run, in the order they lie in memory: its bytes for a dense tensor whatever its
+    strides (so that ``as_strided`` with the same strides rebuilds it), and row-major for any other."""
+    order = None if tensor.is_contiguous() else _dense_order(tensor)
+    return tensor.contiguous().reshape(-1) if order is None else tensor.permute(order).contiguous().reshape(-1)
 
 
 def _read(view: Any, start: int, size: int) -> bytes:

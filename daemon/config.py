@@ -29,6 +29,11 @@ guaranteed = "40GiB"        # no other tenant's commit can eat into this
 [[tenants]]
 uid = 1001                  # every session of uid 1001: a name it declares is charged here too,
 max = "50%"                 # unless a named tenant lists 1001 in its uids
+
+[[tenants]]
+name = "batch"
+demote = 1                  # under pressure its idle buffers move to the host tier (--host-budget), lowest
+                            # number first, instead of another tenant's commit being refused; not with guaranteed
 """
 """An example of every key (``hbmd --config /etc/hbmd/gpu0.toml``), as ``hbmd --help`` and the README show it.
 
@@ -51,6 +56,9 @@ class TenantLimits:
     uids: frozenset[int] | None
     max_bytes: int | None
     guaranteed_bytes: int
+    demote: int | None = None
+    """Where it comes in the order of tenants whose idle buffers are demoted under pressure (lowest first); None:
+    never. A tenant with a guaranteed minimum is never demoted."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +127,7 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
     seen: set[str] = set()
     for i, entry in enumerate(tenants_raw):
         at = f"{where}: tenants[{i}]"
-        unknown = set(entry) - {"name", "uid", "uids", "max", "guaranteed"}
+        unknown = set(entry) - {"name", "uid", "uids", "max", "guaranteed", "demote"}
         if unknown:
             raise ConfigError(f"{at} has unknown key(s) {', '.join(sorted(unknown))}")
         if ("name" in entry) == ("uid" in entry):
@@ -136,6 +144,11 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
         guaranteed = _size(f"{at}.guaranteed", entry.get("guaranteed", 0), total_bytes)
         if max_bytes is not None and guaranteed > max_bytes:
             raise ConfigError(f"{at}: guaranteed ({exact_bytes(guaranteed)}) exceeds max ({exact_bytes(max_bytes)})")
+        demote = entry.get("demote")
+        if demote is not None and (type(demote) is not int or demote < 0):
+            raise ConfigError(f"{at}.demote must be a non-negative integer (its place in the order of demotion)")
+        if demote is not None and guaranteed:
+            raise ConfigError(f"{at}: a tenant with a guaranteed minimum is never demoted; drop demote or guaranteed")
         tenants.append(
             TenantLimits(
                 name=name,
@@ -143,6 +156,7 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
                 uids=_ids(f"{at}.uids", entry["uids"]) if "uids" in entry else None,
                 max_bytes=max_bytes,
                 guaranteed_bytes=guaranteed,
+                demote=demote,
             )
         )
     promised = sum(t.guaranteed_bytes for t in tenants)

@@ -25,7 +25,8 @@ from hbmd.proto.units import format_bytes, parse_size
 
 from . import logs
 from .backends import A, Backend, C
-from .backends.host import HostBackend
+from .backends.host import GRANULE, HostBackend, host_memory_bytes
+from .backends.pool import HOST_PIECE
 from .config import FORMAT as CONFIG_FORMAT
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
@@ -38,6 +39,9 @@ from .state import DEFAULT_LEASE_BYTES, Limits, State
 
 log = logging.getLogger("hbmd.daemon")
 
+HOST_POOL_DEFAULT = "4GiB"
+"""Host-tier memory made ahead of demotes without ``--host-pool`` (within the host budget): creating pinned host
+memory takes ~250 ms a GiB on the H200, which a demote would otherwise wait for."""
 HOST_DEFAULT_BUDGET = "50%"
 """The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
 kernel, the engines and their page cache need too."""
@@ -83,14 +87,15 @@ class BackendUnavailable(RuntimeError):
 
 
 def select_backend(
-    kind: str, device: int, warm_chunks: int = 0, export_sentinel: bool = True
+    kind: str, device: int, warm_chunks: int = 0, export_sentinel: bool = True, host_pool_bytes: int = 0,
+    host_piece: int = HOST_PIECE,
 ) -> tuple[Backend[Any, Any], str]:
     """The backend named by ``--backend`` and a note on why it was chosen.
 
     ``auto`` takes CUDA where a driver and the device are usable, else host.
     """
     if kind == "host":
-        return HostBackend(), "as asked"
+        return HostBackend(host_pool_bytes, host_piece), "as asked"
     from hbmd.driver import CudaUnavailable
     from hbmd.proto.errors import HbmdError
 
@@ -98,11 +103,11 @@ def select_backend(
 
     try:
         why = "as asked" if kind == "cuda" else "auto: CUDA driver and device found"
-        return CudaBackend(device, warm_chunks, export_sentinel), why
+        return CudaBackend(device, warm_chunks, export_sentinel, host_pool_bytes, host_piece), why
     except (CudaUnavailable, HbmdError) as exc:
         if kind == "cuda":
             raise BackendUnavailable(f"CUDA backend unusable for GPU {device}: {exc}") from None
-        return HostBackend(), f"auto: CUDA unusable ({exc})"
+        return HostBackend(host_pool_bytes, host_piece), f"auto: CUDA unusable ({exc})"
 
 
 def raise_fd_limit() -> None:
@@ -130,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", metavar="SIZE",
                         help="most bytes committed at once: 96MiB, 120GiB, 90%% (default: all device memory; "
                              f"host backend: {HOST_DEFAULT_BUDGET.replace('%', '%%')} of RAM)")
+    parser.add_argument("--host-budget", default="0", metavar="SIZE",
+                        help="most bytes of the host tier, where buffers are demoted to (ExtensibleTensor.demote(), "
+                             "release_physical(keep=True)): host RAM, pinned (host-NUMA memory on CUDA), as a size or "
+                             "a %% of RAM (default: 0, no host tier)")
+    parser.add_argument("--host-pool", default=HOST_POOL_DEFAULT, metavar="SIZE",
+                        help="host-tier memory made ahead of demotes while idle, within --host-budget "
+                             "(default: %(default)s)")
+    parser.add_argument("--host-piece", default=f"{HOST_PIECE >> 20}MiB", metavar="SIZE",
+                        help="size of the host-tier chunks a demote is cut into and the pool makes ahead, whole "
+                             "granules (default: %(default)s)")
     parser.add_argument("--instance-name", type=instance_name, metavar="NAME",
                         help="serve under <run-dir>/NAME instead of gpu<N> or host, e.g. a second host pool")
     parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
@@ -222,18 +237,54 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
         raise Refusal(f"--device {args.device}: the host backend serves host memory, no GPU; leave --device out, or "
                       "serve the GPU with --backend cuda", 2)
     device = 0 if args.device is None else args.device
+    host_budget, host_pool, host_piece = _host_tier(args)
     try:
-        backend, why = select_backend(args.backend, device, args.warm_chunks, not args.no_export_sentinel)
+        backend, why = select_backend(args.backend, device, args.warm_chunks, not args.no_export_sentinel, host_pool,
+                                      host_piece)
     except BackendUnavailable as exc:
         raise Refusal(str(exc), 1) from None
     try:
-        return _wire(args, backend, why)
+        if host_budget:
+            _check_host_tier(backend)
+        return _wire(args, backend, why, host_budget)
     except BaseException:
         backend.close()
         raise
 
 
-def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[A, C]:
+def _host_tier(args: argparse.Namespace) -> tuple[int, int, int]:
+    """``--host-budget``, ``--host-pool`` (within the budget) and ``--host-piece`` in bytes."""
+    ram = host_memory_bytes()
+    try:
+        budget = parse_size(args.host_budget, ram)
+        pool = parse_size(args.host_pool, ram)
+        piece = parse_size(args.host_piece)
+    except ValueError as exc:
+        raise Refusal(f"--host-budget/--host-pool/--host-piece: {exc}", 2) from None
+    # Both backends' granule is 2 MiB (the CUDA one checks its own before serving a host tier).
+    if piece <= 0 or piece % GRANULE:
+        raise Refusal(f"--host-piece: {args.host_piece} is not a positive whole number of 2 MiB granules", 2)
+    if budget > ram:
+        raise Refusal(f"--host-budget: {format_bytes(budget)} is more than the {format_bytes(ram)} of RAM there is", 2)
+    if budget < 0 or pool < 0:
+        raise Refusal("--host-budget/--host-pool: a size cannot be negative", 2)
+    return budget, min(pool, budget), piece
+
+
+def _check_host_tier(backend: Backend[Any, Any]) -> None:
+    """Refuse to start with a host tier the backend cannot serve (a CUDA driver without host-NUMA VMM memory)."""
+    check = getattr(backend, "check_host_tier", None)
+    if check is None:
+        return
+    from hbmd.proto.errors import HbmdError
+
+    try:
+        check()
+    except HbmdError as exc:
+        raise Refusal(f"--host-budget: {backend.name} cannot serve a host tier here: {exc}", 1) from None
+
+
+def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budget: int = 0) -> Daemon[A, C]:
     if args.instance_name:
         backend.instance = args.instance_name
     budget = _budget(args, backend)
@@ -252,7 +303,7 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str) -> Daemon[
     limits = _limits(args)
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
-    state = State(backend, budget, config, args.reclaim_timeout, limits, lease)
+    state = State(backend, budget, config, args.reclaim_timeout, limits, lease, host_budget_bytes=host_budget)
     if args.config:
         state.config_load.path = os.path.abspath(args.config)
         state.config_load.loaded()
@@ -481,6 +532,9 @@ def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
         daemon.paths.handles,
         f", metrics {metrics_url}" if metrics_url else "",
     )
+    if daemon.server.state.host_budget_bytes:
+        log.info("host tier: budget %s, up to %s of it made ahead while idle (--host-pool)",
+                 format_bytes(daemon.server.state.host_budget_bytes), args.host_pool)
     held_back = backend.held_back_bytes()
     if held_back:
         log.info("%s of the budget held back for %d warm chunks and the export sentinel",

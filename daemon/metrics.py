@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from hbmd.proto import TIER_DEVICE, TIER_HOST
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -83,6 +84,10 @@ class StateCollector(Collector):
                 ("hbmd_sessions", "Connected worker sessions.", len(state.workers)),
                 ("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers)),
                 ("hbmd_chunks", "Physical chunks.", state.num_chunks),
+                ("hbmd_host_budget_bytes", "Most bytes the host tier holds (demoted buffers); 0: no host tier.",
+                 state.host_budget_bytes),
+                ("hbmd_host_bytes", "Bytes of buffers demoted to the host tier.", state.host_bytes),
+                ("hbmd_host_pool_bytes", "Host-tier memory made ahead of demotes.", backend.host_pool_bytes()),
             ):
                 yield self._add(self._family(name, doc), value)
             free = backend.free_bytes()
@@ -123,13 +128,19 @@ class StateCollector(Collector):
         guaranteed = self._family("hbmd_tenant_guaranteed_bytes", "Guaranteed minimum per tenant.", labels)
         limit = self._family("hbmd_tenant_max_bytes", "Burst maximum per tenant that has one.", labels)
         sessions = self._family("hbmd_tenant_sessions", "Connected worker sessions per tenant.", labels)
+        tiers = self._family(
+            "hbmd_tenant_tier_bytes", "Bytes of each tenant's buffers by tier: on the device, or demoted to the host.",
+            [*labels, "tier"],
+        )
         for tenant in self.state.tenant_infos():
             self._add(used, tenant.used_bytes, tenant.name)
+            self._add(tiers, self.state.tenants[tenant.name].committed_bytes, tenant.name, TIER_DEVICE)
+            self._add(tiers, tenant.host_bytes, tenant.name, TIER_HOST)
             self._add(guaranteed, tenant.guaranteed_bytes, tenant.name)
             self._add(sessions, tenant.num_sessions, tenant.name)
             if tenant.max_bytes >= 0:
                 self._add(limit, tenant.max_bytes, tenant.name)
-        yield from (used, guaranteed, limit, sessions)
+        yield from (used, guaranteed, limit, sessions, tiers)
 
     def _sessions(self) -> Iterator[GaugeMetricFamily]:
         labels = ["session", "pid", "client", "tenant"]

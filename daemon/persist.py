@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+from hbmd.proto import TIER_DEVICE, TIER_HOST
 from hbmd.proto.errors import HbmdError, NotFound
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes, round_up
@@ -56,8 +57,9 @@ from .state import Answer, Buffer, Chunk, Session, State, Tenant
 
 log = logging.getLogger("hbmd.persist")
 
-JOURNAL_VERSION = 5
-"""5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset,
+JOURNAL_VERSION = 6
+"""6: a buffer's chunks in the host tier (``host``: their ids), which an older daemon would count as device memory;
+5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset,
 size]``, 2 added a fourth field, always 0, and each segment's capacity and size; version 1's equal segments are read
 too."""
 COMPACT_MIN_BYTES = 1 << 20
@@ -119,6 +121,7 @@ def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
         "chunks": [[c.chunk_id, c.offset, c.size] for c in buffer.chunks],
         "pending": [[c.chunk_id, c.offset, c.size] for c in buffer.pending],
         "held": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.handle is None],
+        "host": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.tier == TIER_HOST],
     }
 
 
@@ -136,7 +139,8 @@ def _growth_record(buffer: Buffer[Any, Any], since: int) -> dict[str, Any]:
     gained = buffer.chunks[since:]
     return {"id": buffer.buffer_id, "sizes": buffer.segment_sizes,
             "chunks": [[c.chunk_id, c.offset, c.size] for c in gained],
-            "held": [c.chunk_id for c in gained if c.handle is None]}
+            "held": [c.chunk_id for c in gained if c.handle is None],
+            "host": [c.chunk_id for c in gained if c.tier == TIER_HOST]}
 
 
 def _only_grew(buffer: Buffer[Any, Any], count: int, last_id: int) -> bool:
@@ -282,6 +286,7 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
     layout += [("pending", _chunk_layout(c)) for c in record.get("pending", [])]
     named = legacy_chunk_name if int(image_version) < 4 else lambda _, chunk_id: chunk_name(chunk_id)
     held = {int(chunk_id) for chunk_id in record.get("held", [])}
+    host = {int(chunk_id) for chunk_id in record.get("host", [])}
     needed = [named(buffer_id, chunk_id) for _, (chunk_id, _, _) in layout if chunk_id not in held]
     missing = [name for name in needed if name not in fds]
     if missing:
@@ -306,7 +311,7 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
                 # The backend holds its own copy: one descriptor a chunk, not two, at any moment of a restore of
                 # thousands. Should a later chunk fail, the name is unparked with those of buffers not restored.
                 os.close(fds.pop(name))
-            adopted[part].append(Chunk(chunk_id, offset, size, handle))
+            adopted[part].append(Chunk(chunk_id, offset, size, handle, tier=TIER_HOST if chunk_id in host else TIER_DEVICE))
         capacities, sizes = _segments(record)
         state.restore_buffer(
             buffer_id, str(record["name"]), bool(record["persistent"]), owner, int(record["uid"]),
@@ -378,6 +383,7 @@ class Journal:
                     grown["sizes"] = value["sizes"]
                     grown["chunks"].extend(value["chunks"])
                     grown.setdefault("held", []).extend(value["held"])
+                    grown.setdefault("host", []).extend(value.get("host", []))
                 elif kind in ("-s", "-b"):
                     image["sessions" if kind == "-s" else "buffers"].pop(value, None)
                 used = unpacker.tell()

@@ -17,6 +17,12 @@ Modes:
 - ``sleep-wake``: serve a request, release the KV cache's pages (the
   daemon's committed bytes drop), recommit, serve another request and
   compare it with a fresh engine's answer.
+- ``sleep-keep``: serve a request halfway, sleep keeping the KV cache in
+  the daemon's host tier (the GPU pages go back), decode one step on the
+  cache where it lies, wake and finish: the tokens of an undisturbed run,
+  and the wake against recomputing the prefix (the daemon needs
+  ``--host-budget``; ``--start-daemon`` gives it one as large as
+  ``--budget``).
 - ``two-engines``: two engines with different models under one daemon; the
   second sizes its cache from what the first left. Each declares a tenant,
   and ``--daemon-config FILE`` starts the daemon with a quota file.
@@ -96,6 +102,8 @@ def daemon_for(args: argparse.Namespace) -> Iterator[str | None]:
     backend = "cuda" if args.device == "cuda" else "host"
     budget = args.budget or DEFAULT_BUDGET[args.device]
     options = ["--backend", backend, "--budget", budget]
+    if args.mode == "sleep-keep":
+        options += ["--host-budget", budget]
     if args.daemon_config:
         options += ["--config", str(args.daemon_config)]
     daemon = DaemonProcess(args.run_dir, *options, log_path=args.run_dir / "hbmd.log").start()
@@ -412,16 +420,10 @@ def summarize_crash_resume(r: dict[str, Any]) -> str:
     )
 
 
-def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
-    """Serve, release the KV pages, recommit, serve another request; compare it with a fresh engine."""
+def started_engine(args: argparse.Namespace, instance: str | None) -> tuple[Any, Client, Any]:
+    """An engine in this process with its KV cache sized and warmed up: its device, client and itself."""
     import torch
-    from paged_kv import BlockTables
-    from serving import Engine, Sizing, config_named, make_prompts
-
-    second_seed = args.prompt_seed + 1
-    # The fresh run first: it can size its cache freely and is gone before this engine takes its share.
-    log("sleep-wake", f"fresh engine serving request B (prompt seed {second_seed}), for comparison")
-    fresh = run_engine(args, "--name", f"{args.name}-fresh", "--prompt-seed", str(second_seed))
+    from serving import Engine, Sizing, config_named
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -431,6 +433,20 @@ def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
         client, config_named(args.config), device, weights_seed=args.seed, batch_size=args.batch, name=args.name
     )
     engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant, args.kv_blocks))
+    return device, client, engine
+
+
+def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """Serve, release the KV pages, recommit, serve another request; compare it with a fresh engine."""
+    from paged_kv import BlockTables
+    from serving import make_prompts
+
+    second_seed = args.prompt_seed + 1
+    # The fresh run first: it can size its cache freely and is gone before this engine takes its share.
+    log("sleep-wake", f"fresh engine serving request B (prompt seed {second_seed}), for comparison")
+    fresh = run_engine(args, "--name", f"{args.name}-fresh", "--prompt-seed", str(second_seed))
+
+    device, client, engine = started_engine(args, instance)
     base_ptrs = [view.data_ptr() for view in engine.cache.layers]
 
     def serve(prompt_seed: int) -> list[list[int]]:
@@ -483,6 +499,80 @@ def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
     }
 
 
+def sleep_keep(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """Decode halfway, sleep with the KV cache kept in the host tier, one step there, wake, finish; against an
+    undisturbed engine's tokens, and the wake against recomputing the prefix."""
+    from serving import make_prompts
+
+    log("sleep-keep", f"undisturbed engine serving the request (prompt seed {args.prompt_seed}), for comparison")
+    undisturbed = run_engine(args, "--name", f"{args.name}-undisturbed")
+    device, client, engine = started_engine(args, instance)
+    base_ptrs = [view.data_ptr() for view in engine.cache.layers]
+    prompts = make_prompts(engine.config, args.prompt_seed, args.batch, args.prompt_len)
+    state = engine.prefill(prompts, args.prompt_seed, args.prompt_len, args.new_tokens)
+    sleep_at = max(1, (state.new_tokens - 1) // 2)
+    seen: dict[str, Any] = {"step_s": []}
+    last = [time.perf_counter()]
+
+    def where() -> dict[str, int]:
+        status = client.status()
+        return {"device": status.committed_bytes, "host": status.host_bytes}
+
+    def after_step(state: Any) -> None:
+        now = time.perf_counter()
+        seen["step_s"].append(now - last[0])
+        if state.step == sleep_at:
+            seen["awake"] = where()
+            seen["in_cache"] = [list(g) for g in state.generated]
+            start = time.perf_counter()
+            engine.cache.release_physical(keep=True)
+            seen["sleep_s"] = time.perf_counter() - start
+            seen["asleep"] = where()
+            log("sleep-keep", f"asleep after decode step {state.step}: device {format_bytes(seen['asleep']['device'])}, "
+                              f"host tier {format_bytes(seen['asleep']['host'])}; one step on the cache there")
+            show_hbmctl(args, instance)
+        elif state.step == sleep_at + 1:
+            seen["demoted_step_s"] = seen["step_s"][-1]
+            start = time.perf_counter()
+            engine.cache.recommit()
+            seen["wake_s"] = time.perf_counter() - start
+            seen["rewoken"] = where()
+            log("sleep-keep", f"awake in {ms(seen['wake_s'])}: device {format_bytes(seen['rewoken']['device'])}")
+        last[0] = time.perf_counter()
+
+    engine.decode(state, after_step=after_step)
+    recompute_s = engine.time_recompute(prompts, seen["in_cache"])
+    same_ptrs = base_ptrs == [view.data_ptr() for view in engine.cache.layers]
+    num_blocks = engine.cache.num_blocks
+    engine.cache.free()
+    client.close()
+    awake_steps = sorted(t for i, t in enumerate(seen["step_s"]) if i != sleep_at)
+    identical = state.generated == undisturbed["tokens"]
+    return {
+        "mode": "sleep-keep",
+        "ok": identical and same_ptrs and seen["asleep"]["device"] == 0
+        and seen["asleep"]["host"] == seen["awake"]["device"] == seen["rewoken"]["device"] > 0,
+        "tokens_identical": identical,
+        "config": engine.config.name,
+        "device": str(device),
+        "graph": engine.step_fn.graph is not None,
+        "base_pointers_kept": same_ptrs,
+        "num_blocks": num_blocks,
+        "slept_after_step": sleep_at,
+        "bytes_awake": seen["awake"],
+        "bytes_asleep": seen["asleep"],
+        "bytes_rewoken": seen["rewoken"],
+        "sleep_s": seen["sleep_s"],
+        "wake_s": seen["wake_s"],
+        "recompute_prefix_s": recompute_s,
+        "recompute_tokens": sum(len(p) + len(g) - 1 for p, g in zip(prompts, seen["in_cache"])),
+        "decode_step_s": awake_steps[len(awake_steps) // 2],
+        "decode_step_demoted_s": seen["demoted_step_s"],
+        "tokens": state.generated,
+        "undisturbed_tokens": undisturbed["tokens"],
+    }
+
+
 def show_hbmctl(args: argparse.Namespace, instance: str | None) -> None:
     """What an operator sees meanwhile: ``hbmctl status``, to stderr."""
     command = [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(args.run_dir)]
@@ -502,6 +592,24 @@ def summarize_sleep_wake(r: dict[str, Any]) -> str:
             f"awake again {format_bytes(r['committed_rewoken_bytes'])} (recommit {ms(r['recommit_s'])})",
             f"  base pointers kept: {'yes' if r['base_pointers_kept'] else 'NO'}; "
             f"request B after wake identical to a fresh engine: {'yes' if r['tokens_identical'] else 'NO'}",
+        ]
+    )
+
+
+def summarize_sleep_keep(r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"sleep-keep ({r['config']} on {r['device']}, {r['num_blocks']} KV blocks, "
+            f"decode step {'in a CUDA graph' if r['graph'] else 'eager'}), asleep after step {r['slept_after_step']}:",
+            f"  device/host tier bytes: awake {format_bytes(r['bytes_awake']['device'])}/"
+            f"{format_bytes(r['bytes_awake']['host'])}, asleep {format_bytes(r['bytes_asleep']['device'])}/"
+            f"{format_bytes(r['bytes_asleep']['host'])} (sleep {ms(r['sleep_s'])}), "
+            f"awake again {format_bytes(r['bytes_rewoken']['device'])}",
+            f"  wake {ms(r['wake_s'])} against recomputing the {r['recompute_tokens']}-token prefix "
+            f"{ms(r['recompute_prefix_s'])}; a decode step {ms(r['decode_step_s'])}, on the demoted cache "
+            f"{ms(r['decode_step_demoted_s'])}",
+            f"  base pointers kept: {'yes' if r['base_pointers_kept'] else 'NO'}; "
+            f"tokens identical to an undisturbed run: {'yes' if r['tokens_identical'] else 'NO'}",
         ]
     )
 
@@ -803,6 +911,7 @@ MODES = {
     "generate": (generate, summarize_generate),
     "crash-resume": (crash_resume, summarize_crash_resume),
     "sleep-wake": (sleep_wake, summarize_sleep_wake),
+    "sleep-keep": (sleep_keep, summarize_sleep_keep),
     "two-engines": (two_engines, summarize_two_engines),
     "restart": (restart, summarize_restart),
     "share-weights": (share_weights, summarize_share_weights),
@@ -879,6 +988,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--hold", action="store_true", help="after reporting, keep the session until a line on stdin")
     modes.add_parser("crash-resume", parents=[common], help="kill a worker halfway, resume it, compare")
     modes.add_parser("sleep-wake", parents=[common], help="release and recommit the KV cache between requests")
+    modes.add_parser("sleep-keep", parents=[common], help="sleep mid-request with the KV cache kept in host memory")
     two = modes.add_parser("two-engines", parents=[common], help="two models under one daemon")
     two.add_argument("--second-config", help="engine B's model (default: small for tiny, gpu-small for gpu)")
     two.add_argument("--tenants", default="engine-a,engine-b", help="the two engines' tenant names")

@@ -198,12 +198,13 @@ class PagedKVCache:
         """
         self.buffers.commit(num_blocks, defragment=defragment)
 
-    def release_physical(self) -> None:
-        """Sleep: every page goes back to the daemon; views and captured graphs stay valid for :meth:`recommit`."""
-        self.buffers.release_physical()
+    def release_physical(self, keep: bool = False) -> None:
+        """Sleep: every page goes back to the daemon; views and captured graphs stay valid for :meth:`recommit`.
+        ``keep``: the blocks' bytes move to the daemon's host tier instead, at the same addresses."""
+        self.buffers.release_physical(keep)
 
     def recommit(self) -> None:
-        """Wake: the same number of blocks again, zeroed."""
+        """Wake: the same number of blocks again, zeroed, or those kept asleep with their bytes."""
         self.buffers.recommit()
 
     def free(self) -> None:

@@ -9,7 +9,10 @@ up (``vllm.v1.worker.extensible_kv_cache.ExtensibleTensor``) at
 :class:`VllmExtensibleTensor`, hbmd's class with vLLM's interface, and caps
 each commit by what the daemon would admit for this worker. No vLLM code is
 copied or changed; sleep mode's ``release_physical``/``recommit`` return the
-pages to the daemon and take fresh ones.
+pages to the daemon and take fresh ones, or with ``HBMD_VLLM_SLEEP=keep``
+demote the cache to the daemon's host tier and promote it back. It also registers the model loader
+``--load-format hbmd`` (:mod:`hbmd.integrations.vllm_weights`): weights
+loaded once per GPU into a sealed buffer, mapped by every later engine.
 
 Buffers are named ``vllm-<engine>-rank<R>`` (``HBMD_VLLM_ENGINE``, default
 the pid; the rank from ``RANK``/``LOCAL_RANK``), so ``hbmctl buffers`` shows
@@ -26,10 +29,14 @@ import os
 from typing import Any
 
 from hbmd.client.tensor import ExtensibleTensor
+from hbmd.proto import TIER_HOST
 
-log = logging.getLogger("hbmd.vllm")
+# Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
+log = logging.getLogger("vllm.hbmd")
 
 OPT_IN = "HBMD_VLLM"
+SLEEP = "HBMD_VLLM_SLEEP"
+"""``keep``: sleep demotes the KV cache to the daemon's host tier instead of dropping it; ``drop`` (the default)."""
 SUPPORTED = ((0, 34),)
 """vLLM releases whose ``extensible_kv_cache`` module this plugin was checked against (major, minor)."""
 
@@ -66,6 +73,14 @@ def check_version(version: str) -> None:
         )
 
 
+def sleep_keeps() -> bool:
+    """Whether ``HBMD_VLLM_SLEEP`` asks sleep to keep the KV cache; ``ValueError`` for a value that is neither."""
+    value = os.environ.get(SLEEP, "").strip().lower()
+    if value not in ("", "keep", "drop"):
+        raise ValueError(f"{SLEEP}={os.environ[SLEEP]!r}: expected keep or drop (the default)")
+    return value == "keep"
+
+
 def buffer_name() -> str:
     engine = os.environ.get("HBMD_VLLM_ENGINE") or str(os.getpid())
     rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0"
@@ -86,6 +101,10 @@ class VllmExtensibleTensor(ExtensibleTensor):
         super().__init__(
             max_num_bytes, device, num_segments, segment_capacities, export_handle_types, name=buffer_name()
         )
+
+    def release_physical(self, keep: bool | None = None) -> None:
+        """vLLM's sleep: drop the pages, or with ``HBMD_VLLM_SLEEP=keep`` demote them to the host tier."""
+        super().release_physical(keep=sleep_keeps() if keep is None else keep)
 
 
 def capped_commit(original):
@@ -109,6 +128,23 @@ def capped_commit(original):
     return commit
 
 
+def promoting_recommit(original):
+    """Wrap ``ExtensibleKVCache.recommit`` so that a cache kept in the host tier over sleep comes back first.
+
+    vLLM's wake commits the blocks it held again; on a promoted buffer they
+    are committed already, with their data, and that commit changes nothing.
+    """
+
+    def recommit(self, *args: Any, **kwargs: Any) -> Any:
+        buffer = self.buffer
+        if isinstance(buffer, ExtensibleTensor) and buffer.tier == TIER_HOST:
+            buffer.promote()
+        return original(self, *args, **kwargs)
+
+    recommit.__wrapped__ = original  # type: ignore[attr-defined]
+    return recommit
+
+
 def register() -> None:
     """The entry point: inert unless ``HBMD_VLLM`` is on; otherwise route vLLM's extensible KV cache to hbmd."""
     if not enabled():
@@ -122,4 +158,11 @@ def register() -> None:
     extensible_kv_cache.ExtensibleTensor = VllmExtensibleTensor
     cache = extensible_kv_cache.ExtensibleKVCache
     cache.commit = capped_commit(cache.commit)
-    log.info("vLLM %s: the extensible KV cache allocates through hbmd", vllm.__version__)
+    cache.recommit = promoting_recommit(cache.recommit)
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from .vllm_weights import LOAD_FORMAT, HbmdModelLoader
+
+    register_model_loader(LOAD_FORMAT)(HbmdModelLoader)
+    log.info("vLLM %s: the extensible KV cache allocates through hbmd, and --load-format %s maps weights from it",
+             vllm.__version__, LOAD_FORMAT)

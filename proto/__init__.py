@@ -18,6 +18,9 @@ from .admin import (
 )
 from .buffers import (
     MAX_SEGMENTS,
+    TIER_DEVICE,
+    TIER_HOST,
+    TIERS,
     Attach,
     BufferCreated,
     BufferInfo,
@@ -33,6 +36,7 @@ from .buffers import (
     FinishDefragment,
     Free,
     Freed,
+    Move,
     Redeclare,
     Release,
     Remap,
@@ -88,6 +92,7 @@ from .session import (
     LeaseGrant,
     LeaseReturn,
     LeaseRevoke,
+    PromoteRequest,
     ReclaimDone,
     ReclaimRequest,
     Refused,

@@ -17,6 +17,8 @@ class TenantInfo:
     guaranteed_bytes: int
     max_bytes: int
     num_sessions: int
+    host_bytes: int = 0
+    """Bytes of its buffers demoted to the host tier (1.6), charged to the host budget, not to ``used_bytes``."""
 
 
 @message("admin.status_reply")
@@ -62,6 +64,12 @@ class StatusReply(Message):
     """Unix time of the last reload refused since then, the config in force kept; 0 for none (1.5)."""
     config_reload_error: str = ""
     """Why that reload was refused (1.5)."""
+    host_budget_bytes: int = 0
+    """Most bytes the host tier holds at once, 0 where it is off (1.6)."""
+    host_bytes: int = 0
+    """Bytes of buffers demoted to the host tier (1.6), not part of ``committed_bytes``."""
+    host_pool_bytes: int = 0
+    """Host-tier memory made ahead of demotes, inside the host budget (1.6)."""
 
 
 @message("admin.status")

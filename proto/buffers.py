@@ -13,6 +13,12 @@ import dataclasses
 
 from .codec import Message, Request, message, record
 
+TIER_DEVICE = "device"
+TIER_HOST = "host"
+TIERS = (TIER_DEVICE, TIER_HOST)
+"""Where a chunk's memory is (1.6): the device's own, or host memory the device reaches (host-NUMA memory on CUDA, a
+second memfd pool on the host backend), mapped at the same addresses either way."""
+
 MAX_SEGMENTS = 1 << 16
 """The most segments a buffer has, so also the longest list a request carries (a size per segment): a daemon decodes
 no longer one."""
@@ -65,6 +71,8 @@ class BufferInfo:
     held_elsewhere: bool = False
     """Some of its memory is held only by the processes that map it (1.5): declared again by its client after the
     daemon restarted with no keeper (:class:`Redeclare`). It is counted, but cannot be attached by another process."""
+    tier: str = TIER_DEVICE
+    """Where its mapped chunks are (1.6): :data:`TIER_DEVICE`, or :data:`TIER_HOST` once demoted (:class:`Move`)."""
 
 
 @message("buffer.created")
@@ -159,6 +167,8 @@ class Redeclare(Request[BufferCreated]):
     shareable: bool = False
     sealed: bool = False
     readonly: bool = False
+    tier: str = TIER_DEVICE
+    """Where the chunks are (1.6): a demoted buffer's are declared in the host tier, charged to the host budget."""
 
 
 @message("buffer.commit")
@@ -270,7 +280,24 @@ class Defragment(Request[Committed]):
 
 @message("buffer.finish_defragment")
 class FinishDefragment(Request[Released]):
-    """The client remapped onto the new chunks (``keep_new``) or gave up; the daemon drops the others."""
+    """The client remapped onto the new chunks of a preserving defragment or a :class:`Move` (``keep_new``) or gave
+    up; the daemon drops the others."""
 
     buffer_id: int
     keep_new: bool = True
+
+
+@message("buffer.move")
+class Move(Request[Committed]):
+    """Re-back the buffer's committed bytes with chunks in ``tier`` (1.6): demote to host memory, promote back.
+
+    As a preserving defragment: the new chunks come beside the old ones,
+    charged to ``tier``'s budget; the client copies the data over, remaps
+    them at the same addresses, and sends :class:`FinishDefragment`, at which
+    the daemon frees the old ones. Moving to the tier the buffer is in
+    changes nothing and brings no chunks. A sealed buffer does not move: its
+    readers map it too.
+    """
+
+    buffer_id: int
+    tier: str

@@ -32,7 +32,7 @@ class Hello(Message):
     where the daemon does not know the session (it restarted with nothing to
     keep it, or its window to resume had passed).
 
-    ``replies_with_fds`` (1.6): this connection reads its handle socket for
+    ``replies_with_fds`` (1.7): this connection reads its handle socket for
     replies too; a :class:`Committed` reply then rides in the first
     :class:`FdBatch` of its request (see there) instead of on the control
     socket, so that its reader wakes once, for both.
@@ -92,7 +92,7 @@ class FdBatch(Message):
     request are numbered ``batch`` = 0 .. ``batches`` - 1. A batch whose
     chunks could not be exported carries no FDs and a non-empty ``error``.
 
-    ``reply`` (1.6): the request's reply, in batch 0, for a connection whose
+    ``reply`` (1.7): the request's reply, in batch 0, for a connection whose
     hello asked for it (:attr:`Hello.replies_with_fds`) where the reply is
     small (:data:`MAX_SEGMENTS_WITH_FDS` segments, one batch of chunks at
     most); the control socket carries no reply to the request then. Errors
@@ -128,6 +128,10 @@ class ReclaimRequest(Message):
     reclaim_id: int
     bytes: int
     reason: str
+    demote: bool = False
+    """Demote instead (1.6): the client library itself moves this many bytes of its buffers to the host tier, at the
+    same addresses, and answers with the bytes moved; the daemon asks only sessions of tenants its config marks
+    ``demote``, idle for a while, and never a client of an earlier minor."""
 
 
 @message("session.reclaim_done")
@@ -164,6 +168,14 @@ class LeaseGrant(Message):
 
     chunk_ids: list[int]
     size: int
+
+
+@message("session.promote_request")
+class PromoteRequest(Message):
+    """Daemon → client on the handle plane (1.6): the device has room again for the ``bytes`` of buffers this
+    session's client demoted when asked (:attr:`ReclaimRequest.demote`); the client promotes them back by itself."""
+
+    bytes: int
 
 
 @message("session.lease_revoke")

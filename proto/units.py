@@ -19,6 +19,9 @@ _UNITS = {
     "t": 1 << 40,
     "tib": 1 << 40,
     "tb": 1000**4,
+    "p": 1 << 50,
+    "pib": 1 << 50,
+    "pb": 1000**5,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*|%)\s*$")
 
@@ -30,7 +33,7 @@ def parse_size(text: str, total: int | None = None) -> int:
     """
     match = _SIZE.match(text)
     if not match:
-        raise ValueError(f"bad size {text!r}: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB) or a percentage")
+        raise ValueError(f"bad size {text!r}: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, PiB, KB, MB, GB, TB, PB) or a percentage")
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit == "%":
         if total is None:

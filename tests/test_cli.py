@@ -348,3 +348,27 @@ def test_buffers_add_up_to_status_while_a_preserving_defragment_holds_old_and_ne
         engine.finish_defragment(kv.buffer_id, keep_new=False)
         [buffer] = json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]
         assert buffer["pending_bytes"] == 0 and buffer["physical_bytes"] == 4 * MiB
+
+
+def test_weights_lists_what_is_sealed_with_its_readers_and_delete_waits_for_none(daemon, client):
+    torch = pytest.importorskip("torch")
+    from hbmd.client.weights import load_weights, store_weights
+
+    rd = str(daemon.run_dir)
+    name = "vllm-weights:LlamaForCausalLM:bfloat16:tp0of1:pp0of1:5dca4800d5f6a217"
+    store_weights({"w": torch.ones(1024)}, name, "cpu", client=client).detach()
+    ExtensibleTensor(4 * MiB, "cpu", client=client, name="kv", persistent=True).resize_(MiB)
+    reader = connect(run_dir=daemon.run_dir, instance="host", client_name="engine")
+    load_weights(name, "cpu", client=reader)
+
+    table = hbmctl("--run-dir", rd, "weights").stdout.splitlines()
+    assert table[0].split() == ["NAME", "SIZE", "READERS", "HELD-BY", "BUFFER"]
+    assert len(table) == 2 and table[1].split()[:4] == [name, "2.0", "MiB", "1"] and "nobody (orphan)" in table[1]
+    (listed,) = json.loads(hbmctl("--run-dir", rd, "weights", "-o", "json").stdout)["weights"]
+    assert listed["name"] == name and listed["readers"] == 1 and listed["physical_bytes"] == 2 * MiB
+
+    refused = hbmctl("--run-dir", rd, "delete", name)
+    assert refused.returncode == 3 and "is read by session" in refused.stderr
+    reader.close()
+    assert hbmctl("--run-dir", rd, "delete", name).returncode == 0
+    assert hbmctl("--run-dir", rd, "weights").stdout.strip() == "no sealed weights"

@@ -44,8 +44,8 @@ def test_the_example_config_parses():
 
 def test_the_format_help_and_the_readme_show_is_a_config_the_daemon_takes():
     config = parse_config(FORMAT, total_bytes=128 * GiB, budget_bytes=120 * GiB)
-    assert [(t.name, t.max_bytes, t.guaranteed_bytes) for t in config.tenants] == [
-        ("llama-70b", 80 * GiB, 40 * GiB), ("uid:1001", 64 * GiB, 0)
+    assert [(t.name, t.max_bytes, t.guaranteed_bytes, t.demote) for t in config.tenants] == [
+        ("llama-70b", 80 * GiB, 40 * GiB, None), ("uid:1001", 64 * GiB, 0, None), ("batch", None, 0, 1)
     ]
     shown = subprocess.run([sys.executable, "-m", "hbmd.daemon", "--help"], capture_output=True, text=True, timeout=60)
     assert all(line.strip() in shown.stdout for line in FORMAT.splitlines())
@@ -66,6 +66,9 @@ def test_the_format_help_and_the_readme_show_is_a_config_the_daemon_takes():
         ("[[tenants]]\nname = 'a'\n[[tenants]]\nname = 'a'", "configured twice"),
         ("[[tenants]]\nname = 'a'\nguaranteed = '100GiB'", "over the budget"),
         ("[[tenants]]\nname = 'uid:7'", "not starting with 'uid:'"),
+        ("[[tenants]]\nname = 'a'\ndemote = -1", "demote must be a non-negative integer"),
+        ("[[tenants]]\nname = 'a'\ndemote = true", "demote must be a non-negative integer"),
+        ("[[tenants]]\nname = 'a'\ndemote = 1\nguaranteed = '1GiB'", "never demoted"),
         ("this is = not toml =", "config"),
         ("[access]\nallow_uids = " + "[" * 5000 + "]" * 5000, "nested too deep"),
         ("x = " + "{a = " * 5000 + "1" + "}" * 5000, "nested too deep"),
@@ -140,7 +143,7 @@ def test_a_guaranteed_tenant_hitting_driver_oom_asks_borrowers_to_reclaim(state,
     commit(state, borrower, 100 * MiB)
     b = state.open_session(7, 1000, 1000, "", "b")
 
-    def out_of_memory(arena, offset, size):
+    def out_of_memory(arena, offset, size, tier):
         raise OutOfDeviceMemory("device full", requested=size)
 
     monkeypatch.setattr(state.backend, "create", out_of_memory)

@@ -76,6 +76,22 @@ def test_a_released_kv_cache_commits_nothing_asleep_and_serves_correctly_after_w
     assert result["tokens_identical"] and result["tokens"] == result["fresh_tokens"]
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)])]
+)
+def test_asleep_mid_request_with_the_kv_cache_kept_it_wakes_and_finishes_with_undisturbed_tokens(start_daemon, device):
+    backend, config, budget = ("host", "tiny", "64MiB") if device == "cpu" else ("cuda", "gpu-small", "16GiB")
+    daemon = start_daemon("--budget", budget, "--host-budget", budget, backend=backend)
+    result = run_example(daemon, "sleep-keep", device=device, config=config)
+    assert result["ok"] and result["tokens_identical"] and result["tokens"] == result["undisturbed_tokens"]
+    kv = result["bytes_awake"]["device"]
+    assert kv > 0 and result["bytes_awake"]["host"] == 0
+    assert result["bytes_asleep"] == {"device": 0, "host": kv}  # the GPU's pages went back, the bytes stayed
+    assert result["bytes_rewoken"] == {"device": kv, "host": 0}
+    assert result["base_pointers_kept"] and 0 < result["slept_after_step"] < len(result["tokens"][0]) - 1
+    assert result["decode_step_demoted_s"] > 0  # one step decoded on the cache where it lay, its tokens in the check
+
+
 def test_two_engines_size_from_what_is_left_and_both_show_in_the_sessions(small_daemon):
     result = run_example(small_daemon, "two-engines", "--tenants", "llama-a,llama-b")
     assert result["ok"]

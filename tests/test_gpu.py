@@ -300,11 +300,11 @@ def test_a_failing_create_in_the_cuda_backend_leaks_no_device_memory():
     class FailingCuda(CudaBackend):
         calls = 0
 
-        def create(self, arena, offset, size):
+        def create(self, arena, offset, size, tier="device"):
             FailingCuda.calls += 1
             if FailingCuda.calls == 3:
                 raise OutOfDeviceMemory("injected", function="cuMemCreate", result="CUDA_ERROR_OUT_OF_MEMORY")
-            return super().create(arena, offset, size)
+            return super().create(arena, offset, size, tier)
 
     torch.cuda.init()
     backend = FailingCuda(0)

@@ -69,7 +69,7 @@ def test_golden_bytes_of_a_commit():
 
 
 def test_golden_bytes_of_a_hello():
-    # 1.4 appended resume_session and resume_credential (the body's map grew from 6 to 8 fields), 1.6 replies_with_fds
+    # 1.4 appended resume_session and resume_credential (the body's map grew from 6 to 8 fields), 1.7 replies_with_fds
     # (9 fields); the rest is 1.3's.
     assert proto.encode_datagram(proto.Hello([1, 0], 4242, "w", "")) == bytes.fromhex(
         "82a46b696e64ad73657373696f6e2e68656c6c6fa4626f647989a776657273696f6e920100a3706964cd1092"
@@ -172,7 +172,7 @@ def test_the_requests_are_the_ones_clients_send():
         "buffer.commit_segments", "buffer.remap", "buffer.release", "buffer.free", "buffer.attach", "buffer.detach", "buffer.delete",
         "buffer.redeclare",
         "buffer.defragment", "buffer.seal",
-        "buffer.finish_defragment", "session.reclaim_done",
+        "buffer.finish_defragment", "buffer.move", "session.reclaim_done",
     }
 
 
@@ -208,7 +208,8 @@ def test_proto_imports_only_stdlib_and_msgpack():
 @pytest.mark.parametrize(
     "n, shown",
     [(5, "5 B"), (64 << 20, "64.0 MiB"), ((64 << 20) + 1, "64.0 MiB (67108865 B)"), (3 << 29, "1.5 GiB"),
-     (123456789, "117.7 MiB (123456789 B)")],
+     (123456789, "117.7 MiB (123456789 B)"), (1 << 50, "1.0 PiB"), (1 << 62, "4096.0 PiB"),
+     ((1 << 62) + 1, "4096.0 PiB (4611686018427387905 B)")],
 )
 def test_a_size_in_a_message_is_in_human_units_and_exact_where_they_round(n, shown):
     assert exact_bytes(n) == shown

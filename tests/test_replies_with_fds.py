@@ -1,4 +1,4 @@
-"""A commit's reply rides with its FDs on the handle socket (protocol 1.6), so its reader wakes once for both."""
+"""A commit's reply rides with its FDs on the handle socket (protocol 1.7), so its reader wakes once for both."""
 
 from __future__ import annotations
 

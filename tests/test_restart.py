@@ -7,7 +7,7 @@ import os
 import msgpack
 import pytest
 from hbmd.client import ExtensibleTensor
-from hbmd.daemon.persist import Journal
+from hbmd.daemon.persist import JOURNAL_VERSION, Journal
 from hbmd.daemon.spawn import DaemonProcess
 from helpers import MiB, parked_names, wait_until
 
@@ -166,5 +166,5 @@ def test_a_journal_of_a_newer_daemon_is_left_alone_and_the_older_one_does_not_st
                            env={"NOTIFY_SOCKET": str(systemd.path)})
     with pytest.raises(RuntimeError, match="hbmd exited with 1"):
         daemon.start()
-    assert "it is of version 99, newer than this daemon's 5: run the newer hbmd" in daemon.log()
+    assert f"it is of version 99, newer than this daemon's {JOURNAL_VERSION}: run the newer hbmd" in daemon.log()
     assert journal.read_bytes() == before  # a downgrade loses nothing: the newer daemon finds it all again

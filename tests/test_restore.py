@@ -41,7 +41,7 @@ class PipeBackend:
     def open_arena(self, reserved_bytes: int, shareable: bool) -> None:
         return None
 
-    def create(self, arena: None, offset: int, size: int) -> int:
+    def create(self, arena: None, offset: int, size: int, tier: str = "device") -> int:
         read, write = os.pipe()
         os.close(write)
         return read

@@ -44,11 +44,11 @@ class FailingHostBackend(HostBackend):
         self.arenas -= 1
         super().close_arena(arena)
 
-    def create(self, arena, offset, size):
+    def create(self, arena, offset, size, tier="device"):
         self.calls += 1
         if self.calls == self.fail_at:
             raise OutOfDeviceMemory("injected failure")
-        chunk = super().create(arena, offset, size)
+        chunk = super().create(arena, offset, size, tier)
         self.live += 1
         return chunk
 
@@ -341,3 +341,132 @@ def test_a_credential_resumes_once_and_the_one_before_only_until_the_client_spea
     state.resume_session(session.session_id, 1000, 4242, third)
     with pytest.raises(SessionLost, match="no session 1 to resume"):
         state.resume_session(session.session_id, 1000, 4242, third)  # it is back: nothing to resume
+
+
+def tiered_state(backend=None) -> State:
+    """64 MiB of device budget, 32 MiB of host tier cut into 4 MiB pieces."""
+    return State(backend or HostBackend(host_piece=4 * MiB), budget_bytes=64 * MiB, host_budget_bytes=32 * MiB)
+
+
+def test_a_demote_charges_the_host_tier_and_frees_the_device_only_at_its_finish():
+    state = tiered_state()
+    session = state.open_session(1, 1000, 1000, "", "team")
+    buf = state.create_buffer(session, 16 * MiB, 2)
+    state.commit(session, buf.buffer_id, 6 * MiB)
+    pending = state.move(session, buf.buffer_id, "host")
+    # Runs [0, 6) and [8, 14) MiB, in pieces of at most 4 MiB; both tiers charged until the client is done.
+    assert [(c.offset // MiB, c.size // MiB, c.tier) for c in pending] == [
+        (0, 4, "host"), (4, 2, "host"), (8, 4, "host"), (12, 2, "host")]
+    assert (state.committed_bytes, state.host_bytes, buf.tier) == (12 * MiB, 12 * MiB, "device")
+    state.check_invariants()
+    with pytest.raises(Conflict):
+        state.move(session, buf.buffer_id, "device")  # one move at a time
+    assert state.finish_defragment(session, buf.buffer_id, True) == 12 * MiB
+    assert (state.committed_bytes, state.host_bytes, buf.tier, buf.physical_bytes) == (0, 12 * MiB, "host", 12 * MiB)
+    assert state.tenants["team"].host_bytes == 12 * MiB and state.tenants["team"].used_bytes == 0
+    state.check_invariants()
+    with pytest.raises(Conflict, match="promote"):
+        state.commit(session, buf.buffer_id, 8 * MiB)
+    assert state.move(session, buf.buffer_id, "host") == []  # there already
+    promoted = state.move(session, buf.buffer_id, "device")
+    assert [(c.offset // MiB, c.size // MiB, c.tier) for c in promoted] == [(0, 6, "device"), (8, 6, "device")]
+    state.finish_defragment(session, buf.buffer_id, True)
+    assert (state.committed_bytes, state.host_bytes, buf.tier) == (12 * MiB, 0, "device")
+    state.check_invariants()
+
+
+def test_a_demote_past_the_host_budget_or_without_a_host_tier_changes_nothing():
+    state = tiered_state()
+    session = state.open_session(1, 1000, 1000, "", "")
+    buf = state.create_buffer(session, 48 * MiB, 1)
+    state.commit(session, buf.buffer_id, 34 * MiB)
+    with pytest.raises(OutOfBudget, match="host budget"):
+        state.move(session, buf.buffer_id, "host")
+    assert buf.pending == [] and state.host_bytes == 0 and state.committed_bytes == 34 * MiB
+    untiered = State(HostBackend(), budget_bytes=64 * MiB)
+    other = untiered.open_session(1, 1000, 1000, "", "")
+    small = untiered.create_buffer(other, 4 * MiB, 1)
+    untiered.commit(other, small.buffer_id, 2 * MiB)
+    with pytest.raises(OutOfBudget, match="--host-budget"):
+        untiered.move(other, small.buffer_id, "host")
+    with pytest.raises(InvalidRequest, match="tier"):
+        untiered.move(other, small.buffer_id, "x" * 10_000)
+
+
+@pytest.mark.parametrize("fail_at", [2, 3, 4])
+def test_a_failing_host_create_undoes_the_pieces_already_made(fail_at):
+    backend = FailingHostBackend(fail_at + 1)  # the commit's one create first
+    backend.host_piece = 4 * MiB
+    state = tiered_state(backend)
+    session = state.open_session(1, 1000, 1000, "", "")
+    buf = state.create_buffer(session, 16 * MiB, 1)
+    state.commit(session, buf.buffer_id, 14 * MiB)
+    with pytest.raises(OutOfDeviceMemory):
+        state.move(session, buf.buffer_id, "host")
+    assert backend.live == 1 and buf.pending == [] and state.host_bytes == 0 and buf.tier == "device"
+    state.check_invariants()
+
+
+def test_a_session_ending_mid_demote_keeps_the_old_chunks_of_its_persistent_buffer():
+    state = tiered_state()
+    session = state.open_session(1, 1000, 1000, "", "")
+    buf = state.create_buffer(session, 16 * MiB, 1, name="kv", persistent=True)
+    state.commit(session, buf.buffer_id, 8 * MiB)
+    state.move(session, buf.buffer_id, "host")
+    assert state.close_session(session) == 8 * MiB  # the unconfirmed host pieces
+    assert (buf.owner, buf.tier, state.committed_bytes, state.host_bytes) == (None, "device", 8 * MiB, 0)
+    state.check_invariants()
+
+
+def test_the_host_pool_fills_within_the_room_the_host_tier_leaves():
+    backend = HostBackend(host_pool_bytes=16 * MiB, host_piece=4 * MiB)
+    while backend.idle(10 * MiB):
+        pass
+    assert backend.host_pool_bytes() == 8 * MiB  # two pieces fit in 10 MiB, a third would not
+    while backend.idle(4 * MiB):
+        pass
+    assert backend.host_pool_bytes() == 4 * MiB  # trimmed to the room left
+    backend.close()
+    assert backend.host_pool_bytes() == 0
+
+
+def test_a_demoted_buffer_is_not_sealed_for_it_would_never_move_again():
+    state = tiered_state()
+    session = state.open_session(1, 1000, 1000, "", "")
+    buf = state.create_buffer(session, 8 * MiB, 1, name="weights", persistent=True)
+    state.commit(session, buf.buffer_id, 4 * MiB)
+    state.move(session, buf.buffer_id, "host")
+    with pytest.raises(Conflict, match="moved"):
+        state.seal(session, buf.buffer_id)
+    state.finish_defragment(session, buf.buffer_id, True)
+    with pytest.raises(Conflict, match="promote it before sealing"):
+        state.seal(session, buf.buffer_id)
+    assert not buf.sealed
+    state.check_invariants()
+
+
+def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wait_for_quiet():
+    from hbmd.daemon.config import parse_config
+
+    config = parse_config('[[tenants]]\nname = "batch"\ndemote = 1\n', total_bytes=64 * MiB, budget_bytes=64 * MiB)
+    state = State(HostBackend(host_piece=4 * MiB), budget_bytes=64 * MiB, config=config, host_budget_bytes=16 * MiB)
+    batch = state.open_session(1, 1000, 1000, "", "batch")
+    online = state.open_session(2, 1001, 1001, "", "online")
+    idle = state.create_buffer(batch, 48 * MiB, 1)
+    state.commit(batch, idle.buffer_id, 40 * MiB)
+    wanted = state.create_buffer(online, 64 * MiB, 1)
+    with pytest.raises(OutOfBudget) as refused:
+        state.commit(online, wanted.buffer_id, 32 * MiB)
+    assert "demoting" not in refused.value.details and not state.reclaims_due  # it grew just now: busy
+    batch.grown_at -= 10
+    with pytest.raises(OutOfBudget, match="being demoted") as refused:
+        state.commit(online, wanted.buffer_id, 32 * MiB)
+    # Never more than the host tier holds; its own tenant's sessions are never asked.
+    assert refused.value.details["demoting"] == 16 * MiB
+    assert [(s.session_id, r.requested_bytes, r.demote) for s, r in state.reclaims_due] == [(1, 16 * MiB, True)]
+    more = state.create_buffer(batch, 32 * MiB, 1)
+    with pytest.raises(OutOfBudget) as own:
+        state.commit(batch, more.buffer_id, 32 * MiB)
+    assert "demoting" not in own.value.details  # nor for its own tenant's commits
+    state.reclaim_answered(batch, batch.reclaim.reclaim_id, 0)
+    assert batch.demoted_under_pressure is False and state.promotes_due(time.monotonic() + 60) == []

@@ -42,6 +42,7 @@ class FlakyBackend:
     name = "flaky"
     instance = "test"
     granularity = GRANULE
+    host_piece = 4 * GRANULE
     total_bytes = 64 * GRANULE
     device_uuid = ""
     device_index = -1
@@ -59,7 +60,7 @@ class FlakyBackend:
         self.arenas.add(arena)
         return arena
 
-    def create(self, arena: int, offset: int, size: int) -> int:
+    def create(self, arena: int, offset: int, size: int, tier: str = "device") -> int:
         if self.fail_create_in is not None:
             if self.fail_create_in == 0:
                 self.fail_create_in = None
@@ -90,8 +91,11 @@ class FlakyBackend:
     def held_back_bytes(self) -> int:
         return 0
 
-    def idle(self) -> bool:
+    def idle(self, host_room: int) -> bool:
         return False
+
+    def host_pool_bytes(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass
@@ -110,6 +114,8 @@ def snapshot(state: State) -> tuple:
         },
         sorted(state.sessions),
         state.leased_bytes,
+        state.host_bytes,
+        {t.name: t.host_bytes for t in state.tenants.values()},
         # Which granules are leased, not which were asked back: a refusal for budget asks, by design.
         {s.session_id: sorted(s.lease) for s in state.sessions.values()},
     )
@@ -120,7 +126,7 @@ class StateMachine(RuleBasedStateMachine):
         super().__init__()
         self.backend = FlakyBackend()
         # Leases of up to 4 granules; none granted while a tenant's room is under a 16th of the budget.
-        self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE)
+        self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE, host_budget_bytes=BUDGET // 2)
         self.uids = itertools.cycle([1000, 1001])
         self.names = itertools.count()
         self.frozen: dict[int, tuple[list[int], list[int]]] = {}
@@ -208,6 +214,20 @@ class StateMachine(RuleBasedStateMachine):
     def finish_defragment(self, data, keep_new):
         buffer = self.owned(data)
         self.attempt(self.state.finish_defragment, buffer.owner, buffer.buffer_id, keep_new)
+
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @rule(data=st.data(), tier=st.sampled_from(["host", "device", "tape"]), fail_after=st.none() | st.integers(0, 2),
+          finish=st.none() | st.booleans())
+    def move(self, data, tier, fail_after, finish):
+        # Mostly a buffer with something committed in the other tier, and its client mostly done with the copy at once.
+        committed = sorted((b for b in self.state.buffers.values() if b.owner and b.chunks and b.tier != tier),
+                           key=lambda b: b.buffer_id)
+        buffer = data.draw(st.sampled_from(committed)) if committed and data.draw(st.integers(0, 3)) else self.owned(data)
+        self.backend.fail_create_in = fail_after
+        self.attempt(self.state.move, buffer.owner, buffer.buffer_id, tier)
+        self.backend.fail_create_in = None
+        if finish is not None:
+            self.attempt(self.state.finish_defragment, buffer.owner, buffer.buffer_id, finish)
 
     @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
     @rule(data=st.data())

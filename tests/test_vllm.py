@@ -90,6 +90,9 @@ def vllm_on_hbmd(monkeypatch):
     monkeypatch.setattr(
         vllm_cache.ExtensibleKVCache, "commit", plugin.capped_commit(vllm_cache.ExtensibleKVCache.commit)
     )
+    monkeypatch.setattr(
+        vllm_cache.ExtensibleKVCache, "recommit", plugin.promoting_recommit(vllm_cache.ExtensibleKVCache.recommit)
+    )
     return vllm_cache
 
 
@@ -159,6 +162,31 @@ def test_vllms_own_kv_cache_runs_unchanged_on_hbmd(hbmd_cache, daemon, title, la
         assert bool((next(iter(views.values())) == 0).all())  # fresh zeroed pages at the same addresses
     kv.free()
     assert observer.status().committed_bytes == 0 and observer.buffers() == []
+
+
+def test_with_sleep_keep_vllms_kv_cache_sleeps_in_host_memory_and_wakes_with_its_blocks(vllm_on_hbmd, start_daemon,
+                                                                                       monkeypatch):
+    daemon = start_daemon("--budget", "256MiB", "--host-budget", "256MiB")
+    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
+    monkeypatch.setenv("HBMD_VLLM_SLEEP", "keep")
+    layout, config = planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 4 * PAGE * 300)
+    kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    kv.allocate(kv.size)
+    kv.commit(300)
+    blocks = [kv.buffer.segment_view(s)[: 300 * kv.segment_strides[s]] for s in range(kv.buffer.num_segments)]
+    for segment, view in enumerate(blocks):
+        view.copy_(torch.randint(0, 255, view.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(segment)))
+    written = [view.clone() for view in blocks]
+    observer = daemon.connect(observer=True)
+
+    kv.release_physical()  # vLLM's sleep
+    status = observer.status()
+    assert kv.buffer.tier == "host" and status.committed_bytes == 0 and status.host_bytes == kv.physical_bytes > 0
+    kv.recommit()  # vLLM's wake
+    assert kv.buffer.tier == "device" and kv.num_committed_blocks == 300
+    assert observer.status().committed_bytes == kv.physical_bytes and observer.status().host_bytes == 0
+    assert all(torch.equal(view, kept) for view, kept in zip(blocks, written))  # the same addresses, the same bytes
+    kv.free()
 
 
 def test_vllm_commits_no_more_than_the_daemon_admits(hbmd_cache, daemon):

@@ -47,3 +47,38 @@ def test_hbmd_tenant_charges_the_plugins_buffers_and_an_explicit_tenant_wins(sta
     finally:
         kv.free()
         kv.client.close()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value, keeps", [("", False), ("drop", False), ("keep", True), (" KEEP ", True)])
+def test_hbmd_vllm_sleep_says_whether_sleep_keeps_the_kv_cache(monkeypatch, value, keeps):
+    monkeypatch.setenv("HBMD_VLLM_SLEEP", value)
+    assert plugin.sleep_keeps() is keeps
+
+
+@pytest.mark.unit
+def test_a_sleep_mode_it_does_not_know_is_refused(monkeypatch):
+    monkeypatch.setenv("HBMD_VLLM_SLEEP", "offload")
+    with pytest.raises(ValueError, match="HBMD_VLLM_SLEEP='offload'"):
+        plugin.sleep_keeps()
+
+
+@pytest.mark.ipc
+def test_with_sleep_keep_vllms_release_demotes_and_its_recommit_promotes(start_daemon, run_dir, monkeypatch):
+    daemon = start_daemon("--budget", "64MiB", "--host-budget", "64MiB")
+    monkeypatch.setenv("HBMD_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("HBMD_VLLM_SLEEP", "keep")
+    kv = plugin.VllmExtensibleTensor(8 * MiB, "cpu")
+    try:
+        kv.resize_(4 * MiB)
+        kv.full_view()[: 4 * MiB].fill_(9)
+        observer = daemon.connect(observer=True)
+        kv.release_physical()  # what vLLM's sleep calls, with no argument
+        assert kv.tier == "host" and observer.status().committed_bytes == 0 and observer.status().host_bytes == 4 * MiB
+        kv.recommit()
+        assert kv.tier == "device" and int(kv.full_view()[: 4 * MiB].min()) == 9
+        monkeypatch.setenv("HBMD_VLLM_SLEEP", "drop")
+        kv.release_physical()
+        assert kv.tier == "device" and observer.status().committed_bytes == 0 and observer.status().host_bytes == 0
+    finally:
+        kv.free()

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 from hbmd.client import Conflict, ExtensibleTensor, InvalidRequest
-from hbmd.client.weights import ALIGNMENT, HEADER, MAGIC, load_weights, store_weights
+from hbmd.client.weights import ALIGNMENT, HEADER, MAGIC, load_weights, open_weights, store_weights
 from helpers import wait_until
 
 torch = pytest.importorskip("torch")
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.ipc
 
 
 def model(seed: int = 7) -> dict[str, "torch.Tensor"]:
-    """A small state dict of every kind a checkpoint holds: several dtypes, a 0-d, an empty and a strided tensor."""
+    """A small state dict of every kind a checkpoint holds: several dtypes, a 0-d, an empty, a transposed and a sliced
+    tensor."""
     g = torch.Generator().manual_seed(seed)
     return {
         "embed.weight": torch.randn(33, 17, generator=g).to(torch.bfloat16),
@@ -28,6 +29,7 @@ def model(seed: int = 7) -> dict[str, "torch.Tensor"]:
         "empty": torch.empty(0, 5, dtype=torch.float32),
         "mask": torch.rand(9, generator=g) > 0.5,
         "codes": torch.randint(-128, 127, (7, 3), dtype=torch.int8, generator=g),
+        "every.other": torch.randn(6, 8, generator=g)[:, ::2],
     }
 
 
@@ -86,7 +88,9 @@ def test_a_state_dict_comes_back_as_views_of_one_sealed_buffer(client):
         got = loaded[name]
         assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
         assert torch.equal(got, tensor), name
-        assert got.is_contiguous(), name
+    # A transposed weight comes back transposed, as a kernel may want it; a slice with gaps comes back dense.
+    assert loaded["layers.0.mlp.up.T"].stride() == state["layers.0.mlp.up.T"].stride() == (1, 17)
+    assert loaded["every.other"].is_contiguous()
     # Views, not copies: every tensor with bytes lies in the buffer, on a 256-byte boundary of it.
     view = loaded["position_ids"]
     assert view.untyped_storage().data_ptr() != base  # mapped by the read-only attach, beside the writer's mapping
@@ -104,6 +108,34 @@ def test_a_state_dict_comes_back_as_views_of_one_sealed_buffer(client):
     # One buffer, one chunk set, charged once.
     (info,) = client.buffers()
     assert info.sealed and info.readers == 1 and client.status().committed_bytes == info.physical_bytes
+
+
+def test_what_the_storer_records_comes_back_with_the_tensors(client):
+    store_weights({"w": torch.ones(3)}, "keyed", "cpu", client=client, meta={"key": {"model": "m", "tp": [0, 1]}})
+    weights = open_weights("keyed", "cpu", client=client)
+    assert weights.meta == {"key": {"model": "m", "tp": [0, 1]}} and list(weights.tensors) == ["w"]
+    assert next(b for b in client.buffers() if b.name == "keyed").readers == 1
+    weights.buffer.detach()
+    assert next(b for b in client.buffers() if b.name == "keyed").readers == 0
+
+
+def test_strides_that_reach_outside_a_tensors_bytes_are_refused(client):
+    stored = store_weights({"w": torch.randn(8, 4).t()}, "forged", "cpu", client=client)
+    view = stored.full_view()
+    magic, length = HEADER.unpack(bytes(view[: HEADER.size].tolist()))
+    manifest = json.loads(bytes(view[HEADER.size : HEADER.size + length].tolist()))
+    assert manifest["tensors"][0]["stride"] == [1, 4]
+    stored.free()
+    # The same buffer written by hand, with a stride past the tensor's 32 elements: the reader refuses it.
+    manifest["tensors"][0]["stride"] = [1, 40]
+    text = json.dumps(manifest).encode()
+    forged = ExtensibleTensor(2 << 20, "cpu", client=client, name="forged", persistent=True)
+    forged.resize_(4096)
+    raw = HEADER.pack(MAGIC, len(text)) + text
+    forged.full_view()[: len(raw)].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    forged.seal()
+    with pytest.raises(ValueError, match="outside its 32 elements"):
+        load_weights("forged", "cpu", client=client)
 
 
 def test_only_dense_tensors_are_stored_and_a_failure_leaves_nothing(client):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
+from hbmd.proto import TIER_DEVICE
+
 A = TypeVar("A")
 """A backend's per-buffer state (its arena)."""
 C = TypeVar("C")
@@ -31,13 +33,15 @@ class Backend(Protocol[A, C]):
     """Physical memory the backend serves, for the default budget."""
     device_uuid: str = ""
     device_index: int = -1
+    host_piece: int
+    """Bytes of the host-tier pieces its pool makes ahead (see ``pool.py``): demotes are cut into them."""
 
     def open_arena(self, reserved_bytes: int, shareable: bool) -> A:
         """Per-buffer backend state, made when a buffer is created."""
         ...
 
-    def create(self, arena: A, offset: int, size: int) -> C:
-        """Back ``size`` bytes at ``offset`` of the buffer; returns a chunk handle.
+    def create(self, arena: A, offset: int, size: int, tier: str = TIER_DEVICE) -> C:
+        """Back ``size`` bytes at ``offset`` of the buffer with memory of ``tier``; returns a chunk handle.
 
         Raises ``OutOfDeviceMemory`` when the memory is not there.
         """
@@ -63,9 +67,14 @@ class Backend(Protocol[A, C]):
         """Device memory the backend keeps for itself (a warm pool), taken out of the budget."""
         return 0
 
-    def idle(self) -> bool:
-        """A little background work while no request waits; True while more remains."""
+    def idle(self, host_room: int) -> bool:
+        """A little background work while no request waits (warm pools; the host pool within ``host_room`` bytes);
+        True while more remains."""
         return False
+
+    def host_pool_bytes(self) -> int:
+        """Host-tier memory made ahead of demotes."""
+        return 0
 
     def close(self) -> None:
         """Release the backend itself at shutdown."""

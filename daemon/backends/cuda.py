@@ -4,6 +4,11 @@ The daemon calls ``cuInit`` and nothing that needs a context, so it holds no
 CUDA context and costs no GPU memory of its own. It keeps each chunk's
 allocation handle (not an FD): exported FDs are closed as soon as they are
 sent, so a 10,000-chunk buffer costs no descriptors.
+
+The host tier is host-NUMA memory (``CU_MEM_LOCATION_TYPE_HOST_NUMA``, on the
+node nearest the GPU), made and exported as POSIX FDs with no context just
+like device chunks, and mapped by clients at the same addresses with device
+access (SPEC, "host-NUMA VMM memory").
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import Any
 
 from hbmd import driver
 from hbmd.driver import nvml
+from hbmd.proto import TIER_DEVICE, TIER_HOST
 from hbmd.proto.errors import DriverError
 from hbmd.proto.instance import gpu_instance
 from hbmd.proto.undo import Undo
 
 from . import ParkableBackend
+from .pool import HOST_PIECE, HostPool
 
 log = logging.getLogger("hbmd.cuda")
 
@@ -81,7 +88,9 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
 
     name = "cuda"
 
-    def __init__(self, index: int, warm_chunks: int = 0, export_sentinel: bool = True) -> None:
+    def __init__(self, index: int, warm_chunks: int = 0, export_sentinel: bool = True, host_pool_bytes: int = 0,
+                 host_piece: int = HOST_PIECE) -> None:
+        """``host_pool_bytes``: host-NUMA pieces of ``host_piece`` bytes kept made ahead of demotes (``pool.py``)."""
         self.warm_target = warm_chunks
         self._warm: list[CudaChunk] = []
         driver.pin_device_order()
@@ -109,11 +118,30 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         if not export_sentinel:
             self._sentinel = None
             probe.release()
+        self.host_numa_node = driver.host_numa_node(index)
+        self.host_piece = host_piece
+        self._host_pool: HostPool[CudaChunk] = HostPool(host_piece, host_pool_bytes, self._make_host, CudaChunk.release)
+
+    def _make_host(self, size: int) -> CudaChunk:
+        return CudaChunk(driver.create_host(self.host_numa_node, size))
+
+    def check_host_tier(self) -> None:
+        """Refuse, with ``DriverError``, a host tier this driver cannot serve: host-NUMA memory whose granule does not
+        divide the device's, or pieces that are not whole device granules (chunks are)."""
+        host_granule = driver.host_granularity(self.host_numa_node)
+        if self.granularity % host_granule or self.host_piece % self.granularity:
+            raise DriverError(
+                f"host-NUMA granularity {host_granule} and pieces of {self.host_piece} bytes do not fit the device's "
+                f"granule of {self.granularity}",
+                function="cuMemGetAllocationGranularity", result="CUDA_ERROR_NOT_SUPPORTED",
+            )
 
     def open_arena(self, reserved_bytes: int, shareable: bool) -> CudaArena:
         return CudaArena(rdma=shareable and not self._rdma_refused)
 
-    def create(self, arena: CudaArena, offset: int, size: int) -> CudaChunk:
+    def create(self, arena: CudaArena, offset: int, size: int, tier: str = TIER_DEVICE) -> CudaChunk:
+        if tier == TIER_HOST:
+            return self._host_pool.take(size)
         if size == self.granularity and not arena.rdma and self._warm:
             return self._warm.pop()
         if arena.rdma:
@@ -155,10 +183,11 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         """The warm pool and the export sentinel: device memory the daemon holds for itself."""
         return (self.warm_target + (self._sentinel is not None)) * self.granularity
 
-    def idle(self) -> bool:
-        """Create and export one warm chunk if the pool is short; True while it still is."""
+    def idle(self, host_room: int) -> bool:
+        """Create and export one warm chunk if the pool is short, else one host-NUMA piece within ``host_room``; True
+        while either is still short."""
         if len(self._warm) >= self.warm_target:
-            return False
+            return self._host_pool.idle(host_room)
         handle = driver.create(self.device_index, self.granularity, rdma=False)
         with Undo() as undo:
             undo.push(driver.release, handle)
@@ -166,7 +195,11 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         self._warm.append(CudaChunk(handle, fd))
         return len(self._warm) < self.warm_target
 
+    def host_pool_bytes(self) -> int:
+        return self._host_pool.bytes
+
     def close(self) -> None:
+        self._host_pool.close()
         while self._warm:
             self._warm.pop().release()
         if self._sentinel is not None:

@@ -22,6 +22,11 @@ buffer's chunk layout, its straddling granules and its sizes are the same on
 both backends and the host tier tests what the GPU tier runs; it lets the
 kernel back a chunk with transparent huge pages where shmem allows; and it
 keeps chunk counts, and so mappings per commit, small.
+
+The host tier (demoted buffers) is a second memfd pool of the same kind of
+chunks, charged to the host budget instead of the device's: on this backend
+both tiers are RAM, so what it tests is the protocol, the books and the
+copies, as the CUDA backend runs them with host-NUMA memory.
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ import errno
 import fcntl
 import os
 
+from hbmd.proto import TIER_DEVICE, TIER_HOST
 from hbmd.proto.errors import InternalError, OutOfDeviceMemory
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes
 
 from .. import fds
 from . import ParkableBackend
+from .pool import HOST_PIECE, HostPool
 
 GRANULE = 2 << 20
 RECOUNT_EVERY = 32
@@ -81,10 +88,10 @@ def out_of_fds(size: int) -> OutOfDeviceMemory:
     )
 
 
-def sealed_memfd(size: int) -> int:
+def sealed_memfd(size: int, name: str = "hbmd-chunk") -> int:
     """A new memfd of exactly ``size`` allocated bytes, sealed; raises ``OutOfDeviceMemory`` when memory is short."""
     try:
-        fd = os.memfd_create("hbmd-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise out_of_fds(size) from None
@@ -132,11 +139,14 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
     instance = "host"
     granularity = GRANULE
 
-    def __init__(self) -> None:
+    def __init__(self, host_pool_bytes: int = 0, host_piece: int = HOST_PIECE) -> None:
+        """``host_pool_bytes``: host-tier pieces of ``host_piece`` bytes kept made ahead of demotes (see ``pool.py``)."""
         self.total_bytes = host_memory_bytes()
         self._open_chunks = 0
         self._counted = (0, -RECOUNT_EVERY)
         """``(descriptors open, chunks open)`` when the process's descriptors were last counted."""
+        self.host_piece = host_piece
+        self._host_pool: HostPool[HostChunk] = HostPool(host_piece, host_pool_bytes, self._make_host, self._release)
 
     def _fds_left(self) -> bool:
         """Whether one more chunk leaves the daemon its descriptor headroom.
@@ -157,20 +167,40 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
     def open_arena(self, reserved_bytes: int, shareable: bool) -> HostArena:
         return HostArena()
 
-    def create(self, arena: HostArena, offset: int, size: int) -> HostChunk:
+    def create(self, arena: HostArena, offset: int, size: int, tier: str = TIER_DEVICE) -> HostChunk:
+        if tier == TIER_HOST:
+            return self._host_pool.take(size)
         if not self._fds_left():
             raise out_of_fds(size)
         return self._opened(HostChunk(sealed_memfd(size), size))
+
+    def _make_host(self, size: int) -> HostChunk:
+        if not self._fds_left():
+            raise out_of_fds(size)
+        return self._opened(HostChunk(sealed_memfd(size, "hbmd-host-chunk"), size))
 
     def export(self, arena: HostArena, chunk: HostChunk) -> int:
         return os.dup(chunk.fd)
 
     def release(self, arena: HostArena, chunk: HostChunk) -> None:
+        self._release(chunk)
+
+    def _release(self, chunk: HostChunk) -> None:
         try:
             punch_out(chunk.fd, chunk.size)
         finally:
             os.close(chunk.fd)
             self._open_chunks -= 1
+
+    def idle(self, host_room: int) -> bool:
+        """Top the host pool up within ``host_room`` (or trim it to fit)."""
+        return self._host_pool.idle(host_room)
+
+    def host_pool_bytes(self) -> int:
+        return self._host_pool.bytes
+
+    def close(self) -> None:
+        self._host_pool.close()
 
     def close_arena(self, arena: HostArena) -> None:
         """Nothing to drop: the chunks were the buffer's only memory."""

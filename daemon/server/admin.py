@@ -73,6 +73,9 @@ class AdminRequests(RequestRoom[A, C]):
             config_loaded_at=state.config_load.loaded_at,
             config_reload_failed_at=state.config_load.failed_at,
             config_reload_error=state.config_load.error,
+            host_budget_bytes=state.host_budget_bytes,
+            host_bytes=state.host_bytes,
+            host_pool_bytes=backend.host_pool_bytes(),
         )
 
     @handles(ListSessions)

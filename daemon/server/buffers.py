@@ -1,7 +1,7 @@
 """Buffer requests (``hbmd.proto.buffers``): create, commit, map again, share and drop buffers.
 
 A request that hands chunks to the client (commit, remap, attach,
-defragment) is refused first while too many FD batches wait unread for the
+defragment, move) is refused first while too many FD batches wait unread for the
 session (``Outbox.check_reading``), so a refusal changes nothing; the new
 chunks' FDs are then queued on its handle socket and described in the
 :class:`Committed` reply.
@@ -25,6 +25,7 @@ from hbmd.proto import (
     FinishDefragment,
     Free,
     Freed,
+    Move,
     Redeclare,
     Release,
     Released,
@@ -93,7 +94,7 @@ class BufferRequests(RequestRoom[A, C]):
         buffer = self.state.redeclare(
             conn.session, msg.buffer_id, msg.segment_capacities, msg.segment_sizes,
             [(c.offset, c.size) for c in msg.chunks],
-            msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly,
+            msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly, msg.tier,
         )
         log.info("session %d declared again %s buffer %d%s: %d bytes its process still maps",
                  conn.session.session_id, "a read claim on" if msg.readonly else "its",
@@ -112,6 +113,17 @@ class BufferRequests(RequestRoom[A, C]):
         """Drop the old chunks of a preserving defragment (or the new ones, if the client gave up)."""
         freed = self.state.finish_defragment(conn.session, msg.buffer_id, msg.keep_new)
         return Released(self.state.buffers[msg.buffer_id].info(), freed)
+
+    @handles(Move)
+    def move(self, conn: HandleConnection[A, C], request_id: int, msg: Move) -> Committed:
+        """Make the buffer's chunks in the other tier, beside the old ones; the finish drops the old ones."""
+        self.plane.outbox.check_reading(conn)
+        chunks = self.state.move(conn.session, msg.buffer_id, msg.tier)
+        buffer = self.state.buffers[msg.buffer_id]
+        if chunks:
+            log.info("session %d moves buffer %d (%s) to the %s tier", conn.session.session_id, buffer.buffer_id,
+                     format_bytes(buffer.pending_bytes), msg.tier)
+        return self._deliver(conn, request_id, buffer, chunks)
 
     @handles(Release)
     def release(self, conn: HandleConnection[A, C], request_id: int, msg: Release) -> Released:

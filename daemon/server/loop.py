@@ -341,13 +341,15 @@ class Server(Generic[A, C]):
 
     def _look_after_sessions(self) -> None:
         """What is due whatever the events were: held FDs sent on, idle leases asked back, hello-less connections
-        closed, ignored reclaims reported, leases topped up."""
+        closed, ignored reclaims reported, buffers demoted under pressure promoted where there is room, leases topped
+        up."""
         self._plane.outbox.retry_draining()
         now = time.monotonic()
         self.state.ask_back_idle_leases(now)
         self._plane.expire_hellos(now)
         self._plane.end_unresumed(now)
         self._notices.report_ignored_reclaims(now)
+        self._notices.send_promotes(now)
         self._notices.serve_leases()
 
     def _check_books(self) -> None:
@@ -357,9 +359,9 @@ class Server(Generic[A, C]):
             raise BooksUnbalanced(str(exc)) from exc
 
     def _idle(self) -> bool:
-        """One step of the backend's background work (the warm pool); False when done or failing."""
+        """One step of the backend's background work (the warm pool, the host pool); False when done or failing."""
         try:
-            return self.state.backend.idle()
+            return self.state.idle()
         except (HbmdError, OSError) as exc:
             log.debug("background work paused: %s", exc)
             return False

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Generic
 
-from hbmd.proto import Ack, LeaseRevoke, ReclaimDone, ReclaimRequest
+from hbmd.proto import Ack, LeaseRevoke, PromoteRequest, ReclaimDone, ReclaimRequest
 from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
@@ -51,8 +51,18 @@ class SessionNotices(Generic[A, C]):
         while self.state.reclaims_due:
             session, reclaim = self.state.reclaims_due.pop(0)
             conn = self.plane.by_session.get(session.session_id)
+            # A client of an earlier minor would read a demote as a reclaim, and drop the memory: it is not asked.
+            if conn is not None and (conn.protocol_minor >= 6 or not reclaim.demote):
+                conn.send_quietly(
+                    ReclaimRequest(reclaim.reclaim_id, reclaim.requested_bytes, reclaim.reason, reclaim.demote)
+                )
+
+    def send_promotes(self, now: float) -> None:
+        """Tell the clients that demoted buffers when asked that the device has room for them again."""
+        for session, demoted in self.state.promotes_due(now):
+            conn = self.plane.by_session.get(session.session_id)
             if conn is not None:
-                conn.send_quietly(ReclaimRequest(reclaim.reclaim_id, reclaim.requested_bytes, reclaim.reason))
+                conn.send_quietly(PromoteRequest(demoted))
 
     def send_revokes(self) -> None:
         """Ask sessions for the leased granules the state wants back."""

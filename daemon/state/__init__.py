@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Generic
 
-from hbmd.proto import ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto import TIER_DEVICE, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
 from hbmd.proto.units import round_up
 
@@ -47,6 +47,14 @@ from .records import (
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
 
+DEMOTE_IDLE_S = 2.0
+"""A session that grew a buffer within this many seconds is busy: it is not asked to demote its buffers."""
+PROMOTE_ASK_EVERY_S = 1.0
+"""How often a client that demoted buffers when asked is told again that the device has room for them."""
+PROMOTE_QUIET_S = 2.0
+"""No buffer is promoted back within this many seconds of a commit the budget refused: the room a demote made is the
+refused commit's first, which its client is sending again."""
+
 __all__ = [
     "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim", "Session", "State", "Tenant"
 ]
@@ -64,16 +72,20 @@ class State(Generic[A, C]):
         limits: Limits = Limits(),
         lease_bytes: int = DEFAULT_LEASE_BYTES,
         lease_idle_s: float = LEASE_IDLE_S,
+        host_budget_bytes: int = 0,
     ) -> None:
-        """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`."""
+        """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`;
+        ``host_budget_bytes``: the most the host tier holds (0: no host tier)."""
         self.backend = backend
         self.limits = limits
-        self.budget = Tenants(budget_bytes, config or Config())
+        self.budget = Tenants(budget_bytes, config or Config(), host_budget_bytes)
         self.chunks: Chunks[A, C] = Chunks(backend)
         self.sessions_room = Sessions(limits, reclaim_patience_s)
         self.buffers_room: Buffers[A, C] = Buffers(backend, self.chunks, self.budget, limits, self)
         self.leases: Leases[A, C] = Leases(backend, self.chunks, self.budget, lease_bytes, lease_idle_s)
         self.started_at = time.monotonic()
+        self.refused_at = float("-inf")
+        """When the budget last refused a commit (monotonic)."""
         self.config_load = ConfigLoad()
         """The ``--config`` file and its reloads (the daemon's command line and SIGHUP set it)."""
 
@@ -110,6 +122,14 @@ class State(Generic[A, C]):
     @property
     def leased_bytes(self) -> int:
         return self.budget.leased_bytes
+
+    @property
+    def host_budget_bytes(self) -> int:
+        return self.budget.host_budget_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.budget.host_bytes
 
     @property
     def reserved_bytes(self) -> int:
@@ -234,11 +254,12 @@ class State(Generic[A, C]):
     def redeclare(
         self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
         chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool, readonly: bool,
+        tier: str = TIER_DEVICE,
     ) -> Buffer[A, C]:
         """A buffer the session's process still maps, declared again after a restart with no keeper; see
         :meth:`Buffers.redeclare`."""
         return self.buffers_room.redeclare(session, previous_id, capacities, sizes, chunks, name, persistent,
-                                           shareable, sealed, readonly)
+                                           shareable, sealed, readonly, tier)
 
     def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""
@@ -256,6 +277,7 @@ class State(Generic[A, C]):
         """
         created = self.buffers_room.commit(session, buffer_id, sizes)
         self.leases.note_demand(session, created)
+        session.grown_at = time.monotonic()
         return created
 
     def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk[C]]:
@@ -263,6 +285,14 @@ class State(Generic[A, C]):
 
     def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
         return self.buffers_room.finish_defragment(session, buffer_id, keep_new)
+
+    def move(self, session: Session, buffer_id: int, tier: str) -> list[Chunk[C]]:
+        """Demote the buffer to the host tier or promote it back; see :meth:`Buffers.move`."""
+        return self.buffers_room.move(session, buffer_id, tier)
+
+    def idle(self) -> bool:
+        """A step of the backend's background work, its host pool kept within the host budget's room."""
+        return self.backend.idle(self.budget.host_room())
 
     def release(self, session: Session, buffer_id: int) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""
@@ -334,10 +364,11 @@ class State(Generic[A, C]):
         The granules must be exactly the ones the growth needs, each a chunk
         of the session's lease; otherwise nothing changes.
         """
-        buffer = self.buffers_room.changeable(session, buffer_id)
+        buffer = self.buffers_room.growable(session, buffer_id)
         self.leases.check_placement(session, buffer, sizes, chunk_ids, offsets)
         runs = self.buffers_room.growth(buffer, sizes)
         self.buffers_room.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
+        session.grown_at = time.monotonic()
         return buffer
 
     def return_lease(self, session: Session, chunk_ids: list[int]) -> list[int]:
@@ -370,6 +401,35 @@ class State(Generic[A, C]):
     def withheld_bytes(self) -> int:
         return self.leases.withheld_bytes(list(self.sessions.values()), time.monotonic())
 
+    def demote_for(self, tenant: Tenant, needed: int) -> int:
+        """Ask idle sessions of demotable tenants (the config's ``demote``, in its order; never ``tenant``'s own, never
+        a guaranteed one) to demote ``needed`` bytes of their buffers to the host tier; returns the bytes asked for, and
+        still being demoted from earlier asks, up to ``needed``.
+
+        As reclaim, through each session's client and with its patience as
+        deadline: nothing is taken by force. Not beyond the host tier's room,
+        and not of a session that grew a buffer in the last
+        :data:`DEMOTE_IDLE_S`.
+        """
+        now = self.refused_at = time.monotonic()
+        needed = min(needed, self.budget.host_room())
+        asked = 0
+        for other in self.budget.demotable():
+            if other is tenant:
+                continue
+            for session in sorted(self.sessions.values(), key=lambda s: s.session_id):
+                held = session.committed_bytes
+                if asked >= needed or session.tenant is not other or held == 0 or now - session.grown_at < DEMOTE_IDLE_S:
+                    continue
+                reclaim = session.reclaim
+                if reclaim is not None and reclaim.demote and reclaim.outcome(now, self.reclaim_patience_s) == "pending":
+                    asked += reclaim.requested_bytes  # asked already: on its way
+                    continue
+                ask = min(held, needed - asked)
+                self.request_reclaim(session, ask, f"tenant {tenant.name!r} needs device memory", demote=True)
+                asked += ask
+        return min(asked, needed)
+
     def short(self, tenant: Tenant, needed: int) -> None:
         """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""
         self.refused(None)
@@ -385,11 +445,30 @@ class State(Generic[A, C]):
                 needed -= ask
                 excess -= ask
 
+    def promotes_due(self, now: float) -> list[tuple[Session, int]]:
+        """Sessions whose clients demoted buffers when asked and whose tenant has device room for them again, with
+        their demoted bytes; each is named again after :data:`PROMOTE_ASK_EVERY_S` while they stay demoted, none
+        within :data:`PROMOTE_QUIET_S` of a refused commit."""
+        due: list[tuple[Session, int]] = []
+        if now - self.refused_at < PROMOTE_QUIET_S:
+            return due
+        for session in self.sessions.values():
+            if not session.demoted_under_pressure:
+                continue
+            demoted = sum(b.physical_bytes for b in session.buffers.values() if b.demoted)
+            if not demoted:
+                session.demoted_under_pressure = False
+            elif now - session.promote_asked_at >= PROMOTE_ASK_EVERY_S and self.admissible_for(session) >= demoted:
+                session.promote_asked_at = now
+                due.append((session, demoted))
+        return due
+
     # reclaim
 
-    def request_reclaim(self, session: Session, requested_bytes: int, reason: str) -> Reclaim:
-        """Record a request that ``session`` give ``requested_bytes`` back (its lease first); the server delivers it."""
-        reclaim = self.sessions_room.request_reclaim(session, requested_bytes, reason)
+    def request_reclaim(self, session: Session, requested_bytes: int, reason: str, demote: bool = False) -> Reclaim:
+        """Record a request that ``session`` give ``requested_bytes`` back (its lease first; ``demote``: demote them to
+        the host tier); the server delivers it."""
+        reclaim = self.sessions_room.request_reclaim(session, requested_bytes, reason, demote)
         self.leases.ask_back(session)
         return reclaim
 

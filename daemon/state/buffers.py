@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Protocol
 
-from hbmd.proto import MAX_SEGMENTS
+from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, TIERS
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -22,7 +22,7 @@ from hbmd.proto.errors import (
     VersionMismatch,
 )
 from hbmd.proto.runs import merge_runs, subtract_runs
-from hbmd.proto.units import exact_bytes, round_up
+from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
@@ -50,6 +50,10 @@ class Pressure(Protocol):
 
     def withheld_bytes(self) -> int:
         """Leased bytes asked back long ago and still not given back: a retry will not find them."""
+
+    def demote_for(self, tenant: Tenant, needed: int) -> int:
+        """The budget refused ``tenant`` ``needed`` bytes: ask idle sessions of demotable tenants to demote buffers;
+        returns the bytes being demoted for it."""
 
 
 def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
@@ -92,11 +96,16 @@ class Buffers(Generic[A, C]):
 
     # the books
 
-    def account(self, buffer: Buffer[A, C], mapped: int = 0, pending: int = 0) -> None:
-        """A buffer's mapped and pending chunks changed by these bytes: its record, its tenant's, the totals."""
+    def account(self, buffer: Buffer[A, C], mapped: int = 0, pending: int = 0, tier: str = TIER_DEVICE) -> None:
+        """A buffer's mapped and pending chunks in ``tier`` changed by these bytes: its record, its tenant's, the
+        totals (the device budget's, or the host tier's)."""
         buffer.physical_bytes += mapped
         buffer.pending_bytes += pending
-        self.tenants.charge(buffer.tenant, committed=mapped + pending)
+        if tier == TIER_HOST:
+            buffer.host_bytes += mapped + pending
+            self.tenants.charge(buffer.tenant, host=mapped + pending)
+        else:
+            self.tenants.charge(buffer.tenant, committed=mapped + pending)
         self.mark_changed(buffer)
 
     def mark_changed(self, buffer: Buffer[A, C]) -> None:
@@ -132,7 +141,17 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer_id,
             )
         if buffer.pending:
-            raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
+            raise Conflict(f"buffer {buffer_id} is being defragmented or moved", buffer_id=buffer_id)
+        return buffer
+
+    def growable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """The session's buffer, to grow or defragment: refused, besides as :meth:`changeable` refuses, while demoted."""
+        buffer = self.changeable(session, buffer_id)
+        if buffer.demoted:
+            raise Conflict(
+                f"buffer {buffer_id} is demoted to the host tier: promote it before growing or defragmenting it",
+                buffer_id=buffer_id,
+            )
         return buffer
 
     def named(self, uid: int, name: str) -> Buffer[A, C]:
@@ -179,7 +198,7 @@ class Buffers(Generic[A, C]):
 
     def redeclare(self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
                   chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool,
-                  readonly: bool) -> Buffer[A, C]:
+                  readonly: bool, tier: str = TIER_DEVICE) -> Buffer[A, C]:
         """A buffer its client still maps, declared again after the daemon restarted with no keeper.
 
         The chunks (``(offset, size)``) are recorded as held elsewhere, and
@@ -188,12 +207,15 @@ class Buffers(Generic[A, C]):
         name, or declares it, an orphan its owner joins. What a client may
         claim is what it could have made: only in its own user's names,
         within its tenant's budget and the per-uid limits; nothing declared is
-        ever handed to another process. The buffer keeps ``previous_id``, the
-        id it had, where no buffer has it now. Raises with nothing changed but
-        the ids given from now on, which come after ``previous_id``.
+        ever handed to another process. A demoted buffer's chunks are declared
+        in the host tier (``tier``) and admitted by the host budget. The
+        buffer keeps ``previous_id``, the id it had, where no buffer has it
+        now. Raises with nothing changed but the ids given from now on, which
+        come after ``previous_id``.
         """
         check_observer(session)
         check_int("buffer_id", previous_id, 0, MAX_CAPACITY)
+        _check_tier(tier)
         keep = previous_id if previous_id and previous_id not in self.by_id else 0
         self._next_id = max(self._next_id, previous_id + 1)
         capacity = sum(capacities)
@@ -212,19 +234,22 @@ class Buffers(Generic[A, C]):
         self._check_tiling(record, chunks)
         existing = self.persistent.get((session.uid, name)) if persistent else None
         if existing is not None:
-            return self._join(session, existing, record, chunks, readonly)
+            return self._join(session, existing, record, chunks, readonly, tier)
         self._check_room_of(session.uid, len(capacities))
         if persistent:
             self._check_new_name(session.uid, name)
         held = sum(size for _, size in chunks)
-        self.tenants.admit(session.tenant, held, "declaring again memory it maps", in_use=True)
-        if self.tenants.committed_bytes + self.tenants.leased_bytes + held > self.tenants.budget_bytes:
-            self.pressure.refused(None)  # leases made before it was declared give way to it
+        if tier == TIER_HOST:
+            self.tenants.admit_host(held, "declaring again host memory it maps")
+        else:
+            self.tenants.admit(session.tenant, held, "declaring again memory it maps", in_use=True)
+            if self.tenants.committed_bytes + self.tenants.leased_bytes + held > self.tenants.budget_bytes:
+                self.pressure.refused(None)  # leases made before it was declared give way to it
         record.arena = self.backend.open_arena(reserved, shareable)
-        record.chunks = [Chunk(self.chunks.take_id(), offset, size, None) for offset, size in chunks]
+        record.chunks = [Chunk(self.chunks.take_id(), offset, size, None, tier=tier) for offset, size in chunks]
         self._next_id = max(self._next_id, record.buffer_id + 1)
         self._add(record)
-        self.account(record, mapped=held)
+        self.account(record, mapped=held, tier=tier)
         if readonly:
             _add_read_claim(session, record)
         else:
@@ -247,7 +272,7 @@ class Buffers(Generic[A, C]):
             )
 
     def _join(self, session: Session, buffer: Buffer[A, C], declared: Buffer[A, C], chunks: list[tuple[int, int]],
-              readonly: bool) -> Buffer[A, C]:
+              readonly: bool, tier: str) -> Buffer[A, C]:
         """A declared claim on the persistent buffer of the same name, declared already: a reader's read claim, or its
         owner taking back the orphan its readers declared. Both must describe the same memory."""
         same = (
@@ -255,6 +280,7 @@ class Buffers(Generic[A, C]):
             and buffer.segment_capacities == declared.segment_capacities
             and buffer.segment_sizes == declared.segment_sizes
             and sorted((c.offset, c.size) for c in buffer.chunks) == sorted(chunks)
+            and (buffer.tier == tier or not chunks)
         )
         if not same or not (readonly or buffer.owner is None):
             raise Conflict(
@@ -306,22 +332,25 @@ class Buffers(Generic[A, C]):
     def adopt(self, buffer: Buffer[A, C]) -> None:
         """Bring back a buffer after a restart, its chunks not counted yet; they count whatever the budget."""
         self._add(buffer)
-        self.account(buffer, mapped=sum(c.size for c in buffer.chunks), pending=sum(c.size for c in buffer.pending))
+        self.account(buffer, mapped=sum(c.size for c in buffer.chunks), tier=buffer.tier)
+        self.account(buffer, pending=sum(c.size for c in buffer.pending), tier=buffer.pending_tier)
         self._next_id = max(self._next_id, buffer.buffer_id + 1)
         self.chunks.adopted(buffer.chunks + buffer.pending)
 
     def drop_mapped(self, buffer: Buffer[A, C]) -> int:
         """Release the buffer's (mapped) chunks; returns their bytes."""
+        tier = buffer.tier
         freed = self.chunks.release_all(buffer.chunks, buffer.arena)
         buffer.chunks = []
-        self.account(buffer, mapped=-freed)
+        self.account(buffer, mapped=-freed, tier=tier)
         return freed
 
     def drop_pending(self, buffer: Buffer[A, C]) -> int:
-        """Release the chunks of an unfinished preserving defragment; returns their bytes."""
+        """Release the chunks of an unfinished preserving defragment or move; returns their bytes."""
+        tier = buffer.pending_tier
         freed = self.chunks.release_all(buffer.pending, buffer.arena)
         buffer.pending = []
-        self.account(buffer, pending=-freed)
+        self.account(buffer, pending=-freed, tier=tier)
         return freed
 
     def release_all(self, buffer: Buffer[A, C]) -> int:
@@ -424,7 +453,7 @@ class Buffers(Generic[A, C]):
         One chunk per maximal run of uncommitted granules, in offset order.
         The whole growth fits the budget or nothing is allocated.
         """
-        buffer = self.changeable(session, buffer_id)
+        buffer = self.growable(session, buffer_id)
         if isinstance(sizes, int):
             sizes = [sizes] * buffer.num_segments
         created = self.make_runs(buffer, self.growth(buffer, sizes), "commit")
@@ -436,9 +465,16 @@ class Buffers(Generic[A, C]):
         requested = sum(end - start for start, end in runs)
         try:
             self.tenants.admit(buffer.tenant, requested, purpose, self.pressure.withheld_bytes())
-        except OutOfBudget:
+        except OutOfBudget as exc:
             self.pressure.refused(buffer.owner)
-            raise
+            demoting = self.pressure.demote_for(buffer.tenant, requested)
+            if not demoting:
+                raise
+            raise OutOfBudget(
+                f"{exc.message}; {format_bytes(demoting)} of idle tenants' buffers are being demoted to the host "
+                "tier: retry",
+                **exc.details, demoting=demoting,
+            ) from None
         try:
             return self.chunks.make_runs(buffer.arena, runs)
         except OutOfDeviceMemory:
@@ -458,7 +494,7 @@ class Buffers(Generic[A, C]):
         defragment returns ``[]``, a discarding one the chunks as they are
         (the caller unmapped them and maps them again).
         """
-        buffer = self.changeable(session, buffer_id)
+        buffer = self.growable(session, buffer_id)
         runs = buffer.backed_runs(buffer.segment_sizes, self.backend.granularity)
         if len(buffer.chunks) == len(runs) and (preserve or not buffer.held_elsewhere):
             return [] if preserve else buffer.chunks
@@ -472,16 +508,49 @@ class Buffers(Generic[A, C]):
         return buffer.chunks
 
     def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
-        """Swap in the pending chunks (``keep_new``) or drop them; returns the bytes freed."""
+        """Swap in the pending chunks of a defragment or a move (``keep_new``) or drop them; returns the bytes freed."""
         buffer = self.of(session, buffer_id)
         if not buffer.pending:
-            raise InvalidRequest(f"buffer {buffer_id} has no defragment in progress", buffer_id=buffer_id)
+            raise InvalidRequest(f"buffer {buffer_id} has no defragment or move in progress", buffer_id=buffer_id)
         if not keep_new:
             return self.drop_pending(buffer)
         freed = self.drop_mapped(buffer)
+        tier = buffer.pending_tier
         buffer.chunks, buffer.pending = buffer.pending, []
-        self.account(buffer, mapped=buffer.pending_bytes, pending=-buffer.pending_bytes)
+        self.account(buffer, mapped=buffer.pending_bytes, pending=-buffer.pending_bytes, tier=tier)
         return freed
+
+    def move(self, session: Session, buffer_id: int, tier: str) -> list[Chunk[C]]:
+        """Make chunks in ``tier`` for the buffer's committed bytes, pending beside the old ones; returns them.
+
+        As a preserving defragment: both are charged until
+        :meth:`finish_defragment` (the old tier's budget and the new one's),
+        so a client that dies mid-way loses nothing. To the host tier the
+        host budget admits them; back to the device, the device budget (and
+        pressure on others where it refuses). A buffer already in ``tier``,
+        or with nothing committed, returns ``[]``. A sealed buffer is mapped
+        by its readers as well, whose mappings would keep the old chunks: it
+        does not move.
+        """
+        _check_tier(tier)
+        buffer = self.of(session, buffer_id)
+        if buffer.sealed:
+            raise InvalidRequest(
+                f"buffer {buffer_id} ({buffer.name!r}) is sealed: its readers map its chunks too, so it stays where "
+                "it is",
+                buffer_id=buffer_id,
+            )
+        buffer = self.changeable(session, buffer_id)
+        if buffer.tier == tier or not buffer.chunks:
+            return []
+        runs = buffer.backed_runs(buffer.segment_sizes, self.backend.granularity)
+        if tier == TIER_HOST:
+            self.tenants.admit_host(sum(end - start for start, end in runs), "demote")
+            buffer.pending = self.chunks.make_runs(buffer.arena, runs, TIER_HOST)
+        else:
+            buffer.pending = self.make_runs(buffer, runs, "promote (the host copy stays until the move is done)")
+        self.account(buffer, pending=sum(c.size for c in buffer.pending), tier=tier)
+        return buffer.pending
 
     # persistent buffers: attach, seal, readers
 
@@ -505,7 +574,8 @@ class Buffers(Generic[A, C]):
 
         Sealing a sealed buffer changes nothing. An anonymous buffer ends with
         its session, so there is nothing for others to read: refused; so is a
-        buffer mid-defragment, whose chunks are about to change.
+        buffer mid-defragment or mid-move, whose chunks are about to change,
+        and a demoted one, which would stay in the host tier for good.
         """
         buffer = self.of(session, buffer_id)
         if buffer.sealed:
@@ -516,7 +586,11 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer_id,
             )
         if buffer.pending:
-            raise Conflict(f"buffer {buffer_id} is being defragmented", buffer_id=buffer_id)
+            raise Conflict(f"buffer {buffer_id} is being defragmented or moved", buffer_id=buffer_id)
+        if buffer.demoted:
+            # A sealed buffer never moves (its readers map it too): sealed in the host tier, it would stay there.
+            raise Conflict(f"buffer {buffer_id} is demoted to the host tier: promote it before sealing it",
+                           buffer_id=buffer_id)
         buffer.sealed = True
         self.mark_changed(buffer)
         return buffer
@@ -588,6 +662,11 @@ class Buffers(Generic[A, C]):
             session_id=readers[0],
             readers=",".join(map(str, readers)),
         )
+
+
+def _check_tier(tier: str) -> None:
+    if tier not in TIERS:
+        raise InvalidRequest(f"tier {tier[:32]!r} is not one of {', '.join(TIERS)}", field="tier")
 
 
 def _check_name(name: str) -> None:

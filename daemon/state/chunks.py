@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Generic, Protocol
 
+from hbmd.proto import TIER_DEVICE, TIER_HOST
 from hbmd.proto.errors import HbmdError
 from hbmd.proto.undo import Undo
 
@@ -35,9 +36,9 @@ class Chunks(Generic[A, C]):
         self.next_id = 1
         self.keeper: Keeper | None = None
 
-    def make(self, arena: A, offset: int, size: int) -> Chunk[C]:
-        """One chunk of ``size`` bytes at ``offset``; raises as the backend does (``OutOfDeviceMemory``...)."""
-        chunk = Chunk(self.next_id, offset, size, self.backend.create(arena, offset, size))
+    def make(self, arena: A, offset: int, size: int, tier: str = TIER_DEVICE) -> Chunk[C]:
+        """One chunk of ``size`` bytes at ``offset`` in ``tier``; raises as the backend does (``OutOfDeviceMemory``...)."""
+        chunk = Chunk(self.next_id, offset, size, self.backend.create(arena, offset, size, tier), tier=tier)
         self.next_id += 1
         if self.keeper is not None:
             self.keeper.made(chunk, arena)
@@ -48,12 +49,20 @@ class Chunks(Generic[A, C]):
         self.next_id += 1
         return self.next_id - 1
 
-    def make_runs(self, arena: A, runs: list[tuple[int, int]]) -> list[Chunk[C]]:
-        """One chunk per ``(start, end)`` run, in order; none on any failure."""
+    def make_runs(self, arena: A, runs: list[tuple[int, int]], tier: str = TIER_DEVICE) -> list[Chunk[C]]:
+        """One chunk per ``(start, end)`` run, in order; none on any failure.
+
+        In the host tier a run is made of pieces of the backend's
+        ``host_piece`` bytes (and a shorter last one), the size its pool
+        makes ahead of need: creating pinned host memory is slow.
+        """
+        if tier == TIER_HOST:
+            piece = self.backend.host_piece
+            runs = [(at, min(at + piece, end)) for start, end in runs for at in range(start, end, piece)]
         created: list[Chunk[C]] = []
         with Undo() as undo:
             for start, end in runs:
-                chunk = self.make(arena, start, end - start)
+                chunk = self.make(arena, start, end - start, tier)
                 undo.push(self.release, chunk, arena)
                 created.append(chunk)
         return created

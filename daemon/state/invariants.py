@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from hbmd.proto import TIER_HOST
 from hbmd.proto.runs import merge_runs
 
 from .records import Buffer, Chunk
@@ -24,13 +25,20 @@ def check_invariants(state: "State[Any, Any]") -> None:
     the sessions' leased granules, and both the sum of tenant usage; each
     buffer's chunks lie inside it, on granule boundaries, never back a
     granule twice and back exactly its committed prefixes (a preserving
-    defragment's pending chunks likewise, on their own); every buffer and
+    defragment's or a move's pending chunks likewise, on their own); a
+    buffer's mapped chunks are all in one tier, its pending ones too, and
+    host-tier bytes add up to the host total and to the tenants'; every buffer and
     session points at the other, readers included; only a persistent
     buffer is sealed, and only a sealed one has readers; every tenant has
     the limits the config in force gives it.
     """
     chunk_ids: set[int] = set()
-    total = sum(_check_buffer(state, buffer, chunk_ids) for buffer in state.buffers.values())
+    total = host = 0
+    for buffer in state.buffers.values():
+        total += _check_buffer(state, buffer, chunk_ids)
+        host += buffer.host_bytes
+    require(state.host_bytes == host, f"host tier {state.host_bytes} != {host} in buffers' host chunks")
+    require(sum(t.host_bytes for t in state.tenants.values()) == host, f"tenants' host bytes do not add up to {host}")
     require(len(state.persistent) == sum(b.persistent for b in state.buffers.values()), "stale persistent names")
     for session in state.sessions.values():
         for buffer in session.buffers.values():
@@ -45,7 +53,7 @@ def check_invariants(state: "State[Any, Any]") -> None:
 
 
 def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids: set[int]) -> int:
-    """Check one buffer's chunks and links; returns its committed bytes (mapped and pending)."""
+    """Check one buffer's chunks and links; returns its device bytes (mapped and pending)."""
     granule = state.backend.granularity
     wanted = buffer.backed_runs(buffer.segment_sizes, granule)
     for label, chunks, accounted in (
@@ -54,6 +62,7 @@ def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids:
     ):
         where = f"buffer {buffer.buffer_id} {label}"
         require(sum(c.size for c in chunks) == accounted, f"{where}: sizes do not add up to {accounted}")
+        require(len({c.tier for c in chunks}) <= 1, f"{where} lie in more than one tier")
         _check_chunk_layout(where, chunks, buffer.reserved, granule, chunk_ids)
         if chunks or label == "chunks":
             covered = merge_runs((c.offset, c.offset + c.size) for c in chunks)
@@ -79,7 +88,9 @@ def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids:
         require(claims > 0, f"buffer {buffer.buffer_id}: session {session_id} holds {claims} read claims")
         require(reader is not None, f"buffer {buffer.buffer_id}: reader session {session_id} ended")
         require(reader.reading.get(buffer.buffer_id) is buffer, f"buffer {buffer.buffer_id}: reader {session_id} lost it")
-    return buffer.physical_bytes + buffer.pending_bytes
+    host = sum(c.size for c in (*buffer.chunks, *buffer.pending) if c.tier == TIER_HOST)
+    require(buffer.host_bytes == host, f"buffer {buffer.buffer_id}: host bytes {buffer.host_bytes} != {host} in chunks")
+    return buffer.physical_bytes + buffer.pending_bytes - host
 
 
 def _check_chunk_layout(where: str, chunks: list[Chunk[Any]], reserved: int, granule: int, chunk_ids: set[int]) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Any, Generic
 
-from hbmd.proto import BufferInfo
+from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo
 from hbmd.proto.errors import InvalidRequest
 from hbmd.proto.runs import backed_runs, prefix_offsets
 
@@ -58,6 +58,8 @@ class Chunk(Generic[C]):
     daemon with no keeper): the daemon counts it, but can neither hand it out nor free its memory."""
     live: bool = True
     """False once released: a queued export of it must not happen."""
+    tier: str = TIER_DEVICE
+    """Where its memory is: the device's, or the host tier's (charged to the host budget)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,8 @@ class Tenant:
     """Committed and leased bytes charged to it."""
     leased_bytes: int = 0
     """The part of ``used_bytes`` its sessions hold as leases (given back under pressure)."""
+    host_bytes: int = 0
+    """Bytes of its buffers in the host tier: charged to the host budget, not part of ``used_bytes``."""
     holders: int = 0
     """Sessions and buffers charged to it: a tenant nobody configured goes with its last one."""
 
@@ -104,6 +108,8 @@ class Reclaim:
     reason: str
     asked_at: float = dataclasses.field(default_factory=time.monotonic)
     released_bytes: int | None = None
+    demote: bool = False
+    """Asked to demote its buffers to the host tier rather than to release memory."""
     reported: bool = False
     """Whether the daemon already logged it as ignored."""
 
@@ -154,6 +160,12 @@ class Session:
     """When the session was asked for the first of ``revoking`` (monotonic)."""
     lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last placed leased granules or found its lease short."""
+    grown_at: float = dataclasses.field(default_factory=time.monotonic)
+    """When the session last grew a buffer: one that grew lately is busy, and not asked to demote."""
+    demoted_under_pressure: bool = False
+    """Its client demoted buffers when asked: they are promoted back once the device has room for them."""
+    promote_asked_at: float = 0.0
+    """When its client was last told the device has room for them (monotonic)."""
     credential_hash: str = ""
     """SHA-256 of the credential that resumes the session after a daemon restart (the credential itself is never kept)."""
     previous_credential_hash: str = ""
@@ -166,7 +178,8 @@ class Session:
 
     @property
     def committed_bytes(self) -> int:
-        return sum(b.physical_bytes for b in self.buffers.values())
+        """Device bytes its buffers map (a demoted buffer's are host memory, charged apart)."""
+        return sum(b.physical_bytes for b in self.buffers.values() if not b.demoted)
 
 
 @dataclasses.dataclass
@@ -191,6 +204,8 @@ class Buffer(Generic[A, C]):
     pending: list[Chunk[C]] = dataclasses.field(default_factory=list)
     """New chunks of a preserving defragment, until the client confirms its remap."""
     pending_bytes: int = 0
+    host_bytes: int = 0
+    """Bytes of ``chunks`` and ``pending`` in the host tier."""
     sealed: bool = False
     """Immutable from now on: no commit, release or defragment; sessions of its user may read it at once."""
     readers: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -222,6 +237,20 @@ class Buffer(Generic[A, C]):
 
     def backed_runs(self, sizes: list[int], granule: int) -> list[tuple[int, int]]:
         return backed_runs(self.segment_offsets, sizes, granule)
+
+    @property
+    def tier(self) -> str:
+        """Where its mapped chunks are: all in one tier (an empty buffer is on the device)."""
+        return self.chunks[0].tier if self.chunks else TIER_DEVICE
+
+    @property
+    def pending_tier(self) -> str:
+        """Where the pending chunks of a defragment or a move are."""
+        return self.pending[0].tier if self.pending else TIER_DEVICE
+
+    @property
+    def demoted(self) -> bool:
+        return self.tier == TIER_HOST
 
     @property
     def held_elsewhere(self) -> bool:
@@ -257,4 +286,5 @@ class Buffer(Generic[A, C]):
             shareable=self.shareable,
             pending_bytes=self.pending_bytes,
             held_elsewhere=self.held_elsewhere,
+            tier=self.tier,
         )

@@ -159,10 +159,11 @@ class Sessions:
 
     # reclaim
 
-    def request_reclaim(self, session: Session, requested_bytes: int, reason: str) -> Reclaim:
-        """Record a request that ``session`` give ``requested_bytes`` back; the server delivers it."""
+    def request_reclaim(self, session: Session, requested_bytes: int, reason: str, demote: bool = False) -> Reclaim:
+        """Record a request that ``session`` give ``requested_bytes`` back (``demote``: move them to the host tier);
+        the server delivers it."""
         check_int("bytes", requested_bytes, 1, MAX_CAPACITY)
-        session.reclaim = Reclaim(self._next_reclaim, requested_bytes, reason[:200])
+        session.reclaim = Reclaim(self._next_reclaim, requested_bytes, reason[:200], demote=demote)
         self._next_reclaim += 1
         self.reclaims_due.append((session, session.reclaim))
         return session.reclaim
@@ -172,6 +173,8 @@ class Sessions:
             raise NotFound(f"no reclaim request {reclaim_id} for this session", reclaim_id=reclaim_id)
         check_int("released_bytes", released_bytes, 0, MAX_CAPACITY)
         session.reclaim.released_bytes = released_bytes
+        if session.reclaim.demote and released_bytes:
+            session.demoted_under_pressure = True
 
 
 def _digest(credential: str) -> str:

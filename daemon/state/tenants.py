@@ -29,12 +29,15 @@ LEASE_TOTAL_DIVISOR = 8
 class Tenants:
     """The instance's budget, its tenants and what each is charged."""
 
-    def __init__(self, budget_bytes: int, config: Config) -> None:
+    def __init__(self, budget_bytes: int, config: Config, host_budget_bytes: int = 0) -> None:
         self.budget_bytes = budget_bytes
+        self.host_budget_bytes = host_budget_bytes
+        """Most bytes the host tier holds at once (demoted buffers); 0: no host tier."""
         self.config = config
         self.by_name: dict[str, Tenant] = {}
         self.committed_bytes = 0
         self.leased_bytes = 0
+        self.host_bytes = 0
         for limits in config.tenants:
             self._get(limits.name)
 
@@ -94,12 +97,37 @@ class Tenants:
         if tenant.holders == 0 and not self.configured(tenant.name):
             del self.by_name[tenant.name]
 
-    def charge(self, tenant: Tenant, committed: int = 0, leased: int = 0) -> None:
-        """The one place committed and leased bytes change: the tenant's use and the instance's totals."""
+    def charge(self, tenant: Tenant, committed: int = 0, leased: int = 0, host: int = 0) -> None:
+        """The one place committed, leased and host-tier bytes change: the tenant's use and the instance's totals."""
         self.committed_bytes += committed
         self.leased_bytes += leased
+        self.host_bytes += host
         tenant.used_bytes += committed + leased
         tenant.leased_bytes += leased
+        tenant.host_bytes += host
+
+    def host_room(self) -> int:
+        """Host-tier bytes left: what demotes may still take."""
+        return max(0, self.host_budget_bytes - self.host_bytes)
+
+    def admit_host(self, requested: int, purpose: str) -> None:
+        """Check ``requested`` more host-tier bytes against the host budget; ``OutOfBudget`` saying why not.
+
+        The host tier is one pool for every tenant: a tenant's demoted bytes
+        leave its device limits and count here only.
+        """
+        if not self.host_budget_bytes:
+            raise OutOfBudget(
+                f"{purpose}: this daemon has no host tier; start hbmd with --host-budget SIZE to demote buffers",
+                requested=requested, budget=0,
+            )
+        if self.host_bytes + requested > self.host_budget_bytes:
+            raise OutOfBudget(
+                f"{purpose} of {format_bytes(requested)} does not fit the host budget: "
+                f"budget {format_bytes(self.host_budget_bytes)}, used {format_bytes(self.host_bytes)}, "
+                f"requested {format_bytes(requested)}",
+                budget=self.host_budget_bytes, used=self.host_bytes, requested=requested,
+            )
 
     def _held_for_others(self, tenant: Tenant) -> int:
         return sum(t.unmet_guarantee for t in self.by_name.values() if t is not tenant)
@@ -159,6 +187,11 @@ class Tenants:
         room = self.admissible(tenant) - self.budget_bytes // LEASE_TIGHT_DIVISOR
         return max(0, min(room, self.budget_bytes // LEASE_TOTAL_DIVISOR - self.leased_bytes))
 
+    def demotable(self) -> list[Tenant]:
+        """The tenants whose idle buffers are demoted under pressure, in the config's order (its ``demote``)."""
+        marked = sorted((t for t in self.config.tenants if t.demote is not None), key=lambda t: (t.demote, t.name))
+        return [self.by_name[t.name] for t in marked if t.name in self.by_name and not t.guaranteed_bytes]
+
     def short_of_guarantee(self, tenant: Tenant, requested: int) -> bool:
         """Whether ``requested`` more bytes would still be within the tenant's guaranteed minimum."""
         return tenant.used_bytes + requested <= tenant.guaranteed_bytes
@@ -207,7 +240,7 @@ class Tenants:
         """Every tenant by name (or those in ``names``), with ``sessions_of[name]`` sessions each."""
         return [
             TenantInfo(t.name, t.used_bytes, t.guaranteed_bytes, -1 if t.max_bytes is None else t.max_bytes,
-                       sessions_of.get(t.name, 0))
+                       sessions_of.get(t.name, 0), t.host_bytes)
             for t in sorted(self.by_name.values(), key=lambda t: t.name)
             if names is None or t.name in names
         ]

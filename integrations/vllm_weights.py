@@ -1,0 +1,390 @@
+"""vLLM's weights from hbmd: ``HBMD_VLLM=1 vllm serve MODEL --load-format hbmd``.
+
+The first engine to start with a configuration loads the model from disk
+with vLLM's default loader (its ``process_weights_after_loading`` included),
+stores the processed tensors in one sealed persistent buffer, and then
+builds its model exactly as every later engine does: vLLM's model classes
+initialised on the meta device, each parameter and buffer replaced by a
+read-only view of the sealed buffer, ``process_weights_after_loading`` run
+again in pre-processed mode. A later engine (a restart, a replica, a second
+instance on the GPU) reads nothing from disk, and every engine maps the
+same pages, so the GPU holds one copy however many engines serve the model.
+
+The buffer is named after vLLM's own ``WeightCacheKey`` (checkpoint, revision,
+dtype, quantization, TP/PP/DP rank and size, kernel backends, vLLM version
+...): ``vllm-weights:<architecture>:<dtype>:tp<r>of<n>:pp<r>of<n>:<digest>``, the digest a
+SHA-256 of every field of the key, which the buffer also records whole so
+that a reader compares field by field. Two engines starting together: the
+one that creates the buffer first stores, the other waits for the seal and
+maps; an unsealed buffer whose storer died is deleted by the next engine,
+which stores again. Anything that keeps the weights from coming from hbmd
+(no daemon, a key that differs, a quantization that cannot be rebuilt from
+processed tensors, a storer that takes longer than ``wait_s``) loads from
+disk with a warning, unless ``fallback`` is off.
+
+Options, as ``--model-loader-extra-config '{"fallback": false, "wait_s": 60}'``:
+``fallback`` (default true) and ``wait_s``, the longest to wait for another
+engine's store (default 600 s).
+
+This module imports vLLM; :func:`hbmd.integrations.vllm.register` imports
+it only when the operator opts in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import logging
+import re
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.distributed import (
+    get_dp_group,
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.utils import get_draft_load_config
+from vllm.model_executor.model_loader.weight_cache.ipc_loader import IpcModelLoader
+from vllm.model_executor.model_loader.weight_cache.protocol import (
+    CacheConfigMismatchError,
+    UnsupportedQuantForIPCError,
+    WeightCacheKey,
+    WeightCacheState,
+    check_ipc_quant_support,
+)
+from vllm.model_executor.model_loader.weight_cache.utils import (
+    export_model_attrs,
+    record_external_weight_charge,
+    record_external_weight_fallback,
+)
+
+from hbmd.client import Client, Conflict, HbmdError, NotFound, default_client
+from hbmd.client.tensor import ExtensibleTensor
+from hbmd.client.weights import Weights, open_weights, write_weights
+from hbmd.proto.buffers import BufferInfo
+from hbmd.proto.units import format_bytes
+
+# Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
+log = logging.getLogger("vllm.hbmd")
+
+LOAD_FORMAT = "hbmd"
+NAME_PREFIX = "vllm-weights"
+FORMAT = "vllm-weights-1"
+"""What the buffer's manifest says it holds: vLLM's processed tensors, their kinds, tied aliases and model flags."""
+DEFAULT_WAIT_S = 600.0
+POLL_S = 0.2
+
+
+class WeightsNotReady(RuntimeError):
+    """Another engine was still storing the weights when this one stopped waiting."""
+
+
+def key_fields(key: WeightCacheKey) -> dict[str, Any]:
+    """The key's fields as JSON gives them back (tuples as lists), so that a stored key and a computed one compare."""
+    return json.loads(json.dumps(dataclasses.asdict(key), sort_keys=True, default=str))
+
+
+def weights_name(key: WeightCacheKey) -> str:
+    """The sealed buffer's name for ``key``: readable in ``hbmctl buffers``, unique by the digest of every field.
+
+    Only the key names it, as only the key identifies the weights: vLLM's
+    checkpoint fingerprint is the same for one checkpoint in two directories.
+    """
+    digest = hashlib.sha256(json.dumps(key_fields(key), sort_keys=True).encode()).hexdigest()[:16]
+    model = re.sub(r"[^A-Za-z0-9._-]", "_", key.model_arch)[:48] or "model"
+    ranks = f"tp{key.tp_rank}of{key.tp_size}:pp{key.pp_rank}of{key.pp_size}"
+    if key.dp_size > 1:
+        ranks += f":dp{key.dp_rank}of{key.dp_size}"
+    role = ":draft" if key.is_draft else ""
+    return f"{NAME_PREFIX}:{model}:{key.dtype.removeprefix('torch.')}:{ranks}{role}:{digest}"
+
+
+@dataclasses.dataclass
+class MappedEntry:
+    """One tensor of the sealed buffer, as vLLM's model building takes a weight cache entry."""
+
+    kind: str
+    tensor: Any
+
+    def rebuild(self, device_index: int) -> Any:
+        return self.tensor
+
+
+class HbmdModelLoader(IpcModelLoader):
+    """``--load-format hbmd``: vLLM's weight cache loader, with the weights in an hbmd sealed buffer.
+
+    It takes vLLM's model building from :class:`IpcModelLoader` (meta-device
+    initialisation, tied aliases, pre-processed ``process_weights_after_loading``)
+    and its disk fallback; only where the bytes come from differs.
+    ``source`` says where they came from: ``"stored"`` (this engine loaded
+    them from disk into hbmd), ``"mapped"`` or ``"disk"``.
+    """
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        BaseModelLoader.__init__(self, load_config)
+        extra = dict(load_config.model_loader_extra_config or {})
+        self.fallback = extra.pop("fallback", True)
+        self.wait_s = float(extra.pop("wait_s", DEFAULT_WAIT_S))
+        if not isinstance(self.fallback, bool) or not 0 <= self.wait_s <= 86400:
+            raise ValueError(f"load format {LOAD_FORMAT}: fallback must be true or false and wait_s 0 to 86400 seconds")
+        if extra:
+            raise ValueError(f"unexpected --model-loader-extra-config keys for load format {LOAD_FORMAT}: {sorted(extra)}")
+        # What IpcModelLoader's model building reads: the engine maps the tensors, it does not copy them.
+        self.mode = "zero_copy"
+        self.is_draft = False
+        self.weights: Weights | None = None
+        """The read claim this engine's parameters are views of."""
+        self.source = ""
+
+    # vLLM's loader interface
+
+    def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
+        """The bytes of the sealed weights this engine will map, already resident: vLLM sizes its KV cache without them.
+
+        Weights this engine stores itself are not resident yet: its memory
+        profile counts them once they are, as it would a disk load.
+        """
+        total = self._resident_bytes(vllm_config, vllm_config.model_config)
+        spec = vllm_config.speculative_config
+        if spec is not None and spec.draft_model_config is not None:
+            if get_draft_load_config(vllm_config).load_format == LOAD_FORMAT:
+                total += self._resident_bytes(vllm_config, spec.draft_model_config)
+        return total
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        if vllm_config.parallel_config.enable_eplb:
+            raise ValueError(f"load format {LOAD_FORMAT} does not support EPLB: its expert weights move")
+        name = ""
+        try:
+            key = self._key(vllm_config, model_config)
+            name = weights_name(key)
+            return self._load(vllm_config, model_config, prefix, key, name)
+        except Exception as exc:
+            if not self.fallback:
+                raise
+            log.warning("weights %s: not from hbmd (%s); loading them from disk", name or "(no key)", exc)
+        record_external_weight_fallback(name, self.is_draft)
+        self.source = "disk"
+        return self._fallback_load(vllm_config, model_config, prefix)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """Copy the sealed tensors into ``model``'s own parameters (a model loaded from disk); parameters that are views
+        of the sealed buffer already hold them, and are never written."""
+        if self.weights is None:
+            raise RuntimeError(f"load format {LOAD_FORMAT}: no weights mapped; load the model first")
+        targets = dict(model.named_parameters()) | dict(model.named_buffers())
+        for name, source in self.weights.tensors.items():
+            target = targets.get(name)
+            if target is None or target.shape != source.shape:
+                log.warning("weights: %s has no parameter of its shape in the model; skipped", name)
+            elif target.data_ptr() != source.data_ptr():
+                target.data.copy_(source)
+
+    # IpcModelLoader's hooks
+
+    def _watch_daemon(self) -> None:
+        """Nothing to watch: the mapping outlives a restart of hbmd, and a restarted hbmd keeps the one copy."""
+
+    # where the weights come from
+
+    def _load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: WeightCacheKey,
+              name: str) -> nn.Module:
+        device = self._device(vllm_config)
+        client = default_client(device)
+        deadline = time.monotonic() + self.wait_s
+        waited = False
+        while True:
+            info = _named(client, name)
+            if info is None:
+                model = self._store(vllm_config, model_config, prefix, key, name, device, client)
+                if model is not None:
+                    return model
+            elif info.sealed:
+                try:
+                    return self._map(vllm_config, model_config, prefix, key, name, device, client, "mapped")
+                except NotFound:
+                    pass  # deleted since it was listed: look again
+            elif info.session_id == 0:
+                self._clear_abandoned(name, device, client)
+                continue
+            if time.monotonic() >= deadline:
+                raise WeightsNotReady(f"{name} was still being stored after {self.wait_s:g} s")
+            if not waited and info is not None:
+                log.info("weights %s: waiting for session %d to store them", name, info.session_id)
+                waited = True
+            time.sleep(POLL_S)
+
+    def _store(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: WeightCacheKey, name: str,
+               device: torch.device, client: Client) -> nn.Module | None:
+        """Claim ``name``, load from disk, store and map; None when another engine claimed it first.
+
+        The claim is the buffer itself, created empty before the disk load so
+        that a second engine waits instead of loading too; its capacity (the
+        budget: address space only) fits any model the daemon can hold.
+        """
+        try:
+            claim = ExtensibleTensor(client.status().budget_bytes, device, client=client, name=name, persistent=True)
+        except Conflict:
+            return None
+        try:
+            log.info("weights %s: the first engine with this key: loading from disk to store them", name)
+            model = self._fallback_load(vllm_config, model_config, prefix)
+        except BaseException:
+            claim.free()
+            raise
+        try:
+            check_ipc_quant_support(model)
+            write_weights(claim, *self._exported(model, key))
+        except (UnsupportedQuantForIPCError, HbmdError, ValueError, TypeError) as exc:
+            claim.free()
+            if not self.fallback:
+                raise
+            log.warning("weights %s: not stored in hbmd (%s); this engine keeps its copy from disk", name, exc)
+            self.source = "disk"
+            return model
+        except BaseException:
+            claim.free()
+            raise
+        claim.detach()
+        _forget(model, vllm_config)
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self._map(vllm_config, model_config, prefix, key, name, device, client, "stored")
+
+    def _map(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: WeightCacheKey, name: str,
+             device: torch.device, client: Client, source: str) -> nn.Module:
+        weights = open_weights(name, device, client)
+        try:
+            meta = weights.meta
+            if meta.get("format") != FORMAT:
+                raise CacheConfigMismatchError(f"{name} holds {meta.get('format') or 'no vLLM weights'}, not {FORMAT}")
+            stored = meta.get("key", {})
+            ours = key_fields(key)
+            differ = sorted(field for field in ours.keys() | stored.keys() if ours.get(field) != stored.get(field))
+            if differ:
+                raise CacheConfigMismatchError(f"{name} was stored for another configuration: {', '.join(differ)} differ")
+            kinds = meta["kinds"]
+            # Parameters are mapped; buffers (attention scales, rotary caches: small) are copied, as vLLM's
+            # post-processing writes some of them in place, even over weights that are processed already.
+            state = WeightCacheState(
+                entries={n: MappedEntry(kinds[n], t if kinds[n] == "param" else t.clone())
+                         for n, t in weights.tensors.items()},
+                aliases=meta.get("aliases", {}),
+                attrs=meta.get("attrs", {}),
+            )
+            model = self._build_model(vllm_config, model_config, prefix, state)
+        except BaseException:
+            weights.buffer.detach()
+            raise
+        self.weights, self.source = weights, source
+        params = [t for n, t in weights.tensors.items() if kinds[n] == "param"]
+        log.info("weights %s: %d parameters (%s) mapped read-only from hbmd, %d buffers copied; %s", name, len(params),
+                 format_bytes(sum(t.numel() * t.element_size() for t in params)), len(weights.tensors) - len(params),
+                 "stored by this engine" if source == "stored" else "nothing read from disk")
+        return model
+
+    def _clear_abandoned(self, name: str, device: torch.device, client: Client) -> None:
+        """Delete the unsealed orphan ``name``: its storer died before the seal, and nobody may read half a model."""
+        try:
+            abandoned = ExtensibleTensor.attach(name, device, client=client)
+        except (Conflict, NotFound):
+            return  # taken or cleared by another engine meanwhile
+        if abandoned.sealed:
+            abandoned.detach()
+            return
+        log.warning("weights %s: deleting what an engine that died while storing them left", name)
+        abandoned.free()
+
+    # helpers
+
+    def _exported(self, model: nn.Module, key: WeightCacheKey) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's distinct tensors by name, and what the buffer records beside them."""
+        tensors: dict[str, Any] = {}
+        kinds: dict[str, str] = {}
+        aliases: dict[str, str] = {}
+        named: dict[int, str] = {}
+        for kind, items in (("param", model.named_parameters(remove_duplicate=False)),
+                            ("buffer", model.named_buffers(remove_duplicate=False))):
+            for tensor_name, tensor in items:
+                if tensor_name in kinds or tensor_name in aliases:
+                    continue
+                if id(tensor) in named:
+                    aliases[tensor_name] = named[id(tensor)]
+                    continue
+                named[id(tensor)] = tensor_name
+                tensors[tensor_name], kinds[tensor_name] = tensor, kind
+        meta = {"format": FORMAT, "key": key_fields(key), "kinds": kinds, "aliases": aliases,
+                "attrs": export_model_attrs(model)}
+        return tensors, meta
+
+    def _key(self, vllm_config: VllmConfig, model_config: ModelConfig) -> WeightCacheKey:
+        spec = vllm_config.speculative_config
+        self.is_draft = spec is not None and model_config is spec.draft_model_config
+        dp, pp = get_dp_group(), get_pp_group()
+        parallel = vllm_config.parallel_config
+        return WeightCacheKey.from_model_config(
+            model_config,
+            cache_config=vllm_config.cache_config,
+            tp_size=get_tensor_model_parallel_world_size(),
+            tp_rank=get_tensor_model_parallel_rank(),
+            pp_size=pp.world_size,
+            pp_rank=pp.rank_in_group,
+            dp_size=dp.world_size,
+            dp_rank=dp.rank_in_group,
+            is_draft=self.is_draft,
+            enable_expert_parallel=parallel.enable_expert_parallel,
+            expert_placement_strategy=parallel.expert_placement_strategy,
+            kernel_config=vllm_config.kernel_config,
+        )
+
+    def _resident_bytes(self, vllm_config: VllmConfig, model_config: ModelConfig) -> int:
+        name = ""
+        try:
+            key = self._key(vllm_config, model_config)
+            name = weights_name(key)
+            client = default_client(self._device(vllm_config))
+            info = _named(client, name)
+            size = info.physical_bytes if info is not None and info.sealed else 0
+        except Exception as exc:
+            if not self.fallback:
+                raise
+            log.warning("weights %s: cannot ask hbmd what is resident (%s); counting nothing", name or "(no key)", exc)
+            return 0
+        record_external_weight_charge(name, self.is_draft, size)
+        return size
+
+    def _device(self, vllm_config: VllmConfig) -> torch.device:
+        device = torch.device(self.load_config.device or vllm_config.device_config.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+
+def _named(client: Client, name: str) -> BufferInfo | None:
+    """This user's persistent buffer ``name`` (an admin's list holds every user's, and names are per user).
+
+    The uid is the one the daemon sees, from this session's record: in
+    another user namespace it is not ``os.getuid()``.
+    """
+    uid = next(s.uid for s in client.sessions() if s.session_id == client.session_id)
+    return next((b for b in client.buffers() if b.name == name and b.persistent and b.owner_uid == uid), None)
+
+
+def _forget(model: nn.Module, vllm_config: VllmConfig) -> None:
+    """Drop the registrations ``model``'s layers made in ``vllm_config`` (attention and state layers register by
+    name), so that the model built over the sealed buffer can register the same names."""
+    modules = {id(module) for module in model.modules()}
+    context = vllm_config.compilation_config.static_forward_context
+    for layer in [name for name, module in context.items() if id(module) in modules]:
+        del context[layer]

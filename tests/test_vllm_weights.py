@@ -1,0 +1,224 @@
+"""vLLM 0.34 loads its weights from hbmd (issue #26): ``--load-format hbmd``, on the host backend.
+
+Each engine is a process of its own (tests/vllm_engine_load.py) running
+vLLM's own configuration, plugin loading, parallel state, model loader and
+Llama model classes over a tiny checkpoint this test writes (random
+weights, safetensors). Needs vLLM 0.34 installed (README, "Use with vLLM").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm.model_executor.model_loader.weight_cache.ipc_loader", reason="vLLM is not installed")
+safetensors = pytest.importorskip("safetensors.torch")
+from hbmd.client import InvalidRequest  # noqa: E402
+from hbmd.client.weights import load_weights, open_weights, store_weights  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
+
+ENGINE = Path(__file__).with_name("vllm_engine_load.py")
+HIDDEN, LAYERS, VOCAB = 64, 2, 256
+
+
+def write_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A two-layer Llama in vLLM's expected layout: config.json and one safetensors file of random weights."""
+    directory.mkdir(parents=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32", "tie_word_embeddings": False, "rope_theta": 10000.0,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(seed)
+    state = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+             "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+             "model.norm.weight": torch.rand(HIDDEN, generator=g)}
+    shapes = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN // 2, HIDDEN),
+              "self_attn.v_proj": (HIDDEN // 2, HIDDEN), "self_attn.o_proj": (HIDDEN, HIDDEN),
+              "mlp.gate_proj": (2 * HIDDEN, HIDDEN), "mlp.up_proj": (2 * HIDDEN, HIDDEN),
+              "mlp.down_proj": (HIDDEN, 2 * HIDDEN)}
+    for layer in range(LAYERS):
+        for part, shape in shapes.items():
+            state[f"model.layers.{layer}.{part}.weight"] = torch.randn(*shape, generator=g)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[f"model.layers.{layer}.{norm}.weight"] = torch.rand(HIDDEN, generator=g)
+    safetensors.save_file(state, directory / "model.safetensors")
+    return directory
+
+
+def without_weights(checkpoint: Path, directory: Path) -> Path:
+    """The same checkpoint in another directory with every weight byte zeroed: vLLM's fingerprint (the safetensors
+    headers) is the same, and an engine that read weights from it would get zeros."""
+    shutil.copytree(checkpoint, directory)
+    path = directory / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header:] = bytes(len(data) - header)
+    path.write_bytes(bytes(data))
+    return directory
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return write_checkpoint(tmp_path / "a" / "tiny-llama")
+
+
+@pytest.fixture
+def engine(daemon):
+    """Start one engine's load: ``engine(checkpoint, load_format="hbmd", extra=None, **env).wait()``."""
+    started: list[subprocess.Popen] = []
+
+    def start(checkpoint: Path, load_format: str = "hbmd", extra: dict | None = None, **env: str) -> Engine:
+        environ = {k: v for k, v in os.environ.items() if k not in ("HBMD_VLLM", "VLLM_PLUGINS")}
+        environ |= {"HBMD_RUN_DIR": str(daemon.run_dir), "HBMD_VLLM": "1", "VLLM_TARGET_DEVICE": "cpu"} | env
+        args = [sys.executable, str(ENGINE), str(checkpoint), load_format, json.dumps(extra or {})]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
+        started.append(proc)
+        return Engine(proc)
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+class Engine:
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def wait(self, ok: bool = True) -> dict:
+        """The engine's report; ``ok=False``: it is expected to fail. ``log`` is then its output (vLLM logs to
+        stdout, Python's last resort and tracebacks to stderr)."""
+        out, err = self.proc.communicate(timeout=300)
+        self.log = out + err
+        if ok:
+            assert self.proc.returncode == 0, self.log[-6000:]
+            return json.loads(out.strip().splitlines()[-1])
+        return {}
+
+
+def weights_buffers(client):
+    return [b for b in client.buffers() if b.name.startswith("vllm-weights:")]
+
+
+def test_the_loader_is_vllms_load_format_hbmd_only_with_the_opt_in(daemon):
+    code = ("from vllm.plugins import load_general_plugins\nload_general_plugins()\n"
+            "from vllm.config.load import LoadConfig\nfrom vllm.model_executor.model_loader import get_model_loader\n"
+            "try:\n    print(type(get_model_loader(LoadConfig(load_format='hbmd'))).__name__)\n"
+            "except ValueError as exc:\n    print('refused:', exc)\n")
+    environ = {k: v for k, v in os.environ.items() if k not in ("HBMD_VLLM", "VLLM_PLUGINS")}
+    runs = {opt_in: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                                   env=environ | ({"HBMD_VLLM": "1"} if opt_in else {}))
+            for opt_in in (True, False)}
+    assert runs[True].stdout.strip().splitlines()[-1] == "HbmdModelLoader", runs[True].stderr[-3000:]
+    assert runs[False].stdout.strip().splitlines()[-1].startswith("refused:"), runs[False].stderr[-3000:]
+
+
+def test_the_first_engine_stores_and_a_later_one_maps_without_reading_the_checkpoint(engine, checkpoint, client,
+                                                                                       tmp_path):
+    disk = engine(checkpoint, load_format="auto").wait()
+    assert disk["files_opened"] >= 1
+
+    first = engine(checkpoint).wait()
+    assert first["source"] == "stored" and first["views"] and first["digest"] == disk["digest"]
+    assert first["external_bytes"] == 0  # nothing resident yet: vLLM's profile counts what this engine stores
+    (stored,) = weights_buffers(client)
+    assert stored.name == first["name"] and stored.sealed and stored.session_id == 0 and stored.readers == 0
+    assert stored.name.startswith("vllm-weights:LlamaForCausalLM:float32:tp0of1:pp0of1:")
+    recorded = open_weights(stored.name, "cpu", client=client)
+    assert recorded.meta["format"] == "vllm-weights-1" and recorded.meta["key"]["model_arch"] == "LlamaForCausalLM"
+    assert recorded.meta["kinds"]["lm_head.weight"] == "param"
+    recorded.buffer.detach()
+
+    later = engine(without_weights(checkpoint, tmp_path / "b" / "tiny-llama")).wait()
+    assert later["source"] == "mapped" and later["name"] == stored.name
+    assert later["files_opened"] == 0, "a later engine read the checkpoint"
+    assert later["digest"] == disk["digest"] and later["views"]
+    assert later["external_bytes"] == stored.physical_bytes
+
+
+def test_two_engines_starting_together_read_the_checkpoint_once(engine, checkpoint, client):
+    disk = engine(checkpoint, load_format="auto").wait()
+    # The first to claim the name holds its seal back 3 s, so the other surely finds it being stored.
+    engines = [engine(checkpoint, HBMD_TEST_SEAL_DELAY="3") for _ in range(2)]
+    results = [e.wait() for e in engines]
+    assert sorted(r["source"] for r in results) == ["mapped", "stored"]
+    assert all(r["digest"] == disk["digest"] and r["views"] for r in results)
+    waiter = engines[[r["source"] for r in results].index("mapped")]
+    assert "waiting for session" in waiter.log
+    assert [r["files_opened"] > 0 for r in results] == [r["source"] == "stored" for r in results]
+    assert len(weights_buffers(client)) == 1
+
+
+def test_an_engine_killed_while_storing_leaves_nothing_to_read_and_the_next_stores(engine, checkpoint, client):
+    disk = engine(checkpoint, load_format="auto").wait()
+    dying = engine(checkpoint, HBMD_TEST_DIE_BEFORE_SEAL="1")
+    dying.wait(ok=False)
+    assert dying.proc.returncode == -9
+    (half,) = weights_buffers(client)
+    assert not half.sealed
+    with pytest.raises(InvalidRequest, match="not sealed"):
+        load_weights(half.name, "cpu", client=client)
+
+    next_engine = engine(checkpoint)
+    after = next_engine.wait()
+    assert after["source"] == "stored" and after["digest"] == disk["digest"]
+    assert "deleting what an engine that died while storing them left" in next_engine.log
+    (whole,) = weights_buffers(client)
+    assert whole.sealed and whole.name == half.name
+
+
+def restored_with_key_field(client, name: str, field: str, value) -> None:
+    """Store the weights ``name`` again with one field of the recorded key changed, as another vLLM would have."""
+    weights = open_weights(name, "cpu", client=client)
+    tensors = {n: t.clone() for n, t in weights.tensors.items()}
+    meta = dict(weights.meta)
+    meta["key"] = dict(meta["key"]) | {field: value}
+    weights.buffer.detach()
+    client.delete(name)
+    store_weights(tensors, name, "cpu", client=client, meta=meta).detach()
+
+
+def test_weights_stored_for_another_configuration_are_not_used(engine, checkpoint, client):
+    disk = engine(checkpoint, load_format="auto").wait()
+    name = engine(checkpoint).wait()["name"]
+    restored_with_key_field(client, name, "vllm_version", "0.33.0")
+
+    fallen_back = engine(checkpoint)
+    result = fallen_back.wait()
+    assert result["source"] == "disk" and result["files_opened"] >= 1 and result["digest"] == disk["digest"]
+    assert "stored for another configuration: vllm_version differ" in fallen_back.log
+
+    strict = engine(checkpoint, extra={"fallback": False})
+    strict.wait(ok=False)
+    assert strict.proc.returncode != 0 and "vllm_version differ" in strict.log
+
+
+def test_with_no_daemon_the_engine_loads_from_disk_or_with_fallback_off_says_why(engine, checkpoint, tmp_path):
+    disk = engine(checkpoint, load_format="auto").wait()
+    nowhere = str(tmp_path / "no-daemon")
+    alone = engine(checkpoint, HBMD_RUN_DIR=nowhere)
+    result = alone.wait()
+    assert result["source"] == "disk" and result["digest"] == disk["digest"] and result["external_bytes"] == 0
+    assert "loading them from disk" in alone.log
+
+    strict = engine(checkpoint, extra={"fallback": False}, HBMD_RUN_DIR=nowhere)
+    strict.wait(ok=False)
+    assert strict.proc.returncode != 0 and "DaemonUnavailable" in strict.log
+
+
+def test_an_unknown_option_is_refused(engine, checkpoint):
+    wrong = engine(checkpoint, extra={"fallbak": False})
+    wrong.wait(ok=False)
+    assert wrong.proc.returncode != 0 and "unexpected --model-loader-extra-config keys" in wrong.log
+    assert "fallbak" in wrong.log
