@@ -404,7 +404,9 @@ def scale_case(t: Target) -> dict[str, Any]:
 # where the time goes
 
 
-BREAKDOWN_SIZES = {8 * GiB: (3, 1), 64 * GiB: (2, 1)}
+BREAKDOWN_SIZES = {64 * MiB: (10, 2), 1 * GiB: (5, 1), 8 * GiB: (3, 1), 64 * GiB: (2, 1)}
+NESTED_STEPS = ("client.send_request", "client.decode_reply", "client.file_datagram", "client.import_leased")
+"""Client steps inside others (or on the listener thread): left out of the client's own time, or it would count twice."""
 
 
 def window(windows: list[tuple[int, int]], fn: Callable[[], Any]) -> None:
@@ -417,11 +419,16 @@ def window(windows: list[tuple[int, int]], fn: Callable[[], Any]) -> None:
 def summarize_windows(events: list[tuple[str, int, int]], windows: list[tuple[int, int]]) -> dict[str, Any]:
     steps = breakdown(events, windows)
     total = percentile([(end - start) / 1e3 for start, end in windows], 50)
-    own = sum(us for label, us in steps.items() if label.startswith(("client.", "drv.")))
+    own = sum(us for label, us in steps.items() if label.startswith(("client.", "drv.")) and label not in NESTED_STEPS)
     derived = {}
     if "client.control_call" in steps and "daemon.dispatch" in steps:
         # ZeroMQ both ways, both codecs and poll wake-ups: the request minus the daemon's handling of it.
         derived["control_transport_us"] = round(steps["client.control_call"] - steps["daemon.dispatch"], 2)
+    if "client.control_call" in steps and "daemon.drain_control" in steps:
+        # What neither process's Python accounts for: ZeroMQ's I/O threads and the wake-ups on either side.
+        derived["wakeups_and_zmq_us"] = round(
+            steps["client.control_call"] - steps["daemon.drain_control"]
+            - sum(steps.get(label, 0.0) for label in ("client.send_request", "client.decode_reply")), 2)
     return {"n": len(windows), "total_us": round(total, 2), "steps_p50_us": steps,
             "unaccounted_us": round(total - own, 2), **derived}
 
@@ -444,10 +451,29 @@ def export_in_process(t: Target, n: int) -> dict[str, Any]:
     return {"export_fd": summarize_ns(export), "close_fd": summarize_ns(close)}
 
 
+def step_windows(t: Target, client: Client, n: int) -> dict[str, list[tuple[int, int]]]:
+    """The spans of ``n`` successive 2 MiB commits by ``client``, and of as many in-process ones, interleaved."""
+    step = t.granule
+    tensor, buffer = t.tensor(n * step, client=client), t.in_process(n * step)
+    spans: dict[str, list[tuple[int, int]]] = {"hbmd": [], "in_process": []}
+    try:
+        for i in range(n):
+            size = (i + 1) * step
+            pair(
+                i,
+                lambda: window(spans["hbmd"], lambda: (tensor.resize_(size, zero_new=True), t.sync())),
+                lambda: window(spans["in_process"], lambda: (buffer.commit(size), t.sync())),
+            )
+    finally:
+        tensor.free()
+        buffer.free()
+    return spans
+
+
 @bench.case("breakdown")
 def breakdown_case(t: Target) -> dict[str, Any]:
     """The commit paths again, with timers around each step in this process and in a probed daemon."""
-    step, n = t.granule, t.reps(200, 50)
+    n = t.reps(200, 50)
     with tempfile.NamedTemporaryFile(prefix="hbmdb-events-", suffix=".json", dir="/tmp", delete=False) as f:
         events_path = Path(f.name)
     command = [sys.executable, str(BENCH_DIR / "probe.py"), "--events", str(events_path)]
@@ -457,17 +483,13 @@ def breakdown_case(t: Target) -> dict[str, Any]:
             client = t.connect("bench-breakdown", probed)
             try:
                 with client_probe() as probe:
-                    tensor, buffer = t.tensor(n * step, client=client), t.in_process(n * step)
-                    spans = windows["2 MiB step"] = {"hbmd": [], "in_process": []}
-                    for i in range(n):
-                        size = (i + 1) * step
-                        pair(
-                            i,
-                            lambda: window(spans["hbmd"], lambda: (tensor.resize_(size, zero_new=True), t.sync())),
-                            lambda: window(spans["in_process"], lambda: (buffer.commit(size), t.sync())),
-                        )
-                    tensor.free()
-                    buffer.free()
+                    windows["2 MiB step"] = step_windows(t, client, n)
+                    # Every commit a round trip: where the time of a commit with the lease empty goes.
+                    without_lease = t.connect("bench-breakdown-no-lease", probed, lease=False)
+                    try:
+                        windows["2 MiB step, lease empty"] = step_windows(t, without_lease, n)
+                    finally:
+                        without_lease.close()
                     for size, reps in BREAKDOWN_SIZES.items():
                         spans = windows[format_bytes(size)] = {"hbmd": [], "in_process": []}
                         for _ in range(t.reps(*reps)):

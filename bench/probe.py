@@ -65,12 +65,24 @@ class Probe:
 
 
 def client_probe() -> Probe:
-    """The client's side of a commit and the in-process baseline's driver calls, probed."""
+    """The client's side of a commit and the in-process baseline's driver calls, probed.
+
+    ``client.send_request``, ``client.decode_reply`` and ``client.file_datagram`` (a datagram of the handle socket
+    read and filed, by the caller or by the listener thread) are parts of ``client.control_call`` and
+    ``client.receive_fds``; ``client.import_leased`` is the listener's import of granted granules.
+    """
+    import zmq
     from hbmd import driver
+    from hbmd.client import transport
+    from hbmd.client.lease import Lease
     from hbmd.client.transport import ControlChannel, HandleChannel
 
     probe = Probe()
     probe.wrap(ControlChannel, "call_with_id", "client.control_call")
+    probe.wrap(zmq.Socket, "send_multipart", "client.send_request")
+    probe.wrap(transport, "decode_frames", "client.decode_reply")
+    probe.wrap(HandleChannel, "_read_and_file", "client.file_datagram")
+    probe.wrap(Lease, "granted", "client.import_leased")
     probe.wrap(os, "close", "client.os_close")
     probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
     for name in ("create", "import_fd", "map", "set_access", "release", "memset_async", "context_synchronize",
@@ -80,16 +92,33 @@ def client_probe() -> Probe:
 
 
 def daemon_probe() -> Probe:
-    """The daemon's side: nested inside the client's ``client.control_call``."""
+    """The daemon's side: nested inside the client's ``client.control_call``.
+
+    ``daemon.drain_control`` holds ``daemon.recv_request``, ``daemon.dispatch`` and ``daemon.send_reply``;
+    ``daemon.dispatch`` holds ``daemon.read_request`` (the envelope opened), ``daemon.state_commit`` (admission and
+    ``cuMemCreate``), ``daemon.queue_fds`` (export and ``send_fds``) and ``daemon.encode_reply``.
+    ``daemon.look_after_sessions`` is the loop's work after each batch of events (lease top-ups among it).
+    """
     import socket
 
+    import zmq
     from hbmd import driver
     from hbmd.daemon.server import Server
+    from hbmd.daemon.server import loop
+    from hbmd.daemon.server.outbox import Outbox
+    from hbmd.daemon.state import State
     from hbmd.driver import nvml
 
     probe = Probe()
     probe.wrap(Server, "_drain_control", "daemon.drain_control")
     probe.wrap(Server, "_dispatch", "daemon.dispatch")
+    probe.wrap(Server, "_look_after_sessions", "daemon.look_after_sessions")
+    probe.wrap(zmq.Socket, "recv_multipart", "daemon.recv_request")
+    probe.wrap(zmq.Socket, "send_multipart", "daemon.send_reply")
+    probe.wrap(loop, "read_envelope", "daemon.read_request")
+    probe.wrap(loop, "encode_frames", "daemon.encode_reply")
+    probe.wrap(State, "commit", "daemon.state_commit")
+    probe.wrap(Outbox, "deliver", "daemon.queue_fds")
     probe.wrap(os, "close", "daemon.os_close")
     probe.wrap(driver, "create", "daemon.create")
     probe.wrap(driver, "export_fd", "daemon.export_fd")

@@ -166,8 +166,10 @@ class Lease:
         self._return([g.chunk_id for g in given])
 
     def give_back(self) -> int:
-        """Return every granule here to the daemon (it releases them); how many there were."""
+        """Return every granule here to the daemon (it releases them), those the listener is importing once imported
+        (:data:`IMPORT_WAIT_S` at most); how many there were."""
         with self._lock:
+            self._imported.wait_for(lambda: not self._importing, IMPORT_WAIT_S)
             given, self._ready = list(self._ready.values()), {}
         self._discard(given)
         self._return([g.chunk_id for g in given])

@@ -35,11 +35,15 @@ class Reservation:
         self.base = mapper.reserve(size)
         self.mapped: list[tuple[int, int]] = []
         """``(offset, size)`` of every chunk mapped now, in the order they were mapped."""
+        self.changes = 0
+        """Mappings made and ranges unmapped so far: equal before and after a step, the step left the range as it was
+        (a copy of ``mapped`` would tell as much, at a cost that grows with the chunks)."""
 
     def map(self, chunk: ChunkInfo, fd: int, readonly: bool) -> None:
         """Map ``chunk`` from its FD at its offset (the caller closes the FD)."""
         self.mapper.map(self.base + chunk.offset, chunk, fd, readonly)
         self.mapped.append((chunk.offset, chunk.size))
+        self.changes += 1
 
     def map_all(self, delivery: Delivery, readonly: bool) -> None:
         """Map every chunk the delivery brings, at its offset."""
@@ -53,6 +57,7 @@ class Reservation:
             chunk = ChunkInfo(leased.chunk_id, offset, granule, 0)
             self.mapper.map_prepared(self.base + offset, chunk, leased.prepared)
             self.mapped.append((offset, granule))
+            self.changes += 1
 
     def copy_into(self, chunks: list[tuple[ChunkInfo, int]]) -> None:
         """Copy the bytes mapped at each chunk's offset into the chunk itself, mapped for it in one scratch range.
@@ -91,7 +96,9 @@ class Reservation:
         self.mapper.synchronize()
         for offset, size in self.mapped:
             self.mapper.unmap(self.base + offset, size)
-        self.mapped = []
+        if self.mapped:
+            self.mapped = []
+            self.changes += 1
 
     def free(self) -> None:
         """Unmap everything; the range goes back once no view of it is left."""

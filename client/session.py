@@ -172,13 +172,14 @@ class Client:
             tenant = os.environ.get(TENANT_ENV, "")
         self._pid = os.getpid()
         self._hello = Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
-                            lease and not observer)
+                            lease and not observer, replies_with_fds=True)
         """The hello of a new session: sent again where the session must start over."""
         with Undo() as undo:
             self._handles = HandleChannel(paths, timeout)
             undo.push(self._handles.close)
             self.welcome = self._handles.handshake(self._hello)
-            self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles)
+            self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles,
+                                           replies_with_fds=_replies_with_fds(self._hello, self.welcome))
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
         self.closed = False
@@ -305,7 +306,7 @@ class Client:
         started = time.monotonic()
         handles, welcome, anew = self._reconnect(deadline)
         old, self._handles = self._handles, handles
-        self._control.resume(welcome.token, handles)
+        self._control.resume(welcome.token, handles, _replies_with_fds(self._hello, welcome))
         self.welcome = welcome
         self._credential = welcome.resume_credential
         old.drain()  # grants that came before the daemon went, with their FDs
@@ -362,7 +363,7 @@ class Client:
         """A handle channel to the daemon serving again, its welcome back, and whether that welcomes a new session
         (the daemon kept nothing); waits for it until ``deadline``."""
         hello = Hello(list(PROTOCOL_VERSION), self._pid, resume_session=self.session_id,
-                      resume_credential=self._credential)
+                      resume_credential=self._credential, replies_with_fds=True)
         while True:
             try:
                 handles = HandleChannel(self.paths, max(0.1, min(self.timeout, deadline - time.monotonic())))
@@ -539,7 +540,7 @@ class Client:
             try:
                 reply, request_id = self._call_with_id(msg)
             except OutOfBudget as exc:
-                if self._lease is not None and self._lease.give_back():
+                if self._lease is not None and self._give_back_lease():
                     reply, request_id = self._call_with_id(msg)
                 elif exc.details.get("demoting"):
                     reply, request_id = self._call_while_demoting(msg)
@@ -562,6 +563,19 @@ class Client:
                     raise
 
     # leases
+
+    def _give_back_lease(self) -> int:
+        """Give every leased granule back, those granted and not imported yet too; how many went.
+
+        A call that waits for a reply riding with FDs reads the handle socket
+        itself and files the grants that come meanwhile for the listener to
+        import: left there, they would come into the lease after it was given
+        back, and stay leased to a session that was just refused for want of
+        room.
+        """
+        self._handles.drain()
+        self._lease.serve(self._handles.grants, self._handles.revokes)
+        return self._lease.give_back()
 
     def take_lease(self, count: int) -> list[LeasedGranule] | None:
         """``count`` leased granules, imported and ready to map; None where the lease holds fewer, is off, or the
@@ -779,6 +793,12 @@ def _listen(client_ref: "weakref.ref[Client]", handles: HandleChannel) -> None:
     gone = client is not None and not client.closed and client._handles is handles and client._credential
     if gone and not client.resumed() and not client.closed:
         log.warning("%s", client._lost)
+
+
+def _replies_with_fds(hello: Hello, welcome: Welcome) -> bool:
+    """Whether a commit's reply rides with its FDs: the client's hellos ask for it, and the daemon of this welcome
+    knows to (1.7)."""
+    return hello.replies_with_fds and tuple(welcome.version) >= (1, 7)
 
 
 def _alive(client_ref: "weakref.ref[Client]") -> Client:

@@ -116,7 +116,7 @@ class Transactions:
         :class:`TensorUnusable`.
         """
         answered = False
-        mapped_before = list(self._reservation.mapped)
+        changes_before = self._reservation.changes
         try:
             if before is not None:
                 before()
@@ -124,7 +124,7 @@ class Transactions:
                 answered = True
                 self._map_all(delivery)
         except BaseException as exc:
-            if not answered and self._reservation.mapped == mapped_before:
+            if not answered and self._reservation.changes == changes_before:
                 raise
             if not self._resync(exc):
                 raise

@@ -24,6 +24,7 @@ from typing import TypeVar
 import zmq
 from hbmd.proto import (
     MAX_FDS_PER_DATAGRAM,
+    Committed,
     ErrorReply,
     FdBatch,
     Hello,
@@ -94,6 +95,9 @@ class HandleChannel:
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}", path=self.path) from None
         self._filed = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         """Written when an FD batch goes to ``_backlog``: wakes a caller waiting for the batch the listener took."""
+        self._hang_up = select.poll()
+        """Watches the socket for the daemon's hang-up; made once, as :meth:`lost` runs before every call."""
+        self._hang_up.register(self.sock, select.POLLRDHUP)
 
     def _connect(self, deadline: float) -> None:
         """Connect, waiting while the daemon's backlog is full (a Unix socket says EAGAIN then, it does not wait)."""
@@ -196,6 +200,27 @@ class HandleChannel:
                 return self._backlog.pop(i)
         return None
 
+    @property
+    def filed(self) -> int:
+        """The eventfd written when the listener files an FD batch: for a caller that waits on other sockets too."""
+        return self._filed
+
+    def reply_to(self, request_id: int) -> Committed | None:
+        """The reply to ``request_id`` that rode with its first FD batch (:attr:`FdBatch.reply`), once that batch is
+        here; None until then. Reads and files what waits, without waiting; the batch stays filed for its delivery.
+        Raises :class:`SessionLost` once the daemon has closed the session."""
+        with self._lock:
+            try:
+                os.eventfd_read(self._filed)
+            except BlockingIOError:
+                pass  # nothing filed by the listener since the last look
+            while self._read_and_file():
+                pass
+            for batch, _ in self._backlog:
+                if batch.request_id == request_id and batch.reply is not None:
+                    return batch.reply
+        return None
+
     def poll(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for datagrams and file them; False once the daemon has gone."""
         try:
@@ -253,9 +278,7 @@ class HandleChannel:
         """
         if self.sock.fileno() < 0:
             return True
-        poller = select.poll()
-        poller.register(self.sock, select.POLLRDHUP)
-        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in poller.poll(0))
+        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, events in self._hang_up.poll(0))
 
     def shut(self) -> None:
         """End the connection for both sides (the daemon ends the session); a reader waiting on it wakes."""
@@ -312,23 +335,53 @@ class ControlChannel:
 
     ``session``: the handle channel of the session the token belongs to;
     once the daemon has closed it, calls raise :class:`SessionLost` at once.
+    ``replies_with_fds``: the session's daemon sends a :class:`Committed`
+    reply with the request's first FD batch, on the handle socket (its hello
+    asked, protocol 1.7): a call for one waits on that socket too.
     """
 
-    def __init__(self, paths: InstancePaths, token: str, timeout: float, session: HandleChannel | None = None) -> None:
+    def __init__(
+        self,
+        paths: InstancePaths,
+        token: str,
+        timeout: float,
+        session: HandleChannel | None = None,
+        replies_with_fds: bool = False,
+    ) -> None:
         self.endpoint = paths.endpoint
         self.token = token
         self.timeout = timeout
         self.session = session
+        self.replies_with_fds = replies_with_fds and session is not None
         self.requests_sent = 0
         """Requests sent so far; the last one's id (ids count from 1)."""
         self._context = zmq.Context.instance()
         self._socket = self._open()
+        self._poller = self._watch()
+        self._poller_with_fds = self._watch(with_fds=True)
 
     def _open(self) -> zmq.Socket:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         return sock
+
+    def _watch(self, with_fds: bool = False) -> zmq.Poller:
+        """What a call waits on: its reply, or the daemon hanging up on the session; ``with_fds``: also the handle
+        socket's datagrams and the listener's filing of one (a reply riding with FDs). Made once per socket and
+        session, not per call."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        if self.session is not None:
+            # POLLERR is how zmq reports a raw descriptor's hang-up: the daemon closed the session.
+            poller.register(self.session.sock.fileno(), zmq.POLLERR | (zmq.POLLIN if with_fds else 0))
+            if with_fds:
+                poller.register(self.session.filed, zmq.POLLIN)
+        return poller
+
+    def _rewatch(self) -> None:
+        self._poller = self._watch()
+        self._poller_with_fds = self._watch(with_fds=True)
 
     def call(self, msg: Request[R], timeout: float | None = None) -> R:
         """Send ``msg`` and return its reply (of the type the request names); raise the daemon's error, or
@@ -352,18 +405,22 @@ class ControlChannel:
         request_id = request_id or self.next_request_id()
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
         deadline = time.monotonic() + timeout
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        if self.session is not None:
-            # POLLERR is how zmq reports a raw descriptor's hang-up: the daemon closed the session.
-            poller.register(self.session.sock.fileno(), zmq.POLLERR)
+        with_fds = self.replies_with_fds and msg.Reply is Committed
+        poller = self._poller_with_fds if with_fds else self._poller
         while True:
             remaining = deadline - time.monotonic()
             ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+            if with_fds and ready and self._socket not in ready:
+                # A datagram, or the listener filed one: the reply, if it rode with the FDs (or the daemon's EOF).
+                reply = self._reply_with_fds(request_id)
+                if reply is not None:
+                    return reply, request_id  # type: ignore[return-value]  # msg.Reply is Committed, which is R
+                continue
             if self._socket not in ready:
                 # A late reply would answer the wrong call: start over on a new socket.
                 self._socket.close(linger=0)
                 self._socket = self._open()
+                self._rewatch()
                 if ready:
                     raise self._lost()
                 raise DaemonUnavailable(
@@ -380,18 +437,30 @@ class ControlChannel:
                 raise ProtocolError(f"expected {msg.Reply.KIND} in reply to {msg.KIND}, got {reply.KIND}")
             return reply, request_id  # type: ignore[return-value]  # checked against msg.Reply, which is R
 
+    def _reply_with_fds(self, request_id: int) -> Committed | None:
+        try:
+            return self.session.reply_to(request_id)
+        except (SessionLost, OSError):  # EOF, or a reset: the daemon has closed the session
+            self._socket.close(linger=0)
+            self._socket = self._open()
+            self._rewatch()
+            raise self._lost() from None
+
     def _lost(self) -> SessionLost:
         return SessionLost(
             f"the session with hbmd at {self.endpoint} is lost: the daemon stopped or restarted; connect again",
             path=self.endpoint,
         )
 
-    def resume(self, token: str, session: HandleChannel) -> None:
-        """Go on with the session resumed on a restarted daemon: its new token and handle channel, a new socket."""
+    def resume(self, token: str, session: HandleChannel, replies_with_fds: bool) -> None:
+        """Go on with the session resumed on a restarted daemon: its new token and handle channel, a new socket, and
+        whether that daemon sends replies with FDs."""
         self._socket.close(linger=0)
         self._socket = self._open()
         self.token = token
         self.session = session
+        self.replies_with_fds = replies_with_fds
+        self._rewatch()
 
     def close(self) -> None:
         self._socket.close(linger=0)

@@ -84,6 +84,7 @@ from .errors import (
 from .session import (
     MAX_PLACED_GRANULES,
     MAX_PLACED_SEGMENTS,
+    MAX_SEGMENTS_WITH_FDS,
     Ack,
     FdBatch,
     Hello,

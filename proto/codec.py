@@ -22,7 +22,7 @@ import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 6)
+PROTOCOL_VERSION = (1, 7)
 """1.1 added uneven segments (``segment_capacities``, ``CommitSegments``), ``Detach``, ``Remap``, the
 ``session_lost`` error code and the status figures ``admissible_bytes`` and ``held_back_bytes``; 1.2 an
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
@@ -33,7 +33,8 @@ restart (``Hello.resume_session``/``resume_credential``, ``Welcome.resume_creden
 request sent again under its id is answered again, not done twice); 1.5 declaring a buffer again after a restart
 with no keeper (``Redeclare``, ``BufferInfo.held_elsewhere``), the config file and its last reload in status
 (``config_path``, ``config_loaded_at``, ``config_reload_failed_at``, ``config_reload_error``); 1.6 the host tier
-(``Move``, ``BufferInfo.tier``, ``TenantInfo.host_bytes``, the host figures in status). A 1.0 peer ignores what it
+(``Move``, ``BufferInfo.tier``, ``TenantInfo.host_bytes``, the host figures in status); 1.7 a commit's reply riding
+with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``). A 1.0 peer ignores what it
 does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
@@ -114,21 +115,21 @@ def kind_class(kind: str) -> type[Message]:
 
 
 _SCALARS = frozenset({int, str, bool, float, bytes, type(None)})
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {}
 
 
 def to_wire(value: Any) -> Any:
     """Turn a message or record (recursively) into msgpack-ready values.
 
-    Every reply goes through here, so scalars return first and each record
-    type's field names are looked up once.
+    Every request and reply goes through here, so a record type's encoder
+    is built once (:func:`_record_encoder`) and found first.
     """
+    encode = _ENCODERS.get(type(value))
+    if encode is not None:
+        return encode(value)
     cls = type(value)
     if cls in _SCALARS:
         return value
-    names = _FIELD_NAMES.get(cls)
-    if names is not None:
-        return {name: to_wire(getattr(value, name)) for name in names}
     if isinstance(value, (list, tuple)):
         if all(type(v) in _SCALARS for v in value):
             return value  # sizes, ids: msgpack packs them as they are
@@ -136,9 +137,42 @@ def to_wire(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: to_wire(v) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(value))
-        return to_wire(value)
+        encode = _ENCODERS[cls] = _record_encoder(cls)
+        return encode(value)
     return value
+
+
+def _record_encoder(cls: type) -> Callable[[Any], dict[str, Any]]:
+    """The encoder of a record type: its fields read in one pass, and only those whose type can hold a record
+    converted further (most are ints, strings and lists of them, which msgpack packs as they are)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    try:
+        hints = typing.get_type_hints(cls)
+    except NameError:
+        hints = {}  # a type it cannot resolve: every field is converted, as any value is
+    nested = tuple(name for name in names if not _plain(hints.get(name)))
+    by_dict = "__slots__" not in vars(cls)  # its own: typing.Generic, a request's base, declares empty ones
+
+    def encode(value: Any) -> dict[str, Any]:
+        # A dataclass's __init__ sets its fields, in order, and nothing else: a copy of its __dict__ is the map, ten
+        # times faster than reading them one by one (a 25-field status reply: 0.2 against 2.6 µs), unless something
+        # else was stored there.
+        wire = value.__dict__.copy() if by_dict else {}
+        if len(wire) != len(names):
+            wire = {name: getattr(value, name) for name in names}
+        for name in nested:
+            wire[name] = to_wire(wire[name])
+        return wire
+
+    return encode
+
+
+def _plain(tp: Any) -> bool:
+    """Whether values of field type ``tp`` are msgpack-ready as they are: scalars, and lists, maps and unions of them."""
+    if tp in _SCALARS:
+        return True
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) in (list, dict, typing.Union, types.UnionType) and all(_plain(a) for a in args)
 
 
 def from_wire(cls: type[M], data: Any) -> M:
@@ -202,25 +236,52 @@ def _record_decoder(tp: type) -> Decoder:
     fields = [
         (
             f.name,
-            "." + f.name,
+            # Most fields are ints, strings, bools or floats: their check is made here, without a call (an int sent
+            # for a float goes to its decoder, which converts it).
+            hints[f.name] if hints[f.name] in (int, str, bool, float) else None,
             _decoder(hints[f.name]),
-            f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            _default_of(f),
         )
         for f in dataclasses.fields(tp)
     ]
+    # The values go straight into a new instance's __dict__, in field order, as the frozen dataclass's __init__ would
+    # set them one object.__setattr__ at a time (a third of a status reply's decoding); no message has a __post_init__.
+    if "__slots__" in vars(tp) or hasattr(tp, "__post_init__"):
+        raise TypeError(f"{tp.__name__}: a wire record has no __slots__ and no __post_init__")
+    new = object.__new__
 
     def record(data: Any, where: str) -> Any:
         if not isinstance(data, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
-        kwargs = {}
-        for name, suffix, decode, required in fields:
-            if name in data:
-                kwargs[name] = decode(data[name], where + suffix)
-            elif required:
-                raise ProtocolError(f"{where}: missing field {name!r}")
-        return tp(**kwargs)
+        values = {}
+        for name, exact, decode, default in fields:
+            value = data.get(name, _ABSENT)
+            if value is _ABSENT:
+                if default is None:
+                    raise ProtocolError(f"{where}: missing field {name!r}")
+                values[name] = default()
+            elif type(value) is exact:
+                values[name] = value
+            else:
+                values[name] = decode(value, f"{where}.{name}")
+        instance = new(tp)
+        instance.__dict__.update(values)
+        return instance
 
     return record
+
+
+def _default_of(field: dataclasses.Field) -> Callable[[], Any] | None:
+    """What makes a field's default (a fresh one each time, for a factory's); None for a required field."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory
+    if field.default is not dataclasses.MISSING:
+        default = field.default
+        return lambda: default
+    return None
+
+
+_ABSENT = object()
 
 
 def _union_decoder(tp: Any) -> Decoder:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .buffers import Committed
 from .codec import Message, Request, message
 
 
@@ -27,9 +28,14 @@ class Hello(Message):
     ``resume_session`` after the daemon restarted, proving it with the
     credential of its last :class:`Welcome`. Only the process that opened the
     session (its uid and pid) may, once per credential; the other fields
-    are then ignored. Refused with ``session_lost`` where the daemon does not
-    know the session (it restarted with nothing to keep it, or its window to
-    resume had passed).
+    but ``replies_with_fds`` are then ignored. Refused with ``session_lost``
+    where the daemon does not know the session (it restarted with nothing to
+    keep it, or its window to resume had passed).
+
+    ``replies_with_fds`` (1.7): this connection reads its handle socket for
+    replies too; a :class:`Committed` reply then rides in the first
+    :class:`FdBatch` of its request (see there) instead of on the control
+    socket, so that its reader wakes once, for both.
     """
 
     version: list[int]
@@ -40,6 +46,7 @@ class Hello(Message):
     lease: bool = False
     resume_session: int = 0
     resume_credential: str = ""
+    replies_with_fds: bool = False
 
 
 @message("session.welcome")
@@ -84,6 +91,12 @@ class FdBatch(Message):
     The i-th FD attached belongs to ``chunk_ids[i]``; the batches of one
     request are numbered ``batch`` = 0 .. ``batches`` - 1. A batch whose
     chunks could not be exported carries no FDs and a non-empty ``error``.
+
+    ``reply`` (1.7): the request's reply, in batch 0, for a connection whose
+    hello asked for it (:attr:`Hello.replies_with_fds`) where the reply is
+    small (:data:`MAX_SEGMENTS_WITH_FDS` segments, one batch of chunks at
+    most); the control socket carries no reply to the request then. Errors
+    always come on the control socket.
     """
 
     request_id: int
@@ -91,6 +104,12 @@ class FdBatch(Message):
     batch: int
     batches: int
     error: str = ""
+    reply: Committed | None = None
+
+
+MAX_SEGMENTS_WITH_FDS = 1024
+"""The most segments a buffer may have for a reply about it to ride with FDs: it keeps the datagram far below the
+64 KiB a client reads (two lists of 1,024 sizes and 250 chunk descriptions take under 30 KiB)."""
 
 
 @message("session.ack")

@@ -39,6 +39,8 @@ class HandleConnection(Generic[A, C]):
     session: Session | None = None
     protocol_minor: int = 0
     """The minor version the client speaks (from its hello)."""
+    replies_with_fds: bool = False
+    """The client reads replies that bring chunks on this socket, with their FDs (its hello asked, protocol 1.7)."""
     outbox: collections.deque[Delivery[A, C]] = dataclasses.field(default_factory=collections.deque)
     fds_in_flight: int = 0
     """FDs sent since the peer was last seen to have read everything."""

@@ -446,6 +446,7 @@ class HandlePlane(Generic[A, C]):
             return
         conn.session = session
         conn.protocol_minor = hello.version[1]
+        conn.replies_with_fds = hello.replies_with_fds
         self._by_session[session.session_id] = conn
         if session.wants_lease:
             self._placing.register(conn.sock.fileno(), select.POLLIN)

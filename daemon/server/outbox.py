@@ -32,7 +32,7 @@ import termios
 from typing import Any, Generic, Mapping
 
 import zmq
-from hbmd.proto import MAX_FDS_PER_DATAGRAM, FdBatch, LeaseGrant, encode_datagram
+from hbmd.proto import MAX_FDS_PER_DATAGRAM, MAX_SEGMENTS_WITH_FDS, Committed, FdBatch, LeaseGrant, encode_datagram
 from hbmd.proto.errors import Conflict, HbmdError, InternalError
 
 from ..backends import A, C
@@ -67,6 +67,8 @@ class ChunkDelivery(Generic[A, C]):
     chunks: list[Chunk[C]]
     batch: int
     batches: int
+    reply: Committed | None = None
+    """The request's reply, riding with the FDs (see :meth:`Outbox.reply_with_fds`)."""
 
     @property
     def purpose(self) -> str:
@@ -79,7 +81,7 @@ class ChunkDelivery(Generic[A, C]):
 
     def header(self) -> FdBatch:
         """The datagram the FDs ride on: the i-th FD is ``chunk_ids[i]`` of batch ``batch`` of the request."""
-        return FdBatch(self.request_id, [c.chunk_id for c in self.chunks], self.batch, self.batches)
+        return FdBatch(self.request_id, [c.chunk_id for c in self.chunks], self.batch, self.batches, reply=self.reply)
 
     def export(self, state: State[A, C], chunk: Chunk[C]) -> int:
         """A new FD for ``chunk`` of the buffer."""
@@ -154,13 +156,23 @@ class Outbox(Generic[A, C]):
             )
 
     def deliver(self, conn: HandleConnection[A, C], request_id: int, buffer: Buffer[A, C], chunks: list[Chunk[C]]) -> int:
-        """Queue the FDs of a request's ``chunks`` of ``buffer`` and send what can go now; returns the batches."""
+        """Queue the FDs of a request's ``chunks`` of ``buffer``; returns the batches. They go at the next
+        :meth:`flush`, once the request is journaled (the loop's)."""
         batches = [chunks[i : i + MAX_FDS_PER_DATAGRAM] for i in range(0, len(chunks), MAX_FDS_PER_DATAGRAM)]
         for index, batch in enumerate(batches):
             conn.outbox.append(ChunkDelivery(request_id, buffer, batch, index, len(batches)))
-        if batches:
-            self.flush(conn)
         return len(batches)
+
+    def reply_with_fds(self, conn: HandleConnection[A, C], request_id: int, reply: Committed) -> bool:
+        """Put the reply to ``request_id`` in the first batch of its FDs, still queued, where the client asked for
+        replies there and the reply is small (:class:`FdBatch`); False where it must go on the control socket."""
+        if not conn.replies_with_fds or reply.fd_batches != 1 or reply.buffer.num_segments > MAX_SEGMENTS_WITH_FDS:
+            return False
+        for delivery in reversed(conn.outbox):
+            if isinstance(delivery, ChunkDelivery) and delivery.request_id == request_id and delivery.batch == 0:
+                delivery.reply = reply
+                return True
+        return False
 
     def top_up_lease(self, conn: HandleConnection[A, C]) -> None:
         """Lease the session the granules its lease lacks and send them, unless its outbox is full already."""
@@ -252,16 +264,28 @@ class Outbox(Generic[A, C]):
         return False
 
     def _may_send(self, conn: HandleConnection[A, C], count: int) -> bool:
-        """Whether ``count`` more FDs keep the session and its uid within their shares of FDs in flight."""
+        """Whether ``count`` more FDs keep the session and its uid within their shares of FDs in flight.
+
+        The counts only overstate what is unread, so where they fit nothing
+        else is asked; only where they do not are the uid's sockets asked
+        which peers have read everything since (an ``ioctl`` each, on every
+        send to 16 sessions of one uid before).
+        """
+        if self._fits(conn, count):
+            return True
         for other in self._connections.values():
             if other.uid == conn.uid and other.fds_in_flight and unread_bytes(other.sock) == 0:
                 other.fds_in_flight = 0
-        uid_in_flight = sum(c.fds_in_flight for c in self._connections.values() if c.uid == conn.uid)
-        if conn.fds_in_flight + count <= self._session_fd_share and uid_in_flight + count <= self._uid_fd_share:
+        if self._fits(conn, count):
             return True
+        uid_in_flight = sum(c.fds_in_flight for c in self._connections.values() if c.uid == conn.uid)
         self._warnings.warning(
             f"held-{conn.uid}", "holding FDs for session %d (pid %d, uid %d): %d of its FDs and %d of its uid's "
             "are unread", conn.session.session_id if conn.session else 0, conn.pid, conn.uid, conn.fds_in_flight,
             uid_in_flight,
         )
         return False
+
+    def _fits(self, conn: HandleConnection[A, C], count: int) -> bool:
+        uid_in_flight = sum(c.fds_in_flight for c in self._connections.values() if c.uid == conn.uid)
+        return conn.fds_in_flight + count <= self._session_fd_share and uid_in_flight + count <= self._uid_fd_share

@@ -78,6 +78,9 @@ def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids:
     require(buffer.persistent or not buffer.sealed, f"anonymous buffer {buffer.buffer_id} is sealed")
     require(buffer.sealed or not buffer.readers, f"unsealed buffer {buffer.buffer_id} has readers")
     require(not (buffer.sealed and buffer.pending), f"sealed buffer {buffer.buffer_id} is mid-defragment")
+    held = [c.handle is None for c in buffer.chunks]
+    require(held == sorted(held, reverse=True) and all(c.handle is not None for c in buffer.pending),
+            f"buffer {buffer.buffer_id}: its chunks held only by their mappers are not a prefix of its chunks")
     require(buffer.owner is not None or bool(buffer.readers) or not buffer.held_elsewhere,
             f"orphan {buffer.buffer_id} is held only by processes that no longer map it")
     for session_id, claims in buffer.readers.items():

@@ -254,8 +254,16 @@ class Buffer(Generic[A, C]):
 
     @property
     def held_elsewhere(self) -> bool:
-        """Whether some of its memory is held only by the processes that map it (see :attr:`Chunk.handle`)."""
-        return any(c.handle is None for c in (*self.chunks, *self.pending))
+        """Whether some of its memory is held only by the processes that map it (see :attr:`Chunk.handle`).
+
+        Such chunks come only from a declaration (:class:`Redeclare`, or its
+        journal), as the whole of the buffer's chunks then, and a buffer grows
+        by chunks the daemon holds, appended: they are a prefix of ``chunks``,
+        so the first chunk tells (``check_invariants`` holds the buffer to
+        that). Every reply about the buffer carries this: it must not cost a
+        pass over its 10,000 chunks.
+        """
+        return bool(self.chunks) and self.chunks[0].handle is None
 
     def info(self) -> BufferInfo:
         return BufferInfo(
