@@ -582,11 +582,16 @@ def show_hbmctl(args: argparse.Namespace, instance: str | None) -> None:
     print(shown.stdout + shown.stderr, file=sys.stderr, end="", flush=True)
 
 
+def engine_line(r: dict[str, Any]) -> str:
+    """A sleep mode's first line: the mode, the model, the device, the cache and how the decode step runs."""
+    return (f"{r['mode']} ({r['config']} on {r['device']}, {r['num_blocks']} KV blocks, "
+            f"decode step {'in a CUDA graph' if r['graph'] else 'eager'})")
+
+
 def summarize_sleep_wake(r: dict[str, Any]) -> str:
     return "\n".join(
         [
-            f"sleep-wake ({r['config']} on {r['device']}, {r['num_blocks']} KV blocks, "
-            f"decode step {'in a CUDA graph' if r['graph'] else 'eager'}):",
+            f"{engine_line(r)}:",
             f"  daemon committed: awake {format_bytes(r['committed_awake_bytes'])}, "
             f"asleep {format_bytes(r['committed_asleep_bytes'])} (release {ms(r['release_s'])}), "
             f"awake again {format_bytes(r['committed_rewoken_bytes'])} (recommit {ms(r['recommit_s'])})",
@@ -599,8 +604,7 @@ def summarize_sleep_wake(r: dict[str, Any]) -> str:
 def summarize_sleep_keep(r: dict[str, Any]) -> str:
     return "\n".join(
         [
-            f"sleep-keep ({r['config']} on {r['device']}, {r['num_blocks']} KV blocks, "
-            f"decode step {'in a CUDA graph' if r['graph'] else 'eager'}), asleep after step {r['slept_after_step']}:",
+            f"{engine_line(r)}, asleep after step {r['slept_after_step']}:",
             f"  device/host tier bytes: awake {format_bytes(r['bytes_awake']['device'])}/"
             f"{format_bytes(r['bytes_awake']['host'])}, asleep {format_bytes(r['bytes_asleep']['device'])}/"
             f"{format_bytes(r['bytes_asleep']['host'])} (sleep {ms(r['sleep_s'])}), "
