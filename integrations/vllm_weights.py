@@ -200,10 +200,11 @@ class HbmdModelLoader(IpcModelLoader):
               name: str) -> nn.Module:
         device = self._device(vllm_config)
         client = default_client(device)
+        uid = _uid_seen_by(client)
         deadline = time.monotonic() + self.wait_s
         waited = False
         while True:
-            info = _named(client, name)
+            info = _named(client, name, uid)
             if info is None:
                 model = self._store(vllm_config, model_config, prefix, key, name, device, client)
                 if model is not None:
@@ -354,7 +355,7 @@ class HbmdModelLoader(IpcModelLoader):
             key = self._key(vllm_config, model_config)
             name = weights_name(key)
             client = default_client(self._device(vllm_config))
-            info = _named(client, name)
+            info = _named(client, name, _uid_seen_by(client))
             size = info.physical_bytes if info is not None and info.sealed else 0
         except Exception as exc:
             if not self.fallback:
@@ -371,13 +372,14 @@ class HbmdModelLoader(IpcModelLoader):
         return device
 
 
-def _named(client: Client, name: str) -> BufferInfo | None:
-    """This user's persistent buffer ``name`` (an admin's list holds every user's, and names are per user).
+def _uid_seen_by(client: Client) -> int:
+    """This process's uid as the daemon sees it, from this session's record: in another user namespace it is not
+    ``os.getuid()``."""
+    return next(s.uid for s in client.sessions() if s.session_id == client.session_id)
 
-    The uid is the one the daemon sees, from this session's record: in
-    another user namespace it is not ``os.getuid()``.
-    """
-    uid = next(s.uid for s in client.sessions() if s.session_id == client.session_id)
+
+def _named(client: Client, name: str, uid: int) -> BufferInfo | None:
+    """User ``uid``'s persistent buffer ``name`` (an admin's list holds every user's, and names are per user)."""
     return next((b for b in client.buffers() if b.name == name and b.persistent and b.owner_uid == uid), None)
 
 
