@@ -39,7 +39,7 @@ HIDDEN, KV, FFN, VOCAB = 4096, 1024, 14336, 128256
 """Llama 3 8B's shapes."""
 
 ENGINE = r"""
-import json, os, sys, time
+import json, sys, time
 import torch
 source, where, ready_file = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.cuda.init()

@@ -482,11 +482,7 @@ def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
         "mode": "sleep-wake",
         "ok": identical and asleep[1] == 0 and rewoken[1] == awake[1] and same_ptrs,
         "tokens_identical": identical,
-        "config": engine.config.name,
-        "device": str(device),
-        "graph": engine.step_fn.graph is not None,
-        "base_pointers_kept": same_ptrs,
-        "num_blocks": num_blocks,
+        **slept_engine(engine, device, same_ptrs, num_blocks),
         "committed_awake_bytes": awake[0],
         "committed_asleep_bytes": asleep[0],
         "committed_rewoken_bytes": rewoken[0],
@@ -553,11 +549,7 @@ def sleep_keep(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
         "ok": identical and same_ptrs and seen["asleep"]["device"] == 0
         and seen["asleep"]["host"] == seen["awake"]["device"] == seen["rewoken"]["device"] > 0,
         "tokens_identical": identical,
-        "config": engine.config.name,
-        "device": str(device),
-        "graph": engine.step_fn.graph is not None,
-        "base_pointers_kept": same_ptrs,
-        "num_blocks": num_blocks,
+        **slept_engine(engine, device, same_ptrs, num_blocks),
         "slept_after_step": sleep_at,
         "bytes_awake": seen["awake"],
         "bytes_asleep": seen["asleep"],
@@ -580,6 +572,17 @@ def show_hbmctl(args: argparse.Namespace, instance: str | None) -> None:
         command += ["--instance", instance]
     shown = subprocess.run(command + ["status"], capture_output=True, text=True, timeout=60)
     print(shown.stdout + shown.stderr, file=sys.stderr, end="", flush=True)
+
+
+def slept_engine(engine: Any, device: Any, same_ptrs: bool, num_blocks: int) -> dict[str, Any]:
+    """What a sleep mode's result says of the engine that slept: its model, device, decode step, cache and pointers."""
+    return {
+        "config": engine.config.name,
+        "device": str(device),
+        "graph": engine.step_fn.graph is not None,
+        "base_pointers_kept": same_ptrs,
+        "num_blocks": num_blocks,
+    }
 
 
 def engine_line(r: dict[str, Any]) -> str:
