@@ -91,6 +91,28 @@ def client_probe() -> Probe:
     return probe
 
 
+def move_probe() -> Probe:
+    """The client's side of a demote or promote (``ExtensibleTensor._reback``): the daemon's request, the copy into the
+    new chunks (``client.copy_into``, mapping them at a scratch range and copying), the remap in place
+    (``client.unmap_old``, ``client.map_new``) and the finish; with the driver calls they make."""
+    from hbmd import driver
+    from hbmd.client.reservation import Reservation
+    from hbmd.client.session import Client
+    from hbmd.client.transport import HandleChannel
+
+    probe = Probe()
+    probe.wrap(Client, "move", "client.move_request")
+    probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
+    probe.wrap(Reservation, "copy_into", "client.copy_into")
+    probe.wrap(Reservation, "unmap_all", "client.unmap_old")
+    probe.wrap(Reservation, "map", "client.map_new")
+    probe.wrap(Client, "finish_defragment", "client.finish")
+    for name in ("import_fd", "map", "set_access", "unmap", "release", "copy_async", "context_synchronize", "reserve",
+                 "unreserve"):
+        probe.wrap(driver, name, f"drv.{name}")
+    return probe
+
+
 def daemon_probe() -> Probe:
     """The daemon's side: nested inside the client's ``client.control_call``.
 
@@ -98,11 +120,15 @@ def daemon_probe() -> Probe:
     ``daemon.dispatch`` holds ``daemon.read_request`` (the envelope opened), ``daemon.state_commit`` (admission and
     ``cuMemCreate``), ``daemon.queue_fds`` (export and ``send_fds``) and ``daemon.encode_reply``.
     ``daemon.look_after_sessions`` is the loop's work after each batch of events (lease top-ups among it).
+    A move: ``daemon.state_move`` (the new tier's chunks made, host ones taken from the pool by ``daemon.pool_take``)
+    and ``daemon.state_finish`` (the old tier's chunks released); ``daemon.create_host`` runs on the host pool's thread
+    as well, beside the loop.
     """
     import socket
 
     import zmq
     from hbmd import driver
+    from hbmd.daemon.backends.pool import HostPool
     from hbmd.daemon.server import Server
     from hbmd.daemon.server import loop
     from hbmd.daemon.server.outbox import Outbox
@@ -118,6 +144,10 @@ def daemon_probe() -> Probe:
     probe.wrap(loop, "read_envelope", "daemon.read_request")
     probe.wrap(loop, "encode_frames", "daemon.encode_reply")
     probe.wrap(State, "commit", "daemon.state_commit")
+    probe.wrap(State, "move", "daemon.state_move")
+    probe.wrap(State, "finish_defragment", "daemon.state_finish")
+    probe.wrap(HostPool, "take", "daemon.pool_take")
+    probe.wrap(driver, "create_host", "daemon.create_host")
     probe.wrap(Outbox, "deliver", "daemon.queue_fds")
     probe.wrap(os, "close", "daemon.os_close")
     probe.wrap(driver, "create", "daemon.create")

@@ -14,17 +14,26 @@ is demoted, a plain copy of its bytes from a scratch buffer on the device
 into its host-tier pages (device to host, what a demote copies) and back out
 of them (host to device, what a promote copies), each one driver copy of the
 whole buffer. The goal is each move at 0.8 of its floor or better.
+
+``--breakdown`` runs the daemon under ``probe.py`` and times the steps of each
+move in both processes (the request, the copy, the remap, the finish, the
+driver calls and the host pool's work); each size then reports the median
+time of every step (probes cost a few microseconds a call).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, goal, summarize_ns, timed_ns, today_utc
+from common import BENCH_DIR, RESULTS_DIR, Bench, Daemon, GiB, goal, summarize_ns, timed_ns, today_utc
+from probe import Probe, breakdown, move_probe
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.proto.units import format_bytes, parse_size
 
@@ -47,6 +56,12 @@ class TierTarget:
     piece: int
     """The daemon's ``--host-piece``: the pool holds whole pieces."""
     sync: Callable[[], None]
+    probe: Probe | None
+    """The client's steps, timed (``--breakdown``)."""
+    events_path: Path | None
+    """Where the probed daemon writes its steps when it stops."""
+    windows: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    """Per move and size, the spans of each one on the probes' clock."""
 
     def reps(self, size: int) -> int:
         return 1 if self.quick else (2 if size >= 32 * GiB else 3)
@@ -68,6 +83,15 @@ def wait_for_pool(t: TierTarget, size: int) -> float:
     return round(time.monotonic() - start, 2)
 
 
+def timed_move(t: TierTarget, name: str, move: Callable[[], Any]) -> int:
+    """Nanoseconds ``move`` took; with ``--breakdown``, its span is kept under ``name`` for the breakdown."""
+    start = time.monotonic_ns()
+    move()
+    end = time.monotonic_ns()
+    t.windows.setdefault(name, []).append((start, end))
+    return end - start
+
+
 def move_once(t: TierTarget, size: int, value: int) -> dict[str, Any]:
     """Demote, measure both floors on the demoted pages, promote; the buffer reads ``value`` throughout."""
     import torch
@@ -80,11 +104,11 @@ def move_once(t: TierTarget, size: int, value: int) -> dict[str, Any]:
         scratch = torch.full((size,), value, dtype=torch.uint8, device=view.device)
         t.sync()
         pool_wait_s = wait_for_pool(t, size)
-        demote_ns = timed_ns(buffer.demote)
+        demote_ns = timed_move(t, f"demote {format_bytes(size)}", buffer.demote)
         assert buffer.tier == "host"
         floor_d2h_ns = timed_ns(lambda: (view.copy_(scratch), t.sync()))
         floor_h2d_ns = timed_ns(lambda: (scratch.copy_(view), t.sync()))
-        promote_ns = timed_ns(buffer.promote)
+        promote_ns = timed_move(t, f"promote {format_bytes(size)}", buffer.promote)
         assert buffer.tier == "device"
         # Reductions, not a comparison: a 64 GiB boolean tensor would not fit beside the buffer and its scratch copy.
         intact = all(int(x.min()) == value == int(x.max()) for x in (view, scratch))
@@ -120,7 +144,23 @@ def move_case(t: TierTarget) -> dict[str, Any]:
               f"({figures['demote_of_floor']} of {figures['floor_d2h']['gbps_p50']}), promote "
               f"{figures['promote']['gbps_p50']} GB/s ({figures['promote_of_floor']} of "
               f"{figures['floor_h2d']['gbps_p50']}), intact {figures['intact']}", flush=True)
-    return {"sizes": sizes, "goals": goals}
+    figures = {"sizes": sizes, "goals": goals}
+    if t.probe is not None:
+        figures["breakdown"] = move_breakdown(t)
+    return figures
+
+
+def move_breakdown(t: TierTarget) -> dict[str, Any]:
+    """The median time of each step of every move measured, in µs, both processes' steps together (the daemon's
+    events reach the bench once it stops)."""
+    assert t.probe is not None and t.events_path is not None
+    events = list(t.probe.events)
+    t.probe.restore()
+    t.daemon.stop()
+    events += [tuple(e) for e in json.loads(t.events_path.read_text())]
+    return {name: {"total_us": summarize_ns([end - start for start, end in spans])["p50_us"],
+                   "steps_p50_us": breakdown(events, spans)}
+            for name, spans in t.windows.items()}
 
 
 @contextlib.contextmanager
@@ -134,7 +174,16 @@ def setup(args: Any):
         daemon_args += ["--device", "0", "--budget", str(largest + GiB)]
     else:
         daemon_args += ["--budget", str(largest + GiB)]
-    with Daemon(*daemon_args) as daemon:
+    events_path = probe = None
+    command = None
+    if args.breakdown:
+        with tempfile.NamedTemporaryFile(prefix="hbmdb-events-", suffix=".json", dir="/tmp", delete=False) as f:
+            events_path = Path(f.name)
+        command = [sys.executable, str(BENCH_DIR / "probe.py"), "--events", str(events_path)]
+    with contextlib.ExitStack() as cleanup:
+        if events_path is not None:
+            cleanup.callback(events_path.unlink, missing_ok=True)
+        daemon = cleanup.enter_context(Daemon(*daemon_args, command=command))
         if args.backend == "cuda":
             import torch
 
@@ -143,10 +192,11 @@ def setup(args: Any):
         else:
             device, sync = "cpu", lambda: None
         client = connect(device, run_dir=daemon.run_dir, client_name="tier_bench", lease=False)
-        try:
-            yield TierTarget(args.quick, daemon, client, args.backend, device, sizes, args.host_piece_bytes, sync)
-        finally:
-            client.close()
+        cleanup.callback(client.close)
+        if args.breakdown:
+            probe = cleanup.enter_context(move_probe())
+        yield TierTarget(args.quick, daemon, client, args.backend, device, sizes, args.host_piece_bytes, sync, probe,
+                         events_path)
 
 
 def describe(t: TierTarget) -> dict[str, Any]:
@@ -164,6 +214,7 @@ def main() -> int:
     parser.add_argument("--sizes", help="buffer sizes, comma-separated (default: 1GiB,8GiB,64GiB on cuda; "
                                         "64MiB,1GiB on host; --quick: 1GiB on cuda)")
     parser.add_argument("--host-piece", default="256MiB", help="the daemon's --host-piece (default: %(default)s)")
+    parser.add_argument("--breakdown", action="store_true", help="time each step of every move (a probed daemon)")
     args = parser.parse_args()
     if args.sizes is None:
         args.sizes = ("1GiB" if args.quick else "1GiB,8GiB,64GiB") if args.backend == "cuda" else "64MiB,1GiB"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import random
@@ -9,6 +10,7 @@ import time
 
 import pytest
 from hbmd.daemon.backends.host import HostBackend
+from hbmd.daemon.backends.pool import HostPool
 from hbmd.daemon.state import State
 from hbmd.proto.errors import (
     Conflict,
@@ -21,7 +23,7 @@ from hbmd.proto.errors import (
 )
 from hbmd.proto.runs import backed_runs, merge_runs, new_granules, subtract_runs
 from hbmd.proto.units import round_up
-from helpers import GRANULE, MiB
+from helpers import GRANULE, MiB, wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -418,16 +420,39 @@ def test_a_session_ending_mid_demote_keeps_the_old_chunks_of_its_persistent_buff
     state.check_invariants()
 
 
-def test_the_host_pool_fills_within_the_room_the_host_tier_leaves():
+def test_the_host_pool_fills_within_the_room_the_host_tier_leaves_on_its_own_thread():
     backend = HostBackend(host_pool_bytes=16 * MiB, host_piece=4 * MiB)
-    while backend.idle(10 * MiB):
-        pass
-    assert backend.host_pool_bytes() == 8 * MiB  # two pieces fit in 10 MiB, a third would not
-    while backend.idle(4 * MiB):
-        pass
-    assert backend.host_pool_bytes() == 4 * MiB  # trimmed to the room left
+    assert backend.idle(10 * MiB) is False  # nothing for the daemon's loop: the pool's thread does it
+    wait_until(lambda: backend.host_pool_bytes() == 8 * MiB)  # two pieces fit in 10 MiB, a third would not
+    time.sleep(0.2)
+    assert backend.host_pool_bytes() == 8 * MiB
+    backend.idle(4 * MiB)
+    wait_until(lambda: backend.host_pool_bytes() == 4 * MiB)  # trimmed to the room left
+    taken = backend.create(backend.open_arena(0, False), 0, 4 * MiB, "host")
+    assert backend.host_pool_bytes() == 0  # the piece was the pool's; the room (still 4 MiB) is refilled
+    wait_until(lambda: backend.host_pool_bytes() == 4 * MiB)
+    backend.release(backend.open_arena(0, False), taken)
     backend.close()
     assert backend.host_pool_bytes() == 0
+    assert backend.idle(10 * MiB) is False and backend.host_pool_bytes() == 0  # closed: no thread starts again
+
+
+def test_a_host_pool_that_cannot_make_a_piece_waits_and_demotes_still_make_their_own():
+    failures = []
+
+    def make(size: int) -> bytearray:
+        if not failures:
+            failures.append(size)
+            raise OSError(errno.EMFILE, "too many open files")
+        return bytearray(size)
+
+    pool = HostPool(1024, 2048, make, lambda piece: None)
+    pool.idle(4096)
+    wait_until(lambda: pool.bytes == 2048, timeout=5)  # after one failure and the pause, it filled
+    assert failures == [1024]
+    assert len(pool.take(512)) == 512 and pool.bytes == 2048  # a piece of another size is made, not taken
+    pool.close()
+    assert pool.bytes == 0
 
 
 def test_a_demoted_buffer_is_not_sealed_for_it_would_never_move_again():

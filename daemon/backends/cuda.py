@@ -83,7 +83,7 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
     Exporting a POSIX FD costs about as much as everything else in a small
     commit (0.5-0.7 ms on the H200), so single-granule runs, the common case
     of block-by-block growth, take a warm chunk when one is there; the
-    server tops the pool up while idle.
+    server tops the pool up while idle (the host pool fills on a thread of its own).
     """
 
     name = "cuda"
@@ -184,10 +184,11 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         return (self.warm_target + (self._sentinel is not None)) * self.granularity
 
     def idle(self, host_room: int) -> bool:
-        """Create and export one warm chunk if the pool is short, else one host-NUMA piece within ``host_room``; True
-        while either is still short."""
+        """Create and export one warm chunk if the pool is short (True while it still is), and tell the host pool's
+        thread the room ``host_room`` leaves it."""
+        self._host_pool.idle(host_room)
         if len(self._warm) >= self.warm_target:
-            return self._host_pool.idle(host_room)
+            return False
         handle = driver.create(self.device_index, self.granularity, rdma=False)
         with Undo() as undo:
             undo.push(driver.release, handle)

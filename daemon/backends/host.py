@@ -36,6 +36,7 @@ import dataclasses
 import errno
 import fcntl
 import os
+import threading
 
 from hbmd.proto import TIER_DEVICE, TIER_HOST
 from hbmd.proto.errors import InternalError, OutOfDeviceMemory
@@ -143,6 +144,8 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
         """``host_pool_bytes``: host-tier pieces of ``host_piece`` bytes kept made ahead of demotes (see ``pool.py``)."""
         self.total_bytes = host_memory_bytes()
         self._open_chunks = 0
+        self._counting = threading.Lock()
+        """Held while ``_open_chunks`` changes: the host pool's thread opens and closes chunks too."""
         self._counted = (0, -RECOUNT_EVERY)
         """``(descriptors open, chunks open)`` when the process's descriptors were last counted."""
         self.host_piece = host_piece
@@ -161,7 +164,8 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
         return counted + self._open_chunks - at_chunks < fds.usable()
 
     def _opened(self, chunk: HostChunk) -> HostChunk:
-        self._open_chunks += 1
+        with self._counting:
+            self._open_chunks += 1
         return chunk
 
     def open_arena(self, reserved_bytes: int, shareable: bool) -> HostArena:
@@ -190,10 +194,12 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
             punch_out(chunk.fd, chunk.size)
         finally:
             os.close(chunk.fd)
-            self._open_chunks -= 1
+            with self._counting:
+                self._open_chunks -= 1
 
     def idle(self, host_room: int) -> bool:
-        """Top the host pool up within ``host_room`` (or trim it to fit)."""
+        """Tell the host pool's thread the room ``host_room`` leaves it, to fill or trim the pool to; False: nothing
+        for the daemon's loop."""
         return self._host_pool.idle(host_room)
 
     def host_pool_bytes(self) -> int:
