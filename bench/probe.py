@@ -93,8 +93,9 @@ def client_probe() -> Probe:
 
 def move_probe() -> Probe:
     """The client's side of a demote or promote (``ExtensibleTensor._reback``): the daemon's request, the copy into the
-    new chunks (``client.copy_into``, mapping them at a scratch range and copying), the remap in place
-    (``client.unmap_old``, ``client.map_new``) and the finish; with the driver calls they make."""
+    new chunks (a promote's ``client.copy_into`` maps them at a scratch range and copies, then ``client.unmap_old``
+    and ``client.map_new`` map them in place; a demote's ``client.move_into`` holds all three, the old chunks mapped
+    again at a scratch range), and the finish; with the driver calls they make."""
     from hbmd import driver
     from hbmd.client.reservation import Reservation
     from hbmd.client.session import Client
@@ -104,11 +105,12 @@ def move_probe() -> Probe:
     probe.wrap(Client, "move", "client.move_request")
     probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
     probe.wrap(Reservation, "copy_into", "client.copy_into")
+    probe.wrap(Reservation, "move_into", "client.move_into")
     probe.wrap(Reservation, "unmap_all", "client.unmap_old")
     probe.wrap(Reservation, "map", "client.map_new")
     probe.wrap(Client, "finish_defragment", "client.finish")
-    for name in ("import_fd", "map", "set_access", "unmap", "release", "copy_async", "context_synchronize", "reserve",
-                 "unreserve"):
+    for name in ("import_fd", "retain", "map", "set_access", "unmap", "release", "copy_async", "context_synchronize",
+                 "reserve", "unreserve"):
         probe.wrap(driver, name, f"drv.{name}")
     return probe
 

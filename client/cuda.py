@@ -80,6 +80,17 @@ class CudaMapper:
     def discard(self, prepared: Any) -> None:
         driver.release(prepared)
 
+    def alias(self, source: int, size: int, destination: int) -> None:
+        driver.make_current(self._ctx)
+        handle = driver.retain(source)
+        try:
+            with Undo() as undo:
+                driver.map(destination, size, handle)
+                undo.push(driver.unmap, destination, size)
+                driver.set_access(destination, size, [self.ordinal])
+        finally:
+            driver.release(handle)  # the mappings hold the memory
+
     def unmap(self, address: int, size: int) -> None:
         driver.make_current(self._ctx)
         driver.unmap(address, size)

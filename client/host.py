@@ -17,6 +17,8 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munmap.restype = ctypes.c_int
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+_libc.mremap.restype = ctypes.c_void_p
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mprotect.restype = ctypes.c_int
 
@@ -24,6 +26,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _PROT_NONE = 0
 _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
 _RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
 
 
@@ -75,6 +79,13 @@ class HostMapper:
 
     def discard(self, prepared: int) -> None:
         os.close(prepared)
+
+    def alias(self, source: int, size: int, destination: int) -> None:
+        """A second mapping of the same shared pages: ``mremap`` of a shared mapping with no old size duplicates it."""
+        result = _libc.mremap(source, 0, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, destination)
+        if result == _MAP_FAILED or result is None:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mremap of {size} bytes failed: {os.strerror(err)}")
 
     def unmap(self, address: int, size: int) -> None:
         """Put the range back to reserved-but-inaccessible, atomically."""

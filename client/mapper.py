@@ -46,6 +46,11 @@ class Mapper(Protocol):
         """Let go of what :meth:`prepare` returned (a mapping made from it stays)."""
         ...
 
+    def alias(self, source: int, size: int, destination: int) -> None:
+        """Map the chunk mapped whole at ``[source, source + size)`` at ``destination`` too, read-write, with no copy
+        (the memory lives until both are unmapped); undoes itself on failure."""
+        ...
+
     def unmap(self, address: int, size: int) -> None:
         """Put the range back to reserved and inaccessible."""
         ...

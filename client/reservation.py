@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from hbmd.proto import ChunkInfo
+from hbmd.proto.undo import Undo
 
 from .delivery import Delivery
 from .lease import LeasedGranule
@@ -81,6 +82,45 @@ class Reservation:
             for address, size in mapped:
                 self.mapper.unmap(address, size)
             self.mapper.unreserve(scratch, total)
+
+    def move_into(self, chunks: list[tuple[ChunkInfo, int]]) -> None:
+        """Re-back the range with ``chunks``, each mapped once, at its offset, and the bytes copied there from the old
+        chunks, mapped again (with no copy) in a scratch range.
+
+        What a demote does: mapping host-tier memory is what costs (access is
+        set page by page), so the new chunks are mapped where they stay, and
+        each one's copy runs while the next is being mapped. Where a step
+        fails the new chunks are unmapped and the old ones mapped back in
+        place: the range is as it was.
+        """
+        old = list(self.mapped)
+        extent = max(offset + size for offset, size in old)
+        scratch = self.mapper.reserve(extent)
+        aliased: list[tuple[int, int]] = []
+        try:
+            self.mapper.synchronize()  # the bytes to copy are final: nothing may still be writing them
+            for offset, size in old:
+                self.mapper.alias(self.base + offset, size, scratch + offset)
+                aliased.append((offset, size))
+            with Undo() as undo:
+                undo.push(self._map_back, old, scratch)
+                self.unmap_all()
+                for chunk, fd in chunks:
+                    self.map(chunk, fd, readonly=False)
+                    self.mapper.copy(self.base + chunk.offset, scratch + chunk.offset, chunk.size)
+                self.mapper.synchronize()
+        finally:
+            for offset, size in aliased:
+                self.mapper.unmap(scratch + offset, size)
+            self.mapper.unreserve(scratch, extent)
+
+    def _map_back(self, old: list[tuple[int, int]], scratch: int) -> None:
+        """Undo a :meth:`move_into`: unmap the new chunks and map the old ones in place again from their aliases."""
+        self.unmap_all()
+        for offset, size in old:
+            self.mapper.alias(scratch + offset, size, self.base + offset)
+            self.mapped.append((offset, size))
+        self.changes += 1
 
     def protect(self) -> None:
         """Make every mapped chunk read-only."""

@@ -399,7 +399,7 @@ class ExtensibleTensor(Transactions):
         ``InvalidRequest`` for a sealed buffer (its readers map it too).
         """
         self._check_writable("demote")
-        self._reback(lambda: self._client.move(self.buffer_id, TIER_HOST))
+        self._reback(lambda: self._client.move(self.buffer_id, TIER_HOST), map_once=True)
         return self
 
     def promote(self) -> "ExtensibleTensor":
@@ -433,9 +433,10 @@ class ExtensibleTensor(Transactions):
         self._demoted_under_pressure = False
         return self.physical_bytes
 
-    def _reback(self, ask: Callable[[], Delivery]) -> None:
+    def _reback(self, ask: Callable[[], Delivery], map_once: bool = False) -> None:
         """Re-back the buffer with the chunks ``ask`` brings (a preserving defragment's or a move's): copied into,
-        then mapped in place of the old ones. None brought: nothing to do."""
+        then mapped in place of the old ones (``map_once``: mapped in place, then copied into: host-tier chunks are
+        slow to map). None brought: nothing to do."""
         fresh: list[tuple[ChunkInfo, int]] = []
         started_over = self._client.started_over
         try:
@@ -443,22 +444,26 @@ class ExtensibleTensor(Transactions):
                 for chunk, fd in delivery:
                     fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
             if fresh:
-                self._move_into(fresh, started_over)
+                self._move_into(fresh, started_over, map_once)
         finally:
             for _, fd in fresh:
                 os.close(fd)
 
-    def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int) -> None:
-        """Copy the data into the new chunks, remap them in place of the old, and confirm."""
+    def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int, map_once: bool) -> None:
+        """Copy the data into the new chunks, map them in place of the old, and confirm."""
         with Undo() as undo:
             # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
             undo.push(self._finish_defragment, False, started_over)
-            self._reservation.copy_into(fresh)
+            if map_once:
+                self._reservation.move_into(fresh)  # mapped in place already
+            else:
+                self._reservation.copy_into(fresh)
         # From here the new chunks hold the data: the daemon keeps them whatever happens next.
         try:
-            self._reservation.unmap_all()
-            for chunk, fd in fresh:
-                self._reservation.map(chunk, fd, self._maps_readonly)
+            if not map_once:
+                self._reservation.unmap_all()
+                for chunk, fd in fresh:
+                    self._reservation.map(chunk, fd, self._maps_readonly)
         finally:
             self._finish_defragment(True, started_over)
 

@@ -232,6 +232,11 @@ def unmap(address: int, size: int) -> None:
     call("cuMemUnmap", address, size)
 
 
+def retain(address: int) -> Any:
+    """The handle of the allocation mapped at ``address``, as a reference of its own (``release`` it)."""
+    return call("cuMemRetainAllocationHandle", address)
+
+
 def set_access(address: int, size: int, ordinals: list[int], readonly: bool = False) -> None:
     """Grant read-write (or, ``readonly``, read-only) access to ``[address, address + size)`` from each device in ``ordinals``.
 

@@ -422,37 +422,47 @@ def test_a_session_ending_mid_demote_keeps_the_old_chunks_of_its_persistent_buff
 
 def test_the_host_pool_fills_within_the_room_the_host_tier_leaves_on_its_own_thread():
     backend = HostBackend(host_pool_bytes=16 * MiB, host_piece=4 * MiB)
-    assert backend.idle(10 * MiB) is False  # nothing for the daemon's loop: the pool's thread does it
+    assert backend.idle(10 * MiB, moving=False) is False  # nothing for the daemon's loop: the pool's thread does it
     wait_until(lambda: backend.host_pool_bytes() == 8 * MiB)  # two pieces fit in 10 MiB, a third would not
     time.sleep(0.2)
     assert backend.host_pool_bytes() == 8 * MiB
-    backend.idle(4 * MiB)
+    backend.idle(4 * MiB, moving=False)
     wait_until(lambda: backend.host_pool_bytes() == 4 * MiB)  # trimmed to the room left
-    taken = backend.create(backend.open_arena(0, False), 0, 4 * MiB, "host")
-    assert backend.host_pool_bytes() == 0  # the piece was the pool's; the room (still 4 MiB) is refilled
-    wait_until(lambda: backend.host_pool_bytes() == 4 * MiB)
-    backend.release(backend.open_arena(0, False), taken)
     backend.close()
     assert backend.host_pool_bytes() == 0
-    assert backend.idle(10 * MiB) is False and backend.host_pool_bytes() == 0  # closed: no thread starts again
+    assert backend.idle(10 * MiB, moving=False) is False and backend.host_pool_bytes() == 0  # closed: stays empty
 
 
-def test_a_host_pool_that_cannot_make_a_piece_waits_and_demotes_still_make_their_own():
-    failures = []
+def test_the_host_pool_waits_while_a_move_is_in_flight_and_releases_what_it_is_given_back():
+    made, released = [], []
 
     def make(size: int) -> bytearray:
-        if not failures:
-            failures.append(size)
-            raise OSError(errno.EMFILE, "too many open files")
+        if not made:
+            made.append(size)
+            raise OSError(errno.EMFILE, "too many open files")  # the first piece fails: the pool pauses, then goes on
+        made.append(size)
         return bytearray(size)
 
-    pool = HostPool(1024, 2048, make, lambda piece: None)
-    pool.idle(4096)
-    wait_until(lambda: pool.bytes == 2048, timeout=5)  # after one failure and the pause, it filled
-    assert failures == [1024]
+    pool = HostPool(1024, 2048, make, released.append)
+    given = bytearray(4096)
+    pool.give_back(given)  # no thread yet: released at once
+    assert released == [given]
+    pool.idle(4096, moving=True)
+    time.sleep(0.3)
+    assert pool.bytes == 0 and made == []  # a move is in flight: nothing is pinned beside it
+    pool.idle(4096, moving=False)
+    wait_until(lambda: pool.bytes == 2048, timeout=5)
+    assert made == [1024, 1024, 1024]
     assert len(pool.take(512)) == 512 and pool.bytes == 2048  # a piece of another size is made, not taken
+    pool.idle(4096, moving=True)
+    later = bytearray(8192)
+    pool.give_back(later)
+    time.sleep(0.3)
+    assert released == [given]  # waits for the move
+    pool.idle(4096, moving=False)
+    wait_until(lambda: released == [given, later])
     pool.close()
-    assert pool.bytes == 0
+    assert pool.bytes == 0 and len(released) == 4
 
 
 def test_a_demoted_buffer_is_not_sealed_for_it_would_never_move_again():

@@ -9,6 +9,7 @@ that lose no byte and leak nothing.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -223,6 +224,35 @@ def test_moves_leave_no_fd_behind_and_an_unknown_tier_changes_nothing(tiered):
     wait_until(lambda: client.status().host_pool_bytes == 16 * MiB)  # used pieces are made anew, never reused
     # Promoted, the buffer has one chunk a run where it had one a commit: fewer descriptors, never more.
     assert tiered.open_fds() <= fds
+
+
+def test_a_demote_that_fails_midway_maps_the_old_chunks_back_and_the_daemon_keeps_them(tiered, monkeypatch):
+    client = tiered.connect(lease=False)
+    t, data = written(client)
+    view, base, chunks = t.full_view(), t.base_ptr, t.num_chunks
+    mapper = type(t._reservation.mapper)
+    mapped = []
+
+    def map_twice_then_fail(self, address, chunk, fd, readonly=False):
+        if len(mapped) == 2:
+            raise OSError(errno.ENOMEM, "no room to map")
+        mapped.append(chunk.chunk_id)
+        original(self, address, chunk, fd, readonly)
+
+    original = mapper.map
+    monkeypatch.setattr(mapper, "map", map_twice_then_fail)
+    with pytest.raises(OSError, match="no room to map"):
+        t.demote()
+    monkeypatch.setattr(mapper, "map", original)
+    # Two host pieces were mapped in place before the third failed: the old chunks are back where they were.
+    assert mapped and t.tier == "device" and t.num_chunks == chunks and intact(t, data)
+    assert view.data_ptr() == base and torch.equal(view[: 20 * MiB], data[0])
+    status = client.status()
+    assert status.host_bytes == 0 and status.committed_bytes == t.physical_bytes
+    view[:MiB] = 7  # still the buffer's own pages: the write is there after a demote that works
+    data[0][:MiB] = 7
+    t.demote()
+    assert t.tier == "host" and intact(t, data)
 
 
 def test_hbmctl_shows_bytes_per_tier_per_tenant(tiered):

@@ -67,9 +67,9 @@ class Backend(Protocol[A, C]):
         """Device memory the backend keeps for itself (a warm pool), taken out of the budget."""
         return 0
 
-    def idle(self, host_room: int) -> bool:
-        """A little background work while no request waits (warm pools; the host pool within ``host_room`` bytes);
-        True while more remains."""
+    def idle(self, host_room: int, moving: bool) -> bool:
+        """A little background work while no request waits (warm pools; the host pool within ``host_room`` bytes,
+        paused while a move is ``moving``); True while more remains."""
         return False
 
     def host_pool_bytes(self) -> int:

@@ -1,21 +1,25 @@
-"""The host pool: host-tier chunks made ahead of demotes, by a thread of its own.
+"""The host pool: host-tier chunks made ahead of demotes, and given back after promotes, by a thread of its own.
 
-Pinned host memory is slow to make (a GiB of host-NUMA memory took 217-278 ms
-on the H200, SPEC "host-NUMA VMM memory"): a demote that made its chunks
-then would wait on that, not on its copy. So each backend keeps pieces of
-:data:`HOST_PIECE` bytes made ahead of need, and a demote is cut into such
-pieces (``Chunks.make_runs``). The pool lives inside the host budget: it is
-filled only into the room the demoted buffers leave, and a piece is given
-back once that room shrinks below it. A piece is used once: a chunk that a
-client mapped goes back to the system, never to the pool, since a copy of
-its FD kept by that client would reach whoever got it next.
+Pinned host memory is slow to make and to give back (a GiB of host-NUMA
+memory took 217-278 ms to make on the H200, SPEC "host-NUMA VMM memory",
+and ~20 ms to release): a demote that made its chunks then would wait on
+that, not on its copy, and so would a promote's finish that released them.
+So each backend keeps pieces of :data:`HOST_PIECE` bytes made ahead of need
+(a demote is cut into such pieces, ``Chunks.make_runs``), and the host-tier
+chunks a promote or a free lets go of are released later. The pool lives
+inside the host budget: it is filled only into the room the demoted buffers
+leave, and a piece is given back once that room shrinks below it. A piece
+is used once: a chunk that a client mapped goes back to the system, never
+to the pool, since a copy of its FD kept by that client would reach whoever
+got it next.
 
-Making and giving back pieces happens on the pool's thread, never in the
-daemon's loop: a piece takes tens of milliseconds, and a request that came
-while the loop made one would wait that long (a demote's finish did, which
-held moves to a fifth of the copy's speed). The loop tells the thread the
-room after every turn; between two turns the thread may make one piece more
-than a room that just shrank holds, and gives it back at the next.
+All of that runs on the pool's thread, never in the daemon's loop, and only
+while no move is in flight: pinning memory holds up the driver's other calls
+in every process (an 8 GiB demote's exports waited 1.5 s behind the pieces
+being made beside them on the H200), and a request that came while the loop
+made a piece waited for it whole. The loop tells the thread the room and
+whether a move is in flight after each quiet turn; the thread may make one
+piece more than a room that shrank since, and gives it back at the next.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ RETRY_S = 1.0
 
 
 class HostPool(Generic[C]):
-    """Host-tier pieces of ``piece`` bytes made ahead, up to ``target`` bytes, by a thread started at the first
-    :meth:`idle`."""
+    """Host-tier pieces of ``piece`` bytes made ahead, up to ``target`` bytes, and host-tier chunks released late, by
+    a thread started at the first :meth:`idle`."""
 
     def __init__(self, piece: int, target: int, make: Callable[[int], C], release: Callable[[C], None]) -> None:
         self.piece = piece
@@ -48,7 +52,10 @@ class HostPool(Generic[C]):
         self._make = make
         self._release = release
         self._pieces: list[C] = []
+        self._unwanted: list[C] = []
+        """Chunks to release: their bytes have left the budget already."""
         self._room = 0
+        self._moving = False
         self._closing = False
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -63,46 +70,57 @@ class HostPool(Generic[C]):
         if size == self.piece:
             with self._changed:
                 if self._pieces:
-                    self._changed.notify()
                     return self._pieces.pop()
         return self._make(size)
 
-    def idle(self, room: int) -> bool:
-        """Tell the pool's thread the room the host tier leaves, for it to fill or trim the pool to; always False:
-        nothing is left for the caller's loop to do."""
-        if not self.target:
-            return False
+    def give_back(self, chunk: C) -> None:
+        """Release a host-tier chunk on the thread (the caller's budget counts it gone already); at once without one."""
+        with self._changed:
+            if self._thread is not None and not self._closing:
+                self._unwanted.append(chunk)
+                self._changed.notify()
+                return
+        self._release(chunk)
+
+    def idle(self, room: int, moving: bool) -> bool:
+        """Tell the thread the room the host tier leaves, to fill or trim the pool to, and whether a move is in flight
+        (it then waits); always False: nothing is left for the caller's loop to do."""
         with self._changed:
             if self._closing:
                 return False
             if self._thread is None:
+                if not self.target:
+                    return False
                 self._thread = threading.Thread(target=self._run, name="hbmd-host-pool", daemon=True)
                 self._thread.start()
-            if room != self._room:
-                self._room = room
+            if (room, moving) != (self._room, self._moving):
+                self._room, self._moving = room, moving
                 self._changed.notify()
         return False
 
     def _next(self) -> C | None:
-        """Wait until the pool is short of its room (None: make a piece) or over it (a piece to give back)."""
+        """Wait for work while no move is in flight: a chunk to release, or None for a piece to make."""
         with self._changed:
             while not self._closing:
-                held = len(self._pieces) * self.piece
-                if held > self._room:
-                    return self._pieces.pop()
-                if held + self.piece <= min(self.target, self._room):
-                    return None
+                if not self._moving:
+                    if self._unwanted:
+                        return self._unwanted.pop()
+                    held = len(self._pieces) * self.piece
+                    if held > self._room:
+                        return self._pieces.pop()
+                    if held + self.piece <= min(self.target, self._room):
+                        return None
                 self._changed.wait()
             raise _Closing
 
     def _run(self) -> None:
         while True:
             try:
-                surplus = self._next()
+                unwanted = self._next()
             except _Closing:
                 return
-            if surplus is not None:
-                self._release(surplus)
+            if unwanted is not None:
+                self._release(unwanted)
                 continue
             try:
                 made = self._make(self.piece)
@@ -116,15 +134,16 @@ class HostPool(Generic[C]):
                 self._pieces.append(made)
 
     def close(self) -> None:
-        """Stop the thread (after the piece it is making) and give every piece back."""
+        """Stop the thread (after the chunk it is making or releasing) and release every chunk it held."""
         with self._changed:
             self._closing = True
             self._changed.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join()
-        while self._pieces:
-            self._release(self._pieces.pop())
+        for chunk in self._unwanted + self._pieces:
+            self._release(chunk)
+        self._unwanted, self._pieces = [], []
 
 
 class _Closing(Exception):

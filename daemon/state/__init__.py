@@ -291,8 +291,10 @@ class State(Generic[A, C]):
         return self.buffers_room.move(session, buffer_id, tier)
 
     def idle(self) -> bool:
-        """A step of the backend's background work, its host pool kept within the host budget's room."""
-        return self.backend.idle(self.budget.host_room())
+        """A step of the backend's background work, its host pool kept within the host budget's room and paused while
+        a move (or a preserving defragment) is in flight."""
+        moving = any(buffer.pending for buffer in self.buffers_room.by_id.values())
+        return self.backend.idle(self.budget.host_room(), moving)
 
     def release(self, session: Session, buffer_id: int) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""
