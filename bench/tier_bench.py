@@ -7,7 +7,7 @@ Starts its own daemon with a host tier as large as the largest buffer
 (``--host-budget``) and a host pool as large (``--host-pool``), so that a
 demote finds its pinned host memory made ahead and what is timed is the move
 itself: the daemon's request, the copy, the remap and the finish. Before each
-demote the bench waits for the pool to hold the buffer's bytes.
+demote the bench waits for the pool to be full.
 
 The floor is measured on the same memory in the same run: while the buffer
 is demoted, a plain copy of its bytes from a scratch buffer on the device
@@ -55,6 +55,8 @@ class TierTarget:
     sizes: list[int]
     piece: int
     """The daemon's ``--host-piece``: the pool holds whole pieces."""
+    pool: int
+    """The daemon's ``--host-pool``."""
     sync: Callable[[], None]
     probe: Probe | None
     """The client's steps, timed (``--breakdown``)."""
@@ -71,13 +73,17 @@ def gbps(size: int, us: float) -> float:
     return round(size / us / 1e3, 2)  # bytes per ns is GB/s
 
 
-def wait_for_pool(t: TierTarget, size: int) -> float:
-    """Wait until the daemon's host pool holds the whole pieces of ``size`` bytes; returns the wait in s."""
+def wait_for_pool(t: TierTarget) -> float:
+    """Wait until the daemon's host pool is full (its target, or the room the host tier leaves); returns the wait in s.
+
+    Full, not just holding this buffer's pieces: a pool still filling pins memory beside the move, which holds up
+    the driver's calls in every process, and the move would measure that.
+    """
     start = time.monotonic()
     while time.monotonic() - start < POOL_WAIT_S:
         status = t.client.status()
         room = status.host_budget_bytes - status.host_bytes
-        if status.host_pool_bytes >= min(size, room) // t.piece * t.piece:
+        if status.host_pool_bytes >= min(t.pool, room) // t.piece * t.piece:
             break
         time.sleep(0.05)
     return round(time.monotonic() - start, 2)
@@ -103,7 +109,7 @@ def move_once(t: TierTarget, size: int, value: int) -> dict[str, Any]:
         view.fill_(value)
         scratch = torch.full((size,), value, dtype=torch.uint8, device=view.device)
         t.sync()
-        pool_wait_s = wait_for_pool(t, size)
+        pool_wait_s = wait_for_pool(t)
         demote_ns = timed_move(t, f"demote {format_bytes(size)}", buffer.demote)
         assert buffer.tier == "host"
         floor_d2h_ns = timed_ns(lambda: (view.copy_(scratch), t.sync()))
@@ -112,7 +118,7 @@ def move_once(t: TierTarget, size: int, value: int) -> dict[str, Any]:
         assert buffer.tier == "device"
         # Reductions, not a comparison: a 64 GiB boolean tensor would not fit beside the buffer and its scratch copy.
         intact = all(int(x.min()) == value == int(x.max()) for x in (view, scratch))
-        del view, scratch
+        view = scratch = None  # the buffer is freed next: no view of it may outlive it
         return {"demote_ns": demote_ns, "promote_ns": promote_ns, "floor_d2h_ns": floor_d2h_ns,
                 "floor_h2d_ns": floor_h2d_ns, "pool_wait_s": pool_wait_s, "intact": intact,
                 "chunks_demoted": buffer.num_chunks}
@@ -195,8 +201,8 @@ def setup(args: Any):
         cleanup.callback(client.close)
         if args.breakdown:
             probe = cleanup.enter_context(move_probe())
-        yield TierTarget(args.quick, daemon, client, args.backend, device, sizes, args.host_piece_bytes, sync, probe,
-                         events_path)
+        yield TierTarget(args.quick, daemon, client, args.backend, device, sizes, args.host_piece_bytes, largest, sync,
+                         probe, events_path)
 
 
 def describe(t: TierTarget) -> dict[str, Any]:

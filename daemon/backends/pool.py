@@ -18,14 +18,16 @@ while no move is in flight: pinning memory holds up the driver's other calls
 in every process (an 8 GiB demote's exports waited 1.5 s behind the pieces
 being made beside them on the H200), and a request that came while the loop
 made a piece waited for it whole. The loop tells the thread the room and
-whether a move is in flight after each quiet turn; the thread may make one
-piece more than a room that shrank since, and gives it back at the next.
+whether a move is in flight after each quiet turn; the thread starts
+:data:`QUIET_S` after the last move, may make one piece more than a room
+that shrank since, and gives it back at the next.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Generic
 
 from hbmd.proto.errors import HbmdError
@@ -37,6 +39,10 @@ log = logging.getLogger("hbmd.pool")
 HOST_PIECE = 256 << 20
 """Bytes of one pooled piece: a 64 GiB demote maps 256 of them, and a run's last, shorter piece is made on demand
 (at most 255 MiB, ~60 ms on the H200)."""
+
+QUIET_S = 0.5
+"""How long after the last move the thread waits before it works: an engine going to sleep moves its buffers one after
+another, and each would find the pool pinning memory beside it."""
 
 RETRY_S = 1.0
 """How long the thread waits after a piece could not be made (memory, descriptors) before it tries again."""
@@ -56,6 +62,8 @@ class HostPool(Generic[C]):
         """Chunks to release: their bytes have left the budget already."""
         self._room = 0
         self._moving = False
+        self._moved_at = -QUIET_S
+        """When the thread was last told of a move in flight (``time.monotonic``)."""
         self._closing = False
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -93,23 +101,28 @@ class HostPool(Generic[C]):
                     return False
                 self._thread = threading.Thread(target=self._run, name="hbmd-host-pool", daemon=True)
                 self._thread.start()
+            if moving:
+                self._moved_at = time.monotonic()
             if (room, moving) != (self._room, self._moving):
                 self._room, self._moving = room, moving
                 self._changed.notify()
         return False
 
     def _next(self) -> C | None:
-        """Wait for work while no move is in flight: a chunk to release, or None for a piece to make."""
+        """Wait for work while no move is in flight or just ended: a chunk to release, or None for a piece to make."""
         with self._changed:
             while not self._closing:
-                if not self._moving:
-                    if self._unwanted:
-                        return self._unwanted.pop()
-                    held = len(self._pieces) * self.piece
-                    if held > self._room:
-                        return self._pieces.pop()
-                    if held + self.piece <= min(self.target, self._room):
-                        return None
+                quiet_in = self._moved_at + QUIET_S - time.monotonic()
+                if quiet_in > 0 or self._moving:
+                    self._changed.wait(quiet_in if quiet_in > 0 else None)
+                    continue
+                if self._unwanted:
+                    return self._unwanted.pop()
+                held = len(self._pieces) * self.piece
+                if held > self._room:
+                    return self._pieces.pop()
+                if held + self.piece <= min(self.target, self._room):
+                    return None
                 self._changed.wait()
             raise _Closing
 
