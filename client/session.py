@@ -540,15 +540,22 @@ class Client:
             try:
                 reply, request_id = self._call_with_id(msg)
             except OutOfBudget as exc:
-                if self._lease is not None and self._give_back_lease():
-                    reply, request_id = self._call_with_id(msg)
-                elif exc.details.get("demoting"):
-                    reply, request_id = self._call_while_demoting(msg)
-                else:
-                    raise
+                reply, request_id = self._call_after_refusal(msg, exc)
             if self._closer is None:
                 self._closer = FdCloser()
             return Delivery(reply, request_id, self._handles, self._closer, self.timeout, self._lock)
+
+    def _call_after_refusal(self, msg: Request[Committed], refusal: OutOfBudget) -> tuple[Committed, int]:
+        """Send ``msg`` again after the budget refused it: once with the lease given back (its granules count against
+        this session), then while idle tenants' buffers are being demoted for it; raises the last refusal."""
+        if self._lease is not None and self._give_back_lease():
+            try:
+                return self._call_with_id(msg)
+            except OutOfBudget as exc:
+                refusal = exc
+        if not refusal.details.get("demoting"):
+            raise refusal
+        return self._call_while_demoting(msg)
 
     def _call_while_demoting(self, msg: Request[Committed]) -> tuple[Committed, int]:
         """Send ``msg`` again until the budget admits it or no demote is under way for it, :data:`DEMOTE_WAIT_S` at

@@ -26,6 +26,14 @@ Modes:
 - ``two-engines``: two engines with different models under one daemon; the
   second sizes its cache from what the first left. Each declares a tenant,
   and ``--daemon-config FILE`` starts the daemon with a quota file.
+- ``make-room``: engine A, of a tenant the daemon may demote, serves a
+  request halfway and idles; engine B, another model, wants a cache that
+  does not fit beside A's. The daemon has A's client move A's cache to the
+  host tier instead of refusing B; B serves and exits; A's cache comes back
+  by itself and A finishes. Both engines' tokens against undisturbed runs
+  (``--start-daemon`` writes the tenants, ``--tenants``, into a config with
+  the first one demotable, and gives the daemon a host tier as large as
+  ``--budget``).
 - ``restart``: a worker restart, from process start to its first generated
   token, with the weights loaded from a checkpoint file on local disk
   (``torch.load``; once evicted from the page cache, once cached) against
@@ -58,6 +66,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -102,10 +111,12 @@ def daemon_for(args: argparse.Namespace) -> Iterator[str | None]:
     backend = "cuda" if args.device == "cuda" else "host"
     budget = args.budget or DEFAULT_BUDGET[args.device]
     options = ["--backend", backend, "--budget", budget]
-    if args.mode == "sleep-keep":
+    if args.mode in ("sleep-keep", "make-room"):
         options += ["--host-budget", budget]
     if args.daemon_config:
         options += ["--config", str(args.daemon_config)]
+    elif args.mode == "make-room":
+        options += ["--config", str(demotable_config(args))]
     daemon = DaemonProcess(args.run_dir, *options, log_path=args.run_dir / "hbmd.log").start()
     try:
         log("daemon", f"hbmd pid {daemon.pid} serves {daemon.instance} ({backend} backend, budget {budget}); "
@@ -624,9 +635,7 @@ def summarize_sleep_keep(r: dict[str, Any]) -> str:
 def two_engines(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
     """Engine A takes ``--kv-share`` of what fits; engine B, another model, sizes from what is left."""
     second_config = args.second_config or SECOND_CONFIG[args.config]
-    tenants = args.tenants.split(",")
-    if len(tenants) != 2:
-        raise ValueError(f"--tenants takes two names, got {args.tenants!r}")
+    tenants = tenant_pair(args)
     batch, prompt_len, new_tokens = WORKLOADS[second_config]
     held: list[HeldEngine] = []
     try:
@@ -696,6 +705,135 @@ def two_engines(args: argparse.Namespace, instance: str | None) -> dict[str, Any
         ],
         "engines": [first, second],
     }
+
+
+def demotable_config(args: argparse.Namespace) -> Path:
+    """A daemon config naming the two ``--tenants``, the first one demotable under pressure."""
+    demotable, other = tenant_pair(args)
+    path = args.run_dir / "make-room.toml"
+    path.write_text(f'[[tenants]]\nname = "{demotable}"\ndemote = 1\n\n[[tenants]]\nname = "{other}"\n')
+    return path
+
+
+def tenant_pair(args: argparse.Namespace) -> tuple[str, str]:
+    tenants = args.tenants.split(",")
+    if len(tenants) != 2:
+        raise ValueError(f"--tenants takes two names, got {args.tenants!r}")
+    return tenants[0], tenants[1]
+
+
+def make_room(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
+    """Engine A serves halfway and idles; B's cache does not fit beside A's, so A's is demoted instead of B refused;
+    B serves and exits, A's cache comes back and A finishes; both against undisturbed runs."""
+    from serving import make_prompts
+
+    from hbmd.daemon.state import DEMOTE_IDLE_S
+
+    demotable, other = tenant_pair(args)
+    second_config = args.second_config or SECOND_CONFIG[args.config]
+    batch, prompt_len, new_tokens = WORKLOADS[second_config]
+    second = ["--config", second_config, "--batch", str(batch), "--prompt-len", str(prompt_len),
+              "--new-tokens", str(new_tokens)]
+    share = ["--kv-share", str(args.kv_share)]
+    log("make-room", f"undisturbed runs, each engine alone taking {args.kv_share:.0%} of what fits: "
+                     f"A ({args.config}), B ({second_config})")
+    undisturbed_a = run_engine(args, "--name", "a-undisturbed", *share)
+    undisturbed_b = run_engine(args, "--name", "b-undisturbed", *share, *second)
+    a_args = argparse.Namespace(**{**vars(args), "name": "engine-a", "tenant": demotable,
+                                   "kv_blocks": undisturbed_a["kv"]["num_blocks"]})
+    device, client, engine = started_engine(a_args, instance)
+    observer = connect_for(args, instance, "make-room")
+    base_ptrs = [view.data_ptr() for view in engine.cache.layers]
+    prompts = make_prompts(engine.config, args.prompt_seed, args.batch, args.prompt_len)
+    state = engine.prefill(prompts, args.prompt_seed, args.prompt_len, args.new_tokens)
+    pause_at = max(1, (state.new_tokens - 1) // 2)
+    seen: dict[str, Any] = {}
+
+    def tiers() -> dict[str, int]:
+        """Engine A's tenant's bytes on the device (its leased granules too) and in the host tier."""
+        tenants = {t.name: t for t in observer.status().tenants}
+        return {"device": tenants[demotable].used_bytes, "host": tenants[demotable].host_bytes}
+
+    def after_step(state: Any) -> None:
+        if state.step != pause_at:
+            return
+        seen["a_before"] = tiers()
+        log("make-room", f"engine A idles after decode step {state.step}, its cache "
+                         f"{format_bytes(seen['a_before']['device'])} on the device; engine B starts")
+        time.sleep(DEMOTE_IDLE_S + 0.5)  # idle as the daemon counts it: only an idle tenant is demoted
+        during: list[dict[str, int]] = []
+        watching = threading.Event()
+        watcher = threading.Thread(target=watch, args=(during, watching), daemon=True)
+        watcher.start()
+        start = time.perf_counter()
+        seen["b"] = run_engine(args, "--name", "engine-b", "--tenant", other,
+                               "--kv-blocks", str(undisturbed_b["kv"]["num_blocks"]), *second)
+        seen["b_s"] = time.perf_counter() - start
+        watching.set()
+        watcher.join()
+        during.append(tiers())
+        # The daemon demotes as many of A's buffers as B needs, no more: the most that was in the host tier at once.
+        seen["a_during_b"] = {"device": min(t["device"] for t in during), "host": max(t["host"] for t in during)}
+        log("make-room", f"engine B done in {ms(seen['b_s'])}; up to {format_bytes(seen['a_during_b']['host'])} of "
+                         "engine A's cache was in the host tier meanwhile; waiting for it to come back")
+        start = time.perf_counter()
+        wait_until(lambda: all(t.tier == "device" for t in engine.cache.tensors), timeout=args.timeout)
+        seen["back_s"] = time.perf_counter() - start
+        seen["a_after"] = tiers()
+        log("make-room", f"engine A's cache is back on the device after {ms(seen['back_s'])}; A finishes")
+
+    def watch(during: list[dict[str, int]], watching: threading.Event) -> None:
+        while not watching.wait(0.02):
+            during.append(tiers())
+
+    engine.decode(state, after_step=after_step)
+    same_ptrs = base_ptrs == [view.data_ptr() for view in engine.cache.layers]
+    kv_a = engine.cache.physical_bytes
+    engine.cache.free()
+    client.close()
+    budget = observer.status().budget_bytes
+    observer.close()
+    a_identical = state.generated == undisturbed_a["tokens"]
+    b_identical = seen["b"]["tokens"] == undisturbed_b["tokens"]
+    return {
+        "mode": "make-room",
+        "ok": a_identical and b_identical and same_ptrs and 0 < seen["a_during_b"]["host"] <= kv_a
+        and seen["a_after"]["host"] == 0 and seen["a_after"]["device"] >= kv_a,
+        "tokens_identical": {"a": a_identical, "b": b_identical},
+        "config": engine.config.name,
+        "second_config": second_config,
+        "device": str(device),
+        "tenants": [demotable, other],
+        "paused_after_step": pause_at,
+        "kv_bytes": {"a": kv_a, "b": seen["b"]["kv"]["physical_bytes"]},
+        "budget_bytes": budget,
+        "a_before": seen["a_before"],
+        "a_during_b": seen["a_during_b"],
+        "a_after": seen["a_after"],
+        "b_s": seen["b_s"],
+        "back_s": seen["back_s"],
+        "base_pointers_kept": same_ptrs,
+        "tokens": {"a": state.generated, "b": seen["b"]["tokens"]},
+        "undisturbed_tokens": {"a": undisturbed_a["tokens"], "b": undisturbed_b["tokens"]},
+    }
+
+
+def summarize_make_room(r: dict[str, Any]) -> str:
+    a, b = r["kv_bytes"]["a"], r["kv_bytes"]["b"]
+    return "\n".join(
+        [
+            f"make-room ({r['config']} and {r['second_config']} on {r['device']}, budget "
+            f"{format_bytes(r['budget_bytes'])}): A's cache {format_bytes(a)} + B's {format_bytes(b)} do not fit",
+            f"  engine A ({r['tenants'][0]}, demotable) idle after step {r['paused_after_step']}, its tenant's "
+            f"device/host tier bytes: before B {format_bytes(r['a_before']['device'])}/"
+            f"{format_bytes(r['a_before']['host'])}, while B served down to {format_bytes(r['a_during_b']['device'])}"
+            f"/up to {format_bytes(r['a_during_b']['host'])}, after {format_bytes(r['a_after']['device'])}/"
+            f"{format_bytes(r['a_after']['host'])} (back {ms(r['back_s'])} after B exited)",
+            f"  engine B ({r['tenants'][1]}) served in {ms(r['b_s'])}, refused nothing; tokens identical to undisturbed "
+            f"runs: A {'yes' if r['tokens_identical']['a'] else 'NO'}, B {'yes' if r['tokens_identical']['b'] else 'NO'};"
+            f" A's base pointers kept: {'yes' if r['base_pointers_kept'] else 'NO'}",
+        ]
+    )
 
 
 # weights: a checkpoint on disk or sealed weights in hbmd
@@ -920,6 +1058,7 @@ MODES = {
     "sleep-wake": (sleep_wake, summarize_sleep_wake),
     "sleep-keep": (sleep_keep, summarize_sleep_keep),
     "two-engines": (two_engines, summarize_two_engines),
+    "make-room": (make_room, summarize_make_room),
     "restart": (restart, summarize_restart),
     "share-weights": (share_weights, summarize_share_weights),
 }
@@ -956,7 +1095,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--kv-share",
         type=float,
-        help="fraction of what fits that the engine commits (default: 1; engine A's in two-engines 0.5)",
+        help="fraction of what fits that the engine commits (default: 1; engine A's in two-engines 0.5; "
+        "each engine's in make-room 0.6)",
     )
     common.add_argument(
         "--kv-blocks",
@@ -999,6 +1139,10 @@ def build_parser() -> argparse.ArgumentParser:
     two = modes.add_parser("two-engines", parents=[common], help="two models under one daemon")
     two.add_argument("--second-config", help="engine B's model (default: small for tiny, gpu-small for gpu)")
     two.add_argument("--tenants", default="engine-a,engine-b", help="the two engines' tenant names")
+    room = modes.add_parser("make-room", parents=[common], help="an idle engine's cache demoted to make room for another")
+    room.add_argument("--second-config", help="engine B's model (default: small for tiny, gpu-small for gpu)")
+    room.add_argument("--tenants", default="batch,online",
+                      help="A's tenant (demotable) and B's, named in the started daemon's config")
     modes.add_parser("restart", parents=[common], help="process start to first token: weights from a file or hbmd")
     modes.add_parser("share-weights", parents=[common], help="two engines on one copy of the weights in hbmd")
     return parser
@@ -1019,7 +1163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(f"--margin: {exc}")
     # Not set_defaults on the two-engines parser: the options' actions are shared by every mode through `common`.
-    args.kv_share = args.kv_share or (0.5 if args.mode == "two-engines" else 1.0)
+    args.kv_share = args.kv_share or {"two-engines": 0.5, "make-room": 0.6}.get(args.mode, 1.0)
     if not 0 < args.kv_share <= 1:
         parser.error("--kv-share must be in (0, 1]")
     if args.kill_after is not None and not 0 <= args.kill_after < args.new_tokens - 1:

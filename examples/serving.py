@@ -208,7 +208,7 @@ class Engine:
         capacity = PagedKVCache.aligned_capacity(
             self.config,
             self.dtype,
-            max(warmup_blocks, self._blocks_within(self.client.device_memory().available())),
+            max(warmup_blocks, sizing.blocks or 0, self._blocks_within(self.client.device_memory().available())),
             granularity,
         )
         self.cache = PagedKVCache.create(

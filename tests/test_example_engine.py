@@ -5,7 +5,8 @@ daemon, on the tiny model, and checks what the mode promises: a worker
 SIGKILLed halfway and resumed on its persistent buffers produces the tokens
 of an uninterrupted run; a KV cache released between requests commits
 nothing while asleep and serves correctly after waking; two engines sized
-one after the other both fit and show in the daemon's sessions; a restarted
+one after the other both fit and show in the daemon's sessions; an idle
+engine's cache is demoted to make room for another's and comes back; a restarted
 worker gets the same tokens from weights attached from hbmd as from a
 checkpoint file; two engines share one copy of the weights.
 """
@@ -90,6 +91,29 @@ def test_asleep_mid_request_with_the_kv_cache_kept_it_wakes_and_finishes_with_un
     assert result["bytes_rewoken"] == {"device": kv, "host": 0}
     assert result["base_pointers_kept"] and 0 < result["slept_after_step"] < len(result["tokens"][0]) - 1
     assert result["decode_step_demoted_s"] > 0  # one step decoded on the cache where it lay, its tokens in the check
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)])]
+)
+def test_an_idle_engines_cache_is_demoted_to_make_room_and_comes_back_with_identical_tokens(
+        start_daemon, tmp_path, device):
+    backend, config, budget = ("host", "tiny", "256MiB") if device == "cpu" else ("cuda", "gpu-small", "16GiB")
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[[tenants]]\nname = "batch"\ndemote = 1\n\n[[tenants]]\nname = "online"\n')
+    daemon = start_daemon("--budget", budget, "--host-budget", budget, "--config", str(tenants), backend=backend)
+    result = run_example(daemon, "make-room", device=device, config=config)
+    assert result["ok"] and result["tokens_identical"] == {"a": True, "b": True}
+    assert result["tokens"] == result["undisturbed_tokens"]
+    kv = result["kv_bytes"]
+    assert kv["a"] + kv["b"] > result["budget_bytes"]  # B's cache did not fit beside A's...
+    assert 0 < result["a_during_b"]["host"] <= kv["a"]  # ...so part of A's went to the host tier meanwhile
+    assert result["a_before"]["host"] == result["a_after"]["host"] == 0 and result["a_after"]["device"] >= kv["a"]
+    assert result["base_pointers_kept"] and 0 < result["paused_after_step"]
+    client = daemon.connect()
+    status = client.status()
+    assert status.committed_bytes == status.host_bytes == 0
+    client.close()
 
 
 def test_two_engines_size_from_what_is_left_and_both_show_in_the_sessions(small_daemon):

@@ -392,17 +392,24 @@ def test_a_restart_with_no_keeper_declares_a_demoted_buffer_in_the_host_tier(sta
 DEMOTABLE = '[[tenants]]\nname = "batch"\ndemote = 1\n\n[[tenants]]\nname = "online"\n'
 
 
-@pytest.mark.parametrize("demote", [True, False])
-def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_instead(start_daemon, tmp_path, demote):
+@pytest.mark.parametrize("demote, lease", [(True, False), (True, True), (False, False)])
+def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_instead(start_daemon, tmp_path, demote,
+                                                                                       lease):
     config = tmp_path / "hbmd.toml"
     config.write_text(DEMOTABLE if demote else DEMOTABLE.replace("demote = 1\n", ""))
     daemon = start_daemon("--budget", "64MiB", *TIER, "--config", str(config))
     batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
     sleeping, data = written(batch, sizes=(32 * MiB, 16 * MiB))
-    online = daemon.connect(client_name="online", tenant="online", lease=False)
+    online = daemon.connect(client_name="online", tenant="online", lease=lease)
     growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
-    with pytest.raises(OutOfBudget):
-        growing.resize_(32 * MiB)  # the batch engine grew a moment ago: busy, it is not asked
+    if lease:
+        # The room left is leased to the online engine: its refusal gives the lease back first, and the retry then
+        # meets the demote under way, which it waits for as well.
+        growing.resize_(2 * MiB)
+        wait_until(lambda: online.status().leased_bytes > 0)
+    else:
+        with pytest.raises(OutOfBudget):
+            growing.resize_(32 * MiB)  # the batch engine grew a moment ago: busy, it is not asked
     time.sleep(2.2)  # idle now (DEMOTE_IDLE_S)
     if not demote:
         with pytest.raises(OutOfBudget):
@@ -413,8 +420,9 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
     assert sleeping.tier == "host" and intact(sleeping, data) and sleeping.base_ptr == sleeping.full_view().data_ptr()
     status = online.status()
     assert (status.committed_bytes, status.host_bytes) == (32 * MiB, 48 * MiB)
+    leased = status.leased_bytes
     assert {t.name: (t.used_bytes, t.host_bytes) for t in status.tenants if t.name in ("batch", "online")} == {
-        "batch": (0, 48 * MiB), "online": (32 * MiB, 0)}
+        "batch": (0, 48 * MiB), "online": (32 * MiB + leased, 0)}
     growing.free()
     wait_until(lambda: sleeping.tier == "device")  # room again: its client promoted it back by itself
     assert intact(sleeping, data) and online.status().host_bytes == 0

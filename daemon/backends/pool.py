@@ -40,7 +40,7 @@ HOST_PIECE = 256 << 20
 """Bytes of one pooled piece: a 64 GiB demote maps 256 of them, and a run's last, shorter piece is made on demand
 (at most 255 MiB, ~60 ms on the H200)."""
 
-QUIET_S = 0.5
+QUIET_S = 2.0
 """How long after the last move the thread waits before it works: an engine going to sleep moves its buffers one after
 another, and each would find the pool pinning memory beside it."""
 
