@@ -108,6 +108,7 @@ def session_record(session: Session) -> dict[str, Any]:
         "wants_lease": session.wants_lease, "credential": session.credential_hash,
         "previous_credential": session.previous_credential_hash,
         "lease": [[c.chunk_id, c.size] for c in session.lease.values()],
+        "demoted": session.demoted_under_pressure,
         "answer": None if answer is None else [answer.request_id, answer.frames, answer.buffer_id, answer.chunk_ids],
     }
 
@@ -152,7 +153,7 @@ def _journaled_as(session: Session) -> tuple[Any, ...]:
     """What of a session changes its record (the rest is fixed at its hello)."""
     answer = session.answer
     return (answer.request_id if answer else 0, session.credential_hash, session.previous_credential_hash,
-            tuple(session.lease), session.tenant.name)
+            tuple(session.lease), session.tenant.name, session.demoted_under_pressure)
 
 
 def _kept(session: Session) -> bool:
@@ -262,6 +263,8 @@ def _restore_session(state: State[Any, Any], record: dict[str, Any], fds: dict[s
             admin=bool(record["admin"]), wants_lease=bool(record["wants_lease"]),
             credential_hash=str(record["credential"]),
             previous_credential_hash=str(record.get("previous_credential", "")),
+            # Its client promotes what it demoted for the daemon once told there is room: the successor tells it.
+            demoted_under_pressure=bool(record.get("demoted", False)),
             answer=None if answer is None else Answer(int(answer[0]), answer[1], int(answer[2]), list(answer[3])),
         )
         state.restore_session(session, lease, resume_by)

@@ -428,6 +428,30 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
     assert intact(sleeping, data) and online.status().host_bytes == 0
 
 
+def test_a_buffer_demoted_under_pressure_is_promoted_back_by_a_restarted_daemon(start_daemon, run_dir, tmp_path,
+                                                                                 systemd):
+    config = tmp_path / "hbmd.toml"
+    config.write_text(DEMOTABLE)
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    flags = ("--budget", "64MiB", *TIER, "--config", str(config), "--state-dir", str(state_dir))
+    daemon = start_daemon(*flags, env={"NOTIFY_SOCKET": str(systemd.path)})
+    wait_until(lambda: systemd.saw("READY=1"))
+    batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
+    sleeping, data = written(batch, sizes=(32 * MiB, 16 * MiB))
+    online = daemon.connect(client_name="online", tenant="online", lease=False)
+    time.sleep(2.2)  # the batch engine is idle (DEMOTE_IDLE_S)
+    growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
+    growing.resize_(32 * MiB)
+    assert sleeping.tier == "host"
+    daemon.kill()
+    daemon = start_daemon(*flags, **systemd.relaunch())
+    wait_until(lambda: "session 2 resumed" in daemon.log() and "session 1 resumed" in daemon.log())
+    growing.free()  # room again: the new daemon knows whom it had demoted, and tells them
+    wait_until(lambda: sleeping.tier == "device")
+    assert intact(sleeping, data) and online.status().host_bytes == 0
+
+
 @pytest.mark.parametrize("flags, words", [
     (("--host-piece", "3MiB"), "--host-piece: 3MiB is not a positive whole number of 2 MiB granules"),
     (("--host-budget", "150%"), "a percentage must be in (0, 100]"),
