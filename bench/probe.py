@@ -99,7 +99,7 @@ def move_probe() -> Probe:
     from hbmd import driver
     from hbmd.client.reservation import Reservation
     from hbmd.client.session import Client
-    from hbmd.client.transport import HandleChannel
+    from hbmd.client.transport import ControlChannel, HandleChannel
 
     probe = Probe()
     probe.wrap(Client, "move", "client.move_request")
@@ -109,6 +109,7 @@ def move_probe() -> Probe:
     probe.wrap(Reservation, "unmap_all", "client.unmap_old")
     probe.wrap(Reservation, "map", "client.map_new")
     probe.wrap(Client, "finish_defragment", "client.finish")
+    probe.wrap(ControlChannel, "call_with_id", "client.control_call")
     for name in ("import_fd", "retain", "map", "set_access", "unmap", "release", "copy_async", "context_synchronize",
                  "reserve", "unreserve"):
         probe.wrap(driver, name, f"drv.{name}")

@@ -445,24 +445,26 @@ def test_the_host_pool_waits_while_a_move_is_in_flight_and_releases_what_it_is_g
 
     pool = HostPool(1024, 2048, make, released.append)
     given = bytearray(4096)
-    pool.give_back(given)  # no thread yet: released at once
+    pool.give_back(given, 4096)  # no thread yet: released at once
     assert released == [given]
     pool.idle(4096, moving=True)
     time.sleep(0.3)
     assert pool.bytes == 0 and made == []  # a move is in flight: nothing is pinned beside it
     pool.idle(4096, moving=False)
-    wait_until(lambda: pool.bytes == 2048, timeout=5)
+    wait_until(lambda: pool.bytes == 2048)  # 2 s after the move (QUIET_S), and a pause after the failure
     assert made == [1024, 1024, 1024]
     assert len(pool.take(512)) == 512 and pool.bytes == 2048  # a piece of another size is made, not taken
     pool.idle(4096, moving=True)
-    later = bytearray(8192)
-    pool.give_back(later)
+    later, over = bytearray(2048), bytearray(1024)
+    pool.give_back(later, 2048)  # waits for the move: up to the pool's 2048 bytes may wait
+    pool.give_back(over, 1024)  # past that: released at once, move or not
     time.sleep(0.3)
-    assert released == [given]  # waits for the move
+    assert len(released) == 2 and released[1] is over
     pool.idle(4096, moving=False)
-    wait_until(lambda: released == [given, later])
+    wait_until(lambda: len(released) == 3)
+    assert released[2] is later
     pool.close()
-    assert pool.bytes == 0 and len(released) == 4
+    assert pool.bytes == 0 and len(released) == 5
 
 
 def test_a_demoted_buffer_is_not_sealed_for_it_would_never_move_again():

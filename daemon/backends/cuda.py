@@ -47,8 +47,8 @@ class CudaChunk:
 
     handle: Any | None
     fd: int = -1
-    host: bool = False
-    """Host-NUMA memory (the host tier), not the device's."""
+    host_bytes: int = 0
+    """The size of a chunk of host-NUMA memory (the host tier); 0 for the device's."""
 
     def export(self) -> int:
         if self.handle is None:
@@ -127,7 +127,7 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
 
     def _make_host(self, size: int) -> CudaChunk:
         """A host-NUMA chunk, exported as it is made: its demote then costs no driver call."""
-        chunk = CudaChunk(driver.create_host(self.host_numa_node, size), host=True)
+        chunk = CudaChunk(driver.create_host(self.host_numa_node, size), host_bytes=size)
         with Undo() as undo:
             undo.push(chunk.release)
             chunk.fd = driver.export_fd(chunk.handle)
@@ -168,8 +168,8 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
 
     def release(self, arena: CudaArena, chunk: CudaChunk) -> None:
         """A host-tier chunk goes to the host pool's thread: unpinning its pages takes ~20 ms a GiB."""
-        if chunk.host:
-            self._host_pool.give_back(chunk)
+        if chunk.host_bytes:
+            self._host_pool.give_back(chunk, chunk.host_bytes)
         else:
             chunk.release()
 

@@ -6,7 +6,8 @@ and ~20 ms to release): a demote that made its chunks then would wait on
 that, not on its copy, and so would a promote's finish that released them.
 So each backend keeps pieces of :data:`HOST_PIECE` bytes made ahead of need
 (a demote is cut into such pieces, ``Chunks.make_runs``), and the host-tier
-chunks a promote or a free lets go of are released later. The pool lives
+chunks a promote or a free lets go of are released later (as many bytes
+of them at a time as the pool's size: past that, at once). The pool lives
 inside the host budget: it is filled only into the room the demoted buffers
 leave, and a piece is given back once that room shrinks below it. A piece
 is used once: a chunk that a client mapped goes back to the system, never
@@ -58,8 +59,9 @@ class HostPool(Generic[C]):
         self._make = make
         self._release = release
         self._pieces: list[C] = []
-        self._unwanted: list[C] = []
+        self._unwanted: list[tuple[C, int]] = []
         """Chunks to release: their bytes have left the budget already."""
+        self._unwanted_bytes = 0
         self._room = 0
         self._moving = False
         self._moved_at = -QUIET_S
@@ -81,11 +83,14 @@ class HostPool(Generic[C]):
                     return self._pieces.pop()
         return self._make(size)
 
-    def give_back(self, chunk: C) -> None:
-        """Release a host-tier chunk on the thread (the caller's budget counts it gone already); at once without one."""
+    def give_back(self, chunk: C, size: int) -> None:
+        """Release a host-tier chunk of ``size`` bytes on the thread (the caller's budget counts it gone already); at
+        once where there is no thread, or where ``target`` bytes wait to be released already (moves one after another
+        would otherwise keep an unbounded amount pinned past the budget)."""
         with self._changed:
-            if self._thread is not None and not self._closing:
-                self._unwanted.append(chunk)
+            if self._thread is not None and not self._closing and self._unwanted_bytes + size <= self.target:
+                self._unwanted.append((chunk, size))
+                self._unwanted_bytes += size
                 self._changed.notify()
                 return
         self._release(chunk)
@@ -117,7 +122,9 @@ class HostPool(Generic[C]):
                     self._changed.wait(quiet_in if quiet_in > 0 else None)
                     continue
                 if self._unwanted:
-                    return self._unwanted.pop()
+                    chunk, size = self._unwanted.pop()
+                    self._unwanted_bytes -= size
+                    return chunk
                 held = len(self._pieces) * self.piece
                 if held > self._room:
                     return self._pieces.pop()
@@ -154,9 +161,9 @@ class HostPool(Generic[C]):
             thread = self._thread
         if thread is not None:
             thread.join()
-        for chunk in self._unwanted + self._pieces:
+        for chunk in [chunk for chunk, _ in self._unwanted] + self._pieces:
             self._release(chunk)
-        self._unwanted, self._pieces = [], []
+        self._unwanted, self._pieces, self._unwanted_bytes = [], [], 0
 
 
 class _Closing(Exception):
