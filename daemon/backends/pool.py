@@ -6,8 +6,8 @@ and ~20 ms to release): a demote that made its chunks then would wait on
 that, not on its copy, and so would a promote's finish that released them.
 So each backend keeps pieces of :data:`HOST_PIECE` bytes made ahead of need
 (a demote is cut into such pieces, ``Chunks.make_runs``), and the host-tier
-chunks a promote or a free lets go of are released later (as many bytes
-of them at a time as the pool's size: past that, at once). The pool lives
+chunks a promote or a free lets go of are released later (past the pool's
+size of them, at once). The pool lives
 inside the host budget: it is filled only into the room the demoted buffers
 leave, and a piece is given back once that room shrinks below it. A piece
 is used once: a chunk that a client mapped goes back to the system, never
@@ -84,11 +84,10 @@ class HostPool(Generic[C]):
         return self._make(size)
 
     def give_back(self, chunk: C, size: int) -> None:
-        """Release a host-tier chunk of ``size`` bytes on the thread (the caller's budget counts it gone already); at
-        once where there is no thread, or where ``target`` bytes wait to be released already (moves one after another
-        would otherwise keep an unbounded amount pinned past the budget)."""
+        """Release a host-tier chunk of ``size`` bytes on the thread (the caller's budget counts it gone already), at
+        once where there is none."""
         with self._changed:
-            if self._thread is not None and not self._closing and self._unwanted_bytes + size <= self.target:
+            if self._thread is not None and not self._closing:
                 self._unwanted.append((chunk, size))
                 self._unwanted_bytes += size
                 self._changed.notify()
@@ -114,17 +113,19 @@ class HostPool(Generic[C]):
         return False
 
     def _next(self) -> C | None:
-        """Wait for work while no move is in flight or just ended: a chunk to release, or None for a piece to make."""
+        """Wait for work while no move is in flight or just ended: a chunk to release, or None for a piece to make. Where
+        more than ``target`` bytes wait to be released, one goes at once, move or not: moves one after another would
+        otherwise keep ever more memory pinned past the host budget."""
         with self._changed:
             while not self._closing:
+                if self._unwanted_bytes > self.target:
+                    return self._pop_unwanted()
                 quiet_in = self._moved_at + QUIET_S - time.monotonic()
                 if quiet_in > 0 or self._moving:
                     self._changed.wait(quiet_in if quiet_in > 0 else None)
                     continue
                 if self._unwanted:
-                    chunk, size = self._unwanted.pop()
-                    self._unwanted_bytes -= size
-                    return chunk
+                    return self._pop_unwanted()
                 held = len(self._pieces) * self.piece
                 if held > self._room:
                     return self._pieces.pop()
@@ -132,6 +133,11 @@ class HostPool(Generic[C]):
                     return None
                 self._changed.wait()
             raise _Closing
+
+    def _pop_unwanted(self) -> C:
+        chunk, size = self._unwanted.pop()
+        self._unwanted_bytes -= size
+        return chunk
 
     def _run(self) -> None:
         while True:
