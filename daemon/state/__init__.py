@@ -293,8 +293,7 @@ class State(Generic[A, C]):
     def idle(self) -> bool:
         """A step of the backend's background work, its host pool kept within the host budget's room and paused while
         a move (or a preserving defragment) is in flight."""
-        moving = any(buffer.pending for buffer in self.buffers_room.by_id.values())
-        return self.backend.idle(self.budget.host_room(), moving)
+        return self.backend.idle(self.budget.host_room(), self.buffers_room.pending_bytes > 0)
 
     def release(self, session: Session, buffer_id: int) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""

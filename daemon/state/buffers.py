@@ -90,6 +90,8 @@ class Buffers(Generic[A, C]):
         self.by_id: dict[int, Buffer[A, C]] = {}
         self.persistent: dict[tuple[int, str], Buffer[A, C]] = {}
         self._next_id = 1
+        self.pending_bytes = 0
+        """Every buffer's pending chunks: above 0 while a preserving defragment or a move is in flight."""
         self.changed: set[int] | None = None
         """Buffers changed (chunks, owner, readers, seal; or dropped) since the persistence layer last journaled them
         (None: nobody is tracking, and nothing is recorded)."""
@@ -101,6 +103,7 @@ class Buffers(Generic[A, C]):
         totals (the device budget's, or the host tier's)."""
         buffer.physical_bytes += mapped
         buffer.pending_bytes += pending
+        self.pending_bytes += pending
         if tier == TIER_HOST:
             buffer.host_bytes += mapped + pending
             self.tenants.charge(buffer.tenant, host=mapped + pending)

@@ -25,7 +25,8 @@ def check_invariants(state: "State[Any, Any]") -> None:
     the sessions' leased granules, and both the sum of tenant usage; each
     buffer's chunks lie inside it, on granule boundaries, never back a
     granule twice and back exactly its committed prefixes (a preserving
-    defragment's or a move's pending chunks likewise, on their own); a
+    defragment's or a move's pending chunks likewise, on their own, and add
+    up to the pending total); a
     buffer's mapped chunks are all in one tier, its pending ones too, and
     host-tier bytes add up to the host total and to the tenants'; every buffer and
     session points at the other, readers included; only a persistent
@@ -33,10 +34,13 @@ def check_invariants(state: "State[Any, Any]") -> None:
     the limits the config in force gives it.
     """
     chunk_ids: set[int] = set()
-    total = host = 0
+    total = host = pending = 0
     for buffer in state.buffers.values():
         total += _check_buffer(state, buffer, chunk_ids)
         host += buffer.host_bytes
+        pending += buffer.pending_bytes
+    require(state.buffers_room.pending_bytes == pending,
+            f"pending {state.buffers_room.pending_bytes} != {pending} in buffers' pending chunks")
     require(state.host_bytes == host, f"host tier {state.host_bytes} != {host} in buffers' host chunks")
     require(sum(t.host_bytes for t in state.tenants.values()) == host, f"tenants' host bytes do not add up to {host}")
     require(len(state.persistent) == sum(b.persistent for b in state.buffers.values()), "stale persistent names")
