@@ -399,7 +399,7 @@ class ExtensibleTensor(Transactions):
         ``InvalidRequest`` for a sealed buffer (its readers map it too).
         """
         self._check_writable("demote")
-        self._reback(lambda: self._client.move(self.buffer_id, TIER_HOST), map_once=True)
+        self._reback(lambda: self._client.move(self.buffer_id, TIER_HOST), TIER_HOST)
         return self
 
     def promote(self) -> "ExtensibleTensor":
@@ -409,7 +409,7 @@ class ExtensibleTensor(Transactions):
         (the buffer stays in the host tier, whole); a no-op on the device.
         """
         self._check_writable("promote")
-        self._reback(lambda: self._client.move(self.buffer_id, TIER_DEVICE))
+        self._reback(lambda: self._client.move(self.buffer_id, TIER_DEVICE), TIER_DEVICE)
         return self
 
     _demoted_under_pressure = False
@@ -433,10 +433,14 @@ class ExtensibleTensor(Transactions):
         self._demoted_under_pressure = False
         return self.physical_bytes
 
-    def _reback(self, ask: Callable[[], Delivery], map_once: bool = False) -> None:
-        """Re-back the buffer with the chunks ``ask`` brings (a preserving defragment's or a move's): copied into,
-        then mapped in place of the old ones (``map_once``: mapped in place, then copied into: host-tier chunks are
-        slow to map). None brought: nothing to do."""
+    _moved_to: str | None = None
+    """The tier of what this process maps while a move's remap is done and its finish not heard yet: what a daemon
+    that restarted meanwhile, with nothing kept, is told the buffer is in."""
+
+    def _reback(self, ask: Callable[[], Delivery], to_tier: str | None = None) -> None:
+        """Re-back the buffer with the chunks ``ask`` brings (a preserving defragment's, or a move's to ``to_tier``):
+        copied into, then mapped in place of the old ones (to the host tier: mapped in place, then copied into, since
+        host-tier chunks are slow to map). None brought: nothing to do."""
         fresh: list[tuple[ChunkInfo, int]] = []
         started_over = self._client.started_over
         try:
@@ -444,11 +448,11 @@ class ExtensibleTensor(Transactions):
                 for chunk, fd in delivery:
                     fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
             if fresh:
-                self._move_into(fresh, started_over, map_once)
+                self._move_into(fresh, started_over, to_tier)
         finally:
             _close_all(fresh)
 
-    def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int, map_once: bool) -> None:
+    def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int, to_tier: str | None) -> None:
         """Copy the data into the new chunks, map them in place of the old, and confirm.
 
         The FDs are closed before the daemon hears the outcome: once it has,
@@ -459,6 +463,7 @@ class ExtensibleTensor(Transactions):
             # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
             undo.push(self._finish_defragment, False, started_over)
             undo.push(_close_all, fresh)
+            map_once = to_tier == TIER_HOST
             if map_once:
                 self._reservation.move_into(fresh)  # mapped in place already
             else:
@@ -469,9 +474,13 @@ class ExtensibleTensor(Transactions):
                 self._reservation.unmap_all()
                 for chunk, fd in fresh:
                     self._reservation.map(chunk, fd, self._maps_readonly)
+            self._moved_to = to_tier
         finally:
             _close_all(fresh)
-            self._finish_defragment(True, started_over)
+            try:
+                self._finish_defragment(True, started_over)
+            finally:
+                self._moved_to = None
 
     def _finish_defragment(self, keep_new: bool, started_over: int) -> None:
         """Tell the daemon which chunks back the buffer now. Where the session started over meanwhile (its daemon
@@ -606,7 +615,7 @@ class ExtensibleTensor(Transactions):
             shareable=self._info.shareable,
             sealed=self._info.sealed,
             readonly=self._readonly,
-            tier=self._info.tier,
+            tier=self._moved_to or self._info.tier,
         )
 
     def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:

@@ -183,7 +183,7 @@ t.full_view()[32 << 20 : 48 << 20] = 6
 def stall(fresh):
     print("copying", flush=True)
     sys.stdin.readline()
-ExtensibleTensor._move_into = lambda self, fresh, started_over, map_once: stall(fresh)
+ExtensibleTensor._move_into = lambda self, fresh, started_over, to_tier: stall(fresh)
 print(os.getpid(), flush=True)
 t.defragment(preserve=True)
 """

@@ -335,7 +335,7 @@ if len(sys.argv) > 1:
     def stall(fresh):
         print("copying", flush=True)
         sys.stdin.readline()
-    ExtensibleTensor._move_into = lambda self, fresh, started_over, map_once: stall(fresh)
+    ExtensibleTensor._move_into = lambda self, fresh, started_over, to_tier: stall(fresh)
     t.defragment(preserve=True)
 sys.stdin.readline()
 """

@@ -389,6 +389,36 @@ def test_a_restart_with_no_keeper_declares_a_demoted_buffer_in_the_host_tier(sta
         assert (look.status().committed_bytes, look.status().host_bytes) == (26 * MiB, 0)
 
 
+@pytest.mark.parametrize("to_tier", ["host", "device"])
+def test_a_restart_with_no_keeper_between_a_moves_remap_and_its_finish_declares_the_new_tier(start_daemon, to_tier,
+                                                                                             monkeypatch):
+    flags = ("--budget", "64MiB", *TIER)
+    daemon = start_daemon(*flags)
+    client = daemon.connect(client_name="engine", lease=False)
+    t, data = written(client)
+    if to_tier == "device":
+        t.demote()
+    finish = ExtensibleTensor._finish_defragment
+    restarted = []
+
+    def restart_first(self, keep_new, started_over):
+        if not restarted:  # the remap is done, the old daemon never hears of it
+            daemon.kill()
+            restarted.append(start_daemon(*flags))
+        finish(self, keep_new, started_over)
+
+    monkeypatch.setattr(ExtensibleTensor, "_finish_defragment", restart_first)
+    t.demote() if to_tier == "host" else t.promote()
+    with restarted[0].connect(observer=True) as look:
+        on_device, in_host = (0, 26 * MiB) if to_tier == "host" else (26 * MiB, 0)
+        wait_until(lambda: (look.status().committed_bytes, look.status().host_bytes) == (on_device, in_host))
+        assert [b.tier for b in look.buffers()] == [to_tier]  # where the bytes are, not where they were
+    assert t.tier == to_tier and intact(t, data)
+    monkeypatch.undo()
+    t.promote() if to_tier == "host" else t.demote()
+    assert intact(t, data)
+
+
 DEMOTABLE = '[[tenants]]\nname = "batch"\ndemote = 1\n\n[[tenants]]\nname = "online"\n'
 
 
