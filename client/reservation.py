@@ -8,7 +8,9 @@ mapped, through the backend's :class:`~hbmd.client.mapper.Mapper`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from typing import Iterator
 
 from hbmd.proto import ChunkInfo
 from hbmd.proto.undo import Undo
@@ -66,22 +68,14 @@ class Reservation:
         Every copy is queued before the one wait, so that a move of many
         chunks runs at the copy engine's pace rather than a round trip each.
         """
-        total = sum(chunk.size for chunk, _ in chunks)
-        scratch = self.mapper.reserve(total)
-        mapped: list[tuple[int, int]] = []
-        try:
+        with self._scratch(sum(chunk.size for chunk, _ in chunks)) as (at, mapped):
             self.mapper.synchronize()  # the bytes to copy are final: nothing may still be writing them
-            at = scratch
             for chunk, fd in chunks:
                 self.mapper.map(at, chunk, fd)
                 mapped.append((at, chunk.size))
                 self.mapper.copy(at, self.base + chunk.offset, chunk.size)
                 at += chunk.size
             self.mapper.synchronize()
-        finally:
-            for address, size in mapped:
-                self.mapper.unmap(address, size)
-            self.mapper.unreserve(scratch, total)
 
     def move_into(self, chunks: list[tuple[ChunkInfo, int]]) -> None:
         """Re-back the range with ``chunks``, each mapped once, at its offset, and the bytes copied there from the old
@@ -94,14 +88,11 @@ class Reservation:
         place: the range is as it was.
         """
         old = list(self.mapped)
-        extent = max(offset + size for offset, size in old)
-        scratch = self.mapper.reserve(extent)
-        aliased: list[tuple[int, int]] = []
-        try:
+        with self._scratch(max(offset + size for offset, size in old)) as (scratch, aliased):
             self.mapper.synchronize()  # the bytes to copy are final: nothing may still be writing them
             for offset, size in old:
                 self.mapper.alias(self.base + offset, size, scratch + offset)
-                aliased.append((offset, size))
+                aliased.append((scratch + offset, size))
             with Undo() as undo:
                 undo.push(self._map_back, old, scratch)
                 self.unmap_all()
@@ -109,10 +100,19 @@ class Reservation:
                     self.map(chunk, fd, readonly=False)
                     self.mapper.copy(self.base + chunk.offset, scratch + chunk.offset, chunk.size)
                 self.mapper.synchronize()
+
+    @contextlib.contextmanager
+    def _scratch(self, size: int) -> Iterator[tuple[int, list[tuple[int, int]]]]:
+        """A scratch range of ``size`` bytes for the block, and a list for the ``(address, size)`` of what the block
+        maps in it: unmapped, and the range given back, when the block ends."""
+        scratch = self.mapper.reserve(size)
+        mapped: list[tuple[int, int]] = []
+        try:
+            yield scratch, mapped
         finally:
-            for offset, size in aliased:
-                self.mapper.unmap(scratch + offset, size)
-            self.mapper.unreserve(scratch, extent)
+            for address, length in mapped:
+                self.mapper.unmap(address, length)
+            self.mapper.unreserve(scratch, size)
 
     def _map_back(self, old: list[tuple[int, int]], scratch: int) -> None:
         """Undo a :meth:`move_into`: unmap the new chunks and map the old ones in place again from their aliases."""
