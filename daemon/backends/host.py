@@ -198,9 +198,10 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
                 self._open_chunks -= 1
 
     def idle(self, host_room: int, moving: bool) -> bool:
-        """Tell the host pool's thread the room ``host_room`` leaves it, to fill or trim the pool to; False: nothing
-        for the daemon's loop."""
-        return self._host_pool.idle(host_room, moving)
+        """Tell the host pool's thread the room ``host_room`` leaves it, to fill or trim the pool to; nothing is left for
+        the daemon's loop."""
+        self._host_pool.idle(host_room, moving)
+        return False
 
     def host_pool_bytes(self) -> int:
         return self._host_pool.bytes

@@ -94,15 +94,15 @@ class HostPool(Generic[C]):
                 return
         self._release(chunk)
 
-    def idle(self, room: int, moving: bool) -> bool:
+    def idle(self, room: int, moving: bool) -> None:
         """Tell the thread the room the host tier leaves, to fill or trim the pool to, and whether a move is in flight
-        (it then waits); always False: nothing is left for the caller's loop to do."""
+        (it then waits)."""
         with self._changed:
             if self._closing:
-                return False
+                return
             if self._thread is None:
                 if not self.target:
-                    return False
+                    return
                 self._thread = threading.Thread(target=self._run, name="hbmd-host-pool", daemon=True)
                 self._thread.start()
             if moving:
@@ -110,7 +110,6 @@ class HostPool(Generic[C]):
             if (room, moving) != (self._room, self._moving):
                 self._room, self._moving = room, moving
                 self._changed.notify()
-        return False
 
     def _next(self) -> C | None:
         """Wait for work while no move is in flight or just ended: a chunk to release, or None for a piece to make. Where
