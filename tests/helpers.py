@@ -10,6 +10,8 @@ from hbmd.daemon.spawn import wait_until  # noqa: F401 - the tests' one polling 
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
+DEMOTABLE = '[[tenants]]\nname = "batch"\ndemote = 1\n\n[[tenants]]\nname = "online"\n'
+"""A daemon config with a tenant whose idle buffers are demoted under pressure ("batch") and one that is not."""
 
 
 def cuda_vmm_status() -> tuple[bool, str]:

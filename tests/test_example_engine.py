@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MiB, cuda_vmm_status
+from helpers import DEMOTABLE, MiB, cuda_vmm_status
 
 pytestmark = pytest.mark.ipc
 GPU_OK, GPU_REASON = cuda_vmm_status()
@@ -100,7 +100,7 @@ def test_an_idle_engines_cache_is_demoted_to_make_room_and_comes_back_with_ident
         start_daemon, tmp_path, device):
     backend, config, budget = ("host", "tiny", "256MiB") if device == "cpu" else ("cuda", "gpu-small", "16GiB")
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text('[[tenants]]\nname = "batch"\ndemote = 1\n\n[[tenants]]\nname = "online"\n')
+    tenants.write_text(DEMOTABLE)
     daemon = start_daemon("--budget", budget, "--host-budget", budget, "--config", str(tenants), backend=backend)
     result = run_example(daemon, "make-room", device=device, config=config)
     assert result["ok"] and result["tokens_identical"] == {"a": True, "b": True}

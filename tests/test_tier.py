@@ -22,7 +22,7 @@ import time
 import pytest
 from hbmd.client import Conflict, ExtensibleKVCacheBuffers, ExtensibleTensor, InvalidRequest, OutOfBudget
 from hbmd.proto import Move
-from helpers import MiB, hbmctl, wait_until
+from helpers import DEMOTABLE, MiB, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -417,9 +417,6 @@ def test_a_restart_with_no_keeper_between_a_moves_remap_and_its_finish_declares_
     monkeypatch.undo()
     t.promote() if to_tier == "host" else t.demote()
     assert intact(t, data)
-
-
-DEMOTABLE = '[[tenants]]\nname = "batch"\ndemote = 1\n\n[[tenants]]\nname = "online"\n'
 
 
 @pytest.mark.parametrize("demote, lease", [(True, False), (True, True), (False, False)])
