@@ -80,6 +80,13 @@ class CudaMapper:
     def discard(self, prepared: Any) -> None:
         driver.release(prepared)
 
+    def make(self, size: int) -> Any:
+        """Plain device memory exportable as a POSIX FD, as the daemon's own chunks."""
+        return driver.create(self.ordinal, size, rdma=False)
+
+    def export(self, prepared: Any) -> int:
+        return driver.export_fd(prepared)
+
     def alias(self, source: int, size: int, destination: int) -> None:
         driver.make_current(self._ctx)
         handle = driver.retain(source)

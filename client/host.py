@@ -7,6 +7,7 @@ import mmap
 import os
 from typing import Any
 
+from hbmd import memfd
 from hbmd.proto import ChunkInfo
 from hbmd.proto.units import round_up
 
@@ -79,6 +80,13 @@ class HostMapper:
 
     def discard(self, prepared: int) -> None:
         os.close(prepared)
+
+    def make(self, size: int) -> int:
+        """A sealed memfd of ``size`` bytes, every page allocated, as the daemon's own chunks."""
+        return memfd.sealed_memfd(size)
+
+    def export(self, prepared: int) -> int:
+        return os.dup(prepared)
 
     def alias(self, source: int, size: int, destination: int) -> None:
         """A second mapping of the same shared pages: ``mremap`` of a shared mapping with no old size duplicates it."""

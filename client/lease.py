@@ -14,6 +14,9 @@ while it is being imported, or while a commit holds it and then puts it back
 unplaced, is returned the moment it would have gone into the lease. Only a
 placement the daemon was told of keeps it (the daemon reads the placement and
 forgets the revoke).
+
+The session's credit (:class:`Credit`) is the lease in bytes: a commit it
+covers makes its chunks in this process and sends them to the daemon.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from hbmd.proto import LeaseGrant, LeaseReturn, LeaseRevoke, Message
+from hbmd.proto import CreditGrant, CreditReturn, CreditRevoke, LeaseGrant, LeaseReturn, LeaseRevoke, Message
 
 from .mapper import Mapper
 
@@ -232,3 +235,49 @@ class Lease:
         with self._lock:
             ready, self._ready = list(self._ready.values()), {}
         self._discard(ready)
+
+
+class Credit:
+    """The session's credit: bytes it may commit in chunks it makes itself (:class:`CreditGrant`).
+
+    Safe to use from two threads at once. A spend and the datagram that
+    tells the daemon of it are one step under one lock, and so is a return:
+    the daemon reads every bind paid from the credit before the return that
+    gives the rest back, in the order this process spent it.
+    """
+
+    def __init__(self, send: Callable[[Message], None]) -> None:
+        """``send`` sends a datagram."""
+        self._send = send
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def serve(self, credits: collections.deque[CreditGrant | CreditRevoke]) -> None:
+        """Take what was granted and give back all when asked, in the order the handle socket filed them."""
+        while True:
+            try:
+                msg = credits.popleft()
+            except IndexError:
+                break
+            if isinstance(msg, CreditGrant):
+                with self._lock:
+                    self.bytes += max(0, msg.bytes)
+            else:
+                self.give_back()
+
+    def spend(self, amount: int, send: Callable[[], None]) -> bool:
+        """Pay ``amount`` bytes and ``send()`` the bind they pay for; False (nothing sent) where the credit is short.
+        Where ``send`` raises, nothing is paid."""
+        with self._lock:
+            if amount > self.bytes:
+                return False
+            send()
+            self.bytes -= amount
+            return True
+
+    def give_back(self) -> int:
+        """Return all the credit (the daemon drops whatever it records as unspent); the bytes this process had."""
+        with self._lock:
+            given, self.bytes = self.bytes, 0
+            self._send(CreditReturn(given))
+        return given

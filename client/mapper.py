@@ -46,6 +46,15 @@ class Mapper(Protocol):
         """Let go of what :meth:`prepare` returned (a mapping made from it stays)."""
         ...
 
+    def make(self, size: int) -> Any:
+        """A new chunk of ``size`` bytes made in this process, as the daemon makes them (a commit on credit), ready
+        for :meth:`map_prepared`, :meth:`export` and :meth:`discard`; raises ``OutOfDeviceMemory`` when short."""
+        ...
+
+    def export(self, prepared: Any) -> int:
+        """A new FD of a chunk :meth:`make` made, for the daemon (the caller closes it)."""
+        ...
+
     def alias(self, source: int, size: int, destination: int) -> None:
         """Map the chunk mapped whole at ``[source, source + size)`` at ``destination`` too, read-write, with no copy
         (the memory lives until both are unmapped); undoes itself on failure."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator
+from typing import Any, Iterator
 
 from hbmd.proto import ChunkInfo
 from hbmd.proto.undo import Undo
@@ -57,10 +57,18 @@ class Reservation:
         """Map each leased granule at its offset (the caller discards the imports afterwards)."""
         granule = self.mapper.granularity
         for leased, offset in zip(taken, offsets):
-            chunk = ChunkInfo(leased.chunk_id, offset, granule, 0)
-            self.mapper.map_prepared(self.base + offset, chunk, leased.prepared)
-            self.mapped.append((offset, granule))
-            self.changes += 1
+            self._map_prepared(ChunkInfo(leased.chunk_id, offset, granule, 0), leased.prepared)
+
+    def map_made(self, made: list[Any], runs: list[tuple[int, int]]) -> None:
+        """Map each chunk made here (:meth:`Mapper.make`) at its run's ``(offset, size)`` (the caller discards them
+        afterwards)."""
+        for prepared, (offset, size) in zip(made, runs):
+            self._map_prepared(ChunkInfo(0, offset, size, 0), prepared)
+
+    def _map_prepared(self, chunk: ChunkInfo, prepared: Any) -> None:
+        self.mapper.map_prepared(self.base + chunk.offset, chunk, prepared)
+        self.mapped.append((chunk.offset, chunk.size))
+        self.changes += 1
 
     def copy_into(self, chunks: list[tuple[ChunkInfo, int]]) -> None:
         """Copy the bytes mapped at each chunk's offset into the chunk itself, mapped for it in one scratch range.
@@ -139,6 +147,14 @@ class Reservation:
         if self.mapped:
             self.mapped = []
             self.changes += 1
+
+    def unmap_runs(self, runs: list[tuple[int, int]]) -> None:
+        """Unmap the chunks mapped at these ``(offset, size)`` runs, those mapped of them (a growth taken back)."""
+        for run in runs:
+            if run in self.mapped:
+                self.mapper.unmap(self.base + run[0], run[1])
+                self.mapped.remove(run)
+                self.changes += 1
 
     def free(self) -> None:
         """Unmap everything; the range goes back once no view of it is left."""

@@ -29,6 +29,7 @@ from hbmd.proto import (
     Freed,
     Hello,
     LeasePlace,
+    OwnChunks,
     ListBuffers,
     ListSessions,
     Message,
@@ -64,7 +65,7 @@ from hbmd.proto.undo import Undo
 from .budget import DeviceMemory
 from .devices import parse_device
 from .delivery import Delivery
-from .lease import Lease, LeasedGranule
+from .lease import Credit, Lease, LeasedGranule
 from .mapper import Mapper
 from .transport import ControlChannel, FdCloser, HandleChannel
 
@@ -190,8 +191,9 @@ class Client:
         self._closer: FdCloser | None = None
         self._lease: Lease | None = None
         self._credential = self.welcome.resume_credential
-        self._unconfirmed: list[LeasePlace] = []
-        """Placements sent since the last reply: one the daemon had not read when it went may be lost with it."""
+        self._unconfirmed: list[tuple[LeasePlace | OwnChunks, list[int]]] = []
+        """Placements and binds sent since the last reply, with the FDs of the chunks bound: one the daemon had not
+        read when it went may be lost with it, and is sent again."""
         self._lost: SessionLost | None = None
         """Why the session cannot be resumed, once that is known."""
         self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
@@ -207,7 +209,11 @@ class Client:
             me = weakref.ref(self)
             self._lease = Lease(self.granularity, lambda: _alive(me).mapper, lambda msg: _alive(me)._handles.send(msg))
             weakref.finalize(self, self._lease.close)
-        if self._lease is not None or self._credential:
+        self._credit: Credit | None = None
+        if self.welcome.credit_bytes > 0:
+            me = weakref.ref(self)
+            self._credit = Credit(lambda msg: _alive(me)._handles.send(msg))
+        if self._lease is not None or self._credit is not None or self._credential:
             # The listener takes the session back as soon as the daemon is, idle engine or not.
             self._listen_in_background()
         _clients.add(self)
@@ -284,8 +290,20 @@ class Client:
                     deadline = deadline or time.monotonic() + self.resume_timeout
                     self._resume(deadline)
                     continue  # the same request, under the same id (and the buffer's new one, if it moved)
-                del self._unconfirmed[:unconfirmed]  # the daemon read them before it answered
+                self._confirmed(unconfirmed)  # the daemon read them before it answered
                 return answer
+
+    def _confirmed(self, count: int) -> None:
+        """The daemon read the first ``count`` placements and binds: the FDs kept to send a bind again are closed."""
+        for _, fds in self._unconfirmed[:count]:
+            for fd in fds:
+                self._fd_closer().close_later(fd)
+        del self._unconfirmed[:count]
+
+    def _fd_closer(self) -> FdCloser:
+        if self._closer is None:
+            self._closer = FdCloser()
+        return self._closer
 
     def _check_not_forked(self) -> None:
         """Raise :class:`ForkedClient` in a process forked from this client's: the session is the parent's."""
@@ -312,7 +330,7 @@ class Client:
         old.drain()  # grants that came before the daemon went, with their FDs
         if self._lease is not None:
             self._lease.serve(old.grants, old.revokes)
-            self._reconcile_lease(welcome.lease_chunk_ids)
+        self._reconcile_lease(welcome.lease_chunk_ids, anew)
         old.close()
         self._listener = None
         self._listen_in_background()
@@ -399,16 +417,29 @@ class Client:
                     raise self._lost from exc
                 time.sleep(RESUME_POLL_S)
 
-    def _reconcile_lease(self, leased: list[int]) -> None:
+    def _reconcile_lease(self, leased: list[int], anew: bool) -> None:
         """Agree with the resumed daemon on the lease: placements it never read are sent again, granules it does not
-        record are let go of, those it records and this process lacks are given back."""
+        record are let go of, those it records and this process lacks are given back; binds are sent again (one it
+        had read is refused, changing nothing) and the credit all given back.
+
+        On a session started over (``anew``) nothing is sent again: what
+        this process maps is declared instead.
+        """
         still_leased = set(leased)
-        for placement in self._unconfirmed:
-            if still_leased.issuperset(placement.chunk_ids):
+        for placement, fds in self._unconfirmed:
+            if anew:
+                continue
+            if isinstance(placement, OwnChunks):
+                self._handles.send(placement, fds)
+            elif still_leased.issuperset(placement.chunk_ids):
                 self._handles.send(placement)
                 still_leased.difference_update(placement.chunk_ids)
-        self._unconfirmed.clear()
-        self._lease.resumed(still_leased)
+        self._confirmed(len(self._unconfirmed))
+        if self._lease is not None:
+            self._lease.resumed(still_leased)
+        if self._credit is not None:
+            self._handles.credits.clear()
+            self._credit.give_back()
 
     def resumed(self) -> bool:
         """Take the session back now if the daemon went away (waiting up to :attr:`resume_timeout`); False where it
@@ -541,14 +572,12 @@ class Client:
                 reply, request_id = self._call_with_id(msg)
             except OutOfBudget as exc:
                 reply, request_id = self._call_after_refusal(msg, exc)
-            if self._closer is None:
-                self._closer = FdCloser()
-            return Delivery(reply, request_id, self._handles, self._closer, self.timeout, self._lock)
+            return Delivery(reply, request_id, self._handles, self._fd_closer(), self.timeout, self._lock)
 
     def _call_after_refusal(self, msg: Request[Committed], refusal: OutOfBudget) -> tuple[Committed, int]:
-        """Send ``msg`` again after the budget refused it: once with the lease given back (its granules count against
-        this session), then while idle tenants' buffers are being demoted for it; raises the last refusal."""
-        if self._lease is not None and self._give_back_lease():
+        """Send ``msg`` again after the budget refused it: once with the lease given back (its granules and credit count
+        against this session), then while idle tenants' buffers are being demoted for it; raises the last refusal."""
+        if (self._lease is not None or self._credit is not None) and self._give_back_lease():
             try:
                 return self._call_with_id(msg)
             except OutOfBudget as exc:
@@ -571,8 +600,9 @@ class Client:
 
     # leases
 
-    def _give_back_lease(self) -> int:
-        """Give every leased granule back, those granted and not imported yet too; how many went.
+    def _give_back_lease(self) -> bool:
+        """Give every leased granule back, those granted and not imported yet too, and all the credit; whether any
+        of either went.
 
         A call that waits for a reply riding with FDs reads the handle socket
         itself and files the grants that come meanwhile for the listener to
@@ -581,8 +611,14 @@ class Client:
         room.
         """
         self._handles.drain()
-        self._lease.serve(self._handles.grants, self._handles.revokes)
-        return self._lease.give_back()
+        given = False
+        if self._lease is not None:
+            self._lease.serve(self._handles.grants, self._handles.revokes)
+            given = self._lease.give_back() > 0
+        if self._credit is not None:
+            self._credit.serve(self._handles.credits)
+            given = self._credit.give_back() > 0 or given
+        return given
 
     def take_lease(self, count: int) -> list[LeasedGranule] | None:
         """``count`` leased granules, imported and ready to map; None where the lease holds fewer, is off, or the
@@ -619,9 +655,47 @@ class Client:
         except BaseException:
             self._lease.put_back(taken)
             raise
-        self._unconfirmed.append(placement)
+        self._unconfirmed.append((placement, []))
         self._lease.placed(taken)
         return True
+
+    def credit_covers(self, amount: int) -> bool:
+        """Whether the credit holds ``amount`` bytes now (grants that came are read first)."""
+        if self._credit is None:
+            return False
+        if self._credit.bytes < amount:
+            self._handles.drain()
+            self._credit.serve(self._handles.credits)
+        return self._credit.bytes >= amount
+
+    def bind(self, buffer_id: int, sizes: list[int], runs: list[tuple[int, int]], made: list[Any]) -> bool:
+        """Tell the daemon that the chunks ``made`` here (:meth:`Mapper.make`) back ``buffer_id``, one per
+        ``(offset, size)`` of ``runs``, its segments grown to ``sizes``, paid from the credit.
+
+        Call it before mapping them: once it returns True the daemon will
+        record them (or, for chunks that are not what they claim, refuse
+        them) before anything else this session asks, or its end, and keeps
+        them past this process. False: the credit is short, or the daemon
+        had gone away and the session is resumed now; nothing was bound
+        (commit through the daemon instead).
+        """
+        fds: list[int] = []
+        sent = False
+        try:
+            for prepared in made:
+                fds.append(self.mapper.export(prepared))
+            bind = OwnChunks(buffer_id, list(sizes), [offset for offset, _ in runs], [size for _, size in runs])
+            sent = self._credit.spend(sum(bind.chunk_sizes), lambda: self._handles.send(bind, fds))
+        except SessionLost:
+            self._resume(time.monotonic() + self.resume_timeout)
+        finally:
+            if not sent:
+                for fd in fds:
+                    os.close(fd)
+        if sent:
+            # Kept until the daemon is known to have read the bind: a daemon that went before may need it again.
+            self._unconfirmed.append((bind, fds))
+        return sent
 
     def discard_leased(self, taken: list[LeasedGranule]) -> None:
         """Let go of placed granules' imports: the mappings made from them hold the memory."""
@@ -650,6 +724,8 @@ class Client:
         try:
             if self._lease is not None:
                 self._lease.serve(self._handles.grants, self._handles.revokes)
+            if self._credit is not None:
+                self._credit.serve(self._handles.credits)
             if self._reclaim_callback is not None:
                 self._answer_reclaims()
             self._serve_demotes()

@@ -1,7 +1,8 @@
 """Changes of a buffer's chunks that hold in the daemon and in this process alike.
 
-A growth is served from the lease (the placement goes to the daemon before
-the mapping) or through the daemon (the request, then its delivery mapped);
+A growth is served from the lease (leased granules, or chunks made here on
+credit: the placement or bind goes to the daemon before the mapping) or
+through the daemon (the request, then its delivery mapped);
 a defragment goes through the daemon too. Either way a failure part way is
 repaired from the daemon's record (:class:`Remap`), so this process never
 maps what the daemon does not record, nor misses what it does.
@@ -10,11 +11,11 @@ maps what the daemon does not record, nor misses what it does.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
-from hbmd.proto import MAX_PLACED_SEGMENTS, BufferInfo
+from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_SEGMENTS, TIER_HOST, BufferInfo
 from hbmd.proto.errors import HbmdError, TensorUnusable
-from hbmd.proto.runs import new_granules, prefix_offsets
+from hbmd.proto.runs import backed_runs, new_granules, prefix_offsets, subtract_runs
 
 from .delivery import Delivery
 from .reservation import Reservation
@@ -47,9 +48,9 @@ class Transactions:
         self._offsets = prefix_offsets(self._capacities)
 
     def _grow_from_lease(self, sizes: list[int]) -> bool:
-        """Grow onto leased granules, without a round trip; False (nothing done) where the lease is short, the
-        growth adds a run of several granules (the daemon backs it with one chunk) or the buffer has more segments
-        than a placement carries (:data:`MAX_PLACED_SEGMENTS`).
+        """Grow without a round trip, onto leased granules or in chunks made here on credit; False (nothing done)
+        where neither covers the growth or the buffer has more segments than a placement carries
+        (:data:`MAX_PLACED_SEGMENTS`).
 
         A leased granule is a chunk, as the daemon would have made it: the
         buffer's chunks are the same whichever way it grew.
@@ -58,10 +59,10 @@ class Transactions:
         process dies the daemon's record holds every granule mapped here. A
         mapping that fails midway is repaired as any commit's (:meth:`_resync`).
         """
-        if self._info.shareable or len(self._sizes) > MAX_PLACED_SEGMENTS:
-            return False
+        if self._info.shareable or self._info.tier == TIER_HOST or len(self._sizes) > MAX_PLACED_SEGMENTS:
+            return False  # the daemon refuses a demoted buffer's growth: it says so in its answer
         with self._client.exclusive:  # no other thread's request on this session between the placement and the mapping
-            return self._place_leased(sizes)
+            return self._place_leased(sizes) or self._make_on_credit(sizes)
 
     def _place_leased(self, sizes: list[int]) -> bool:
         granule = self._client.granularity
@@ -88,6 +89,44 @@ class Transactions:
         self._physical_bytes += len(offsets) * self._client.granularity
         self._num_chunks += len(offsets)
         return True
+
+    def _make_on_credit(self, sizes: list[int]) -> bool:
+        """Grow in chunks made here, one per run as the daemon would make them, paid from the session's credit; False
+        (nothing done) where the credit is short, the growth has more than :data:`MAX_OWN_CHUNKS` runs, or making or
+        mapping a chunk failed (the daemon then says why, or finds room).
+
+        The chunks are mapped first and bound after (the bind carries their
+        FDs): the daemon checks each chunk as it reads the bind, and the
+        driver serializes that with this process's own calls. The commit
+        returns only once the bind is on the daemon's socket, so the chunks
+        are the daemon's, however this process dies, before anything is
+        written to them.
+        """
+        granule = self._client.granularity
+        new = subtract_runs(backed_runs(self._offsets, sizes, granule), backed_runs(self._offsets, self._sizes, granule))
+        runs = [(start, end - start) for start, end in new]
+        if not runs or len(runs) > MAX_OWN_CHUNKS or not self._client.credit_covers(sum(n for _, n in runs)):
+            return False
+        mapper = self._reservation.mapper
+        made: list[Any] = []
+        bound = False
+        try:
+            for _, size in runs:
+                made.append(mapper.make(size))
+            self._reservation.map_made(made, runs)
+            bound = self._client.bind(self._info.buffer_id, sizes, runs, made)
+        except (HbmdError, OSError) as exc:
+            log.debug("buffer %d: a growth on credit failed (%s); asking the daemon", self._info.buffer_id, exc)
+        finally:
+            if not bound:
+                self._reservation.unmap_runs(runs)
+            for prepared in made:
+                mapper.discard(prepared)
+        if bound:
+            self._sizes = list(sizes)
+            self._physical_bytes += sum(n for _, n in runs)
+            self._num_chunks += len(runs)
+        return bound
 
     def _grow_through_daemon(self, sizes: list[int]) -> None:
         if len(set(sizes)) == 1:

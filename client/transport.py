@@ -25,6 +25,8 @@ import zmq
 from hbmd.proto import (
     MAX_FDS_PER_DATAGRAM,
     Committed,
+    CreditGrant,
+    CreditRevoke,
     ErrorReply,
     FdBatch,
     Hello,
@@ -64,7 +66,8 @@ class HandleChannel:
     waits (sends need the lock too); whichever reader takes a datagram meant
     for the other leaves it in ``_backlog`` (FD batches, signalled on
     ``_filed``), ``reclaims`` and ``demotes`` (reclaim requests), ``grants`` (leased
-    granules, with their FDs) or ``revokes`` (leased granules asked back).
+    granules, with their FDs), ``revokes`` (leased granules asked back) or
+    ``credits`` (credit granted and asked back, in the order they came).
     """
 
     def __init__(self, paths: InstancePaths, timeout: float) -> None:
@@ -78,6 +81,7 @@ class HandleChannel:
         is room: the client serves them itself."""
         self.grants: collections.deque[tuple[LeaseGrant, list[int]]] = collections.deque()
         self.revokes: collections.deque[LeaseRevoke] = collections.deque()
+        self.credits: collections.deque[CreditGrant | CreditRevoke] = collections.deque()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
@@ -160,6 +164,8 @@ class HandleChannel:
             (self.demotes if msg.demote else self.reclaims).append(msg)
         elif isinstance(msg, LeaseRevoke):
             self.revokes.append(msg)
+        elif isinstance(msg, (CreditGrant, CreditRevoke)):
+            self.credits.append(msg)
         elif isinstance(msg, PromoteRequest):
             self.demotes.append(msg)
         return None
@@ -260,12 +266,16 @@ class HandleChannel:
             os.eventfd_write(self._filed, 1)
         return True
 
-    def send(self, msg: Message) -> None:
-        """Send a datagram to the daemon; once this returns it is queued on the daemon's side of the socket."""
+    def send(self, msg: Message, fds: list[int] | None = None) -> None:
+        """Send a datagram to the daemon, with ``fds`` (``SCM_RIGHTS``) if given; once this returns it is queued on the
+        daemon's side of the socket, FDs and all (they outlive this process there)."""
         with self._lock:
             self.sock.settimeout(self.timeout)
             try:
-                self.sock.send(encode_datagram(msg))
+                if fds:
+                    socket.send_fds(self.sock, [encode_datagram(msg)], fds)
+                else:
+                    self.sock.send(encode_datagram(msg))
             except socket.timeout:
                 raise DaemonUnavailable(f"hbmd at {self.path} read nothing within {self.timeout:.1f}s", path=self.path) from None
             except OSError as exc:

@@ -35,7 +35,7 @@ from .reload import ConfigReloader
 from .server import AlreadyRunning, BooksUnbalanced, HandlerTableError, Server
 from .server.loop import HANDOVER_TIMEOUT_S
 from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
-from .state import DEFAULT_LEASE_BYTES, Limits, State
+from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, Limits, State
 
 log = logging.getLogger("hbmd.daemon")
 
@@ -157,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the most one session is leased: granules created ahead of need that its client places "
                              "itself, so a small commit costs no round trip; grows with demand, none while the budget "
                              "is tight, 0 turns leases off (default: %(default)s)")
+    parser.add_argument("--credit", default=f"{DEFAULT_CREDIT_BYTES >> 30}GiB", metavar="SIZE",
+                        help="the most credit one session holds: bytes its client commits in chunks it makes itself, "
+                             "so a commit of any size costs no round trip; grows with demand, taken back under "
+                             "pressure, all sessions' leases within an 8th of the budget; 0 turns it off "
+                             "(default: %(default)s)")
     parser.add_argument("--takeover", action="store_true",
                         help="take over from the daemon serving this instance: it hands over its sessions, buffers "
                              "and memory and stops once this one serves, so clients resume here without a gap "
@@ -288,7 +293,8 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
     if args.instance_name:
         backend.instance = args.instance_name
     budget = _budget(args, backend)
-    lease = _lease_bytes(args, backend)
+    lease = _granules_option("--lease", args.lease, backend)
+    credit = _granules_option("--credit", args.credit, backend)
     for flag, seconds in (("--reclaim-timeout", args.reclaim_timeout), ("--resume-timeout", args.resume_timeout)):
         if not (math.isfinite(seconds) and seconds > 0):
             raise Refusal(f"{flag}: {seconds} is not a positive number of seconds", 2)
@@ -303,7 +309,8 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
     limits = _limits(args)
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
-    state = State(backend, budget, config, args.reclaim_timeout, limits, lease, host_budget_bytes=host_budget)
+    state = State(backend, budget, config, args.reclaim_timeout, limits, lease, host_budget_bytes=host_budget,
+                  credit_bytes=credit)
     if args.config:
         state.config_load.path = os.path.abspath(args.config)
         state.config_load.loaded()
@@ -349,15 +356,15 @@ def _budget(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
     return budget - held_back  # the warm pool and the sentinel are device memory too: commits get what is left
 
 
-def _lease_bytes(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
-    """``--lease`` in bytes, a whole number of granules."""
+def _granules_option(flag: str, value: str, backend: Backend[Any, Any]) -> int:
+    """A size option (``--lease``, ``--credit``) in bytes, a whole number of granules."""
     try:
-        lease = parse_size(args.lease)
+        size = parse_size(value)
     except ValueError as exc:
-        raise Refusal(f"--lease: {exc}", 2) from None
-    if lease % backend.granularity:
-        raise Refusal(f"--lease: {args.lease} is not a whole number of {format_bytes(backend.granularity)} granules", 2)
-    return lease
+        raise Refusal(f"{flag}: {exc}", 2) from None
+    if size % backend.granularity:
+        raise Refusal(f"{flag}: {value} is not a whole number of {format_bytes(backend.granularity)} granules", 2)
+    return size
 
 
 def _limits(args: argparse.Namespace) -> Limits:

@@ -105,9 +105,11 @@ def session_record(session: Session) -> dict[str, Any]:
     return {
         "id": session.session_id, "pid": session.pid, "uid": session.uid, "gid": session.gid,
         "name": session.client_name, "tenant": session.tenant.name, "admin": session.admin,
-        "wants_lease": session.wants_lease, "credential": session.credential_hash,
+        "wants_lease": session.wants_lease, "wants_credit": session.wants_credit,
+        "credential": session.credential_hash,
         "previous_credential": session.previous_credential_hash,
         "lease": [[c.chunk_id, c.size] for c in session.lease.values()],
+        "credit": session.credit,
         "demoted": session.demoted_under_pressure,
         "answer": None if answer is None else [answer.request_id, answer.frames, answer.buffer_id, answer.chunk_ids],
     }
@@ -153,7 +155,7 @@ def _journaled_as(session: Session) -> tuple[Any, ...]:
     """What of a session changes its record (the rest is fixed at its hello)."""
     answer = session.answer
     return (answer.request_id if answer else 0, session.credential_hash, session.previous_credential_hash,
-            tuple(session.lease), session.tenant.name, session.demoted_under_pressure)
+            tuple(session.lease), session.credit, session.tenant.name, session.demoted_under_pressure)
 
 
 def _kept(session: Session) -> bool:
@@ -261,13 +263,14 @@ def _restore_session(state: State[Any, Any], record: dict[str, Any], fds: dict[s
             session_id=int(record["id"]), token=os.urandom(16).hex(), pid=int(record["pid"]), uid=int(record["uid"]),
             gid=int(record["gid"]), client_name=str(record["name"]), tenant=Tenant(str(record["tenant"])),
             admin=bool(record["admin"]), wants_lease=bool(record["wants_lease"]),
+            wants_credit=bool(record.get("wants_credit", False)),
             credential_hash=str(record["credential"]),
             previous_credential_hash=str(record.get("previous_credential", "")),
             # Its client promotes what it demoted for the daemon once told there is room: the successor tells it.
             demoted_under_pressure=bool(record.get("demoted", False)),
             answer=None if answer is None else Answer(int(answer[0]), answer[1], int(answer[2]), list(answer[3])),
         )
-        state.restore_session(session, lease, resume_by)
+        state.restore_session(session, lease, int(record.get("credit", 0)), resume_by)
     _claimed(fds, claimed)
 
 

@@ -22,7 +22,7 @@ import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 7)
+PROTOCOL_VERSION = (1, 8)
 """1.1 added uneven segments (``segment_capacities``, ``CommitSegments``), ``Detach``, ``Remap``, the
 ``session_lost`` error code and the status figures ``admissible_bytes`` and ``held_back_bytes``; 1.2 an
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
@@ -34,8 +34,9 @@ request sent again under its id is answered again, not done twice); 1.5 declarin
 with no keeper (``Redeclare``, ``BufferInfo.held_elsewhere``), the config file and its last reload in status
 (``config_path``, ``config_loaded_at``, ``config_reload_failed_at``, ``config_reload_error``); 1.6 the host tier
 (``Move``, ``BufferInfo.tier``, ``TenantInfo.host_bytes``, the host figures in status); 1.7 a commit's reply riding
-with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``). A 1.0 peer ignores what it
-does not know."""
+with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``); 1.8 credit, commits in chunks
+the client makes itself (``Welcome.credit_bytes``, the ``CreditGrant``/``CreditRevoke``/``OwnChunks``/
+``CreditReturn`` datagrams). A 1.0 peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request a daemon reads: the longest a client sends, a buffer's 65,536 segment sizes, takes under

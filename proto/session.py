@@ -74,6 +74,10 @@ class Welcome(Message):
     observer and where the daemon keeps nothing across a restart. Not the token: it never travels with a request."""
     lease_chunk_ids: list[int] = dataclasses.field(default_factory=list)
     """On a resume, the granules the daemon records as leased to the session and not placed."""
+    credit_bytes: int = 0
+    """The most credit this session may hold (1.8): bytes its client may commit in chunks it makes itself
+    (:class:`CreditGrant`); 0: none (the daemon's ``--credit 0``, no lease asked for, or a backend that cannot check
+    a client's chunk)."""
 
 
 @message("session.refused")
@@ -208,3 +212,59 @@ class LeaseReturn(Message):
     """Client → daemon: these leased chunks are not placed and will not be; the daemon releases them."""
 
     chunk_ids: list[int]
+
+
+# Credit (1.8): bytes a client commits in chunks it makes itself, within what the daemon granted.
+
+MAX_OWN_CHUNKS = 16
+"""The most chunks one :class:`OwnChunks` carries (one FD each); a growth of more runs goes through the daemon."""
+
+
+@message("session.credit_grant")
+class CreditGrant(Message):
+    """Daemon → client on the handle plane: ``bytes`` more of credit, charged to the session's tenant from now on.
+
+    Within its credit a client commits without a round trip: it makes each
+    run's chunk itself, sends it with :class:`OwnChunks`, and maps it. The
+    credit is the session's lease in bytes: shown as leased, asked back
+    under pressure or when idle (:class:`CreditRevoke`), gone with the
+    session.
+    """
+
+    bytes: int
+
+
+@message("session.credit_revoke")
+class CreditRevoke(Message):
+    """Daemon → client: give back the credit not spent yet (:class:`CreditReturn`); budget pressure or idleness."""
+
+
+@message("session.own_chunks")
+class OwnChunks(Message):
+    """Client → daemon on the handle plane, with one FD per chunk (``SCM_RIGHTS``): chunks the client made now back
+    a buffer, paid for from its credit.
+
+    The segments of ``buffer_id`` grow to ``sizes`` (as a commit would), and
+    the run of the growth at ``offsets[i]`` is the chunk of ``chunk_sizes[i]``
+    bytes whose FD is the i-th attached: one chunk per run, exactly, as the
+    daemon itself backs a commit. The daemon checks each chunk (this device,
+    plain device memory of exactly that size; on the host backend a sealed
+    memfd of that size) and keeps its FD: from then on the chunk is the
+    daemon's, as if it had made it, and outlives the client. As for
+    :class:`LeasePlace`, the client sends this before it maps the chunks and
+    the daemon reads it before it answers another request of the session.
+    """
+
+    buffer_id: int
+    sizes: list[int]
+    offsets: list[int]
+    chunk_sizes: list[int]
+
+
+@message("session.credit_return")
+class CreditReturn(Message):
+    """Client → daemon: ``bytes`` of credit not spent and given back; ``everything``: all the daemon records as
+    unspent, whatever it is (a session resumed on a restarted daemon, which may record what the client never read)."""
+
+    bytes: int
+    everything: bool = False

@@ -105,7 +105,7 @@ def test_leased_bytes_are_charged_at_grant_shown_apart_and_returned_when_the_ses
 
 @pytest.mark.parametrize("lease_option, lease", [("0", True), ("64MiB", False)])
 def test_a_daemon_with_leases_off_or_a_client_without_commits_through_the_daemon(start_daemon, lease_option, lease):
-    daemon = start_daemon("--budget", "256MiB", "--lease", lease_option)
+    daemon = start_daemon("--budget", "256MiB", "--lease", lease_option, "--credit", "0")
     with daemon.connect(lease=lease) as client:
         assert client.welcome.lease_bytes == 0
         t = ExtensibleTensor(16 * MiB, "cpu", client=client)

@@ -51,6 +51,11 @@ class Backend(Protocol[A, C]):
         """A new file descriptor for the chunk; the caller closes it once sent."""
         ...
 
+    def accept(self, arena: A, size: int, fd: int) -> C:
+        """Take a chunk of ``size`` bytes a client made (within its credit) from its FD, which the caller closes: kept
+        as this backend's own once shown to be its kind of memory, of exactly that size; ``InvalidRequest`` otherwise."""
+        ...
+
     def release(self, arena: A, chunk: C) -> None:
         """Return the chunk's memory; must not fail for a chunk that was created."""
         ...

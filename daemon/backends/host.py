@@ -34,14 +34,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
-import fcntl
 import os
 import threading
 
 from hbmd.proto import TIER_DEVICE, TIER_HOST
-from hbmd.proto.errors import InternalError, OutOfDeviceMemory
-from hbmd.proto.undo import Undo
-from hbmd.proto.units import format_bytes
+from hbmd import memfd
+from hbmd.proto.errors import InternalError, InvalidRequest, OutOfDeviceMemory
 
 from .. import fds
 from . import ParkableBackend
@@ -66,10 +64,6 @@ def punch_out(fd: int, size: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
-"""A chunk's size is fixed for good: no grow, no shrink, and no seal may be added (or taken) by anyone."""
-
-
 @dataclasses.dataclass(frozen=True)
 class HostArena:
     """A host buffer needs no backend state of its own: its chunks are separate memfds."""
@@ -90,26 +84,14 @@ def out_of_fds(size: int) -> OutOfDeviceMemory:
 
 
 def sealed_memfd(size: int, name: str = "hbmd-chunk") -> int:
-    """A new memfd of exactly ``size`` allocated bytes, sealed; raises ``OutOfDeviceMemory`` when memory is short."""
+    """A new chunk's memfd (:func:`hbmd.memfd.sealed_memfd`); ``OutOfDeviceMemory`` when memory or descriptors are
+    short."""
     try:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        return memfd.sealed_memfd(size, name)
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise out_of_fds(size) from None
         raise
-    with Undo() as undo:
-        undo.push(os.close, fd)
-        os.ftruncate(fd, size)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno in (errno.ENOMEM, errno.ENOSPC):
-                raise OutOfDeviceMemory(
-                    f"host memory exhausted backing {format_bytes(size)}: {exc.strerror}", requested=size
-                ) from None
-            raise
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    return fd
 
 
 def host_memory_bytes() -> int:
@@ -223,7 +205,19 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
 
     def adopt(self, arena: HostArena, offset: int, size: int, fd: int) -> HostChunk:
         # The parked FD is the memory itself: take it only if it is still the sealed chunk handed out.
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        if os.fstat(fd).st_size != size or seals & SEALS != SEALS:
+        if not memfd.is_sealed_chunk(fd, size):
             raise InternalError(f"the FD parked for the chunk at {offset} is not a sealed memfd of {size} bytes")
+        return self._opened(HostChunk(os.dup(fd), size))
+
+    def accept(self, arena: HostArena, size: int, fd: int) -> HostChunk:
+        """A chunk a client made: kept (a duplicate of its FD) if it is a sealed memfd of exactly ``size`` bytes,
+        open for writing, as :func:`hbmd.memfd.sealed_memfd` makes them; ``InvalidRequest`` otherwise.
+
+        Its pages were allocated by the client, and are charged to the
+        client's cgroup; they are the budget's from now on all the same.
+        """
+        if not memfd.is_sealed_chunk(fd, size):
+            raise InvalidRequest(f"a chunk the client made is not a sealed, writable memfd of {size} bytes")
+        if not self._fds_left():
+            raise out_of_fds(size)
         return self._opened(HostChunk(os.dup(fd), size))

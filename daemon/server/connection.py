@@ -45,12 +45,14 @@ class HandleConnection(Generic[A, C]):
     fds_in_flight: int = 0
     """FDs sent since the peer was last seen to have read everything."""
 
-    def send_quietly(self, msg: Message) -> None:
-        """Send one datagram without FDs; a peer that is gone or not reading just misses it."""
+    def send_quietly(self, msg: Message) -> bool:
+        """Send one datagram without FDs; a peer that is gone or not reading just misses it (False)."""
         try:
             self.sock.send(encode_datagram(msg))
         except OSError as exc:
             log.debug("sending %s to pid %d failed: %s", msg.KIND, self.pid, exc)
+            return False
+        return True
 
     def has_exited(self) -> bool:
         """Whether the session's process has exited (or its socket shown EOF), noticed or not by the loop yet."""

@@ -3,8 +3,9 @@
 A connection's first datagram is the :class:`Hello`; the peer's pid/uid/gid
 come from ``SO_PEERCRED``; when it closes the session ends and its buffers
 are freed. After the hello the client sends only the placements of leased
-granules and their returns (``LeasePlace``, ``LeaseReturn``), read before any
-request is answered, each session's within its share of a turn of the loop
+granules and their returns (``LeasePlace``, ``LeaseReturn``), the chunks it
+made on its credit (``OwnChunks``, the only datagram with FDs) and the
+credit's return (``CreditReturn``), read before any request is answered, each session's within its share of a turn of the loop
 (:data:`WORK_PER_TURN_S`). What the daemon sends back, FDs above all, goes
 through the outbox (``outbox.py``).
 
@@ -38,11 +39,14 @@ from typing import Callable, Generic, Mapping, TypeVar
 
 import zmq
 from hbmd.proto import (
+    MAX_OWN_CHUNKS,
     MAX_SEGMENTS,
     PROTOCOL_VERSION,
+    CreditReturn,
     Hello,
     LeasePlace,
     LeaseReturn,
+    OwnChunks,
     Refused,
     Welcome,
     decode_datagram,
@@ -74,8 +78,8 @@ log = logging.getLogger("hbmd.server.handles")
 
 HELLO_TIMEOUT_S = 5.0
 MAX_DATAGRAM = 64 << 10
-MAX_FDS_IN = 16
-"""FDs accepted (and closed at once) on an inbound datagram; clients send none."""
+MAX_FDS_IN = MAX_OWN_CHUNKS
+"""FDs read with an inbound datagram: those of an ``OwnChunks`` are checked and kept, any others closed at once."""
 WORK_PER_TURN_S = 0.005
 """Seconds one session's datagrams may take of each turn of the loop; what it sends beyond waits for the next turn.
 Work is counted, not datagrams: one placement costs from microseconds to a couple of milliseconds (a full 64 KiB
@@ -339,19 +343,23 @@ class HandlePlane(Generic[A, C]):
                 self.close_connection(conn, "connection closed")
             return
         try:
-            data = self._receive(conn)
+            received = self._receive(conn)
         except BlockingIOError:
             return
-        if data is None:
+        if received is None:
             self.close_connection(conn, "connection closed")
-        elif data:
+            return
+        data, fds = received
+        for fd in fds:
+            os.close(fd)
+        if fds:
+            self._warnings.warning("fds-in", "pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
+        if data:
             self._handshake(conn, data)
 
-    def _receive(self, conn: HandleConnection[A, C]) -> bytes | None:
-        """One inbound datagram (b"" for one dropped), or None when the peer is gone; ``BlockingIOError`` when none waits.
-
-        Inbound FDs are closed.
-        """
+    def _receive(self, conn: HandleConnection[A, C]) -> tuple[bytes, list[int]] | None:
+        """One inbound datagram and its FDs (b"" and none for one dropped), or None when the peer is gone;
+        ``BlockingIOError`` when none waits. The caller closes the FDs."""
         try:
             data, fds, flags = receive_with_fds(conn.sock, MAX_DATAGRAM, MAX_FDS_IN, socket.MSG_DONTWAIT)
         except InterruptedError:
@@ -360,16 +368,14 @@ class HandlePlane(Generic[A, C]):
             raise
         except OSError:
             return None
-        for fd in fds:
-            os.close(fd)
-        if fds:
-            self._warnings.warning("fds-in", "pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
         if not data and not fds:
             return None
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            for fd in fds:
+                os.close(fd)
             self._warnings.warning("oversized", "pid %d sent an oversized datagram; dropped", conn.pid)
-            return b""
-        return data
+            return b"", []
+        return data, fds
 
     def _drain_datagrams(self, conn: HandleConnection[A, C]) -> bool:
         """Apply the datagrams the session's client has sent (its leased granules' placements); False at its EOF.
@@ -387,13 +393,18 @@ class HandlePlane(Generic[A, C]):
         try:
             while worked < WORK_PER_TURN_S:
                 try:
-                    data = self._receive(conn)
+                    received = self._receive(conn)
                 except BlockingIOError:
                     return True
-                if data is None:
+                if received is None:
                     return False
-                if data:
-                    self._apply_datagram(conn, data)
+                data, fds = received
+                try:
+                    if data:
+                        self._apply_datagram(conn, data, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
                 now = time.perf_counter()
                 worked += now - started
                 started = now
@@ -405,18 +416,27 @@ class HandlePlane(Generic[A, C]):
         )
         return True
 
-    def _apply_datagram(self, conn: HandleConnection[A, C], data: bytes) -> None:
+    def _apply_datagram(self, conn: HandleConnection[A, C], data: bytes, fds: list[int]) -> None:
+        """Apply one datagram of a session; the caller closes ``fds`` (what the state keeps, it duplicated)."""
         session = conn.session
         try:
             msg = decode_datagram(data, MAX_SEGMENTS)
+            if fds and not isinstance(msg, OwnChunks):
+                self._warnings.warning("fds-in", "pid %d sent %d unsolicited file descriptors; closed them", conn.pid,
+                                       len(fds))
             if isinstance(msg, LeasePlace):
                 self.state.place(session, msg.buffer_id, msg.sizes, msg.chunk_ids, msg.offsets)
+            elif isinstance(msg, OwnChunks):
+                self.state.bind(session, msg.buffer_id, msg.sizes, msg.offsets, msg.chunk_sizes, fds)
             elif isinstance(msg, LeaseReturn):
                 self.state.return_lease(session, msg.chunk_ids)
+            elif isinstance(msg, CreditReturn):
+                self.state.return_credit(session)
             else:
                 log.debug("session %d sent an unexpected %s datagram; ignored", session.session_id, msg.KIND)
         except HbmdError as exc:
-            # A client placing granules it was not leased, or where the growth needs none: nothing changed.
+            # A client placing granules it was not leased, or where the growth needs none; chunks that are not what
+            # they claim or not paid for: nothing changed.
             self._warnings.warning(
                 f"datagram-{conn.uid}", "session %d (pid %d) sent a datagram that was refused: %s",
                 session.session_id, conn.pid, exc.message,
@@ -469,6 +489,7 @@ class HandlePlane(Generic[A, C]):
         return self.state.open_session(
             conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant, admin=conn.uid in access.admin_uids,
             observer=hello.observer, lease=hello.lease and hello.version[1] >= 3,
+            credit=hello.lease and hello.version[1] >= 8,
         )
 
     def _check_hello(self, conn: HandleConnection[A, C], data: bytes) -> Hello:
@@ -502,6 +523,7 @@ class HandlePlane(Generic[A, C]):
             device_uuid=backend.device_uuid,
             device_index=backend.device_index,
             lease_bytes=self.state.lease_bytes_for(session),
+            credit_bytes=self.state.credit_for(session),
             resume_credential="" if session.observer else self.state.issue_credential(session),
             lease_chunk_ids=list(session.lease) if resumed else [],
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Generic
 
-from hbmd.proto import Ack, LeaseRevoke, PromoteRequest, ReclaimDone, ReclaimRequest
+from hbmd.proto import Ack, CreditGrant, CreditRevoke, LeaseRevoke, PromoteRequest, ReclaimDone, ReclaimRequest
 from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
@@ -65,12 +65,16 @@ class SessionNotices(Generic[A, C]):
                 conn.send_quietly(PromoteRequest(demoted))
 
     def send_revokes(self) -> None:
-        """Ask sessions for the leased granules the state wants back."""
+        """Ask sessions for the leased granules and the credit the state wants back."""
         while self.state.revokes_due:
             session, chunk_ids = self.state.revokes_due.pop(0)
             conn = self.plane.by_session.get(session.session_id)
             if conn is not None:
                 conn.send_quietly(LeaseRevoke(chunk_ids))
+        while self.state.credit_revokes_due:
+            conn = self.plane.by_session.get(self.state.credit_revokes_due.pop(0).session_id)
+            if conn is not None:
+                conn.send_quietly(CreditRevoke())
 
     def serve_leases(self) -> None:
         """Ask back what the state wants back, and top up the leases that commits and placements ran down, after the
@@ -80,6 +84,9 @@ class SessionNotices(Generic[A, C]):
             conn = self.plane.by_session.get(session_id)
             if conn is not None:
                 self.plane.outbox.top_up_lease(conn)
+                granted = self.state.top_up_credit(conn.session)
+                if granted and not conn.send_quietly(CreditGrant(granted)):
+                    self.state.withdraw_credit(conn.session, granted)
 
     def report_ignored_reclaims(self, now: float) -> None:
         """Log, once each, the reclaim requests that sessions left unanswered past the state's patience."""

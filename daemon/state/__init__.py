@@ -23,8 +23,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Generic
 
-from hbmd.proto import TIER_DEVICE, ChunkInfo, SessionInfo, TenantInfo
-from hbmd.proto.errors import PermissionDenied
+from hbmd.proto import MAX_PLACED_SEGMENTS, TIER_DEVICE, ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto.errors import InvalidRequest, PermissionDenied
 from hbmd.proto.units import round_up
 
 from ..backends import A, Backend, C
@@ -32,7 +32,7 @@ from ..config import Config
 from .buffers import Buffers
 from .chunks import Chunks
 from .invariants import check_invariants
-from .leases import DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
+from .leases import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
 from .records import (
     Answer,
     Buffer,
@@ -56,7 +56,7 @@ PROMOTE_QUIET_S = 2.0
 refused commit's first, which its client is sending again."""
 
 __all__ = [
-    "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim", "Session", "State", "Tenant"
+    "DEFAULT_CREDIT_BYTES", "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim", "Session", "State", "Tenant"
 ]
 
 
@@ -73,16 +73,18 @@ class State(Generic[A, C]):
         lease_bytes: int = DEFAULT_LEASE_BYTES,
         lease_idle_s: float = LEASE_IDLE_S,
         host_budget_bytes: int = 0,
+        credit_bytes: int = DEFAULT_CREDIT_BYTES,
     ) -> None:
         """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`;
-        ``host_budget_bytes``: the most the host tier holds (0: no host tier)."""
+        ``host_budget_bytes``: the most the host tier holds (0: no host tier); ``credit_bytes``: the most credit one
+        session holds (0: none)."""
         self.backend = backend
         self.limits = limits
         self.budget = Tenants(budget_bytes, config or Config(), host_budget_bytes)
         self.chunks: Chunks[A, C] = Chunks(backend)
         self.sessions_room = Sessions(limits, reclaim_patience_s)
         self.buffers_room: Buffers[A, C] = Buffers(backend, self.chunks, self.budget, limits, self)
-        self.leases: Leases[A, C] = Leases(backend, self.chunks, self.budget, lease_bytes, lease_idle_s)
+        self.leases: Leases[A, C] = Leases(backend, self.chunks, self.budget, lease_bytes, lease_idle_s, credit_bytes)
         self.started_at = time.monotonic()
         self.refused_at = float("-inf")
         """When the budget last refused a commit (monotonic)."""
@@ -176,23 +178,24 @@ class State(Generic[A, C]):
 
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False,
-        lease: bool = False,
+        lease: bool = False, credit: bool = False,
     ) -> Session:
         """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
         ``PermissionDenied`` for a tenant it may not declare."""
         charged = self.budget.resolve(uid, tenant)
         wants_lease = lease and not observer and self.leases.granules > 0
         session = self.sessions_room.open(pid, uid, gid, client_name, charged, admin, observer, wants_lease)
+        session.wants_credit = credit and not observer and self.leases.credit_max > 0
         self.budget.hold(charged)
         return session
 
-    def restore_session(self, session: Session, lease: list[Chunk[C]], resume_by: float) -> None:
-        """Take back a session journaled before a restart (its tenant recorded by name on it) with its leased granules;
-        it waits for its client until ``resume_by``."""
+    def restore_session(self, session: Session, lease: list[Chunk[C]], credit: int, resume_by: float) -> None:
+        """Take back a session journaled before a restart (its tenant recorded by name on it) with its leased granules
+        and credit; it waits for its client until ``resume_by``."""
         session.tenant = self.budget.named(session.tenant.name)
         self.sessions_room.restore(session, resume_by)
         self.budget.hold(session.tenant)
-        self.leases.adopt(session, lease)
+        self.leases.adopt(session, lease, credit)
 
     def resume_session(self, session_id: int, uid: int, pid: int, credential: str) -> Session:
         """A restored session back with its client; see :meth:`Sessions.resume`."""
@@ -374,6 +377,40 @@ class State(Generic[A, C]):
 
     def return_lease(self, session: Session, chunk_ids: list[int]) -> list[int]:
         return self.leases.given_back(session, chunk_ids)
+
+    def credit_for(self, session: Session) -> int:
+        return self.leases.credit_for(session)
+
+    def top_up_credit(self, session: Session) -> int:
+        return self.leases.top_up_credit(session)
+
+    def bind(self, session: Session, buffer_id: int, sizes: list[int], offsets: list[int], chunk_sizes: list[int],
+             fds: list[int]) -> Buffer[A, C]:
+        """Chunks the client made (their FDs ``fds``, which the caller closes) now back the session's buffer, which
+        grows to ``sizes``: what the client mapped, paid from its credit.
+
+        One chunk per run the growth needs, each shown by the backend to be
+        what it claims; otherwise nothing changes.
+        """
+        buffer = self.buffers_room.growable(session, buffer_id)
+        if len(sizes) > MAX_PLACED_SEGMENTS:
+            raise InvalidRequest(f"buffer {buffer_id}: a growth on credit carries at most {MAX_PLACED_SEGMENTS} segment "
+                                 f"sizes, got {len(sizes)}", buffer_id=buffer_id)
+        runs = self.buffers_room.growth(buffer, sizes)
+        self.buffers_room.grow(buffer, sizes, self.leases.bind(session, buffer, runs, offsets, chunk_sizes, fds))
+        session.grown_at = time.monotonic()
+        return buffer
+
+    def withdraw_credit(self, session: Session, granted: int) -> None:
+        """Take back a grant that could not be sent."""
+        self.leases.withdraw(session, granted)
+
+    def return_credit(self, session: Session) -> int:
+        return self.leases.credit_returned(session)
+
+    @property
+    def credit_revokes_due(self) -> list[Session]:
+        return self.leases.credit_revokes_due
 
     def ask_back_lease(self, session: Session) -> None:
         self.leases.ask_back(session)

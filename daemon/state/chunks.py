@@ -44,6 +44,15 @@ class Chunks(Generic[A, C]):
             self.keeper.made(chunk, arena)
         return chunk
 
+    def accept(self, arena: A, offset: int, size: int, fd: int) -> Chunk[C]:
+        """The chunk of ``size`` bytes at ``offset`` a client made, from its FD (the backend checks it, and raises
+        ``InvalidRequest`` where it is not what it claims); from now on as if made here."""
+        chunk = Chunk(self.next_id, offset, size, self.backend.accept(arena, size, fd))
+        self.next_id += 1
+        if self.keeper is not None:
+            self.keeper.made(chunk, arena)
+        return chunk
+
     def take_id(self) -> int:
         """An id for a chunk the backend did not make (one a client declares it still maps)."""
         self.next_id += 1

@@ -22,7 +22,7 @@ def check_invariants(state: "State[Any, Any]") -> None:
     """Raise ``AssertionError`` naming the first thing that does not add up.
 
     Committed bytes equal the sum of chunk sizes, leased bytes the sum of
-    the sessions' leased granules, and both the sum of tenant usage; each
+    the sessions' leased granules and credit, and both the sum of tenant usage; each
     buffer's chunks lie inside it, on granule boundaries, never back a
     granule twice and back exactly its committed prefixes (a preserving
     defragment's or a move's pending chunks likewise, on their own, and add
@@ -119,9 +119,12 @@ def _check_leases(state: "State[Any, Any]", chunk_ids: set[int]) -> int:
             require(chunk_id == chunk.chunk_id and chunk_id not in chunk_ids, f"{where}: chunk {chunk_id} used twice")
             chunk_ids.add(chunk_id)
             require(chunk.live and chunk.size == granule, f"{where}: chunk {chunk_id} is not a live granule")
-        require(session.leased_bytes == granule * len(session.lease), f"{where}: {session.leased_bytes} bytes")
+        require(session.credit >= 0 and session.credit % granule == 0, f"{where}: a credit of {session.credit} bytes")
+        require(session.leased_bytes == granule * len(session.lease) + session.credit,
+                f"{where}: {session.leased_bytes} bytes")
         require(session.revoking <= set(session.lease), f"{where}: asked back for chunks it does not hold")
         require(session.wants_lease or not session.lease, f"{where}: leased without asking")
+        require(session.wants_credit or not session.credit, f"{where}: credit without asking")
         leased += session.leased_bytes
     return leased
 

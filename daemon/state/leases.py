@@ -8,6 +8,15 @@ commit found it short, stays empty while the budget is tight, and is taken
 back first under pressure: unplaced granules are asked back (a client may be
 placing them at that moment, so only it can give them up); a client whose own
 commit does not fit gives its whole lease back and retries.
+
+A lease may also hold credit: bytes rather than granules. Within it the
+client makes a commit's chunks itself, one per run as the daemon would, and
+sends their FDs (:meth:`Leases.bind`); the daemon checks each (the backend's
+``accept``) and keeps it as its own. So a commit of any size costs no round
+trip: the client pays the export and one datagram, the daemon the check,
+after the client has its memory. The credit grows with the commits that
+came through the daemon although it could have served them, and is asked
+back as the granules are; a client gives back all of it at once.
 """
 
 from __future__ import annotations
@@ -16,8 +25,10 @@ import logging
 import time
 from typing import Any, Generic
 
-from hbmd.proto import MAX_PLACED_GRANULES, MAX_PLACED_SEGMENTS
+from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_GRANULES, MAX_PLACED_SEGMENTS
 from hbmd.proto.errors import HbmdError, InvalidRequest
+from hbmd.proto.undo import Undo
+from hbmd.proto.units import format_bytes
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
@@ -28,6 +39,8 @@ log = logging.getLogger("hbmd.state")
 
 DEFAULT_LEASE_BYTES = 64 << 20
 """The most one session is leased (``--lease``): 32 granules of 2 MiB."""
+DEFAULT_CREDIT_BYTES = 16 << 30
+"""The most credit one session holds (``--credit``); all leases together stay within an 8th of the budget."""
 LEASE_IDLE_S = 30.0
 """A lease the session has not drawn on for this long is asked back; it grows again with the next demand."""
 LEASE_RETURN_PATIENCE_S = 2.0
@@ -39,18 +52,22 @@ class Leases(Generic[A, C]):
     """Every session's leased granules; they live in one arena of their own until placed."""
 
     def __init__(self, backend: Backend[A, C], chunks: Chunks[A, C], tenants: Tenants, lease_bytes: int,
-                 idle_s: float) -> None:
-        """``lease_bytes``: the most one session is leased (0: no leases); ``idle_s``: see :data:`LEASE_IDLE_S`."""
+                 idle_s: float, credit_bytes: int = 0) -> None:
+        """``lease_bytes``: the most one session is leased (0: no leases); ``idle_s``: see :data:`LEASE_IDLE_S`;
+        ``credit_bytes``: the most credit one session holds (0: none)."""
         self.backend = backend
         self.chunks = chunks
         self.tenants = tenants
         self.granules = max(0, lease_bytes) // backend.granularity
+        self.credit_max = max(0, credit_bytes) // backend.granularity * backend.granularity
         self.idle_s = idle_s
         self.arena: A | None = None
         self.due: set[int] = set()
         """Sessions (by id) whose lease may need topping up, for the server to serve."""
         self.revokes_due: list[tuple[Session, list[int]]] = []
         """Leased chunks asked back, for the server to send."""
+        self.credit_revokes_due: list[Session] = []
+        """Sessions whose credit was asked back, for the server to tell."""
 
     def take_due(self) -> set[int]:
         """The sessions whose lease may need topping up since this was last asked; the server serves them."""
@@ -65,20 +82,33 @@ class Leases(Generic[A, C]):
         session.leased_bytes += leased
         self.tenants.charge(session.tenant, leased=leased)
 
+    def credit_for(self, session: Session) -> int:
+        """The most credit ``session`` may hold: 0 unless its client makes chunks itself."""
+        return self.credit_max if session.wants_credit else 0
+
     def note_demand(self, session: Session, created: list[Chunk[C]]) -> None:
         """A commit that made ``created`` came through the daemon: where a lease could have served it, the lease was
         short, so it grows (up to the most allowed).
 
-        A lease serves commits of runs of one granule, :data:`MAX_PLACED_GRANULES` at most.
+        Granules serve commits of runs of one granule,
+        :data:`MAX_PLACED_GRANULES` at most; credit serves the others, of
+        :data:`MAX_OWN_CHUNKS` runs at most.
         """
         granule = self.backend.granularity
         count = len(created)
-        if session.wants_lease and 0 < count <= min(self.granules, MAX_PLACED_GRANULES) and all(
+        if not count:
+            return
+        if session.wants_lease and count <= min(self.granules, MAX_PLACED_GRANULES) and all(
             c.size == granule for c in created
         ):
             session.lease_target = min(self.granules, max(2 * session.lease_target, 2 * count))
-            session.lease_used_at = time.monotonic()
-            self.due.add(session.session_id)
+        elif session.wants_credit and count <= MAX_OWN_CHUNKS:
+            grown = sum(c.size for c in created)
+            session.credit_target = min(self.credit_max, max(2 * session.credit_target, 2 * grown))
+        else:
+            return
+        session.lease_used_at = time.monotonic()
+        self.due.add(session.session_id)
 
     def top_up(self, session: Session) -> list[Chunk[C]]:
         """Create granules to bring the session's lease up to its target; the server sends them.
@@ -103,6 +133,74 @@ class Leases(Generic[A, C]):
             created.append(chunk)
         self._account(session, len(created) * granule)
         return created
+
+    def top_up_credit(self, session: Session) -> int:
+        """Grant what brings the session's credit up to its target, as far as :meth:`Tenants.lease_room` allows, in
+        whole granules; none while its credit is asked back. The bytes granted, for the server to send."""
+        granule = self.backend.granularity
+        wanted = min(session.credit_target - session.credit, self.tenants.lease_room(session.tenant))
+        granted = max(0, wanted) // granule * granule
+        if not granted or session.credit_asked_back:
+            return 0
+        session.credit += granted
+        self._account(session, granted)
+        return granted
+
+    def withdraw(self, session: Session, granted: int) -> None:
+        """Undo :meth:`top_up_credit`'s grant of ``granted`` bytes: its client never heard of it."""
+        granted = min(granted, session.credit)
+        session.credit -= granted
+        self._account(session, -granted)
+
+    def bind(self, session: Session, buffer: Buffer[A, C], runs: list[tuple[int, int]], offsets: list[int],
+             chunk_sizes: list[int], fds: list[int]) -> list[Chunk[C]]:
+        """Take the chunks the client made (``fds``, which the caller closes) to back ``runs`` of ``buffer``, paid
+        from the session's credit; returns them.
+
+        One chunk per run, exactly, each checked by the backend; otherwise
+        ``InvalidRequest`` and nothing changes. The checks that cost nothing
+        come first, whatever the peer sent.
+        """
+        buffer_id = buffer.buffer_id
+        if buffer.shareable:
+            raise InvalidRequest(f"buffer {buffer_id} is shareable: the daemon makes its chunks", buffer_id=buffer_id)
+        if not len(fds) == len(offsets) == len(chunk_sizes) <= MAX_OWN_CHUNKS:
+            raise InvalidRequest(
+                f"buffer {buffer_id}: chunks made by the client come at most {MAX_OWN_CHUNKS} at a time, each with an "
+                f"offset, a size and an FD; got {len(offsets)} offsets, {len(chunk_sizes)} sizes and {len(fds)} FDs",
+                buffer_id=buffer_id,
+            )
+        if sorted(zip(offsets, chunk_sizes)) != [(start, end - start) for start, end in runs]:
+            raise InvalidRequest(
+                f"buffer {buffer_id}: the growth needs one chunk per run, {runs[:4]}, got offsets {offsets[:4]} and "
+                f"sizes {chunk_sizes[:4]}",
+                buffer_id=buffer_id,
+            )
+        total = sum(chunk_sizes)
+        if total > session.credit:
+            raise InvalidRequest(
+                f"buffer {buffer_id}: chunks of {format_bytes(total)} made on a credit of {format_bytes(session.credit)}",
+                buffer_id=buffer_id,
+            )
+        taken: list[Chunk[C]] = []
+        with Undo() as undo:
+            for offset, size, fd in zip(offsets, chunk_sizes, fds):
+                chunk = self.chunks.accept(buffer.arena, offset, size, fd)
+                undo.push(self.chunks.release, chunk, buffer.arena)
+                taken.append(chunk)
+        session.credit -= total
+        self._account(session, -total)
+        session.lease_used_at = time.monotonic()
+        self.due.add(session.session_id)
+        return taken
+
+    def credit_returned(self, session: Session) -> int:
+        """The client gave back all the credit it held: whatever the daemon records as unspent goes (the client's
+        binds were read before its return). Returns the bytes."""
+        returned, session.credit = session.credit, 0
+        session.credit_asked_back = False
+        self._account(session, -returned)
+        return returned
 
     def check_placement(self, session: Session, buffer: Buffer[Any, Any], sizes: list[int], chunk_ids: list[int],
                         offsets: list[int]) -> None:
@@ -176,40 +274,54 @@ class Leases(Generic[A, C]):
 
     def end_session(self, session: Session) -> None:
         self.drop(session)
+        self.credit_returned(session)
         self.due.discard(session.session_id)
 
     def hold_off(self, session: Session) -> None:
         """Lease the session nothing more until it commits again (it is giving back what it holds)."""
         session.lease_target = 0
+        session.credit_target = 0
         self.due.discard(session.session_id)
 
     def ask_back(self, session: Session) -> None:
-        """Ask the session for its unplaced granules, and lease it none until it commits again."""
+        """Ask the session for its unplaced granules and its credit, and lease it none until it commits again."""
         session.lease_target = 0
+        session.credit_target = 0
         asked = [c for c in session.lease if c not in session.revoking]
+        credit = session.credit > 0 and not session.credit_asked_back
+        if (asked or credit) and not self._asked_back(session):
+            session.revoking_since = time.monotonic()
         if asked:
-            if not session.revoking:
-                session.revoking_since = time.monotonic()
             session.revoking.update(asked)
             self.revokes_due.append((session, asked))
+        if credit:
+            session.credit_asked_back = True
+            self.credit_revokes_due.append(session)
+
+    @staticmethod
+    def _asked_back(session: Session) -> bool:
+        return bool(session.revoking) or session.credit_asked_back
 
     def withheld_bytes(self, sessions: list[Session], now: float) -> int:
         """Leased bytes asked back more than :data:`LEASE_RETURN_PATIENCE_S` ago and not given back yet: theirs until
         their sessions read the request, or end."""
-        late = (s for s in sessions if s.revoking and now - s.revoking_since > LEASE_RETURN_PATIENCE_S)
-        return self.backend.granularity * sum(len(s.revoking) for s in late)
+        late = [s for s in sessions if self._asked_back(s) and now - s.revoking_since > LEASE_RETURN_PATIENCE_S]
+        return sum(self.backend.granularity * len(s.revoking) + s.credit * s.credit_asked_back for s in late)
 
     def ask_back_idle(self, sessions: list[Session], now: float) -> None:
         """Ask back the leases their sessions have not drawn on for :attr:`idle_s`: demand went elsewhere."""
         for session in sessions:
-            if session.lease and not session.revoking and now - session.lease_used_at > self.idle_s:
+            if ((session.lease or session.credit) and not self._asked_back(session)
+                    and now - session.lease_used_at > self.idle_s):
                 self.ask_back(session)
 
-    def adopt(self, session: Session, chunks: list[Chunk[C]]) -> None:
-        """Granules journaled as leased to ``session`` before a restart, adopted into :attr:`arena` by the caller."""
+    def adopt(self, session: Session, chunks: list[Chunk[C]], credit: int) -> None:
+        """Granules journaled as leased to ``session`` before a restart, adopted into :attr:`arena` by the caller, and
+        the credit it held."""
         for chunk in chunks:
             session.lease[chunk.chunk_id] = chunk
-        self._account(session, sum(c.size for c in chunks))
+        session.credit = credit
+        self._account(session, sum(c.size for c in chunks) + credit)
         self.chunks.adopted(chunks)
 
     def adopted_arena(self) -> A:

@@ -160,6 +160,15 @@ class Session:
     """When the session was asked for the first of ``revoking`` (monotonic)."""
     lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last placed leased granules or found its lease short."""
+    wants_credit: bool = False
+    """The client commits in chunks it makes itself, within a credit (a client of protocol 1.8 that asked for leases)."""
+    credit: int = 0
+    """Bytes granted for chunks its client makes itself and not spent yet (:class:`~hbmd.proto.CreditGrant`): a part
+    of ``leased_bytes``."""
+    credit_target: int = 0
+    """The credit the daemon keeps granted to it: twice the last commit it could have served, 0 under pressure."""
+    credit_asked_back: bool = False
+    """Its credit was asked back (:class:`~hbmd.proto.CreditRevoke`) and its return not read yet."""
     grown_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last grew a buffer: one that grew lately is busy, and not asked to demote."""
     demoted_under_pressure: bool = False

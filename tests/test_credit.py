@@ -1,0 +1,243 @@
+"""Credit on a real daemon: a client commits in chunks it makes itself, with no round trip; the daemon checks every
+such chunk, keeps it past the client and across a restart, takes the credit back under pressure, and refuses a
+chunk that is not what it claims, unchanged and without a leaked descriptor."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import socket
+
+import pytest
+from hbmd import memfd, proto
+from hbmd.client import ExtensibleTensor, OutOfBudget
+from helpers import GRANULE, MiB, wait_until
+
+pytestmark = pytest.mark.ipc
+
+
+def credited(client, tensor, first: int, at_least: int) -> None:
+    """Grow ``tensor`` to ``first`` bytes through the daemon, so that the session is granted credit, and wait for
+    ``at_least`` bytes of it."""
+    tensor.resize_(first)
+    client.credit_covers(at_least)
+    wait_until(lambda: client.credit_covers(at_least), timeout=10)
+
+
+def view(client, tensor) -> proto.BufferInfo:
+    (info,) = [b for b in client.buffers() if b.buffer_id == tensor.buffer_id]
+    return info
+
+
+def test_a_commit_on_credit_costs_no_round_trip_and_the_daemon_records_it(start_daemon):
+    daemon = start_daemon("--budget", "2GiB")
+    with daemon.connect() as client:
+        assert client.welcome.credit_bytes == 16 << 30
+        t = ExtensibleTensor(1 << 30, "cpu", client=client)
+        credited(client, t, 64 * MiB, 128 * MiB)
+        assert client.status().leased_bytes == 128 * MiB  # charged from the grant on
+        t.full_view()[: 64 * MiB].fill_(1)
+        sent = client.requests_sent
+        t.resize_(192 * MiB, zero_new=True)
+        assert client.requests_sent == sent
+        assert int(t.full_view()[64 * MiB : 192 * MiB].sum()) == 0 and int(t.full_view()[64 * MiB - 1]) == 1
+        info = view(client, t)
+        assert info.segment_sizes == [192 * MiB] and info.physical_bytes == 192 * MiB and info.num_chunks == 2
+        assert t.num_chunks == 2
+        status = client.status()
+        assert status.committed_bytes == 192 * MiB
+        # The spent credit is granted again, up to twice the last commit the daemon made.
+        wait_until(lambda: client.status().leased_bytes == 128 * MiB)
+
+
+def test_a_daemon_without_credit_serves_every_larger_commit_itself(start_daemon):
+    daemon = start_daemon("--budget", "1GiB", "--credit", "0")
+    with daemon.connect() as client:
+        assert client.welcome.credit_bytes == 0
+        t = ExtensibleTensor(512 * MiB, "cpu", client=client)
+        t.resize_(64 * MiB)
+        sent = client.requests_sent
+        t.resize_(128 * MiB)
+        assert client.requests_sent == sent + 1 and client.status().leased_bytes == 0
+
+
+def test_chunks_made_on_credit_outlive_their_maker(start_daemon, spawn_worker):
+    """The bind and its FDs are in the daemon's socket before the commit returns: a SIGKILL right after loses none."""
+    daemon = start_daemon("--budget", "1GiB")
+    worker = spawn_worker(
+        daemon,
+        """
+        import ctypes, os, signal, time
+        from hbmd.client import ExtensibleTensor, connect
+        c = connect("cpu", client_name="dies")
+        t = ExtensibleTensor(512 << 20, "cpu", client=c, name="kv", persistent=True)
+        t.resize_(8 << 20)
+        while not c.credit_covers(16 << 20):
+            time.sleep(0.001)
+        sent = c.requests_sent
+        t.resize_(24 << 20)
+        ctypes.memset(t.base_ptr + (8 << 20), 7, 16 << 20)
+        assert c.requests_sent == sent
+        os.kill(os.getpid(), signal.SIGKILL)
+        """,
+    )
+    worker.wait()
+    with daemon.connect() as client:
+        wait_until(lambda: client.status().num_sessions == 1)
+        t = ExtensibleTensor.attach("kv", "cpu", client=client)
+        assert t.num_bytes == 24 * MiB
+        assert set(ctypes.string_at(t.base_ptr + 8 * MiB, 16 * MiB)) == {7}
+        assert client.status().leased_bytes == 0  # the dead session's credit went with it
+
+
+def test_chunks_made_on_credit_are_parked_across_a_restart(start_daemon, spawn_worker, run_dir, systemd):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    env = {"NOTIFY_SOCKET": str(systemd.path)}
+    first = start_daemon("--budget", "1GiB", "--state-dir", str(state_dir), env=env)
+    wait_until(lambda: systemd.saw("READY=1"))
+    writer = spawn_worker(
+        first,
+        """
+        import time
+        from hbmd.client import ExtensibleTensor, connect
+        c = connect("cpu")
+        t = ExtensibleTensor(256 << 20, "cpu", client=c, name="kv", persistent=True)
+        t.resize_(8 << 20)
+        while not c.credit_covers(16 << 20):
+            time.sleep(0.001)
+        sent = c.requests_sent
+        t.resize_(24 << 20)
+        t.full_view()[8 << 20 : 24 << 20] = 5
+        assert c.requests_sent == sent
+        print(t.num_chunks, flush=True)
+        """,
+    )
+    chunks = int(writer.readline())
+    assert writer.wait() == 0 and chunks == 2
+    wait_until(lambda: len(systemd.names()) == chunks)
+    first.stop()
+    second = start_daemon("--budget", "1GiB", "--state-dir", str(state_dir), **systemd.relaunch())
+    with second.connect() as client:
+        t = ExtensibleTensor.attach("kv", "cpu", client=client)
+        assert t.num_bytes == 24 * MiB and set(ctypes.string_at(t.base_ptr + 8 * MiB, 16 * MiB)) == {5}
+
+
+def test_credit_is_asked_back_for_a_commit_that_needs_the_room(start_daemon):
+    daemon = start_daemon("--budget", "1GiB")
+    with daemon.connect(client_name="holder") as holder, daemon.connect(client_name="needy", lease=False) as needy:
+        t = ExtensibleTensor(512 * MiB, "cpu", client=holder)
+        credited(holder, t, 64 * MiB, 128 * MiB)
+        big = ExtensibleTensor(1 << 30, "cpu", client=needy)
+        with pytest.raises(OutOfBudget):
+            big.resize_(900 * MiB)  # the holder's 128 MiB of credit stands in the way until it is given back
+        wait_until(lambda: needy.status().leased_bytes == 0)
+        assert not holder.credit_covers(GRANULE)
+        big.resize_(900 * MiB)
+        assert needy.status().committed_bytes == 964 * MiB
+
+
+class Forger:
+    """Sends :class:`~hbmd.proto.OwnChunks` as a hostile client would, on a session that holds credit."""
+
+    def __init__(self, daemon, client) -> None:
+        self.daemon = daemon
+        self.client = client
+        self.tensor = ExtensibleTensor(1 << 30, "cpu", client=client)
+        credited(client, self.tensor, 32 * MiB, 64 * MiB)
+
+    def send(self, offsets: list[int], chunk_sizes: list[int], fds: list[int], grow_to: int) -> None:
+        msg = proto.OwnChunks(self.tensor.buffer_id, [grow_to], offsets, chunk_sizes)
+        socket.send_fds(self.client._handles.sock, [proto.encode_datagram(msg)], fds)
+
+    def books(self) -> tuple:
+        status = self.client.status()
+        return view(self.client, self.tensor), status.committed_bytes, status.leased_bytes, status.num_chunks
+
+
+def sealed_chunk(size: int) -> int:
+    return memfd.sealed_memfd(size)
+
+
+def unsealed_chunk(size: int) -> int:
+    fd = os.memfd_create("forged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def read_only_chunk(size: int) -> int:
+    fd = sealed_chunk(size)
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+
+
+def a_pipe(size: int) -> int:
+    read, write = os.pipe()
+    os.close(write)
+    return read
+
+
+@pytest.mark.parametrize(
+    "what, make, offsets, sizes, claimed",
+    [
+        ("a pipe", a_pipe, [32 * MiB], [16 * MiB], 16 * MiB),
+        ("a memfd of another size", lambda n: sealed_chunk(n // 2), [32 * MiB], [16 * MiB], 16 * MiB),
+        ("an unsealed memfd", unsealed_chunk, [32 * MiB], [16 * MiB], 16 * MiB),
+        ("a read-only descriptor", read_only_chunk, [32 * MiB], [16 * MiB], 16 * MiB),
+        ("more than the credit", sealed_chunk, [32 * MiB], [256 * MiB], 256 * MiB),
+        ("a run in two chunks", sealed_chunk, [32 * MiB, 40 * MiB], [8 * MiB, 8 * MiB], 16 * MiB),
+        ("a chunk where the growth needs none", sealed_chunk, [0], [16 * MiB], 16 * MiB),
+    ],
+)
+def test_a_bind_the_daemon_cannot_trust_is_refused_and_changes_nothing(start_daemon, what, make, offsets, sizes,
+                                                                        claimed):
+    daemon = start_daemon("--budget", "2GiB")
+    with daemon.connect() as client:
+        forger = Forger(daemon, client)
+        before, fds_before = forger.books(), daemon.open_fds()
+        fds = [make(size) for size in sizes]
+        try:
+            forger.send(offsets, sizes, fds, 32 * MiB + claimed)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert forger.books() == before, what
+        assert daemon.open_fds() == fds_before, what
+        assert "sent a datagram that was refused" in daemon.log()
+        forger.tensor.resize_(96 * MiB)  # the session goes on, and its credit still serves it
+        assert view(client, forger.tensor).physical_bytes == 96 * MiB
+
+
+def test_a_bind_with_more_descriptors_than_allowed_is_dropped_whole(start_daemon):
+    daemon = start_daemon("--budget", "2GiB")
+    with daemon.connect() as client:
+        forger = Forger(daemon, client)
+        before, fds_before = forger.books(), daemon.open_fds()
+        count = proto.MAX_OWN_CHUNKS + 1
+        fds = [sealed_chunk(GRANULE) for _ in range(count)]
+        try:
+            forger.send([32 * MiB + i * GRANULE for i in range(count)], [GRANULE] * count, fds, 32 * MiB + count * GRANULE)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert forger.books() == before
+        assert daemon.open_fds() == fds_before
+        assert "oversized datagram" in daemon.log()
+
+
+def test_a_sealed_chunk_is_told_apart_from_what_only_looks_like_one():
+    fd = sealed_chunk(GRANULE)
+    try:
+        assert memfd.is_sealed_chunk(fd, GRANULE) and not memfd.is_sealed_chunk(fd, 2 * GRANULE)
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & memfd.SEALS == memfd.SEALS
+    finally:
+        os.close(fd)
+    for make in (unsealed_chunk, read_only_chunk, a_pipe):
+        fd = make(GRANULE)
+        try:
+            assert not memfd.is_sealed_chunk(fd, GRANULE), make.__name__
+        finally:
+            os.close(fd)
