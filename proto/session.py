@@ -263,8 +263,9 @@ class OwnChunks(Message):
 
 @message("session.credit_return")
 class CreditReturn(Message):
-    """Client → daemon: ``bytes`` of credit not spent and given back; ``everything``: all the daemon records as
-    unspent, whatever it is (a session resumed on a restarted daemon, which may record what the client never read)."""
+    """Client → daemon: all the credit not spent is given back (``bytes``, what this client had); the daemon drops
+    whatever it records as unspent, having read every bind sent before. A client answers each
+    :class:`CreditRevoke` so, and gives back its credit so when its own commit was refused or its session resumed
+    on a restarted daemon (which may record a grant the client never read)."""
 
     bytes: int
-    everything: bool = False

@@ -123,3 +123,16 @@ class HostEngine:
         del self.view
         self.kv.free()
         self.weights.free()
+
+
+def credited(client, tensor, first: int, at_least: int) -> None:
+    """Grow ``tensor`` to ``first`` bytes through the daemon, so that the session is granted credit (twice that, where
+    the budget has room), and wait until ``at_least`` bytes of it have come."""
+    tensor.resize_(first)
+    wait_until(lambda: client.credit_covers(at_least), timeout=10)
+
+
+def daemon_view(client, tensor):
+    """The daemon's record of ``tensor``'s buffer (:class:`~hbmd.proto.BufferInfo`)."""
+    (info,) = [b for b in client.buffers() if b.buffer_id == tensor.buffer_id]
+    return info

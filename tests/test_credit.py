@@ -12,22 +12,9 @@ import socket
 import pytest
 from hbmd import memfd, proto
 from hbmd.client import ExtensibleTensor, OutOfBudget
-from helpers import GRANULE, MiB, wait_until
+from helpers import GRANULE, MiB, credited, daemon_view, wait_until
 
 pytestmark = pytest.mark.ipc
-
-
-def credited(client, tensor, first: int, at_least: int) -> None:
-    """Grow ``tensor`` to ``first`` bytes through the daemon, so that the session is granted credit, and wait for
-    ``at_least`` bytes of it."""
-    tensor.resize_(first)
-    client.credit_covers(at_least)
-    wait_until(lambda: client.credit_covers(at_least), timeout=10)
-
-
-def view(client, tensor) -> proto.BufferInfo:
-    (info,) = [b for b in client.buffers() if b.buffer_id == tensor.buffer_id]
-    return info
 
 
 def test_a_commit_on_credit_costs_no_round_trip_and_the_daemon_records_it(start_daemon):
@@ -42,7 +29,7 @@ def test_a_commit_on_credit_costs_no_round_trip_and_the_daemon_records_it(start_
         t.resize_(192 * MiB, zero_new=True)
         assert client.requests_sent == sent
         assert int(t.full_view()[64 * MiB : 192 * MiB].sum()) == 0 and int(t.full_view()[64 * MiB - 1]) == 1
-        info = view(client, t)
+        info = daemon_view(client, t)
         assert info.segment_sizes == [192 * MiB] and info.physical_bytes == 192 * MiB and info.num_chunks == 2
         assert t.num_chunks == 2
         status = client.status()
@@ -153,7 +140,7 @@ class Forger:
 
     def books(self) -> tuple:
         status = self.client.status()
-        return view(self.client, self.tensor), status.committed_bytes, status.leased_bytes, status.num_chunks
+        return daemon_view(self.client, self.tensor), status.committed_bytes, status.leased_bytes, status.num_chunks
 
 
 def sealed_chunk(size: int) -> int:
@@ -208,7 +195,7 @@ def test_a_bind_the_daemon_cannot_trust_is_refused_and_changes_nothing(start_dae
         assert daemon.open_fds() == fds_before, what
         assert "sent a datagram that was refused" in daemon.log()
         forger.tensor.resize_(96 * MiB)  # the session goes on, and its credit still serves it
-        assert view(client, forger.tensor).physical_bytes == 96 * MiB
+        assert daemon_view(client, forger.tensor).physical_bytes == 96 * MiB
 
 
 def test_a_bind_with_more_descriptors_than_allowed_is_dropped_whole(start_daemon):

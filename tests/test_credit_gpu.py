@@ -9,7 +9,7 @@ import socket
 import pytest
 from hbmd import driver, memfd, proto
 from hbmd.client import ExtensibleTensor, connect
-from helpers import MiB, cuda_vmm_status, wait_until
+from helpers import MiB, credited, cuda_vmm_status, daemon_view
 
 GPU_OK, GPU_REASON = cuda_vmm_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)]
@@ -28,16 +28,6 @@ def gpu_connect(daemon, **kwargs):
     return connect("cuda:0", run_dir=daemon.run_dir, **kwargs)
 
 
-def credited(client, tensor, first: int, at_least: int) -> None:
-    tensor.resize_(first)
-    wait_until(lambda: client.credit_covers(at_least), timeout=10)
-
-
-def view(client, tensor) -> proto.BufferInfo:
-    (info,) = [b for b in client.buffers() if b.buffer_id == tensor.buffer_id]
-    return info
-
-
 def test_chunks_made_on_credit_back_the_buffer_and_outlive_their_maker(gpu_daemon):
     writer = gpu_connect(gpu_daemon, client_name="writer")
     t = ExtensibleTensor(4 << 30, "cuda", client=writer, name="kv", persistent=True)
@@ -46,7 +36,7 @@ def test_chunks_made_on_credit_back_the_buffer_and_outlive_their_maker(gpu_daemo
     sent = writer.requests_sent
     t.resize_(first + (1 << 30), zero_new=True)
     assert writer.requests_sent == sent
-    info = view(writer, t)
+    info = daemon_view(writer, t)
     assert info.physical_bytes == first + (1 << 30) and info.num_chunks == 2
     grown = t.full_view()[first : first + (1 << 30)]
     assert int(grown.sum()) == 0
@@ -81,7 +71,7 @@ def test_a_chunk_that_is_not_what_it_claims_is_refused(gpu_daemon, kind):
         t = ExtensibleTensor(1 << 30, "cuda", client=client)
         credited(client, t, 32 * MiB, 64 * MiB)
         status = client.status()
-        before = (view(client, t), status.committed_bytes, status.leased_bytes)
+        before = (daemon_view(client, t), status.committed_bytes, status.leased_bytes)
         fds_before = gpu_daemon.open_fds()
         granule = client.granularity
         fd = forged(kind, granule)
@@ -91,8 +81,8 @@ def test_a_chunk_that_is_not_what_it_claims_is_refused(gpu_daemon, kind):
         finally:
             os.close(fd)
         status = client.status()
-        assert (view(client, t), status.committed_bytes, status.leased_bytes) == before
+        assert (daemon_view(client, t), status.committed_bytes, status.leased_bytes) == before
         assert gpu_daemon.open_fds() == fds_before
         assert "sent a datagram that was refused" in gpu_daemon.log()
         t.resize_(96 * MiB)
-        assert view(client, t).physical_bytes == 96 * MiB
+        assert daemon_view(client, t).physical_bytes == 96 * MiB

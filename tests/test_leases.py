@@ -18,7 +18,7 @@ import pytest
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, OutOfBudget
 from hbmd.daemon.state.leases import LEASE_RETURN_PATIENCE_S
-from helpers import GRANULE, MiB, hbmctl, wait_until
+from helpers import GRANULE, MiB, daemon_view, hbmctl, wait_until
 
 pytestmark = pytest.mark.ipc
 
@@ -26,11 +26,6 @@ pytestmark = pytest.mark.ipc
 def leased_at_least(client, granules: int) -> None:
     """Wait until the client holds ``granules`` imported leased granules."""
     wait_until(lambda: client.leased_granules >= granules, timeout=10)
-
-
-def daemon_view(client, tensor) -> proto.BufferInfo:
-    (info,) = [b for b in client.buffers() if b.buffer_id == tensor.buffer_id]
-    return info
 
 
 def test_once_leased_small_commits_take_no_round_trip_and_the_daemon_records_them(daemon, client):
