@@ -86,6 +86,11 @@ log = logging.getLogger("hbmd.client")
 R = TypeVar("R", bound=Message)
 
 
+MAX_KEPT_FDS = 64
+"""The most FDs of chunks bound on credit this process keeps until the daemon's next answer shows it read them; a
+commit past it asks for one (a worker that only grows on credit sends no other request)."""
+
+
 class Holder(Protocol):
     """What maps a buffer of the session in this process (an ``ExtensibleTensor``): should the daemon restart with
     nothing to keep its memory, the client declares the buffer again on its new session (:meth:`Client.holds`)."""
@@ -695,6 +700,8 @@ class Client:
         if sent:
             # Kept until the daemon is known to have read the bind: a daemon that went before may need it again.
             self._unconfirmed.append((bind, fds))
+            if sum(len(kept) for _, kept in self._unconfirmed) > MAX_KEPT_FDS:
+                self.status()  # any answer says the daemon read every bind before it: the FDs can go
         return sent
 
     def discard_leased(self, taken: list[LeasedGranule]) -> None:
