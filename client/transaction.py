@@ -1,8 +1,9 @@
 """Changes of a buffer's chunks that hold in the daemon and in this process alike.
 
-A growth is served from the lease (leased granules, or chunks made here on
-credit: the placement or bind goes to the daemon before the mapping) or
-through the daemon (the request, then its delivery mapped);
+A growth is served from the lease (leased granules, placed with the daemon
+before they are mapped; or chunks made here on credit, bound with the daemon
+once mapped, before the commit returns) or through the daemon (the request,
+then its delivery mapped);
 a defragment goes through the daemon too. Either way a failure part way is
 repaired from the daemon's record (:class:`Remap`), so this process never
 maps what the daemon does not record, nor misses what it does.
@@ -15,7 +16,7 @@ from typing import Any, Callable
 
 from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_SEGMENTS, TIER_HOST, BufferInfo
 from hbmd.proto.errors import HbmdError, TensorUnusable
-from hbmd.proto.runs import backed_runs, new_granules, prefix_offsets, subtract_runs
+from hbmd.proto.runs import new_runs, prefix_offsets
 
 from .delivery import Delivery
 from .reservation import Reservation
@@ -52,25 +53,29 @@ class Transactions:
         where neither covers the growth or the buffer has more segments than a placement carries
         (:data:`MAX_PLACED_SEGMENTS`).
 
-        A leased granule is a chunk, as the daemon would have made it: the
-        buffer's chunks are the same whichever way it grew.
+        A leased granule or a chunk made on credit is a chunk as the daemon
+        would have made it: the buffer's chunks are the same whichever way it
+        grew.
 
-        The placement goes to the daemon before the mapping, so however this
-        process dies the daemon's record holds every granule mapped here. A
+        A placement goes to the daemon before the mapping, so however this
+        process dies the daemon's record holds every granule mapped here; a
         mapping that fails midway is repaired as any commit's (:meth:`_resync`).
+        A growth on credit binds its chunks after mapping them
+        (:meth:`_make_on_credit`).
         """
         if self._info.shareable or self._info.tier == TIER_HOST or len(self._sizes) > MAX_PLACED_SEGMENTS:
             return False  # the daemon refuses a demoted buffer's growth: it says so in its answer
+        runs = new_runs(self._offsets, self._sizes, sizes, self._client.granularity)
         with self._client.exclusive:  # no other thread's request on this session between the placement and the mapping
-            return self._place_leased(sizes) or self._make_on_credit(sizes)
+            return self._place_leased(sizes, runs) or self._make_on_credit(sizes, runs)
 
-    def _place_leased(self, sizes: list[int]) -> bool:
+    def _place_leased(self, sizes: list[int], runs: list[tuple[int, int]]) -> bool:
         granule = self._client.granularity
-        offsets = new_granules(self._offsets, self._sizes, sizes, granule)
-        if any(b - a == granule for a, b in zip(offsets, offsets[1:])):
+        if any(end - start != granule for start, end in runs):
             # The daemon backs a run of several granules with one chunk (what defragmenting by release and
             # regrowth relies on): a lease, one chunk per granule, serves only runs of one.
             return False
+        offsets = [start for start, _ in runs]
         taken = self._client.take_lease(len(offsets))
         if taken is None:
             return False
@@ -90,7 +95,7 @@ class Transactions:
         self._num_chunks += len(offsets)
         return True
 
-    def _make_on_credit(self, sizes: list[int]) -> bool:
+    def _make_on_credit(self, sizes: list[int], new: list[tuple[int, int]]) -> bool:
         """Grow in chunks made here, one per run as the daemon would make them, paid from the session's credit; False
         (nothing done) where the credit is short, the growth has more than :data:`MAX_OWN_CHUNKS` runs, or making or
         mapping a chunk failed (the daemon then says why, or finds room).
@@ -102,8 +107,6 @@ class Transactions:
         are the daemon's, however this process dies, before anything is
         written to them.
         """
-        granule = self._client.granularity
-        new = subtract_runs(backed_runs(self._offsets, sizes, granule), backed_runs(self._offsets, self._sizes, granule))
         runs = [(start, end - start) for start, end in new]
         if not runs or len(runs) > MAX_OWN_CHUNKS or not self._client.credit_covers(sum(n for _, n in runs)):
             return False

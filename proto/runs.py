@@ -1,8 +1,8 @@
 """Granule runs: which byte ranges of a buffer must be backed for given segment sizes.
 
 The daemon decides a commit's new chunks with these, and a client placing
-leased granules computes the same ranges from the same inputs, so both sides
-agree on them without a round trip.
+leased granules or making chunks on credit computes the same ranges from the
+same inputs, so both sides agree on them without a round trip.
 """
 
 from __future__ import annotations
@@ -58,18 +58,19 @@ def backed_runs(offsets: list[int], sizes: list[int], granule: int) -> list[tupl
     )
 
 
-def new_granules(offsets: list[int], old_sizes: list[int], new_sizes: list[int], granule: int) -> list[int]:
-    """Offsets of the granules that growing the segments at ``offsets`` from ``old_sizes`` to ``new_sizes`` must back.
+def new_runs(offsets: list[int], old_sizes: list[int], new_sizes: list[int], granule: int) -> list[tuple[int, int]]:
+    """The runs (granule-aligned, merged) that growing the segments at ``offsets`` from ``old_sizes`` to
+    ``new_sizes`` must back: one new chunk each, as the daemon makes them.
 
     Where every segment starts on a granule no granule is shared by two
     segments, and each segment's new granules follow its old ones: the
     common case (a commit on a client's critical path) takes that short way.
     """
     if any(offset % granule for offset in offsets):
-        runs = subtract_runs(backed_runs(offsets, new_sizes, granule), backed_runs(offsets, old_sizes, granule))
-        return [start for begin, end in runs for start in range(begin, end, granule)]
-    granules: list[int] = []
-    for offset, old, new in zip(offsets, old_sizes, new_sizes):
-        if new > old:
-            granules.extend(range(round_up(offset + old, granule), round_up(offset + new, granule), granule))
-    return granules
+        return subtract_runs(backed_runs(offsets, new_sizes, granule), backed_runs(offsets, old_sizes, granule))
+    return merge_runs(
+        (round_up(offset + old, granule), round_up(offset + new, granule))
+        for offset, old, new in zip(offsets, old_sizes, new_sizes)
+        if new > old
+    )
+

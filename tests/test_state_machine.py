@@ -17,7 +17,7 @@ import itertools
 import pytest
 from hbmd.daemon.config import Config, ConfigError, TenantLimits
 from hbmd.daemon.state import Chunk, State
-from hbmd.proto.runs import backed_runs, new_granules, prefix_offsets
+from hbmd.proto.runs import backed_runs, new_runs, prefix_offsets
 from hbmd.proto.errors import HbmdError, InternalError, OutOfDeviceMemory
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
@@ -299,7 +299,8 @@ class StateMachine(RuleBasedStateMachine):
         buffer = self.owned(data)
         session = buffer.owner
         sizes = [old + int((capacity - old) * fraction) for old, capacity in zip(buffer.segment_sizes, buffer.segment_capacities)]
-        offsets = new_granules(buffer.segment_offsets, buffer.segment_sizes, sizes, GRANULE)
+        runs = new_runs(buffer.segment_offsets, buffer.segment_sizes, sizes, GRANULE)
+        offsets = [start for begin, end in runs for start in range(begin, end, GRANULE)]
         chunk_ids = sorted(session.lease)[: len(offsets)]
         if not honest:
             offsets = data.draw(st.lists(st.integers(-1, 16).map(lambda g: g * GRANULE), max_size=4))

@@ -21,7 +21,7 @@ from hbmd.proto.errors import (
     PermissionDenied,
     VersionMismatch,
 )
-from hbmd.proto.runs import merge_runs, subtract_runs
+from hbmd.proto.runs import merge_runs, new_runs
 from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
@@ -442,7 +442,7 @@ class Buffers(Generic[A, C]):
         """The granule runs that growing ``buffer``'s segments to ``sizes`` must back (checked first)."""
         self.check_sizes(buffer, sizes)
         granule = self.backend.granularity
-        return subtract_runs(buffer.backed_runs(sizes, granule), buffer.backed_runs(buffer.segment_sizes, granule))
+        return new_runs(buffer.segment_offsets, buffer.segment_sizes, sizes, granule)
 
     def grow(self, buffer: Buffer[A, C], sizes: list[int], chunks: list[Chunk[C]]) -> None:
         """The segments now hold ``sizes`` bytes, ``chunks`` backing what they gained."""
