@@ -29,11 +29,11 @@ from hbmd.proto import (
     Freed,
     Hello,
     LeasePlace,
-    OwnChunks,
     ListBuffers,
     ListSessions,
     Message,
     Move,
+    OwnChunks,
     Reclaim,
     ReclaimDone,
     ReclaimRequest,
@@ -208,16 +208,17 @@ class Client:
         self._moved: dict[int, int] = {}
         """The new id of each buffer whose id changed when the session last started over, by its old one: a request
         built before (by another thread, say) goes to the buffer it meant."""
+        # Neither the lease, the credit nor the listener holds the client: one dropped unclosed is collected, and
+        # its session ends with its socket, as without leases.
+        me = weakref.ref(self)
+
+        def send(msg: Message) -> None:
+            _alive(me)._handles.send(msg)
+
         if self.welcome.lease_bytes > 0:
-            # Neither the lease nor the listener holds the client: one dropped unclosed is collected, and its
-            # session ends with its socket, as without leases.
-            me = weakref.ref(self)
-            self._lease = Lease(self.granularity, lambda: _alive(me).mapper, lambda msg: _alive(me)._handles.send(msg))
+            self._lease = Lease(self.granularity, lambda: _alive(me).mapper, send)
             weakref.finalize(self, self._lease.close)
-        self._credit: Credit | None = None
-        if self.welcome.credit_bytes > 0:
-            me = weakref.ref(self)
-            self._credit = Credit(lambda msg: _alive(me)._handles.send(msg))
+        self._credit: Credit | None = Credit(send) if self.welcome.credit_bytes > 0 else None
         if self._lease is not None or self._credit is not None or self._credential:
             # The listener takes the session back as soon as the daemon is, idle engine or not.
             self._listen_in_background()
@@ -431,9 +432,7 @@ class Client:
         this process maps is declared instead.
         """
         still_leased = set(leased)
-        for placement, fds in self._unconfirmed:
-            if anew:
-                continue
+        for placement, fds in [] if anew else self._unconfirmed:
             if isinstance(placement, OwnChunks):
                 self._handles.send(placement, fds)
             elif still_leased.issuperset(placement.chunk_ids):
@@ -677,12 +676,12 @@ class Client:
         """Tell the daemon that the chunks ``made`` here (:meth:`Mapper.make`) back ``buffer_id``, one per
         ``(offset, size)`` of ``runs``, its segments grown to ``sizes``, paid from the credit.
 
-        Call it before mapping them: once it returns True the daemon will
-        record them (or, for chunks that are not what they claim, refuse
-        them) before anything else this session asks, or its end, and keeps
-        them past this process. False: the credit is short, or the daemon
-        had gone away and the session is resumed now; nothing was bound
-        (commit through the daemon instead).
+        Call it once they are mapped, before the commit returns: once it
+        returns True the daemon will record them (or, for chunks that are not
+        what they claim, refuse them) before anything else this session asks,
+        or its end, and keeps them past this process. False: the credit is
+        short, or the daemon had gone away and the session is resumed now;
+        nothing was bound (unmap them and commit through the daemon instead).
         """
         fds: list[int] = []
         sent = False
