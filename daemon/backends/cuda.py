@@ -201,8 +201,6 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         it in a scratch range of the daemon's (no context needed), then lets
         the import go: ~150 µs on an H200, paid while the client maps.
         """
-        if arena.rdma:
-            raise InvalidRequest("a shareable buffer's chunks are RDMA-capable: the daemon makes them itself")
         try:
             handle = driver.import_fd(fd)
         except DriverError as exc:

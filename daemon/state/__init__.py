@@ -23,8 +23,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Generic
 
-from hbmd.proto import MAX_PLACED_SEGMENTS, TIER_DEVICE, ChunkInfo, SessionInfo, TenantInfo
-from hbmd.proto.errors import InvalidRequest, PermissionDenied
+from hbmd.proto import TIER_DEVICE, ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto.errors import PermissionDenied
 from hbmd.proto.units import round_up
 
 from ..backends import A, Backend, C
@@ -393,9 +393,7 @@ class State(Generic[A, C]):
         what it claims; otherwise nothing changes.
         """
         buffer = self.buffers_room.growable(session, buffer_id)
-        if len(sizes) > MAX_PLACED_SEGMENTS:
-            raise InvalidRequest(f"buffer {buffer_id}: a growth on credit carries at most {MAX_PLACED_SEGMENTS} segment "
-                                 f"sizes, got {len(sizes)}", buffer_id=buffer_id)
+        self.leases.check_segments(buffer_id, sizes)
         runs = self.buffers_room.growth(buffer, sizes)
         self.buffers_room.grow(buffer, sizes, self.leases.bind(session, buffer, runs, offsets, chunk_sizes, fds))
         session.grown_at = time.monotonic()

@@ -202,6 +202,17 @@ class Leases(Generic[A, C]):
         self._account(session, -returned)
         return returned
 
+    @staticmethod
+    def check_segments(buffer_id: int, sizes: list[int]) -> None:
+        """Refuse a placement or bind of more than :data:`MAX_PLACED_SEGMENTS` segment sizes before any growth is
+        worked out from them (``InvalidRequest``)."""
+        if len(sizes) > MAX_PLACED_SEGMENTS:
+            raise InvalidRequest(
+                f"buffer {buffer_id}: a placement or bind carries at most {MAX_PLACED_SEGMENTS} segment sizes, got "
+                f"{len(sizes)}",
+                buffer_id=buffer_id,
+            )
+
     def check_placement(self, session: Session, buffer: Buffer[Any, Any], sizes: list[int], chunk_ids: list[int],
                         offsets: list[int]) -> None:
         """Refuse, before the growth is worked out, a placement no client sends: into a shareable buffer or one of more
@@ -210,11 +221,7 @@ class Leases(Generic[A, C]):
         buffer_id = buffer.buffer_id
         if buffer.shareable:
             raise InvalidRequest(f"buffer {buffer_id} is shareable: leased granules are plain ones", buffer_id=buffer_id)
-        if len(sizes) > MAX_PLACED_SEGMENTS:
-            raise InvalidRequest(
-                f"buffer {buffer_id}: a placement carries at most {MAX_PLACED_SEGMENTS} segment sizes, got {len(sizes)}",
-                buffer_id=buffer_id,
-            )
+        self.check_segments(buffer_id, sizes)
         if len(chunk_ids) > MAX_PLACED_GRANULES or len(offsets) != len(chunk_ids):
             raise InvalidRequest(
                 f"buffer {buffer_id}: a placement is of at most {MAX_PLACED_GRANULES} granules, each with its offset; "
