@@ -132,10 +132,9 @@ class Server(Generic[A, C]):
         self._successors: TakeoverListener | None = None
         self._wake_r = self._wake_w = -1
         self._poller = zmq.Poller()
-        self._plane: HandlePlane[A, C] = HandlePlane(
-            state, self._poller, persistence.sync if persistence is not None else lambda: None
-        )
-        self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane)
+        journal = persistence.sync if persistence is not None else lambda: None
+        self._plane: HandlePlane[A, C] = HandlePlane(state, self._poller, journal)
+        self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane, journal)
         self._refusals = RateLimitedLog(log)
         rooms = {room: room(state, self._plane) for room in self.ROOMS}
         self._buffer_requests = rooms[BufferRequests]

@@ -175,13 +175,13 @@ class Outbox(Generic[A, C]):
         return False
 
     def top_up_lease(self, conn: HandleConnection[A, C]) -> None:
-        """Lease the session the granules its lease lacks and send them, unless its outbox is full already."""
+        """Lease the session the granules its lease lacks and queue them, unless its outbox is full already; the
+        caller flushes (once the lease is journaled)."""
         if len(conn.outbox) >= MAX_QUEUED_BATCHES:
             return
         chunks = self.state.top_up_lease(conn.session)
         if chunks:
             conn.outbox.append(LeaseDelivery(chunks, self.state.backend.granularity))
-            self.flush(conn)
 
     def forget(self, conn: HandleConnection[A, C]) -> None:
         """Drop what waits for a connection that is closing."""

@@ -11,7 +11,7 @@ sends (placements and returns of leased granules) are the handle plane's
 from __future__ import annotations
 
 import logging
-from typing import Generic
+from typing import Callable, Generic
 
 from hbmd.proto import Ack, CreditGrant, CreditRevoke, LeaseRevoke, PromoteRequest, ReclaimDone, ReclaimRequest
 from hbmd.proto.units import format_bytes
@@ -42,9 +42,11 @@ class SessionRequests(RequestRoom[A, C]):
 class SessionNotices(Generic[A, C]):
     """What the daemon tells sessions unasked: reclaim requests, leased granules asked back, lease top-ups."""
 
-    def __init__(self, state: State[A, C], plane: HandlePlane[A, C]) -> None:
+    def __init__(self, state: State[A, C], plane: HandlePlane[A, C], journal: Callable[[], None]) -> None:
+        """``journal`` journals the state (nothing where the daemon keeps nothing across a restart)."""
         self.state = state
         self.plane = plane
+        self.journal = journal
 
     def send_reclaims(self) -> None:
         """Deliver the reclaim requests the state made, on each session's handle socket."""
@@ -78,15 +80,26 @@ class SessionNotices(Generic[A, C]):
 
     def serve_leases(self) -> None:
         """Ask back what the state wants back, and top up the leases that commits and placements ran down, after the
-        replies have gone out."""
+        replies have gone out.
+
+        The top-ups are journaled before they are sent, as a reply is: a
+        client spends what it was granted, and a successor daemon must know
+        the grant to take the spending.
+        """
         self.send_revokes()
+        topped_up = []
         for session_id in self.state.take_lease_due():
             conn = self.plane.by_session.get(session_id)
             if conn is not None:
                 self.plane.outbox.top_up_lease(conn)
-                granted = self.state.top_up_credit(conn.session)
-                if granted and not conn.send_quietly(CreditGrant(granted)):
-                    self.state.withdraw_credit(conn.session, granted)
+                topped_up.append((conn, self.state.top_up_credit(conn.session)))
+        if not topped_up:
+            return
+        self.journal()
+        for conn, granted in topped_up:
+            self.plane.outbox.flush(conn)
+            if granted and not conn.send_quietly(CreditGrant(granted)):
+                self.state.withdraw_credit(conn.session, granted)
 
     def report_ignored_reclaims(self, now: float) -> None:
         """Log, once each, the reclaim requests that sessions left unanswered past the state's patience."""
