@@ -7,11 +7,13 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import signal
 import socket
 
 import pytest
 from hbmd import memfd, proto
 from hbmd.client import ExtensibleTensor, OutOfBudget
+from hbmd.client.session import MAX_KEPT_FDS
 from helpers import GRANULE, MiB, credited, daemon_view, wait_until
 
 pytestmark = pytest.mark.ipc
@@ -109,6 +111,46 @@ def test_chunks_made_on_credit_are_parked_across_a_restart(start_daemon, spawn_w
     with second.connect() as client:
         t = ExtensibleTensor.attach("kv", "cpu", client=client)
         assert t.num_bytes == 24 * MiB and set(ctypes.string_at(t.base_ptr + 8 * MiB, 16 * MiB)) == {5}
+
+
+def test_a_bind_the_daemon_never_read_is_sent_again_to_its_successor(start_daemon, run_dir, systemd):
+    """The daemon is stopped while the client grows on credit, then killed: the bind and its FDs die unread in its
+    socket. The successor restores the journaled credit, and the resumed client sends the bind again."""
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--budget", "256MiB", "--state-dir", str(state_dir))
+    first = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
+    wait_until(lambda: systemd.saw("READY=1"))
+    client = first.connect()
+    t = ExtensibleTensor(64 * MiB, "cpu", client=client, name="kv", persistent=True)
+    credited(client, t, 8 * MiB, 16 * MiB)
+    os.kill(first.pid, signal.SIGSTOP)
+    sent = client.requests_sent
+    t.resize_(24 * MiB)
+    ctypes.memset(t.base_ptr + 8 * MiB, 9, 16 * MiB)
+    assert client.requests_sent == sent
+    first.kill()
+    second = start_daemon(*args, **systemd.relaunch())
+    info = daemon_view(client, t)  # this call resumes the session, and the bind goes first
+    assert info.segment_sizes == [24 * MiB] and info.physical_bytes == 24 * MiB and info.num_chunks == 2
+    client.close()
+    with second.connect() as reader:
+        again = ExtensibleTensor.attach("kv", "cpu", client=reader)
+        assert set(ctypes.string_at(again.base_ptr + 8 * MiB, 16 * MiB)) == {9}
+
+
+def test_a_worker_that_only_grows_on_credit_keeps_few_descriptors(start_daemon):
+    daemon = start_daemon("--budget", "8GiB")
+    with daemon.connect() as client:
+        t = ExtensibleTensor(1 << 30, "cpu", client=client)
+        credited(client, t, 256 * MiB, 512 * MiB)
+        own_fds = len(os.listdir("/proc/self/fd"))
+        sent = client.requests_sent
+        for step in range(1, 81):
+            t.resize_(256 * MiB + step * 2 * GRANULE)  # a run of two granules: the credit's, not the lease's
+            assert len(os.listdir("/proc/self/fd")) <= own_fds + MAX_KEPT_FDS + 2
+        assert client.requests_sent == sent + 1  # one answer, past MAX_KEPT_FDS, confirmed what was kept
+        assert daemon_view(client, t).num_chunks == 81
 
 
 def test_credit_is_asked_back_for_a_commit_that_needs_the_room(start_daemon):
