@@ -149,7 +149,9 @@ class Reservation:
             self.changes += 1
 
     def unmap_runs(self, runs: list[tuple[int, int]]) -> None:
-        """Unmap the chunks mapped at these ``(offset, size)`` runs, those mapped of them (a growth taken back)."""
+        """Unmap the chunks mapped at these ``(offset, size)`` runs, those mapped of them (a growth taken back), once
+        the work on them is done."""
+        self.mapper.synchronize()
         for run in runs:
             if run in self.mapped:
                 self.mapper.unmap(self.base + run[0], run[1])

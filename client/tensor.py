@@ -332,14 +332,21 @@ class ExtensibleTensor(Transactions):
         old_sizes = self._sizes
         if sizes == old_sizes:
             return self
-        if not self._grow_from_lease(sizes):
+        zero = (lambda new_sizes: self._zero_gained(old_sizes, new_sizes)) if zero_new else None
+        if not self._grow_from_lease(sizes, zero):
             self._grow_through_daemon(sizes)
-        if zero_new:
-            for offset, old, new in zip(self._offsets, old_sizes, self._sizes):
-                if new > old:
-                    self._mapper.zero(self._base + offset + old, new - old)
+            if zero is not None:
+                zero(self._sizes)
+        if zero is not None:
             self._mapper.synchronize()
         return self
+
+    def _zero_gained(self, old_sizes: list[int], new_sizes: list[int]) -> None:
+        """Queue the zeroing of what each segment gained from ``old_sizes`` to ``new_sizes``; :meth:`Mapper.synchronize`
+        waits for it."""
+        for offset, old, new in zip(self._offsets, old_sizes, new_sizes):
+            if new > old:
+                self._mapper.zero(self._base + offset + old, new - old)
 
     def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> "ExtensibleTensor":
         """Grow every segment's committed prefix to ``bytes_per_segment`` (see :meth:`resize_segments_`)."""

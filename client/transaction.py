@@ -48,10 +48,10 @@ class Transactions:
         self._sizes = list(info.segment_sizes) or [info.bytes_per_segment] * info.num_segments
         self._offsets = prefix_offsets(self._capacities)
 
-    def _grow_from_lease(self, sizes: list[int]) -> bool:
-        """Grow without a round trip, onto leased granules or in chunks made here on credit; False (nothing done)
-        where neither covers the growth or the buffer has more segments than a placement carries
-        (:data:`MAX_PLACED_SEGMENTS`).
+    def _grow_from_lease(self, sizes: list[int], zero: Callable[[list[int]], None] | None) -> bool:
+        """Grow without a round trip, onto leased granules or in chunks made here on credit, and queue ``zero(sizes
+        grown to)`` once they are mapped; False (nothing done, nothing queued) where neither covers the growth or the
+        buffer has more segments than a placement carries (:data:`MAX_PLACED_SEGMENTS`).
 
         A leased granule or a chunk made on credit is a chunk as the daemon
         would have made it: the buffer's chunks are the same whichever way it
@@ -67,7 +67,11 @@ class Transactions:
             return False  # the daemon refuses a demoted buffer's growth: it says so in its answer
         runs = new_runs(self._offsets, self._sizes, sizes, self._client.granularity)
         with self._client.exclusive:  # no other thread's request on this session between the placement and the mapping
-            return self._place_leased(sizes, runs) or self._make_on_credit(sizes, runs)
+            if self._place_leased(sizes, runs):
+                if zero is not None:
+                    zero(self._sizes)
+                return True
+            return self._make_on_credit(sizes, runs, zero)
 
     def _place_leased(self, sizes: list[int], runs: list[tuple[int, int]]) -> bool:
         granule = self._client.granularity
@@ -95,17 +99,18 @@ class Transactions:
         self._num_chunks += len(offsets)
         return True
 
-    def _make_on_credit(self, sizes: list[int], new: list[tuple[int, int]]) -> bool:
+    def _make_on_credit(self, sizes: list[int], new: list[tuple[int, int]],
+                        zero: Callable[[list[int]], None] | None) -> bool:
         """Grow in chunks made here, one per run as the daemon would make them, paid from the session's credit; False
         (nothing done) where the credit is short, the growth has more than :data:`MAX_OWN_CHUNKS` runs, or making or
         mapping a chunk failed (the daemon then says why, or finds room).
 
         The chunks are mapped first and bound after (the bind carries their
-        FDs): the daemon checks each chunk as it reads the bind, and the
-        driver serializes that with this process's own calls. The commit
-        returns only once the bind is on the daemon's socket, so the chunks
-        are the daemon's, however this process dies, before anything is
-        written to them.
+        FDs), with their zeroing queued in between, so that the device
+        zeroes while this process exports and sends. The commit returns
+        only once the bind is on the daemon's socket, so the chunks are the
+        daemon's, however this process dies, before anything is written to
+        them.
         """
         runs = [(start, end - start) for start, end in new]
         if not runs or len(runs) > MAX_OWN_CHUNKS or not self._client.credit_covers(sum(n for _, n in runs)):
@@ -117,6 +122,8 @@ class Transactions:
             for _, size in runs:
                 made.append(mapper.make(size))
             self._reservation.map_made(made, runs)
+            if zero is not None:
+                zero(sizes)
             bound = self._client.bind(self._info.buffer_id, sizes, runs, made)
         except (HbmdError, OSError) as exc:
             log.debug("buffer %d: a growth on credit failed (%s); asking the daemon", self._info.buffer_id, exc)
