@@ -51,26 +51,27 @@ def test_a_daemon_without_credit_serves_every_larger_commit_itself(start_daemon)
         assert client.requests_sent == sent + 1 and client.status().leased_bytes == 0
 
 
+GROWS_ON_CREDIT = """\
+import ctypes, os, signal, time
+from hbmd.client import ExtensibleTensor, connect
+c = connect("cpu")
+t = ExtensibleTensor(256 << 20, "cpu", client=c, name="kv", persistent=True)
+t.resize_(8 << 20)
+while not c.credit_covers(16 << 20):
+    time.sleep(0.001)
+sent = c.requests_sent
+t.resize_(24 << 20)
+ctypes.memset(t.base_ptr + (8 << 20), {fill}, 16 << 20)
+assert c.requests_sent == sent
+"""
+"""A worker that grows a persistent buffer "kv" on credit from 8 to 24 MiB, with no round trip, and fills what it
+gained with ``fill``; what it does next is added after."""
+
+
 def test_chunks_made_on_credit_outlive_their_maker(start_daemon, spawn_worker):
     """The bind and its FDs are in the daemon's socket before the commit returns: a SIGKILL right after loses none."""
     daemon = start_daemon("--budget", "1GiB")
-    worker = spawn_worker(
-        daemon,
-        """
-        import ctypes, os, signal, time
-        from hbmd.client import ExtensibleTensor, connect
-        c = connect("cpu", client_name="dies")
-        t = ExtensibleTensor(512 << 20, "cpu", client=c, name="kv", persistent=True)
-        t.resize_(8 << 20)
-        while not c.credit_covers(16 << 20):
-            time.sleep(0.001)
-        sent = c.requests_sent
-        t.resize_(24 << 20)
-        ctypes.memset(t.base_ptr + (8 << 20), 7, 16 << 20)
-        assert c.requests_sent == sent
-        os.kill(os.getpid(), signal.SIGKILL)
-        """,
-    )
+    worker = spawn_worker(daemon, GROWS_ON_CREDIT.format(fill=7) + "os.kill(os.getpid(), signal.SIGKILL)\n")
     worker.wait()
     with daemon.connect() as client:
         wait_until(lambda: client.status().num_sessions == 1)
@@ -86,23 +87,7 @@ def test_chunks_made_on_credit_are_parked_across_a_restart(start_daemon, spawn_w
     env = {"NOTIFY_SOCKET": str(systemd.path)}
     first = start_daemon("--budget", "1GiB", "--state-dir", str(state_dir), env=env)
     wait_until(lambda: systemd.saw("READY=1"))
-    writer = spawn_worker(
-        first,
-        """
-        import time
-        from hbmd.client import ExtensibleTensor, connect
-        c = connect("cpu")
-        t = ExtensibleTensor(256 << 20, "cpu", client=c, name="kv", persistent=True)
-        t.resize_(8 << 20)
-        while not c.credit_covers(16 << 20):
-            time.sleep(0.001)
-        sent = c.requests_sent
-        t.resize_(24 << 20)
-        t.full_view()[8 << 20 : 24 << 20] = 5
-        assert c.requests_sent == sent
-        print(t.num_chunks, flush=True)
-        """,
-    )
+    writer = spawn_worker(first, GROWS_ON_CREDIT.format(fill=5) + "print(t.num_chunks, flush=True)\n")
     chunks = int(writer.readline())
     assert writer.wait() == 0 and chunks == 2
     wait_until(lambda: len(systemd.names()) == chunks)
