@@ -199,7 +199,7 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
 
         The check imports the FD, reads the allocation's properties and maps
         it in a scratch range of the daemon's (no context needed), then lets
-        the import go: ~150 µs on an H200, paid while the client maps.
+        the import go: ~150 µs on an H200, while the client waits for its zeroing.
         """
         try:
             handle = driver.import_fd(fd)
