@@ -213,7 +213,7 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
             f"    granule:     {format_bytes(r['granularity'])}",
             f"    budget:      {format_bytes(r['budget_bytes'])} of {format_bytes(r['total_bytes'])}",
             f"    committed:   {format_bytes(r['committed_bytes'])} ({share:.1f}% of budget)",
-            f"    leased:      {format_bytes(r['leased_bytes'])} (granules made ahead for sessions to place)",
+            f"    leased:      {format_bytes(r['leased_bytes'])} (granules and credit: commits without a round trip)",
             f"    budget left: {format_bytes(r['budget_left_bytes'])}",
             f"    device free: {device_free} (all processes, as the driver reports it)",
             f"    reserved:    {format_bytes(r['reserved_bytes'])} of address space",

@@ -77,7 +77,7 @@ class StateCollector(Collector):
             for name, doc, value in (
                 ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes),
                 ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes),
-                ("hbmd_leased_bytes", "Granules leased to sessions, not placed yet; charged to their tenants.",
+                ("hbmd_leased_bytes", "Granules and credit leased to sessions, not placed or spent yet; charged to their tenants.",
                  state.leased_bytes),
                 ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes),
                 ("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes),
