@@ -6,12 +6,21 @@ chunk, mapped, given access and zeroed, through the same ``hbmd.driver``
 calls the daemon and the client make. :class:`HostInProcessBuffer` is the
 same on the host: one memfd per buffer, ``fallocate`` per commit, mapped
 ``MAP_SHARED|MAP_FIXED`` into a reserved range and zeroed.
+
+A :class:`CudaInProcessBuffer` with a ``handover`` socket is the floor of a
+commit that outlives its process: each chunk's FD is also exported and sent
+to another process before the commit returns, as a commit on credit must
+(and nothing else: no protocol, no check on the other side).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+import socket
+import subprocess
+import sys
+from typing import Any, Iterator
 
 from hbmd import driver
 from hbmd.client.host import HostMapper
@@ -22,7 +31,9 @@ from hbmd.proto.units import round_up
 class CudaInProcessBuffer:
     """A reserved range grown by one exportable chunk per :meth:`commit`, in this process's current context."""
 
-    def __init__(self, capacity: int, ordinal: int, granule: int, stream: Any) -> None:
+    def __init__(self, capacity: int, ordinal: int, granule: int, stream: Any,
+                 handover: socket.socket | None = None) -> None:
+        """``handover``: a Unix socket to a process that takes each chunk's FD (:func:`fd_sink`)."""
         self.ordinal = ordinal
         self.granule = granule
         self.stream = stream
@@ -30,6 +41,9 @@ class CudaInProcessBuffer:
         self.base = driver.reserve(self.capacity, granule)
         self.committed = 0
         self.chunks: list[tuple[int, int, Any]] = []
+        self.handover = handover
+        self.handed: list[int] = []
+        """The FDs sent, closed at :meth:`release` (hbmd's client too closes them after its commit returns)."""
 
     def commit(self, num_bytes: int, zero: bool = True) -> None:
         """Back ``[committed, num_bytes)`` with one chunk; with ``zero`` wait until it reads as zero."""
@@ -45,11 +59,18 @@ class CudaInProcessBuffer:
         self.committed = end
         if zero:
             driver.memset_async(address, size, self.stream)
+        if self.handover is not None:
+            self.handed.append(driver.export_fd(handle))
+            socket.send_fds(self.handover, [b"chunk"], self.handed[-1:])
+        if zero:
             driver.context_synchronize()
 
     def release(self) -> None:
         """Unmap and release every chunk; the range stays reserved."""
         driver.context_synchronize()
+        for fd in self.handed:
+            os.close(fd)
+        self.handed = []
         for offset, size, handle in self.chunks:
             driver.unmap(self.base + offset, size)
             driver.release(handle)
@@ -100,3 +121,31 @@ class HostInProcessBuffer:
         self.release()
         self.mapper.unreserve(self.base, self.capacity)
         os.close(self.fd)
+
+
+FD_SINK = """
+import os, socket, sys
+from hbmd.proto.fdpass import receive_with_fds
+sock = socket.socket(fileno=int(sys.argv[1]))
+while True:
+    data, fds, _ = receive_with_fds(sock, 64, 16)
+    for fd in fds:
+        os.close(fd)
+    if not data:
+        break
+"""
+
+
+@contextlib.contextmanager
+def fd_sink() -> Iterator[socket.socket]:
+    """A Unix ``SOCK_SEQPACKET`` socket (as hbmd's handle plane) to a process that takes the FDs sent on it and closes
+    them: the other side of a :class:`CudaInProcessBuffer` handover."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with ours:
+        with theirs:
+            sink = subprocess.Popen([sys.executable, "-c", FD_SINK, str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        try:
+            yield ours
+        finally:
+            ours.shutdown(socket.SHUT_RDWR)
+            sink.wait(10)

@@ -40,6 +40,9 @@ class Target:
     """A baseline buffer of the given capacity (``baseline.py``)."""
     sync: Callable[[], None]
     """Wait for the device: the end of every timed commit."""
+    handover: Callable[[int], Any] | None = None
+    """The baseline that also hands each chunk's FD to another process before its commit returns: the floor of a
+    commit that outlives the process making it (``baseline.py``); None where the bench does not measure it."""
 
     def reps(self, full: int, quick: int) -> int:
         return quick if self.quick else full
@@ -81,10 +84,11 @@ def fresh_commit_hbmd(t: Target, size: int) -> tuple[int, int]:
     return t2 - t1, t2 - t0
 
 
-def fresh_commit_in_process(t: Target, size: int) -> tuple[int, int]:
-    """(commit, reservation + commit) in ns: the same work in this process, synchronized."""
+def fresh_commit_in_process(t: Target, size: int, make: Callable[[int], Any] | None = None) -> tuple[int, int]:
+    """(commit, reservation + commit) in ns: the same work in this process, synchronized (in a buffer of ``make``, by
+    default ``t.in_process``)."""
     t0 = now_ns()
-    buffer = t.in_process(size)
+    buffer = (make or t.in_process)(size)
     t1 = now_ns()
     buffer.commit(size)
     t.sync()
@@ -94,27 +98,49 @@ def fresh_commit_in_process(t: Target, size: int) -> tuple[int, int]:
 
 
 def fresh_commits(t: Target, reps: dict[int, tuple[int, int]]) -> list[dict[str, Any]]:
-    """Per size (``{bytes: (full reps, quick reps)}``): a new buffer grown to it in one commit."""
-    fresh_commit_hbmd(t, t.granule)
-    fresh_commit_in_process(t, t.granule)
+    """Per size (``{bytes: (full reps, quick reps)}``): a new buffer grown to it in one commit.
+
+    With ``t.handover``, the floor too (the in-process commit that hands its
+    chunk to another process), each repetition's three in a rotated order.
+    """
+    sides: dict[str, Callable[[int], tuple[int, int]]] = {
+        "hbmd": lambda size: fresh_commit_hbmd(t, size),
+        "in_process": lambda size: fresh_commit_in_process(t, size),
+    }
+    if t.handover is not None:
+        handover = t.handover
+        sides["handover_floor"] = lambda size: fresh_commit_in_process(t, size, handover)
+    names = list(sides)
+    for name in names:
+        sides[name](t.granule)
     sizes = []
     for size, counts in reps.items():
         n = t.reps(*counts)
-        runs = [pair(i, lambda: fresh_commit_hbmd(t, size), lambda: fresh_commit_in_process(t, size)) for i in range(n)]
+        runs: list[dict[str, tuple[int, int]]] = []
+        for i in range(n):
+            order = names[i % len(names):] + names[: i % len(names)]
+            runs.append({name: sides[name](size) for name in order})
         entry = {
             "bytes": size,
             "label": format_bytes(size),
             "reps": n,
-            "commit": side_by_side([h[0] for h, _ in runs], [b[0] for _, b in runs]),
-            "with_buffer_creation": side_by_side([h[1] for h, _ in runs], [b[1] for _, b in runs]),
-            # Each repetition with which side ran first: a large free can slow the allocation after it.
-            "runs_ms": [
-                {"first": "in_process" if i % 2 else "hbmd", "hbmd": round(h[0] / 1e6, 3), "in_process": round(b[0] / 1e6, 3)}
-                for i, (h, b) in enumerate(runs)
-            ],
+            "commit": side_by_side([r["hbmd"][0] for r in runs], [r["in_process"][0] for r in runs]),
+            "with_buffer_creation": side_by_side([r["hbmd"][1] for r in runs], [r["in_process"][1] for r in runs]),
+            # Each repetition in the order its sides ran: a large free can slow the allocation after it.
+            "runs_ms": [{name: round(r[name][0] / 1e6, 3) for name in r} for r in runs],
         }
-        print(f"  {entry['label']:>9}: hbmd {entry['commit']['hbmd']['p50_us']} µs, in-process "
-              f"{entry['commit']['in_process']['p50_us']} µs, ratio {entry['commit']['ratio_p50']}", flush=True)
+        line = (f"  {entry['label']:>9}: hbmd {entry['commit']['hbmd']['p50_us']} µs, in-process "
+                f"{entry['commit']['in_process']['p50_us']} µs, ratio {entry['commit']['ratio_p50']}")
+        if "handover_floor" in sides:
+            floor = summarize_ns([r["handover_floor"][0] for r in runs])
+            entry["handover_floor"] = {
+                "commit": floor,
+                "ratio_p50_to_in_process": ratio(floor["p50_us"], entry["commit"]["in_process"]["p50_us"]),
+                "hbmd_ratio_p50_to_floor": ratio(entry["commit"]["hbmd"]["p50_us"], floor["p50_us"]),
+            }
+            line += (f"; handover floor {floor['p50_us']} µs, ratio {entry['handover_floor']['ratio_p50_to_in_process']}"
+                     f", hbmd ÷ floor {entry['handover_floor']['hbmd_ratio_p50_to_floor']}")
+        print(line, flush=True)
         sizes.append(entry)
     return sizes
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from baseline import CudaInProcessBuffer
+from baseline import CudaInProcessBuffer, fd_sink
 from cases import (
     Target,
     fresh_commits,
@@ -71,17 +71,17 @@ bench = Bench("gpu", "hbmd on a GPU against the in-process baseline, side by sid
 COMMIT_REPS = {2 * MiB: (30, 3), 64 * MiB: (20, 3), 1 * GiB: (10, 2), 8 * GiB: (5, 2), 64 * GiB: (3, 1)}
 
 
+COMMIT_GOALS = {2 * MiB: 1.5, 64 * MiB: 2.0, 1 * GiB: 1.3}
+"""The most a single commit of a size may cost, hbmd ÷ in-process p50; 1.05 from 8 GiB on."""
+
+
 @bench.case("commit")
 def commit_case(t: Target) -> dict[str, Any]:
     sizes = fresh_commits(t, COMMIT_REPS)
     goals = [
-        goal(f"commit {s['label']} in one call, hbmd/in-process p50", s["commit"]["ratio_p50"], "<=", 1.05)
+        goal(f"a single {s['label']} commit, hbmd/in-process p50", s["commit"]["ratio_p50"], "<=",
+             COMMIT_GOALS.get(s["bytes"], 1.05))
         for s in sizes
-        if s["bytes"] >= 8 * GiB
-    ] + [
-        goal(f"a single {s['label']} commit, hbmd/in-process p50", s["commit"]["ratio_p50"], "<=", 1.5)
-        for s in sizes
-        if s["bytes"] == 2 * MiB
     ]
     return {"sizes": sizes, "goals": goals}
 
@@ -96,7 +96,7 @@ def commit_steps_case(t: Target) -> dict[str, Any]:
 @bench.case("commit_2mib_steps_no_lease")
 def commit_steps_no_lease_case(t: Target) -> dict[str, Any]:
     figures = step_commits_without_lease(t, t.reps(1000, 200))
-    figures["goals"] = [goal("a 2 MiB commit with the lease empty adds (p50)", figures["added_p50_us"], "<=", 400, " µs")]
+    figures["goals"] = [goal("a 2 MiB commit with the lease empty adds (p50)", figures["added_p50_us"], "<=", 300, " µs")]
     return figures
 
 
@@ -292,9 +292,9 @@ def control_case(t: Target) -> dict[str, Any]:
             concurrency.append(point)
     figures["concurrent_2mib_commits"] = concurrency
     figures["goals"] = [
-        goal("status() round trip p50 / ZeroMQ echo p50", figures["status_over_floor_p50"], "<=", 1.5),
+        goal("status() round trip p50 / ZeroMQ echo p50", figures["status_over_floor_p50"], "<=", 1.3),
         goal(f"2 MiB commits/s with {concurrency[-1]['clients']} clients, hbmd/in-process",
-             concurrency[-1]["ratio_commits_per_s"], ">=", 1.0),
+             concurrency[-1]["ratio_commits_per_s"], ">=", 0.9),
     ]
     return figures
 
@@ -389,13 +389,16 @@ def scale_case(t: Target) -> dict[str, Any]:
         buffer.free()
     first, last = points[0], points[-1]
     commit_growth = ratio(last["commit_2mib"]["hbmd"]["p50_us"], first["commit_2mib"]["hbmd"]["p50_us"])
+    in_process_growth = ratio(last["commit_2mib"]["in_process"]["p50_us"], first["commit_2mib"]["in_process"]["p50_us"])
     status_growth = ratio(last["status"]["p50_us"], first["status"]["p50_us"])
     return {
         "points": points,
         "commit_p50_growth": commit_growth,
+        "in_process_commit_p50_growth": in_process_growth,
         "status_p50_growth": status_growth,
         "goals": [
-            goal(f"2 MiB commit p50 at {last['chunks']} ÷ at {first['chunks']} chunks", commit_growth, "<=", 1.25),
+            goal(f"2 MiB commit p50 at {last['chunks']} ÷ at {first['chunks']} chunks, against in-process's own",
+                 commit_growth, "<=", in_process_growth or 1.0),
             goal(f"status p50 at {last['chunks']} ÷ at {first['chunks']} chunks", status_growth, "<=", 1.25),
         ],
     }
@@ -529,7 +532,7 @@ def setup(args: Any):
     torch.zeros(1, device=f"cuda:{DEVICE}")
     torch.cuda.synchronize()
     options = ["--warm-chunks", str(args.warm_chunks)] + (["--no-export-sentinel"] if args.no_export_sentinel else [])
-    with Daemon("--backend", "cuda", "--device", str(DEVICE), *options) as daemon:
+    with Daemon("--backend", "cuda", "--device", str(DEVICE), *options) as daemon, fd_sink() as sink:
         client = connect(f"cuda:{DEVICE}", run_dir=daemon.run_dir, client_name="gpu_bench")
         try:
             client.mapper  # the mapper's context and stream, before any clock starts
@@ -542,6 +545,7 @@ def setup(args: Any):
                 device=f"cuda:{DEVICE}",
                 granule=client.granularity,
                 in_process=lambda capacity: CudaInProcessBuffer(capacity, DEVICE, client.granularity, stream),
+                handover=lambda capacity: CudaInProcessBuffer(capacity, DEVICE, client.granularity, stream, sink),
                 # Looked up per call, so that the breakdown's probe sees it.
                 sync=lambda: driver.context_synchronize(),
             )

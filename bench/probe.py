@@ -69,7 +69,8 @@ def client_probe() -> Probe:
 
     ``client.send_request``, ``client.decode_reply`` and ``client.file_datagram`` (a datagram of the handle socket
     read and filed, by the caller or by the listener thread) are parts of ``client.control_call`` and
-    ``client.receive_fds``; ``client.import_leased`` is the listener's import of granted granules.
+    ``client.receive_fds``; ``client.import_leased`` is the listener's import of granted granules. On credit:
+    ``drv.create`` is the client's own chunk, ``drv.export_fd`` its FD and ``client.send_bind`` the bind's send.
     """
     import zmq
     from hbmd import driver
@@ -85,8 +86,9 @@ def client_probe() -> Probe:
     probe.wrap(Lease, "granted", "client.import_leased")
     probe.wrap(os, "close", "client.os_close")
     probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
-    for name in ("create", "import_fd", "map", "set_access", "release", "memset_async", "context_synchronize",
-                 "make_current"):
+    probe.wrap(HandleChannel, "send", "client.send_bind")
+    for name in ("create", "export_fd", "import_fd", "map", "set_access", "release", "memset_async",
+                 "context_synchronize", "make_current"):
         probe.wrap(driver, name, f"drv.{name}")
     return probe
 
@@ -125,7 +127,9 @@ def daemon_probe() -> Probe:
     ``daemon.look_after_sessions`` is the loop's work after each batch of events (lease top-ups among it).
     A move: ``daemon.state_move`` (the new tier's chunks made, host ones taken from the pool by ``daemon.pool_take``)
     and ``daemon.state_finish`` (the old tier's chunks released); ``daemon.create_host`` runs on the host pool's thread
-    as well, beside the loop.
+    as well, beside the loop. A bind of chunks made on credit: ``daemon.drain_datagrams`` (every datagram of the
+    handle plane read and handled) holds ``daemon.accept_chunk``, the check of each chunk (the FD's import, the
+    allocation's properties and the size check's mappings).
     """
     import socket
 
@@ -133,15 +137,19 @@ def daemon_probe() -> Probe:
     from hbmd import driver
     from hbmd.daemon.backends.pool import HostPool
     from hbmd.daemon.server import Server
+    from hbmd.daemon.server.handles import HandlePlane
     from hbmd.daemon.server import loop
     from hbmd.daemon.server.outbox import Outbox
     from hbmd.daemon.state import State
+    from hbmd.daemon.state.chunks import Chunks
     from hbmd.driver import nvml
 
     probe = Probe()
     probe.wrap(Server, "_drain_control", "daemon.drain_control")
     probe.wrap(Server, "_dispatch", "daemon.dispatch")
     probe.wrap(Server, "_look_after_sessions", "daemon.look_after_sessions")
+    probe.wrap(HandlePlane, "_drain_datagrams", "daemon.drain_datagrams")
+    probe.wrap(Chunks, "accept", "daemon.accept_chunk")
     probe.wrap(zmq.Socket, "recv_multipart", "daemon.recv_request")
     probe.wrap(zmq.Socket, "send_multipart", "daemon.send_reply")
     probe.wrap(loop, "read_envelope", "daemon.read_request")
