@@ -9,6 +9,8 @@ import fcntl
 import os
 import signal
 import socket
+import sys
+import threading
 
 import pytest
 from hbmd import memfd, proto
@@ -124,6 +126,42 @@ def test_a_bind_the_daemon_never_read_is_sent_again_to_its_successor(start_daemo
         assert set(ctypes.string_at(again.base_ptr + 8 * MiB, 16 * MiB)) == {9}
 
 
+ONE_DATAGRAM_PER_TURN = (
+    "import importlib, sys; from hbmd.daemon.main import main; "
+    "importlib.import_module('hbmd.daemon.server.handles').WORK_PER_TURN_S = 1e-9; sys.exit(main(sys.argv[1:]))"
+)
+"""The daemon with each session's share of a turn's work so small that it reads one datagram per turn."""
+
+
+def test_a_request_waits_for_the_binds_its_client_sent_before_it(start_daemon):
+    """Binds queue up while the daemon is stopped, and a commit the credit cannot cover follows them. The daemon
+    reads one datagram per turn, so the commit arrives with binds still unread: it waits for them, and neither the
+    bytes written on credit nor the daemon's record of them are lost."""
+    daemon = start_daemon("--budget", "2GiB", command=[sys.executable, "-c", ONE_DATAGRAM_PER_TURN])
+    binds, run = 24, 2 * GRANULE  # runs of two granules: the credit's, not the lease's
+    with daemon.connect() as client:
+        t = ExtensibleTensor(256 * MiB, "cpu", client=client)
+        credited(client, t, 64 * MiB, binds * run)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            sent = client.requests_sent
+            for step in range(binds):
+                t.resize_(64 * MiB + (step + 1) * run)
+                ctypes.memset(t.base_ptr + 64 * MiB + step * run, step + 1, run)
+            assert client.requests_sent == sent
+            grown = threading.Thread(target=t.resize_, args=(256 * MiB,))  # beyond the credit: through the daemon
+            grown.start()
+            wait_until(lambda: client.requests_sent == sent + 1)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        grown.join(30)
+        assert not grown.is_alive() and t.num_bytes == 256 * MiB
+        for step in range(binds):
+            assert set(ctypes.string_at(t.base_ptr + 64 * MiB + step * run, run)) == {step + 1}, step
+        info = daemon_view(client, t)
+        assert info.segment_sizes == [256 * MiB] and info.num_chunks == t.num_chunks == binds + 2
+
+
 def test_a_worker_that_only_grows_on_credit_keeps_few_descriptors(start_daemon):
     daemon = start_daemon("--budget", "8GiB")
     with daemon.connect() as client:
@@ -133,7 +171,8 @@ def test_a_worker_that_only_grows_on_credit_keeps_few_descriptors(start_daemon):
         sent = client.requests_sent
         for step in range(1, 81):
             t.resize_(256 * MiB + step * 2 * GRANULE)  # a run of two granules: the credit's, not the lease's
-            assert len(os.listdir("/proc/self/fd")) <= own_fds + MAX_KEPT_FDS + 2
+            # Those confirmed are closed on the client's closer thread, a moment after the answer that confirmed them.
+            wait_until(lambda: len(os.listdir("/proc/self/fd")) <= own_fds + MAX_KEPT_FDS + 2, timeout=5)
         assert client.requests_sent == sent + 1  # one answer, past MAX_KEPT_FDS, confirmed what was kept
         assert daemon_view(client, t).num_chunks == 81
 

@@ -190,6 +190,10 @@ class HandlePlane(Generic[A, C]):
             if conn is not None and conn.session is not None:
                 self._drain_datagrams(conn)
 
+    def behind(self, conn: HandleConnection[A, C]) -> bool:
+        """Whether the session's client has datagrams not read yet: its share of this turn's work ran out first."""
+        return conn.session is not None and conn.session.wants_lease and readable_now(conn.sock.fileno())
+
     def unless_holder_exited(self, operation: Callable[[], T]) -> T:
         """Run ``operation``; if a session holding the buffer it needs has exited unnoticed, end that session and run
         it again."""

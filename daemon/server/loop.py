@@ -15,7 +15,10 @@ each only for a share of work (``WORK_PER_TURN_S`` per session,
 :data:`CONTROL_WORK_PER_TURN_S` for the control plane); what is left waits
 for the next turn. So a peer flooding either plane delays itself, SIGTERM is
 honoured within a turn, and the systemd watchdog, fed once per turn, is fed
-as long as the loop truly turns.
+as long as the loop truly turns. A request whose own session still has
+datagrams unread that way waits for them, over later turns: it must see
+every placement and bind its client sent before it, or it would back again
+what the client has already mapped and written.
 """
 
 from __future__ import annotations
@@ -77,6 +80,11 @@ peer gets one: a flood delays its sender, others wait at most for one of its req
 log = logging.getLogger("hbmd.server")
 
 
+class _Behind(Exception):
+    """The asking session's own datagrams are not all read yet (its turn's share of work ran out): its request waits
+    for them, so that it sees every placement and bind its client sent before it."""
+
+
 class AlreadyRunning(RuntimeError):
     """Another daemon holds the instance's lock."""
 
@@ -129,6 +137,8 @@ class Server(Generic[A, C]):
         self._dir_fd = -1
         self._context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
+        self._waiting: dict[int, tuple[bytes, list[bytes]]] = {}
+        """Requests waiting for their session's datagrams (:class:`_Behind`), by session id: one each at most."""
         self._successors: TakeoverListener | None = None
         self._wake_r = self._wake_w = -1
         self._poller = zmq.Poller()
@@ -230,7 +240,7 @@ class Server(Generic[A, C]):
         """Serve until :meth:`stop`; raises :class:`BooksUnbalanced` as soon as ``check_invariants`` finds them so."""
         idle_work = True
         while not self._stopping:
-            timeout = 0 if idle_work else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
+            timeout = 0 if idle_work or self._waiting else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
             # Control requests last: a request sees every session the same turn of the loop ended (a worker that
             # exited just before its peer asked for status is gone from the status).
             events = sorted(self._poller.poll(timeout=timeout), key=lambda event: event[0] is self._router)
@@ -242,6 +252,8 @@ class Server(Generic[A, C]):
                     except Exception:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
+                if self._waiting:
+                    self._answer_waiting()
                 self._look_after_sessions()
                 if self.check_invariants and events:
                     self._check_books()
@@ -263,6 +275,7 @@ class Server(Generic[A, C]):
         """Hang up on every session (ending none) and close the sockets; remove their files while the lock is held,
         and let it go."""
         self._plane.close()
+        self._waiting.clear()  # their clients send them again once they have resumed
         if self._router is not None:
             self._poller.unregister(self._router)
             self._router.close(linger=0)
@@ -386,15 +399,29 @@ class Server(Generic[A, C]):
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            identity, body = frames[0], frames[1:]
-            reply = self._dispatch(body)
-            try:
-                if reply is not None:
-                    router.send_multipart([identity, *reply], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                log.debug("reply dropped: %s", exc)
+            self._answer(router, frames[0], frames[1:])
             if time.perf_counter() >= ends:
                 return
+
+    def _answer(self, router: zmq.Socket, identity: bytes, body: list[bytes]) -> None:
+        """Answer one request of the peer ``identity``, or keep it in :attr:`_waiting` while its session is behind."""
+        try:
+            reply = self._dispatch(body)
+        except _Behind as behind:
+            self._waiting[behind.args[0]] = (identity, body)
+            return
+        try:
+            if reply is not None:
+                router.send_multipart([identity, *reply], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("reply dropped: %s", exc)
+
+    def _answer_waiting(self) -> None:
+        """Answer the waiting requests whose sessions' datagrams have all been read since."""
+        waiting, self._waiting = self._waiting, {}
+        for identity, body in waiting.values():
+            if self._router is not None:
+                self._answer(self._router, identity, body)
 
     def _dispatch(self, frames: list[bytes]) -> list[bytes] | None:
         """Answer one request: the reply's frames, or None where it rides with the request's FDs on the handle socket
@@ -417,6 +444,10 @@ class Server(Generic[A, C]):
             session = self.state.session_for(token)
             self._plane.take_placements()
             conn = self._plane.by_session[session.session_id]
+            if session.session_id in self._waiting:
+                raise ProtocolError("this session already has a request waiting for its datagrams; send one at a time")
+            if self._plane.behind(conn):
+                raise _Behind(session.session_id)
             answered = session.answer
             if answered is not None and request_id == answered.request_id:
                 reply = self._answer_again(conn, request_id, answered)
@@ -424,6 +455,8 @@ class Server(Generic[A, C]):
                 fresh = kind.changes_state
                 session.previous_credential_hash = ""  # the client speaks: it holds its last welcome's credential
                 reply = handler(conn, request_id, decode_body(kind, raw))
+        except _Behind:
+            raise  # nothing done yet: answered once the session's datagrams are read
         except OutOfBudget as exc:
             self._log_refusal(operation, session, exc)  # only a handler refuses for budget: the session is known
             reply = ErrorReply.of(exc)
