@@ -178,15 +178,17 @@ def test_a_lease_its_session_does_not_give_back_is_not_promised_to_a_retry(daemo
         from hbmd.client import ExtensibleTensor, connect
         c = connect("cpu", client_name="deaf")
         ExtensibleTensor(64 << 20, "cpu", client=c).resize_(2 << 20)
-        while c.leased_granules < 2:
+        while c.leased_granules < 2 or not c.credit_covers(4 << 20):  # granules, and credit behind them
             time.sleep(0.01)
-        print(c.leased_granules, flush=True)
+        print("leased", flush=True)
         time.sleep(600)
         """,
     )
-    leased = int(deaf.readline()) * GRANULE
+    assert deaf.readline().strip() == "leased"
     os.kill(deaf.proc.pid, signal.SIGSTOP)  # it reads nothing more, the daemon's requests to give the lease back included
     with daemon.connect(client_name="engine", lease=False) as engine:
+        leased = engine.status().leased_bytes
+        assert leased >= 2 * GRANULE + 4 * MiB
         big = engine.create_buffer(256 * MiB, 1)
         with pytest.raises(OutOfBudget, match=r"leased \(being asked back: retry\)"):
             engine.commit(big.buffer_id, 256 * MiB - 2 * MiB)

@@ -102,6 +102,9 @@ class Leases(Generic[A, C]):
             c.size == granule for c in created
         ):
             session.lease_target = min(self.granules, max(2 * session.lease_target, 2 * count))
+            if session.wants_credit:
+                # Behind the granules: a client that commits faster than they are made makes the next ones itself.
+                session.credit_target = min(self.credit_max, max(2 * session.credit_target, 2 * count * granule))
         elif session.wants_credit and count <= MAX_OWN_CHUNKS:
             grown = sum(c.size for c in created)
             session.credit_target = min(self.credit_max, max(2 * session.credit_target, 2 * grown))
