@@ -407,7 +407,7 @@ def scale_case(t: Target) -> dict[str, Any]:
 # where the time goes
 
 
-BREAKDOWN_SIZES = {64 * MiB: (10, 2), 1 * GiB: (5, 1), 8 * GiB: (3, 1), 64 * GiB: (2, 1)}
+BREAKDOWN_SIZES = {2 * MiB: (20, 4), 64 * MiB: (10, 2), 1 * GiB: (5, 1), 8 * GiB: (3, 1), 64 * GiB: (2, 1)}
 NESTED_STEPS = ("client.send_request", "client.decode_reply", "client.file_datagram", "client.import_leased")
 """Client steps inside others (or on the listener thread): left out of the client's own time, or it would count twice."""
 
