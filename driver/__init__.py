@@ -127,7 +127,9 @@ def total_memory(ordinal: int) -> int:
     return call("cuDeviceTotalMem", device(ordinal))
 
 
+@functools.cache
 def _allocation_prop(ordinal: int, rdma: bool) -> Any:
+    """Built once per device and kind: the driver only reads it, and every chunk of every commit is made from it."""
     cu = _bindings()
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -279,6 +281,13 @@ def set_access(address: int, size: int, ordinals: list[int], readonly: bool = Fa
     A kernel that writes through a read-only mapping faults: the context
     reports an illegal-address error, as for an unmapped address.
     """
+    descs = _access_descs(tuple(ordinals), readonly)
+    call("cuMemSetAccess", address, size, descs, len(descs))
+
+
+@functools.cache
+def _access_descs(ordinals: tuple[int, ...], readonly: bool) -> list[Any]:
+    """Built once per device list and mode, as :func:`_allocation_prop`: every mapping of every commit sets access."""
     cu = _bindings()
     flags = cu.CUmemAccess_flags
     descs = []
@@ -288,7 +297,7 @@ def set_access(address: int, size: int, ordinals: list[int], readonly: bool = Fa
         desc.location.id = ordinal
         desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if readonly else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         descs.append(desc)
-    call("cuMemSetAccess", address, size, descs, len(descs))
+    return descs
 
 
 def use_primary_context(ordinal: int) -> Any:
