@@ -97,11 +97,12 @@ def fresh_commit_in_process(t: Target, size: int, make: Callable[[int], Any] | N
     return t2 - t1, t2 - t0
 
 
-def fresh_commits(t: Target, reps: dict[int, tuple[int, int]]) -> list[dict[str, Any]]:
+def fresh_commits(t: Target, reps: dict[int, tuple[int, int]], handover_up_to: int = 0) -> list[dict[str, Any]]:
     """Per size (``{bytes: (full reps, quick reps)}``): a new buffer grown to it in one commit.
 
-    With ``t.handover``, the floor too (the in-process commit that hands its
-    chunk to another process), each repetition's three in a rotated order.
+    With ``t.handover``, sizes up to ``handover_up_to`` bytes measure the
+    floor too (the in-process commit that hands its chunk to another
+    process), each repetition's three in a rotated order.
     """
     sides: dict[str, Callable[[int], tuple[int, int]]] = {
         "hbmd": lambda size: fresh_commit_hbmd(t, size),
@@ -110,12 +111,12 @@ def fresh_commits(t: Target, reps: dict[int, tuple[int, int]]) -> list[dict[str,
     if t.handover is not None:
         handover = t.handover
         sides["handover_floor"] = lambda size: fresh_commit_in_process(t, size, handover)
-    names = list(sides)
-    for name in names:
-        sides[name](t.granule)
+    for side in sides.values():
+        side(t.granule)
     sizes = []
     for size, counts in reps.items():
         n = t.reps(*counts)
+        names = [name for name in sides if name != "handover_floor" or size <= handover_up_to]
         runs: list[dict[str, tuple[int, int]]] = []
         for i in range(n):
             order = names[i % len(names):] + names[: i % len(names)]
@@ -131,7 +132,7 @@ def fresh_commits(t: Target, reps: dict[int, tuple[int, int]]) -> list[dict[str,
         }
         line = (f"  {entry['label']:>9}: hbmd {entry['commit']['hbmd']['p50_us']} µs, in-process "
                 f"{entry['commit']['in_process']['p50_us']} µs, ratio {entry['commit']['ratio_p50']}")
-        if "handover_floor" in sides:
+        if "handover_floor" in names:
             floor = summarize_ns([r["handover_floor"][0] for r in runs])
             entry["handover_floor"] = {
                 "commit": floor,
