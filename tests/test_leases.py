@@ -50,6 +50,28 @@ def test_once_leased_small_commits_take_no_round_trip_and_the_daemon_records_the
     assert [int(again.segment_view(1)[(s - 1) * GRANULE]) for s in (2, 3)] == [12, 13]
 
 
+def test_credit_stands_behind_the_granules_of_a_session_that_outruns_its_lease(start_daemon):
+    """A session stepping one granule at a time is granted credit as well as granules: with the daemon stopped, so
+    that nothing is refilled, the steps past its two granules are made in the client, with no round trip."""
+    daemon = start_daemon("--budget", "256MiB", "--lease", "4MiB")
+    with daemon.connect() as client:
+        t = ExtensibleTensor(64 * MiB, "cpu", client=client)
+        t.resize_(GRANULE)  # through the daemon: the lease and the credit grow from this demand
+        wait_until(lambda: client.leased_granules == 2 and client.credit_covers(2 * GRANULE), timeout=10)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            sent = client.requests_sent
+            for step in range(2, 6):
+                t.resize_(step * GRANULE)
+                t.full_view()[(step - 1) * GRANULE : step * GRANULE] = step
+            assert client.requests_sent == sent, "a step past the granules went to the daemon"
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        info = daemon_view(client, t)
+        assert info.segment_sizes == [5 * GRANULE] and info.num_chunks == t.num_chunks == 5
+        assert [int(t.full_view()[step * GRANULE - 1]) for step in range(2, 6)] == [2, 3, 4, 5]
+
+
 def test_growth_inside_backed_granules_and_uneven_segments_place_exactly_what_is_needed(daemon, client):
     # Segments of 3 MiB: the granule at 2-4 MiB straddles both, so growing segment 0 past 2 MiB backs part of 1.
     t = ExtensibleTensor(6 * MiB, "cpu", segment_capacities=[3 * MiB, 3 * MiB], client=client)
