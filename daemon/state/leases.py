@@ -92,7 +92,8 @@ class Leases(Generic[A, C]):
 
         Granules serve commits of runs of one granule,
         :data:`MAX_PLACED_GRANULES` at most; credit serves the others, of
-        :data:`MAX_OWN_CHUNKS` runs at most.
+        :data:`MAX_OWN_CHUNKS` runs at most, and single granules too when
+        the granules run out.
         """
         granule = self.backend.granularity
         count = len(created)
