@@ -162,6 +162,49 @@ def test_a_request_waits_for_the_binds_its_client_sent_before_it(start_daemon):
         assert info.segment_sizes == [256 * MiB] and info.num_chunks == t.num_chunks == binds + 2
 
 
+def test_a_worker_killed_with_binds_unread_keeps_what_it_committed(start_daemon, spawn_worker):
+    """A worker grows a persistent buffer in 24 binds while the daemon is stopped, and is killed. The daemon, reading
+    one datagram per turn, sees the worker's exit with binds still unread: it reads them all before the session ends,
+    and a new process attaches every byte the worker committed."""
+    daemon = start_daemon("--budget", "2GiB", command=[sys.executable, "-c", ONE_DATAGRAM_PER_TURN])
+    binds, run = 24, 2 * GRANULE
+    worker = spawn_worker(
+        daemon,
+        f"""
+        import ctypes, sys, time
+        from hbmd.client import ExtensibleTensor, connect
+        c = connect("cpu")
+        t = ExtensibleTensor(256 << 20, "cpu", client=c, name="kv", persistent=True)
+        t.resize_(64 << 20)
+        while not c.credit_covers({binds * run}):
+            time.sleep(0.001)
+        print("credited", flush=True)
+        sys.stdin.readline()
+        sent = c.requests_sent
+        for step in range({binds}):
+            t.resize_((64 << 20) + (step + 1) * {run})
+            ctypes.memset(t.base_ptr + (64 << 20) + step * {run}, step + 1, {run})
+        print("done" if c.requests_sent == sent else "round trips", flush=True)
+        time.sleep(600)
+        """,
+    )
+    assert worker.readline(30).strip() == "credited"
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        worker.send("go")
+        assert worker.readline(30).strip() == "done"
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        worker.proc.wait(10)
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    with daemon.connect() as client:
+        wait_until(lambda: client.status().num_sessions == 1)
+        t = ExtensibleTensor.attach("kv", "cpu", client=client)
+        assert t.num_bytes == 64 * MiB + binds * run and t.num_chunks == binds + 1
+        for step in range(binds):
+            assert set(ctypes.string_at(t.base_ptr + 64 * MiB + step * run, run)) == {step + 1}, step
+
+
 def test_a_worker_that_only_grows_on_credit_keeps_few_descriptors(start_daemon):
     daemon = start_daemon("--budget", "8GiB")
     with daemon.connect() as client:

@@ -44,6 +44,8 @@ class HandleConnection(Generic[A, C]):
     outbox: collections.deque[Delivery[A, C]] = dataclasses.field(default_factory=collections.deque)
     fds_in_flight: int = 0
     """FDs sent since the peer was last seen to have read everything."""
+    exited_at: float | None = None
+    """When the loop saw the peer's process exit with datagrams still to read (``HandlePlane``), else None."""
 
     def send_quietly(self, msg: Message) -> bool:
         """Send one datagram without FDs; a peer that is gone or not reading just misses it (False)."""

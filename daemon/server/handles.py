@@ -16,7 +16,9 @@ worker's persistent buffers could not be attached by its replacement. So at
 accept the daemon opens a pidfd (``pidfd_open``) for the ``SO_PEERCRED``
 pid, the process that connected, and polls it with the sockets: when it
 turns readable that process has exited and the session ends, even while the
-socket is still open elsewhere. The pidfd is taken at accept, moments
+socket is still open elsewhere, once the datagrams it sent before are read
+(over later turns where they are more than a turn's share, for
+:data:`EXITED_READ_S` at most): each is a commit that returned. The pidfd is taken at accept, moments
 after the connect, so the window in which the pid could pass to another
 process is that short. Where there is no pidfd (kernels before 5.3, or a
 peer in a pid namespace the daemon cannot see, whose pid reads 0) the
@@ -85,6 +87,10 @@ WORK_PER_TURN_S = 0.005
 Work is counted, not datagrams: one placement costs from microseconds to a couple of milliseconds (a full 64 KiB
 datagram), so a count would let a peer hold the loop for as many times the dearest one. An honest client sends a
 placement per commit, at most one per leased granule it holds, each well within this."""
+EXITED_READ_S = 2.0
+"""How long the datagrams a session's process sent before it exited are read on, a turn's share at a time, before its
+session ends: each is a commit that returned, and a persistent buffer must keep it. What a forked helper sends past
+that is cut."""
 MAX_ACCEPTS_PER_TURN = 64
 """Connections accepted in one turn of the loop; more wait for the next, so a burst of connects cannot hold it."""
 MAX_PENDING_HELLOS_PER_UID = 64
@@ -169,8 +175,18 @@ class HandlePlane(Generic[A, C]):
             return
         conn = self._by_pidfd.get(fd)
         # Checked again: the event may be stale, its descriptor number reused this very loop.
-        if conn is not None and readable_now(conn.pidfd):
+        if conn is not None and readable_now(conn.pidfd) and not self._reading_after_exit(conn):
             self.close_connection(conn, "process exited")
+
+    def _reading_after_exit(self, conn: HandleConnection[A, C]) -> bool:
+        """Whether the session of a process that has exited still has datagrams to read, for this turn and the next
+        (its socket's events read them, within each turn's share), :data:`EXITED_READ_S` at most."""
+        if not self.behind(conn):
+            return False
+        now = time.monotonic()
+        if conn.exited_at is None:
+            conn.exited_at = now
+        return now - conn.exited_at < EXITED_READ_S
 
     def expire_hellos(self, now: float) -> None:
         """Close the connections that sent no hello within :data:`HELLO_TIMEOUT_S`."""
