@@ -162,10 +162,12 @@ def test_a_request_waits_for_the_binds_its_client_sent_before_it(start_daemon):
         assert info.segment_sizes == [256 * MiB] and info.num_chunks == t.num_chunks == binds + 2
 
 
-def test_a_worker_killed_with_binds_unread_keeps_what_it_committed(start_daemon, spawn_worker):
+@pytest.mark.parametrize("attach_at_once", [False, True], ids=["after-the-session-ends", "at-once"])
+def test_a_worker_killed_with_binds_unread_keeps_what_it_committed(start_daemon, spawn_worker, attach_at_once):
     """A worker grows a persistent buffer in 24 binds while the daemon is stopped, and is killed. The daemon, reading
     one datagram per turn, sees the worker's exit with binds still unread: it reads them all before the session ends,
-    and a new process attaches every byte the worker committed."""
+    and a new process attaches every byte the worker committed, also when its attach comes first (sent while the
+    daemon is stopped)."""
     daemon = start_daemon("--budget", "2GiB", command=[sys.executable, "-c", ONE_DATAGRAM_PER_TURN])
     binds, run = 24, 2 * GRANULE
     worker = spawn_worker(
@@ -189,17 +191,31 @@ def test_a_worker_killed_with_binds_unread_keeps_what_it_committed(start_daemon,
         """,
     )
     assert worker.readline(30).strip() == "credited"
+    replacement = daemon.connect()
+    attached: list[ExtensibleTensor] = []
+
+    def attach_kv() -> None:
+        attached.append(ExtensibleTensor.attach("kv", "cpu", client=replacement))
+
+    attach = threading.Thread(target=attach_kv)
     os.kill(daemon.pid, signal.SIGSTOP)
     try:
         worker.send("go")
         assert worker.readline(30).strip() == "done"
         os.kill(worker.proc.pid, signal.SIGKILL)
         worker.proc.wait(10)
+        if attach_at_once:
+            attach.start()
+            wait_until(lambda: replacement.requests_sent == 1)
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
-    with daemon.connect() as client:
-        wait_until(lambda: client.status().num_sessions == 1)
-        t = ExtensibleTensor.attach("kv", "cpu", client=client)
+    with replacement:
+        if attach_at_once:
+            attach.join(30)
+        else:
+            wait_until(lambda: replacement.status().num_sessions == 1)
+            attach_kv()
+        (t,) = attached
         assert t.num_bytes == 64 * MiB + binds * run and t.num_chunks == binds + 1
         for step in range(binds):
             assert set(ctypes.string_at(t.base_ptr + 64 * MiB + step * run, run)) == {step + 1}, step

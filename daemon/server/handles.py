@@ -211,8 +211,8 @@ class HandlePlane(Generic[A, C]):
         return conn.session is not None and conn.session.wants_lease and readable_now(conn.sock.fileno())
 
     def unless_holder_exited(self, operation: Callable[[], T]) -> T:
-        """Run ``operation``; if a session holding the buffer it needs has exited unnoticed, end that session and run
-        it again."""
+        """Run ``operation``; if a session holding the buffer it needs has exited (noticed or not), end that session,
+        its datagrams read first, and run it again."""
         try:
             return operation()
         except Conflict as exc:
@@ -220,8 +220,18 @@ class HandlePlane(Generic[A, C]):
             holder = self._by_session.get(session_id) if isinstance(session_id, int) else None
             if holder is None or not holder.has_exited():
                 raise
+            self._read_after_exit_now(holder)
             self.close_connection(holder, "process exited")
         return operation()
+
+    def _read_after_exit_now(self, conn: HandleConnection[A, C]) -> None:
+        """Read what an exited process's session has left unread, at once: a request waits on its end (a replacement
+        attaching the buffers it grew). Within :data:`EXITED_READ_S` from when its exit was first seen, as over turns."""
+        deadline = (conn.exited_at or time.monotonic()) + EXITED_READ_S
+        while self.behind(conn) and time.monotonic() < deadline:
+            self._worked.pop(conn.sock.fileno(), None)
+            if not self._drain_datagrams(conn):
+                return
 
     def close_connection(self, conn: HandleConnection[A, C], why: str) -> None:
         """Close the connection and its pidfd and end its session, freeing its anonymous buffers."""
