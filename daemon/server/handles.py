@@ -18,9 +18,9 @@ pid, the process that connected, and polls it with the sockets: when it
 turns readable that process has exited and the session ends, even while the
 socket is still open elsewhere, once the datagrams it sent before are read
 (over later turns where they are more than a turn's share, for
-:data:`EXITED_READ_S` at most): each is a commit that returned. The pidfd is taken at accept, moments
-after the connect, so the window in which the pid could pass to another
-process is that short. Where there is no pidfd (kernels before 5.3, or a
+:data:`EXITED_READ_S` at most): each is a commit that returned. The pidfd
+is taken at accept, moments after the connect, so the window in which the
+pid could pass to another process is that short. Where there is no pidfd (kernels before 5.3, or a
 peer in a pid namespace the daemon cannot see, whose pid reads 0) the
 socket's EOF alone ends the session. A request that meets a session whose
 process has died but whose exit the loop has not handled yet (an attach
