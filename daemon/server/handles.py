@@ -227,8 +227,7 @@ class HandlePlane(Generic[A, C]):
     def _read_after_exit_now(self, conn: HandleConnection[A, C]) -> None:
         """Read what an exited process's session has left unread, at once: a request waits on its end (a replacement
         attaching the buffers it grew). Within :data:`EXITED_READ_S` from when its exit was first seen, as over turns."""
-        deadline = (conn.exited_at or time.monotonic()) + EXITED_READ_S
-        while self.behind(conn) and time.monotonic() < deadline:
+        while self._reading_after_exit(conn):
             self._worked.pop(conn.sock.fileno(), None)
             if not self._drain_datagrams(conn):
                 return
