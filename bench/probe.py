@@ -70,7 +70,8 @@ def client_probe() -> Probe:
     ``client.send_request``, ``client.decode_reply`` and ``client.file_datagram`` (a datagram of the handle socket
     read and filed, by the caller or by the listener thread) are parts of ``client.control_call`` and
     ``client.receive_fds``; ``client.import_leased`` is the listener's import of granted granules. On credit:
-    ``drv.create`` is the client's own chunk, ``drv.export_fd`` its FD and ``client.send_bind`` the bind's send.
+    ``drv.create`` is the client's own chunk, ``drv.export_fd`` its FD and ``client.send_bind`` the bind's send
+    (the label counts every datagram the client sends: a leased granule's placement too).
     """
     import zmq
     from hbmd import driver
