@@ -92,6 +92,10 @@ def test_a_session_whose_client_does_not_come_back_ends_as_a_dead_one(restartabl
         input()
     """)
     assert worker.readline().strip() == "ready"
+    # The "keep" commit may be made on credit, its bind read by the daemon just after it returns: a daemon and a
+    # client that both die before that lose it, as no one is left to send it again.
+    with restartable.daemon.connect(observer=True) as look:
+        wait_until(lambda: look.status().committed_bytes == 10 * MiB)
     os.kill(worker.proc.pid, signal.SIGSTOP)  # so that it cannot resume before it dies
     daemon = restartable.restart("kill", "--resume-timeout", "1")
     worker.kill()  # it dies while the daemon is away: nobody will resume its session
