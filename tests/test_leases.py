@@ -12,6 +12,7 @@ import json
 import os
 import select
 import signal
+import sys
 import time
 
 import pytest
@@ -23,9 +24,16 @@ from helpers import GRANULE, MiB, daemon_view, hbmctl, wait_until
 pytestmark = pytest.mark.ipc
 
 
-def leased_at_least(client, granules: int) -> None:
+ONE_GRANULE_PER_TURN = (
+    "import importlib, sys; from hbmd.daemon.main import main; "
+    "importlib.import_module('hbmd.daemon.server.session').TOP_UP_WORK_PER_TURN_S = 1e-9; sys.exit(main(sys.argv[1:]))"
+)
+"""The daemon with the lease top-ups' share of a turn so small that it makes one granule per turn."""
+
+
+def leased_at_least(client, granules: int, timeout: float = 10) -> None:
     """Wait until the client holds ``granules`` imported leased granules."""
-    wait_until(lambda: client.leased_granules >= granules, timeout=10)
+    wait_until(lambda: client.leased_granules >= granules, timeout=timeout)
 
 
 def test_once_leased_small_commits_take_no_round_trip_and_the_daemon_records_them(daemon, client):
@@ -131,6 +139,21 @@ def test_a_daemon_with_leases_off_or_a_client_without_commits_through_the_daemon
             t.resize_(size * GRANULE)
             assert client.requests_sent == sent + 1
         assert client.status().leased_bytes == 0 and t.num_chunks == 3
+
+
+def test_a_lease_made_one_granule_a_turn_fills_without_the_loop_waiting_between(start_daemon):
+    """Each turn makes a share of the granules due, and the next turn follows at once while any are due: a lease
+    made one granule a turn fills in moments, not one granule per poll timeout (a second), and requests are
+    answered meanwhile."""
+    daemon = start_daemon("--budget", "1GiB", command=[sys.executable, "-c", ONE_GRANULE_PER_TURN])
+    with daemon.connect() as client:
+        t = ExtensibleTensor(64 * MiB, "cpu", num_segments=8, client=client)
+        t.resize_per_segment_(GRANULE)  # eight granules through the daemon: a lease of 16 is due
+        assert client.status().committed_bytes == 8 * GRANULE
+        leased_at_least(client, 16, timeout=5)
+        sent = client.requests_sent
+        t.resize_per_segment_(2 * GRANULE)
+        assert client.requests_sent == sent and client.status().leased_bytes >= 8 * GRANULE
 
 
 def test_a_lease_is_never_granted_into_a_tight_budget(start_daemon):

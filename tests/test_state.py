@@ -304,6 +304,21 @@ def test_detach_mid_defragment_keeps_the_old_chunks(state, session):
     state.check_invariants()
 
 
+def test_a_top_up_past_its_time_makes_one_granule_and_leaves_the_session_first_in_line():
+    state = State(HostBackend(), budget_bytes=256 * MiB)
+    first, second = (state.open_session(1, 1000, 100 + i, "w", "", lease=True) for i in range(2))
+    for session in (first, second):
+        buffer = state.create_buffer(session, 64 * MiB, 1)
+        state.commit(session, buffer.buffer_id, GRANULE)  # through the daemon: a lease of two granules is due
+    assert state.take_lease_due() == [first.session_id, second.session_id]
+    assert len(state.top_up_lease(first, until=0.0)) == 1  # the time is up already: one granule, the rest later
+    state.lease_due_again([second.session_id])  # not reached this time
+    assert state.top_ups_due and state.take_lease_due() == [second.session_id, first.session_id]
+    assert len(state.top_up_lease(second)) == 2 and len(state.top_up_lease(first)) == 1
+    assert not state.top_ups_due and len(first.lease) == len(second.lease) == 2
+    state.check_invariants()
+
+
 def test_a_lease_left_idle_is_asked_back_and_grows_again_with_demand():
     state = State(HostBackend(), budget_bytes=256 * MiB, lease_idle_s=30)
     session = state.open_session(1, 1000, 100, "w", "", lease=True)

@@ -12,8 +12,8 @@ encodes the reply; it never calls the driver itself.
 Every turn of the loop is bounded: signals, new connections and hellos are
 served each turn, then each session's datagrams and the control requests,
 each only for a share of work (``WORK_PER_TURN_S`` per session,
-:data:`CONTROL_WORK_PER_TURN_S` for the control plane); what is left waits
-for the next turn. So a peer flooding either plane delays itself, SIGTERM is
+:data:`CONTROL_WORK_PER_TURN_S` for the control plane), and last the lease
+top-ups (``TOP_UP_WORK_PER_TURN_S``); what is left waits for the next turn. So a peer flooding either plane delays itself, SIGTERM is
 honoured within a turn, and the systemd watchdog, fed once per turn, is fed
 as long as the loop truly turns. A request whose own session still has
 datagrams unread that way waits for them, over later turns: it must see
@@ -240,7 +240,8 @@ class Server(Generic[A, C]):
         """Serve until :meth:`stop`; raises :class:`BooksUnbalanced` as soon as ``check_invariants`` finds them so."""
         idle_work = True
         while not self._stopping:
-            timeout = 0 if idle_work or self._waiting else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
+            busy = idle_work or self._waiting or self.state.top_ups_due
+            timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
             # Control requests last: a request sees every session the same turn of the loop ended (a worker that
             # exited just before its peer asked for status is gone from the status).
             events = sorted(self._poller.poll(timeout=timeout), key=lambda event: event[0] is self._router)

@@ -174,12 +174,13 @@ class Outbox(Generic[A, C]):
                 return True
         return False
 
-    def top_up_lease(self, conn: HandleConnection[A, C]) -> None:
-        """Lease the session the granules its lease lacks and queue them, unless its outbox is full already; the
-        caller flushes (once the lease is journaled)."""
+    def top_up_lease(self, conn: HandleConnection[A, C], until: float) -> None:
+        """Lease the session the granules its lease lacks (those made by ``until`` at least, see
+        :meth:`State.top_up_lease`) and queue them, unless its outbox is full already; the caller flushes (once the
+        lease is journaled)."""
         if len(conn.outbox) >= MAX_QUEUED_BATCHES:
             return
-        chunks = self.state.top_up_lease(conn.session)
+        chunks = self.state.top_up_lease(conn.session, until)
         if chunks:
             conn.outbox.append(LeaseDelivery(chunks, self.state.backend.granularity))
 

@@ -11,6 +11,7 @@ sends (placements and returns of leased granules) are the handle plane's
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Generic
 
 from hbmd.proto import Ack, CreditGrant, CreditRevoke, LeaseRevoke, PromoteRequest, ReclaimDone, ReclaimRequest
@@ -23,6 +24,12 @@ from .handles import HandlePlane
 from .registry import RequestRoom, handles
 
 log = logging.getLogger("hbmd.server.session")
+
+TOP_UP_WORK_PER_TURN_S = 0.002
+"""Seconds of granules made for leases in one turn of the loop (one session's granule at least); the sessions left
+are served first in the next turns, which follow at once. A lease is made ahead of need: with many sessions to top
+up at once (engines starting together), making all their granules in one turn held every request waiting behind it
+for tens of milliseconds."""
 
 
 class SessionRequests(RequestRoom[A, C]):
@@ -80,7 +87,7 @@ class SessionNotices(Generic[A, C]):
 
     def serve_leases(self) -> None:
         """Ask back what the state wants back, and top up the leases that commits and placements ran down, after the
-        replies have gone out.
+        replies have gone out, for :data:`TOP_UP_WORK_PER_TURN_S` (the rest in the next turns).
 
         The top-ups are journaled before they are sent, as a reply is: a
         client spends what it was granted, and a successor daemon must know
@@ -88,10 +95,15 @@ class SessionNotices(Generic[A, C]):
         """
         self.send_revokes()
         topped_up = []
-        for session_id in self.state.take_lease_due():
+        until = time.perf_counter() + TOP_UP_WORK_PER_TURN_S
+        due = self.state.take_lease_due()
+        for served, session_id in enumerate(due):
+            if served and time.perf_counter() >= until:
+                self.state.lease_due_again(due[served:])
+                break
             conn = self.plane.by_session.get(session_id)
             if conn is not None:
-                self.plane.outbox.top_up_lease(conn)
+                self.plane.outbox.top_up_lease(conn, until)
                 topped_up.append((conn, self.state.top_up_credit(conn.session)))
         if not topped_up:
             return

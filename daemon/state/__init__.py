@@ -20,6 +20,7 @@ new chunks leaves the buffer released (its data was already given up).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable, Generic
 
@@ -352,15 +353,25 @@ class State(Generic[A, C]):
 
     # leases
 
-    def take_lease_due(self) -> set[int]:
-        """Sessions (by id) whose lease may need topping up; each is named once until it needs it again."""
+    def take_lease_due(self) -> list[int]:
+        """Sessions (by id) whose lease may need topping up, longest waiting first; each is named once until it needs
+        it again."""
         return self.leases.take_due()
+
+    def lease_due_again(self, session_ids: list[int]) -> None:
+        """Sessions taken from :meth:`take_lease_due` and not served: first in line next time."""
+        self.leases.due_again(session_ids)
+
+    @property
+    def top_ups_due(self) -> bool:
+        """Whether some session's lease may need topping up."""
+        return bool(self.leases.due)
 
     def lease_bytes_for(self, session: Session) -> int:
         return self.leases.bytes_for(session)
 
-    def top_up_lease(self, session: Session) -> list[Chunk[C]]:
-        return self.leases.top_up(session)
+    def top_up_lease(self, session: Session, until: float = math.inf) -> list[Chunk[C]]:
+        return self.leases.top_up(session, until)
 
     def place(self, session: Session, buffer_id: int, sizes: list[int], chunk_ids: list[int], offsets: list[int]) -> Buffer[A, C]:
         """Leased granules now back the session's buffer, which grows to ``sizes``: what the client mapped.

@@ -22,6 +22,7 @@ back as the granules are; a client gives back all of it at once.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Generic
 
@@ -62,17 +63,22 @@ class Leases(Generic[A, C]):
         self.credit_max = max(0, credit_bytes) // backend.granularity * backend.granularity
         self.idle_s = idle_s
         self.arena: A | None = None
-        self.due: set[int] = set()
-        """Sessions (by id) whose lease may need topping up, for the server to serve."""
+        self.due: dict[int, None] = {}
+        """Sessions (by id) whose lease may need topping up, for the server to serve, longest waiting first."""
         self.revokes_due: list[tuple[Session, list[int]]] = []
         """Leased chunks asked back, for the server to send."""
         self.credit_revokes_due: list[Session] = []
         """Sessions whose credit was asked back, for the server to tell."""
 
-    def take_due(self) -> set[int]:
-        """The sessions whose lease may need topping up since this was last asked; the server serves them."""
-        due, self.due = self.due, set()
+    def take_due(self) -> list[int]:
+        """The sessions whose lease may need topping up since this was last asked, longest waiting first; the server
+        serves them."""
+        due, self.due = list(self.due), {}
         return due
+
+    def due_again(self, session_ids: list[int]) -> None:
+        """Sessions the server did not top up in full this time: they are served first next time."""
+        self.due = {**dict.fromkeys(session_ids), **self.due}
 
     def bytes_for(self, session: Session) -> int:
         """The most ``session`` may be leased: 0 unless it asked for leases."""
@@ -112,13 +118,15 @@ class Leases(Generic[A, C]):
         else:
             return
         session.lease_used_at = time.monotonic()
-        self.due.add(session.session_id)
+        self.due[session.session_id] = None
 
-    def top_up(self, session: Session) -> list[Chunk[C]]:
+    def top_up(self, session: Session, until: float = math.inf) -> list[Chunk[C]]:
         """Create granules to bring the session's lease up to its target; the server sends them.
 
         As many as :meth:`Tenants.lease_room` allows, none while some are
-        being asked back, fewer where the device is short.
+        being asked back, fewer where the device is short. Past ``until``
+        (``time.perf_counter()``) it stops after one granule at least, and
+        the session is due again for the rest.
         """
         granule = self.backend.granularity
         count = min(session.lease_target - len(session.lease), self.tenants.lease_room(session.tenant) // granule)
@@ -128,6 +136,9 @@ class Leases(Generic[A, C]):
             self.arena = self.backend.open_arena(granule, False)
         created: list[Chunk[C]] = []
         for _ in range(count):
+            if created and time.perf_counter() >= until:
+                self.due_again([session.session_id])
+                break
             try:
                 chunk = self.chunks.make(self.arena, 0, granule)
             except (HbmdError, OSError) as exc:
@@ -195,7 +206,7 @@ class Leases(Generic[A, C]):
         session.credit -= total
         self._account(session, -total)
         session.lease_used_at = time.monotonic()
-        self.due.add(session.session_id)
+        self.due[session.session_id] = None
         return taken
 
     def credit_returned(self, session: Session) -> int:
@@ -267,7 +278,7 @@ class Leases(Generic[A, C]):
         self._account(session, -len(placed) * granule)
         if placed:
             session.lease_used_at = time.monotonic()
-            self.due.add(session.session_id)
+            self.due[session.session_id] = None
         return placed
 
     def given_back(self, session: Session, chunk_ids: list[int]) -> list[int]:
@@ -286,13 +297,13 @@ class Leases(Generic[A, C]):
     def end_session(self, session: Session) -> None:
         self.drop(session)
         self.credit_returned(session)
-        self.due.discard(session.session_id)
+        self.due.pop(session.session_id, None)
 
     def hold_off(self, session: Session) -> None:
         """Lease the session nothing more until it commits again (it is giving back what it holds)."""
         session.lease_target = 0
         session.credit_target = 0
-        self.due.discard(session.session_id)
+        self.due.pop(session.session_id, None)
 
     def ask_back(self, session: Session) -> None:
         """Ask the session for its unplaced granules and its credit, and lease it none until it commits again."""
