@@ -15,11 +15,13 @@ from typing import Any, Callable
 from common import (
     Daemon,
     now_ns,
+    percentile,
     ratio,
     repeat_ns,
     side_by_side,
     summarize_ns,
     timed_ns,
+    workers,
 )
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.proto.units import format_bytes
@@ -237,3 +239,28 @@ def status_round_trips(t: Target, n: int) -> dict[str, Any]:
     status = summarize_ns(repeat_ns(t.client.status, n, warmup=50))
     floor = echo_round_trips(n)
     return {"status": status, "zmq_echo_floor": floor, "status_over_floor_p50": ratio(status["p50_us"], floor["p50_us"])}
+
+
+def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
+    """For each count of ``clients``: that many worker processes (``workers.py commit --device DEVICE``) committing
+    2 MiB steps as fast as they can for ``seconds``, through hbmd and in-process in turn (the order swapped every
+    other count); commits/s of all together, the median of their p50s and the worst of their p99s."""
+    args = ["commit", "--run-dir", str(t.daemon.run_dir), "--device", device, "--capacity", str(1 << 30)]
+    points = []
+    with workers([args] * max(clients), ready_timeout=240) as pool:
+        for k, count in enumerate(clients):
+            point: dict[str, Any] = {"clients": count, "seconds": seconds}
+            for mode in (("hbmd", "in_process") if k % 2 == 0 else ("in_process", "hbmd")):
+                for worker in pool[:count]:
+                    worker.send(f"{mode} {seconds}")
+                answers = [worker.result(seconds + 120) for worker in pool[:count]]
+                point[mode] = {
+                    "commits_per_s": round(sum(a["commits"] / a["elapsed_s"] for a in answers), 1),
+                    "commit_p50_us": round(percentile([a["p50_us"] for a in answers], 50), 2),
+                    "commit_p99_us_worst": max(a["p99_us"] for a in answers),
+                }
+            point["ratio_commits_per_s"] = ratio(point["hbmd"]["commits_per_s"], point["in_process"]["commits_per_s"])
+            print(f"  {count:>2} clients: {point}", flush=True)
+            points.append(point)
+    return points
+

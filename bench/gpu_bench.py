@@ -23,6 +23,7 @@ from typing import Any, Callable
 from baseline import CudaInProcessBuffer, fd_sink
 from cases import (
     Target,
+    concurrent_commits,
     fresh_commits,
     grow_in_steps,
     pair,
@@ -277,24 +278,7 @@ CONCURRENT_CLIENTS = (1, 4, 16)
 @bench.case("control")
 def control_case(t: Target) -> dict[str, Any]:
     figures = status_round_trips(t, t.reps(2000, 300))
-    seconds = 1.0 if t.quick else 3.0
-    args = ["commit", "--run-dir", str(t.daemon.run_dir), "--device", str(DEVICE), "--capacity", str(GiB)]
-    concurrency = []
-    with workers([args] * max(CONCURRENT_CLIENTS), ready_timeout=240) as pool:
-        for k, clients in enumerate(CONCURRENT_CLIENTS):
-            point: dict[str, Any] = {"clients": clients, "seconds": seconds}
-            for mode in (("hbmd", "in_process") if k % 2 == 0 else ("in_process", "hbmd")):
-                for worker in pool[:clients]:
-                    worker.send(f"{mode} {seconds}")
-                answers = [worker.result(seconds + 120) for worker in pool[:clients]]
-                point[mode] = {
-                    "commits_per_s": round(sum(a["commits"] / a["elapsed_s"] for a in answers), 1),
-                    "commit_p50_us": round(percentile([a["p50_us"] for a in answers], 50), 2),
-                    "commit_p99_us_worst": max(a["p99_us"] for a in answers),
-                }
-            point["ratio_commits_per_s"] = ratio(point["hbmd"]["commits_per_s"], point["in_process"]["commits_per_s"])
-            print(f"  {clients:>2} clients: {point}", flush=True)
-            concurrency.append(point)
+    concurrency = concurrent_commits(t, str(DEVICE), CONCURRENT_CLIENTS, 1.0 if t.quick else 3.0)
     figures["concurrent_2mib_commits"] = concurrency
     figures["goals"] = [
         goal("status() round trip p50 / ZeroMQ echo p50", figures["status_over_floor_p50"], "<=", 1.3),

@@ -18,6 +18,7 @@ from typing import Any
 from baseline import HostInProcessBuffer
 from cases import (
     Target,
+    concurrent_commits,
     fresh_commits,
     release_recommit,
     status_round_trips,
@@ -86,9 +87,14 @@ def release_case(t: Target) -> dict[str, Any]:
     return {"sizes": [release_recommit(t, size, t.reps(5, 2)) for size in RELEASE_SIZES]}
 
 
+CONCURRENT_CLIENTS = (1, 16)
+
+
 @bench.case("control")
 def control_case(t: Target) -> dict[str, Any]:
-    return status_round_trips(t, t.reps(2000, 300))
+    figures = status_round_trips(t, t.reps(2000, 300))
+    figures["concurrent_2mib_commits"] = concurrent_commits(t, "cpu", CONCURRENT_CLIENTS, 1.0 if t.quick else 3.0)
+    return figures
 
 
 @contextlib.contextmanager

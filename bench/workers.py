@@ -3,9 +3,10 @@
 Each prints ``ready`` once set up, then answers lines on stdin with one JSON
 line each (see :class:`common.Worker`):
 
-- ``commit``: a GPU client that, per command ``hbmd SECONDS`` or
-  ``in_process SECONDS``, commits 2 MiB at a time for that long (through the
-  daemon, or in-process), releasing its buffer whenever it is full.
+- ``commit``: a client (of a GPU, or of the host with ``--device cpu``) that,
+  per command ``hbmd SECONDS`` or ``in_process SECONDS``, commits 2 MiB at a
+  time for that long (through the daemon, or in-process), releasing its
+  buffer whenever it is full.
 - ``attach``: a fresh process that, on ``go``, re-attaches a persistent
   buffer (connect, import, map) and checks its data, as a restarted worker.
 - ``echo``: a ZeroMQ ROUTER that sends every request back, the floor under
@@ -51,14 +52,26 @@ def has_pattern(view: Any, num_bytes: int) -> bool:
 
 
 def commit_worker(args: argparse.Namespace) -> None:
-    from baseline import CudaInProcessBuffer
-    from hbmd import driver
     from hbmd.client import ExtensibleTensor, connect
 
-    client = connect(f"cuda:{args.device}", run_dir=args.run_dir, client_name="bench-commit-worker")
+    device = "cpu" if args.device == "cpu" else f"cuda:{args.device}"
+    client = connect(device, run_dir=args.run_dir, client_name="bench-commit-worker")
     mapper = client.mapper  # creates this process's context and stream before the clock starts
-    stream = driver.create_stream()
     step = client.granularity
+    if device == "cpu":
+        from baseline import HostInProcessBuffer
+
+        def in_process_buffer() -> Any:
+            return HostInProcessBuffer(args.capacity, step)
+    else:
+        from baseline import CudaInProcessBuffer
+        from hbmd import driver
+
+        stream = driver.create_stream()
+
+        def in_process_buffer() -> Any:
+            # The mapper made the primary context current on this (only) thread: the baseline runs in it too.
+            return CudaInProcessBuffer(args.capacity, mapper.ordinal, step, stream)
 
     def loop(seconds: float, grow: Any, release: Any, capacity: int) -> dict[str, Any]:
         samples: list[int] = []
@@ -81,13 +94,12 @@ def commit_worker(args: argparse.Namespace) -> None:
     while line := sys.stdin.readline():
         mode, seconds = line.split()
         if mode == "hbmd":
-            tensor = ExtensibleTensor(args.capacity, f"cuda:{args.device}", client=client)
+            tensor = ExtensibleTensor(args.capacity, device, client=client)
             result = loop(float(seconds), lambda n: tensor.resize_per_segment_(n, zero_new=True), tensor.release_physical,
                           tensor.capacity_bytes)
             tensor.free()
         else:
-            # The mapper made the primary context current on this (only) thread: the baseline runs in it too.
-            buffer = CudaInProcessBuffer(args.capacity, mapper.ordinal, step, stream)
+            buffer = in_process_buffer()
             result = loop(float(seconds), buffer.commit, buffer.release, buffer.capacity)
             buffer.free()
         _answer({"mode": mode, **result})
@@ -166,7 +178,7 @@ def main() -> None:
     roles = parser.add_subparsers(dest="role", required=True)
     commit = roles.add_parser("commit")
     commit.add_argument("--run-dir", required=True)
-    commit.add_argument("--device", type=int, default=0)
+    commit.add_argument("--device", default="0", help="a CUDA device ordinal, or cpu (the host backend)")
     commit.add_argument("--capacity", type=int, default=1024 * MiB)
     attach = roles.add_parser("attach")
     attach.add_argument("--run-dir", required=True)
