@@ -10,9 +10,15 @@ device.
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
 from typing import Any, Callable
 
 from common import (
+    BENCH_DIR,
     Daemon,
     now_ns,
     percentile,
@@ -25,6 +31,7 @@ from common import (
 )
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.proto.units import format_bytes
+from probe import turns
 from workers import echo_round_trips
 
 
@@ -241,11 +248,16 @@ def status_round_trips(t: Target, n: int) -> dict[str, Any]:
     return {"status": status, "zmq_echo_floor": floor, "status_over_floor_p50": ratio(status["p50_us"], floor["p50_us"])}
 
 
+def commit_worker_args(daemon: Daemon, device: str) -> list[str]:
+    """``workers.py commit`` on ``daemon``'s ``device`` (an ordinal, or ``cpu``), buffers of 1 GiB."""
+    return ["commit", "--run-dir", str(daemon.run_dir), "--device", device, "--capacity", str(1 << 30)]
+
+
 def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
     """For each count of ``clients``: that many worker processes (``workers.py commit --device DEVICE``) committing
     2 MiB steps as fast as they can for ``seconds``, through hbmd and in-process in turn (the order swapped every
     other count); commits/s of all together, the median of their p50s and the worst of their p99s."""
-    args = ["commit", "--run-dir", str(t.daemon.run_dir), "--device", device, "--capacity", str(1 << 30)]
+    args = commit_worker_args(t.daemon, device)
     points = []
     with workers([args] * max(clients), ready_timeout=240) as pool:
         for k, count in enumerate(clients):
@@ -263,4 +275,31 @@ def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds
             print(f"  {count:>2} clients: {point}", flush=True)
             points.append(point)
     return points
+
+
+def turns_under_load(daemon_args: list[str], device: str, clients: int, seconds: float) -> dict[str, Any]:
+    """The turns of a probed daemon (``probe.py``, started with ``daemon_args``) while ``clients`` workers commit
+    2 MiB steps through it as fast as they can for ``seconds``: how long they took and what filled the longest
+    (:func:`probe.turns`); a request waits for the turn it arrives in to end."""
+    with tempfile.NamedTemporaryFile(prefix="hbmdb-events-", suffix=".json", dir="/tmp", delete=False) as f:
+        events_path = Path(f.name)
+    command = [sys.executable, str(BENCH_DIR / "probe.py"), "--events", str(events_path)]
+    try:
+        with Daemon(*daemon_args, command=command) as probed:
+            with workers([commit_worker_args(probed, device)] * clients, ready_timeout=240) as pool:
+                begin = time.monotonic_ns()
+                for worker in pool:
+                    worker.send(f"hbmd {seconds}")
+                answers = [worker.result(seconds + 120) for worker in pool]
+                end = time.monotonic_ns()
+        events = [tuple(e) for e in json.loads(events_path.read_text())]
+    finally:
+        events_path.unlink(missing_ok=True)
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "commits_per_s": round(sum(a["commits"] / a["elapsed_s"] for a in answers), 1),
+        "commit_p99_us_worst": max(a["p99_us"] for a in answers),
+        **turns(events, begin, end),
+    }
 

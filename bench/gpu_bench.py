@@ -31,6 +31,7 @@ from cases import (
     status_round_trips,
     step_commits,
     step_commits_without_lease,
+    turns_under_load,
 )
 from common import (
     BENCH_DIR,
@@ -286,6 +287,13 @@ def control_case(t: Target) -> dict[str, Any]:
              concurrency[-1]["ratio_commits_per_s"], ">=", 0.9),
     ]
     return figures
+
+
+@bench.case("turns")
+def turns_case(t: Target) -> dict[str, Any]:
+    """The daemon's turns with 16 clients committing at once, and what fills the longest (a probed daemon)."""
+    return turns_under_load(["--backend", "cuda", "--device", str(DEVICE)], str(DEVICE), CONCURRENT_CLIENTS[-1],
+                            1.0 if t.quick else 3.0)
 
 
 # footprint and scale

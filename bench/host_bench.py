@@ -24,6 +24,7 @@ from cases import (
     status_round_trips,
     step_commits,
     step_commits_without_lease,
+    turns_under_load,
 )
 from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, summarize_ns, timed_ns, today_utc
 from hbmd.client import connect
@@ -95,6 +96,12 @@ def control_case(t: Target) -> dict[str, Any]:
     figures = status_round_trips(t, t.reps(2000, 300))
     figures["concurrent_2mib_commits"] = concurrent_commits(t, "cpu", CONCURRENT_CLIENTS, 1.0 if t.quick else 3.0)
     return figures
+
+
+@bench.case("turns")
+def turns_case(t: Target) -> dict[str, Any]:
+    """The daemon's turns with 16 clients committing at once, and what fills the longest (a probed daemon)."""
+    return turns_under_load(["--backend", "host"], "cpu", CONCURRENT_CLIENTS[-1], 1.0 if t.quick else 3.0)
 
 
 @contextlib.contextmanager

@@ -131,6 +131,10 @@ def daemon_probe() -> Probe:
     as well, beside the loop. A bind of chunks made on credit: ``daemon.drain_datagrams`` (every datagram of the
     handle plane read and handled) holds ``daemon.accept_chunk``, the check of each chunk (the FD's import, the
     allocation's properties and the size check's mappings).
+
+    The loop's turns (:func:`turns`): ``daemon.turn`` marks the start of each; ``daemon.take_placements`` (every
+    placing session's datagrams, read before a request), ``daemon.release_request`` (a ``release_physical``) and
+    ``daemon.serve_leases`` (revokes and top-ups, holding ``daemon.top_up_lease``, the granules made) are parts of it.
     """
     import socket
 
@@ -138,9 +142,11 @@ def daemon_probe() -> Probe:
     from hbmd import driver
     from hbmd.daemon.backends.pool import HostPool
     from hbmd.daemon.server import Server
+    from hbmd.daemon.server.buffers import BufferRequests
     from hbmd.daemon.server.handles import HandlePlane
     from hbmd.daemon.server import loop
     from hbmd.daemon.server.outbox import Outbox
+    from hbmd.daemon.server.session import SessionNotices
     from hbmd.daemon.state import State
     from hbmd.daemon.state.chunks import Chunks
     from hbmd.driver import nvml
@@ -151,6 +157,11 @@ def daemon_probe() -> Probe:
     probe.wrap(Server, "_look_after_sessions", "daemon.look_after_sessions")
     probe.wrap(HandlePlane, "_drain_datagrams", "daemon.drain_datagrams")
     probe.wrap(Chunks, "accept", "daemon.accept_chunk")
+    probe.wrap(HandlePlane, "new_turn", "daemon.turn")
+    probe.wrap(HandlePlane, "take_placements", "daemon.take_placements")
+    probe.wrap(BufferRequests, "release", "daemon.release_request")
+    probe.wrap(SessionNotices, "serve_leases", "daemon.serve_leases")
+    probe.wrap(Outbox, "top_up_lease", "daemon.top_up_lease")
     probe.wrap(zmq.Socket, "recv_multipart", "daemon.recv_request")
     probe.wrap(zmq.Socket, "send_multipart", "daemon.send_reply")
     probe.wrap(loop, "read_envelope", "daemon.read_request")
@@ -183,6 +194,28 @@ def breakdown(events: list[Event], windows: list[tuple[int, int]]) -> dict[str, 
         for label in labels:
             per_label[label].append(sums.get(label, 0))
     return {label: round(percentile(values, 50) / 1e3, 2) for label, values in per_label.items() if any(values)}
+
+
+def turns(events: list[Event], begin: int, end: int, longest: int = 5) -> dict[str, Any]:
+    """The daemon's turns that started within ``[begin, end)``: how long they took (ms), and what filled the
+    ``longest`` of them (the ms each label's events that started inside add up to, largest first)."""
+    ordered = sorted(events, key=lambda e: e[1])
+    starts = [e[1] for e in ordered]
+    marks = [start for label, start, _ in ordered if label == "daemon.turn"]
+    spans = [(b - a, a, b) for a, b in zip(marks, marks[1:]) if begin <= a < end]
+    if not spans:
+        return {"turns": 0}
+    ms = [span / 1e6 for span, _, _ in spans]
+    filled = []
+    for span, a, b in sorted(spans, reverse=True)[:longest]:
+        sums: dict[str, int] = defaultdict(int)
+        for label, start, stop in ordered[bisect.bisect_left(starts, a) : bisect.bisect_left(starts, b)]:
+            if label != "daemon.turn":
+                sums[label] += stop - start
+        filled.append({"ms": round(span / 1e6, 2),
+                       "steps_ms": {k: round(v / 1e6, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}})
+    return {"turns": len(spans), "p50_ms": round(percentile(ms, 50), 2), "p90_ms": round(percentile(ms, 90), 2),
+            "p99_ms": round(percentile(ms, 99), 2), "max_ms": round(max(ms), 2), "longest": filled}
 
 
 def main(argv: list[str]) -> int:
