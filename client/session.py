@@ -89,6 +89,9 @@ R = TypeVar("R", bound=Message)
 MAX_KEPT_FDS = 64
 """The most FDs of chunks bound on credit this process keeps until the daemon's next answer shows it read them; a
 commit past it asks for one (a worker that only grows on credit sends no other request)."""
+MAX_UNCONFIRMED = 1024
+"""The most placements and binds this process keeps (to send again should the daemon restart) until the daemon's next
+answer shows it read them; a commit past it asks for one (a worker that only grows from its lease sends no request)."""
 
 
 class Holder(Protocol):
@@ -199,6 +202,8 @@ class Client:
         self._unconfirmed: list[tuple[LeasePlace | OwnChunks, list[int]]] = []
         """Placements and binds sent since the last reply, with the FDs of the chunks bound: one the daemon had not
         read when it went may be lost with it, and is sent again."""
+        self._kept_fds = 0
+        """The FDs in :attr:`_unconfirmed`."""
         self._lost: SessionLost | None = None
         """Why the session cannot be resumed, once that is known."""
         self._holders: weakref.WeakSet[Holder] = weakref.WeakSet()
@@ -304,7 +309,19 @@ class Client:
         for _, fds in self._unconfirmed[:count]:
             for fd in fds:
                 self._fd_closer().close_later(fd)
+            self._kept_fds -= len(fds)
         del self._unconfirmed[:count]
+
+    def _unconfirmed_sent(self, sent: LeasePlace | OwnChunks, fds: list[int]) -> None:
+        """Keep a placement or bind just sent (and its FDs) until an answer confirms it; past :data:`MAX_KEPT_FDS` or
+        :data:`MAX_UNCONFIRMED`, ask for one. A failure to ask is logged: the next answer confirms them as well."""
+        self._unconfirmed.append((sent, fds))
+        self._kept_fds += len(fds)
+        if self._kept_fds > MAX_KEPT_FDS or len(self._unconfirmed) > MAX_UNCONFIRMED:
+            try:
+                self.status()  # any answer says the daemon read every placement and bind before it
+            except HbmdError as exc:
+                log.debug("confirming %d placements and binds failed: %s", len(self._unconfirmed), exc)
 
     def _fd_closer(self) -> FdCloser:
         if self._closer is None:
@@ -659,8 +676,8 @@ class Client:
         except BaseException:
             self._lease.put_back(taken)
             raise
-        self._unconfirmed.append((placement, []))
         self._lease.placed(taken)
+        self._unconfirmed_sent(placement, [])
         return True
 
     def credit_covers(self, amount: int) -> bool:
@@ -698,9 +715,7 @@ class Client:
                     os.close(fd)
         if sent:
             # Kept until the daemon is known to have read the bind: a daemon that went before may need it again.
-            self._unconfirmed.append((bind, fds))
-            if sum(len(kept) for _, kept in self._unconfirmed) > MAX_KEPT_FDS:
-                self.status()  # any answer says the daemon read every bind before it: the FDs can go
+            self._unconfirmed_sent(bind, fds)
         return sent
 
     def discard_leased(self, taken: list[LeasedGranule]) -> None:

@@ -18,6 +18,7 @@ import time
 import pytest
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, OutOfBudget
+from hbmd.client import session as client_session
 from hbmd.daemon.state.leases import LEASE_RETURN_PATIENCE_S
 from helpers import GRANULE, MiB, daemon_view, hbmctl, wait_until
 
@@ -154,6 +155,23 @@ def test_a_lease_made_one_granule_a_turn_fills_without_the_loop_waiting_between(
         sent = client.requests_sent
         t.resize_per_segment_(2 * GRANULE)
         assert client.requests_sent == sent and client.status().leased_bytes >= 8 * GRANULE
+
+
+def test_a_worker_that_only_grows_from_its_lease_keeps_a_bounded_record(daemon, client, monkeypatch):
+    """Placements are kept to send again after a restart until an answer confirms them; a worker that sends no
+    request asks for one past MAX_UNCONFIRMED, so what it keeps stays bounded, however long it runs."""
+    monkeypatch.setattr(client_session, "MAX_UNCONFIRMED", 8)
+    t = ExtensibleTensor(64 * MiB, "cpu", client=client)
+    t.resize_(GRANULE)  # through the daemon: the lease grows from this demand
+    sent = client.requests_sent
+    for step in range(2, 29):
+        leased_at_least(client, 1)  # each step a placement
+        t.resize_(step * GRANULE)
+        t.full_view()[(step - 1) * GRANULE : step * GRANULE] = step
+        assert len(client._unconfirmed) <= 8
+    assert client.requests_sent == sent + 3  # at the 9th, 18th and 27th placement
+    assert daemon_view(client, t).num_chunks == 28
+    assert [int(t.full_view()[step * GRANULE - 1]) for step in range(2, 29)] == list(range(2, 29))
 
 
 def test_a_lease_is_never_granted_into_a_tight_budget(start_daemon):
