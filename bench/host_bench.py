@@ -11,6 +11,8 @@ into a reserved range, ``memset``.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 import time
 from typing import Any
@@ -29,6 +31,8 @@ from cases import (
 from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, summarize_ns, timed_ns, today_utc
 from hbmd.client import connect
 from hbmd.client.host import HostMapper
+from hbmd.daemon.spawn import wait_until
+from hbmd.memfd import sealed_memfd
 
 bench = Bench("host", "hbmd's host backend against the in-process baseline, side by side")
 
@@ -80,6 +84,46 @@ def leased_commit_client_work_case(t: Target) -> dict[str, Any]:
         return {"commits": n, "round_trips": client.requests_sent - sent, "client_work": summarize_ns(samples)}
     finally:
         tensor.free()
+        client.close()
+
+
+class PooledHostMapper(UnmappedHostMapper):
+    """:class:`UnmappedHostMapper` whose chunks made on credit come from a pool filled beforehand: what remains of a
+    commit on credit is the client's own work and the bind's send."""
+
+    def __init__(self, granule: int) -> None:
+        super().__init__(granule)
+        self.pool: list[int] = []
+
+    def make(self, size: int) -> int:
+        return self.pool.pop()
+
+
+@bench.case("credit_commit_client_work")
+def credit_commit_client_work_case(t: Target) -> dict[str, Any]:
+    """A fresh buffer's 8 MiB commit on credit with the chunk made beforehand and the mapping and zeroing left out,
+    the daemon stopped while it runs (the bind waits in its socket, so the sender is not preempted by the daemon
+    waking): the Python a commit on credit costs the client and the bind's ``sendmsg``, the same on a GPU."""
+    mapper = PooledHostMapper(t.granule)
+    client = connect("cpu", run_dir=t.daemon.run_dir, client_name="client-work", mapper=mapper)
+    n, size = t.reps(300, 100), 8 * MiB
+    try:
+        first = t.tensor(size, client=client)
+        first.resize_per_segment_(size)  # through the daemon: the credit is granted from this demand
+        first.free()
+        samples, sent = [], client.requests_sent
+        for _ in range(n):
+            tensor = t.tensor(size, client=client)
+            mapper.pool.append(sealed_memfd(size))
+            wait_until(lambda: client.credit_covers(size), timeout=10)
+            os.kill(t.daemon.pid, signal.SIGSTOP)
+            try:
+                samples.append(timed_ns(lambda: tensor.resize_per_segment_(size, zero_new=True)))
+            finally:
+                os.kill(t.daemon.pid, signal.SIGCONT)
+            tensor.free()
+        return {"commits": n, "round_trips": client.requests_sent - sent - 2 * n, "client_work": summarize_ns(samples)}
+    finally:
         client.close()
 
 
