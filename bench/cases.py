@@ -9,13 +9,14 @@ device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from common import (
     BENCH_DIR,
@@ -253,53 +254,59 @@ def commit_worker_args(daemon: Daemon, device: str) -> list[str]:
     return ["commit", "--run-dir", str(daemon.run_dir), "--device", device, "--capacity", str(1 << 30)]
 
 
+def run_workers(pool: list[Any], mode: str, seconds: float) -> dict[str, Any]:
+    """Have the ``workers.py commit`` workers of ``pool`` commit (``hbmd`` or ``in_process``) for ``seconds``, all at
+    once: commits/s of all together, the median of their p50s and the worst of their p99s."""
+    for worker in pool:
+        worker.send(f"{mode} {seconds}")
+    answers = [worker.result(seconds + 120) for worker in pool]
+    return {
+        "commits_per_s": round(sum(a["commits"] / a["elapsed_s"] for a in answers), 1),
+        "commit_p50_us": round(percentile([a["p50_us"] for a in answers], 50), 2),
+        "commit_p99_us_worst": max(a["p99_us"] for a in answers),
+    }
+
+
 def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
     """For each count of ``clients``: that many worker processes (``workers.py commit --device DEVICE``) committing
     2 MiB steps as fast as they can for ``seconds``, through hbmd and in-process in turn (the order swapped every
-    other count); commits/s of all together, the median of their p50s and the worst of their p99s."""
+    other count) (:func:`run_workers`)."""
     args = commit_worker_args(t.daemon, device)
     points = []
     with workers([args] * max(clients), ready_timeout=240) as pool:
         for k, count in enumerate(clients):
             point: dict[str, Any] = {"clients": count, "seconds": seconds}
             for mode in (("hbmd", "in_process") if k % 2 == 0 else ("in_process", "hbmd")):
-                for worker in pool[:count]:
-                    worker.send(f"{mode} {seconds}")
-                answers = [worker.result(seconds + 120) for worker in pool[:count]]
-                point[mode] = {
-                    "commits_per_s": round(sum(a["commits"] / a["elapsed_s"] for a in answers), 1),
-                    "commit_p50_us": round(percentile([a["p50_us"] for a in answers], 50), 2),
-                    "commit_p99_us_worst": max(a["p99_us"] for a in answers),
-                }
+                point[mode] = run_workers(pool[:count], mode, seconds)
             point["ratio_commits_per_s"] = ratio(point["hbmd"]["commits_per_s"], point["in_process"]["commits_per_s"])
             print(f"  {count:>2} clients: {point}", flush=True)
             points.append(point)
     return points
 
 
-def turns_under_load(daemon_args: list[str], device: str, clients: int, seconds: float) -> dict[str, Any]:
-    """The turns of a probed daemon (``probe.py``, started with ``daemon_args``) while ``clients`` workers commit
-    2 MiB steps through it as fast as they can for ``seconds``: how long they took and what filled the longest
-    (:func:`probe.turns`); a request waits for the turn it arrives in to end."""
+@contextlib.contextmanager
+def probed_daemon(*daemon_args: str) -> Iterator[tuple[Daemon, list[tuple[str, int, int]]]]:
+    """A daemon with its steps probed (``python probe.py``), and the list its events (``probe.Event``) are put in
+    once it has stopped, as the block ends."""
     with tempfile.NamedTemporaryFile(prefix="hbmdb-events-", suffix=".json", dir="/tmp", delete=False) as f:
         events_path = Path(f.name)
     command = [sys.executable, str(BENCH_DIR / "probe.py"), "--events", str(events_path)]
+    events: list[tuple[str, int, int]] = []
     try:
         with Daemon(*daemon_args, command=command) as probed:
-            with workers([commit_worker_args(probed, device)] * clients, ready_timeout=240) as pool:
-                begin = time.monotonic_ns()
-                for worker in pool:
-                    worker.send(f"hbmd {seconds}")
-                answers = [worker.result(seconds + 120) for worker in pool]
-                end = time.monotonic_ns()
-        events = [tuple(e) for e in json.loads(events_path.read_text())]
+            yield probed, events
+        events.extend(tuple(e) for e in json.loads(events_path.read_text()))
     finally:
         events_path.unlink(missing_ok=True)
-    return {
-        "clients": clients,
-        "seconds": seconds,
-        "commits_per_s": round(sum(a["commits"] / a["elapsed_s"] for a in answers), 1),
-        "commit_p99_us_worst": max(a["p99_us"] for a in answers),
-        **turns(events, begin, end),
-    }
 
+
+def turns_under_load(daemon_args: list[str], device: str, clients: int, seconds: float) -> dict[str, Any]:
+    """The turns of a probed daemon (started with ``daemon_args``) while ``clients`` workers commit 2 MiB steps
+    through it as fast as they can for ``seconds``: how long they took and what filled the longest
+    (:func:`probe.turns`); a request waits for the turn it arrives in to end."""
+    with probed_daemon(*daemon_args) as (probed, events):
+        with workers([commit_worker_args(probed, device)] * clients, ready_timeout=240) as pool:
+            begin = time.monotonic_ns()
+            figures = run_workers(pool, "hbmd", seconds)
+            end = time.monotonic_ns()
+    return {"clients": clients, "seconds": seconds, **figures, **turns(events, begin, end)}

@@ -12,10 +12,8 @@ JSON. bench/README.md says what each case measures.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +25,7 @@ from cases import (
     fresh_commits,
     grow_in_steps,
     pair,
+    probed_daemon,
     release_recommit,
     status_round_trips,
     step_commits,
@@ -34,7 +33,6 @@ from cases import (
     turns_under_load,
 )
 from common import (
-    BENCH_DIR,
     RESULTS_DIR,
     Bench,
     Daemon,
@@ -474,40 +472,33 @@ def step_windows(t: Target, client: Client, n: int) -> dict[str, list[tuple[int,
 def breakdown_case(t: Target) -> dict[str, Any]:
     """The commit paths again, with timers around each step in this process and in a probed daemon."""
     n = t.reps(200, 50)
-    with tempfile.NamedTemporaryFile(prefix="hbmdb-events-", suffix=".json", dir="/tmp", delete=False) as f:
-        events_path = Path(f.name)
-    command = [sys.executable, str(BENCH_DIR / "probe.py"), "--events", str(events_path)]
     windows: dict[str, dict[str, list[tuple[int, int]]]] = {}
-    try:
-        with Daemon("--backend", "cuda", "--device", str(DEVICE), command=command) as probed:
-            client = t.connect("bench-breakdown", probed)
-            try:
-                with client_probe() as probe:
-                    windows["2 MiB step"] = step_windows(t, client, n)
-                    # Every commit a round trip: where the time of a commit with the lease empty goes.
-                    without_lease = t.connect("bench-breakdown-no-lease", probed, lease=False)
-                    try:
-                        windows["2 MiB step, lease empty"] = step_windows(t, without_lease, n)
-                    finally:
-                        without_lease.close()
-                    for size, reps in BREAKDOWN_SIZES.items():
-                        spans = windows[format_bytes(size)] = {"hbmd": [], "in_process": []}
-                        for _ in range(t.reps(*reps)):
-                            tensor = t.tensor(size, client=client)
-                            window(spans["hbmd"], lambda: (tensor.resize_(size, zero_new=True), t.sync()))
-                            tensor.free()
-                            buffer = t.in_process(size)
-                            window(spans["in_process"], lambda: (buffer.commit(size), t.sync()))
-                            buffer.free()
-                    status = windows["status"] = {"hbmd": []}
-                    for _ in range(n):
-                        window(status["hbmd"], client.status)
-                client_events = list(probe.events)
-            finally:
-                client.close()
-        daemon_events = [tuple(e) for e in json.loads(events_path.read_text())]
-    finally:
-        events_path.unlink(missing_ok=True)
+    with probed_daemon("--backend", "cuda", "--device", str(DEVICE)) as (probed, daemon_events):
+        client = t.connect("bench-breakdown", probed)
+        try:
+            with client_probe() as probe:
+                windows["2 MiB step"] = step_windows(t, client, n)
+                # Every commit a round trip: where the time of a commit with the lease empty goes.
+                without_lease = t.connect("bench-breakdown-no-lease", probed, lease=False)
+                try:
+                    windows["2 MiB step, lease empty"] = step_windows(t, without_lease, n)
+                finally:
+                    without_lease.close()
+                for size, reps in BREAKDOWN_SIZES.items():
+                    spans = windows[format_bytes(size)] = {"hbmd": [], "in_process": []}
+                    for _ in range(t.reps(*reps)):
+                        tensor = t.tensor(size, client=client)
+                        window(spans["hbmd"], lambda: (tensor.resize_(size, zero_new=True), t.sync()))
+                        tensor.free()
+                        buffer = t.in_process(size)
+                        window(spans["in_process"], lambda: (buffer.commit(size), t.sync()))
+                        buffer.free()
+                status = windows["status"] = {"hbmd": []}
+                for _ in range(n):
+                    window(status["hbmd"], client.status)
+            client_events = list(probe.events)
+        finally:
+            client.close()
     events = client_events + daemon_events
     figures: dict[str, Any] = {
         op: {side: summarize_windows(events, spans) for side, spans in sides.items()} for op, sides in windows.items()
