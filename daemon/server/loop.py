@@ -16,10 +16,10 @@ each only for a share of work (``WORK_PER_TURN_S`` per session,
 top-ups (``TOP_UP_WORK_PER_TURN_S``); what is left waits for the next turn,
 which follows at once. So a peer flooding either plane delays itself,
 SIGTERM is honoured within a turn, and the systemd watchdog, fed once per
-turn, is fed as long as the loop truly turns. A request whose own session still has
-datagrams unread that way waits for them, over later turns: it must see
-every placement and bind its client sent before it, or it would back again
-what the client has already mapped and written.
+turn, is fed as long as the loop truly turns. A request whose own session
+still has datagrams unread that way waits for them, over later turns: it
+must see every placement and bind its client sent before it, or it would
+back again what the client has already mapped and written.
 """
 
 from __future__ import annotations
