@@ -92,6 +92,10 @@ class Buffers(Generic[A, C]):
         self._next_id = 1
         self.pending_bytes = 0
         """Every buffer's pending chunks: above 0 while a preserving defragment or a move is in flight."""
+        self.reserved_bytes = 0
+        """Every buffer's reservation, kept as buffers come and go: a status must not cost a pass over them all."""
+        self.num_chunks = 0
+        """Every buffer's mapped chunks, kept as they change, for the same reason."""
         self.changed: set[int] | None = None
         """Buffers changed (chunks, owner, readers, seal; or dropped) since the persistence layer last journaled them
         (None: nobody is tracking, and nothing is recorded)."""
@@ -114,14 +118,6 @@ class Buffers(Generic[A, C]):
     def mark_changed(self, buffer: Buffer[A, C]) -> None:
         if self.changed is not None:
             self.changed.add(buffer.buffer_id)
-
-    @property
-    def reserved_bytes(self) -> int:
-        return sum(b.reserved for b in self.by_id.values())
-
-    @property
-    def num_chunks(self) -> int:
-        return sum(len(b.chunks) for b in self.by_id.values())
 
     # lookup
 
@@ -329,6 +325,8 @@ class Buffers(Generic[A, C]):
     def _add(self, buffer: Buffer[A, C]) -> None:
         self.tenants.hold(buffer.tenant)
         self.by_id[buffer.buffer_id] = buffer
+        self.reserved_bytes += buffer.reserved
+        self.num_chunks += len(buffer.chunks)
         if buffer.persistent:
             self.persistent[(buffer.owner_uid, buffer.name)] = buffer
 
@@ -344,6 +342,7 @@ class Buffers(Generic[A, C]):
         """Release the buffer's (mapped) chunks; returns their bytes."""
         tier = buffer.tier
         freed = self.chunks.release_all(buffer.chunks, buffer.arena)
+        self.num_chunks -= len(buffer.chunks)
         buffer.chunks = []
         self.account(buffer, mapped=-freed, tier=tier)
         return freed
@@ -367,6 +366,7 @@ class Buffers(Generic[A, C]):
         freed = self.release_all(buffer)
         self.backend.close_arena(buffer.arena)
         del self.by_id[buffer.buffer_id]
+        self.reserved_bytes -= buffer.reserved
         if buffer.owner is not None:
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         if buffer.persistent:
@@ -447,6 +447,7 @@ class Buffers(Generic[A, C]):
     def grow(self, buffer: Buffer[A, C], sizes: list[int], chunks: list[Chunk[C]]) -> None:
         """The segments now hold ``sizes`` bytes, ``chunks`` backing what they gained."""
         buffer.chunks.extend(chunks)
+        self.num_chunks += len(chunks)
         buffer.segment_sizes = list(sizes)
         self.account(buffer, mapped=sum(c.size for c in chunks))
 
@@ -520,6 +521,7 @@ class Buffers(Generic[A, C]):
         freed = self.drop_mapped(buffer)
         tier = buffer.pending_tier
         buffer.chunks, buffer.pending = buffer.pending, []
+        self.num_chunks += len(buffer.chunks)
         self.account(buffer, mapped=buffer.pending_bytes, pending=-buffer.pending_bytes, tier=tier)
         return freed
 

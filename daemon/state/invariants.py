@@ -44,6 +44,10 @@ def check_invariants(state: "State[Any, Any]") -> None:
     require(state.host_bytes == host, f"host tier {state.host_bytes} != {host} in buffers' host chunks")
     require(sum(t.host_bytes for t in state.tenants.values()) == host, f"tenants' host bytes do not add up to {host}")
     require(len(state.persistent) == sum(b.persistent for b in state.buffers.values()), "stale persistent names")
+    reserved = sum(b.reserved for b in state.buffers.values())
+    require(state.reserved_bytes == reserved, f"reserved {state.reserved_bytes} != {reserved} in buffers")
+    chunks = sum(len(b.chunks) for b in state.buffers.values())
+    require(state.num_chunks == chunks, f"{state.num_chunks} chunks counted, {chunks} in buffers")
     for session in state.sessions.values():
         for buffer in session.buffers.values():
             require(state.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} holds a dropped buffer")
