@@ -146,8 +146,10 @@ def echo_worker(args: argparse.Namespace) -> None:
         router.send_multipart(router.recv_multipart())
 
 
-def echo_round_trips(n: int, warmup: int = 50) -> dict[str, Any]:
-    """Round trips of a Status request to a bare ROUTER echo: transport and codec, no daemon work."""
+def echo_round_trips(n: int, warmup: int = 50, spin: float = 0.0) -> dict[str, Any]:
+    """Round trips of a Status request to a bare ROUTER echo: transport and codec, no daemon work. ``spin``: seconds
+    each waits polling before it sleeps, as hbmd's client does (``poll_spinning``); 0 sleeps at once."""
+    from hbmd.client.transport import poll_spinning
     from hbmd.proto import Status, decode_frames, encode_frames
 
     with tempfile.TemporaryDirectory(prefix="hbmdb-echo-", dir="/tmp") as directory:
@@ -155,6 +157,8 @@ def echo_round_trips(n: int, warmup: int = 50) -> dict[str, Any]:
         worker = Worker(["echo", "--endpoint", endpoint])
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
         try:
             worker.wait_ready(60)
             dealer.connect(endpoint)
@@ -162,7 +166,8 @@ def echo_round_trips(n: int, warmup: int = 50) -> dict[str, Any]:
             for i in range(warmup + n):
                 t0 = now_ns()
                 dealer.send_multipart(encode_frames(Status(), i, "0" * 32))
-                if not dealer.poll(5000):
+                sent = time.monotonic()
+                if not poll_spinning(poller, sent + 5, sent + spin):
                     raise TimeoutError("the echo worker did not answer within 5 s")
                 decode_frames(dealer.recv_multipart())
                 if i >= warmup:

@@ -67,7 +67,7 @@ from .devices import parse_device
 from .delivery import Delivery
 from .lease import Credit, Lease, LeasedGranule
 from .mapper import Mapper
-from .transport import ControlChannel, FdCloser, HandleChannel
+from .transport import SPIN_S, ControlChannel, FdCloser, HandleChannel
 
 DEFAULT_TIMEOUT_S = 10.0
 RESUME_TIMEOUT_S = 30.0
@@ -177,6 +177,7 @@ class Client:
         self.paths = paths
         self.timeout = timeout
         self.resume_timeout = resume_timeout_from_env() if resume_timeout is None else resume_timeout
+        spin = spin_from_env()
         if tenant is None:
             tenant = os.environ.get(TENANT_ENV, "")
         self._pid = os.getpid()
@@ -188,7 +189,8 @@ class Client:
             undo.push(self._handles.close)
             self.welcome = self._handles.handshake(self._hello)
             self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles,
-                                           replies_with_fds=_replies_with_fds(self._hello, self.welcome))
+                                           replies_with_fds=_replies_with_fds(self._hello, self.welcome),
+                                           spin=spin)
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
         self.closed = False
@@ -925,18 +927,28 @@ os.register_at_fork(after_in_child=_let_go_after_fork)
 
 
 def resume_timeout_from_env() -> float:
-    """``HBMD_RESUME_TIMEOUT`` in seconds (default :data:`RESUME_TIMEOUT_S`); ``ValueError`` naming it when it is not a
-    number of seconds, 0 or more (0: never wait)."""
-    text = os.environ.get("HBMD_RESUME_TIMEOUT", "")
+    """``HBMD_RESUME_TIMEOUT`` in seconds (default :data:`RESUME_TIMEOUT_S`; 0: never wait)."""
+    return _number_from_env("HBMD_RESUME_TIMEOUT", RESUME_TIMEOUT_S, "seconds")
+
+
+def spin_from_env() -> float:
+    """``HBMD_SPIN_US``, in seconds: how long a call polls for its reply before it sleeps (default
+    :data:`~hbmd.client.transport.SPIN_S`; 0: never poll)."""
+    return _number_from_env("HBMD_SPIN_US", SPIN_S * 1e6, "microseconds") / 1e6
+
+
+def _number_from_env(name: str, default: float, unit: str) -> float:
+    """``$name``, a number of ``unit``, 0 or more (``default`` where unset); ``ValueError`` naming it otherwise."""
+    text = os.environ.get(name, "")
     if not text:
-        return RESUME_TIMEOUT_S
+        return default
     try:
-        seconds = float(text)
+        value = float(text)
     except ValueError:
-        seconds = -1.0
-    if not (0 <= seconds < float("inf")):
-        raise ValueError(f"HBMD_RESUME_TIMEOUT={text!r} is not a number of seconds, 0 or more")
-    return seconds
+        value = -1.0
+    if not (0 <= value < float("inf")):
+        raise ValueError(f"{name}={text!r} is not a number of {unit}, 0 or more")
+    return value
 
 
 def _program_name() -> str:

@@ -54,6 +54,11 @@ from hbmd.proto.instance import InstancePaths, access_denied
 
 MAX_DATAGRAM = 64 << 10
 CONNECT_RETRY_S = 0.005
+SPIN_S = 0.001
+"""How long a call polls for its reply before its thread sleeps (``HBMD_SPIN_US``): most replies come within it (a
+status, a commit through the daemon), and one read that way costs no sleep and wake-up, which the host backend's
+round trips showed to cost tens to hundreds of µs (README, "Waiting for a reply"). The thread yields the CPU between
+polls, so a busy machine's other work runs first; 0 waits asleep from the start."""
 
 R = TypeVar("R", bound=Message)
 
@@ -335,6 +340,20 @@ class FdCloser:
         self._thread.join()
 
 
+def poll_spinning(poller: zmq.Poller, deadline: float, spin_until: float) -> dict:
+    """What ``poller`` finds ready by ``deadline`` (``time.monotonic``): polled without sleeping until ``spin_until``,
+    the CPU yielded between polls, then waited for."""
+    while True:
+        now = time.monotonic()
+        if now >= spin_until:
+            remaining = deadline - now
+            return dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+        ready = poller.poll(0)
+        if ready:
+            return dict(ready)
+        os.sched_yield()
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -348,6 +367,7 @@ class ControlChannel:
     ``replies_with_fds``: the session's daemon sends a :class:`Committed`
     reply with the request's first FD batch, on the handle socket (its hello
     asked, protocol 1.7): a call for one waits on that socket too.
+    ``spin``: seconds a call polls for its reply before it sleeps (:data:`SPIN_S`).
     """
 
     def __init__(
@@ -357,8 +377,10 @@ class ControlChannel:
         timeout: float,
         session: HandleChannel | None = None,
         replies_with_fds: bool = False,
+        spin: float = SPIN_S,
     ) -> None:
         self.endpoint = paths.endpoint
+        self.spin = spin
         self.token = token
         self.timeout = timeout
         self.session = session
@@ -414,12 +436,12 @@ class ControlChannel:
             raise self._lost()
         request_id = request_id or self.next_request_id()
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
-        deadline = time.monotonic() + timeout
+        sent = time.monotonic()
+        deadline, spin_until = sent + timeout, sent + min(self.spin, timeout)
         with_fds = self.replies_with_fds and msg.Reply is Committed
         poller = self._poller_with_fds if with_fds else self._poller
         while True:
-            remaining = deadline - time.monotonic()
-            ready = dict(poller.poll(int(remaining * 1000) + 1)) if remaining > 0 else {}
+            ready = poll_spinning(poller, deadline, spin_until)
             if with_fds and ready and self._socket not in ready:
                 # A datagram, or the listener filed one: the reply, if it rode with the FDs (or the daemon's EOF).
                 reply = self._reply_with_fds(request_id)

@@ -313,6 +313,46 @@ def test_a_call_on_a_stopped_daemon_fails_within_its_timeout_naming_the_socket(d
     assert client.status().num_sessions == 1  # the rebuilt socket works again
 
 
+def test_a_call_polls_for_its_reply_then_sleeps_within_its_timeout(daemon, monkeypatch):
+    monkeypatch.setenv("HBMD_SPIN_US", "50000")
+    client = daemon.connect(timeout=1.0)
+    assert client.status().num_sessions == 1  # answered while it polled
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        wall, cpu = time.monotonic(), time.thread_time()
+        with pytest.raises(DaemonUnavailable, match="control.sock"):
+            client.status()
+        wall, cpu = time.monotonic() - wall, time.thread_time() - cpu
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    # 50 ms of polling at most, then asleep for the rest of the second: a call that polled throughout would have
+    # spent the whole second on the CPU.
+    assert 1.0 <= wall < 3 and cpu < 0.5
+    assert client.status().num_sessions == 1
+
+
+def test_a_call_polling_longer_than_its_timeout_still_ends_at_the_timeout(daemon, monkeypatch):
+    monkeypatch.setenv("HBMD_SPIN_US", str(60 * 10**6))
+    client = daemon.connect(timeout=0.5)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="within 0.5s"):
+            client.status()
+        assert time.monotonic() - started < 2
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "inf"])
+def test_a_bad_hbmd_spin_us_is_a_value_error_naming_it(daemon, monkeypatch, value):
+    monkeypatch.setenv("HBMD_SPIN_US", value)
+    with pytest.raises(ValueError, match=rf"HBMD_SPIN_US='{value}' is not a number of microseconds, 0 or more"):
+        daemon.connect()
+    monkeypatch.delenv("HBMD_SPIN_US")
+    assert daemon.connect().status().num_sessions == 1  # refused before it connected: no session was opened
+
+
 def test_connecting_where_no_daemon_runs_names_the_socket(run_dir):
     with pytest.raises(DaemonUnavailable, match="handles.sock"):
         connect("cpu", run_dir=run_dir, timeout=1.0)
