@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 from common import (
     BENCH_DIR,
     Daemon,
+    goal,
     now_ns,
     percentile,
     ratio,
@@ -256,6 +257,33 @@ def status_round_trips(t: Target, n: int) -> dict[str, Any]:
         "status_over_floor_p50": ratio(status["p50_us"], floor["p50_us"]),
         "zmq_echo_floor_polling": spinning,
         "status_over_polling_floor_p50": ratio(status["p50_us"], spinning["p50_us"]),
+    }
+
+
+STATUS_BUFFER_COUNTS = (1, 100, 1000)
+
+
+def status_by_buffers(t: Target, n: int) -> dict[str, Any]:
+    """``client.status()`` p50 while a second session holds 1, 100 and 1,000 buffers (one granule of capacity, none
+    committed): what a status costs as buffers accumulate, which should be nothing."""
+    holder = t.connect("status-by-buffers")
+    points = []
+    try:
+        held = 0
+        for count in STATUS_BUFFER_COUNTS:
+            while held < count:
+                holder.create_buffer(t.granule)
+                held += 1
+            status = summarize_ns(repeat_ns(t.client.status, n, warmup=20))
+            print(f"  {count:>5} buffers: status p50 {status['p50_us']} µs", flush=True)
+            points.append({"buffers": count, "status": status})
+    finally:
+        holder.close()
+    growth = ratio(points[-1]["status"]["p50_us"], points[0]["status"]["p50_us"])
+    return {
+        "points": points,
+        "status_p50_growth": growth,
+        "goals": [goal(f"status p50 at {points[-1]['buffers']} ÷ at {points[0]['buffers']} buffers", growth, "<=", 1.25)],
     }
 
 

@@ -27,6 +27,7 @@ from cases import (
     pair,
     probed_daemon,
     release_recommit,
+    status_by_buffers,
     status_round_trips,
     step_commits,
     step_commits_without_lease,
@@ -285,6 +286,11 @@ def control_case(t: Target) -> dict[str, Any]:
              concurrency[-1]["ratio_commits_per_s"], ">=", 0.9),
     ]
     return figures
+
+
+@bench.case("status_by_buffers")
+def status_by_buffers_case(t: Target) -> dict[str, Any]:
+    return status_by_buffers(t, t.reps(1000, 200))
 
 
 @bench.case("turns")

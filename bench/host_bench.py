@@ -23,6 +23,7 @@ from cases import (
     concurrent_commits,
     fresh_commits,
     release_recommit,
+    status_by_buffers,
     status_round_trips,
     step_commits,
     step_commits_without_lease,
@@ -140,6 +141,11 @@ def control_case(t: Target) -> dict[str, Any]:
     figures = status_round_trips(t, t.reps(2000, 300))
     figures["concurrent_2mib_commits"] = concurrent_commits(t, "cpu", CONCURRENT_CLIENTS, 1.0 if t.quick else 3.0)
     return figures
+
+
+@bench.case("status_by_buffers")
+def status_by_buffers_case(t: Target) -> dict[str, Any]:
+    return status_by_buffers(t, t.reps(1000, 200))
 
 
 @bench.case("turns")

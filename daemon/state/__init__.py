@@ -545,7 +545,7 @@ class State(Generic[A, C]):
         names = None
         if uid is not None:
             names = {s.tenant.name for s in self.sessions.values() if s.uid == uid}
-            names |= {b.tenant.name for b in self.buffers.values() if b.owner_uid == uid}
+            names |= {b.tenant.name for b in self.buffers_room.of_uid.get(uid, {}).values()}
         return self.budget.infos(names, self.sessions_room.sessions_per_tenant())
 
     def check_invariants(self) -> None:

@@ -89,6 +89,9 @@ class Buffers(Generic[A, C]):
         self.pressure = pressure
         self.by_id: dict[int, Buffer[A, C]] = {}
         self.persistent: dict[tuple[int, str], Buffer[A, C]] = {}
+        self.of_uid: dict[int, dict[int, Buffer[A, C]]] = {}
+        """Every buffer by its owner's uid, then id: a uid's limits, and what its sessions may see, cost no pass over
+        every user's buffers."""
         self._next_id = 1
         self.pending_bytes = 0
         """Every buffer's pending chunks: above 0 while a preserving defragment or a move is in flight."""
@@ -295,8 +298,8 @@ class Buffers(Generic[A, C]):
 
     def _check_room_of(self, uid: int, new_segments: int) -> None:
         """Refuse a buffer past the uid's :attr:`Limits.buffers_per_uid` or :attr:`Limits.segments_per_uid`."""
-        held = [b for b in self.by_id.values() if b.owner_uid == uid]
-        segments = sum(b.num_segments for b in held)
+        held = self.of_uid.get(uid, {})
+        segments = sum(b.num_segments for b in held.values())
         if len(held) >= self.limits.buffers_per_uid or segments + new_segments > self.limits.segments_per_uid:
             raise OutOfBudget(
                 f"uid {uid} already holds {len(held)} buffers of {segments} segments; at most "
@@ -314,7 +317,7 @@ class Buffers(Generic[A, C]):
                 f"a persistent buffer named {name!r} already exists; attach to it or delete it",
                 buffer_id=existing.buffer_id,
             )
-        held = sum(1 for owner, _ in self.persistent if owner == uid)
+        held = sum(b.persistent for b in self.of_uid.get(uid, {}).values())
         if held >= self.limits.persistent_buffers_per_uid:
             raise OutOfBudget(
                 f"uid {uid} already has {held} persistent buffers, the most allowed "
@@ -325,6 +328,7 @@ class Buffers(Generic[A, C]):
     def _add(self, buffer: Buffer[A, C]) -> None:
         self.tenants.hold(buffer.tenant)
         self.by_id[buffer.buffer_id] = buffer
+        self.of_uid.setdefault(buffer.owner_uid, {})[buffer.buffer_id] = buffer
         self.reserved_bytes += buffer.reserved
         self.num_chunks += len(buffer.chunks)
         if buffer.persistent:
@@ -366,6 +370,10 @@ class Buffers(Generic[A, C]):
         freed = self.release_all(buffer)
         self.backend.close_arena(buffer.arena)
         del self.by_id[buffer.buffer_id]
+        held = self.of_uid[buffer.owner_uid]
+        del held[buffer.buffer_id]
+        if not held:
+            del self.of_uid[buffer.owner_uid]
         self.reserved_bytes -= buffer.reserved
         if buffer.owner is not None:
             buffer.owner.buffers.pop(buffer.buffer_id, None)

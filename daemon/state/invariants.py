@@ -48,6 +48,10 @@ def check_invariants(state: "State[Any, Any]") -> None:
     require(state.reserved_bytes == reserved, f"reserved {state.reserved_bytes} != {reserved} in buffers")
     chunks = sum(len(b.chunks) for b in state.buffers.values())
     require(state.num_chunks == chunks, f"{state.num_chunks} chunks counted, {chunks} in buffers")
+    for uid, held in state.buffers_room.of_uid.items():
+        require(bool(held) and all(b.owner_uid == uid and state.buffers.get(i) is b for i, b in held.items()),
+                f"the buffers of uid {uid} do not match the buffers")
+    require(sum(map(len, state.buffers_room.of_uid.values())) == len(state.buffers), "a buffer missing from its uid's")
     for session in state.sessions.values():
         for buffer in session.buffers.values():
             require(state.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} holds a dropped buffer")
