@@ -279,11 +279,12 @@ def status_by_buffers(t: Target, n: int) -> dict[str, Any]:
             points.append({"buffers": count, "status": status})
     finally:
         holder.close()
-    growth = ratio(points[-1]["status"]["p50_us"], points[0]["status"]["p50_us"])
+    first, last = points[0], points[-1]
+    growth = ratio(last["status"]["p50_us"], first["status"]["p50_us"])
     return {
         "points": points,
         "status_p50_growth": growth,
-        "goals": [goal(f"status p50 at {points[-1]['buffers']} ÷ at {points[0]['buffers']} buffers", growth, "<=", 1.25)],
+        "goals": [goal(f"status p50 at {last['buffers']} ÷ at {first['buffers']} buffers", growth, "<=", 1.25)],
     }
 
 
