@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 from typing import Callable, Generic, Mapping, TypeVar
 
-import zmq
 from hbmd.proto import (
     MAX_OWN_CHUNKS,
     MAX_SEGMENTS,
@@ -72,7 +71,7 @@ from ..fds import limit as fd_limit
 from ..fds import open_count as open_fds
 from ..fds import usable as usable_fds
 from ..state import Session, State
-from .connection import HandleConnection, open_pidfd, peer_credentials, readable_now
+from .connection import Descriptors, HandleConnection, open_pidfd, peer_credentials, readable_now
 from .outbox import Outbox
 from .ratelimit import RateLimitedLog
 
@@ -105,11 +104,12 @@ class HandlePlane(Generic[A, C]):
     Its :attr:`outbox` holds what is sent back to them.
     """
 
-    def __init__(self, state: State[A, C], poller: zmq.Poller, journal: Callable[[], None] = lambda: None) -> None:
-        """``poller``: the loop's; every socket and pidfd of the handle plane is registered on it. ``journal``: writes
-        what changed where the state is kept across restarts, before a welcome acknowledges it."""
+    def __init__(self, state: State[A, C], journal: Callable[[], None] = lambda: None) -> None:
+        """``journal``: writes what changed where the state is kept across restarts, before a welcome acknowledges
+        it."""
         self.state = state
-        self._poller = poller
+        self.descriptors = Descriptors()
+        """Every socket and pidfd of the handle plane: the loop watches them as one descriptor."""
         self._journal = journal
         self._listener: socket.socket | None = None
         self._reserve_fd = -1
@@ -117,9 +117,10 @@ class HandlePlane(Generic[A, C]):
         self._connections: dict[int, HandleConnection[A, C]] = {}
         self._by_session: dict[int, HandleConnection[A, C]] = {}
         self._by_pidfd: dict[int, HandleConnection[A, C]] = {}
-        self._placing = select.poll()
-        """Handle sockets of sessions that place leased granules: read before any request is answered."""
-        self.outbox = Outbox(state, poller, self._connections)
+        self._placing = select.epoll()
+        """Handle sockets of sessions that place leased granules: read before any request is answered (an epoll: it
+        answers with those that sent something, whatever the number of sessions)."""
+        self.outbox = Outbox(state, self.descriptors, self._connections)
         self._warnings = RateLimitedLog(log)
         self._worked: dict[int, float] = {}
         """Seconds each session's datagrams took this turn, by socket fd (see :data:`WORK_PER_TURN_S`)."""
@@ -137,7 +138,7 @@ class HandlePlane(Generic[A, C]):
         self._listener.listen(socket.SOMAXCONN)  # a burst of connections must not turn honest clients away
         self._listener.setblocking(False)
         self._reserve_fd = self._open_reserve()
-        self._poller.register(self._listener.fileno(), zmq.POLLIN)
+        self.descriptors.register(self._listener.fileno(), select.EPOLLIN)
 
     def close(self) -> None:
         """Hang up on every session and close the handle socket, ending no session.
@@ -155,10 +156,17 @@ class HandlePlane(Generic[A, C]):
         if sessions:
             log.info("stopping with %d session(s) connected: their memory stays mapped in their processes", sessions)
         if self._listener is not None:
+            self.descriptors.unregister(self._listener.fileno())
             self._listener.close()
         if self._reserve_fd >= 0:
             os.close(self._reserve_fd)
             self._reserve_fd = -1
+
+    def close_watches(self) -> None:
+        """Close the epolls that watch the descriptors, once the plane is closed for good (:meth:`close` leaves them
+        open: a daemon whose handover failed listens again)."""
+        self.descriptors.close()
+        self._placing.close()
 
     def new_turn(self) -> None:
         """A new turn of the loop: every session may send :data:`WORK_PER_TURN_S` of work again."""
@@ -251,19 +259,16 @@ class HandlePlane(Generic[A, C]):
             self._drain_datagrams(conn)
             try:
                 self._placing.unregister(fd)
-            except KeyError:
-                pass
+            except FileNotFoundError:
+                pass  # its hello never came: it was never placing
         self._connections.pop(fd, None)
         self._worked.pop(fd, None)
-        try:
-            self._poller.unregister(fd)
-        except KeyError:
-            pass
+        self.descriptors.unregister(fd)
         self.outbox.forget(conn)
         conn.sock.close()
         if conn.pidfd >= 0:
             self._by_pidfd.pop(conn.pidfd, None)
-            self._poller.unregister(conn.pidfd)
+            self.descriptors.unregister(conn.pidfd)
             os.close(conn.pidfd)
             conn.pidfd = -1
 
@@ -317,10 +322,10 @@ class HandlePlane(Generic[A, C]):
             return
         conn: HandleConnection[A, C] = HandleConnection(sock, pid, uid, gid, groups, time.monotonic(), pidfd)
         self._connections[sock.fileno()] = conn
-        self._poller.register(sock.fileno(), zmq.POLLIN)
+        self.descriptors.register(sock.fileno(), select.EPOLLIN)
         if pidfd >= 0:
             self._by_pidfd[pidfd] = conn
-            self._poller.register(pidfd, zmq.POLLIN)
+            self.descriptors.register(pidfd, select.EPOLLIN)
 
     @staticmethod
     def _refuse(sock: socket.socket, message: str) -> None:
@@ -498,7 +503,7 @@ class HandlePlane(Generic[A, C]):
         conn.replies_with_fds = hello.replies_with_fds
         self._by_session[session.session_id] = conn
         if session.wants_lease:
-            self._placing.register(conn.sock.fileno(), select.POLLIN)
+            self._placing.register(conn.sock.fileno(), select.EPOLLIN)
         welcome = self._welcome(session, resumed)
         self._journal()  # the session and its new credential, before the client holds them
         conn.send_quietly(welcome)

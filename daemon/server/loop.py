@@ -142,9 +142,10 @@ class Server(Generic[A, C]):
         """Requests waiting for their session's datagrams (:class:`_Behind`), by session id: one each at most."""
         self._successors: TakeoverListener | None = None
         self._wake_r = self._wake_w = -1
-        self._poller = zmq.Poller()
         journal = persistence.sync if persistence is not None else lambda: None
-        self._plane: HandlePlane[A, C] = HandlePlane(state, self._poller, journal)
+        self._plane: HandlePlane[A, C] = HandlePlane(state, journal)
+        self._poller = zmq.Poller()
+        self._poller.register(self._plane.descriptors.fileno(), zmq.POLLIN)
         self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane, journal)
         self._refusals = RateLimitedLog(log)
         rooms = {room: room(state, self._plane) for room in self.ROOMS}
@@ -245,7 +246,7 @@ class Server(Generic[A, C]):
             timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
             # Control requests last: a request sees every session the same turn of the loop ended (a worker that
             # exited just before its peer asked for status is gone from the status).
-            events = sorted(self._poller.poll(timeout=timeout), key=lambda event: event[0] is self._router)
+            events = sorted(self._ready(timeout), key=lambda event: event[0] is self._router)
             with self.lock:
                 self._plane.new_turn()
                 for fd_or_socket, _ in events:
@@ -268,6 +269,7 @@ class Server(Generic[A, C]):
     def close(self) -> None:
         """Hang up on every session, drop the sockets, files and lock."""
         self._unbind()
+        self._plane.close_watches()
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
@@ -299,6 +301,17 @@ class Server(Generic[A, C]):
         self._lock_fd = self._dir_fd = -1
 
     # the loop's steps
+
+    def _ready(self, timeout: float) -> list[tuple[zmq.Socket | int, int]]:
+        """What the poll finds ready within ``timeout`` ms: the handle plane's descriptors one by one (the poll watches
+        their epoll as one), the others as they are."""
+        ready: list[tuple[zmq.Socket | int, int]] = []
+        for fd_or_socket, events in self._poller.poll(timeout=timeout):
+            if fd_or_socket == self._plane.descriptors.fileno():
+                ready.extend(self._plane.descriptors.ready())
+            else:
+                ready.append((fd_or_socket, events))
+        return ready
 
     def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
         if self._router is not None and fd_or_socket is self._router:

@@ -26,19 +26,19 @@ import errno
 import fcntl
 import logging
 import os
+import select
 import socket
 import struct
 import termios
 from typing import Any, Generic, Mapping
 
-import zmq
 from hbmd.proto import MAX_FDS_PER_DATAGRAM, MAX_SEGMENTS_WITH_FDS, Committed, FdBatch, LeaseGrant, encode_datagram
 from hbmd.proto.errors import Conflict, HbmdError, InternalError
 
 from ..backends import A, C
 from ..fds import limit as fd_limit
 from ..state import Buffer, Chunk, Session, State
-from .connection import HandleConnection
+from .connection import Descriptors, HandleConnection
 from .ratelimit import RateLimitedLog
 
 log = logging.getLogger("hbmd.server.outbox")
@@ -127,11 +127,12 @@ class Outbox(Generic[A, C]):
     """The queued FDs of every session, sent as far as each peer keeps up."""
 
     def __init__(
-        self, state: State[A, C], poller: zmq.Poller, connections: Mapping[int, HandleConnection[A, C]]
+        self, state: State[A, C], descriptors: Descriptors, connections: Mapping[int, HandleConnection[A, C]]
     ) -> None:
-        """``connections``: the handle plane's, by socket fd; a session's FDs in flight count against its uid's."""
+        """``descriptors``: the handle plane's, where a full socket is watched for room too. ``connections``: the
+        handle plane's, by socket fd; a session's FDs in flight count against its uid's."""
         self.state = state
-        self._poller = poller
+        self._descriptors = descriptors
         self._connections = connections
         self._session_fd_share = max(MAX_FDS_PER_DATAGRAM, min(MAX_FDS_IN_FLIGHT, fd_limit() // 32))
         self._uid_fd_share = max(MAX_FDS_PER_DATAGRAM, min(MAX_FDS_IN_FLIGHT_PER_UID, fd_limit() // 8))
@@ -232,7 +233,7 @@ class Outbox(Generic[A, C]):
         else:
             self._draining.discard(fd)
         # POLLOUT only for a full socket: one waiting for its peer to read would wake the loop at once, forever.
-        self._poller.register(fd, zmq.POLLIN | (zmq.POLLOUT if conn.outbox and not held else 0))
+        self._descriptors.register(fd, select.EPOLLIN | (select.EPOLLOUT if conn.outbox and not held else 0))
 
     def _pack(self, conn: HandleConnection[A, C], delivery: Delivery[A, C]) -> tuple[bytes, list[int]] | None:
         """The delivery's datagram and its freshly exported FDs; None when there is nothing to send after all.
