@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 from common import (
     BENCH_DIR,
     Daemon,
+    cpu_seconds,
     goal,
     now_ns,
     percentile,
@@ -285,6 +286,38 @@ def status_by_buffers(t: Target, n: int) -> dict[str, Any]:
         "points": points,
         "status_p50_growth": growth,
         "goals": [goal(f"status p50 at {last['buffers']} ÷ at {first['buffers']} buffers", growth, "<=", 1.25)],
+    }
+
+
+STATUS_SESSION_COUNTS = (1, 16, 64)
+
+
+def status_by_sessions(t: Target, n: int) -> dict[str, Any]:
+    """``client.status()`` p50, and the daemon's CPU per status (every thread's, ZeroMQ's too), while 1, 16 and 64
+    sessions are connected, all but the caller idle (sessions of this process): what every connected session adds to a
+    request, which should be nothing."""
+    idle: list[Client] = []
+    points = []
+    try:
+        for count in STATUS_SESSION_COUNTS:
+            while len(idle) < count - 1:
+                idle.append(t.connect(f"idle-{len(idle)}"))
+            before = cpu_seconds(t.daemon.pid)
+            status = summarize_ns(repeat_ns(t.client.status, n, warmup=20))
+            cpu_us = round((cpu_seconds(t.daemon.pid) - before) / (n + 20) * 1e6, 1)
+            print(f"  {count:>3} sessions: status p50 {status['p50_us']} µs, the daemon's CPU {cpu_us} µs a status",
+                  flush=True)
+            points.append({"sessions": count, "status": status, "daemon_cpu_us_per_status": cpu_us})
+    finally:
+        for client in idle:
+            client.close()
+    first, last = points[0], points[-1]
+    growth = ratio(last["status"]["p50_us"], first["status"]["p50_us"])
+    return {
+        "points": points,
+        "status_p50_growth": growth,
+        "daemon_cpu_growth": ratio(last["daemon_cpu_us_per_status"], first["daemon_cpu_us_per_status"]),
+        "goals": [goal(f"status p50 with {last['sessions']} ÷ with {first['sessions']} sessions", growth, "<=", 1.25)],
     }
 
 

@@ -181,6 +181,13 @@ def process_footprint(pid: int) -> dict[str, Any]:
     return fields
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time ``pid`` has used so far, user and system, every thread's (from /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def nvidia_smi(*args: str) -> str:
     """``nvidia-smi`` output, or "" where it is missing or fails."""
     if shutil.which("nvidia-smi") is None:

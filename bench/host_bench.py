@@ -24,6 +24,7 @@ from cases import (
     fresh_commits,
     release_recommit,
     status_by_buffers,
+    status_by_sessions,
     status_round_trips,
     step_commits,
     step_commits_without_lease,
@@ -146,6 +147,11 @@ def control_case(t: Target) -> dict[str, Any]:
 @bench.case("status_by_buffers")
 def status_by_buffers_case(t: Target) -> dict[str, Any]:
     return status_by_buffers(t, t.reps(1000, 200))
+
+
+@bench.case("status_by_sessions")
+def status_by_sessions_case(t: Target) -> dict[str, Any]:
+    return status_by_sessions(t, t.reps(2000, 300))
 
 
 @bench.case("turns")
