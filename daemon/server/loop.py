@@ -78,6 +78,11 @@ plane, new connections, hellos and signals have been seen to. ZeroMQ hands the r
 over in turn (a ROUTER fair-queues them), so a peer pipelining requests gets one served, then every other waiting
 peer gets one: a flood delays its sender, others wait at most for one of its requests (tests/test_flood.py)."""
 
+TIMERS_EVERY_S = 0.005
+"""How often the loop looks for what time alone makes due: idle leases, hello and resume timeouts, ignored reclaims,
+promotes. Each look walks every session, and a loop answering requests turns twice for each; what it looks for waits
+seconds."""
+
 log = logging.getLogger("hbmd.server")
 
 
@@ -132,6 +137,8 @@ class Server(Generic[A, C]):
         self.resume_window_s = resume_window_s
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
+        self._timers_at = 0.0
+        """When the loop last looked for what time makes due (``time.monotonic``; :data:`TIMERS_EVERY_S`)."""
         self.handed_over = False
         """A successor serves in this daemon's place: it stopped for that."""
         self._lock_fd = -1
@@ -367,16 +374,18 @@ class Server(Generic[A, C]):
         self.publish()
 
     def _look_after_sessions(self) -> None:
-        """What is due whatever the events were: held FDs sent on, idle leases asked back, hello-less connections
-        closed, ignored reclaims reported, buffers demoted under pressure promoted where there is room, leases topped
-        up."""
+        """What is due whatever the events were: held FDs sent on and leases topped up at every turn; idle leases asked
+        back, hello-less connections closed, unresumed sessions ended, ignored reclaims reported and buffers demoted
+        under pressure promoted where there is room, every :data:`TIMERS_EVERY_S`."""
         self._plane.outbox.retry_draining()
         now = time.monotonic()
-        self.state.ask_back_idle_leases(now)
-        self._plane.expire_hellos(now)
-        self._plane.end_unresumed(now)
-        self._notices.report_ignored_reclaims(now)
-        self._notices.send_promotes(now)
+        if now - self._timers_at >= TIMERS_EVERY_S:
+            self._timers_at = now
+            self.state.ask_back_idle_leases(now)
+            self._plane.expire_hellos(now)
+            self._plane.end_unresumed(now)
+            self._notices.report_ignored_reclaims(now)
+            self._notices.send_promotes(now)
         self._notices.serve_leases()
 
     def _check_books(self) -> None:
