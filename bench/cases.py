@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 from common import (
     BENCH_DIR,
+    Bench,
     Daemon,
     cpu_seconds,
     goal,
@@ -261,65 +262,59 @@ def status_round_trips(t: Target, n: int) -> dict[str, Any]:
     }
 
 
-STATUS_BUFFER_COUNTS = (1, 100, 1000)
-
-
-def status_by_buffers(t: Target, n: int) -> dict[str, Any]:
-    """``client.status()`` p50 while a second session holds 1, 100 and 1,000 buffers (one granule of capacity, none
-    committed): what a status costs as buffers accumulate, which should be nothing."""
-    holder = t.connect("status-by-buffers")
+def status_as_they_grow(
+    t: Target, n: int, what: str, counts: tuple[int, ...], add: Callable[[], Any], held: int = 0
+) -> dict[str, Any]:
+    """``client.status()`` p50, and the daemon's CPU per status (every thread's, ZeroMQ's too), at each of ``counts``
+    of ``what``, ``held`` of them there from the start and ``add()`` making one more: what each adds to a request,
+    which should be nothing. Goal: the last p50 within 1.25 of the first (our threshold)."""
     points = []
-    try:
-        held = 0
-        for count in STATUS_BUFFER_COUNTS:
-            while held < count:
-                holder.create_buffer(t.granule)
-                held += 1
-            status = summarize_ns(repeat_ns(t.client.status, n, warmup=20))
-            print(f"  {count:>5} buffers: status p50 {status['p50_us']} µs", flush=True)
-            points.append({"buffers": count, "status": status})
-    finally:
-        holder.close()
-    first, last = points[0], points[-1]
-    growth = ratio(last["status"]["p50_us"], first["status"]["p50_us"])
-    return {
-        "points": points,
-        "status_p50_growth": growth,
-        "goals": [goal(f"status p50 at {last['buffers']} ÷ at {first['buffers']} buffers", growth, "<=", 1.25)],
-    }
-
-
-STATUS_SESSION_COUNTS = (1, 32, 100)
-"""Up to 100: the daemon's default cap is 128 sessions a uid, and the bench's own count too."""
-
-
-def status_by_sessions(t: Target, n: int) -> dict[str, Any]:
-    """``client.status()`` p50, and the daemon's CPU per status (every thread's, ZeroMQ's too), while 1, 32 and 100
-    sessions are connected, all but the caller idle (sessions of this process): what every connected session adds to a
-    request, which should be nothing."""
-    idle: list[Client] = []
-    points = []
-    try:
-        for count in STATUS_SESSION_COUNTS:
-            while len(idle) < count - 1:
-                idle.append(t.connect(f"idle-{len(idle)}"))
-            before = cpu_seconds(t.daemon.pid)
-            status = summarize_ns(repeat_ns(t.client.status, n, warmup=20))
-            cpu_us = round((cpu_seconds(t.daemon.pid) - before) / (n + 20) * 1e6, 1)
-            print(f"  {count:>3} sessions: status p50 {status['p50_us']} µs, the daemon's CPU {cpu_us} µs a status",
-                  flush=True)
-            points.append({"sessions": count, "status": status, "daemon_cpu_us_per_status": cpu_us})
-    finally:
-        for client in idle:
-            client.close()
+    for count in counts:
+        while held < count:
+            add()
+            held += 1
+        before = cpu_seconds(t.daemon.pid)
+        status = summarize_ns(repeat_ns(t.client.status, n, warmup=20))
+        cpu_us = round((cpu_seconds(t.daemon.pid) - before) / (n + 20) * 1e6, 1)
+        print(f"  {count:>5} {what}: status p50 {status['p50_us']} µs, the daemon's CPU {cpu_us} µs a status",
+              flush=True)
+        points.append({what: count, "status": status, "daemon_cpu_us_per_status": cpu_us})
     first, last = points[0], points[-1]
     growth = ratio(last["status"]["p50_us"], first["status"]["p50_us"])
     return {
         "points": points,
         "status_p50_growth": growth,
         "daemon_cpu_growth": ratio(last["daemon_cpu_us_per_status"], first["daemon_cpu_us_per_status"]),
-        "goals": [goal(f"status p50 with {last['sessions']} ÷ with {first['sessions']} sessions", growth, "<=", 1.25)],
+        "goals": [goal(f"status p50 with {last[what]} ÷ with {first[what]} {what}", growth, "<=", 1.25)],
     }
+
+
+def status_by_buffers(t: Target) -> dict[str, Any]:
+    """Status while a second session holds 1, 100 and 1,000 buffers (one granule of capacity, none committed)."""
+    holder = t.connect("status-by-buffers")
+    try:
+        return status_as_they_grow(t, t.reps(1000, 200), "buffers", (1, 100, 1000),
+                                   lambda: holder.create_buffer(t.granule))
+    finally:
+        holder.close()
+
+
+def status_by_sessions(t: Target) -> dict[str, Any]:
+    """Status while 1, 32 and 100 sessions are connected, all but the caller idle (sessions of this process; up to 100:
+    the daemon's default cap is 128 a uid)."""
+    idle: list[Client] = []
+    try:
+        return status_as_they_grow(t, t.reps(2000, 300), "sessions", (1, 32, 100),
+                                   lambda: idle.append(t.connect(f"idle-{len(idle)}")), held=1)
+    finally:
+        for client in idle:
+            client.close()
+
+
+def add_status_cases(bench: Bench) -> None:
+    """The cases both benches run alike: status as buffers and sessions accumulate."""
+    bench.case("status_by_buffers")(status_by_buffers)
+    bench.case("status_by_sessions")(status_by_sessions)
 
 
 def commit_worker_args(daemon: Daemon, device: str) -> list[str]:

@@ -20,11 +20,10 @@ from typing import Any
 from baseline import HostInProcessBuffer
 from cases import (
     Target,
+    add_status_cases,
     concurrent_commits,
     fresh_commits,
     release_recommit,
-    status_by_buffers,
-    status_by_sessions,
     status_round_trips,
     step_commits,
     step_commits_without_lease,
@@ -144,14 +143,7 @@ def control_case(t: Target) -> dict[str, Any]:
     return figures
 
 
-@bench.case("status_by_buffers")
-def status_by_buffers_case(t: Target) -> dict[str, Any]:
-    return status_by_buffers(t, t.reps(1000, 200))
-
-
-@bench.case("status_by_sessions")
-def status_by_sessions_case(t: Target) -> dict[str, Any]:
-    return status_by_sessions(t, t.reps(2000, 300))
+add_status_cases(bench)
 
 
 @bench.case("turns")
