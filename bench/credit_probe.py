@@ -25,16 +25,16 @@ daemon's check costs the commit while it runs beside it::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import Daemon, GiB, MiB, percentile  # noqa: E402
+from common import Daemon, GiB, MiB, percentile, write_json  # noqa: E402
 
 SIZES = {2 * MiB: 30, 64 * MiB: 30, GiB: 12}
 CHECK_DELAY_S = 0.003
@@ -173,12 +173,11 @@ def main() -> int:
         return delayed_check_daemon(float(sys.argv[2]), sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", type=int, default=0)
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     results = measure(args.device)
     if args.out:
-        with open(args.out, "w") as out:
-            json.dump(results, out, indent=1)
+        write_json(args.out, results)
     return 0
 
 

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from hbmd import driver
@@ -29,7 +30,7 @@ from hbmd.proto.fdpass import receive_with_fds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import percentile  # noqa: E402
+from common import percentile, write_json  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 SIZES = {2 * MiB: 30, 64 * MiB: 20, GiB: 10, 8 * GiB: 5}
@@ -150,7 +151,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--verifier", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out")
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.verifier is not None:
         verifier(args.device, args.verifier)
@@ -164,8 +165,7 @@ def main() -> int:
     result["daemon"] = json.loads(out)
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
     return 0
 
 
