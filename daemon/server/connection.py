@@ -102,15 +102,17 @@ def readable_now(fd: int) -> bool:
 
 
 class Descriptors:
-    """The handle plane's descriptors (the listener, each connection's socket and pidfd), watched by one epoll.
+    """Descriptors watched by one epoll: the handle plane's (the listener, each connection's socket and pidfd), and
+    apart the sockets of the sessions that place granules.
 
     The loop's ZeroMQ poll watches the epoll's own descriptor, not each of
     them: pyzmq builds its list of poll items afresh on every call and reads
     every item's result after it, so a turn of the loop cost time in
-    proportion to the sessions connected, twice (on the host backend a
-    status cost the daemon 100 µs of CPU with one session and 166 µs with 64).
-    The epoll answers with the ready descriptors only. Level-triggered, as
-    ``poll``: what a turn leaves unread is ready again at the next.
+    proportion to the sessions connected, twice (on the host backend the
+    daemon's CPU per status with 100 sessions was 178-188 µs before, 119-124
+    µs after, ``bench/host_bench.py --cases status_by_sessions``). The epoll
+    answers with the ready descriptors only. Level-triggered, as ``poll``:
+    what a turn leaves unread is ready again at the next.
 
     A descriptor is unregistered before it is closed: the epoll would go on
     reporting a closed number whose file another copy still holds.

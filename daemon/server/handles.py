@@ -117,7 +117,7 @@ class HandlePlane(Generic[A, C]):
         self._connections: dict[int, HandleConnection[A, C]] = {}
         self._by_session: dict[int, HandleConnection[A, C]] = {}
         self._by_pidfd: dict[int, HandleConnection[A, C]] = {}
-        self._placing = select.epoll()
+        self._placing = Descriptors()
         """Handle sockets of sessions that place leased granules: read before any request is answered (an epoll: it
         answers with those that sent something, whatever the number of sessions)."""
         self.outbox = Outbox(state, self.descriptors, self._connections)
@@ -209,7 +209,7 @@ class HandlePlane(Generic[A, C]):
         datagrams waiting are read, each within what is left of its work this
         turn (an honest client's placements always fit).
         """
-        for fd, _ in self._placing.poll(0):
+        for fd, _ in self._placing.ready():
             conn = self._connections.get(fd)
             if conn is not None and conn.session is not None:
                 self._drain_datagrams(conn)
@@ -257,10 +257,7 @@ class HandlePlane(Generic[A, C]):
             # A turn's work, whatever it spent this turn: a flood left there is cut, an honest client's few are not.
             self._worked.pop(fd, None)
             self._drain_datagrams(conn)
-            try:
-                self._placing.unregister(fd)
-            except FileNotFoundError:
-                pass  # its hello never came: it was never placing
+            self._placing.unregister(fd)
         self._connections.pop(fd, None)
         self._worked.pop(fd, None)
         self.descriptors.unregister(fd)
