@@ -81,7 +81,7 @@ class StateCollector(Collector):
                  state.leased_bytes),
                 ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes),
                 ("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes),
-                ("hbmd_sessions", "Connected worker sessions.", len(state.workers)),
+                ("hbmd_sessions", "Connected worker sessions.", state.num_workers),
                 ("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers)),
                 ("hbmd_chunks", "Physical chunks.", state.num_chunks),
                 ("hbmd_host_budget_bytes", "Most bytes the host tier holds (demoted buffers); 0: no host tier.",

@@ -103,6 +103,30 @@ def test_new_runs_takes_its_short_way_only_where_it_gives_the_same_answer():
         assert new_runs(offsets, old, new, GRANULE) == runs
 
 
+def test_sessions_are_counted_by_uid_and_workers_by_tenant_as_they_come_and_go(state):
+    a = state.open_session(pid=1, uid=1000, gid=1000, client_name="a", tenant="train")
+    b = state.open_session(pid=2, uid=1000, gid=1000, client_name="b", tenant="serve")
+    state.open_session(pid=3, uid=1000, gid=1000, client_name="ctl", tenant="serve", observer=True)
+    c = state.open_session(pid=4, uid=1001, gid=1001, client_name="c", tenant="serve")
+
+    def workers_by_tenant(uid=None):
+        return {t.name: t.num_sessions for t in state.tenant_infos(uid)}
+
+    assert state.num_workers == 3
+    assert workers_by_tenant() == {"train": 1, "serve": 2}
+    assert workers_by_tenant(1001) == {"serve": 2}
+    state.close_session(b)
+    state.close_session(c)
+    assert state.num_workers == 1
+    assert workers_by_tenant() == {"train": 1, "serve": 0}
+    assert workers_by_tenant(1001) == {}
+    assert set(state.sessions_room.of_uid) == {1000}
+    state.check_invariants()
+    state.close_session(a)
+    assert state.num_workers == 0
+    state.check_invariants()
+
+
 def test_commit_makes_one_chunk_per_run_not_per_granule(state, session):
     buf = state.create_buffer(session, 64 * MiB, 1)
     chunks = state.commit(session, buf.buffer_id, 40 * MiB)

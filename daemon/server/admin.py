@@ -59,7 +59,7 @@ class AdminRequests(RequestRoom[A, C]):
             budget_bytes=state.budget_bytes,
             committed_bytes=state.committed_bytes,
             reserved_bytes=state.reserved_bytes,
-            num_sessions=len(state.workers),
+            num_sessions=state.num_workers,
             num_buffers=len(state.buffers),
             num_chunks=state.num_chunks,
             uptime_s=time.monotonic() - state.started_at,

@@ -152,6 +152,10 @@ class State(Generic[A, C]):
         return self.sessions_room.workers
 
     @property
+    def num_workers(self) -> int:
+        return self.sessions_room.num_workers
+
+    @property
     def reclaim_patience_s(self) -> float:
         return self.sessions_room.reclaim_patience_s
 
@@ -544,9 +548,9 @@ class State(Generic[A, C]):
         """Every tenant by name, or with ``uid`` only those its sessions and buffers are charged to."""
         names = None
         if uid is not None:
-            names = {s.tenant.name for s in self.sessions.values() if s.uid == uid}
+            names = {s.tenant.name for s in self.sessions_room.of_uid.get(uid, {}).values()}
             names |= {b.tenant.name for b in self.buffers_room.of_uid.get(uid, {}).values()}
-        return self.budget.infos(names, self.sessions_room.sessions_per_tenant())
+        return self.budget.infos(names, self.sessions_room.workers_of)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first thing in the books that does not add up."""

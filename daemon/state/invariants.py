@@ -52,6 +52,7 @@ def check_invariants(state: "State[Any, Any]") -> None:
         require(bool(held) and all(b.owner_uid == uid and state.buffers.get(i) is b for i, b in held.items()),
                 f"the buffers of uid {uid} do not match the buffers")
     require(sum(map(len, state.buffers_room.of_uid.values())) == len(state.buffers), "a buffer missing from its uid's")
+    _check_session_counts(state)
     for session in state.sessions.values():
         for buffer in session.buffers.values():
             require(state.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} holds a dropped buffer")
@@ -62,6 +63,19 @@ def check_invariants(state: "State[Any, Any]") -> None:
     leased = _check_leases(state, chunk_ids)
     require(state.leased_bytes == leased, f"leased {state.leased_bytes} != {leased} in sessions' leases")
     _check_tenants(state)
+
+
+def _check_session_counts(state: "State[Any, Any]") -> None:
+    room = state.sessions_room
+    for uid, held in room.of_uid.items():
+        require(bool(held) and all(s.uid == uid and state.sessions.get(i) is s for i, s in held.items()),
+                f"the sessions of uid {uid} do not match the sessions")
+    require(sum(map(len, room.of_uid.values())) == len(state.sessions), "a session missing from its uid's")
+    workers: dict[str, int] = {}
+    for session in room.workers:
+        workers[session.tenant.name] = workers.get(session.tenant.name, 0) + 1
+    require(room.workers_of == workers, f"workers per tenant counted {room.workers_of}, {workers} connected")
+    require(room.num_workers == len(room.workers), f"{room.num_workers} workers counted, {len(room.workers)} connected")
 
 
 def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids: set[int]) -> int:

@@ -31,6 +31,11 @@ class Sessions:
         self.reclaim_patience_s = reclaim_patience_s
         self.by_id: dict[int, Session] = {}
         self._by_token: dict[str, Session] = {}
+        self.of_uid: dict[int, dict[int, Session]] = {}
+        """Every session by its uid, then by id: what a hello and a status count without walking every session."""
+        self.workers_of: dict[str, int] = {}
+        """How many worker sessions (not observers) are charged to each tenant, by its name."""
+        self.num_workers = 0
         self._next_id = 1
         self._next_reclaim = 1
         self.reclaims_due: list[tuple[Session, Reclaim]] = []
@@ -49,7 +54,7 @@ class Sessions:
             raise InvalidRequest(
                 f"client name must be at most {MAX_NAME} printable characters", field="client_name"
             )
-        open_sessions = sum(1 for s in self.by_id.values() if s.uid == uid)
+        open_sessions = len(self.of_uid.get(uid, ()))
         if open_sessions >= self.limits.sessions_per_uid:
             raise Conflict(
                 f"uid {uid} already has {open_sessions} sessions, the most allowed (--max-sessions-per-uid)",
@@ -60,9 +65,16 @@ class Sessions:
             wants_lease=lease,
         )
         self._next_id += 1
+        self._add(session)
+        return session
+
+    def _add(self, session: Session) -> None:
         self.by_id[session.session_id] = session
         self._by_token[session.token] = session
-        return session
+        self.of_uid.setdefault(session.uid, {})[session.session_id] = session
+        if not session.observer:
+            self.workers_of[session.tenant.name] = self.workers_of.get(session.tenant.name, 0) + 1
+            self.num_workers += 1
 
     def issue_credential(self, session: Session) -> str:
         """A new credential that resumes ``session`` after a restart; the one before it is void. Only its hash is kept."""
@@ -73,8 +85,7 @@ class Sessions:
     def restore(self, session: Session, resume_by: float) -> None:
         """Take back a session journaled before a restart; it waits for its client until ``resume_by``."""
         session.resume_by = resume_by
-        self.by_id[session.session_id] = session
-        self._by_token[session.token] = session
+        self._add(session)
         self._next_id = max(self._next_id, session.session_id + 1)
 
     def suspend(self, session: Session, resume_by: float) -> None:
@@ -114,8 +125,19 @@ class Sessions:
         return [s for s in self.by_id.values() if s.resume_by is not None and (now > s.resume_by or gone(s.pid))]
 
     def forget(self, session: Session) -> None:
-        self.by_id.pop(session.session_id, None)
+        if self.by_id.pop(session.session_id, None) is None:
+            return
         self._by_token.pop(session.token, None)
+        held = self.of_uid[session.uid]
+        del held[session.session_id]
+        if not held:
+            del self.of_uid[session.uid]
+        if not session.observer:
+            name = session.tenant.name
+            self.workers_of[name] -= 1
+            if not self.workers_of[name]:
+                del self.workers_of[name]
+            self.num_workers -= 1
 
     def for_token(self, token: str) -> Session:
         session = self._by_token.get(token)
@@ -150,12 +172,6 @@ class Sessions:
             leased_bytes=session.leased_bytes,
             resuming=session.resume_by is not None,
         )
-
-    def sessions_per_tenant(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for session in self.workers:
-            counts[session.tenant.name] = counts.get(session.tenant.name, 0) + 1
-        return counts
 
     # reclaim
 
