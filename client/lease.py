@@ -237,6 +237,20 @@ class Lease:
         self._discard(ready)
 
 
+SPARE_MAX_BYTES = 1 << 30
+"""The largest chunk the listener makes ahead on credit (:meth:`Credit.make_spare`): it holds device memory nobody maps
+until the next commit of its size, within the credit the daemon already charges for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Spare:
+    """A chunk made ahead on credit (:meth:`Mapper.make`) and its FD for the daemon (:meth:`Mapper.export`)."""
+
+    size: int
+    prepared: Any
+    fd: int
+
+
 class Credit:
     """The session's credit: bytes it may commit in chunks it makes itself (:class:`CreditGrant`).
 
@@ -244,13 +258,26 @@ class Credit:
     tells the daemon of it are one step under one lock, and so is a return:
     the daemon reads every bind paid from the credit before the return that
     gives the rest back, in the order this process spent it.
+
+    After a commit of one chunk the listener makes the next of the same size
+    ahead (:meth:`make_spare`), so that a worker growing in steps of one size
+    skips making and exporting it on its commit. The spare lies within the
+    unspent credit, always: it goes before the credit is returned, and when a
+    spend leaves less credit than it holds.
     """
 
-    def __init__(self, send: Callable[[Message], None]) -> None:
-        """``send`` sends a datagram."""
+    def __init__(self, send: Callable[[Message], None], mapper: Callable[[], Mapper]) -> None:
+        """``send`` sends a datagram; ``mapper`` gives the session's mapper (asked once, when the first spare is made)."""
         self._send = send
+        self._get_mapper = mapper
+        self._mapper_now: Mapper | None = None
         self._lock = threading.Lock()
+        self._made = threading.Condition(self._lock)
         self.bytes = 0
+        self._spare: Spare | None = None
+        self._spare_wanted = 0
+        """The size of the chunk to make ahead: the last commit's, where it made one chunk; 0 for none."""
+        self._making = False
 
     def serve(self, credits: collections.deque[CreditGrant | CreditRevoke]) -> None:
         """Take what was granted and give back all when asked, in the order the handle socket filed them."""
@@ -265,19 +292,87 @@ class Credit:
             else:
                 self.give_back()
 
-    def spend(self, amount: int, send: Callable[[], None]) -> bool:
+    def take_spare(self, size: int) -> Spare | None:
+        """The chunk made ahead, where it is of ``size`` bytes; the caller pays it with :meth:`spend` and lets go of it."""
+        with self._lock:
+            spare = self._spare
+            if spare is None or spare.size != size:
+                return None
+            self._spare = None
+            return spare
+
+    def spend(self, amount: int, send: Callable[[], None], ahead: int = 0) -> bool:
         """Pay ``amount`` bytes and ``send()`` the bind they pay for; False (nothing sent) where the credit is short.
-        Where ``send`` raises, nothing is paid."""
+        Where ``send`` raises, nothing is paid. ``ahead``: the size of a chunk to make ahead for the next commit (0:
+        none)."""
         with self._lock:
             if amount > self.bytes:
                 return False
             send()
             self.bytes -= amount
-            return True
+            self._spare_wanted = ahead if 0 < ahead <= SPARE_MAX_BYTES else 0
+            spare = self._spare
+            if spare is None or spare.size <= self.bytes:
+                return True
+            self._spare = None
+        self._let_go(spare)
+        return True
+
+    def make_spare(self) -> None:
+        """On the listener thread: make the chunk :meth:`spend` asked for ahead, where the unspent credit covers it and
+        none is made yet. A failure is logged: the commit makes its own."""
+        with self._lock:
+            size = self._spare_wanted
+            if not size or self._making or self._spare is not None or self.bytes < size:
+                return
+            self._making = True
+        spare = None
+        try:
+            mapper = self._mapper()
+            prepared = mapper.make(size)
+            try:
+                spare = Spare(size, prepared, mapper.export(prepared))
+            except BaseException:
+                mapper.discard(prepared)
+                raise
+        except Exception as exc:
+            log.debug("making a %d-byte chunk ahead on credit failed (%s)", size, exc)
+        finally:
+            with self._lock:
+                self._making = False
+                self._made.notify_all()
+                if spare is not None and self._spare is None and self.bytes >= size:
+                    self._spare, spare = spare, None
+        if spare is not None:
+            self._let_go(spare)
+
+    def _drop_spare(self) -> None:
+        """Let go of the spare, once one being made is; the caller holds the lock."""
+        while self._making:
+            self._made.wait()
+        spare, self._spare, self._spare_wanted = self._spare, None, 0
+        if spare is not None:
+            self._let_go(spare)
+
+    def _mapper(self) -> Mapper:
+        if self._mapper_now is None:
+            self._mapper_now = self._get_mapper()
+        return self._mapper_now
+
+    def _let_go(self, spare: Spare) -> None:
+        os.close(spare.fd)
+        self._mapper().discard(spare.prepared)
 
     def give_back(self) -> int:
-        """Return all the credit (the daemon drops whatever it records as unspent); the bytes this process had."""
+        """Return all the credit (the daemon drops whatever it records as unspent); the bytes this process had. The
+        chunk made ahead goes first: the daemon may lend its memory to another the moment it reads the return."""
         with self._lock:
+            self._drop_spare()
             given, self.bytes = self.bytes, 0
             self._send(CreditReturn(given))
         return given
+
+    def close(self) -> None:
+        """Let go of the chunk made ahead; the daemon drops the credit when the session ends."""
+        with self._lock:
+            self._drop_spare()

@@ -65,7 +65,7 @@ from hbmd.proto.undo import Undo
 from .budget import DeviceMemory
 from .devices import parse_device
 from .delivery import Delivery
-from .lease import Credit, Lease, LeasedGranule
+from .lease import Credit, Lease, LeasedGranule, Spare
 from .mapper import Mapper
 from .transport import SPIN_S, ControlChannel, FdCloser, HandleChannel
 
@@ -225,7 +225,10 @@ class Client:
         if self.welcome.lease_bytes > 0:
             self._lease = Lease(self.granularity, lambda: _alive(me).mapper, send)
             weakref.finalize(self, self._lease.close)
-        self._credit: Credit | None = Credit(send) if self.welcome.credit_bytes > 0 else None
+        self._credit: Credit | None = None
+        if self.welcome.credit_bytes > 0:
+            self._credit = Credit(send, lambda: _alive(me).mapper)
+            weakref.finalize(self, self._credit.close)
         if self._lease is not None or self._credit is not None or self._credential:
             # The listener takes the session back as soon as the daemon is, idle engine or not.
             self._listen_in_background()
@@ -691,30 +694,35 @@ class Client:
             self._credit.serve(self._handles.credits)
         return self._credit.bytes >= amount
 
-    def bind(self, buffer_id: int, sizes: list[int], runs: list[tuple[int, int]], made: list[Any]) -> bool:
+    def take_spare(self, size: int) -> Spare | None:
+        """The chunk of ``size`` bytes the listener made ahead on credit, if there is one (see :class:`Credit`)."""
+        return None if self._credit is None else self._credit.take_spare(size)
+
+    def bind(self, buffer_id: int, sizes: list[int], runs: list[tuple[int, int]], made: list[Any],
+             fds: list[int]) -> bool:
         """Tell the daemon that the chunks ``made`` here (:meth:`Mapper.make`) back ``buffer_id``, one per
         ``(offset, size)`` of ``runs``, its segments grown to ``sizes``, paid from the credit.
 
-        Call it once they are mapped, before the commit returns: once it
-        returns True the daemon will record them (or, for chunks that are not
-        what they claim, refuse them) before anything else this session asks,
-        or its end, and keeps them past this process. False: the credit is
-        short, or the daemon had gone away and the session is resumed now;
-        nothing was bound (unmap them and commit through the daemon instead).
+        ``fds`` holds each chunk's FD where it was exported already (a
+        spare's) and -1 where it is exported here, in its place. Call it once
+        they are mapped, before the commit returns: once it returns True the
+        daemon will record them (or, for chunks that are not what they
+        claim, refuse them) before anything else this session asks, or its
+        end, and keeps them past this process; the FDs are then this client's.
+        False: the credit is short, or the daemon had gone away and the
+        session is resumed now; nothing was bound (unmap them, close the FDs
+        and commit through the daemon instead).
         """
-        fds: list[int] = []
-        sent = False
+        for i, prepared in enumerate(made):
+            if fds[i] < 0:
+                fds[i] = self.mapper.export(prepared)
+        bind = OwnChunks(buffer_id, list(sizes), [offset for offset, _ in runs], [size for _, size in runs])
+        ahead = bind.chunk_sizes[0] if len(runs) == 1 else 0
         try:
-            for prepared in made:
-                fds.append(self.mapper.export(prepared))
-            bind = OwnChunks(buffer_id, list(sizes), [offset for offset, _ in runs], [size for _, size in runs])
-            sent = self._credit.spend(sum(bind.chunk_sizes), lambda: self._handles.send(bind, fds))
+            sent = self._credit.spend(sum(bind.chunk_sizes), lambda: self._handles.send(bind, fds), ahead)
         except SessionLost:
             self._resume(time.monotonic() + self.resume_timeout)
-        finally:
-            if not sent:
-                for fd in fds:
-                    os.close(fd)
+            return False
         if sent:
             # Kept until the daemon is known to have read the bind: a daemon that went before may need it again.
             self._unconfirmed_sent(bind, fds)
@@ -743,12 +751,14 @@ class Client:
             self._listener.start()
 
     def _on_datagrams(self) -> None:
-        """On the listener thread: serve the leases and reclaim requests that arrived."""
+        """On the listener thread: serve the leases and reclaim requests that arrived, and make the next chunk on
+        credit ahead."""
         try:
             if self._lease is not None:
                 self._lease.serve(self._handles.grants, self._handles.revokes)
             if self._credit is not None:
                 self._credit.serve(self._handles.credits)
+                self._credit.make_spare()
             if self._reclaim_callback is not None:
                 self._answer_reclaims()
             self._serve_demotes()
@@ -859,6 +869,8 @@ class Client:
                     self._closer.stop()
                 if self._lease is not None:
                     self._lease.close()
+                if self._credit is not None:
+                    self._credit.close()
 
     def _let_go_after_fork(self) -> None:
         """In a forked child: close the inherited handle socket, so the child never keeps the parent's session.

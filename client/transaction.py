@@ -12,6 +12,7 @@ maps what the daemon does not record, nor misses what it does.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_SEGMENTS, TIER_HOST, BufferInfo
@@ -117,19 +118,25 @@ class Transactions:
             return False
         mapper = self._reservation.mapper
         made: list[Any] = []
+        fds: list[int] = []
         bound = False
         try:
             for _, size in runs:
-                made.append(mapper.make(size))
+                spare = self._client.take_spare(size)
+                made.append(mapper.make(size) if spare is None else spare.prepared)
+                fds.append(-1 if spare is None else spare.fd)
             self._reservation.map_made(made, runs)
             if zero is not None:
                 zero(sizes)
-            bound = self._client.bind(self._info.buffer_id, sizes, runs, made)
+            bound = self._client.bind(self._info.buffer_id, sizes, runs, made, fds)
         except (HbmdError, OSError) as exc:
             log.debug("buffer %d: a growth on credit failed (%s); asking the daemon", self._info.buffer_id, exc)
         finally:
             if not bound:
                 self._reservation.unmap_runs(runs)
+                for fd in fds:
+                    if fd >= 0:
+                        os.close(fd)
             for prepared in made:
                 mapper.discard(prepared)
         if bound:

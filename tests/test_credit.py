@@ -4,6 +4,7 @@ chunk that is not what it claims, unchanged and without a leaked descriptor."""
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import os
@@ -15,6 +16,8 @@ import threading
 import pytest
 from hbmd import memfd, proto
 from hbmd.client import ExtensibleTensor, OutOfBudget
+from hbmd.client.host import HostMapper
+from hbmd.client.lease import Credit
 from hbmd.client.session import MAX_KEPT_FDS
 from helpers import GRANULE, MiB, credited, daemon_view, wait_until
 
@@ -248,6 +251,111 @@ def test_credit_is_asked_back_for_a_commit_that_needs_the_room(start_daemon):
         assert not holder.credit_covers(GRANULE)
         big.resize_(900 * MiB)
         assert needy.status().committed_bytes == 964 * MiB
+
+
+class TracingMapper(HostMapper):
+    """A host mapper that records which thread made each chunk and which chunks it still holds."""
+
+    def __init__(self) -> None:
+        super().__init__(GRANULE)
+        self.makers: list[str] = []
+        self.held: set[int] = set()
+        self.events: list[str] = []
+
+    def make(self, size: int) -> int:
+        fd = super().make(size)
+        self.makers.append(threading.current_thread().name)
+        self.held.add(fd)
+        return fd
+
+    def discard(self, prepared: int) -> None:
+        self.held.discard(prepared)
+        self.events.append("discard")
+        super().discard(prepared)
+
+
+def test_the_listener_makes_the_next_chunk_ahead_and_a_commit_of_its_size_takes_it(start_daemon):
+    daemon = start_daemon("--budget", "2GiB")
+    mapper = TracingMapper()
+    with daemon.connect(mapper=mapper) as client:
+        t = ExtensibleTensor(1 << 30, "cpu", client=client)
+        credited(client, t, 64 * MiB, 128 * MiB)
+        t.resize_(96 * MiB)  # 32 MiB on credit, made by the commit
+        wait_until(lambda: mapper.makers[1:] == ["hbmd-listener"])
+        assert mapper.makers[0] == threading.current_thread().name
+        t.full_view()[: 96 * MiB].fill_(3)
+        sent = client.requests_sent
+        t.resize_(128 * MiB, zero_new=True)  # takes the chunk made ahead
+        assert mapper.makers[1:] in (["hbmd-listener"], ["hbmd-listener"] * 2)  # and made none
+        wait_until(lambda: mapper.makers[1:] == ["hbmd-listener"] * 2)  # the next, ahead again
+        assert client.requests_sent == sent
+        view = t.full_view()
+        assert int(view[96 * MiB : 128 * MiB].sum()) == 0 and int(view[: 96 * MiB].sum()) == 3 * 96 * MiB
+        view[96 * MiB : 128 * MiB].fill_(5)
+        t.resize_(144 * MiB)  # another size: made by the commit, the one made ahead kept for its own
+        assert mapper.makers[3] == threading.current_thread().name
+        info = daemon_view(client, t)
+        assert info.segment_sizes == [144 * MiB] and info.num_chunks == 4 and info.physical_bytes == 144 * MiB
+        assert client.status().committed_bytes == 144 * MiB
+        other = ExtensibleTensor(32 * MiB, "cpu", client=client, name="reader", shareable=True)
+        other.resize_(32 * MiB)
+        assert int(t.full_view()[96 * MiB : 128 * MiB].sum()) == 5 * 32 * MiB
+    wait_until(lambda: not mapper.held)  # closing lets go of the chunk made ahead
+
+
+def test_a_chunk_made_ahead_goes_before_its_credit_is_given_back(start_daemon):
+    daemon = start_daemon("--budget", "1GiB")
+    mapper = TracingMapper()
+    with (daemon.connect(client_name="holder", mapper=mapper) as holder,
+          daemon.connect(client_name="needy", lease=False) as needy):
+        t = ExtensibleTensor(512 * MiB, "cpu", client=holder)
+        credited(holder, t, 64 * MiB, 128 * MiB)
+        t.resize_(96 * MiB)
+        wait_until(lambda: len(mapper.held) == 1)  # made ahead: no mapping holds it
+        big = ExtensibleTensor(1 << 30, "cpu", client=needy)
+        with pytest.raises(OutOfBudget):
+            big.resize_(900 * MiB)  # the holder's credit stands in the way until it is given back
+        wait_until(lambda: needy.status().leased_bytes == 0)
+        assert not mapper.held
+        big.resize_(900 * MiB)
+        assert needy.status().committed_bytes == (96 + 900) * MiB
+
+
+def test_a_chunk_made_ahead_stays_within_the_credit_and_a_return_waits_for_one_being_made():
+    """:class:`Credit` alone, with a real host mapper: the datagrams it would send are recorded."""
+    mapper = TracingMapper()
+    making, made = threading.Event(), threading.Event()
+    make = mapper.make
+
+    def slow_make(size: int) -> int:
+        making.set()
+        made.wait(5)
+        return make(size)
+
+    sent: list[proto.Message] = []
+    credit = Credit(lambda msg: (mapper.events.append("send"), sent.append(msg)), lambda: mapper)
+    credit.serve(collections.deque([proto.CreditGrant(128 * MiB)]))
+    assert credit.spend(32 * MiB, lambda: None, ahead=32 * MiB) and credit.bytes == 96 * MiB
+    credit.make_spare()
+    assert credit.take_spare(16 * MiB) is None and len(mapper.held) == 1
+    assert credit.spend(80 * MiB, lambda: None, ahead=80 * MiB) and credit.bytes == 16 * MiB
+    assert not mapper.held  # 32 MiB made ahead on 16 MiB of credit: let go of
+    credit.make_spare()
+    assert not mapper.held  # 80 MiB would not fit either
+    credit.serve(collections.deque([proto.CreditGrant(112 * MiB)]))
+    mapper.make = slow_make
+    maker = threading.Thread(target=credit.make_spare, name="hbmd-listener")
+    maker.start()
+    assert making.wait(5)
+    giver = threading.Thread(target=credit.give_back)
+    giver.start()
+    giver.join(0.2)
+    assert giver.is_alive() and not sent  # the return waits for the chunk being made
+    made.set()
+    maker.join(5)
+    giver.join(5)
+    assert sent == [proto.CreditReturn(128 * MiB)] and not mapper.held
+    assert mapper.events[-2:] == ["discard", "send"]  # the memory went before the return told the daemon
 
 
 class Forger:
