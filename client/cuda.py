@@ -9,7 +9,7 @@ once: the mapping keeps the memory alive, so unmapping is what frees it.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, ContextManager
 
 from hbmd import driver
 from hbmd.proto import ChunkInfo
@@ -79,6 +79,10 @@ class CudaMapper:
 
     def discard(self, prepared: Any) -> None:
         driver.release(prepared)
+
+    def beside_capture(self) -> ContextManager[None]:
+        driver.make_current(self._ctx)
+        return driver.relaxed_capture()
 
     def make(self, size: int) -> Any:
         """Plain device memory exportable as a POSIX FD, as the daemon's own chunks."""

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
-from typing import Any
+from typing import Any, ContextManager
 
 from hbmd import memfd
 from hbmd.proto import ChunkInfo
@@ -80,6 +81,9 @@ class HostMapper:
 
     def discard(self, prepared: int) -> None:
         os.close(prepared)
+
+    def beside_capture(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
 
     def make(self, size: int) -> int:
         """A sealed memfd of ``size`` bytes, every page allocated, as the daemon's own chunks."""

@@ -144,13 +144,16 @@ class Lease:
 
         Either thread may serve: each datagram is taken off its queue once.
         """
-        for queue, serve in ((grants, lambda g: self.granted(*g)), (revokes, self.revoked)):
-            while True:
-                try:
-                    item = queue.popleft()
-                except IndexError:
-                    break
-                serve(item)
+        if not grants and not revokes:
+            return
+        with self._mapper().beside_capture():
+            for queue, serve in ((grants, lambda g: self.granted(*g)), (revokes, self.revoked)):
+                while True:
+                    try:
+                        item = queue.popleft()
+                    except IndexError:
+                        break
+                    serve(item)
 
     def revoked(self, revoke: LeaseRevoke) -> None:
         """Give back the granules asked for that are here; mark those in hand, remember the others for their grant."""
@@ -329,12 +332,13 @@ class Credit:
         spare = None
         try:
             mapper = self._mapper()
-            prepared = mapper.make(size)
-            try:
-                spare = Spare(size, prepared, mapper.export(prepared))
-            except BaseException:
-                mapper.discard(prepared)
-                raise
+            with mapper.beside_capture():
+                prepared = mapper.make(size)
+                try:
+                    spare = Spare(size, prepared, mapper.export(prepared))
+                except BaseException:
+                    mapper.discard(prepared)
+                    raise
         except Exception as exc:
             log.debug("making a %d-byte chunk ahead on credit failed (%s)", size, exc)
         finally:
@@ -361,7 +365,9 @@ class Credit:
 
     def _let_go(self, spare: Spare) -> None:
         os.close(spare.fd)
-        self._mapper().discard(spare.prepared)
+        mapper = self._mapper()
+        with mapper.beside_capture():
+            mapper.discard(spare.prepared)
 
     def give_back(self) -> int:
         """Return all the credit (the daemon drops whatever it records as unspent); the bytes this process had. The

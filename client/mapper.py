@@ -8,7 +8,7 @@ speaks only this protocol.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ContextManager, Protocol
 
 from hbmd.proto import ChunkInfo
 
@@ -44,6 +44,11 @@ class Mapper(Protocol):
 
     def discard(self, prepared: Any) -> None:
         """Let go of what :meth:`prepare` returned (a mapping made from it stays)."""
+        ...
+
+    def beside_capture(self) -> ContextManager[None]:
+        """A scope for making, importing and letting go of chunks on a thread of the client's own (the listener)
+        without failing a CUDA graph the engine captures meanwhile."""
         ...
 
     def make(self, size: int) -> Any:

@@ -13,11 +13,12 @@ context current (the one torch uses) before mapping.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from hbmd.proto.errors import DriverError, OutOfDeviceMemory
 
@@ -323,6 +324,23 @@ def memset_async(address: int, size: int, stream: Any) -> None:
 def copy_async(destination: int, source: int, size: int, stream: Any) -> None:
     """Copy between mapped addresses of this context, device or host-NUMA memory alike (the driver tells them apart)."""
     call("cuMemcpyAsync", destination, source, size, stream)
+
+
+@contextlib.contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """This thread's driver calls in the scope are not checked against a CUDA graph being captured on another thread.
+
+    A graph captured in the global mode (torch's default) fails when any
+    thread makes a call the driver deems unsafe during it; chunks made and
+    imported beside the engine, on a thread of the client's own, must not
+    fail the engine's capture. The thread's mode is restored after.
+    """
+    cu = _bindings()
+    previous = call("cuThreadExchangeStreamCaptureMode", cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    try:
+        yield
+    finally:
+        call("cuThreadExchangeStreamCaptureMode", previous)
 
 
 def context_synchronize() -> None:

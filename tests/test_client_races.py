@@ -8,6 +8,7 @@ waiting for its chunk FDs does not hold up the other thread's datagrams.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -39,6 +40,9 @@ class ImportingMapper:
     def discard(self, prepared: int) -> None:
         self.discarded.append(prepared)
         os.close(prepared)
+
+    def beside_capture(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 def lease_with(mapper: ImportingMapper) -> tuple[Lease, list[proto.Message]]:

@@ -5,11 +5,13 @@ Skipped, with the reason, where CUDA VMM with POSIX-FD handles is absent.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 
 import pytest
 from hbmd import driver, memfd, proto
@@ -20,6 +22,7 @@ from hbmd.client import (
     OutOfDeviceMemory,
     connect,
 )
+from hbmd.client.lease import Credit, Lease
 from helpers import MiB, credited, cuda_vmm_status, daemon_view, wait_until
 
 GPU_OK, GPU_REASON = cuda_vmm_status()
@@ -623,6 +626,62 @@ def test_chunks_made_on_credit_back_the_buffer_and_outlive_their_maker(gpu_daemo
         again = ExtensibleTensor.attach("kv", "cuda", client=reader)
         assert torch.equal(again.full_view()[first : first + (1 << 30)], pattern)
         again.free()
+
+
+def test_a_chunk_made_ahead_on_credit_is_taken_by_the_next_commit_of_its_size(gpu_client):
+    client = gpu_client
+    t = ExtensibleTensor(1 << 30, "cuda", client=client)
+    credited(client, t, 64 * MiB, 128 * MiB)
+    t.resize_(128 * MiB, zero_new=True)  # on credit: the listener then makes the next 64 MiB ahead
+    wait_until(lambda: client._credit._spare is not None)
+    t.full_view()[: 128 * MiB].fill_(7)
+    sent = client.requests_sent
+    t.resize_(192 * MiB, zero_new=True)
+    assert client.requests_sent == sent
+    view = t.full_view()
+    assert int(view[128 * MiB : 192 * MiB].sum()) == 0 and int(view[128 * MiB - 1]) == 7
+    info = daemon_view(client, t)
+    assert info.physical_bytes == 192 * MiB and info.num_chunks == 3
+    view[128 * MiB : 192 * MiB].fill_(9)
+    torch.cuda.synchronize()
+    assert int(view[128 * MiB : 192 * MiB].sum()) == 9 * 64 * MiB
+
+
+def test_chunks_made_and_imported_beside_a_graph_capture_do_not_fail_it(gpu_client):
+    """The listener makes chunks ahead on credit and imports leased granules while the engine may be capturing a CUDA
+    graph, in torch's default mode, which fails on another thread's unsafe driver call."""
+    mapper = gpu_client.mapper
+    credit = Credit(lambda msg: None, lambda: mapper)
+    credit.serve(collections.deque([proto.CreditGrant(128 * MiB)]))
+    assert credit.spend(64 * MiB, lambda: None, ahead=64 * MiB)
+    lease = Lease(2 * MiB, lambda: mapper, lambda msg: None)
+    handle = driver.create(0, 2 * MiB, rdma=False)
+    try:
+        fd = driver.export_fd(handle)
+    finally:
+        driver.release(handle)
+    grants = collections.deque([(proto.LeaseGrant([1], 2 * MiB), [fd])])
+
+    def listener() -> None:
+        credit.make_spare()
+        lease.serve(grants, collections.deque())
+
+    x = torch.zeros(1024, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        beside = threading.Thread(target=listener)
+        beside.start()
+        beside.join()
+        x.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(x[0]) == 2
+    spare = credit.take_spare(64 * MiB)
+    assert spare is not None and len(lease) == 1
+    os.close(spare.fd)
+    mapper.discard(spare.prepared)
+    lease.close()
 
 
 def forged(kind: str, granule: int) -> int:
