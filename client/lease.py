@@ -323,12 +323,21 @@ class Credit:
 
     def make_spare(self) -> None:
         """On the listener thread: make the chunk :meth:`spend` asked for ahead, where the unspent credit covers it and
-        none is made yet. A failure is logged: the commit makes its own."""
+        none is made yet; one of another size goes. A failure is logged: the commit makes its own."""
         with self._lock:
-            size = self._spare_wanted
-            if not size or self._making or self._spare is not None or self.bytes < size:
+            if self._making:
                 return
-            self._making = True
+            size, stale = self._spare_wanted, self._spare
+            if stale is not None and stale.size != size:
+                self._spare = None  # of a size the commits left behind
+            else:
+                stale = None
+            wanted = size and self._spare is None and self.bytes >= size
+            self._making = bool(wanted)
+        if stale is not None:
+            self._let_go(stale)
+        if not wanted:
+            return
         spare = None
         try:
             mapper = self._mapper()

@@ -338,10 +338,16 @@ def test_a_chunk_made_ahead_stays_within_the_credit_and_a_return_waits_for_one_b
     assert credit.spend(32 * MiB, lambda: None, ahead=32 * MiB) and credit.bytes == 96 * MiB
     credit.make_spare()
     assert credit.take_spare(16 * MiB) is None and len(mapper.held) == 1
-    assert credit.spend(80 * MiB, lambda: None, ahead=80 * MiB) and credit.bytes == 16 * MiB
+    assert credit.spend(8 * MiB, lambda: None, ahead=8 * MiB) and len(mapper.held) == 1
+    credit.make_spare()  # commits of another size now: the one made ahead goes, one of theirs comes
+    assert credit.take_spare(32 * MiB) is None and len(mapper.held) == 1
+    assert credit.spend(8 * MiB, lambda: None, ahead=32 * MiB)
+    credit.make_spare()
+    assert credit.take_spare(8 * MiB) is None and len(mapper.held) == 1 and credit.bytes == 80 * MiB
+    assert credit.spend(64 * MiB, lambda: None, ahead=64 * MiB) and credit.bytes == 16 * MiB
     assert not mapper.held  # 32 MiB made ahead on 16 MiB of credit: let go of
     credit.make_spare()
-    assert not mapper.held  # 80 MiB would not fit either
+    assert not mapper.held  # 64 MiB would not fit either
     credit.serve(collections.deque([proto.CreditGrant(112 * MiB)]))
     mapper.make = slow_make
     maker = threading.Thread(target=credit.make_spare, name="hbmd-listener")
