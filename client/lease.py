@@ -264,9 +264,12 @@ class Credit:
 
     After a commit of one chunk the listener makes the next of the same size
     ahead (:meth:`make_spare`), so that a worker growing in steps of one size
-    skips making and exporting it on its commit. The spare lies within the
-    unspent credit, always: it goes before the credit is returned, and when a
-    spend leaves less credit than it holds.
+    skips making and exporting it on its commit. The spare is kept only
+    within the unspent credit: it goes before the credit is returned, and
+    when a spend leaves less credit than it holds. (A commit that makes its
+    own chunk while the listener makes one may, for that moment, hold one
+    chunk more than its credit covers; the listener lets its own go as the
+    spend shows it.)
     """
 
     def __init__(self, send: Callable[[Message], None], mapper: Callable[[], Mapper]) -> None:
@@ -301,7 +304,7 @@ class Credit:
             spare = self._spare
             if spare is None or spare.size != size:
                 return None
-            self._spare = None
+            self._spare, self._spare_wanted = None, 0  # the next is made once this one is paid
             return spare
 
     def spend(self, amount: int, send: Callable[[], None], ahead: int = 0) -> bool:
