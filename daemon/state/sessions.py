@@ -35,7 +35,6 @@ class Sessions:
         """Every session by its uid, then by id: what a hello and a status count without walking every session."""
         self.workers_of: dict[str, int] = {}
         """How many worker sessions (not observers) are charged to each tenant, by its name."""
-        self.num_workers = 0
         self._next_id = 1
         self._next_reclaim = 1
         self.reclaims_due: list[tuple[Session, Reclaim]] = []
@@ -74,7 +73,6 @@ class Sessions:
         self.of_uid.setdefault(session.uid, {})[session.session_id] = session
         if not session.observer:
             self.workers_of[session.tenant.name] = self.workers_of.get(session.tenant.name, 0) + 1
-            self.num_workers += 1
 
     def issue_credential(self, session: Session) -> str:
         """A new credential that resumes ``session`` after a restart; the one before it is void. Only its hash is kept."""
@@ -137,7 +135,6 @@ class Sessions:
             self.workers_of[name] -= 1
             if not self.workers_of[name]:
                 del self.workers_of[name]
-            self.num_workers -= 1
 
     def for_token(self, token: str) -> Session:
         session = self._by_token.get(token)
@@ -150,6 +147,10 @@ class Sessions:
     def workers(self) -> list[Session]:
         """The sessions that may hold memory: every one but observers."""
         return [s for s in self.by_id.values() if not s.observer]
+
+    @property
+    def num_workers(self) -> int:
+        return sum(self.workers_of.values())
 
     def info(self, session: Session) -> SessionInfo:
         buffers = session.buffers.values()
