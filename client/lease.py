@@ -335,8 +335,8 @@ class Credit:
                 self._spare = None  # of a size the commits left behind
             else:
                 stale = None
-            wanted = size and self._spare is None and self.bytes >= size
-            self._making = bool(wanted)
+            wanted = size > 0 and self._spare is None and self.bytes >= size
+            self._making = wanted
         if stale is not None:
             self._let_go(stale)
         if not wanted:
