@@ -323,8 +323,8 @@ def commit_worker_args(daemon: Daemon, device: str) -> list[str]:
 
 
 def run_workers(pool: list[Any], mode: str, seconds: float) -> dict[str, Any]:
-    """Have the ``workers.py commit`` workers of ``pool`` commit (``hbmd`` or ``in_process``) for ``seconds``, all at
-    once: commits/s of all together, the median of their p50s and the worst of their p99s."""
+    """Have the ``workers.py commit`` workers of ``pool`` commit (``hbmd``, ``in_process`` or ``handover``) for
+    ``seconds``, all at once: commits/s of all together, the median of their p50s and the worst of their p99s."""
     for worker in pool:
         worker.send(f"{mode} {seconds}")
     answers = [worker.result(seconds + 120) for worker in pool]
@@ -335,18 +335,25 @@ def run_workers(pool: list[Any], mode: str, seconds: float) -> dict[str, Any]:
     }
 
 
-def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds: float) -> list[dict[str, Any]]:
+def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds: float,
+                       handover: bool = False) -> list[dict[str, Any]]:
     """For each count of ``clients``: that many worker processes (``workers.py commit --device DEVICE``) committing
-    2 MiB steps as fast as they can for ``seconds``, through hbmd and in-process in turn (the order swapped every
-    other count) (:func:`run_workers`)."""
+    2 MiB steps as fast as they can for ``seconds``, through hbmd and in-process in turn, and with ``handover``
+    in-process exporting each chunk to another process too (the floor of a commit that outlives its worker; the
+    order rotates from one count to the next) (:func:`run_workers`)."""
     args = commit_worker_args(t.daemon, device)
+    modes = ["hbmd", "in_process"] + (["handover"] if handover else [])
     points = []
     with workers([args] * max(clients), ready_timeout=240) as pool:
         for k, count in enumerate(clients):
             point: dict[str, Any] = {"clients": count, "seconds": seconds}
-            for mode in (("hbmd", "in_process") if k % 2 == 0 else ("in_process", "hbmd")):
+            for mode in modes[k % len(modes):] + modes[:k % len(modes)]:
                 point[mode] = run_workers(pool[:count], mode, seconds)
             point["ratio_commits_per_s"] = ratio(point["hbmd"]["commits_per_s"], point["in_process"]["commits_per_s"])
+            if handover:
+                point["handover_over_in_process"] = ratio(point["handover"]["commits_per_s"],
+                                                          point["in_process"]["commits_per_s"])
+                point["hbmd_over_handover"] = ratio(point["hbmd"]["commits_per_s"], point["handover"]["commits_per_s"])
             print(f"  {count:>2} clients: {point}", flush=True)
             points.append(point)
     return points

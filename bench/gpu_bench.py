@@ -278,7 +278,7 @@ CONCURRENT_CLIENTS = (1, 4, 16)
 @bench.case("control")
 def control_case(t: Target) -> dict[str, Any]:
     figures = status_round_trips(t, t.reps(2000, 300))
-    concurrency = concurrent_commits(t, str(DEVICE), CONCURRENT_CLIENTS, 1.0 if t.quick else 3.0)
+    concurrency = concurrent_commits(t, str(DEVICE), CONCURRENT_CLIENTS, 1.0 if t.quick else 3.0, handover=True)
     figures["concurrent_2mib_commits"] = concurrency
     figures["goals"] = [
         goal("status() round trip p50 / ZeroMQ echo p50", figures["status_over_floor_p50"], "<=", 1.3),
@@ -523,7 +523,8 @@ def setup(args: Any):
     # torch creates the primary context first; the client and the baseline then share it.
     torch.zeros(1, device=f"cuda:{DEVICE}")
     torch.cuda.synchronize()
-    options = ["--warm-chunks", str(args.warm_chunks)] + (["--no-export-sentinel"] if args.no_export_sentinel else [])
+    options = ([] if args.warm_chunks is None else ["--warm-chunks", str(args.warm_chunks)]) + (
+        ["--no-export-sentinel"] if args.no_export_sentinel else [])
     with Daemon("--backend", "cuda", "--device", str(DEVICE), *options) as daemon, fd_sink() as sink:
         client = connect(f"cuda:{DEVICE}", run_dir=daemon.run_dir, client_name="gpu_bench")
         try:
@@ -564,8 +565,8 @@ def default_out() -> Path:
 
 def main() -> int:
     parser = bench.parser(default_out())
-    parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
-                        help="start the daemon with --warm-chunks N (the commit cases' daemon)")
+    parser.add_argument("--warm-chunks", type=int, default=None, metavar="N",
+                        help="start the daemon with --warm-chunks N (the commit cases' daemon; default: the daemon's)")
     parser.add_argument("--no-export-sentinel", action="store_true",
                         help="start the daemon with --no-export-sentinel: exports and closes off the driver's fast path")
     return bench.run(parser.parse_args(), setup, describe)

@@ -4,9 +4,11 @@ Each prints ``ready`` once set up, then answers lines on stdin with one JSON
 line each (see :class:`common.Worker`):
 
 - ``commit``: a client (of a GPU, or of the host with ``--device cpu``) that,
-  per command ``hbmd SECONDS`` or ``in_process SECONDS``, commits 2 MiB at a
-  time for that long (through the daemon, or in-process), releasing its
-  buffer whenever it is full.
+  per command ``hbmd SECONDS``, ``in_process SECONDS`` or (GPU) ``handover
+  SECONDS``, commits 2 MiB at a time for that long (through the daemon,
+  in-process, or in-process exporting each chunk's FD to another process:
+  the floor of a commit that outlives its worker), releasing its buffer
+  whenever it is full.
 - ``attach``: a fresh process that, on ``go``, re-attaches a persistent
   buffer (connect, import, map) and checks its data, as a restarted worker.
 - ``echo``: a ZeroMQ ROUTER that sends every request back, the floor under
@@ -16,6 +18,7 @@ line each (see :class:`common.Worker`):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -51,7 +54,7 @@ def has_pattern(view: Any, num_bytes: int) -> bool:
     )
 
 
-def commit_worker(args: argparse.Namespace) -> None:
+def commit_worker(args: argparse.Namespace, sinks: contextlib.ExitStack) -> None:
     from hbmd.client import ExtensibleTensor, connect
 
     device = "cpu" if args.device == "cpu" else f"cuda:{args.device}"
@@ -61,17 +64,18 @@ def commit_worker(args: argparse.Namespace) -> None:
     if device == "cpu":
         from baseline import HostInProcessBuffer
 
-        def in_process_buffer() -> Any:
+        def in_process_buffer(mode: str) -> Any:
             return HostInProcessBuffer(args.capacity, step)
     else:
-        from baseline import CudaInProcessBuffer
+        from baseline import CudaInProcessBuffer, fd_sink
         from hbmd import driver
 
         stream = driver.create_stream()
+        sink = sinks.enter_context(fd_sink())
 
-        def in_process_buffer() -> Any:
+        def in_process_buffer(mode: str) -> Any:
             # The mapper made the primary context current on this (only) thread: the baseline runs in it too.
-            return CudaInProcessBuffer(args.capacity, mapper.ordinal, step, stream)
+            return CudaInProcessBuffer(args.capacity, mapper.ordinal, step, stream, sink if mode == "handover" else None)
 
     def loop(seconds: float, grow: Any, release: Any, capacity: int) -> dict[str, Any]:
         samples: list[int] = []
@@ -99,7 +103,7 @@ def commit_worker(args: argparse.Namespace) -> None:
                           tensor.capacity_bytes)
             tensor.free()
         else:
-            buffer = in_process_buffer()
+            buffer = in_process_buffer(mode)
             result = loop(float(seconds), buffer.commit, buffer.release, buffer.capacity)
             buffer.free()
         _answer({"mode": mode, **result})
@@ -193,7 +197,11 @@ def main() -> None:
     echo = roles.add_parser("echo")
     echo.add_argument("--endpoint", required=True)
     args = parser.parse_args()
-    {"commit": commit_worker, "attach": attach_worker, "echo": echo_worker}[args.role](args)
+    with contextlib.ExitStack() as sinks:
+        if args.role == "commit":
+            commit_worker(args, sinks)
+        else:
+            {"attach": attach_worker, "echo": echo_worker}[args.role](args)
 
 
 if __name__ == "__main__":
