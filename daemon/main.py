@@ -42,6 +42,10 @@ log = logging.getLogger("hbmd.daemon")
 HOST_POOL_DEFAULT = "4GiB"
 """Host-tier memory made ahead of demotes without ``--host-pool`` (within the host budget): creating pinned host
 memory takes ~250 ms a GiB on the H200, which a demote would otherwise wait for."""
+DEFAULT_WARM_CHUNKS = 4
+"""CUDA granules kept made and exported ahead without ``--warm-chunks`` (8 MiB on the H200): a one-granule commit
+through the daemon otherwise pays ``cuMemCreate`` and the export on its critical path, 49 and 68 µs in the
+context-free daemon there (``bench/gpu_bench.py --cases breakdown``, "2 MiB step, lease empty")."""
 HOST_DEFAULT_BUDGET = "50%"
 """The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
 kernel, the engines and their page cache need too."""
@@ -147,9 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "granules (default: %(default)s)")
     parser.add_argument("--instance-name", type=instance_name, metavar="NAME",
                         help="serve under <run-dir>/NAME instead of gpu<N> or host, e.g. a second host pool")
-    parser.add_argument("--warm-chunks", type=int, default=0, metavar="N",
+    parser.add_argument("--warm-chunks", type=int, default=None, metavar="N",
                         help="CUDA: keep N granules created and exported ahead of time, set aside from the budget, "
-                             "so small commits skip the export (default: 0)")
+                             "so a one-granule commit through the daemon (a session without a lease, or one whose "
+                             f"lease ran dry) skips cuMemCreate and the export (default: {DEFAULT_WARM_CHUNKS})")
     parser.add_argument("--no-export-sentinel", action="store_true",
                         help="CUDA: do not hold the one exported granule that keeps the driver's FD export and close "
                              "on their fast path (a 2 MiB granule out of the budget; default: held)")
@@ -244,7 +249,7 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
     device = 0 if args.device is None else args.device
     host_budget, host_pool, host_piece = _host_tier(args)
     try:
-        backend, why = select_backend(args.backend, device, args.warm_chunks, not args.no_export_sentinel, host_pool,
+        backend, why = select_backend(args.backend, device, _warm_chunks(args), not args.no_export_sentinel, host_pool,
                                       host_piece)
     except BackendUnavailable as exc:
         raise Refusal(str(exc), 1) from None
@@ -347,13 +352,22 @@ def _budget(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
             f"of {backend.name} memory there is", 2,
         )
     held_back = backend.held_back_bytes()
-    if args.warm_chunks < 0 or held_back > budget:
+    if held_back > budget:
         raise Refusal(
-            f"--warm-chunks: {args.warm_chunks} granules and the export sentinel do not fit the budget of "
+            f"--warm-chunks: {_warm_chunks(args)} granules and the export sentinel do not fit the budget of "
             f"{format_bytes(budget)}",
             2,
         )
     return budget - held_back  # the warm pool and the sentinel are device memory too: commits get what is left
+
+
+def _warm_chunks(args: argparse.Namespace) -> int:
+    """``--warm-chunks``, or the default where it was left out."""
+    if args.warm_chunks is None:
+        return DEFAULT_WARM_CHUNKS
+    if args.warm_chunks < 0:
+        raise Refusal(f"--warm-chunks: {args.warm_chunks} is negative; give 0 or more granules", 2)
+    return args.warm_chunks
 
 
 def _granules_option(flag: str, value: str, backend: Backend[Any, Any]) -> int:
@@ -545,8 +559,8 @@ def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
     held_back = backend.held_back_bytes()
     if held_back:
         log.info("%s of the budget held back for %d warm chunks and the export sentinel",
-                 format_bytes(held_back), args.warm_chunks)
-    elif args.warm_chunks:
+                 format_bytes(held_back), _warm_chunks(args))
+    if backend.name != "cuda" and args.warm_chunks:
         log.warning("--warm-chunks applies to the CUDA backend only; ignored")
 
 

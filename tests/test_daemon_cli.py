@@ -53,6 +53,21 @@ def test_a_gpu_index_for_the_host_backend_is_refused_not_ignored(run_dir):
     assert not (run_dir / "host").exists()
 
 
+def test_a_negative_warm_pool_is_refused(run_dir):
+    out = hbmd("--backend", "host", "--run-dir", str(run_dir), "--budget", "64MiB", "--warm-chunks", "-1")
+    assert out.returncode == 2 and "--warm-chunks: -1 is negative" in out.stderr
+
+
+def test_the_warm_pool_is_cuda_only_and_the_host_backend_says_so_only_when_asked(start_daemon):
+    plain = start_daemon("--budget", "64MiB")
+    asked = start_daemon("--budget", "64MiB", "--instance-name", "host-warm", "--warm-chunks", "2")
+    with plain.connect() as client, asked.connect() as other:
+        assert client.status().held_back_bytes == other.status().held_back_bytes == 0
+        assert client.status().budget_bytes == other.status().budget_bytes == 64 * MiB
+    assert "--warm-chunks" not in plain.log()
+    assert "--warm-chunks applies to the CUDA backend only; ignored" in asked.log()
+
+
 @pytest.mark.parametrize("name", ["Host", "1gpu", "a/b", "x" * 33, ""])
 def test_instance_names_are_plain_directory_names(run_dir, name):
     out = hbmd("--backend", "host", "--run-dir", str(run_dir), "--instance-name", name)

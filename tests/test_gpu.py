@@ -53,7 +53,8 @@ def test_the_daemon_serves_gpu0_by_uuid_and_says_so(gpu_daemon, gpu_client):
     assert "backend cuda" in first and "instance gpu0" in first and info["device_uuid"] in first
     status = gpu_client.status()
     assert status.granularity == 2 * MiB and status.total_bytes > 0
-    assert status.budget_bytes == (16 << 30) - status.held_back_bytes == (16 << 30) - 2 * MiB  # the export sentinel
+    # The default warm pool (four granules) and the export sentinel.
+    assert status.budget_bytes == (16 << 30) - status.held_back_bytes == (16 << 30) - 10 * MiB
 
 
 def test_growth_keeps_data_and_the_base_pointer(gpu_client):
@@ -472,12 +473,13 @@ def test_warm_chunks_serve_small_commits_and_come_out_of_the_budget(start_daemon
 
 
 def test_the_export_sentinel_is_held_out_of_the_budget_unless_turned_off(start_daemon):
-    held = start_daemon("--device", "0", "--budget", "1GiB", backend="cuda")
+    held = start_daemon("--device", "0", "--budget", "1GiB", "--warm-chunks", "0", backend="cuda")
     with connect("cuda:0", run_dir=held.run_dir) as client:
         status = client.status()
         assert status.held_back_bytes == 2 * MiB and status.budget_bytes == (1 << 30) - 2 * MiB
     assert held.stop() == 0
-    plain = start_daemon("--device", "0", "--budget", "1GiB", "--no-export-sentinel", backend="cuda")
+    plain = start_daemon("--device", "0", "--budget", "1GiB", "--no-export-sentinel", "--warm-chunks", "0",
+                         backend="cuda")
     with connect("cuda:0", run_dir=plain.run_dir) as client:
         status = client.status()
         assert status.held_back_bytes == 0 and status.budget_bytes == 1 << 30
