@@ -108,7 +108,7 @@ def commit_steps_no_lease_case(t: Target) -> dict[str, Any]:
 
 @bench.case("recommit")
 def recommit_case(t: Target) -> dict[str, Any]:
-    figures = release_recommit(t, 64 * GiB, t.reps(5, 2))
+    figures = release_recommit(t, 64 * GiB, t.reps(11, 2))
     figures["goals"] = [goal(f"release + recommit {figures['label']}, hbmd/in-process p50",
                              figures["release_plus_recommit"]["ratio_p50"], "<=", 1.10)]
     return figures
