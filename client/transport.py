@@ -13,14 +13,13 @@ with :class:`SessionLost` instead of waiting out its timeout.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import queue
 import select
 import socket
 import threading
 import time
-from typing import Iterator, TypeVar
+from typing import TypeVar
 
 import zmq
 from hbmd.proto import (
@@ -74,21 +73,12 @@ class HandleChannel:
     ``_filed``), ``reclaims`` and ``demotes`` (reclaim requests), ``grants`` (leased
     granules, with their FDs), ``revokes`` (leased granules asked back) or
     ``credits`` (credit granted and asked back, in the order they came).
-
-    While a caller waits for a reply that rides with its FDs it reads the
-    socket itself, and the listener leaves the socket to it
-    (:meth:`awaiting_reply`): woken by the same datagram, the two threads
-    would race for it, for the lock and for the interpreter, and the caller
-    would often wait for the listener to read, file and serve it.
     """
 
     def __init__(self, paths: InstancePaths, timeout: float) -> None:
         self.path = os.fspath(paths.handles)
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._awaited = threading.Condition()
-        self._awaiting = 0
-        """Calls waiting on this socket for a reply that rides with FDs (:meth:`awaiting_reply`)."""
         self._backlog: list[tuple[FdBatch, list[int]]] = []
         self.reclaims: collections.deque[ReclaimRequest] = collections.deque()
         self.demotes: collections.deque[ReclaimRequest | PromoteRequest] = collections.deque()
@@ -243,41 +233,15 @@ class HandleChannel:
         return None
 
     def poll(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for datagrams and file them; False once the daemon has gone.
-
-        While a call awaits its reply on the socket, it waits for that call
-        to end instead: the call reads the socket and files what comes
-        meanwhile, and this returns once that holds something for the
-        listener, or goes on waiting for datagrams.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                readable, _, _ = select.select([self.sock], [], [], max(0.0, deadline - time.monotonic()))
-            except (OSError, ValueError):
-                return False
-            if not readable:
-                return True
-            with self._awaited:
-                if not self._awaiting:
-                    break
-                self._awaited.wait_for(lambda: not self._awaiting, max(0.0, deadline - time.monotonic()))
-                if self._awaiting or self.grants or self.revokes or self.credits or self.reclaims or self.demotes:
-                    return True
+        """Wait up to ``timeout`` for datagrams and file them; False once the daemon has gone."""
+        try:
+            readable, _, _ = select.select([self.sock], [], [], timeout)
+        except (OSError, ValueError):
+            return False
+        if not readable:
+            return True
         with self._lock:
             return self._file_next() is not False  # None: the other reader took it
-
-    @contextlib.contextmanager
-    def awaiting_reply(self) -> Iterator[None]:
-        """Held by a call while it waits for a reply that rides with FDs: the listener does not read meanwhile."""
-        with self._awaited:
-            self._awaiting += 1
-        try:
-            yield
-        finally:
-            with self._awaited:
-                self._awaiting -= 1
-                self._awaited.notify_all()
 
     def drain(self) -> None:
         """File every datagram waiting now, without blocking."""
@@ -471,14 +435,10 @@ class ControlChannel:
         if self.session is not None and self.session.lost():
             raise self._lost()
         request_id = request_id or self.next_request_id()
-        with_fds = self.replies_with_fds and msg.Reply is Committed
-        with self.session.awaiting_reply() if with_fds else contextlib.nullcontext():
-            return self._send_and_wait(msg, timeout, request_id, with_fds)
-
-    def _send_and_wait(self, msg: Request[R], timeout: float, request_id: int, with_fds: bool) -> tuple[R, int]:
         self._socket.send_multipart(encode_frames(msg, request_id, self.token))
         sent = time.monotonic()
         deadline, spin_until = sent + timeout, sent + min(self.spin, timeout)
+        with_fds = self.replies_with_fds and msg.Reply is Committed
         poller = self._poller_with_fds if with_fds else self._poller
         while True:
             ready = poll_spinning(poller, deadline, spin_until)
