@@ -86,6 +86,17 @@ def instance_name(text: str) -> str:
     return text
 
 
+def granule_count(text: str) -> int:
+    """A number of granules, 0 or more; an argparse type."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{count} is negative; give 0 or more granules")
+    return count
+
+
 class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here; the message says why."""
 
@@ -151,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "granules (default: %(default)s)")
     parser.add_argument("--instance-name", type=instance_name, metavar="NAME",
                         help="serve under <run-dir>/NAME instead of gpu<N> or host, e.g. a second host pool")
-    parser.add_argument("--warm-chunks", type=int, default=None, metavar="N",
+    parser.add_argument("--warm-chunks", type=granule_count, default=None, metavar="N",
                         help="CUDA: keep N granules created and exported ahead of time, set aside from the budget, "
                              "so a one-granule commit through the daemon (a session without a lease, or one whose "
                              f"lease ran dry) skips cuMemCreate and the export (default: {DEFAULT_WARM_CHUNKS})")
@@ -363,11 +374,7 @@ def _budget(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
 
 def _warm_chunks(args: argparse.Namespace) -> int:
     """``--warm-chunks``, or the default where it was left out."""
-    if args.warm_chunks is None:
-        return DEFAULT_WARM_CHUNKS
-    if args.warm_chunks < 0:
-        raise Refusal(f"--warm-chunks: {args.warm_chunks} is negative; give 0 or more granules", 2)
-    return args.warm_chunks
+    return DEFAULT_WARM_CHUNKS if args.warm_chunks is None else args.warm_chunks
 
 
 def _granules_option(flag: str, value: str, backend: Backend[Any, Any]) -> int:
