@@ -54,7 +54,13 @@ def has_pattern(view: Any, num_bytes: int) -> bool:
     )
 
 
-def commit_worker(args: argparse.Namespace, sinks: contextlib.ExitStack) -> None:
+def commit_worker(args: argparse.Namespace) -> None:
+    with contextlib.ExitStack() as sinks:
+        _commit(args, sinks)
+
+
+def _commit(args: argparse.Namespace, sinks: contextlib.ExitStack) -> None:
+    """:func:`commit_worker`, its handover sink (GPU) entered in ``sinks``."""
     from hbmd.client import ExtensibleTensor, connect
 
     device = "cpu" if args.device == "cpu" else f"cuda:{args.device}"
@@ -197,11 +203,7 @@ def main() -> None:
     echo = roles.add_parser("echo")
     echo.add_argument("--endpoint", required=True)
     args = parser.parse_args()
-    with contextlib.ExitStack() as sinks:
-        if args.role == "commit":
-            commit_worker(args, sinks)
-        else:
-            {"attach": attach_worker, "echo": echo_worker}[args.role](args)
+    {"commit": commit_worker, "attach": attach_worker, "echo": echo_worker}[args.role](args)
 
 
 if __name__ == "__main__":
