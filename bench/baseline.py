@@ -11,6 +11,13 @@ A :class:`CudaInProcessBuffer` with a ``handover`` socket is the floor of a
 commit that outlives its process: each chunk's FD is also exported and sent
 to another process before the commit returns, as a commit on credit must
 (and nothing else: no protocol, no check on the other side).
+
+:class:`CudaGrantedBuffer` is the floor of a commit through any daemon: each
+chunk is one another process made and exported ahead (:func:`granter`), asked
+for with a ZeroMQ request and answered by its FD on a Unix socket, then
+imported, mapped, given access and zeroed. What ZeroMQ, the kernel and the
+driver alone cost for a round trip that hands over a chunk, with no protocol,
+no accounting and no checks on either side.
 """
 
 from __future__ import annotations
@@ -20,11 +27,18 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Any, Iterator
+
+import zmq
 
 from hbmd import driver
 from hbmd.client.host import HostMapper
+from hbmd.client.session import spin_from_env
+from hbmd.client.transport import poll_spinning
 from hbmd.proto import ChunkInfo
+from hbmd.proto.fdpass import receive_with_fds
 from hbmd.proto.units import round_up
 
 
@@ -149,3 +163,135 @@ def fd_sink() -> Iterator[socket.socket]:
         finally:
             ours.shutdown(socket.SHUT_RDWR)
             sink.wait(10)
+
+
+GRANTER = """
+import os, socket, sys, zmq
+from hbmd import driver
+ordinal, warm, endpoint, fd = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+sock = socket.socket(fileno=fd)
+router = zmq.Context.instance().socket(zmq.ROUTER)
+router.setsockopt(zmq.LINGER, 0)
+router.bind(endpoint)
+driver.init()
+handles, ready = [], []
+
+def make():
+    handles.append(driver.create(ordinal, driver.granularity(ordinal), rdma=False))
+    ready.append(driver.export_fd(handles[-1]))
+
+for _ in range(warm):
+    make()
+print("ready", flush=True)
+while True:
+    router.recv_multipart()
+    if not ready:
+        make()
+    fd = ready.pop(0)
+    socket.send_fds(sock, [b"granule"], [fd])
+    os.close(fd)
+    if len(ready) < warm:
+        make()
+"""
+
+
+@contextlib.contextmanager
+def granter(ordinal: int, warm: int) -> Iterator["Granter"]:
+    """A process that keeps ``warm`` granules made and exported ahead (as hbmd's warm pool) and answers each ZeroMQ
+    request with one's FD on a Unix ``SOCK_SEQPACKET`` socket, making the next after it answers (as the pool refills;
+    with none ahead, before). It holds every granule it made until it ends, with the block."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with tempfile.TemporaryDirectory(prefix="hbmdb-granter-", dir="/tmp") as directory, ours:
+        endpoint = f"ipc://{directory}/granter.sock"
+        with theirs:
+            process = subprocess.Popen(
+                [sys.executable, "-c", GRANTER, str(ordinal), str(warm), endpoint, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, text=True,
+            )
+        try:
+            if process.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the granter exited with {process.wait(10)} before it was ready")
+            with Granter(endpoint, ours) as granted:
+                yield granted
+        finally:
+            process.kill()
+            process.wait(10)
+
+
+class Granter:
+    """The asking side of :func:`granter`: one request per granule, its FD read the way hbmd's client reads a reply
+    that rides with FDs (polled for as long as hbmd's client polls, ``HBMD_SPIN_US``, then waited for)."""
+
+    def __init__(self, endpoint: str, sock: socket.socket) -> None:
+        self.sock = sock
+        self.dealer = zmq.Context.instance().socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.connect(endpoint)
+        self.poller = zmq.Poller()
+        self.poller.register(sock.fileno(), zmq.POLLIN)
+        self.spin = spin_from_env()
+
+    def __enter__(self) -> "Granter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.dealer.close(linger=0)
+
+    def take(self) -> int:
+        """The FD of one granule."""
+        self.dealer.send(b"granule")
+        sent = time.monotonic()
+        if not poll_spinning(self.poller, sent + 5, sent + self.spin):
+            raise TimeoutError("the granter sent no FD within 5 s")
+        _, fds, _ = receive_with_fds(self.sock, 64, 1)
+        return fds[0]
+
+
+class CudaGrantedBuffer:
+    """A reserved range grown one granule per :meth:`commit`, each granted by another process (:class:`Granter`)."""
+
+    def __init__(self, capacity: int, ordinal: int, granule: int, stream: Any, granted: Granter) -> None:
+        self.ordinal = ordinal
+        self.granule = granule
+        self.stream = stream
+        self.granted = granted
+        self.capacity = round_up(capacity, granule)
+        self.base = driver.reserve(self.capacity, granule)
+        self.committed = 0
+        self.chunks: list[tuple[int, Any, int]] = []
+        """(offset, imported handle, FD) per granule; the FDs are closed at :meth:`release`, off the clock."""
+
+    def commit(self, num_bytes: int) -> None:
+        """Back ``[committed, num_bytes)`` (one granule more) with a granted chunk, and wait until it reads as zero."""
+        end = round_up(num_bytes, self.granule)
+        if end - self.committed != self.granule:
+            raise ValueError("a granted buffer grows one granule at a time")
+        fd = self.granted.take()
+        handle = driver.import_fd(fd)
+        address = self.base + self.committed
+        driver.map(address, self.granule, handle)
+        driver.set_access(address, self.granule, [self.ordinal])
+        self.chunks.append((self.committed, handle, fd))
+        self.committed = end
+        driver.memset_async(address, self.granule, self.stream)
+        driver.context_synchronize()
+
+    def release(self) -> None:
+        driver.context_synchronize()
+        for offset, handle, fd in self.chunks:
+            driver.unmap(self.base + offset, self.granule)
+            driver.release(handle)
+            os.close(fd)
+        self.chunks = []
+        self.committed = 0
+
+    def free(self) -> None:
+        self.release()
+        driver.unreserve(self.base, self.capacity)
+
+
+@contextlib.contextmanager
+def granted_buffers(ordinal: int, granule: int, stream: Any, warm: int) -> Iterator[Any]:
+    """Makes :class:`CudaGrantedBuffer` of a given capacity, all granted by one :func:`granter`, alive with the block."""
+    with granter(ordinal, warm) as granted:
+        yield lambda capacity: CudaGrantedBuffer(capacity, ordinal, granule, stream, granted)

@@ -57,6 +57,10 @@ class Target:
     handover: Callable[[int], Any] | None = None
     """The baseline that also hands each chunk's FD to another process before its commit returns: the floor of a
     commit that outlives the process making it (``baseline.py``); None where the bench does not measure it."""
+    granted: Callable[[], contextlib.AbstractContextManager[Callable[[int], Any]]] | None = None
+    """A process granting chunks made ahead, alive within the ``with`` block, and the baseline buffers it grows by a
+    round trip each (``baseline.granted_buffers``): the floor of a commit through a daemon; None where the bench does
+    not measure it."""
 
     def reps(self, full: int, quick: int) -> int:
         return quick if self.quick else full
@@ -161,40 +165,55 @@ def fresh_commits(t: Target, reps: dict[int, tuple[int, int]], handover_up_to: i
     return sizes
 
 
-def step_commits(t: Target, n: int, client: Client | None = None) -> dict[str, Any]:
+def step_commits(t: Target, n: int, client: Client | None = None, floor: Callable[[int], Any] | None = None) -> dict[str, Any]:
     """``n`` successive one-granule commits to one buffer: one new chunk each.
 
     ``round_trips`` counts the commits that went to the daemon; the others
     placed leased granules (the daemon refills the lease while the baseline's
-    commit runs, as it would while an engine computes).
+    commit runs, as it would while an engine computes). ``floor``: a third
+    side, a buffer of the given capacity grown the same way (``round_trip_floor``);
+    each step's sides run in a rotated order (with two, hbmd first every other step).
     """
     step = t.granule
-    tensor, buffer = t.tensor(n * step, client=client), t.in_process(n * step)
-    hbmd, base = [], []
+    tensor = t.tensor(n * step, client=client)
+    buffers = {"in_process": t.in_process(n * step)}
+    if floor is not None:
+        buffers["round_trip_floor"] = floor(n * step)
+    sides: dict[str, Callable[[int], Any]] = {"hbmd": lambda size: tensor.resize_per_segment_(size, zero_new=True)}
+    sides.update((name, buffer.commit) for name, buffer in buffers.items())
+    names = list(sides)
+    samples: dict[str, list[int]] = {name: [] for name in names}
     sent = tensor.client.requests_sent
     try:
         for i in range(n):
             size = (i + 1) * step
-            h, b = pair(
-                i,
-                lambda: timed_ns(lambda: (tensor.resize_per_segment_(size, zero_new=True), t.sync())),
-                lambda: timed_ns(lambda: (buffer.commit(size), t.sync())),
-            )
-            hbmd.append(h)
-            base.append(b)
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                samples[name].append(timed_ns(lambda: (sides[name](size), t.sync())))
         chunks = {"hbmd": tensor.num_chunks}
         round_trips = tensor.client.requests_sent - sent
     finally:
         tensor.free()
-        buffer.free()
-    return {"commits": n, "step_bytes": step, "chunks": chunks, "round_trips": round_trips, **side_by_side(hbmd, base)}
+        for buffer in buffers.values():
+            buffer.free()
+    figures = {"commits": n, "step_bytes": step, "chunks": chunks, "round_trips": round_trips,
+               **side_by_side(samples["hbmd"], samples["in_process"])}
+    if floor is not None:
+        summary = summarize_ns(samples["round_trip_floor"])
+        figures["round_trip_floor"] = {
+            **summary,
+            "added_p50_us": round(summary["p50_us"] - figures["in_process"]["p50_us"], 2),
+            "hbmd_added_over_floor_p50_us": round(figures["hbmd"]["p50_us"] - summary["p50_us"], 2),
+        }
+    return figures
 
 
 def step_commits_without_lease(t: Target, n: int) -> dict[str, Any]:
-    """:func:`step_commits` for a session without leases: every commit a round trip (what an empty lease costs)."""
+    """:func:`step_commits` for a session without leases: every commit a round trip (what an empty lease costs), beside
+    the round trip's floor where the bench measures it (``t.granted``)."""
     client = t.connect("no-lease", lease=False)
     try:
-        return step_commits(t, n, client)
+        with t.granted() if t.granted is not None else contextlib.nullcontext() as floor:
+            return step_commits(t, n, client, floor)
     finally:
         client.close()
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from baseline import CudaInProcessBuffer, fd_sink
+from baseline import CudaInProcessBuffer, fd_sink, granted_buffers
 from cases import (
     Target,
     add_status_cases,
@@ -56,6 +56,7 @@ from common import (
 from hbmd import driver
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.client.dlpack import KDL_CUDA, uint8_view
+from hbmd.daemon.main import DEFAULT_WARM_CHUNKS
 from hbmd.proto.units import format_bytes
 from probe import breakdown, client_probe
 from workers import has_pattern, write_pattern
@@ -539,6 +540,9 @@ def setup(args: Any):
                 granule=client.granularity,
                 in_process=lambda capacity: CudaInProcessBuffer(capacity, DEVICE, client.granularity, stream),
                 handover=lambda capacity: CudaInProcessBuffer(capacity, DEVICE, client.granularity, stream, sink),
+                # Granules made ahead as many as the daemon's warm pool holds.
+                granted=lambda: granted_buffers(DEVICE, client.granularity, stream,
+                                                DEFAULT_WARM_CHUNKS if args.warm_chunks is None else args.warm_chunks),
                 # Looked up per call, so that the breakdown's probe sees it.
                 sync=lambda: driver.context_synchronize(),
             )
