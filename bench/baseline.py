@@ -140,10 +140,15 @@ class HostInProcessBuffer:
 FD_SINK = """
 import os, socket, sys
 from hbmd.proto.fdpass import receive_with_fds
-sock = socket.socket(fileno=int(sys.argv[1]))
+sock, imports = socket.socket(fileno=int(sys.argv[1])), sys.argv[2] == "import"
+if imports:
+    from hbmd import driver
+    driver.init()
 while True:
     data, fds, _ = receive_with_fds(sock, 64, 16)
     for fd in fds:
+        if imports:
+            driver.release(driver.import_fd(fd))
         os.close(fd)
     if not data:
         break
@@ -151,13 +156,16 @@ while True:
 
 
 @contextlib.contextmanager
-def fd_sink() -> Iterator[socket.socket]:
+def fd_sink(imports: bool = False) -> Iterator[socket.socket]:
     """A Unix ``SOCK_SEQPACKET`` socket (as hbmd's handle plane) to a process that takes the FDs sent on it and closes
-    them: the other side of a :class:`CudaInProcessBuffer` handover."""
+    them: the other side of a :class:`CudaInProcessBuffer` handover. ``imports``: it imports each chunk first (and
+    lets the import go), as an owner that does not trust the sender must to check what it was sent (hbmd's daemon
+    with a chunk made on credit), or as the process mapping a chunk another made (a leased granule)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with ours:
         with theirs:
-            sink = subprocess.Popen([sys.executable, "-c", FD_SINK, str(theirs.fileno())], pass_fds=[theirs.fileno()])
+            sink = subprocess.Popen([sys.executable, "-c", FD_SINK, str(theirs.fileno()), "import" if imports else "-"],
+                                    pass_fds=[theirs.fileno()])
         try:
             yield ours
         finally:

@@ -358,10 +358,12 @@ def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds
                        handover: bool = False) -> list[dict[str, Any]]:
     """For each count of ``clients``: that many worker processes (``workers.py commit --device DEVICE``) committing
     2 MiB steps as fast as they can for ``seconds``, through hbmd and in-process in turn, and with ``handover``
-    in-process exporting each chunk to another process too (the floor of a commit that outlives its worker; the
-    order rotates from one count to the next) (:func:`run_workers`)."""
+    in-process exporting each chunk to another process too (the floor of a commit that outlives its worker), and
+    to one that imports it (the floor where one process makes a chunk and another checks or maps it, as every
+    commit through hbmd has: the daemon makes a leased granule and the client imports it, or the client makes one on
+    credit and the daemon imports it to check it); the order rotates from one count to the next (:func:`run_workers`)."""
     args = commit_worker_args(t.daemon, device)
-    modes = ["hbmd", "in_process"] + (["handover"] if handover else [])
+    modes = ["hbmd", "in_process"] + (["handover", "handover_imported"] if handover else [])
     points = []
     with workers([args] * max(clients), ready_timeout=240) as pool:
         for k, count in enumerate(clients):
@@ -373,6 +375,10 @@ def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds
                 point["handover_over_in_process"] = ratio(point["handover"]["commits_per_s"],
                                                           point["in_process"]["commits_per_s"])
                 point["hbmd_over_handover"] = ratio(point["hbmd"]["commits_per_s"], point["handover"]["commits_per_s"])
+                point["handover_imported_over_in_process"] = ratio(point["handover_imported"]["commits_per_s"],
+                                                                   point["in_process"]["commits_per_s"])
+                point["hbmd_over_handover_imported"] = ratio(point["hbmd"]["commits_per_s"],
+                                                             point["handover_imported"]["commits_per_s"])
             print(f"  {count:>2} clients: {point}", flush=True)
             points.append(point)
     return points

@@ -5,9 +5,11 @@ line each (see :class:`common.Worker`):
 
 - ``commit``: a client (of a GPU, or of the host with ``--device cpu``) that,
   per command ``hbmd SECONDS``, ``in_process SECONDS`` or (GPU) ``handover
-  SECONDS``, commits 2 MiB at a time for that long (through the daemon,
-  in-process, or in-process exporting each chunk's FD to another process:
-  the floor of a commit that outlives its worker), releasing its buffer
+  SECONDS`` or ``handover_imported SECONDS``, commits 2 MiB at a time for that
+  long (through the daemon, in-process, or in-process exporting each chunk's
+  FD to another process: the floor of a commit that outlives its worker;
+  ``handover_imported``: that process imports each, the floor where one
+  process makes a chunk and another checks or maps it), releasing its buffer
   whenever it is full.
 - ``attach``: a fresh process that, on ``go``, re-attaches a persistent
   buffer (connect, import, map) and checks its data, as a restarted worker.
@@ -77,11 +79,12 @@ def _commit(args: argparse.Namespace, sinks: contextlib.ExitStack) -> None:
         from hbmd import driver
 
         stream = driver.create_stream()
-        sink = sinks.enter_context(fd_sink())
+        handover = {"handover": sinks.enter_context(fd_sink()),
+                    "handover_imported": sinks.enter_context(fd_sink(imports=True))}
 
         def in_process_buffer(mode: str) -> Any:
             # The mapper made the primary context current on this (only) thread: the baseline runs in it too.
-            return CudaInProcessBuffer(args.capacity, mapper.ordinal, step, stream, sink if mode == "handover" else None)
+            return CudaInProcessBuffer(args.capacity, mapper.ordinal, step, stream, handover.get(mode))
 
     def loop(seconds: float, grow: Any, release: Any, capacity: int) -> dict[str, Any]:
         samples: list[int] = []
