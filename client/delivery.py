@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 from hbmd.proto import ChunkInfo, Committed
 from hbmd.proto.errors import DriverError, ProtocolError
@@ -36,8 +37,7 @@ class Delivery:
 
     It holds the session's lock, taken by the caller for the request, until
     it closes: no other request of the session comes between the reply and
-    its batches. ``done`` is called once as it closes: it lets the lock go
-    (and the listener read the handle socket again).
+    its batches.
     """
 
     def __init__(
@@ -47,14 +47,14 @@ class Delivery:
         handles: HandleChannel,
         closer: FdCloser,
         timeout: float,
-        done: Callable[[], None],
+        session_lock: threading.RLock,
     ) -> None:
         self.reply = reply
         self._request_id = request_id
         self._handles = handles
         self._closer = closer
         self._deadline = time.monotonic() + timeout
-        self._done = done
+        self._session_lock = session_lock
         self._chunks = {c.chunk_id: c for c in reply.chunks}
         self._batches_left = reply.fd_batches
         self._arrived: collections.deque[tuple[int, int]] = collections.deque()
@@ -104,7 +104,7 @@ class Delivery:
                 for fd in fds:
                     self._closer.close_later(fd)
         finally:
-            self._done()
+            self._session_lock.release()
 
     def __enter__(self) -> "Delivery":
         return self

@@ -592,20 +592,13 @@ class Client:
         they are, for :data:`DEMOTE_WAIT_S` at most.
         """
         self._lock.acquire()  # the delivery releases it once its batches are in
-        handles = self._handles
-        handles.begin_awaiting()  # until then this thread reads the handle socket, the listener stands aside
-
-        def done() -> None:
-            handles.end_awaiting()
-            self._lock.release()
-
         with Undo() as undo:
-            undo.push(done)
+            undo.push(self._lock.release)
             try:
                 reply, request_id = self._call_with_id(msg)
             except OutOfBudget as exc:
                 reply, request_id = self._call_after_refusal(msg, exc)
-            return Delivery(reply, request_id, self._handles, self._fd_closer(), self.timeout, done)
+            return Delivery(reply, request_id, self._handles, self._fd_closer(), self.timeout, self._lock)
 
     def _call_after_refusal(self, msg: Request[Committed], refusal: OutOfBudget) -> tuple[Committed, int]:
         """Send ``msg`` again after the budget refused it: once with the lease given back (its granules and credit count

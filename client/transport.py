@@ -60,11 +60,6 @@ status, a commit through the daemon), and one read that way costs no sleep and w
 round trips showed to cost tens to hundreds of µs (README, "Waiting for a reply"). The thread yields the CPU between
 polls, so a busy machine's other work runs first; 0 waits asleep from the start."""
 
-LISTENER_DEFERS_S = 0.01
-"""The longest the listener leaves the handle socket to a request's caller (:meth:`HandleChannel.begin_awaiting`): a
-commit's chunks come within milliseconds; a request the daemon works on longer (a large commit, a defragment) has the
-listener read beside its caller again, so the lease and reclaims it serves never wait for it."""
-
 R = TypeVar("R", bound=Message)
 
 
@@ -78,22 +73,12 @@ class HandleChannel:
     ``_filed``), ``reclaims`` and ``demotes`` (reclaim requests), ``grants`` (leased
     granules, with their FDs), ``revokes`` (leased granules asked back) or
     ``credits`` (credit granted and asked back, in the order they came).
-
-    While a request that brings chunks is under way (:meth:`begin_awaiting`,
-    from its send until its last FD batch is in), its caller reads the socket
-    and the listener leaves it alone (:meth:`poll`), for
-    :data:`LISTENER_DEFERS_S` at most: woken by the same datagram, the
-    listener would take the lock for a read that finds nothing, and the
-    caller's next step would wait for it.
     """
 
     def __init__(self, paths: InstancePaths, timeout: float) -> None:
         self.path = os.fspath(paths.handles)
         self.timeout = timeout
         self._lock = threading.Lock()
-        self._awaited = threading.Condition()
-        self._awaiting = 0
-        """Requests that bring chunks under way now (:meth:`begin_awaiting`): their callers read the socket."""
         self._backlog: list[tuple[FdBatch, list[int]]] = []
         self.reclaims: collections.deque[ReclaimRequest] = collections.deque()
         self.demotes: collections.deque[ReclaimRequest | PromoteRequest] = collections.deque()
@@ -248,36 +233,15 @@ class HandleChannel:
         return None
 
     def poll(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for datagrams and file them; False once the daemon has gone.
-
-        While a request that brings chunks is under way its caller reads
-        and files what comes: this waits for the request to end instead and
-        returns True, for the listener to serve what the caller filed for it
-        (past :data:`LISTENER_DEFERS_S` it reads as usual).
-        """
+        """Wait up to ``timeout`` for datagrams and file them; False once the daemon has gone."""
         try:
             readable, _, _ = select.select([self.sock], [], [], timeout)
         except (OSError, ValueError):
             return False
         if not readable:
             return True
-        with self._awaited:
-            if self._awaiting and self._awaited.wait_for(lambda: not self._awaiting, LISTENER_DEFERS_S):
-                return True  # the listener serves what the caller filed; what it left unread, the next poll finds
         with self._lock:
             return self._file_next() is not False  # None: the other reader took it
-
-    def begin_awaiting(self) -> None:
-        """A request that brings chunks is sent: its caller reads the socket, not the listener, until
-        :meth:`end_awaiting`."""
-        with self._awaited:
-            self._awaiting += 1
-
-    def end_awaiting(self) -> None:
-        """The request's last FD batch is in (or it failed): the listener reads again."""
-        with self._awaited:
-            self._awaiting -= 1
-            self._awaited.notify_all()
 
     def drain(self) -> None:
         """File every datagram waiting now, without blocking."""

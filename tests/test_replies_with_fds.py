@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import zmq
 from hbmd import proto
 from hbmd.client import ExtensibleTensor
-from hbmd.client import transport
 from hbmd.client.transport import ControlChannel, HandleChannel
 from hbmd.proto.instance import InstancePaths
-from helpers import GRANULE, MiB, wait_until
+from helpers import GRANULE, MiB
 
 torch = pytest.importorskip("torch")
 
@@ -102,57 +100,3 @@ def test_a_client_commits_through_replies_with_fds_and_keeps_its_bytes(client):
     assert [int(tensor.full_view()[i * 4 * MiB]) for i in range(8)] == list(range(1, 9))
     assert client._control.replies_with_fds
     tensor.free()
-
-
-@pytest.fixture
-def reply_readers(monkeypatch) -> list[str]:
-    """The threads that read and filed each FD batch, in order."""
-    readers: list[str] = []
-    read_and_file = HandleChannel._read_and_file
-
-    def recording(self: HandleChannel) -> bool:
-        backlog = len(self._backlog)
-        read = read_and_file(self)
-        if len(self._backlog) > backlog:
-            readers.append(threading.current_thread().name)
-        return read
-
-    monkeypatch.setattr(HandleChannel, "_read_and_file", recording)
-    return readers
-
-
-def test_the_caller_reads_its_chunks_alone_and_the_listener_serves_what_came_meanwhile(
-    start_daemon, reply_readers, monkeypatch
-):
-    """Woken by the same datagram, the listener used to take the socket's lock for a read that found nothing while
-    the caller waited to take its batch; now it stands aside until the delivery ends, and still imports the lease
-    grants that came during it."""
-    monkeypatch.setattr(transport, "LISTENER_DEFERS_S", 5.0)  # the deference alone, not its bound
-    daemon = start_daemon("--budget", "256MiB", "--credit", "0")  # no credit: two-granule steps go to the daemon
-    with daemon.connect(client_name="waiting-caller") as client:
-        assert client._listener is not None and client._lease is not None
-        tensor = ExtensibleTensor(256 * MiB, "cpu", client=client)
-        for step in range(1, 41):
-            tensor.resize_(step * 4 * MiB, zero_new=True)  # two granules a step: through the daemon
-        # A one-granule step: through the daemon too, whose lease grant follows the reply, often while the caller
-        # still reads it; whoever filed the grant, the listener imports it.
-        tensor.resize_(162 * MiB)
-        wait_until(lambda: client.leased_granules > 0 and not client._handles.grants)
-        assert reply_readers == ["MainThread"] * 41
-        tensor.free()
-
-
-def test_the_listener_reads_beside_a_request_that_takes_longer_than_its_deference(start_daemon, monkeypatch):
-    """A request under way longer than LISTENER_DEFERS_S (here one that never ends) no longer keeps the listener
-    off the socket: the lease it serves is granted and imported meanwhile."""
-    monkeypatch.setattr(transport, "LISTENER_DEFERS_S", 0.05)
-    daemon = start_daemon("--budget", "256MiB", "--credit", "0")
-    with daemon.connect(client_name="long-request") as client:
-        client._handles.begin_awaiting()
-        try:
-            tensor = ExtensibleTensor(64 * MiB, "cpu", client=client)
-            tensor.resize_(GRANULE)  # the lease is empty: through the daemon, which then grants some
-            wait_until(lambda: client.leased_granules > 0)
-            tensor.free()
-        finally:
-            client._handles.end_awaiting()
