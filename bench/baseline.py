@@ -29,10 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Self
 
 import zmq
-
 from hbmd import driver
 from hbmd.client.host import HostMapper
 from hbmd.client.session import spin_from_env
@@ -204,7 +203,7 @@ while True:
 
 
 @contextlib.contextmanager
-def granter(ordinal: int, warm: int) -> Iterator["Granter"]:
+def granter(ordinal: int, warm: int) -> Iterator[Granter]:
     """A process that keeps ``warm`` granules made and exported ahead (as hbmd's warm pool) and answers each ZeroMQ
     request with one's FD on a Unix ``SOCK_SEQPACKET`` socket, making the next after it answers (as the pool refills;
     with none ahead, before). It holds every granule it made until it ends, with the block."""
@@ -239,7 +238,7 @@ class Granter:
         self.poller.register(sock.fileno(), zmq.POLLIN)
         self.spin = spin_from_env()
 
-    def __enter__(self) -> "Granter":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
