@@ -342,7 +342,7 @@ def commit_worker_args(daemon: Daemon, device: str) -> list[str]:
 
 
 def run_workers(pool: list[Any], mode: str, seconds: float) -> dict[str, Any]:
-    """Have the ``workers.py commit`` workers of ``pool`` commit (``hbmd``, ``in_process`` or ``handover``) for
+    """Have the ``workers.py commit`` workers of ``pool`` commit (``hbmd``, ``in_process`` or a handover mode) for
     ``seconds``, all at once: commits/s of all together, the median of their p50s and the worst of their p99s."""
     for worker in pool:
         worker.send(f"{mode} {seconds}")
