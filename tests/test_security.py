@@ -356,6 +356,31 @@ def test_a_client_name_that_could_forge_log_lines_or_terminal_output_is_refused_
     assert all(line.isprintable() for line in log.splitlines()) and "a" * 129 not in log
 
 
+@pytest.mark.parametrize("client_name", [FORGED, "eng\u202eevil", "a" * 129], ids=["escape", "bidi-override", "129"])
+def test_a_refused_hello_naming_a_new_tenant_leaves_no_tenant_behind(daemon, client, client_name):
+    """Each refused hello named a tenant nobody had named: none is recorded, and the checked books still balance."""
+    before = [t.name for t in client.status().tenants]
+    for n in range(50):
+        with pytest.raises(InvalidRequest, match="client name"):
+            daemon.connect(client_name=client_name, tenant=f"squat-{n}")
+    assert [t.name for t in client.status().tenants] == before
+    assert daemon.proc.poll() is None, daemon.log()[-2000:]
+
+
+def test_a_hello_refused_for_too_many_sessions_leaves_no_tenant_behind(start_daemon):
+    daemon = start_daemon("--budget", "64MiB", "--max-sessions-per-uid", "2")
+    first, second = daemon.connect(), daemon.connect()
+    with pytest.raises(HbmdError, match="already has 2 sessions"):
+        daemon.connect(tenant="never-seen")
+    assert "never-seen" not in [t.name for t in first.status().tenants]
+    second.close()
+    with daemon.connect(tenant="now-seen") as third:
+        assert "now-seen" in [t.name for t in first.status().tenants]
+    wait_until(lambda: "now-seen" not in [t.name for t in first.status().tenants])
+    first.close()
+    assert daemon.proc.poll() is None, daemon.log()[-2000:]
+
+
 @pytest.mark.parametrize("log_format", ["text", "journal", "json"])
 def test_the_daemon_log_shows_a_message_a_peer_could_have_shaped_on_one_line_escaped(log_format):
     record = logging.LogRecord("hbmd", logging.INFO, __file__, 1, "session %d opened (%s)", (3, FORGED), None)

@@ -26,6 +26,7 @@ from typing import Callable, Generic
 
 from hbmd.proto import TIER_DEVICE, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
+from hbmd.proto.undo import Undo
 from hbmd.proto.units import round_up
 
 from ..backends import A, Backend, C
@@ -189,9 +190,12 @@ class State(Generic[A, C]):
         ``PermissionDenied`` for a tenant it may not declare."""
         charged = self.budget.resolve(uid, tenant)
         wants_lease = lease and not observer and self.leases.granules > 0
-        session = self.sessions_room.open(pid, uid, gid, client_name, charged, admin, observer, wants_lease)
+        with Undo() as undo:
+            # Held first, so that a hello refused below lets go of a tenant it named and nothing else held.
+            self.budget.hold(charged)
+            undo.push(self.budget.let_go, charged)
+            session = self.sessions_room.open(pid, uid, gid, client_name, charged, admin, observer, wants_lease)
         session.wants_credit = credit and not observer and self.leases.credit_max > 0
-        self.budget.hold(charged)
         return session
 
     def restore_session(self, session: Session, lease: list[Chunk[C]], credit: int, resume_by: float) -> None:
