@@ -146,7 +146,8 @@ class Client:
     map (:class:`Redeclare`), so that the new daemon counts memory still in
     use; their tensors go on at the same addresses, under the buffer ids
     they had wherever those are free.
-    A buffer the daemon refuses to count makes its tensor unusable
+    A buffer the daemon refuses to count (admitted as a commit of its
+    bytes would be) loses its pages at once and makes its tensor unusable
     (:class:`TensorUnusable`; free it). Persistent buffers that no process
     maps are lost then, and anything this process had leased.
 
@@ -386,8 +387,8 @@ class Client:
             except (SessionLost, DaemonUnavailable):
                 raise
             except HbmdError as exc:
-                log.error("hbmd refused to count buffer %d again after its restart (%s): its tensor is unusable, "
-                          "free it", old, exc.message)
+                log.error("hbmd refused to count buffer %d again after its restart (%s): its pages are dropped and its "
+                          "tensor is unusable, free it", old, exc.message)
                 self._holders.discard(holder)
                 holder._declared(None, exc)
                 continue

@@ -627,14 +627,16 @@ class ExtensibleTensor(Transactions):
 
     def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:
         """The new daemon counts the buffer again (``buffer``, under its id where that was free), or refused to
-        (``refusal``): the tensor keeps its mapping, for views still in use, but goes no further."""
+        (``refusal``): memory no daemon counts is not kept, so the pages go at once, as a ``release_physical()``'s
+        do (the address range stays reserved while views of it remain), and the tensor goes no further."""
         if buffer is not None:
             self._set_info(buffer)
             return
         self._recorded = False
+        self._reservation.unmap_all()
         self._unusable = TensorUnusable(
             f"buffer {self.buffer_id}: hbmd restarted with nothing to keep its memory and refused to count it again "
-            f"({refusal}); free it and create or attach it anew",
+            f"({refusal}); its pages are gone: free it and create or attach it anew",
             buffer_id=self.buffer_id,
         )
 

@@ -10,10 +10,21 @@ daemon's budget counts memory still in use. Every daemon here runs with
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hbmd.client import ExtensibleTensor, connect
-from hbmd.proto import ChunkInfo, Redeclare
-from hbmd.proto.errors import Conflict, InvalidRequest, OutOfBudget, SessionLost, TensorUnusable
+from hbmd.client.transport import HandleChannel
+from hbmd.proto import PROTOCOL_VERSION, ChunkInfo, Hello, Redeclare
+from hbmd.proto.errors import (
+    Conflict,
+    InvalidRequest,
+    OutOfBudget,
+    PermissionDenied,
+    SessionLost,
+    TensorUnusable,
+)
+from hbmd.proto.instance import InstancePaths
 from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
@@ -143,6 +154,16 @@ def declaration(**fields) -> Redeclare:
     return Redeclare(**{**base, **fields})
 
 
+def started_over(daemon, **kwargs):
+    """A session of this process as its client opens one after the daemon refused to resume its old one: it may
+    declare what the process maps, before anything else."""
+    gone = HandleChannel(InstancePaths.of(daemon.run_dir, daemon.instance), 5)
+    with pytest.raises(SessionLost):
+        gone.handshake(Hello(list(PROTOCOL_VERSION), os.getpid(), resume_session=999, resume_credential="0" * 32))
+    gone.close()
+    return daemon.connect(lease=False, **kwargs)
+
+
 @pytest.mark.parametrize("fields, refusal", [
     ({"chunks": [ChunkInfo(0, 0, 2 * MiB)]}, InvalidRequest),  # short of the committed bytes
     ({"chunks": [ChunkInfo(0, 0, 4 * MiB), ChunkInfo(0, 2 * MiB, 2 * MiB)]}, InvalidRequest),  # overlapping
@@ -164,16 +185,102 @@ def test_a_declaration_is_checked_as_a_commit_would_be_and_a_refusal_changes_not
         kept = ExtensibleTensor(4 * MiB, "cpu", client=owner, name="taken", persistent=True)
         kept.resize_(2 * MiB)
         kept.detach()
-    with daemon.connect(lease=False) as client:
-        before = sorted(map(repr, client.buffers())), client.status().committed_bytes
+    with started_over(daemon) as client:
         with pytest.raises(refusal):
             client.call(declaration(**fields))
-        assert (sorted(map(repr, client.buffers())), client.status().committed_bytes) == before
         # What it could have committed, it may declare: counted, and held only by its own mappings.
         declared = client.call(declaration()).buffer
         assert (declared.held_elsewhere, declared.physical_bytes) == (True, 4 * MiB)
+        assert sorted((b.name, b.physical_bytes) for b in client.buffers()) == [("", 4 * MiB), ("taken", 2 * MiB)]
+        assert client.status().committed_bytes == 6 * MiB  # the refused declaration changed nothing
         with pytest.raises(Conflict, match="another process"):
             client.remap(declared.buffer_id)
+
+
+def test_only_a_session_started_over_declares_and_only_before_anything_else(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    with daemon.connect(lease=False) as client:
+        with pytest.raises(PermissionDenied, match="declared again only by a session whose process found its own gone"):
+            client.call(declaration())
+        assert client.status().committed_bytes == 0
+    with started_over(daemon) as client:
+        client.call(declaration())
+        client.call(declaration(buffer_id=7))  # as many buffers as it maps, one declaration each
+        client.status()  # its first other request: declaring is over
+        with pytest.raises(PermissionDenied, match="before any other request"):
+            client.call(declaration())
+        assert client.status().committed_bytes == 8 * MiB
+    with daemon.connect(lease=False) as client:  # a mark is good for one session only
+        with pytest.raises(PermissionDenied):
+            client.call(declaration())
+
+
+def test_a_declaration_does_not_pass_another_tenants_guarantee(start_daemon, tmp_path):
+    config = tmp_path / "tenants.toml"
+    config.write_text('[[tenants]]\nname = "a"\nguaranteed = "128MiB"\n\n[[tenants]]\nname = "b"\n')
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config))
+    with daemon.connect(tenant="b", lease=False) as b:
+        with pytest.raises(OutOfBudget, match="held for other tenants' guaranteed minimums"):
+            ExtensibleTensor(200 * MiB, "cpu", client=b).resize_(200 * MiB)
+    whole = {"capacity": 256 * MiB, "segment_capacities": [256 * MiB], "segment_sizes": [256 * MiB],
+             "chunks": [ChunkInfo(0, 0, 256 * MiB)]}
+    with started_over(daemon, tenant="b") as b:
+        with pytest.raises(OutOfBudget, match="held for other tenants' guaranteed minimums"):
+            b.call(declaration(**whole))  # no more than its commit could have had
+        assert b.call(declaration(**{**whole, "segment_sizes": [128 * MiB],
+                                      "chunks": [ChunkInfo(0, 0, 128 * MiB)]})).buffer.physical_bytes == 128 * MiB
+        with daemon.connect(tenant="a", lease=False) as a:
+            guaranteed = ExtensibleTensor(128 * MiB, "cpu", client=a)
+            guaranteed.resize_(128 * MiB)  # what was guaranteed to a is still there for it
+            guaranteed.free()
+
+
+def test_a_refused_declaration_drops_the_pages_it_would_have_kept_uncounted(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    big = ExtensibleTensor(32 * MiB, "cpu", client=client)
+    big.resize_(24 * MiB)
+    mapped_before = mapped_bytes()
+    daemon = restart(start_daemon, daemon, "term", "--budget", "16MiB")
+    wait_until(lambda: client.resumed())
+    with pytest.raises(TensorUnusable, match="its pages are gone"):
+        big.resize_(28 * MiB)
+    # This process maps 24 MiB less of the daemon's memory: nothing the new daemon refused stays behind, uncounted.
+    assert mapped_before - mapped_bytes() == 24 * MiB
+    big.free()
+    client.close()
+
+
+def test_a_persistent_buffer_only_its_process_holds_is_not_lost_to_a_detach(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    kv = ExtensibleTensor(8 * MiB, "cpu", client=client, name="kv", persistent=True)
+    kv.resize_(4 * MiB)
+    kv.full_view()[: 4 * MiB] = 3
+    daemon = restart(start_daemon, daemon, "kill", "--budget", "64MiB")
+    wait_until(lambda: committed(daemon) == 4 * MiB)
+    with pytest.raises(Conflict, match="only this process holds it, so a detach would lose it"):
+        kv.detach()
+    assert int(kv.full_view()[: 4 * MiB].float().mean()) == 3  # still mapped, still counted, still its own
+    assert committed(daemon) == 4 * MiB
+    kv.resize_(6 * MiB)
+    kv.free()
+    assert committed(daemon) == 0
+    client.close()
+
+
+def mapped_bytes() -> int:
+    """Bytes of memfd-backed memory this process maps (the host backend's chunks)."""
+    total = 0
+    with open(f"/proc/{os.getpid()}/smaps") as smaps:
+        mapping = ""
+        for line in smaps:
+            fields = line.split()
+            if fields and "-" in fields[0] and ":" not in fields[0]:
+                mapping = line
+            elif fields and fields[0] == "Size:" and "memfd:" in mapping:
+                total += int(fields[1]) * 1024
+    return total
 
 
 def test_what_was_declared_again_is_handed_over_to_a_successor_and_goes_on_there(start_daemon):

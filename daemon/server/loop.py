@@ -42,6 +42,7 @@ from hbmd.proto import (
     PROTOCOL_VERSION,
     ErrorReply,
     Message,
+    Redeclare,
     Request,
     decode_body,
     encode_frames,
@@ -467,6 +468,7 @@ class Server(Generic[A, C]):
             operation = kind.KIND
             # The token before the body: an unknown peer costs no decoding.
             session = self.state.session_for(token)
+            session.declaring = session.declaring and kind is Redeclare  # declarations come first, or not at all
             self._plane.take_placements()
             conn = self._plane.by_session[session.session_id]
             if session.session_id in self._waiting:

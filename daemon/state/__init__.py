@@ -269,7 +269,13 @@ class State(Generic[A, C]):
         tier: str = TIER_DEVICE,
     ) -> Buffer[A, C]:
         """A buffer the session's process still maps, declared again after a restart with no keeper; see
-        :meth:`Buffers.redeclare`."""
+        :meth:`Buffers.redeclare`. Refused (``PermissionDenied``) but on a session whose process started over, before
+        it asks for anything else (:attr:`Session.declaring`)."""
+        if not session.declaring:
+            raise PermissionDenied(
+                "buffers are declared again only by a session whose process found its own gone after a restart, "
+                "before any other request"
+            )
         return self.buffers_room.redeclare(session, previous_id, capacities, sizes, chunks, name, persistent,
                                            shareable, sealed, readonly, tier)
 

@@ -647,12 +647,21 @@ class Buffers(Generic[A, C]):
         """Let go of the session's persistent buffer: it stays, an orphan with its chunks, until attached by name.
 
         Returns the bytes of an unfinished defragment's new chunks, dropped.
-        An anonymous buffer has no name to come back by: refused.
+        An anonymous buffer has no name to come back by: refused. So is one
+        declared again whose memory only this process holds: unmapped here it
+        would be gone, with nothing left to attach.
         """
         buffer = self.of(session, buffer_id)
         if not buffer.persistent:
             raise InvalidRequest(
                 f"buffer {buffer_id} is anonymous: only a persistent buffer can be detached and attached again",
+                buffer_id=buffer_id,
+            )
+        if buffer.held_elsewhere and not buffer.readers:
+            raise Conflict(
+                f"buffer {buffer_id} ({buffer.name!r}) was declared again after hbmd restarted with nothing to keep its "
+                "memory: only this process holds it, so a detach would lose it; keep it mapped, or copy it into a new "
+                "persistent buffer and detach that",
                 buffer_id=buffer_id,
             )
         return self.disown(buffer)

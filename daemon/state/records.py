@@ -184,6 +184,9 @@ class Session:
     """Restored after a restart and not resumed yet: the monotonic time by which its client must come back, or the
     session ends as a dead one's does. None for a connected session."""
     answer: Answer | None = None
+    declaring: bool = False
+    """Its process found its session gone after a restart and started over: it may declare again the buffers it
+    still maps (:class:`~hbmd.proto.Redeclare`) until it asks for anything else."""
 
     @property
     def committed_bytes(self) -> int:

@@ -143,8 +143,9 @@ class Tenants:
         """Check ``requested`` more bytes against the tenant's maximum, the budget and others' guarantees.
 
         ``in_use``: the memory exists already (declared again by its client
-        after a restart): others' guarantees do not hold it back, and leases
-        are room, being asked back. Raises ``OutOfBudget`` saying which limit
+        after a restart): leases are room, being asked back. Others'
+        guarantees hold it back as they would a commit of it: a declaration
+        is never a way past them. Raises ``OutOfBudget`` saying which limit
         it met, and whether a retry may find room: leased bytes are being
         asked back, except ``withheld`` ones, asked back long ago from
         sessions that do not answer.
@@ -159,7 +160,7 @@ class Tenants:
                 used=tenant.used_bytes,
                 requested=requested,
             )
-        held = 0 if in_use else self._held_for_others(tenant)
+        held = self._held_for_others(tenant)
         used = self.committed_bytes + (0 if in_use else self.leased_bytes)
         if used + requested + held > self.budget_bytes:
             extra = f", {format_bytes(held)} held for other tenants' guaranteed minimums" if held else ""
