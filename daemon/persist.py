@@ -223,15 +223,23 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
     if version > JOURNAL_VERSION:
         raise NewerState(f"it is of version {version}, newer than this daemon's {JOURNAL_VERSION}: run the newer hbmd")
     resume_by = time.monotonic() + resume_window_s
+    records = list(image.get("buffers", {}).values())
+    short = _owners_of_incomplete(records, fds, version)
     sessions = 0
     for record in image.get("sessions", {}).values():
+        if _field(record, "id") in short:
+            # Resumed, it would go on mapping memory the daemon no longer counts: refused its resume, its client starts
+            # over and declares what it maps, as after a restart with no keeper.
+            log.warning("session %s is not restored: a buffer of it did not come back whole; its client starts over",
+                        _field(record, "id"))
+            continue
         try:
             _restore_session(state, record, fds, resume_by)
             sessions += 1
         except Exception as exc:  # whatever the journal or the backend raised: lose this session, not the daemon
             log.error("session %s is lost: %s", _field(record, "id"), exc)
     buffers = 0
-    for record in image.get("buffers", {}).values():
+    for record in records:
         try:
             _restore_buffer(state, record, fds, version)
             buffers += 1
@@ -284,16 +292,44 @@ def _claimed(fds: dict[str, int], names: list[str]) -> None:
         os.close(fds.pop(name))
 
 
+def _owners_of_incomplete(records: list[Any], fds: dict[str, int], image_version: int) -> set[Any]:
+    """The journaled ids of the sessions owning a buffer that cannot come back whole: a descriptor of it was not passed
+    back (a service manager that dropped its store), or its record cannot be read."""
+    owners = set()
+    for record in records:
+        try:
+            complete = all(name in fds for name in _needed(record, _layout(record), image_version))
+        except Exception:  # a record the restore itself reports lost
+            complete = False
+        if not complete:
+            owners.add(_field(record, "owner"))
+    owners.discard(0)
+    owners.discard(None)
+    return owners
+
+
+def _layout(record: dict[str, Any]) -> list[tuple[str, tuple[int, int, int]]]:
+    """Each journaled chunk of a buffer with the part it belongs to (``chunks``, or ``pending`` mid-defragment)."""
+    layout = [("chunks", _chunk_layout(c)) for c in record["chunks"]]
+    return layout + [("pending", _chunk_layout(c)) for c in record.get("pending", [])]
+
+
+def _needed(record: dict[str, Any], layout: list[tuple[str, tuple[int, int, int]]], image_version: int) -> list[str]:
+    """The names its chunks were parked under, but for those held only by the processes that map them."""
+    buffer_id = int(record["id"])
+    named = legacy_chunk_name if int(image_version) < 4 else lambda _, chunk_id: chunk_name(chunk_id)
+    held = {int(chunk_id) for chunk_id in record.get("held", [])}
+    return [named(buffer_id, chunk_id) for _, (chunk_id, _, _) in layout if chunk_id not in held]
+
+
 def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[str, int], image_version: int) -> None:
     """Adopt one journaled buffer, taking its FDs out of ``fds``; raises, taking none, where it cannot be adopted whole."""
     backend = state.backend
     buffer_id = int(record["id"])
-    layout = [("chunks", _chunk_layout(c)) for c in record["chunks"]]
-    layout += [("pending", _chunk_layout(c)) for c in record.get("pending", [])]
-    named = legacy_chunk_name if int(image_version) < 4 else lambda _, chunk_id: chunk_name(chunk_id)
+    layout = _layout(record)
     held = {int(chunk_id) for chunk_id in record.get("held", [])}
     host = {int(chunk_id) for chunk_id in record.get("host", [])}
-    needed = [named(buffer_id, chunk_id) for _, (chunk_id, _, _) in layout if chunk_id not in held]
+    needed = _needed(record, layout, image_version)
     missing = [name for name in needed if name not in fds]
     if missing:
         shown = ", ".join(missing[:4])

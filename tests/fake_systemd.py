@@ -82,6 +82,15 @@ class FakeSystemd:
         with self.lock:
             return any(state in message.splitlines() for message in self.states)
 
+    def drop_store(self) -> None:
+        """Close every stored FD, as systemd does when the service is stopped (``systemctl stop``) rather than
+        restarted, unless ``FileDescriptorStorePreserve=yes``."""
+        with self.lock:
+            for fds in self.store.values():
+                for fd in fds:
+                    os.close(fd)
+            self.store.clear()
+
     def relaunch(self) -> dict:
         """Keyword arguments for ``start_daemon`` that pass the stored FDs back, as on a restart."""
         with self.lock:
@@ -99,8 +108,4 @@ class FakeSystemd:
         self._stop.set()
         self._thread.join()
         self.sock.close()
-        with self.lock:
-            for fds in self.store.values():
-                for fd in fds:
-                    os.close(fd)
-            self.store.clear()
+        self.drop_store()

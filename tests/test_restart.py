@@ -6,7 +6,7 @@ import os
 
 import msgpack
 import pytest
-from hbmd.client import ExtensibleTensor
+from hbmd.client import ExtensibleTensor, OutOfBudget
 from hbmd.daemon.persist import JOURNAL_VERSION, Journal
 from hbmd.daemon.spawn import DaemonProcess
 from helpers import MiB, parked_names, wait_until
@@ -168,3 +168,48 @@ def test_a_journal_of_a_newer_daemon_is_left_alone_and_the_older_one_does_not_st
         daemon.start()
     assert f"it is of version 99, newer than this daemon's {JOURNAL_VERSION}: run the newer hbmd" in daemon.log()
     assert journal.read_bytes() == before  # a downgrade loses nothing: the newer daemon finds it all again
+
+
+@pytest.mark.parametrize("lost", ["every chunk", "the anonymous buffer's"])
+def test_a_journal_back_without_its_chunks_never_leaves_memory_uncounted(start_daemon, run_dir, systemd, lost):
+    """``systemctl stop`` then ``start`` within the resume window: the journal is there, the FD store is not (or only
+    part of it). The session whose buffers cannot come back is not resumed: its client starts over and declares what
+    it maps, so the new daemon counts it and admits nobody into it."""
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--budget", "256MiB", "--state-dir", str(state_dir))
+    first = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
+    client = first.connect(lease=False)
+    kv = ExtensibleTensor(128 * MiB, "cpu", client=client)
+    kv.resize_(96 * MiB)
+    kv.full_view()[: 96 * MiB] = 5
+    weights = ExtensibleTensor(32 * MiB, "cpu", client=client, name="weights", persistent=True)
+    weights.resize_(32 * MiB)
+    weights.full_view()[: 32 * MiB] = 9
+    wait_until(lambda: len(systemd.names()) == 2)
+
+    assert first.stop() == 0
+    if lost == "every chunk":
+        systemd.drop_store()
+    else:
+        for name in systemd.names() - parked_names(state_dir, "weights"):
+            for fd in systemd.store.pop(name):
+                os.close(fd)
+    second = start_daemon(*args, **systemd.relaunch())
+    assert "is not restored: a buffer of it did not come back whole" in second.log()
+
+    kv.resize_(128 * MiB)  # the engine's next call goes on: no NotFound, no exception
+    assert int(kv.full_view()[: 96 * MiB].float().mean()) == 5
+    assert int(weights.full_view()[: 32 * MiB].float().mean()) == 9
+    with second.connect(lease=False) as newcomer:
+        assert newcomer.status().committed_bytes == 160 * MiB  # all that this process maps
+        with pytest.raises(OutOfBudget):
+            ExtensibleTensor(128 * MiB, "cpu", client=newcomer).resize_(128 * MiB)
+        room = ExtensibleTensor(96 * MiB, "cpu", client=newcomer)
+        room.resize_(96 * MiB)  # what is left of the budget, and no more
+        room.free()
+    kv.free()
+    weights.free()
+    with second.connect(observer=True) as look:
+        wait_until(lambda: look.status().committed_bytes == 0 and look.buffers() == [])
+    client.close()

@@ -4,11 +4,14 @@ Four workers grow their KV buffers onto leased granules and through the
 daemon, release (sleep) and regrow them, defragment them keeping the data,
 and check every committed byte after each step, while the daemon is SIGKILLed
 (a crash, ``Restart=on-failure``), SIGTERMed (an upgrade), taken over by a
-successor (``--takeover``) and SIGHUPed (a reload), round after round, under
-the systemd stand-in that keeps its chunks. Every daemon checks its books
-after each batch (``--check-invariants``). Then the same with no keeper: a
+successor (``--takeover``), SIGHUPed (a reload) and stopped then started
+again (``systemctl stop``, which drops the FD store but leaves the journal:
+the workers start over and declare what they map, counted again), round
+after round, under the systemd stand-in that keeps its chunks. Every
+daemon checks its books after each batch (``--check-invariants``). Then the same with no keeper: a
 plain daemon SIGKILLed and SIGTERMed and started again on nothing, each
-worker declaring again what it maps. At the end the workers report what
+worker declaring again what it maps. After each restart a peer sends hellos
+the daemon refuses, each naming a tenant of its own: none may be left. At the end the workers report what
 they hold, how many calls failed (none may), how many bytes were wrong (none
 may) and the slowest calls: the pause a restart costs an engine.
 ``HBMD_RESTART_ROUNDS`` sets the number of rounds.
@@ -25,6 +28,10 @@ import textwrap
 import time
 
 import pytest
+from hbmd.client import InvalidRequest
+from hbmd.client.transport import HandleChannel
+from hbmd.proto import PROTOCOL_VERSION, Hello
+from hbmd.proto.instance import InstancePaths
 from helpers import wait_until
 
 torch = pytest.importorskip("torch")
@@ -33,6 +40,7 @@ pytestmark = pytest.mark.ipc
 
 ROUNDS = int(os.environ.get("HBMD_RESTART_ROUNDS", "16"))
 WORKERS = 4
+HOSTILE_HELLOS = 20
 
 WORKER = textwrap.dedent(
     """
@@ -106,6 +114,18 @@ def held(daemon, kind: str) -> int:
     return sum(link.startswith(kind) for link in links)
 
 
+def hellos_refused(daemon, round_: int) -> int:
+    """Hellos the daemon must refuse (a client name with an escape), each naming a tenant nobody else names."""
+    paths = InstancePaths.of(daemon.run_dir, daemon.instance)
+    for n in range(HOSTILE_HELLOS):
+        channel = HandleChannel(paths, 5)
+        with pytest.raises(InvalidRequest):
+            hello = Hello(list(PROTOCOL_VERSION), os.getpid(), client_name="\x1b[2J", tenant=f"squat-{round_}-{n}")
+            channel.handshake(hello)
+        channel.close()
+    return HOSTILE_HELLOS
+
+
 @pytest.mark.parametrize("keeper", [True, False], ids=["kept", "no keeper"])
 def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, spawn_worker, run_dir, systemd, keeper):
     state_dir = run_dir / "state"
@@ -118,8 +138,9 @@ def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, sp
     for worker in workers:
         assert worker.readline().strip() == "ready"
     rng = random.Random(5)
-    kinds = ("kill", "term", "takeover", "hup") if keeper else ("kill", "term")
+    kinds = ("kill", "term", "takeover", "hup", "stop") if keeper else ("kill", "term")
     ways = dict.fromkeys(kinds, 0)
+    refused = 0
     for round_ in range(ROUNDS):
         time.sleep(0.2 + rng.random() * 0.3)
         how = kinds[round_ % len(kinds)]
@@ -136,7 +157,10 @@ def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, sp
                 daemon.kill()
             else:
                 assert daemon.stop() == 0
+            if how == "stop":
+                systemd.drop_store()  # systemctl stop, then start: the journal is back, the chunks are not
             daemon = start_daemon(*args, **(systemd.relaunch() if keeper else {}))
+        refused += hellos_refused(daemon, round_)
         with daemon.connect(observer=True) as look:
             # Every worker is back within the window, by its listener or its next call: resumed, or started over.
             wait_until(lambda: len(look.sessions()) == WORKERS and not any(s.resuming for s in look.sessions()),
@@ -147,6 +171,7 @@ def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, sp
     reports = [json.loads(worker.readline()) for worker in workers]
     with daemon.connect(observer=True) as look:
         assert look.status().committed_bytes == sum(r["holds"] for r in reports)
+        assert not [t.name for t in look.status().tenants if t.name.startswith("squat-")]  # refusals left nothing
         assert sorted(s.session_id for s in look.sessions()) == sorted(r["session"] for r in reports)
     for worker in workers:
         assert worker.wait() == 0
@@ -159,7 +184,8 @@ def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, sp
     pauses = sorted(p for r in reports for p in r["pauses"])
     ops = sum(r["ops"] for r in reports)
     print(
-        f"\nrestarts={ROUNDS} ({', '.join(f'{k} {v}' for k, v in ways.items())}), operations={ops}, "
+        f"\nrestarts={ROUNDS} ({', '.join(f'{k} {v}' for k, v in ways.items())}), hellos refused={refused}, "
+        f"operations={ops}, "
         f"errors={sum(r['errors'] for r in reports)}, bytes wrong={sum(r['wrong'] for r in reports)}, "
         f"calls p50={statistics.median(pauses) * 1e3:.1f} ms p99={pauses[int(len(pauses) * 0.99)] * 1e3:.1f} ms "
         f"max={pauses[-1] * 1e3:.0f} ms (the slowest: a restart's pause)"

@@ -275,10 +275,11 @@ class Buffers(Generic[A, C]):
 
     def _join(self, session: Session, buffer: Buffer[A, C], declared: Buffer[A, C], chunks: list[tuple[int, int]],
               readonly: bool, tier: str) -> Buffer[A, C]:
-        """A declared claim on the persistent buffer of the same name, declared already: a reader's read claim, or its
-        owner taking back the orphan its readers declared. Both must describe the same memory."""
+        """A declared claim on the persistent buffer of the same name, declared already or kept by the daemon: a
+        reader's read claim, or its owner taking back the orphan (one its readers declared, or one the daemon brought
+        back when the owner's session could not be). Both must describe the same memory."""
         same = (
-            buffer.held_elsewhere and buffer.sealed and declared.sealed
+            buffer.sealed == declared.sealed and not buffer.pending
             and buffer.segment_capacities == declared.segment_capacities
             and buffer.segment_sizes == declared.segment_sizes
             and sorted((c.offset, c.size) for c in buffer.chunks) == sorted(chunks)
