@@ -57,6 +57,7 @@ from hbmd.proto.errors import (
     OutOfBudget,
     PermissionDenied,
     SessionLost,
+    TensorUnusable,
     VersionMismatch,
 )
 from hbmd.proto.instance import InstancePaths, list_instances, resolve_run_dir
@@ -216,6 +217,9 @@ class Client:
         self._moved: dict[int, int] = {}
         """The new id of each buffer whose id changed when the session last started over, by its old one: a request
         built before (by another thread, say) goes to the buffer it meant."""
+        self._refused: dict[int, HbmdError] = {}
+        """Why the daemon refused to count each buffer again when the session last started over, by its id: a request
+        built for it before fails as its tensor does, rather than with the new daemon's ``not_found``."""
         # Neither the lease, the credit nor the listener holds the client: one dropped unclosed is collected, and
         # its session ends with its socket, as without leases.
         me = weakref.ref(self)
@@ -297,6 +301,12 @@ class Client:
                 buffer_id = getattr(msg, "buffer_id", None)
                 if buffer_id in self._moved:
                     msg = dataclasses.replace(msg, buffer_id=self._moved[buffer_id])  # type: ignore[type-var]
+                if buffer_id in self._refused:
+                    raise TensorUnusable(
+                        f"buffer {buffer_id}: hbmd restarted with nothing to keep its memory and refused to count it "
+                        f"again ({self._refused[buffer_id].message}); free it and create or attach it anew",
+                        buffer_id=buffer_id,
+                    )
                 unconfirmed = len(self._unconfirmed)
                 try:
                     answer = self._control.call_with_id(msg, timeout, request_id)
@@ -375,7 +385,7 @@ class Client:
     def _declare_again(self) -> int:
         """Declare every buffer this process maps on the session started over, highest id first (see
         :attr:`Redeclare.buffer_id`); returns how many the daemon counts."""
-        self._moved = {}
+        self._moved, self._refused = {}, {}
         declared = 0
         for holder in sorted(self._holders, key=lambda h: h.buffer_id, reverse=True):
             declaration = holder._declaration()
@@ -390,6 +400,7 @@ class Client:
                 log.error("hbmd refused to count buffer %d again after its restart (%s): its pages are dropped and its "
                           "tensor is unusable, free it", old, exc.message)
                 self._holders.discard(holder)
+                self._refused[old] = exc
                 holder._declared(None, exc)
                 continue
             holder._declared(created.buffer, None)

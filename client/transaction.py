@@ -189,6 +189,8 @@ class Transactions:
 
     def _resync(self, error: BaseException) -> bool:
         """Map the buffer as the daemon records it; True when the failed request had been done there."""
+        if self._unusable is not None:
+            raise self._unusable from error  # the daemon refused to count it again after a restart: nothing to map
         try:
             self._reservation.unmap_all()
             with self._client.remap(self._info.buffer_id) as delivery:

@@ -269,6 +269,22 @@ def test_a_persistent_buffer_only_its_process_holds_is_not_lost_to_a_detach(star
     client.close()
 
 
+@pytest.mark.parametrize("call", ["defragment", "resize_"])
+def test_the_call_in_flight_on_a_buffer_refused_again_raises_tensor_unusable_not_not_found(start_daemon, call):
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    big = ExtensibleTensor(32 * MiB, "cpu", client=client)
+    big.resize_(24 * MiB)
+    with client.exclusive:  # the listener cannot start over first: the call finds its session gone
+        daemon.kill()
+        daemon = start_daemon("--budget", "16MiB")  # it will not count 24 MiB again
+        with pytest.raises(TensorUnusable, match="refused to count it again"):
+            getattr(big, call)(*([28 * MiB] if call == "resize_" else []))
+    big.free()
+    assert committed(daemon) == 0
+    client.close()
+
+
 def mapped_bytes() -> int:
     """Bytes of memfd-backed memory this process maps (the host backend's chunks)."""
     total = 0
