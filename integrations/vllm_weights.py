@@ -10,17 +10,34 @@ again in pre-processed mode. A later engine (a restart, a replica, a second
 instance on the GPU) reads nothing from disk, and every engine maps the
 same pages, so the GPU holds one copy however many engines serve the model.
 
-The buffer is named after vLLM's own ``WeightCacheKey`` (checkpoint, revision,
-dtype, quantization, TP/PP/DP rank and size, kernel backends, vLLM version
-...): ``vllm-weights:<architecture>:<dtype>:tp<r>of<n>:pp<r>of<n>:<digest>``, the digest a
-SHA-256 of every field of the key, which the buffer also records whole so
-that a reader compares field by field. Two engines starting together: the
-one that creates the buffer first stores, the other waits for the seal and
-maps; an unsealed buffer whose storer died is deleted by the next engine,
-which stores again. Anything that keeps the weights from coming from hbmd
-(no daemon, a key that differs, a quantization that cannot be rebuilt from
-processed tensors, a storer that takes longer than ``wait_s``) loads from
-disk with a warning, unless ``fallback`` is off.
+The key is vLLM's own ``WeightCacheKey`` (checkpoint, revision, dtype,
+quantization, TP/PP/DP rank and size, kernel backends, vLLM version ...)
+and what identifies the bytes, which vLLM's key does not: its checkpoint
+field fingerprints only tensor names and safetensors headers, the same for
+a fine-tune of the same shapes and for a checkpoint overwritten in place,
+and sealed weights outlive every engine. hbmd adds ``weights_dir``, the
+folder vLLM's default loader reads resolved (a local folder; for a hub
+model the cache's snapshot folder, which names the revision, downloaded
+first as that loader would), and ``weights_files``, each weight file there
+with its resolved path (a snapshot's blob), size and modification time in
+nanoseconds (:mod:`hbmd.integrations.weights_key`). A copy of a checkpoint
+in another folder is another checkpoint; a rewrite that keeps a file's size
+and modification time goes unseen, as no weight byte is read to tell.
+
+The buffer is named ``vllm-weights:<architecture>:<dtype>:tp<r>of<n>:pp<r>of<n>:<digest>``,
+the digest a SHA-256 of every field of the key, which the buffer also
+records whole so that a reader compares field by field. Two engines
+starting together: the one that creates the buffer first stores, from a
+session named ``vllm-weights-store:<digest>``, and the other waits for the
+seal and maps; an unsealed buffer whose storer died is deleted by the next
+engine, which stores again; one held by any other live session (a process
+of the same user that took the name) is not waited for. A storer whose
+weight files change while it reads them keeps its copy and stores nothing.
+Anything that keeps the weights from coming from hbmd (no daemon, a key
+that differs, a name held by something that is not storing it, a
+quantization that cannot be rebuilt from processed tensors, a storer that
+takes longer than ``wait_s``) loads from disk with a warning saying why,
+unless ``fallback`` is off.
 
 Options, as ``--model-loader-extra-config '{"fallback": false, "wait_s": 60}'``:
 ``fallback`` (default true) and ``wait_s``, the longest to wait for another
@@ -52,6 +69,7 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
 )
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import get_draft_load_config
 from vllm.model_executor.model_loader.weight_cache.ipc_loader import IpcModelLoader
 from vllm.model_executor.model_loader.weight_cache.protocol import (
@@ -70,6 +88,8 @@ from vllm.model_executor.model_loader.weight_cache.utils import (
 from hbmd.client import Client, Conflict, HbmdError, NotFound, default_client
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.client.weights import Weights, open_weights, write_weights
+from hbmd.integrations.weights_key import checkpoint_fields, files_changes, not_a_store, storer_name
+from hbmd.proto.admin import SessionInfo
 from hbmd.proto.buffers import BufferInfo
 from hbmd.proto.units import format_bytes
 
@@ -88,24 +108,30 @@ class WeightsNotReady(RuntimeError):
     """Another engine was still storing the weights when this one stopped waiting."""
 
 
-def key_fields(key: WeightCacheKey) -> dict[str, Any]:
-    """The key's fields as JSON gives them back (tuples as lists), so that a stored key and a computed one compare."""
-    return json.loads(json.dumps(dataclasses.asdict(key), sort_keys=True, default=str))
+class WeightsNameHeld(RuntimeError):
+    """The weights' name is held, unsealed, by a session that is not an engine storing them: no seal is coming."""
 
 
-def weights_name(key: WeightCacheKey) -> str:
-    """The sealed buffer's name for ``key``: readable in ``hbmctl buffers``, unique by the digest of every field.
+class CheckpointChanged(RuntimeError):
+    """A weight file changed while the storing engine read the checkpoint: what it read is not sealed."""
 
-    Only the key names it, as only the key identifies the weights: vLLM's
-    checkpoint fingerprint is the same for one checkpoint in two directories.
-    """
-    digest = hashlib.sha256(json.dumps(key_fields(key), sort_keys=True).encode()).hexdigest()[:16]
-    model = re.sub(r"[^A-Za-z0-9._-]", "_", key.model_arch)[:48] or "model"
-    ranks = f"tp{key.tp_rank}of{key.tp_size}:pp{key.pp_rank}of{key.pp_size}"
-    if key.dp_size > 1:
-        ranks += f":dp{key.dp_rank}of{key.dp_size}"
-    role = ":draft" if key.is_draft else ""
-    return f"{NAME_PREFIX}:{model}:{key.dtype.removeprefix('torch.')}:{ranks}{role}:{digest}"
+
+def key_fields(key: WeightCacheKey, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """hbmd's key: vLLM's fields as JSON gives them back (tuples as lists), so that a stored key and a computed one
+    compare, and ``checkpoint``'s (:func:`~hbmd.integrations.weights_key.checkpoint_fields`)."""
+    return json.loads(json.dumps(dataclasses.asdict(key), sort_keys=True, default=str)) | checkpoint
+
+
+def weights_name(key: dict[str, Any]) -> str:
+    """The sealed buffer's name for ``key`` (:func:`key_fields`): readable in ``hbmctl buffers``, unique by the digest
+    of every field, the checkpoint's files included."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    model = re.sub(r"[^A-Za-z0-9._-]", "_", key["model_arch"])[:48] or "model"
+    ranks = f"tp{key['tp_rank']}of{key['tp_size']}:pp{key['pp_rank']}of{key['pp_size']}"
+    if key["dp_size"] > 1:
+        ranks += f":dp{key['dp_rank']}of{key['dp_size']}"
+    role = ":draft" if key["is_draft"] else ""
+    return f"{NAME_PREFIX}:{model}:{key['dtype'].removeprefix('torch.')}:{ranks}{role}:{digest}"
 
 
 @dataclasses.dataclass
@@ -144,6 +170,9 @@ class HbmdModelLoader(IpcModelLoader):
         self.weights: Weights | None = None
         """The read claim this engine's parameters are views of."""
         self.source = ""
+        self._checkpoints: dict[tuple[str, str | None], tuple[str, list[str]]] = {}
+        """The folder and weight files of each model (and revision) this engine loads: found once, so that the key
+        vLLM sizes its memory by is the key the load uses."""
 
     # vLLM's loader interface
 
@@ -196,7 +225,7 @@ class HbmdModelLoader(IpcModelLoader):
 
     # where the weights come from
 
-    def _load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: WeightCacheKey,
+    def _load(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: dict[str, Any],
               name: str) -> nn.Module:
         device = self._device(vllm_config)
         client = default_client(device)
@@ -217,23 +246,41 @@ class HbmdModelLoader(IpcModelLoader):
             elif info.session_id == 0:
                 self._clear_abandoned(name, device, client)
                 continue
+            else:
+                holder = _session(client, info.session_id)
+                # No holder: its session ended since the buffer was listed, leaving it sealed or abandoned.
+                if holder is not None:
+                    reason = not_a_store(name, holder)
+                    if reason:
+                        raise WeightsNameHeld(reason)
+                    if not waited:
+                        log.info("weights %s: waiting for session %d (pid %d) to store them", name,
+                                 holder.session_id, holder.pid)
+                        waited = True
             if time.monotonic() >= deadline:
                 raise WeightsNotReady(f"{name} was still being stored after {self.wait_s:g} s")
-            if not waited and info is not None:
-                log.info("weights %s: waiting for session %d to store them", name, info.session_id)
-                waited = True
             time.sleep(POLL_S)
 
-    def _store(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: WeightCacheKey, name: str,
+    def _store(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: dict[str, Any], name: str,
                device: torch.device, client: Client) -> nn.Module | None:
         """Claim ``name``, load from disk, store and map; None when another engine claimed it first.
 
         The claim is the buffer itself, created empty before the disk load so
         that a second engine waits instead of loading too; its capacity (the
-        budget: address space only) fits any model the daemon can hold.
+        budget: address space only) fits any model the daemon can hold. It
+        belongs to a session of its own, named after the key, by which that
+        engine tells a store from a name taken by anything else.
         """
+        storer = Client(client.paths, timeout=client.timeout, client_name=storer_name(name), lease=False)
         try:
-            claim = ExtensibleTensor(client.status().budget_bytes, device, client=client, name=name, persistent=True)
+            return self._store_as(storer, vllm_config, model_config, prefix, key, name, device, client)
+        finally:
+            storer.close()
+
+    def _store_as(self, storer: Client, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str,
+                  key: dict[str, Any], name: str, device: torch.device, client: Client) -> nn.Module | None:
+        try:
+            claim = ExtensibleTensor(storer.status().budget_bytes, device, client=storer, name=name, persistent=True)
         except Conflict:
             return None
         try:
@@ -244,8 +291,9 @@ class HbmdModelLoader(IpcModelLoader):
             raise
         try:
             check_ipc_quant_support(model)
+            self._check_unchanged(model_config, key)
             write_weights(claim, *self._exported(model, key))
-        except (UnsupportedQuantForIPCError, HbmdError, ValueError, TypeError) as exc:
+        except (UnsupportedQuantForIPCError, CheckpointChanged, HbmdError, ValueError, TypeError) as exc:
             claim.free()
             if not self.fallback:
                 raise
@@ -263,7 +311,7 @@ class HbmdModelLoader(IpcModelLoader):
             torch.cuda.empty_cache()
         return self._map(vllm_config, model_config, prefix, key, name, device, client, "stored")
 
-    def _map(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: WeightCacheKey, name: str,
+    def _map(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: dict[str, Any], name: str,
              device: torch.device, client: Client, source: str) -> nn.Module:
         weights = open_weights(name, device, client)
         try:
@@ -271,10 +319,11 @@ class HbmdModelLoader(IpcModelLoader):
             if meta.get("format") != FORMAT:
                 raise CacheConfigMismatchError(f"{name} holds {meta.get('format') or 'no vLLM weights'}, not {FORMAT}")
             stored = meta.get("key", {})
-            ours = key_fields(key)
-            differ = sorted(field for field in ours.keys() | stored.keys() if ours.get(field) != stored.get(field))
+            differ = sorted(field for field in key.keys() | stored.keys() if key.get(field) != stored.get(field))
             if differ:
-                raise CacheConfigMismatchError(f"{name} was stored for another configuration: {', '.join(differ)} differ")
+                changes = files_changes(stored.get("weights_files"), key["weights_files"])
+                which = ", ".join(differ) + (f" ({'; '.join(changes)})" if changes else "")
+                raise CacheConfigMismatchError(f"{name} was stored for another configuration: {which} differ")
             kinds = meta["kinds"]
             # Parameters are mapped; buffers (attention scales, rotary caches: small) are copied, as vLLM's
             # post-processing writes some of them in place, even over weights that are processed already.
@@ -309,7 +358,7 @@ class HbmdModelLoader(IpcModelLoader):
 
     # helpers
 
-    def _exported(self, model: nn.Module, key: WeightCacheKey) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _exported(self, model: nn.Module, key: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's distinct tensors by name, and what the buffer records beside them."""
         tensors: dict[str, Any] = {}
         kinds: dict[str, str] = {}
@@ -325,11 +374,38 @@ class HbmdModelLoader(IpcModelLoader):
                     continue
                 named[id(tensor)] = tensor_name
                 tensors[tensor_name], kinds[tensor_name] = tensor, kind
-        meta = {"format": FORMAT, "key": key_fields(key), "kinds": kinds, "aliases": aliases,
+        meta = {"format": FORMAT, "key": key, "kinds": kinds, "aliases": aliases,
                 "attrs": export_model_attrs(model)}
         return tensors, meta
 
-    def _key(self, vllm_config: VllmConfig, model_config: ModelConfig) -> WeightCacheKey:
+    def _key(self, vllm_config: VllmConfig, model_config: ModelConfig) -> dict[str, Any]:
+        """hbmd's key for ``model_config`` in this engine (:func:`key_fields`)."""
+        folder, files = self._checkpoint(model_config)
+        return key_fields(self._vllm_key(vllm_config, model_config), checkpoint_fields(folder, files))
+
+    def _checkpoint(self, model_config: ModelConfig) -> tuple[str, list[str]]:
+        """The folder and the weight files vLLM's default loader reads for ``model_config``, found as it finds them (a
+        hub model downloaded first, unless in the cache and offline), once per model.
+
+        The files of the model's own checkpoint: those its model class adds
+        from elsewhere (``secondary_weights``) are not known before it is built.
+        """
+        source = (model_config.model, model_config.revision)
+        if source not in self._checkpoints:
+            folder, files, _, _ = DefaultModelLoader(self._fallback_load_config())._prepare_weights(
+                model_config.model, None, model_config.revision, fall_back_to_pt=True, allow_patterns_overrides=None)
+            self._checkpoints[source] = (folder, files)
+        return self._checkpoints[source]
+
+    def _check_unchanged(self, model_config: ModelConfig, key: dict[str, Any]) -> None:
+        """Raise ``CheckpointChanged`` when a weight file changed since ``key`` was taken: the bytes this engine read
+        may be neither the old checkpoint nor the new one."""
+        now = checkpoint_fields(*self._checkpoint(model_config))
+        changes = files_changes(key["weights_files"], now["weights_files"])
+        if changes:
+            raise CheckpointChanged(f"its weight files changed while this engine read them: {'; '.join(changes)}")
+
+    def _vllm_key(self, vllm_config: VllmConfig, model_config: ModelConfig) -> WeightCacheKey:
         spec = vllm_config.speculative_config
         self.is_draft = spec is not None and model_config is spec.draft_model_config
         dp, pp = get_dp_group(), get_pp_group()
@@ -376,6 +452,11 @@ def _uid_seen_by(client: Client) -> int:
     """This process's uid as the daemon sees it, from this session's record: in another user namespace it is not
     ``os.getuid()``."""
     return next(s.uid for s in client.sessions() if s.session_id == client.session_id)
+
+
+def _session(client: Client, session_id: int) -> SessionInfo | None:
+    """Live session ``session_id``, as this session may see it (its own user's); None once it has ended."""
+    return next((s for s in client.sessions() if s.session_id == session_id), None)
 
 
 def _named(client: Client, name: str, uid: int) -> BufferInfo | None:

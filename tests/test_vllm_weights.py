@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.model_executor.model_loader.weight_cache.ipc_loader", reason="vLLM is not installed")
 safetensors = pytest.importorskip("safetensors.torch")
-from hbmd.client import InvalidRequest  # noqa: E402
+from hbmd.client import ExtensibleTensor, InvalidRequest  # noqa: E402
 from hbmd.client.weights import load_weights, open_weights, store_weights  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
@@ -56,16 +55,22 @@ def write_checkpoint(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def without_weights(checkpoint: Path, directory: Path) -> Path:
-    """The same checkpoint in another directory with every weight byte zeroed: vLLM's fingerprint (the safetensors
-    headers) is the same, and an engine that read weights from it would get zeros."""
-    shutil.copytree(checkpoint, directory)
-    path = directory / "model.safetensors"
+def header(checkpoint: Path) -> bytes:
+    """The safetensors header of the checkpoint's weight file: all vLLM's key knows of its bytes."""
+    data = (checkpoint / "model.safetensors").read_bytes()
+    return data[: 8 + int.from_bytes(data[:8], "little")]
+
+
+def zeroed_in_place(checkpoint: Path) -> Path:
+    """The checkpoint with every weight byte zeroed in place, its size and modification time put back: hbmd's key,
+    which reads no weight byte, is the same, and an engine that read weights from it would get zeros."""
+    path = checkpoint / "model.safetensors"
+    stat = path.stat()
     data = bytearray(path.read_bytes())
-    header = 8 + int.from_bytes(data[:8], "little")
-    data[header:] = bytes(len(data) - header)
+    data[len(header(checkpoint)):] = bytes(len(data) - len(header(checkpoint)))
     path.write_bytes(bytes(data))
-    return directory
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    return checkpoint
 
 
 @pytest.fixture
@@ -124,8 +129,7 @@ def test_the_loader_is_vllms_load_format_hbmd_only_with_the_opt_in(daemon):
     assert runs[False].stdout.strip().splitlines()[-1].startswith("refused:"), runs[False].stderr[-3000:]
 
 
-def test_the_first_engine_stores_and_a_later_one_maps_without_reading_the_checkpoint(engine, checkpoint, client,
-                                                                                       tmp_path):
+def test_the_first_engine_stores_and_a_later_one_maps_without_reading_the_checkpoint(engine, checkpoint, client):
     disk = engine(checkpoint, load_format="auto").wait()
     assert disk["files_opened"] >= 1
 
@@ -138,13 +142,80 @@ def test_the_first_engine_stores_and_a_later_one_maps_without_reading_the_checkp
     recorded = open_weights(stored.name, "cpu", client=client)
     assert recorded.meta["format"] == "vllm-weights-1" and recorded.meta["key"]["model_arch"] == "LlamaForCausalLM"
     assert recorded.meta["kinds"]["lm_head.weight"] == "param"
+    assert recorded.meta["key"]["weights_dir"] == str(checkpoint.resolve())
+    assert [(f["name"], f["size"]) for f in recorded.meta["key"]["weights_files"]] == [
+        ("model.safetensors", (checkpoint / "model.safetensors").stat().st_size)]
     recorded.buffer.detach()
 
-    later = engine(without_weights(checkpoint, tmp_path / "b" / "tiny-llama")).wait()
+    later = engine(zeroed_in_place(checkpoint)).wait()
     assert later["source"] == "mapped" and later["name"] == stored.name
     assert later["files_opened"] == 0, "a later engine read the checkpoint"
     assert later["digest"] == disk["digest"] and later["views"]
     assert later["external_bytes"] == stored.physical_bytes
+
+
+def test_a_checkpoint_of_the_same_shapes_in_another_folder_is_never_served_the_first_ones_weights(engine, checkpoint,
+                                                                                                  client, tmp_path):
+    """A fine-tune beside its base model: the same tensor names, shapes and safetensors headers, so the same vLLM
+    key; hbmd's key tells them apart by their files."""
+    tuned = write_checkpoint(tmp_path / "b" / "tiny-llama", seed=1)
+    assert header(tuned) == header(checkpoint)
+    tuned_from_disk = engine(tuned, load_format="auto").wait()
+    base = engine(checkpoint).wait()
+    assert base["source"] == "stored" and base["digest"] != tuned_from_disk["digest"]
+
+    served = engine(tuned).wait()
+    assert served["source"] == "stored" and served["name"] != base["name"]
+    assert served["digest"] == tuned_from_disk["digest"], "the fine-tune was served the base model's weights"
+    assert len(weights_buffers(client)) == 2
+
+
+def test_a_checkpoint_overwritten_in_place_is_served_its_new_bytes(engine, checkpoint, client, tmp_path):
+    first = engine(checkpoint).wait()
+    assert first["source"] == "stored"
+    path = checkpoint / "model.safetensors"
+    before = path.stat()
+    path.write_bytes((write_checkpoint(tmp_path / "new", seed=1) / "model.safetensors").read_bytes())
+    # As a write a second later stamps it, whatever the file system's clock granularity.
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    assert path.stat().st_size == before.st_size
+    new_from_disk = engine(checkpoint, load_format="auto").wait()
+    assert new_from_disk["digest"] != first["digest"]
+
+    after = engine(checkpoint)
+    served = after.wait()
+    assert served["source"] == "stored" and served["name"] != first["name"]
+    assert served["digest"] == new_from_disk["digest"], "the overwritten checkpoint's old bytes were served"
+    mapped = engine(checkpoint).wait()
+    assert mapped["source"] == "mapped" and mapped["name"] == served["name"] and mapped["files_opened"] == 0
+    assert mapped["digest"] == new_from_disk["digest"]
+
+
+def test_a_checkpoint_that_changes_while_the_storer_reads_it_is_not_stored(engine, checkpoint, client):
+    changing = engine(checkpoint, HBMD_TEST_TOUCH_ON_READ="1")
+    result = changing.wait()
+    assert result["source"] == "disk" and result["files_opened"] >= 1
+    assert "not stored in hbmd (its weight files changed while this engine read them: model.safetensors: mtime_ns" \
+        in changing.log
+    assert weights_buffers(client) == []
+
+
+def test_a_weights_name_another_process_holds_unsealed_is_not_waited_for(engine, checkpoint, client):
+    """A process of the same user takes the name and never seals it: the engine loads from disk at once and says
+    who holds the name, instead of waiting ``wait_s`` for a seal that is not coming."""
+    disk = engine(checkpoint, load_format="auto").wait()
+    name = engine(checkpoint).wait()["name"]
+    client.delete(name)
+    squatter = ExtensibleTensor(2 << 20, "cpu", client=client, name=name, persistent=True)
+
+    blocked = engine(checkpoint, extra={"wait_s": 60})
+    result = blocked.wait()
+    assert result["source"] == "disk" and result["digest"] == disk["digest"]
+    assert result["load_s"] < 20, "the engine waited for a name nobody was storing"
+    assert f"{name} is held unsealed by session {client.session_id} (pid {os.getpid()}, client 'test')" in blocked.log
+    assert "loading them from disk" in blocked.log
+    assert [b.session_id for b in weights_buffers(client)] == [client.session_id]
+    squatter.free()
 
 
 def test_two_engines_starting_together_read_the_checkpoint_once(engine, checkpoint, client):

@@ -5,8 +5,10 @@ on the CPU: ``python vllm_engine_load.py MODEL_DIR LOAD_FORMAT EXTRA_CONFIG_JSON
 prints one JSON line saying where the weights came from, what vLLM was told
 was held outside the engine, how many times a weights file was opened, a
 digest of every tensor and whether every parameter is a view of the sealed
-buffer. ``HBMD_TEST_SEAL_DELAY`` holds the seal back that many seconds, and
-``HBMD_TEST_DIE_BEFORE_SEAL`` kills the process there instead.
+buffer. ``HBMD_TEST_SEAL_DELAY`` holds the seal back that many seconds,
+``HBMD_TEST_DIE_BEFORE_SEAL`` kills the process there instead, and
+``HBMD_TEST_TOUCH_ON_READ`` moves a weights file's modification time a
+second on each time it is opened, as a rewrite during the load would.
 
 vLLM on a machine with no accelerator needs two things this load never uses
 set aside, and nothing else: its CPU platform refuses x86 without triton-cpu
@@ -45,6 +47,9 @@ opened: list[str] = []
 def counted(read):
     def read_counted(path, *args, **kwargs):
         opened.append(str(path))
+        if os.environ.get("HBMD_TEST_TOUCH_ON_READ"):
+            stat = os.stat(path)
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
         return read(path, *args, **kwargs)
 
     return read_counted

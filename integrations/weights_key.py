@@ -1,0 +1,82 @@
+"""What hbmd adds to vLLM's ``WeightCacheKey`` before trusting sealed weights, and whose claim on a name it waits for.
+
+vLLM's key fingerprints a checkpoint by its tensor names and safetensors
+headers: a fine-tune of the same shapes in another folder, or a checkpoint
+overwritten in place, has the same key. vLLM's own weight daemon lives only
+as long as its process; hbmd keeps sealed weights after every engine exits,
+so :mod:`hbmd.integrations.vllm_weights` adds to the key the fields of
+:func:`checkpoint_fields`, which change with the bytes: the checkpoint's
+folder resolved, and each weight file's resolved path, size and
+modification time in nanoseconds.
+
+An engine storing the weights does so from a session of its own named
+:func:`storer_name`; another engine of the same key waits for it, and for
+nothing else (:func:`not_a_store`).
+
+No vLLM here, so that CI tests it without vLLM (tests/test_weights_key.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from hbmd.proto.admin import SessionInfo
+
+STORER_PREFIX = "vllm-weights-store"
+
+
+def checkpoint_fields(folder: str, files: Iterable[str]) -> dict[str, Any]:
+    """The fields of hbmd's key that identify the bytes of the weight ``files`` an engine reads from ``folder``.
+
+    ``weights_dir`` is ``folder`` resolved (symlinks followed: a Hugging Face
+    snapshot folder names its revision); ``weights_files`` lists, sorted by
+    name, each file's name under ``folder``, its resolved path (a snapshot's
+    blob), size and ``st_mtime_ns``. Reads no weight bytes: a rewrite that
+    keeps a file's size and modification time goes unseen. Raises
+    ``OSError`` for a file that cannot be looked at.
+    """
+    entries = []
+    for path in files:
+        stat = os.stat(path)
+        entries.append({"name": os.path.relpath(path, folder), "path": os.path.realpath(path), "size": stat.st_size,
+                        "mtime_ns": stat.st_mtime_ns})
+    return {"weights_dir": os.path.realpath(folder), "weights_files": sorted(entries, key=lambda e: e["name"])}
+
+
+def files_changes(stored: Any, ours: list[dict[str, Any]]) -> list[str]:
+    """What differs between two ``weights_files`` lists, a phrase per file, for a log line; [] when they are equal."""
+    # What a buffer recorded is read, not trusted: entries of another shape count as no file.
+    recorded = stored if isinstance(stored, list) else []
+    before = {e["name"]: e for e in recorded if isinstance(e, Mapping) and isinstance(e.get("name"), str)}
+    after = {e["name"]: e for e in ours}
+    changes = [f"{n} is new" for n in sorted(after.keys() - before.keys())]
+    changes += [f"{n} is gone" for n in sorted(before.keys() - after.keys())]
+    for name in sorted(before.keys() & after.keys()):
+        differ = [f"{field} {before[name].get(field)} -> {after[name][field]}"
+                  for field in ("path", "size", "mtime_ns") if before[name].get(field) != after[name][field]]
+        if differ:
+            changes.append(f"{name}: {', '.join(differ)}")
+    return changes
+
+
+def storer_name(weights_name: str) -> str:
+    """The client name of the session that stores ``weights_name``: the name's digest, within a session name's 128
+    characters."""
+    return f"{STORER_PREFIX}:{weights_name.rsplit(':', 1)[-1]}"
+
+
+def not_a_store(weights_name: str, holder: SessionInfo) -> str:
+    """Why the live session ``holder``, which holds the unsealed buffer ``weights_name``, is no engine storing these
+    weights, so that waiting for the seal would wait for nothing; "" when it is one.
+
+    A process of the same user can take the name first (by mistake, or to
+    keep engines waiting); an engine then loads from disk at once.
+    """
+    expected = storer_name(weights_name)
+    if holder.client_name == expected:
+        return ""
+    return (f"{weights_name} is held unsealed by session {holder.session_id} (pid {holder.pid}, client "
+            f"{holder.client_name!r}), not by an engine storing these weights (client {expected!r}); "
+            f"not waiting for it to be sealed")
