@@ -496,8 +496,6 @@ def size_argument(text: str) -> int:
     too_big = argparse.ArgumentTypeError(f"{text} is more than 2**63 - 1 bytes")
     try:
         size = parse_size(text)
-    except OverflowError:  # more digits than a float holds
-        raise too_big from None
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if size > WIRE_INT_MAX:

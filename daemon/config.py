@@ -78,6 +78,19 @@ class Access:
 class Config:
     access: Access = Access()
     tenants: tuple[TenantLimits, ...] = ()
+    by_name: dict[str, TenantLimits] = dataclasses.field(init=False, repr=False, compare=False)
+    """Each tenant by name (``uid:N`` for a uid's own): every hello and tenant made looks one up, among up to tens of
+    thousands (``bench/tenants_bench.py``)."""
+    own_uids: frozenset[int] = dataclasses.field(init=False, repr=False, compare=False)
+    """The uids with a ``[[tenants]] uid = N`` entry of their own."""
+    guaranteed_bytes: int = dataclasses.field(init=False, repr=False, compare=False)
+    """The guaranteed minimums of all tenants together."""
+
+    def __post_init__(self) -> None:
+        # Indexed once, as the file is read: a SIGHUP reload reads it outside the server's lock.
+        object.__setattr__(self, "by_name", {t.name: t for t in self.tenants})
+        object.__setattr__(self, "own_uids", frozenset(t.uid for t in self.tenants if t.uid is not None))
+        object.__setattr__(self, "guaranteed_bytes", sum(t.guaranteed_bytes for t in self.tenants))
 
 
 def _ids(where: str, value: Any) -> frozenset[int]:
@@ -159,12 +172,13 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
                 demote=demote,
             )
         )
-    promised = sum(t.guaranteed_bytes for t in tenants)
-    if promised > budget_bytes:
+    config = Config(access, tuple(tenants))
+    if config.guaranteed_bytes > budget_bytes:
         raise ConfigError(
-            f"{where}: guaranteed minimums add up to {exact_bytes(promised)}, over the budget of {exact_bytes(budget_bytes)}"
+            f"{where}: guaranteed minimums add up to {exact_bytes(config.guaranteed_bytes)}, over the budget of "
+            f"{exact_bytes(budget_bytes)}"
         )
-    return Config(access, tuple(tenants))
+    return config
 
 
 def load_config(path: str, total_bytes: int, budget_bytes: int) -> Config:

@@ -7,7 +7,6 @@ import dataclasses
 import grp
 import ipaddress
 import logging
-import math
 import os
 import re
 import resource
@@ -50,6 +49,11 @@ HOST_DEFAULT_BUDGET = "50%"
 """The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
 kernel, the engines and their page cache need too."""
 INSTANCE_NAME = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+MIN_SECONDS = 0.1
+"""The shortest ``--resume-timeout`` or ``--reclaim-timeout`` (``1e-300`` used to be taken): no client resumes or
+answers a reclaim sooner, and an idle loop looks at its timers once a second (``server/loop.py``)."""
+MAX_SECONDS = 86400.0
+"""The longest: a day, as ``hbmctl``'s durations."""
 EXIT_BOOKS_UNBALANCED = os.EX_SOFTWARE
 """Exit status (70, sysexits' EX_SOFTWARE) of a daemon whose ``--check-invariants`` found the books unbalanced:
 a bug in hbmd, told apart from a refusal to start (1, 2) and a clean stop (0)."""
@@ -86,15 +90,48 @@ def instance_name(text: str) -> str:
     return text
 
 
-def granule_count(text: str) -> int:
-    """A number of granules, 0 or more; an argparse type."""
+def _whole_number(text: str) -> int:
     try:
-        count = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def granule_count(text: str) -> int:
+    """A number of granules, 0 or more; an argparse type."""
+    count = _whole_number(text)
     if count < 0:
         raise argparse.ArgumentTypeError(f"{count} is negative; give 0 or more granules")
     return count
+
+
+def device_index(text: str) -> int:
+    """A GPU index as nvidia-smi numbers it, 0 or more; an argparse type."""
+    index = _whole_number(text)
+    if index < 0:
+        raise argparse.ArgumentTypeError(f"{index} is negative; GPUs are numbered from 0, as nvidia-smi lists them")
+    return index
+
+
+def seconds(text: str) -> float:
+    """A duration from :data:`MIN_SECONDS` to :data:`MAX_SECONDS`; an argparse type."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:  # nan too
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    if not MIN_SECONDS <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text} seconds: give from {MIN_SECONDS:g} to {MAX_SECONDS:g} (a day)")
+    return value
+
+
+class UsageParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as the daemon's other refusals are: a journal line each,
+    not the whole usage before it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 class BackendUnavailable(RuntimeError):
@@ -133,7 +170,7 @@ def raise_fd_limit() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = UsageParser(
         prog="hbmd",
         description="Per-GPU memory daemon: owns device memory and serves growable buffers to worker processes.",
         epilog="example: hbmd --backend host --run-dir ~/.hbmd --budget 8GiB\n\n"
@@ -143,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto",
                         help="memory to serve (default: auto, CUDA where a driver and the device are present, else host)")
-    parser.add_argument("--device", type=int, metavar="N",
+    parser.add_argument("--device", type=device_index, metavar="N",
                         help="GPU index as nvidia-smi numbers it (default: 0); not with --backend host")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help=f"directory for the instance's sockets (default: $HBMD_RUN_DIR, else {DEFAULT_RUN_DIR})")
@@ -198,10 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--state-dir", metavar="DIR", default=os.environ.get("STATE_DIRECTORY"),
                         help="where to journal the sessions and buffers so that, their memory parked with systemd, "
                              "they survive a restart of the daemon (default: $STATE_DIRECTORY)")
-    parser.add_argument("--resume-timeout", type=float, default=RESUME_WINDOW_S, metavar="S",
+    parser.add_argument("--resume-timeout", type=seconds, default=RESUME_WINDOW_S, metavar="S",
                         help="after a restart, seconds a session waits for its client to resume it before it ends "
                              "as a dead client's does (default: %(default)g)")
-    parser.add_argument("--reclaim-timeout", type=float, default=30.0, metavar="S",
+    parser.add_argument("--reclaim-timeout", type=seconds, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
     parser.add_argument("--max-sessions-per-uid", type=int, default=Limits.sessions_per_uid, metavar="N",
                         help=f"sessions one uid may hold open at once; each costs the daemon FDs "
@@ -287,8 +324,9 @@ def _host_tier(args: argparse.Namespace) -> tuple[int, int, int]:
         raise Refusal(f"--host-piece: {args.host_piece} is not a positive whole number of 2 MiB granules", 2)
     if budget > ram:
         raise Refusal(f"--host-budget: {format_bytes(budget)} is more than the {format_bytes(ram)} of RAM there is", 2)
-    if budget < 0 or pool < 0:
-        raise Refusal("--host-budget/--host-pool: a size cannot be negative", 2)
+    if 0 < budget < GRANULE:
+        raise Refusal(f"--host-budget: {args.host_budget} admits no demote; give 0 (no host tier) or at least one "
+                      f"{format_bytes(GRANULE)} granule", 2)
     return budget, min(pool, budget), piece
 
 
@@ -311,9 +349,6 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
     budget = _budget(args, backend)
     lease = _granules_option("--lease", args.lease, backend)
     credit = _granules_option("--credit", args.credit, backend)
-    for flag, seconds in (("--reclaim-timeout", args.reclaim_timeout), ("--resume-timeout", args.resume_timeout)):
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise Refusal(f"{flag}: {seconds} is not a positive number of seconds", 2)
     try:
         config = load_config(args.config, backend.total_bytes, budget) if args.config else Config()
     except ConfigError as exc:
@@ -355,8 +390,9 @@ def _budget(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
         budget = parse_size(args.budget or default_budget, backend.total_bytes)
     except ValueError as exc:
         raise Refusal(f"--budget: {exc}", 2) from None
-    if budget <= 0:
-        raise Refusal(f"--budget: {args.budget} admits nothing; give a positive size", 2)
+    if budget < backend.granularity:
+        raise Refusal(f"--budget: {args.budget} admits nothing; give a positive size of at least one "
+                      f"{format_bytes(backend.granularity)} granule", 2)
     if budget > backend.total_bytes:
         raise Refusal(
             f"--budget: {format_bytes(budget)} is more than the {format_bytes(backend.total_bytes)} "

@@ -9,9 +9,10 @@ every series with ``gpu`` (the nvidia-smi index) and ``UUID``, exactly the
 label names dcgm-exporter uses, so ``hbmd_committed_bytes`` joins
 ``DCGM_FI_DEV_FB_USED`` on ``UUID``; a host instance has no device labels.
 There is no ``instance`` label of our own (Prometheus gives each target one),
-no ``-1`` for "unknown" (the series is left out), no ``_created`` series, and
-no per-session series unless asked for: session ids and pids are new label
-values at every worker restart.
+no ``-1`` for "unknown" (the series is left out), no ``_created`` series,
+per-tenant series only for the tenants in use, and no per-session series
+unless asked for: session ids and pids are new label values at every worker
+restart.
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ class StateCollector(Collector):
         ), load.loaded_at)
 
     def _tenants(self) -> Iterator[GaugeMetricFamily]:
+        """Series per tenant in use (a session or buffer charged to it), as status lists them: a config may name tens
+        of thousands, and the page is built under the server's lock (``bench/tenants_bench.py``)."""
         labels = ["tenant"]
         used = self._family(
             "hbmd_tenant_committed_bytes", "Bytes committed per tenant, its sessions' leases included (what its limits count).",

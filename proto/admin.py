@@ -25,7 +25,8 @@ class TenantInfo:
 class StatusReply(Message):
     """Totals of one daemon instance, in bytes; ``device_free_bytes`` is -1 where unknown.
 
-    ``tenants``: all of them for an admin, else the asking user's own; at
+    ``tenants``: those in use (a session or buffer is charged to them) for
+    an admin, else the asking user's own; at
     most a thousand (limited ones and the largest first), and
     ``tenants_left_out`` says how many more there are (protocol 1.2).
     """

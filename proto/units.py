@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -23,18 +24,24 @@ _UNITS = {
     "pib": 1 << 50,
     "pb": 1000**5,
 }
+MAX_DIGITS = 64
+"""Digits of a size's number: a PiB has 16, and Python refuses to read an integer of more than 4,300."""
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*|%)\s*$")
 
 
 def parse_size(text: str, total: int | None = None) -> int:
-    """Parse ``"96MiB"``, ``"1.5GiB"``, ``"4096"`` or, given ``total``, ``"90%"``.
+    """Parse ``"96MiB"``, ``"1.5GiB"``, ``"4096"`` or, given ``total``, ``"90%"``; rounded down to whole bytes.
 
-    Raises ``ValueError`` with the accepted forms on anything else.
+    Exact however many digits (no float rounds or overflows). Raises
+    ``ValueError`` with the accepted forms on anything else, a fraction of
+    a byte included (``"1.5"`` is no size: ``1.5GiB`` is).
     """
     match = _SIZE.match(text)
     if not match:
         raise ValueError(f"bad size {text!r}: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, PiB, KB, MB, GB, TB, PB) or a percentage")
-    number, unit = float(match.group(1)), match.group(2).lower()
+    if len(match.group(1)) > MAX_DIGITS:
+        raise ValueError(f"bad size {text[:MAX_DIGITS]!r}...: {len(match.group(1))} digits, more than any size needs")
+    number, unit = Fraction(match.group(1)), match.group(2).lower()
     if unit == "%":
         if total is None:
             raise ValueError(f"bad size {text!r}: a percentage needs a known total")
@@ -43,6 +50,8 @@ def parse_size(text: str, total: int | None = None) -> int:
         return int(total * number / 100)
     if unit not in _UNITS:
         raise ValueError(f"bad size {text!r}: unknown unit {match.group(2)!r}")
+    if _UNITS[unit] == 1 and number.denominator != 1:
+        raise ValueError(f"bad size {text!r}: a fraction of a byte; give whole bytes, or a unit (1.5GiB)")
     return int(number * _UNITS[unit])
 
 

@@ -33,6 +33,46 @@ def test_a_budget_of_nothing_is_refused(run_dir, budget):
     assert out.returncode == 2 and "--budget" in out.stderr and "positive" in out.stderr
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "1.5"], "--budget: bad size '1.5': a fraction of a byte"),
+        (["--budget", "1"], "--budget: 1 admits nothing; give a positive size of at least one 2.0 MiB granule"),
+        (["--budget", "9" * 400], "400 digits, more than any size needs"),
+        (["--host-budget", "1.5"], "bad size '1.5': a fraction of a byte"),
+        (["--host-budget", "1"], "--host-budget: 1 admits no demote"),
+        (["--host-pool", "0.5"], "bad size '0.5': a fraction of a byte"),
+        (["--host-piece", "2097152.5"], "a fraction of a byte"),
+        (["--lease", "1.5"], "--lease: bad size '1.5': a fraction of a byte"),
+        (["--credit", "-1"], "--credit: bad size '-1'"),
+        (["--resume-timeout", "1e-300"], "argument --resume-timeout: 1e-300 seconds: give from 0.1 to 86400"),
+        (["--resume-timeout", "inf"], "argument --resume-timeout: inf seconds: give from 0.1 to 86400"),
+        (["--resume-timeout", "nan"], "argument --resume-timeout: nan is not a positive number of seconds"),
+        (["--reclaim-timeout", "0"], "argument --reclaim-timeout: 0 is not a positive number of seconds"),
+        (["--reclaim-timeout", "1e9"], "argument --reclaim-timeout: 1e9 seconds: give from 0.1 to 86400"),
+        (["--device", "-1"], "argument --device: -1 is negative"),
+        (["--device", "1.5"], "argument --device: '1.5' is not a whole number"),
+        (["--warm-chunks", "1e3"], "argument --warm-chunks: '1e3' is not a whole number"),
+        (["--max-buffers-per-uid", "-1"], "--max-buffers-per-uid: -1 is not a positive number"),
+    ],
+    ids=lambda value: " ".join(value)[:40] if isinstance(value, list) else "",
+)
+def test_an_absurd_number_is_a_one_line_usage_error(run_dir, args, message):
+    out = hbmd("--backend", "host", "--run-dir", str(run_dir), *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert message in line, line
+    assert not (run_dir / "host").exists()
+
+
+def test_the_least_and_most_each_option_takes_still_serve(start_daemon):
+    daemon = start_daemon("--budget", "2MiB", "--host-budget", "2MiB", "--resume-timeout", "0.1",
+                          "--reclaim-timeout", "86400", "--lease", "0", "--credit", "0")
+    with daemon.connect() as client:
+        status = client.status()
+        assert (status.budget_bytes, status.host_budget_bytes) == (2 * MiB, 2 * MiB)
+
+
 def test_the_host_backend_leaves_the_machine_half_its_memory_by_default(start_daemon):
     client = start_daemon().connect()
     assert client.status().budget_bytes == host_memory_bytes() // 2

@@ -555,7 +555,7 @@ class State(Generic[A, C]):
         return self.sessions_room.info(session)
 
     def tenant_infos(self, uid: int | None = None) -> list[TenantInfo]:
-        """Every tenant by name, or with ``uid`` only those its sessions and buffers are charged to."""
+        """Every tenant in use by name, or with ``uid`` only those its sessions and buffers are charged to."""
         names = None
         if uid is not None:
             names = {s.tenant.name for s in self.sessions_room.of_uid.get(uid, {}).values()}

@@ -31,7 +31,8 @@ def check_invariants(state: "State[Any, Any]") -> None:
     host-tier bytes add up to the host total and to the tenants'; every buffer and
     session points at the other, readers included; only a persistent
     buffer is sealed, and only a sealed one has readers; every tenant has
-    the limits the config in force gives it.
+    the limits the config in force gives it and is kept while held, and the
+    running total of unmet guarantees is the config's tenants' sum.
     """
     chunk_ids: set[int] = set()
     total = host = pending = 0
@@ -162,10 +163,15 @@ def _check_tenants(state: "State[Any, Any]") -> None:
         holders[holder.tenant.name] = holders.get(holder.tenant.name, 0) + 1
     for session in state.sessions.values():
         leased[session.tenant.name] = leased.get(session.tenant.name, 0) + session.leased_bytes
+    # A configured tenant nobody uses is owed its whole guarantee.
+    unmet = sum(max(0, limits.guaranteed_bytes - (tenants[limits.name].used_bytes if limits.name in tenants else 0))
+                for limits in state.config.tenants)
+    require(state.budget.unmet_guarantees == unmet,
+            f"unmet guarantees counted {state.budget.unmet_guarantees}, {unmet} in the config's tenants")
     for tenant in tenants.values():
         limits = state.budget.limits(tenant.name)
         require(tenant.holders == holders.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.holders} holders")
-        require(tenant.holders > 0 or limits is not None, f"tenant {tenant.name!r} is kept for nobody")
+        require(tenant.holders > 0, f"tenant {tenant.name!r} is kept for nobody")
         require(tenant.leased_bytes == leased.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.leased_bytes} leased")
         require(
             (tenant.max_bytes, tenant.guaranteed_bytes)

@@ -7,6 +7,13 @@ every commit and lease is admitted here (:meth:`Tenants.admit`,
 ``device_memory()`` and the vLLM cap all read. A reloaded config changes
 the limits here too, so a tenant always has the limits the config in
 force gives it, whenever it is made.
+
+A tenant is made when a session or buffer is first charged to it and
+forgotten with the last: a config may name tens of thousands
+(``bench/tenants_bench.py``), and nothing here walks them. Admission reads
+a running total of the unmet guarantees, a reload walks the tenants in use
+(the config was read and indexed before, outside the server's lock), and
+status lists those.
 """
 
 from __future__ import annotations
@@ -35,24 +42,24 @@ class Tenants:
         """Most bytes the host tier holds at once (demoted buffers); 0: no host tier."""
         self.config = config
         self.by_name: dict[str, Tenant] = {}
+        """The tenants in use: those a session or buffer is charged to."""
+        self.unmet_guarantees = config.guaranteed_bytes
+        """The guaranteed bytes of every configured tenant, in use or not, less what each uses of its own: what
+        admission holds back for them all."""
         self.committed_bytes = 0
         self.leased_bytes = 0
         self.host_bytes = 0
-        for limits in config.tenants:
-            self._get(limits.name)
 
     def limits(self, name: str) -> TenantLimits | None:
         """The configured limits of tenant ``name`` under the config in force."""
-        return next((t for t in self.config.tenants if t.name == name), None)
-
-    def configured(self, name: str) -> bool:
-        return self.limits(name) is not None
+        return self.config.by_name.get(name)
 
     def _get(self, name: str) -> Tenant:
         tenant = self.by_name.get(name)
         if tenant is None:
-            limits = self.limits(name)
+            # Nothing charged to it yet: its guarantee is unmet whole, as the running total has it.
             tenant = self.by_name[name] = Tenant(name)
+            limits = self.limits(name)
             if limits is not None:
                 tenant.max_bytes, tenant.guaranteed_bytes = limits.max_bytes, limits.guaranteed_bytes
         return tenant
@@ -72,8 +79,8 @@ class Tenants:
             return self._get(own)
         if declared.startswith("uid:") or len(declared) > MAX_NAME or not declared.isprintable():
             raise PermissionDenied(f"tenant name {declared[:MAX_NAME]!r} is not allowed")
-        limited = any(t.uid == uid for t in self.config.tenants)
-        limits = next((t for t in self.config.tenants if t.name == declared and t.uid is None), None)
+        limited = uid in self.config.own_uids
+        limits = self.limits(declared)  # a name entry: a uid's own is named "uid:N", refused above
         if limits is None:
             return self._get(own if limited else declared)
         if limits.uids is not None and uid not in limits.uids:
@@ -92,9 +99,10 @@ class Tenants:
         tenant.holders += 1
 
     def let_go(self, tenant: Tenant) -> None:
-        """One holder fewer; an unconfigured tenant left without any is forgotten (names must not pile up)."""
+        """One holder fewer; a tenant left without any is forgotten (names must not pile up; a configured one is made
+        again, with the config's limits, when next charged)."""
         tenant.holders -= 1
-        if tenant.holders == 0 and not self.configured(tenant.name):
+        if tenant.holders == 0:
             del self.by_name[tenant.name]
 
     def charge(self, tenant: Tenant, committed: int = 0, leased: int = 0, host: int = 0) -> None:
@@ -102,9 +110,11 @@ class Tenants:
         self.committed_bytes += committed
         self.leased_bytes += leased
         self.host_bytes += host
+        unmet = tenant.unmet_guarantee
         tenant.used_bytes += committed + leased
         tenant.leased_bytes += leased
         tenant.host_bytes += host
+        self.unmet_guarantees += tenant.unmet_guarantee - unmet
 
     def host_room(self) -> int:
         """Host-tier bytes left: what demotes may still take."""
@@ -130,7 +140,7 @@ class Tenants:
             )
 
     def _held_for_others(self, tenant: Tenant) -> int:
-        return sum(t.unmet_guarantee for t in self.by_name.values() if t is not tenant)
+        return self.unmet_guarantees - tenant.unmet_guarantee
 
     def admissible(self, tenant: Tenant) -> int:
         """Budget left for ``tenant``: the most a commit charged to it would be admitted for now (what :meth:`admit` allows)."""
@@ -190,8 +200,12 @@ class Tenants:
 
     def demotable(self) -> list[Tenant]:
         """The tenants whose idle buffers are demoted under pressure, in the config's order (its ``demote``)."""
-        marked = sorted((t for t in self.config.tenants if t.demote is not None), key=lambda t: (t.demote, t.name))
-        return [self.by_name[t.name] for t in marked if t.name in self.by_name and not t.guaranteed_bytes]
+        ranked = []
+        for tenant in self.by_name.values():
+            limits = self.limits(tenant.name)
+            if limits is not None and limits.demote is not None and not tenant.guaranteed_bytes:
+                ranked.append((limits.demote, tenant.name, tenant))
+        return [tenant for *_, tenant in sorted(ranked, key=lambda r: r[:2])]
 
     def short_of_guarantee(self, tenant: Tenant, requested: int) -> bool:
         """Whether ``requested`` more bytes would still be within the tenant's guaranteed minimum."""
@@ -212,36 +226,36 @@ class Tenants:
         has committed, or guaranteed minimums that no longer fit beside the
         memory committed. Leased granules do not count: they are asked back.
         """
-        for limits in config.tenants:
-            held = self.by_name[limits.name].committed_bytes if limits.name in self.by_name else 0
+        # Only a tenant in use holds anything: one the config names but nobody uses is owed its whole guarantee.
+        unmet = config.guaranteed_bytes
+        for tenant in self.by_name.values():
+            limits = config.by_name.get(tenant.name)
+            if limits is None:
+                continue
+            held = tenant.committed_bytes
             if limits.max_bytes is not None and held > limits.max_bytes:
                 raise ConfigError(
-                    f"tenant {limits.name!r} holds {format_bytes(held)}, over its new max of {format_bytes(limits.max_bytes)}"
+                    f"tenant {tenant.name!r} holds {format_bytes(held)}, over its new max of {format_bytes(limits.max_bytes)}"
                 )
-        unmet = sum(
-            max(0, limits.guaranteed_bytes - (self.by_name[limits.name].committed_bytes if limits.name in self.by_name else 0))
-            for limits in config.tenants
-        )
+            unmet -= min(held, limits.guaranteed_bytes)
         if self.committed_bytes + unmet > self.budget_bytes:
             raise ConfigError(
                 f"the guaranteed minimums need {format_bytes(unmet)} more, but only "
                 f"{format_bytes(self.budget_bytes - self.committed_bytes)} of the budget is uncommitted"
             )
         self.config = config
-        for name, tenant in list(self.by_name.items()):
-            limits = self.limits(name)
+        self.unmet_guarantees = config.guaranteed_bytes
+        for tenant in self.by_name.values():
+            limits = config.by_name.get(tenant.name)
             tenant.max_bytes = limits.max_bytes if limits else None
             tenant.guaranteed_bytes = limits.guaranteed_bytes if limits else 0
-            if limits is None and tenant.holders == 0:
-                del self.by_name[name]
-        for limits in config.tenants:
-            self._get(limits.name)
+            self.unmet_guarantees -= tenant.guaranteed_bytes - tenant.unmet_guarantee
 
     def infos(self, names: set[str] | None, sessions_of: dict[str, int]) -> list[TenantInfo]:
-        """Every tenant by name (or those in ``names``), with ``sessions_of[name]`` sessions each."""
+        """Every tenant in use by name (or those in ``names``), with ``sessions_of[name]`` sessions each."""
+        chosen = self.by_name.values() if names is None else (self.by_name[n] for n in names if n in self.by_name)
         return [
             TenantInfo(t.name, t.used_bytes, t.guaranteed_bytes, -1 if t.max_bytes is None else t.max_bytes,
                        sessions_of.get(t.name, 0), t.host_bytes)
-            for t in sorted(self.by_name.values(), key=lambda t: t.name)
-            if names is None or t.name in names
+            for t in sorted(chosen, key=lambda t: t.name)
         ]
