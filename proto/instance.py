@@ -56,6 +56,13 @@ def access_denied(path: str | os.PathLike) -> str:
             return f"permission denied on {path}"
     user, group = _user_name(st.st_uid), _group_name(st.st_gid)
     who = "root" if user == "root" else f"{user} or root"
+    if st.st_gid == 0:
+        # Nobody should join group root to reach a daemon: it was started without --group.
+        return (
+            f"permission denied: {blocking} is {user}:{group} {stat.filemode(st.st_mode)}: the daemon was started "
+            f"without --group, so only {who} may connect; start it with --group GROUP (the unit's default is hbmd) "
+            "and add this user to that group, or run as " + who
+        )
     return (
         f"permission denied: {blocking} is {user}:{group} {stat.filemode(st.st_mode)}, for its owner and group only: "
         f"add this user to group {group} (sudo usermod -aG {group} $USER, effective at the next login) or run as {who}"
