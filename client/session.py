@@ -193,6 +193,8 @@ class Client:
             self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles,
                                            replies_with_fds=_replies_with_fds(self._hello, self.welcome),
                                            spin=spin)
+        if self.welcome.tenant_note:
+            log.warning("hbmd at %s: %s", paths.directory, self.welcome.tenant_note)
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
         self.closed = False
@@ -422,6 +424,7 @@ class Client:
         (the daemon kept nothing); waits for it until ``deadline``."""
         hello = Hello(list(PROTOCOL_VERSION), self._pid, resume_session=self.session_id,
                       resume_credential=self._credential, replies_with_fds=True)
+        waiting = False
         while True:
             try:
                 handles = HandleChannel(self.paths, max(0.1, min(self.timeout, deadline - time.monotonic())))
@@ -448,6 +451,12 @@ class Client:
             except DaemonUnavailable as exc:
                 if self.closed:  # closed meanwhile (its close waits for the listener, which may be here)
                     raise SessionLost("this hbmd client was closed while its daemon was away") from exc
+                if not waiting:
+                    # The engine's call pauses here: once, say why and for how long, not on every poll.
+                    log.warning("hbmd at %s is away (%s): session %d waits up to %.0fs for it to come back "
+                                "(HBMD_RESUME_TIMEOUT)", self.paths.directory, exc.message, self.session_id,
+                                max(0.0, deadline - time.monotonic()))
+                    waiting = True
                 if time.monotonic() > deadline:
                     self._lost = SessionLost(
                         f"hbmd at {self.paths.directory} did not come back within {self.resume_timeout:g}s "

@@ -22,7 +22,7 @@ import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 8)
+PROTOCOL_VERSION = (1, 9)
 """1.1 added uneven segments (``segment_capacities``, ``CommitSegments``), ``Detach``, ``Remap``, the
 ``session_lost`` error code and the status figures ``admissible_bytes`` and ``held_back_bytes``; 1.2 an
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
@@ -36,7 +36,8 @@ with no keeper (``Redeclare``, ``BufferInfo.held_elsewhere``), the config file a
 (``Move``, ``BufferInfo.tier``, ``TenantInfo.host_bytes``, the host figures in status); 1.7 a commit's reply riding
 with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``); 1.8 credit, commits in chunks
 the client makes itself (``Welcome.credit_bytes``, the ``CreditGrant``/``CreditRevoke``/``OwnChunks``/
-``CreditReturn`` datagrams). A 1.0 peer ignores what it does not know."""
+``CreditReturn`` datagrams); 1.9 the tenant charged in the welcome (``Welcome.tenant``/``tenant_note``). A 1.0
+peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request a daemon reads: the longest a client sends, a buffer's 65,536 segment sizes, takes under

@@ -78,6 +78,11 @@ class Welcome(Message):
     """The most credit this session may hold (1.8): bytes its client may commit in chunks it makes itself
     (:class:`CreditGrant`); 0: none (the daemon's ``--credit 0``, no lease asked for, or a backend that cannot check
     a client's chunk)."""
+    tenant: str = ""
+    """The tenant the session's memory is charged to (1.9): the one its hello declared, or its uid's entry."""
+    tenant_note: str = ""
+    """Why ``tenant`` may not be what the client meant (1.9): a declared name the daemon's config does not have (a
+    typo is charged elsewhere, or is a tenant of no limits); empty where nothing is amiss."""
 
 
 @message("session.refused")

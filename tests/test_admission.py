@@ -10,7 +10,7 @@ import sys
 import threading
 
 import pytest
-from hbmd.client import ExtensibleTensor, connect
+from hbmd.client import ExtensibleTensor, PermissionDenied, connect
 from helpers import MiB, hbmctl, wait_until
 
 pytestmark = pytest.mark.ipc
@@ -286,3 +286,17 @@ def test_hbmctl_outside_the_daemons_group_says_permission_denied_and_how_to_let_
         assert "permission denied" in out.stderr and "started without --group" in out.stderr, out.stderr
         assert "usermod" not in out.stderr
         assert f"{daemon.run_dir}/host is root:root drwxr-x---" in out.stderr and "no hbmd" not in out.stderr
+
+
+def test_a_tenant_name_not_in_the_config_is_warned_of_on_both_sides(start_daemon, tmp_path, caplog):
+    config = tmp_path / "tenants.toml"
+    config.write_text(f'[[tenants]]\nname = "llama"\n\n[[tenants]]\nuid = {os.getuid()}\nmax = "64MiB"\n')
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config))
+    with daemon.connect(tenant="lama") as typo:  # held to its uid's own entry: charged there, and told so
+        assert typo.welcome.tenant == f"uid:{os.getuid()}"
+    assert "tenant 'lama' is not in hbmd's config" in caplog.text and f"charged to 'uid:{os.getuid()}'" in caplog.text
+    wait_until(lambda: "tenant 'lama' is not in hbmd's config" in daemon.log())
+    caplog.clear()
+    with pytest.raises(PermissionDenied):  # a configured name that does not list it: refused, as before
+        daemon.connect(tenant="llama")
+    assert "is not in hbmd's config" not in caplog.text

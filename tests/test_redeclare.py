@@ -11,6 +11,8 @@ daemon's budget counts memory still in use. Every daemon here runs with
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 from hbmd.client import ExtensibleTensor, connect
@@ -340,4 +342,24 @@ def test_a_gpu_kv_cache_goes_on_after_a_restart_with_no_keeper_and_its_memory_is
     assert committed(daemon) == 0
     # The declared chunks went with this process's mappings, the new ones with the daemon: none is left behind.
     wait_until(lambda: torch.cuda.mem_get_info()[0] >= free_before + 500 * MiB)
+    client.close()
+
+
+def test_a_call_that_waits_for_the_daemon_says_so_once_and_again_when_it_goes_on(start_daemon, caplog):
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    kv = ExtensibleTensor(8 * MiB, "cpu", client=client)
+    kv.resize_(2 * MiB)
+    caplog.clear()
+    assert daemon.stop() == 0
+    waiter = threading.Thread(target=lambda: kv.resize_(4 * MiB))  # waits, as does the listener: one says so
+    waiter.start()
+    time.sleep(1.5)  # several polls of the socket that is not there
+    daemon = start_daemon("--budget", "64MiB")
+    waiter.join(30)
+    assert not waiter.is_alive() and kv.num_bytes == 4 * MiB
+    messages = [r.getMessage() for r in caplog.records if r.name == "hbmd.client"]
+    assert len([m for m in messages if "waits up to 30s for it to come back (HBMD_RESUME_TIMEOUT)" in m]) == 1, messages
+    assert any("started over" in m for m in messages), messages
+    kv.free()
     client.close()

@@ -30,6 +30,7 @@ holder that is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -501,7 +502,11 @@ class HandlePlane(Generic[A, C]):
         self._by_session[session.session_id] = conn
         if session.wants_lease:
             self._placing.register(conn.sock.fileno(), select.EPOLLIN)
-        welcome = self._welcome(session, resumed)
+        note = "" if resumed else self.state.budget.unconfigured(conn.uid, hello.tenant, session.tenant)
+        if note:
+            # A peer can declare names at will: a line per uid per interval.
+            self._warnings.warning(f"tenant-{conn.uid}", "session %d (pid %d): %s", session.session_id, conn.pid, note)
+        welcome = dataclasses.replace(self._welcome(session, resumed), tenant_note=note)
         self._journal()  # the session and its new credential, before the client holds them
         conn.send_quietly(welcome)
         # Observers (hbmctl, probes) connect every few seconds: at INFO they would bury the workers.
@@ -557,6 +562,7 @@ class HandlePlane(Generic[A, C]):
             credit_bytes=self.state.credit_for(session),
             resume_credential="" if session.observer else self.state.issue_credential(session),
             lease_chunk_ids=list(session.lease) if resumed else [],
+            tenant=session.tenant.name,
         )
 
     def end_unresumed(self, now: float) -> None:

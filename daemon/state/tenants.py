@@ -91,6 +91,17 @@ class Tenants:
             )
         return self._get(declared)
 
+    def unconfigured(self, uid: int, declared: str, charged: Tenant) -> str:
+        """What a session that declared tenant ``declared`` and is charged to ``charged`` should be told, where a config
+        names tenants and not this one (a name mistyped is charged elsewhere, or is a tenant of no limits); "" where
+        nothing is amiss."""
+        if not declared or not self.config.tenants or self.limits(declared) is not None:
+            return ""
+        if charged.name != declared:
+            return (f"tenant {declared!r} is not in hbmd's config; uid {uid} has an entry of its own there, so its "
+                    f"memory is charged to {charged.name!r}")
+        return f"tenant {declared!r} is not in hbmd's config: it is a tenant of its own, with no limits"
+
     def named(self, name: str) -> Tenant:
         """Tenant ``name`` as recorded (a buffer restored after a restart names its own)."""
         return self._get(name)
