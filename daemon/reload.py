@@ -47,7 +47,10 @@ class ConfigReloader:
         except ConfigError as exc:
             with self.lock:
                 self.state.config_load.failed(str(exc))
-            log.error("SIGHUP: kept the previous config: %s", exc)
+            # The file stays as it is: a start that keeps nothing (no FD store, no --takeover) would load it and
+            # refuse what clients declare again past its limits, so the operator must hear of it now.
+            log.error("SIGHUP: kept the previous config: %s; %s is not in force, and the daemon's next start loads it "
+                      "as it is: fix it, or put the one in force back", exc, self.path)
             return False
         finally:
             self.notifier.ready("serving")

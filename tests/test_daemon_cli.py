@@ -152,6 +152,7 @@ def test_sighup_refuses_a_config_that_breaks_what_was_admitted(start_daemon, run
     os.kill(daemon.pid, signal.SIGHUP)
     reloads(daemon, 1, "kept the previous config")
     assert "holds 64.0 MiB, over its new max of 32.0 MiB" in daemon.log()
+    assert f"{config} is not in force, and the daemon's next start loads it as it is" in daemon.log()
 
     config.write_text(tenants("128MiB") + '[[tenants]]\nname = "team-b"\nguaranteed = "96MiB"\n')
     os.kill(daemon.pid, signal.SIGHUP)
