@@ -37,6 +37,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.torch
 def test_four_racing_engines_never_exceed_the_budget_and_use_all_of_it(daemon, client, spawn_worker):
     racers = [spawn_worker(daemon, RACER) for _ in range(4)]
     for racer in racers:
@@ -85,6 +86,7 @@ def quota_daemon(start_daemon, run_dir):
     return start_daemon("--budget", "256MiB", "--config", str(config), "--reclaim-timeout", "1")
 
 
+@pytest.mark.torch
 def test_quotas_are_enforced_and_shown(quota_daemon):
     small = quota_daemon.connect(tenant="small")
     other = quota_daemon.connect()
@@ -118,6 +120,7 @@ def test_quotas_are_enforced_and_shown(quota_daemon):
         c.close()
 
 
+@pytest.mark.torch
 def test_a_reclaim_request_reaches_the_engines_callback(quota_daemon):
     engine = quota_daemon.connect(client_name="engine")
     kv = ExtensibleTensor(64 * MiB, "cpu", client=engine)
@@ -142,6 +145,7 @@ def test_a_reclaim_request_reaches_the_engines_callback(quota_daemon):
     engine.close()
 
 
+@pytest.mark.torch
 def test_an_ignored_reclaim_is_reported_and_the_session_lives_on(quota_daemon):
     idle = quota_daemon.connect(client_name="idle")
     t = ExtensibleTensor(16 * MiB, "cpu", client=idle)

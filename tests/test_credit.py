@@ -24,6 +24,7 @@ from helpers import GRANULE, MiB, credited, daemon_view, wait_until
 pytestmark = pytest.mark.ipc
 
 
+@pytest.mark.torch
 def test_a_commit_on_credit_costs_no_round_trip_and_the_daemon_records_it(start_daemon):
     daemon = start_daemon("--budget", "2GiB")
     with daemon.connect() as client:
@@ -45,6 +46,7 @@ def test_a_commit_on_credit_costs_no_round_trip_and_the_daemon_records_it(start_
         wait_until(lambda: client.status().leased_bytes == 128 * MiB)
 
 
+@pytest.mark.torch
 def test_a_daemon_without_credit_serves_every_larger_commit_itself(start_daemon):
     daemon = start_daemon("--budget", "1GiB", "--credit", "0")
     with daemon.connect() as client:
@@ -73,6 +75,7 @@ assert c.requests_sent == sent
 gained with ``fill``; what it does next is added after."""
 
 
+@pytest.mark.torch
 def test_chunks_made_on_credit_outlive_their_maker(start_daemon, spawn_worker):
     """The bind and its FDs are in the daemon's socket before the commit returns: a SIGKILL right after loses none."""
     daemon = start_daemon("--budget", "1GiB")
@@ -86,6 +89,7 @@ def test_chunks_made_on_credit_outlive_their_maker(start_daemon, spawn_worker):
         assert client.status().leased_bytes == 0  # the dead session's credit went with it
 
 
+@pytest.mark.torch
 def test_chunks_made_on_credit_are_parked_across_a_restart(start_daemon, spawn_worker, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -103,6 +107,7 @@ def test_chunks_made_on_credit_are_parked_across_a_restart(start_daemon, spawn_w
         assert t.num_bytes == 24 * MiB and set(ctypes.string_at(t.base_ptr + 8 * MiB, 16 * MiB)) == {5}
 
 
+@pytest.mark.torch
 def test_a_bind_the_daemon_never_read_is_sent_again_to_its_successor(start_daemon, run_dir, systemd):
     """The daemon is stopped while the client grows on credit, then killed: the bind and its FDs die unread in its
     socket. The successor restores the journaled credit, and the resumed client sends the bind again."""
@@ -136,6 +141,7 @@ ONE_DATAGRAM_PER_TURN = (
 """The daemon with each session's share of a turn's work so small that it reads one datagram per turn."""
 
 
+@pytest.mark.torch
 def test_a_request_waits_for_the_binds_its_client_sent_before_it(start_daemon):
     """Binds queue up while the daemon is stopped, and a commit the credit cannot cover follows them. The daemon
     reads one datagram per turn, so the commit arrives with binds still unread: it waits for them, and neither the
@@ -165,6 +171,7 @@ def test_a_request_waits_for_the_binds_its_client_sent_before_it(start_daemon):
         assert info.segment_sizes == [256 * MiB] and info.num_chunks == t.num_chunks == binds + 2
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("attach_at_once", [False, True], ids=["after-the-session-ends", "at-once"])
 def test_a_worker_killed_with_binds_unread_keeps_what_it_committed(start_daemon, spawn_worker, attach_at_once):
     """A worker grows a persistent buffer in 24 binds while the daemon is stopped, and is killed. The daemon, reading
@@ -224,6 +231,7 @@ def test_a_worker_killed_with_binds_unread_keeps_what_it_committed(start_daemon,
             assert set(ctypes.string_at(t.base_ptr + 64 * MiB + step * run, run)) == {step + 1}, step
 
 
+@pytest.mark.torch
 def test_a_worker_that_only_grows_on_credit_keeps_few_descriptors(start_daemon):
     daemon = start_daemon("--budget", "8GiB")
     with daemon.connect() as client:
@@ -239,6 +247,7 @@ def test_a_worker_that_only_grows_on_credit_keeps_few_descriptors(start_daemon):
         assert daemon_view(client, t).num_chunks == 81
 
 
+@pytest.mark.torch
 def test_credit_is_asked_back_for_a_commit_that_needs_the_room(start_daemon):
     daemon = start_daemon("--budget", "1GiB")
     with daemon.connect(client_name="holder") as holder, daemon.connect(client_name="needy", lease=False) as needy:
@@ -274,6 +283,7 @@ class TracingMapper(HostMapper):
         super().discard(prepared)
 
 
+@pytest.mark.torch
 def test_the_listener_makes_the_next_chunk_ahead_and_a_commit_of_its_size_takes_it(start_daemon):
     daemon = start_daemon("--budget", "2GiB")
     mapper = TracingMapper()
@@ -303,6 +313,7 @@ def test_the_listener_makes_the_next_chunk_ahead_and_a_commit_of_its_size_takes_
     wait_until(lambda: not mapper.held)  # closing lets go of the chunk made ahead
 
 
+@pytest.mark.torch
 def test_a_chunk_made_ahead_goes_before_its_credit_is_given_back(start_daemon):
     daemon = start_daemon("--budget", "1GiB")
     mapper = TracingMapper()
@@ -418,6 +429,7 @@ def a_pipe(size: int) -> int:
         ("a chunk where the growth needs none", sealed_chunk, [0], [16 * MiB], 16 * MiB),
     ],
 )
+@pytest.mark.torch
 def test_a_bind_the_daemon_cannot_trust_is_refused_and_changes_nothing(start_daemon, what, make, offsets, sizes,
                                                                         claimed):
     daemon = start_daemon("--budget", "2GiB")
@@ -437,6 +449,7 @@ def test_a_bind_the_daemon_cannot_trust_is_refused_and_changes_nothing(start_dae
         assert daemon_view(client, forger.tensor).physical_bytes == 96 * MiB
 
 
+@pytest.mark.torch
 def test_a_bind_with_more_descriptors_than_allowed_is_dropped_whole(start_daemon):
     daemon = start_daemon("--budget", "2GiB")
     with daemon.connect() as client:

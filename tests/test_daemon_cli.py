@@ -122,6 +122,7 @@ def reloads(daemon, count: int, outcome: str) -> None:
     wait_until(lambda: daemon.log().count(outcome) >= count)
 
 
+@pytest.mark.torch
 def test_sighup_reloads_quotas_and_keeps_sessions(start_daemon, run_dir):
     config = run_dir / "tenants.toml"
     config.write_text(tenants("32MiB"))
@@ -141,6 +142,7 @@ def test_sighup_reloads_quotas_and_keeps_sessions(start_daemon, run_dir):
     assert [t.max_bytes for t in worker.status().tenants if t.name == "team-a"] == [96 * MiB]
 
 
+@pytest.mark.torch
 def test_sighup_refuses_a_config_that_breaks_what_was_admitted(start_daemon, run_dir):
     config = run_dir / "tenants.toml"
     config.write_text(tenants("128MiB"))
@@ -166,6 +168,7 @@ def test_sighup_refuses_a_config_that_breaks_what_was_admitted(start_daemon, run
     worker.close()
 
 
+@pytest.mark.torch
 def test_a_tenant_added_by_sighup_keeps_its_limits_after_its_last_session_ends(start_daemon, run_dir):
     config = run_dir / "tenants.toml"
     config.write_text(tenants("128MiB"))

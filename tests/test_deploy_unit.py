@@ -58,6 +58,7 @@ def allowed_syscalls(group: str) -> set[str]:
     return names
 
 
+@pytest.mark.torch
 @pytest.mark.ipc
 @needs_analyze
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")

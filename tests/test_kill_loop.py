@@ -108,6 +108,7 @@ def confirm(kv: ExtensibleTensor, confirmed: list[int]) -> list[int]:
     return list(kv.segment_sizes)
 
 
+@pytest.mark.torch
 def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, client):
     rng = random.Random(20261202)
     env = dict(os.environ, HBMD_RUN_DIR=str(daemon.run_dir))

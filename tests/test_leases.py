@@ -37,6 +37,7 @@ def leased_at_least(client, granules: int, timeout: float = 10) -> None:
     wait_until(lambda: client.leased_granules >= granules, timeout=timeout)
 
 
+@pytest.mark.torch
 def test_once_leased_small_commits_take_no_round_trip_and_the_daemon_records_them(daemon, client):
     t = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client, name="kv", persistent=True)
     t.resize_per_segment_(GRANULE)  # through the daemon: the lease starts growing from this demand
@@ -59,6 +60,7 @@ def test_once_leased_small_commits_take_no_round_trip_and_the_daemon_records_the
     assert [int(again.segment_view(1)[(s - 1) * GRANULE]) for s in (2, 3)] == [12, 13]
 
 
+@pytest.mark.torch
 def test_credit_stands_behind_the_granules_of_a_session_that_outruns_its_lease(start_daemon):
     """A session stepping one granule at a time is granted credit as well as granules: with the daemon stopped, so
     that nothing is refilled, the steps past its two granules are made in the client, with no round trip."""
@@ -81,6 +83,7 @@ def test_credit_stands_behind_the_granules_of_a_session_that_outruns_its_lease(s
         assert [int(t.full_view()[step * GRANULE - 1]) for step in range(2, 6)] == [2, 3, 4, 5]
 
 
+@pytest.mark.torch
 def test_growth_inside_backed_granules_and_uneven_segments_place_exactly_what_is_needed(daemon, client):
     # Segments of 3 MiB: the granule at 2-4 MiB straddles both, so growing segment 0 past 2 MiB backs part of 1.
     t = ExtensibleTensor(6 * MiB, "cpu", segment_capacities=[3 * MiB, 3 * MiB], client=client)
@@ -109,6 +112,7 @@ def test_a_run_of_several_granules_is_one_chunk_from_the_daemon_as_without_a_lea
     assert t.num_chunks == 2 and t.segments_backed_by_one_chunk([3 * GRANULE] * 2) == [True, True]
 
 
+@pytest.mark.torch
 def test_leased_bytes_are_charged_at_grant_shown_apart_and_returned_when_the_session_ends(daemon, client):
     worker = daemon.connect(client_name="engine")
     t = ExtensibleTensor(64 * MiB, "cpu", client=worker)
@@ -129,6 +133,7 @@ def test_leased_bytes_are_charged_at_grant_shown_apart_and_returned_when_the_ses
     wait_until(lambda: client.status().leased_bytes == 0 and client.status().committed_bytes == 0)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("lease_option, lease", [("0", True), ("64MiB", False)])
 def test_a_daemon_with_leases_off_or_a_client_without_commits_through_the_daemon(start_daemon, lease_option, lease):
     daemon = start_daemon("--budget", "256MiB", "--lease", lease_option, "--credit", "0")
@@ -157,6 +162,7 @@ def test_a_lease_made_one_granule_a_turn_fills_without_the_loop_waiting_between(
         assert client.requests_sent == sent and client.status().leased_bytes >= 8 * GRANULE
 
 
+@pytest.mark.torch
 def test_a_worker_that_only_grows_from_its_lease_keeps_a_bounded_record(daemon, client, monkeypatch):
     """Placements are kept to send again after a restart until an answer confirms them; a worker that sends no
     request asks for one past MAX_UNCONFIRMED, so what it keeps stays bounded, however long it runs."""
@@ -174,6 +180,7 @@ def test_a_worker_that_only_grows_from_its_lease_keeps_a_bounded_record(daemon, 
     assert [int(t.full_view()[step * GRANULE - 1]) for step in range(2, 29)] == list(range(2, 29))
 
 
+@pytest.mark.torch
 def test_a_lease_is_never_granted_into_a_tight_budget(start_daemon):
     daemon = start_daemon("--budget", "64MiB")  # no grant may leave a tenant's room under 4 MiB, a 16th
     with daemon.connect() as client:
@@ -189,6 +196,7 @@ def test_a_lease_is_never_granted_into_a_tight_budget(start_daemon):
         assert status.committed_bytes == 60 * MiB and status.leased_bytes == 0
 
 
+@pytest.mark.torch
 def test_another_sessions_commit_asks_leases_back_and_succeeds_on_retry(daemon, client):
     holder = daemon.connect(client_name="holder")
     ExtensibleTensor(64 * MiB, "cpu", num_segments=4, client=holder).resize_per_segment_(GRANULE)
@@ -206,6 +214,7 @@ def test_another_sessions_commit_asks_leases_back_and_succeeds_on_retry(daemon, 
     holder.close()
 
 
+@pytest.mark.torch
 def test_a_sessions_own_lease_makes_room_for_its_own_commit(daemon, client):
     t = ExtensibleTensor(256 * MiB, "cpu", client=client)
     t.resize_(GRANULE)
@@ -233,6 +242,7 @@ def test_hbmctl_reclaim_takes_the_lease_back_first(daemon, client):
     worker.close()
 
 
+@pytest.mark.torch
 def test_a_lease_its_session_does_not_give_back_is_not_promised_to_a_retry(daemon, spawn_worker):
     deaf = spawn_worker(
         daemon,
@@ -298,6 +308,7 @@ def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
     other.close()
 
 
+@pytest.mark.torch
 def test_a_buffer_of_more_segments_than_a_placement_carries_grows_through_the_daemon(daemon, client):
     small = ExtensibleTensor(16 * MiB, "cpu", client=client)
     small.resize_(GRANULE)
@@ -339,6 +350,7 @@ def test_a_session_that_dies_with_placements_unread_keeps_them(daemon, client, s
     assert [ctypes.string_at(t.base_ptr + (step - 1) * GRANULE, 1)[0] for step in range(2, 10)] == list(range(2, 10))
 
 
+@pytest.mark.torch
 def test_leased_granules_are_parked_across_a_restart(start_daemon, spawn_worker, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -373,6 +385,7 @@ def test_leased_granules_are_parked_across_a_restart(start_daemon, spawn_worker,
         assert [int(t.full_view()[(step - 1) * GRANULE]) for step in range(2, 6)] == [2, 3, 4, 5]
 
 
+@pytest.mark.torch
 def test_a_client_dropped_without_close_ends_its_session(daemon, client):
     dropped = daemon.connect(client_name="dropped")
     ExtensibleTensor(16 * MiB, "cpu", client=dropped, name="kept", persistent=True).resize_(GRANULE)

@@ -215,6 +215,7 @@ def test_a_client_cannot_grow_or_fill_a_chunk_beyond_the_budget(daemon, client, 
     assert_intact(daemon, client, fds_before)
 
 
+@pytest.mark.torch
 def test_a_preserving_defragment_twice_keeps_the_data(daemon, client):
     fds_before = settled_fds(daemon, client)
     t = ExtensibleTensor(64 * MiB, "cpu", client=client)
@@ -298,6 +299,7 @@ class NeverReads:
         self.handles.close()
 
 
+@pytest.mark.torch
 def test_a_session_that_never_reads_its_fds_is_held_and_refused_more_while_others_are_served(daemon, client):
     fds_before = settled_fds(daemon, client)
     honest = ExtensibleTensor(64 * MiB, "cpu", client=client)
@@ -469,6 +471,7 @@ def test_chunks_past_the_fd_limit_are_refused_whole_and_retryably(start_daemon):
         assert "Traceback" not in daemon.log()
 
 
+@pytest.mark.torch
 def test_hello_less_connections_are_bounded_and_timed_out_without_starving_anyone(daemon, client):
     fds_before = settled_fds(daemon, client)
     paths = InstancePaths.of(daemon.run_dir, "host")
@@ -568,6 +571,7 @@ def full_state_dir(run_dir):
     subprocess.run(["umount", "-l", str(state_dir)], check=False)
 
 
+@pytest.mark.torch
 def test_a_full_state_directory_degrades_persistence_and_the_daemon_serves_on(start_daemon, run_dir, full_state_dir):
     state_dir, filler = full_state_dir
     systemd = FakeSystemd(run_dir / "notify.sock")

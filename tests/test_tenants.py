@@ -145,6 +145,7 @@ def many_tenants(count: int, max_size: str) -> str:
     return config_of(*(f'name = "team-{i:05d}"\nmax = "{max_size}"\nguaranteed = "4KiB"' for i in range(count)))
 
 
+@pytest.mark.torch
 @pytest.mark.ipc
 def test_a_daemon_with_ten_thousand_tenants_answers_status_through_reloads_and_stops_promptly(start_daemon, run_dir):
     config = run_dir / "tenants.toml"

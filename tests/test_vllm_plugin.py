@@ -28,6 +28,7 @@ def test_a_spelling_it_does_not_know_stops_vllm_instead_of_being_ignored(monkeyp
         plugin.register()
 
 
+@pytest.mark.torch
 @pytest.mark.ipc
 def test_hbmd_tenant_charges_the_plugins_buffers_and_an_explicit_tenant_wins(start_daemon, run_dir, monkeypatch):
     config = run_dir / "tenants.toml"
@@ -63,6 +64,7 @@ def test_a_sleep_mode_it_does_not_know_is_refused(monkeypatch):
         plugin.sleep_keeps()
 
 
+@pytest.mark.torch
 @pytest.mark.ipc
 def test_with_sleep_keep_vllms_release_demotes_and_its_recommit_promotes(start_daemon, run_dir, monkeypatch):
     daemon = start_daemon("--budget", "64MiB", "--host-budget", "64MiB")

@@ -22,6 +22,7 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.torch
 def test_auto_falls_back_to_host_memory_and_says_why(start_daemon, run_dir):
     launcher = run_dir / "without_cuda.py"
     launcher.write_text(WITHOUT_CUDA)
