@@ -1,17 +1,24 @@
 """``hbmctl``: inspect hbmd instances. A thin client of :mod:`hbmd.client`.
 
-Exit codes: 0 ok, 1 daemon unreachable or timed out, 2 usage error (an
-ambiguous instance included), 3 the daemon refused the request.
+Exit codes: 0 ok, 1 daemon unreachable or timed out (any of several asked
+included), 2 usage error (an ambiguous instance included), 3 the daemon
+refused the request, 4 ``reclaim --wait`` ended before the session answered.
 
 Output: a table for people (``-o wide`` adds columns), ``--json`` (or
 ``-o json``) and ``-o csv`` for scripts; csv cells are plain numbers of
-bytes and seconds. ``status`` with several instances under the run directory
-shows one row per instance, as ``nvidia-smi`` shows one per GPU.
+bytes and seconds. With several instances under the run directory and no
+``--instance``, ``status``, ``sessions``, ``buffers``, ``weights`` and
+``watch`` show every instance, as ``nvidia-smi`` shows every GPU: ``status``
+one row per instance, the listings each instance's rows after an
+``INSTANCE`` column. An instance that does not answer is named on stderr,
+the others are shown, and the exit code is 1: a partial listing never
+passes for a whole one.
 
 JSON has one shape per command whatever the node: ``status`` is always
 ``{"instances": [...]}`` (one record each, ``error`` null where it
-answered), and a figure that does not exist (a host instance's GPU index, an
-unanswered reclaim) is ``null``, never ``-1``; csv leaves that cell empty.
+answered), every record of a listing names its ``instance``, and a figure
+that does not exist (a host instance's GPU index, an unanswered reclaim) is
+``null``, never ``-1``; csv leaves that cell empty.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from . import __version__
 from .budget import budget_left
 from .session import Client
 
-EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_REFUSED = 0, 1, 2, 3
+EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_REFUSED, EXIT_UNANSWERED = 0, 1, 2, 3, 4
 
 
 def _duration(seconds: float) -> str:
@@ -106,6 +113,9 @@ class Output:
     items: list[Any] = dataclasses.field(default_factory=list)
     empty: str = ""
     """What the table says when there are no rows."""
+    complaint: str = ""
+    """Said on stderr after the output, where ``exit_code`` is not 0."""
+    exit_code: int = EXIT_OK
 
 
 def render(output: Output, fmt: str, with_headers: bool) -> str:
@@ -162,7 +172,9 @@ def _none_for_negative(record: dict[str, Any], *keys: str) -> dict[str, Any]:
 def status_record(client: Client) -> dict[str, Any]:
     """An instance's status as JSON, in the words the table uses: budget left (what the daemon would admit), device free."""
     s = client.status()
-    record = _none_for_negative(_as_dict(s), "device_index", "device_free_bytes", "admissible_bytes")
+    record = _none_for_negative(
+        _as_dict(s), "device_index", "device_free_bytes", "admissible_bytes", "held_for_guarantees_bytes", "credit_bytes"
+    )
     record["budget_left_bytes"] = budget_left(s)
     record["error"] = None
     for tenant in record["tenants"]:
@@ -180,13 +192,18 @@ def _device(r: dict[str, Any]) -> str:
     return "host memory" if r["device_index"] is None else f"gpu {r['device_index']}"
 
 
+INSTANCE_COLUMN = _plain_column("INSTANCE", "instance")
+
 STATUS_COLUMNS = [
-    _plain_column("INSTANCE", "instance"),
+    INSTANCE_COLUMN,
     Column("BACKEND", lambda r: r["backend"] or "unreachable", lambda r: r["backend"] or "unreachable"),
     Column("DEVICE", _device, lambda r: r["device_index"]),
     _bytes_column("BUDGET", "budget_bytes"),
     _bytes_column("COMMITTED", "committed_bytes"),
     _bytes_column("LEASED", "leased_bytes"),
+    _bytes_column("CREDIT", "credit_bytes", wide=True),
+    # Beside LEASED, what keeps BUDGET-LEFT below BUDGET - COMMITTED (the asker's tenant maximum aside).
+    _bytes_column("HELD-FOR-GUARANTEES", "held_for_guarantees_bytes"),
     _bytes_column("BUDGET-LEFT", "budget_left_bytes"),
     _bytes_column("HOST-TIER", "host_bytes", wide=True),
     _bytes_column("DEVICE-FREE", "device_free_bytes"),
@@ -213,8 +230,8 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
             f"    granule:     {format_bytes(r['granularity'])}",
             f"    budget:      {format_bytes(r['budget_bytes'])} of {format_bytes(r['total_bytes'])}",
             f"    committed:   {format_bytes(r['committed_bytes'])} ({share:.1f}% of budget)",
-            f"    leased:      {format_bytes(r['leased_bytes'])} (granules and credit: commits without a round trip)",
-            f"    budget left: {format_bytes(r['budget_left_bytes'])}",
+            f"    leased:      {_leased(r)}",
+            f"    budget left: {_budget_left(r)}",
             f"    device free: {device_free} (all processes, as the driver reports it)",
             f"    reserved:    {format_bytes(r['reserved_bytes'])} of address space",
             f"    sessions:    {r['num_sessions']}   buffers: {r['num_buffers']}   chunks: {r['num_chunks']}",
@@ -251,6 +268,39 @@ def cmd_status(client: Client, args: argparse.Namespace) -> Output:
     return Output({"instances": [r]}, text, STATUS_COLUMNS, [r])
 
 
+def _leased(r: dict[str, Any]) -> str:
+    """The leased bytes, granules and credit apart where the daemon says so (protocol 1.9)."""
+    leased, credit = r["leased_bytes"], r["credit_bytes"]
+    if not leased or credit is None:
+        return f"{format_bytes(leased)} (granules and credit: commits without a round trip)"
+    return (f"{format_bytes(leased)} ({format_bytes(leased - credit)} granules, {format_bytes(credit)} credit: "
+            "commits without a round trip, asked back when a commit needs the room)")
+
+
+def _budget_left(r: dict[str, Any]) -> str:
+    """Budget left and, where it is below the uncommitted budget, what takes the difference.
+
+    The daemon's admission (``Tenants.admissible``) counts the budget less
+    what is committed, leased and held for other tenants' guaranteed
+    minimums, capped by the asker's own tenant maximum: what the figures do
+    not explain is that cap.
+    """
+    left, uncommitted = r["budget_left_bytes"], max(0, r["budget_bytes"] - r["committed_bytes"])
+    if left >= uncommitted:
+        return format_bytes(left)
+    held = r["held_for_guarantees_bytes"]
+    less = [f"{format_bytes(r['leased_bytes'])} leased"] if r["leased_bytes"] else []
+    if held:
+        less.append(f"{format_bytes(held)} held for other tenants' guaranteed minimums")
+    beyond = uncommitted - r["leased_bytes"] - (held or 0) - left
+    if beyond > 0 and held is None:
+        less.append(f"{format_bytes(beyond)} held for others' guarantees or beyond your tenant's maximum "
+                    "(a daemon older than protocol 1.9 does not say which)")
+    elif beyond > 0:
+        less.append(f"{format_bytes(beyond)} beyond your tenant's maximum")
+    return f"{format_bytes(left)} ({format_bytes(uncommitted)} uncommitted, less {', '.join(less)})"
+
+
 def _config_line(r: dict[str, Any]) -> str:
     """The config file, when the one in force was loaded, and a refused reload since, if any."""
     loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["config_loaded_at"]))
@@ -259,19 +309,6 @@ def _config_line(r: dict[str, Any]) -> str:
         refused = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["config_reload_failed_at"]))
         line += f"; the reload at {refused} was refused, the config loaded before serves on: {r['config_reload_error']}"
     return line
-
-
-def status_of_all(args: argparse.Namespace, names: list[str]) -> tuple[Output, list[str]]:
-    """One row per instance, and the complaints about those that did not answer."""
-    records, failures = [], []
-    for name in names:
-        try:
-            with open_client(args, name) as client:
-                records.append(status_record(client))
-        except HbmdError as exc:
-            records.append(UNREACHABLE | {"instance": name, "error": exc.message})
-            failures.append(f"{name}: {exc.message}")
-    return Output({"instances": records}, "", STATUS_COLUMNS, records), failures
 
 
 SESSION_COLUMNS = [
@@ -389,62 +426,130 @@ def reclaim_target(client: Client, args: argparse.Namespace) -> int:
     return matches[0].session_id
 
 
+UNANSWERED = {"pending", "ignored"}
+"""Reclaim states of a session that has not answered: asked lately, or longer ago than the daemon's patience."""
+
+
 def cmd_reclaim(client: Client, args: argparse.Namespace) -> Output:
+    """Ask a session for memory; with ``--wait``, wait for its answer, and exit 4 where none came."""
     size = args.bytes
     sent = client.reclaim(reclaim_target(client, args), size)
     data = {"reclaim_id": sent.reclaim_id, "session_id": sent.session_id, "pid": sent.pid, "requested_bytes": size}
     text = f"asked session {sent.session_id} (pid {sent.pid}) to release {format_bytes(size)}"
-    if args.wait > 0:
-        deadline = time.monotonic() + args.wait
-        while True:
-            session = next((s for s in client.sessions() if s.session_id == sent.session_id), None)
-            state = session.reclaim_state if session else "ended"
-            if state != "pending" or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        released = session.reclaim_released_bytes if session and state == "answered" else -1
-        data |= {"state": state, "released_bytes": released if released >= 0 else None}
-        text += f"; {state}" + (f": released {format_bytes(released)}" if released >= 0 else "")
-    return Output(data, text)
+    if args.wait == 0:
+        return Output(data, text)
+    deadline = time.monotonic() + args.wait
+    while True:
+        session = next((s for s in client.sessions() if s.session_id == sent.session_id), None)
+        state = session.reclaim_state if session else "ended"
+        if state != "pending" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    released = session.reclaim_released_bytes if session and state == "answered" else -1
+    data |= {"state": state, "released_bytes": released if released >= 0 else None}
+    text += f"; {state}" + (f": released {format_bytes(released)}" if released >= 0 else "")
+    if state not in UNANSWERED:
+        return Output(data, text)
+    complaint = (f"session {sent.session_id} (pid {sent.pid}) has not answered the reclaim after {args.wait:g}s: "
+                 "nothing released yet; it may still answer (hbmctl sessions shows its RECLAIM)")
+    return Output(data, text, complaint=complaint, exit_code=EXIT_UNANSWERED)
 
 
-def watch(args: argparse.Namespace, instance: str | None, names: list[str]) -> int:
-    """Show status (and, for one instance, sessions and buffers) every ``--interval`` seconds until Ctrl-C.
+def ask(client: Client, instance: str, commands: list[str], args: argparse.Namespace) -> dict[str, Output]:
+    """Each of ``commands`` asked of one instance, every record of their listings naming ``instance``."""
+    outputs = {command: COMMANDS[command][0](client, args) for command in commands}
+    for output in outputs.values():
+        for item in output.items:
+            item.setdefault("instance", instance)  # a status record names its own
+    return outputs
+
+
+def ask_every_instance(
+    args: argparse.Namespace, names: list[str], commands: list[str]
+) -> tuple[dict[str, Output | None], list[str]]:
+    """Each of ``commands`` asked of every instance in ``names``, over one connection each: what each command shows
+    for them all (None where none answered), and a complaint for each instance that did not answer.
+
+    One instance's output is its own, and its error is raised. Of several,
+    status shows one row each, those that did not answer marked so, and a
+    listing the rows of those that answered, after an INSTANCE column.
+    """
+    answers: dict[str, list[Output]] = {command: [] for command in commands}
+    failures = []
+    for name in names:
+        try:
+            with open_client(args, name) as client:
+                outputs = ask(client, name, commands, args)
+        except HbmdError as exc:
+            if len(names) == 1:
+                raise
+            failures.append(f"{name}: {exc.message}")
+            outputs = {}
+            if "status" in commands:
+                record = UNREACHABLE | {"instance": name, "error": exc.message}
+                outputs["status"] = Output({"instances": [record]}, "", STATUS_COLUMNS, [record])
+        for command, output in outputs.items():
+            answers[command].append(output)
+    if len(names) == 1:
+        return {command: listed[0] for command, listed in answers.items()}, failures
+    return {command: _side_by_side(listed) for command, listed in answers.items()}, failures
+
+
+def _side_by_side(outputs: list[Output]) -> Output | None:
+    """The outputs of one command from several instances as one table, each row after its instance's name."""
+    if not outputs:
+        return None
+    first = outputs[0]
+    [key] = first.data
+    items = [item for output in outputs for item in output.items]
+    columns = first.columns if INSTANCE_COLUMN in first.columns else [INSTANCE_COLUMN, *first.columns]
+    return Output({key: items}, "", columns, items, first.empty)
+
+
+WATCHED = ["status", "sessions", "buffers"]
+
+
+def watch(args: argparse.Namespace, names: list[str]) -> int:
+    """Show status, sessions and buffers every ``--interval`` seconds until Ctrl-C.
 
     On a terminal each frame replaces the last; elsewhere frames follow one
-    another. ``--json`` writes one JSON object per frame and line:
-    ``{"time": ..., "instances": [...], "sessions": [...], "buffers": [...]}``,
-    sessions and buffers null when watching several instances. ``-o csv``
-    writes the status columns, after a ``time`` column (Unix seconds), one
-    row per instance and frame: a time series, its header once.
+    another. Several instances show side by side, as the commands show them,
+    those that do not answer marked so in status, and watching goes on.
+    ``--json`` writes one JSON object per frame and line: ``{"time": ...,
+    "instances": [...], "sessions": [...], "buffers": [...]}``, each session
+    and buffer naming its instance. ``-o csv`` writes the status columns,
+    after a ``time`` column (Unix seconds), one row per instance and frame: a
+    time series, its header once.
     """
     fmt = "json" if args.json else args.output
     redraw = sys.stdout.isatty() and fmt not in ("json", "csv")
-    client = open_client(args, instance) if instance is not None else None
+    # One instance: one connection for the whole watch, and its loss ends it; several are asked afresh each frame.
+    client = open_client(args, names[0]) if len(names) == 1 else None
     headers = not args.no_headers
     try:
         while True:
             failures: list[str] = []
             if client is not None:
-                outputs = {"status": cmd_status(client, args), "sessions": cmd_sessions(client, args),
-                           "buffers": cmd_buffers(client, args)}
+                outputs: dict[str, Output | None] = dict(ask(client, names[0], WATCHED, args))
             else:
-                everyone, failures = status_of_all(args, names)
-                outputs = {"status": everyone}
+                outputs, failures = ask_every_instance(args, names, WATCHED)
             now, stamp = time.time(), time.strftime("%H:%M:%S")
             if fmt == "json":
-                record = {"time": now, "sessions": None, "buffers": None}
+                record: dict[str, Any] = {"time": now, "sessions": [], "buffers": []}
                 for output in outputs.values():
-                    record |= output.data
+                    if output is not None:
+                        record |= output.data
                 frame = json.dumps(record, sort_keys=True)
             elif fmt == "csv":
                 now_s = round(now, 3)
                 at = Column("TIME", lambda r, t=now_s: t, lambda r, t=now_s: t)
-                frame = render(Output({}, columns=[at, *STATUS_COLUMNS], items=outputs["status"].items), "csv", headers)
+                status = outputs["status"]
+                assert status is not None  # every instance has a status row, answered or not
+                frame = render(Output({}, columns=[at, *STATUS_COLUMNS], items=status.items), "csv", headers)
                 headers = False
             else:
                 header = f"{stamp}  every {args.interval}s, Ctrl-C to leave"
-                body = "\n\n".join(render(o, fmt, not args.no_headers) for o in outputs.values())
+                body = "\n\n".join(render(o, fmt, not args.no_headers) for o in outputs.values() if o is not None)
                 frame = ("\x1b[H\x1b[2J" if redraw else "") + "\n".join([header, "", body, *map(shown, failures)])
             sys.stdout.write(frame + "\n")
             sys.stdout.flush()
@@ -470,8 +575,12 @@ COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], Output] | None,
     "watch": (None, "live view of status, sessions and buffers (Ctrl-C to leave); -o csv: status as a time series",
               "hbmctl watch --interval 2"),
 }
-MULTI_INSTANCE = {"status", "watch"}
-"""Commands that show every instance when none is chosen; the others need exactly one."""
+MULTI_INSTANCE = {"status", "sessions", "buffers", "weights", "watch"}
+"""Commands that show every instance when none is chosen; the others act on one and need exactly one."""
+EVERY_INSTANCE = ("Without --instance, every instance under the run directory: one that does not answer is named on "
+                  "stderr, the others are shown, and the exit code is 1.")
+EXIT_CODES = ("exit codes: 0 ok, 1 daemon unreachable or timed out (of several instances, any one), 2 usage error, "
+              "3 request refused, 4 reclaim --wait ended before the session answered")
 
 
 WIRE_INT_MAX = (1 << 63) - 1
@@ -533,7 +642,8 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
     parser.add_argument("--run-dir", metavar="DIR", default=default(None),
                         help=f"daemon run directory (default: $HBMD_RUN_DIR, else {DEFAULT_RUN_DIR})")
     parser.add_argument("--instance", metavar="NAME", default=default(None),
-                        help="instance to ask: gpu0, gpu1, ..., host (default: the only one; status and watch: all)")
+                        help="instance to ask: gpu0, gpu1, ..., host (default: the only one; status, sessions, "
+                             "buffers, weights and watch: every one)")
     parser.add_argument("--json", action="store_true", default=default(False), help="machine-readable output (-o json)")
     parser.add_argument("-o", "--output", choices=("table", "wide", "json", "csv"), default=default("table"),
                         help="table (default), wide (more columns), json, or csv (plain numbers of bytes and seconds)")
@@ -547,13 +657,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hbmctl",
         description="Inspect hbmd memory daemon instances.",
-        epilog="exit codes: 0 ok, 1 daemon unreachable or timed out, 2 usage error, 3 request refused",
+        epilog=EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"hbmctl {__version__}")
     _add_common(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (_, summary, example) in COMMANDS.items():
-        p = sub.add_parser(name, help=summary, description=summary, epilog=f"example: {example}")
+        epilog = f"example: {example}" + (f". {EVERY_INSTANCE}" if name in MULTI_INSTANCE else "")
+        if name == "reclaim":
+            epilog += ". With --wait, exit 4 where the wait ended before the session answered."
+        p = sub.add_parser(name, help=summary, description=summary, epilog=epilog)
         _add_common(p, defaults=False)
         if name in ("buffers", "watch"):
             p.add_argument("--session", type=whole_number, default=-1, metavar="ID", help="only this session's buffers")
@@ -568,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
             which.add_argument("--name", metavar="CLIENT", help="the session with this client name")
             p.add_argument("--bytes", type=size_argument, required=True, metavar="SIZE", help="how much to ask for: 512MiB, 8GiB, ...")
             p.add_argument("--wait", type=seconds(zero_ok=True), default=0.0, metavar="S",
-                           help="wait up to S seconds for the answer (default: do not wait)")
+                           help="wait up to S seconds for the answer, and exit 4 if none came (default: do not wait)")
         if name == "watch":
             p.add_argument("--interval", type=seconds(zero_ok=False), default=1.0, metavar="S", help="seconds between refreshes (default: 1)")
     return parser
@@ -581,10 +694,11 @@ def open_client(args: argparse.Namespace, instance: str) -> Client:
     )
 
 
-def choose_instance(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """The instance to ask (None: several, none chosen) and every instance under the run directory."""
+def choose_instances(args: argparse.Namespace) -> list[str]:
+    """The instances to ask: the one chosen, else every one under the run directory, which only the commands that
+    show every instance take."""
     if args.instance:
-        return args.instance, [args.instance]
+        return [args.instance]
     names, denied = scan_instances(args.run_dir)
     root = resolve_run_dir(args.run_dir)
     if not names and denied:
@@ -592,11 +706,12 @@ def choose_instance(args: argparse.Namespace) -> tuple[str | None, list[str]]:
         raise DaemonUnavailable(f"{access_denied(denied[0])}{more}", path=str(root))
     if not names:
         raise DaemonUnavailable(f"no hbmd instance under {run_dir_origin(args.run_dir)}", path=str(root))
-    if len(names) == 1:
-        return names[0], names
-    if args.command not in MULTI_INSTANCE:
-        raise UsageError(f"several hbmd instances under {root} ({', '.join(names)}): choose one with --instance")
-    return None, names
+    several = f"several hbmd instances under {root} ({', '.join(names)})"
+    if len(names) > 1 and args.command not in MULTI_INSTANCE:
+        raise UsageError(f"{several}: choose one with --instance")
+    if len(names) > 1 and args.command in ("buffers", "watch") and args.session != -1:
+        raise UsageError(f"{several}, each numbering its own sessions: choose one with --instance")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -607,13 +722,14 @@ def main(argv: list[str] | None = None) -> int:
     fmt = "json" if args.json else args.output
     failures: list[str] = []
     try:
-        instance, names = choose_instance(args)
+        names = choose_instances(args)
         if args.command == "watch":
-            return watch(args, instance, names)
-        if instance is None:
-            output, failures = status_of_all(args, names)
+            return watch(args, names)
+        if args.command in MULTI_INSTANCE:
+            answers, failures = ask_every_instance(args, names, [args.command])
+            output = answers[args.command]
         else:
-            with open_client(args, instance) as client:
+            with open_client(args, names[0]) as client:
                 output = COMMANDS[args.command][0](client, args)
     except UsageError as exc:
         print(f"hbmctl: {shown(str(exc))}", file=sys.stderr)
@@ -626,11 +742,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    text = render(output, fmt, not args.no_headers)
-    if text:
-        print(text)
+    if output is not None:  # None: of several instances, none answered (the failures say why)
+        text = render(output, fmt, not args.no_headers)
+        if text:
+            print(text)
+        if output.complaint:
+            failures.append(output.complaint)
     for failure in failures:
         print(f"hbmctl: {shown(failure)}", file=sys.stderr)
+    if output is not None and output.exit_code != EXIT_OK:
+        return output.exit_code
     return EXIT_UNREACHABLE if failures else EXIT_OK
 
 if __name__ == "__main__":

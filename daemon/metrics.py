@@ -4,19 +4,24 @@ Gauges are read from the :class:`State` at scrape time by a collector, under
 the server's lock (the HTTP server runs on its own threads); operation
 counters and latency histograms are recorded by the server as it answers.
 
-Conventions, so the series sit beside dcgm-exporter's: a GPU instance labels
-every series with ``gpu`` (the nvidia-smi index) and ``UUID``, exactly the
-label names dcgm-exporter uses, so ``hbmd_committed_bytes`` joins
-``DCGM_FI_DEV_FB_USED`` on ``UUID``; a host instance has no device labels.
-There is no ``instance`` label of our own (Prometheus gives each target one),
-no ``-1`` for "unknown" (the series is left out), no ``_created`` series,
+Conventions, so the series sit beside dcgm-exporter's: every series, the
+process's own included, names its instance in ``hbmd_instance`` (``gpu0``,
+``host``: the label ``instance`` is Prometheus's own, the target's address),
+on every backend alike; a GPU instance also labels it with ``gpu`` (the
+nvidia-smi index) and ``UUID``, exactly the label names dcgm-exporter uses,
+so ``hbmd_committed_bytes`` joins ``DCGM_FI_DEV_FB_USED`` on ``UUID``. No
+``-1`` for "unknown" (the series is left out), no ``_created`` series,
 per-tenant series only for the tenants in use, and no per-session series
 unless asked for: session ids and pids are new label values at every worker
 restart.
+
+``/`` is a landing page naming the instance and linking the others, as
+Prometheus's exporters have one.
 """
 
 from __future__ import annotations
 
+import html
 import platform
 import socket
 import socketserver
@@ -34,7 +39,7 @@ from prometheus_client import (
     disable_created_metrics,
     make_wsgi_app,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .state import State
@@ -44,12 +49,26 @@ HEALTH_LOCK_TIMEOUT_S = 2.0
 """/healthz fails when the server loop has held the state this long: it is stuck inside a request."""
 
 
-def device_labels(state: State) -> dict[str, str]:
-    """``gpu`` and ``UUID`` as dcgm-exporter names them; nothing for the host backend."""
+def instance_labels(state: State) -> dict[str, str]:
+    """The labels of every series: ``hbmd_instance``, and on a GPU ``gpu`` and ``UUID`` as dcgm-exporter names them."""
     backend = state.backend
-    if backend.device_index < 0:
-        return {}
-    return {"gpu": str(backend.device_index), "UUID": backend.device_uuid}
+    labels = {"hbmd_instance": backend.instance}
+    if backend.device_index >= 0:
+        labels |= {"gpu": str(backend.device_index), "UUID": backend.device_uuid}
+    return labels
+
+
+class LabelledCollector(Collector):
+    """Another collector's series with ``labels`` added: the process's own, which know nothing of the instance."""
+
+    def __init__(self, collector: Collector, labels: dict[str, str]) -> None:
+        self.collector = collector
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.collector.collect():
+            family.samples = [sample._replace(labels={**self.labels, **sample.labels}) for sample in family.samples]
+            yield family
 
 
 class StateCollector(Collector):
@@ -60,21 +79,21 @@ class StateCollector(Collector):
         self.lock = lock
         self.version = version
         self.per_session = per_session
-        self.device = device_labels(state)
+        self.instance = instance_labels(state)
 
     def _family(self, name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, doc, labels=[*self.device, *labels])
+        return GaugeMetricFamily(name, doc, labels=[*self.instance, *labels])
 
     def _add(self, family: GaugeMetricFamily, value: float, *labels: str) -> GaugeMetricFamily:
-        family.add_metric([*self.device.values(), *labels], value)
+        family.add_metric([*self.instance.values(), *labels], value)
         return family
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         with self.lock:
             state, backend = self.state, self.state.backend
             info = self._family("hbmd_build_info", "Version and backend of the daemon; always 1.",
-                                ["version", "backend", "hbmd_instance", "python_version"])
-            yield self._add(info, 1, self.version, backend.name, backend.instance, platform.python_version())
+                                ["version", "backend", "python_version"])
+            yield self._add(info, 1, self.version, backend.name, platform.python_version())
             for name, doc, value in (
                 ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes),
                 ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes),
@@ -176,12 +195,14 @@ class Metrics:
         disable_created_metrics()
         self.state = state
         self.lock = lock
+        self.version = version
         self.registry = CollectorRegistry()
         self.registry.register(StateCollector(state, lock, version, per_session))
+        labels = instance_labels(state)
         # Open FDs matter for a daemon that passes FDs: process_open_fds against process_max_fds.
-        ProcessCollector(registry=self.registry)
-        self._device = list(device_labels(state).values())
-        names = list(device_labels(state))
+        self.registry.register(LabelledCollector(ProcessCollector(registry=None), labels))
+        self._instance = list(labels.values())
+        names = list(labels)
         self.operations = Counter(
             "hbmd_operations", "Requests answered, by kind and outcome (ok or an error code).",
             [*names, "operation", "outcome"], registry=self.registry,
@@ -193,8 +214,8 @@ class Metrics:
         self._metrics_app = make_wsgi_app(self.registry)
 
     def record(self, operation: str, outcome: str, started: float) -> None:
-        self.operations.labels(*self._device, operation, outcome).inc()
-        self.latency.labels(*self._device, operation).observe(time.perf_counter() - started)
+        self.operations.labels(*self._instance, operation, outcome).inc()
+        self.latency.labels(*self._instance, operation).observe(time.perf_counter() - started)
 
     def healthy(self) -> bool:
         """Whether the server loop lets go of the state: a wedged request keeps it."""
@@ -203,10 +224,30 @@ class Metrics:
         self.lock.release()
         return True
 
+    def landing_page(self) -> bytes:
+        """What ``/`` shows a person who opens the port in a browser: which daemon this is, and where to look."""
+        backend = self.state.backend
+        device = "host memory" if backend.device_index < 0 else f"GPU {backend.device_index} ({backend.device_uuid})"
+        title = html.escape(f"hbmd {backend.instance}")
+        return (
+            "<!DOCTYPE html>\n"
+            f"<html><head><meta charset=\"utf-8\"><title>{title}</title></head><body>\n"
+            f"<h1>{title}</h1>\n"
+            f"<p>{html.escape(f'{backend.name} backend, {device}, hbmd {self.version}')}</p>\n"
+            "<ul>\n"
+            "<li><a href=\"/metrics\">/metrics</a>: Prometheus metrics</li>\n"
+            "<li><a href=\"/healthz\">/healthz</a>: health check</li>\n"
+            "</ul>\n"
+            "</body></html>\n"
+        ).encode()
+
     def app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        """``/metrics`` is the metrics page, ``/healthz`` answers 200 or 503, any other path 404: a typo in a scrape
-        config must fail, not scrape the page under the wrong name."""
+        """``/metrics`` is the metrics page, ``/healthz`` answers 200 or 503, ``/`` is a landing page, any other path
+        404: a typo in a scrape config must fail, not scrape the page under the wrong name."""
         path = environ.get("PATH_INFO")
+        if path == "/":
+            start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
+            return [self.landing_page()]
         if path == "/healthz":
             ok = self.healthy()
             start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])

@@ -4,15 +4,21 @@
 with one hbmd container per GPU, selecting nodes whose ``nvidia.com/gpu.count``
 label (from GPU feature discovery) is 4, a NetworkPolicy that lets only the
 monitoring namespace reach the metrics ports, and a PodMonitor scraping each
-container's metrics port. Keep one output per node shape in the fleet.
-``deploy/hbmd-daemonset.yaml`` is this script's output for 8 GPUs.
+container's metrics port, all in namespace ``hbmd-system`` (``--namespace``)
+and from image ``--image``. Keep one output per node shape in the fleet.
+``deploy/hbmd-daemonset.yaml`` is this script's output for 8 GPUs and the
+defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 
 IMAGE = "registry.example.com/hbmd:0.2.0"
+"""The image unless ``--image`` names another: the Dockerfile at the top of the repository, built and pushed."""
+NAMESPACE = "hbmd-system"
+"""Where the daemons run unless ``--namespace`` names another."""
 UID = GID = 990
 """deploy/hbmd.sysusers.conf pins the same ids, so sockets mean the same group on every node."""
 METRICS_PORT_BASE = 9470
@@ -24,7 +30,7 @@ MONITORING_NAMESPACE = "monitoring"
 """Where Prometheus runs: the one namespace the NetworkPolicy lets reach the metrics."""
 
 HEADER = f"""\
-# hbmd on Kubernetes for nodes with {{gpus}} GPUs, written by deploy/daemonset.py --gpus {{gpus}}:
+# hbmd on Kubernetes for nodes with {{gpus}} GPUs, written by deploy/daemonset.py {{arguments}}:
 # one pod per node, one container per GPU, so each GPU's daemon has its own
 # restarts, logs (kubectl logs -c gpu0) and readiness, like the hbmd@N units.
 #
@@ -39,22 +45,26 @@ HEADER = f"""\
 # hosts); instance directories are 0750 and sockets 0660, group {GID}. A worker
 # pod reaches them with runAsGroup: {GID} or supplementalGroups: [{GID}].
 #
-# Persistent buffers do NOT survive a container restart here: the daemon's
-# memory lives as long as its process, and Kubernetes has no equivalent of
-# systemd's FD store to park it in. A restarted container starts empty;
-# workers see their session end and must rebuild their KV cache (engines
-# re-run prefill). To keep caches across daemon upgrades, run hbmd as the
-# systemd units on the node instead, or drain the node's workers first.
+# Upgrades keep every session: a new version of this DaemonSet starts its
+# pod beside the old one on each node, and each new daemon takes every
+# session, buffer and chunk over from the old (--takeover) through the
+# node's /run/hbmd; workers resume by themselves (see the updateStrategy).
+# A container restart is not an upgrade: the daemon's memory lives as long
+# as its process, and Kubernetes has no equivalent of systemd's FD store to
+# park it in, so a daemon that crashed or was killed comes back empty, and
+# its workers see their session end and rebuild their KV cache (engines
+# re-run prefill). Where that must not happen either, run hbmd as the
+# systemd units on the node instead.
 #
 # The image is the Dockerfile at the top of the repository; libcuda comes
 # from the NVIDIA runtime, not the image.
 """
 
-NAMESPACE = """\
+NAMESPACE_OBJECT = """\
 apiVersion: v1
 kind: Namespace
 metadata:
-  name: hbmd-system
+  name: {namespace}
   labels:
     # hostPath volumes are refused by the baseline and restricted Pod Security levels.
     pod-security.kubernetes.io/enforce: privileged
@@ -65,7 +75,7 @@ apiVersion: apps/v1
 kind: DaemonSet
 metadata:
   name: hbmd-{{gpus}}gpu
-  namespace: hbmd-system
+  namespace: {{namespace}}
   labels:
     app.kubernetes.io/name: hbmd
 spec:
@@ -98,7 +108,8 @@ spec:
           operator: Exists
           effect: NoSchedule
       automountServiceAccountToken: false
-      # SIGTERM ends every session and releases its memory; matches TimeoutStopSec of the unit.
+      # SIGTERM ends every session of a daemon still serving and releases its memory (one that handed
+      # over holds nothing); matches TimeoutStopSec of the unit.
       terminationGracePeriodSeconds: 30
       securityContext:
         runAsUser: {UID}
@@ -109,7 +120,7 @@ spec:
       initContainers:
         # The kubelet creates the hostPath directory owned by root; the daemons create their instance directories in it.
         - name: run-dir
-          image: {IMAGE}
+          image: {{image}}
           command: ["chown", "{UID}:{GID}", "/run/hbmd"]
           securityContext:
             runAsUser: 0
@@ -132,7 +143,7 @@ spec:
 
 CONTAINER = f"""\
         - name: gpu{{index}}
-          image: {IMAGE}
+          image: {{image}}
           command: ["hbmd"]
           args: ["--backend", "cuda", "--device", "{{index}}", "--run-dir", "/run/hbmd", "--takeover", "--linger",
                  "--budget", "{BUDGET}", "--metrics-addr", "0.0.0.0:{{port}}"]
@@ -182,7 +193,7 @@ apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
 metadata:
   name: hbmd-{{gpus}}gpu-metrics
-  namespace: hbmd-system
+  namespace: {{namespace}}
 spec:
   podSelector:
     matchLabels:
@@ -207,7 +218,7 @@ apiVersion: monitoring.coreos.com/v1
 kind: PodMonitor
 metadata:
   name: hbmd-{gpus}gpu
-  namespace: hbmd-system
+  namespace: {namespace}
 spec:
   selector:
     matchLabels:
@@ -261,24 +272,55 @@ WORKER = f"""\
 """
 
 
-def manifests(gpus: int) -> str:
-    containers = "".join(CONTAINER.format(index=i, port=METRICS_PORT_BASE + i) for i in range(gpus))
+def manifests(gpus: int, image: str = IMAGE, namespace: str = NAMESPACE) -> str:
+    """The manifests for nodes with ``gpus`` GPUs, their daemons from ``image``, in ``namespace``."""
+    arguments = " ".join([f"--gpus {gpus}"] + [f"--{option} {value}" for option, value, default in (
+        ("image", image, IMAGE), ("namespace", namespace, NAMESPACE)) if value != default])
+    containers = "".join(CONTAINER.format(index=i, port=METRICS_PORT_BASE + i, image=image) for i in range(gpus))
     endpoints = "".join(ENDPOINT.format(index=i) for i in range(gpus))
     return "---\n".join([
-        HEADER.format(gpus=gpus) + NAMESPACE,
-        DAEMONSET.format(gpus=gpus, containers=containers),
-        NETWORKPOLICY.format(gpus=gpus, last_port=METRICS_PORT_BASE + gpus - 1),
-        PODMONITOR.format(gpus=gpus, endpoints=endpoints),
+        HEADER.format(gpus=gpus, arguments=arguments) + NAMESPACE_OBJECT.format(namespace=namespace),
+        DAEMONSET.format(gpus=gpus, containers=containers, image=image, namespace=namespace),
+        NETWORKPOLICY.format(gpus=gpus, last_port=METRICS_PORT_BASE + gpus - 1, namespace=namespace),
+        PODMONITOR.format(gpus=gpus, endpoints=endpoints, namespace=namespace),
     ]) + "\n" + WORKER
+
+
+IMAGE_REFERENCE = re.compile(r"[a-z0-9][a-z0-9._/:@-]*", re.IGNORECASE)
+"""What an image reference is made of (registry, path, tag, digest): nothing YAML would read as more than a name."""
+NAMESPACE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+"""A Kubernetes namespace: a DNS label (RFC 1123) of at most 63 characters."""
+
+
+def image_reference(text: str) -> str:
+    """argparse's type for ``--image``."""
+    if not IMAGE_REFERENCE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an image reference (registry/name:tag or name@sha256:...)")
+    return text
+
+
+def namespace_name(text: str) -> str:
+    """argparse's type for ``--namespace``."""
+    if not NAMESPACE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a namespace name: at most 63 lower-case letters, digits and '-', "
+            "starting and ending with a letter or digit"
+        )
+    return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Print hbmd's Kubernetes manifests for nodes with N GPUs.")
     parser.add_argument("--gpus", type=int, required=True, metavar="N", help="GPUs per node (1 to 64)")
+    parser.add_argument("--image", type=image_reference, default=IMAGE, metavar="REF",
+                        help="the hbmd image, built from the repository's Dockerfile (default: %(default)s)")
+    parser.add_argument("--namespace", type=namespace_name, default=NAMESPACE, metavar="NAME",
+                        help="the namespace the manifests create and use; its Pod Security level is set to "
+                             "privileged, for the hostPath volume (default: %(default)s)")
     args = parser.parse_args()
     if not 1 <= args.gpus <= 64:
         parser.error("--gpus must be from 1 to 64")
-    print(manifests(args.gpus), end="")
+    print(manifests(args.gpus, args.image, args.namespace), end="")
 
 
 if __name__ == "__main__":

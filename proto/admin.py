@@ -71,6 +71,12 @@ class StatusReply(Message):
     """Bytes of buffers demoted to the host tier (1.6), not part of ``committed_bytes``."""
     host_pool_bytes: int = 0
     """Host-tier memory made ahead of demotes, inside the host budget (1.6)."""
+    held_for_guarantees_bytes: int = -1
+    """Bytes of the budget held for other tenants' guaranteed minimums, as far as they have not used them: room the
+    asking session's tenant cannot commit into, part of why ``admissible_bytes`` is below ``budget_bytes -
+    committed_bytes - leased_bytes`` (1.9; -1 from older daemons)."""
+    credit_bytes: int = -1
+    """Of ``leased_bytes``, the credit (leased as bytes, not granules) (1.9; -1 from older daemons)."""
 
 
 @message("admin.status")

@@ -36,7 +36,8 @@ with no keeper (``Redeclare``, ``BufferInfo.held_elsewhere``), the config file a
 (``Move``, ``BufferInfo.tier``, ``TenantInfo.host_bytes``, the host figures in status); 1.7 a commit's reply riding
 with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``); 1.8 credit, commits in chunks
 the client makes itself (``Welcome.credit_bytes``, the ``CreditGrant``/``CreditRevoke``/``OwnChunks``/
-``CreditReturn`` datagrams); 1.9 the tenant charged in the welcome (``Welcome.tenant``/``tenant_note``). A 1.0
+``CreditReturn`` datagrams); 1.9 the tenant charged in the welcome (``Welcome.tenant``/``tenant_note``), and in status the bytes held for
+other tenants' guarantees and the credit (``StatusReply.held_for_guarantees_bytes``/``credit_bytes``). A 1.0
 peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20

@@ -12,7 +12,7 @@ import time
 import pytest
 from hbmd.client import DaemonUnavailable, ExtensibleTensor, PermissionDenied, connect
 from hbmd.client.ctl import Column, Output, render
-from helpers import MiB, hbmctl
+from helpers import MiB, credited, hbmctl, wait_until
 
 pytestmark = pytest.mark.cli
 
@@ -272,11 +272,73 @@ def test_watch_writes_status_as_a_csv_time_series(daemon, client):
     assert all(dict(zip(columns, row.split(",")))["committed"] == str(6 * MiB) for row in rows)
 
 
-def test_a_command_for_one_instance_is_a_usage_error_when_several_run(two_instances):
+def test_a_command_that_acts_on_one_instance_is_a_usage_error_when_several_run(two_instances):
     rd = str(two_instances[0].run_dir)
-    out = hbmctl("--run-dir", rd, "sessions")
+    out = hbmctl("--run-dir", rd, "delete", "kv")
     assert out.returncode == 2 and "choose one with --instance" in out.stderr and "host, host2" in out.stderr
-    assert hbmctl("--run-dir", rd, "--instance", "host2", "sessions").returncode == 0
+    out = hbmctl("--run-dir", rd, "reclaim", "--session", "1", "--bytes", "1MiB")
+    assert out.returncode == 2 and "choose one with --instance" in out.stderr
+    # Session ids are each instance's own: one of them is no answer on a node of several.
+    out = hbmctl("--run-dir", rd, "buffers", "--session", "1")
+    assert out.returncode == 2 and "each numbering its own sessions" in out.stderr
+    assert hbmctl("--run-dir", rd, "--instance", "host2", "buffers", "--session", "999").returncode == 3
+
+
+@pytest.mark.torch
+def test_sessions_and_buffers_list_every_instance_of_a_node(two_instances):
+    first, second = two_instances
+    rd = str(first.run_dir)
+    engines = [daemon.connect(client_name=f"engine-{daemon.instance}", lease=False) for daemon in two_instances]
+    for engine, size in zip(engines, (2, 4)):
+        ExtensibleTensor(16 * MiB, "cpu", client=engine).resize_(size * MiB)
+
+    header, *rows = hbmctl("--run-dir", rd, "sessions").stdout.splitlines()
+    assert header.split()[:3] == ["INSTANCE", "SESSION", "PID"]
+    assert [(row.split()[0], row.split()[4]) for row in rows] == [("host", "engine-host"), ("host2", "engine-host2")]
+    sessions = json.loads(hbmctl("--run-dir", rd, "--json", "sessions").stdout)["sessions"]
+    assert [(s["instance"], s["session_id"], s["committed_bytes"]) for s in sessions] == [
+        ("host", engines[0].session_id, 2 * MiB), ("host2", engines[1].session_id, 4 * MiB)
+    ]
+    buffers = json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]
+    assert [(b["instance"], b["physical_bytes"]) for b in buffers] == [("host", 2 * MiB), ("host2", 4 * MiB)]
+    csv_rows = hbmctl("--run-dir", rd, "-o", "csv", "buffers").stdout.splitlines()
+    assert csv_rows[0].startswith("instance,buffer,session,") and [r.split(",")[0] for r in csv_rows[1:]] == ["host", "host2"]
+
+    # --instance narrows to one: its rows only, as on a node of one instance, each record still naming it.
+    header, *rows = hbmctl("--run-dir", rd, "--instance", "host2", "buffers").stdout.splitlines()
+    assert header.split()[0] == "BUFFER" and len(rows) == 1 and "4.0 MiB" in rows[0]
+    [buffer] = json.loads(hbmctl("--run-dir", rd, "--instance", "host2", "--json", "buffers").stdout)["buffers"]
+    assert buffer["instance"] == "host2"
+
+    engines[1].close()
+    second.kill()  # its instance.json stays behind: the listing shows the other, names it, and says so in its exit code
+    out = hbmctl("--run-dir", rd, "sessions", "--timeout", "2")
+    assert out.returncode == 1 and "hbmctl: host2: " in out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert header.split()[0] == "INSTANCE" and [row.split()[0] for row in rows] == ["host"]
+    out = hbmctl("--run-dir", rd, "--json", "buffers", "--timeout", "2")
+    assert out.returncode == 1 and [b["instance"] for b in json.loads(out.stdout)["buffers"]] == ["host"]
+    first.kill()
+    out = hbmctl("--run-dir", rd, "--json", "sessions", "--timeout", "2")
+    assert out.returncode == 1 and out.stdout == "" and "host:" in out.stderr and "host2:" in out.stderr
+    engines[0].close()
+
+
+def test_watch_shows_the_sessions_of_every_instance(two_instances):
+    first = two_instances[0]
+    engines = [daemon.connect(client_name=f"engine-{daemon.instance}", lease=False) for daemon in two_instances]
+    returncode, out, err = watch_for_a_while(first, "--json")
+    frames = [json.loads(line) for line in out.splitlines()]
+    assert returncode == 0 and err == "" and len(frames) >= 2
+    assert [r["instance"] for r in frames[-1]["instances"]] == ["host", "host2"]
+    assert [(s["instance"], s["client_name"]) for s in frames[-1]["sessions"]] == [
+        ("host", "engine-host"), ("host2", "engine-host2")
+    ]
+    assert frames[-1]["buffers"] == []
+    returncode, out, err = watch_for_a_while(first)
+    assert returncode == 0 and "engine-host2" in out and "no buffers" in out
+    for engine in engines:
+        engine.close()
 
 
 def test_versions_agree():
@@ -372,3 +434,62 @@ def test_weights_lists_what_is_sealed_with_its_readers_and_delete_waits_for_none
     reader.close()
     assert hbmctl("--run-dir", rd, "delete", name).returncode == 0
     assert hbmctl("--run-dir", rd, "weights").stdout.strip() == "no sealed weights"
+
+
+def test_status_says_what_holds_budget_left_below_the_uncommitted_budget(start_daemon, run_dir):
+    config = run_dir / "tenants.toml"
+    config.write_text('[[tenants]]\nname = "large"\nguaranteed = "96MiB"\n')
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config))
+    with daemon.connect(client_name="engine", lease=False) as engine:
+        ExtensibleTensor(64 * MiB, "cpu", client=engine).resize_(16 * MiB)
+        [status] = json.loads(hbmctl("--run-dir", str(run_dir), "--json", "status").stdout)["instances"]
+        # Nobody of "large" is here, and its guarantee is held for it all the same.
+        assert status["held_for_guarantees_bytes"] == 96 * MiB and status["leased_bytes"] == 0
+        assert status["budget_left_bytes"] == (256 - 16 - 96) * MiB
+        text = hbmctl("--run-dir", str(run_dir), "status").stdout
+        assert "budget left: 144.0 MiB (240.0 MiB uncommitted, less 96.0 MiB held for other tenants' guaranteed minimums)" in text
+        wide = hbmctl("--run-dir", str(run_dir), "-o", "csv", "status").stdout.splitlines()
+        row = dict(zip(wide[0].split(","), wide[1].split(",")))
+        assert row["held-for-guarantees"] == str(96 * MiB) and row["budget-left"] == str(144 * MiB)
+
+
+@pytest.mark.torch
+def test_status_shows_leases_granules_and_credit_apart(start_daemon, run_dir):
+    daemon = start_daemon("--budget", "2GiB")
+    with daemon.connect() as engine:
+        credited(engine, ExtensibleTensor(1 << 30, "cpu", client=engine), 64 * MiB, 128 * MiB)
+        wait_until(lambda: engine.status().leased_bytes == 128 * MiB)
+        [status] = json.loads(hbmctl("--run-dir", str(run_dir), "--json", "status").stdout)["instances"]
+        assert status["credit_bytes"] == status["leased_bytes"] == 128 * MiB and status["held_for_guarantees_bytes"] == 0
+        text = hbmctl("--run-dir", str(run_dir), "status").stdout
+        assert "leased:      128.0 MiB (0 B granules, 128.0 MiB credit: " in text
+        assert "budget left: 1.8 GiB (1.9 GiB uncommitted, less 128.0 MiB leased)" in text
+
+
+def test_status_says_when_your_own_tenant_maximum_caps_the_budget_left(start_daemon, run_dir):
+    config = run_dir / "tenants.toml"
+    config.write_text(f'[[tenants]]\nuid = {os.getuid()}\nmax = "32MiB"\n')  # hbmctl's own tenant
+    start_daemon("--budget", "256MiB", "--config", str(config))
+    text = hbmctl("--run-dir", str(run_dir), "status").stdout
+    assert "budget left: 32.0 MiB (256.0 MiB uncommitted, less 224.0 MiB beyond your tenant's maximum)" in text
+
+
+def test_a_reclaim_wait_that_ends_unanswered_exits_4(daemon, spawn_worker):
+    worker = spawn_worker(daemon, """
+        import sys
+        from hbmd.client import connect
+        c = connect("cpu", client_name="deaf")  # never answers a reclaim
+        print(c.session_id, flush=True)
+        sys.stdin.readline()
+        """)
+    session_id = int(worker.readline())
+    rd = str(daemon.run_dir)
+    out = hbmctl("--run-dir", rd, "--json", "reclaim", "--session", str(session_id), "--bytes", "1MiB", "--wait", "0.5")
+    assert out.returncode == 4 and json.loads(out.stdout)["state"] == "pending"
+    assert f"session {session_id} (pid {worker.proc.pid}) has not answered the reclaim after 0.5s" in out.stderr
+    out = hbmctl("--run-dir", rd, "reclaim", "--session", str(session_id), "--bytes", "1MiB", "--wait", "0.2")
+    assert out.returncode == 4 and out.stdout.strip().endswith("; pending")
+    # Without --wait nothing is waited for, and nothing is missing.
+    assert hbmctl("--run-dir", rd, "reclaim", "--session", str(session_id), "--bytes", "1MiB").returncode == 0
+    worker.send("done")
+    assert worker.wait() == 0

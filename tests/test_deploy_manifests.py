@@ -69,3 +69,42 @@ def test_sysusers_pins_the_ids_the_daemonset_and_image_use():
     assert "runAsUser: 990" in generate(1).stdout
     dockerfile = (DEPLOY.parent / "Dockerfile").read_text()
     assert "990" in dockerfile
+
+
+def test_image_and_namespace_are_chosen_on_the_command_line():
+    yaml = pytest.importorskip("yaml")
+    image = "ghcr.io/acme/hbmd@sha256:0123abcd"
+    out = subprocess.run([sys.executable, "-m", "hbmd.deploy.daemonset", "--gpus", "2", "--image", image,
+                          "--namespace", "gpu-infra"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    namespace, daemonset, policy, monitor = yaml.safe_load_all(out.stdout)
+    assert namespace["metadata"]["name"] == "gpu-infra"
+    assert {doc["metadata"]["namespace"] for doc in (daemonset, policy, monitor)} == {"gpu-infra"}
+    pod = daemonset["spec"]["template"]["spec"]
+    assert [c["image"] for c in pod["initContainers"] + pod["containers"]] == [image] * 3
+    assert "hbmd-system" not in out.stdout and "registry.example.com/hbmd" not in out.stdout.split("# A worker pod")[0]
+    # The header says how to write the same again.
+    assert f"deploy/daemonset.py --gpus 2 --image {image} --namespace gpu-infra:" in out.stdout.splitlines()[0]
+    assert "deploy/daemonset.py --gpus 2:" in generate(2).stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("option, value", [("--namespace", "Not_A_Name"), ("--namespace", "-x"), ("--namespace", "a" * 64),
+                                           ("--image", "two words"), ("--image", "x\ny: z"), ("--image", "")])
+def test_an_image_or_namespace_yaml_would_misread_is_a_usage_error(option, value):
+    out = subprocess.run([sys.executable, str(DEPLOY / "daemonset.py"), "--gpus", "1", option, value],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"argument {option}" in out.stderr and out.stdout == ""
+
+
+def test_the_header_tells_the_update_strategy_the_daemonset_has():
+    yaml = pytest.importorskip("yaml")
+    text = generate(2).stdout
+    header = text.split("apiVersion:")[0]
+    daemonset = list(yaml.safe_load_all(text))[1]
+    assert daemonset["spec"]["updateStrategy"] == {"type": "RollingUpdate",
+                                                   "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert all({"--takeover", "--linger"} <= set(c["args"]) for c in daemonset["spec"]["template"]["spec"]["containers"])
+    # Upgrades take every session over; only a container restart loses them, and the header says just that.
+    assert "Upgrades keep every session" in header and "(--takeover)" in header
+    assert "A container restart is not an upgrade" in header
+    assert "drain the node's workers" not in header and "across daemon upgrades" not in header

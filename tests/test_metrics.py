@@ -40,8 +40,9 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def value(samples, name, **labels):
-    wanted = tuple(sorted(labels.items()))
+def value(samples, name, hbmd_instance="host", **labels):
+    """The value of series ``name`` of the instance named ``hbmd_instance`` with ``labels``."""
+    wanted = tuple(sorted({"hbmd_instance": hbmd_instance, **labels}.items()))
     return samples[(name, wanted)]
 
 
@@ -112,6 +113,34 @@ def test_defaults_follow_prometheus_conventions(start_daemon):
     worker.close()
 
 
+def test_every_series_names_its_instance_on_the_host_backend_too(start_daemon):
+    port = free_port()
+    daemon = start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}", "--metrics-sessions",
+                          "--instance-name", "host2")
+    with daemon.connect(client_name="engine", tenant="team-a") as worker:
+        worker.status()  # an operation counted, so that its counter and histogram have series
+        samples = scrape(port)
+    assert {name for name, _ in samples} >= {"hbmd_committed_bytes", "hbmd_tenant_committed_bytes",
+                                             "hbmd_session_committed_bytes", "hbmd_operations_total",
+                                             "hbmd_operation_seconds_bucket", "process_open_fds", "hbmd_build_info"}
+    unnamed = [name for name, labels in samples if dict(labels).get("hbmd_instance") != "host2"]
+    assert unnamed == []
+    # The host has no GPU to name: no gpu or UUID label, rather than an empty one.
+    assert all("gpu" not in dict(labels) and "UUID" not in dict(labels) for _, labels in samples)
+
+
+@pytest.mark.unit
+def test_a_gpu_instance_labels_its_series_as_dcgm_exporter_does_beside_its_name():
+    from types import SimpleNamespace
+
+    from hbmd.daemon.metrics import instance_labels
+
+    gpu = SimpleNamespace(backend=SimpleNamespace(instance="gpu3", device_index=3, device_uuid="GPU-1234"))
+    host = SimpleNamespace(backend=SimpleNamespace(instance="host", device_index=-1, device_uuid=""))
+    assert instance_labels(gpu) == {"hbmd_instance": "gpu3", "gpu": "3", "UUID": "GPU-1234"}
+    assert instance_labels(host) == {"hbmd_instance": "host"}
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) is not on PATH")
 def test_the_page_passes_promtool(start_daemon, run_dir):
     port = free_port()
@@ -160,11 +189,21 @@ def test_leased_bytes_are_a_metric_of_their_own_and_count_in_the_tenants(start_d
     wait_until(lambda: value(scrape(port), "hbmd_leased_bytes") == 0)
 
 
-def test_a_path_other_than_metrics_and_healthz_is_not_found(start_daemon):
+def test_the_root_is_a_landing_page_naming_the_instance_and_linking_the_metrics(start_daemon):
+    port = free_port()
+    start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}", "--instance-name", "host2")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/html")
+        landing = response.read().decode()
+    assert "<title>hbmd host2</title>" in landing
+    assert '<a href="/metrics">' in landing and '<a href="/healthz">' in landing and "host backend" in landing
+
+
+def test_a_path_other_than_metrics_healthz_and_the_root_is_not_found(start_daemon):
     port = free_port()
     start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
     assert "hbmd_committed_bytes" in page(port, "/metrics") and page(port, "/healthz") == "ok\n"
-    for path in ("/", "/foo", "/metrics/", "/healthz/x"):
+    for path in ("/index.html", "/foo", "/metrics/", "/healthz/x"):
         with pytest.raises(urllib.error.HTTPError) as refused:
             page(port, path)
         assert refused.value.code == 404, path

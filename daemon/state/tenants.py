@@ -150,12 +150,13 @@ class Tenants:
                 budget=self.host_budget_bytes, used=self.host_bytes, requested=requested,
             )
 
-    def _held_for_others(self, tenant: Tenant) -> int:
+    def held_for_others(self, tenant: Tenant) -> int:
+        """Bytes of the budget held for other tenants' guaranteed minimums, as far as they have not used them."""
         return self.unmet_guarantees - tenant.unmet_guarantee
 
     def admissible(self, tenant: Tenant) -> int:
         """Budget left for ``tenant``: the most a commit charged to it would be admitted for now (what :meth:`admit` allows)."""
-        room = self.budget_bytes - self.committed_bytes - self.leased_bytes - self._held_for_others(tenant)
+        room = self.budget_bytes - self.committed_bytes - self.leased_bytes - self.held_for_others(tenant)
         if tenant.max_bytes is not None:
             room = min(room, tenant.max_bytes - tenant.used_bytes)
         return max(0, room)
@@ -181,7 +182,7 @@ class Tenants:
                 used=tenant.used_bytes,
                 requested=requested,
             )
-        held = self._held_for_others(tenant)
+        held = self.held_for_others(tenant)
         used = self.committed_bytes + (0 if in_use else self.leased_bytes)
         if used + requested + held > self.budget_bytes:
             extra = f", {format_bytes(held)} held for other tenants' guaranteed minimums" if held else ""
