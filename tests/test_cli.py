@@ -17,6 +17,7 @@ from helpers import MiB, credited, hbmctl, wait_until
 pytestmark = pytest.mark.cli
 
 
+@pytest.mark.torch
 def test_json_numbers_match_what_clients_committed(daemon, spawn_worker):
     worker = spawn_worker(
         daemon,
@@ -58,6 +59,7 @@ def test_json_numbers_match_what_clients_committed(daemon, spawn_worker):
     assert worker.wait() == 0
 
 
+@pytest.mark.torch
 def test_tables_use_binary_units(daemon):
     client = daemon.connect(client_name="test", lease=False)  # so that the budget left is 256 - 10 MiB
     t = ExtensibleTensor(64 * MiB, "cpu", client=client)
@@ -175,6 +177,7 @@ def watch_for_a_while(daemon, *args: str) -> tuple[int, str, str]:
     return watch.returncode, out, err
 
 
+@pytest.mark.torch
 def test_watch_refreshes_until_ctrl_c(daemon, client):
     ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
     returncode, out, err = watch_for_a_while(daemon)
@@ -184,6 +187,7 @@ def test_watch_refreshes_until_ctrl_c(daemon, client):
     assert "\x1b" not in out and out.rstrip().endswith("6.0 MiB       1  no            0") and err == ""
 
 
+@pytest.mark.torch
 def test_watch_streams_json_lines(daemon, client):
     ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
     returncode, out, err = watch_for_a_while(daemon, "--json")
@@ -260,6 +264,7 @@ def test_json_has_one_shape_whatever_the_node_and_null_for_what_does_not_exist(d
     assert worker.wait() == 0
 
 
+@pytest.mark.torch
 def test_watch_writes_status_as_a_csv_time_series(daemon, client):
     ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
     returncode, out, err = watch_for_a_while(daemon, "-o", "csv")
@@ -371,6 +376,7 @@ def test_reclaim_finds_a_session_by_pid_or_client_name(daemon, spawn_worker):
     assert worker.wait() == 0
 
 
+@pytest.mark.torch
 def test_no_headers_leaves_rows_only(daemon, client):
     ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(2 * MiB)
     rows = hbmctl("--run-dir", str(daemon.run_dir), "buffers", "--no-headers").stdout.splitlines()
@@ -390,6 +396,7 @@ def test_control_characters_from_a_peer_are_shown_escaped(fmt):
 
 
 
+@pytest.mark.torch
 def test_buffers_add_up_to_status_while_a_preserving_defragment_holds_old_and_new_chunks(daemon):
     rd = str(daemon.run_dir)
     with daemon.connect(client_name="engine", lease=False) as engine:  # one chunk per commit
@@ -436,6 +443,7 @@ def test_weights_lists_what_is_sealed_with_its_readers_and_delete_waits_for_none
     assert hbmctl("--run-dir", rd, "weights").stdout.strip() == "no sealed weights"
 
 
+@pytest.mark.torch
 def test_status_says_what_holds_budget_left_below_the_uncommitted_budget(start_daemon, run_dir):
     config = run_dir / "tenants.toml"
     config.write_text('[[tenants]]\nname = "large"\nguaranteed = "96MiB"\n')

@@ -46,6 +46,7 @@ def value(samples, name, hbmd_instance="host", **labels):
     return samples[(name, wanted)]
 
 
+@pytest.mark.torch
 def test_metrics_match_what_clients_committed(start_daemon):
     port = free_port()
     daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}", "--metrics-sessions")
@@ -92,6 +93,7 @@ def test_a_busy_metrics_port_is_a_clear_startup_error(run_dir):
     assert out.returncode == 1 and "--metrics-addr" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.torch
 def test_defaults_follow_prometheus_conventions(start_daemon):
     port = free_port()
     daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
@@ -174,6 +176,7 @@ def test_metrics_listen_on_a_host_name(start_daemon):
     assert "hbmd_budget_bytes" in page(port)
 
 
+@pytest.mark.torch
 def test_leased_bytes_are_a_metric_of_their_own_and_count_in_the_tenants(start_daemon):
     port = free_port()
     daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
@@ -209,6 +212,7 @@ def test_a_path_other_than_metrics_healthz_and_the_root_is_not_found(start_daemo
         assert refused.value.code == 404, path
 
 
+@pytest.mark.torch
 def test_orphaned_persistent_buffers_are_counted_until_attached_again(start_daemon):
     port = free_port()
     daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}")
