@@ -3,12 +3,16 @@
 The flooder makes a buffer of 60,000 segments, then sends, as fast as the
 daemon reads them, either placements of leased granules that the daemon must
 refuse (handle plane) or pipelined commits of every segment that the budget
-refuses (control plane). Meanwhile an engine of the same uid commits and asks
-for status every 100 ms, newcomers connect and an operator runs ``hbmctl
+refuses (control plane), on one control connection or on 64 of its own, as
+the engine's uid or as another. Meanwhile an engine commits and asks for
+status every 100 ms, newcomers connect and an operator runs ``hbmctl
 status``, and at the end the daemon is sent SIGTERM. The promise: no error,
-the engine's calls answered within 250 ms at the 90th percentile and 2 s at
+the engine's calls answered within 250 ms at the 99th percentile and 2 s at
 worst, the newcomers and ``hbmctl`` within 1 s, SIGTERM honoured within 1 s.
 ``HBMD_FLOOD_SECONDS`` sets how long each flood is measured (default 8).
+The flooder of 64 connections runs at nice 10: its own sends and reads keep
+one of the CI machine's two cores busy, and at equal priority the engine's
+tail would measure the scheduler's share more than the daemon's turns.
 """
 
 from __future__ import annotations
@@ -29,14 +33,22 @@ pytestmark = [pytest.mark.flood, pytest.mark.ipc]
 FLOOD_SECONDS = float(os.environ.get("HBMD_FLOOD_SECONDS", "8"))
 TICK_S = 0.1
 OPERATOR_EVERY_S = 1.5
+NOBODY = 65534
 
 FLOODER = """
+import os
 import time
 import zmq
 from hbmd.client import connect
 from hbmd.proto import CommitSegments, LeasePlace, encode_datagram, encode_frames
 
 SEGMENTS = 60_000
+os.nice(nice)
+if as_nobody:
+    # Everything is imported before: the checkout need not be open to uid 65534.
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
 client = connect("cpu", client_name="flood", timeout=60)
 # A commit through the daemon starts the lease; its granules' ids make a placement pass the cheap checks.
 small = client.create_buffer(8 << 20, 1)
@@ -56,17 +68,31 @@ if plane == "handles":
     while True:
         sock.send(placement)
 else:
-    # Every segment full: the whole buffer is worked out, then refused for want of budget.
+    # Every segment full: the whole buffer is worked out, then refused for want of budget. Each connection keeps
+    # requests in flight, sent as soon as it can take them, its replies read and dropped.
     frames = encode_frames(CommitSegments(wide.buffer_id, [4096] * SEGMENTS), 1, client._control.token)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(client._control.endpoint)
+    poller = zmq.Poller()
+    for _ in range(connections):
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, 16)
+        dealer.connect(client._control.endpoint)
+        poller.register(dealer, zmq.POLLIN | zmq.POLLOUT)
     print("flooding", len(frames[1]), flush=True)
     while True:
-        dealer.send_multipart(frames)
-        while dealer.poll(0):
-            dealer.recv_multipart()
+        for dealer, ready in poller.poll():
+            while dealer.poll(0):
+                dealer.recv_multipart()
+            if ready & zmq.POLLOUT:
+                dealer.send_multipart(frames, zmq.NOBLOCK)
 """
+
+FLOODS = {  # plane, control connections, as uid 65534, nice
+    "placements": ("handles", 1, False, 0),
+    "commits": ("control", 1, False, 0),
+    "commits on 64 connections": ("control", 64, False, 0),
+    "commits on 64 connections of another uid": ("control", 64, True, 0),
+}
 
 
 def percentile(samples: list[float], fraction: float) -> float:
@@ -80,13 +106,19 @@ def timed(call) -> float:
     return time.monotonic() - started
 
 
-@pytest.mark.parametrize("plane", ["handles", "control"])
-def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker, plane):
-    daemon = start_daemon("--budget", "128MiB")
+@pytest.mark.parametrize("flood", list(FLOODS))
+def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker, run_dir, flood):
+    plane, connections, as_nobody, nice = FLOODS[flood]
+    if as_nobody:
+        if os.getuid() != 0:
+            pytest.skip("needs root to flood as a second uid")
+        os.chmod(run_dir, 0o755)
+    daemon = start_daemon("--budget", "128MiB", *(("--group", "nogroup") if as_nobody else ()))
     engine = daemon.connect(client_name="engine", resume_timeout=1)  # the daemon is stopped for good at the end
     kv = ExtensibleTensor(32 * MiB, "cpu", client=engine)
     kv.resize_(GRANULE)  # the first view loads torch: not the daemon's time
-    flooder = spawn_worker(daemon, f"plane = {plane!r}\n{FLOODER}")
+    flooder = spawn_worker(daemon, f"plane, connections, as_nobody, nice, NOBODY = {plane!r}, {connections}, "
+                                   f"{as_nobody}, {nice}, {NOBODY}\n{FLOODER}")
     assert flooder.readline().startswith("flooding")
     ends = time.monotonic() + FLOOD_SECONDS
     errors: list[str] = []
@@ -117,6 +149,8 @@ def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker,
             errors.append(f"engine: {type(exc).__name__}: {exc}")
         time.sleep(max(0.0, TICK_S - (time.monotonic() - tick)))
     operator.join()
+    with open(f"/proc/{daemon.pid}/status") as status:
+        peak_rss = next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
     started = time.monotonic()
     daemon.proc.send_signal(signal.SIGTERM)
     try:
@@ -126,12 +160,13 @@ def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker,
     stopped_in = time.monotonic() - started
     engine.close()
     print(
-        f"{plane} flood: {len(calls)} calls, p50 {statistics.median(calls) * 1e3:.1f} ms, "
-        f"p90 {percentile(calls, 0.9) * 1e3:.1f} ms, max {max(calls) * 1e3:.1f} ms, {len(errors)} errors; "
-        f"connect max {max(newcomers, default=0) * 1e3:.0f} ms; SIGTERM {stopped_in * 1e3:.0f} ms"
+        f"flood of {flood}: {len(calls)} calls, p50 {statistics.median(calls) * 1e3:.1f} ms, "
+        f"p99 {percentile(calls, 0.99) * 1e3:.1f} ms, max {max(calls) * 1e3:.1f} ms, {len(errors)} errors; "
+        f"connect max {max(newcomers, default=0) * 1e3:.0f} ms; SIGTERM {stopped_in * 1e3:.0f} ms; "
+        f"the daemon's peak RSS {peak_rss >> 10} MiB"
     )
     assert errors == []
-    assert percentile(calls, 0.9) <= 0.25 and max(calls) <= 2.0
+    assert percentile(calls, 0.99) <= 0.25 and max(calls) <= 2.0
     assert newcomers and max(newcomers) <= 1.0
     assert operators and set(operators) == {0}
     assert stopped_in <= 1.0

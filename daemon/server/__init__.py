@@ -13,11 +13,14 @@
   the end of a session.
 - ``outbox.py``: FDs on their way to sessions: deliveries, flow control and
   draining.
+- ``control.py``: control requests between the ROUTER and their answers:
+  queued by the process that sent them, uids and processes in turn.
 - ``connection.py``: one handle-plane connection; ``ratelimit.py``: warnings
   a peer can provoke.
 """
 
 from .admin import MAX_TENANTS_LISTED
+from .control import MAX_QUEUED_PER_PEER
 from .handles import HELLO_TIMEOUT_S, MAX_PENDING_HELLOS_PER_UID
 from .loop import AlreadyRunning, BooksUnbalanced, Server
 from .outbox import MAX_FDS_IN_FLIGHT, MAX_FDS_IN_FLIGHT_PER_UID, MAX_QUEUED_BATCHES
@@ -28,6 +31,7 @@ __all__ = [
     "MAX_FDS_IN_FLIGHT",
     "MAX_FDS_IN_FLIGHT_PER_UID",
     "MAX_PENDING_HELLOS_PER_UID",
+    "MAX_QUEUED_PER_PEER",
     "MAX_QUEUED_BATCHES",
     "MAX_TENANTS_LISTED",
     "AlreadyRunning",

@@ -62,6 +62,7 @@ from ..takeover import TakeoverError, TakeoverListener
 from .admin import AdminRequests
 from .buffers import BufferRequests
 from .connection import HandleConnection
+from .control import UNREAD_PER_CONNECTION, ControlQueue
 from .handles import HELLO_TIMEOUT_S, HandlePlane
 from .outbox import DRAIN_CHECK_S
 from .ratelimit import RateLimitedLog
@@ -74,10 +75,11 @@ if TYPE_CHECKING:  # an optional collaborator: prometheus_client loads only when
 HANDOVER_TIMEOUT_S = 30.0
 """Seconds a successor has to take the state and chunks, and then to serve."""
 CONTROL_WORK_PER_TURN_S = 0.02
-"""Seconds of control requests served in one turn of the loop; those left wait for the next turn, after the handle
-plane, new connections, hellos and signals have been seen to. ZeroMQ hands the requests of the control connections
-over in turn (a ROUTER fair-queues them), so a peer pipelining requests gets one served, then every other waiting
-peer gets one: a flood delays its sender, others wait at most for one of its requests (tests/test_flood.py)."""
+"""Seconds of control requests served in one turn of the loop at most; those left wait for the next turn, after the
+handle plane, new connections, hellos and signals have been seen to. A turn answers one request of each peer waiting
+(:class:`ControlQueue`: a peer is a process, however many connections it opens, and uids take turns), so a peer
+pipelining requests gets one served, then every other waiting peer gets one: a flood delays its sender, others wait
+at most for the one of its requests being answered (tests/test_flood.py)."""
 
 TIMERS_EVERY_S = 0.005
 """How often the loop looks for what time alone makes due: idle leases, hello and resume timeouts, ignored reclaims,
@@ -146,6 +148,8 @@ class Server(Generic[A, C]):
         self._dir_fd = -1
         self._context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
+        self._requests = ControlQueue()
+        """Control requests read from the router, waiting for their peer's turn."""
         self._waiting: dict[int, tuple[bytes, list[bytes]]] = {}
         """Requests waiting for their session's datagrams (:class:`_Behind`), by session id: one each at most."""
         self._successors: TakeoverListener | None = None
@@ -189,6 +193,7 @@ class Server(Generic[A, C]):
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        self._router.setsockopt(zmq.RCVHWM, UNREAD_PER_CONNECTION)
         # A control connection that never completes the ZeroMQ greeting is dropped as a hello-less one is.
         self._router.setsockopt(zmq.HANDSHAKE_IVL, int(HELLO_TIMEOUT_S * 1000))
         self._router.bind(self.paths.endpoint)
@@ -250,11 +255,9 @@ class Server(Generic[A, C]):
         """Serve until :meth:`stop`; raises :class:`BooksUnbalanced` as soon as ``check_invariants`` finds them so."""
         idle_work = True
         while not self._stopping:
-            busy = idle_work or self._waiting or self.state.top_ups_due
+            busy = idle_work or self._waiting or self._requests or self.state.top_ups_due
             timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
-            # Control requests last: a request sees every session the same turn of the loop ended (a worker that
-            # exited just before its peer asked for status is gone from the status).
-            events = sorted(self._ready(timeout), key=lambda event: event[0] is self._router)
+            events = self._ready(timeout)
             with self.lock:
                 self._plane.new_turn()
                 for fd_or_socket, _ in events:
@@ -263,6 +266,10 @@ class Server(Generic[A, C]):
                     except Exception:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
+                # Control requests last: a request sees every session the same turn of the loop ended (a worker that
+                # exited just before its peer asked for status is gone from the status).
+                if self._requests:
+                    self._answer_requests()
                 if self._waiting:
                     self._answer_waiting()
                 self._look_after_sessions()
@@ -288,6 +295,7 @@ class Server(Generic[A, C]):
         and let it go."""
         self._plane.close()
         self._waiting.clear()  # their clients send them again once they have resumed
+        self._requests.clear()
         if self._router is not None:
             self._poller.unregister(self._router)
             self._router.close(linger=0)
@@ -323,7 +331,7 @@ class Server(Generic[A, C]):
 
     def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
         if self._router is not None and fd_or_socket is self._router:
-            self._drain_control(self._router)
+            self._requests.read(self._router)
         elif fd_or_socket == self._wake_r:
             self._drain_wake()
         elif self._successors is not None and fd_or_socket == self._successors.fileno():
@@ -412,21 +420,25 @@ class Server(Generic[A, C]):
 
     # control plane
 
-    def _drain_control(self, router: zmq.Socket) -> None:
-        """Answer the control requests waiting, for :data:`CONTROL_WORK_PER_TURN_S` at most (one request at least,
-        however long it takes); the rest stay queued, and the next poll returns at once for them. A stop asked
-        meanwhile ends it at once."""
+    def _answer_requests(self) -> None:
+        """Answer the control requests read, in their peers' turns, one round of turns (as many requests as peers
+        wait) for :data:`CONTROL_WORK_PER_TURN_S` at most (one request at least, however long it takes); the rest
+        wait, and the next poll returns at once for them. A stop asked meanwhile ends it at once.
+
+        One round, not more: the next turn reads again, so that a request sent
+        meanwhile beside a flood's is read, and answered before the flood's next.
+        """
         ends = time.perf_counter() + CONTROL_WORK_PER_TURN_S
-        # The poll saw a request: the first is read at once. After each answer the socket is asked whether another
-        # waits rather than read: a read of an empty socket raises zmq.Again, half again as dear as asking (5.6 against
-        # 3.8 µs on the 2-core CI machine), and most drains end there.
-        while not self._stopping:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+        for _ in range(self._requests.peers):
+            if self._router is None or self._stopping:
                 return
-            self._answer(router, frames[0], frames[1:])
-            if time.perf_counter() >= ends or not router.get(zmq.EVENTS) & zmq.POLLIN:
+            identity, body = self._requests.take()
+            try:
+                self._answer(self._router, identity, body)
+            except Exception:
+                # A bug met by one peer's request must not stop the daemon for every other.
+                log.exception("answering a control request failed")
+            if time.perf_counter() >= ends:
                 return
 
     def _answer(self, router: zmq.Socket, identity: bytes, body: list[bytes]) -> None:
