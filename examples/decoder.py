@@ -251,19 +251,37 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """The decoder with seeded random weights; :meth:`prefill` and :meth:`decode` return greedy next tokens."""
 
-    def __init__(self, config: DecoderConfig, device: torch.device, dtype: torch.dtype, seed: int | None) -> None:
-        """``seed`` None leaves the weights as allocated: for :meth:`from_state_dict`, which replaces them."""
+    def __init__(
+        self,
+        config: DecoderConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int | None,
+        tables_device: torch.device | None = None,
+    ) -> None:
+        """``seed`` None leaves the weights as allocated: for :meth:`from_state_dict`, which replaces them.
+
+        ``tables_device``: where the tables computed rather than loaded (rotary, slot positions) live, by default
+        ``device``.
+        """
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        # Given its weight, the embedding skips its own random init, which on the meta device would import torch's
+        # reference kernels: 1.3-1.8 s of a restarted worker's start on a 2-core host (engine.py restart).
+        self.embed = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, device=device, dtype=dtype),
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, device, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps, device, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
-        self.rotary = Rotary(config.head_dim, config.max_model_len, config.rope_theta, device)
+        tables_device = tables_device or device
+        self.rotary = Rotary(config.head_dim, config.max_model_len, config.rope_theta, tables_device)
         # Token position of every slot of a gathered block table: the decode step's attention mask.
         self.register_buffer(
             "slot_positions",
-            torch.arange(config.max_blocks_per_seq * config.block_size, device=device),
+            torch.arange(config.max_blocks_per_seq * config.block_size, device=tables_device),
             persistent=False,
         )
         if seed is not None:
@@ -276,14 +294,12 @@ class Decoder(nn.Module):
     ) -> "Decoder":
         """The decoder over ``state_dict``'s tensors themselves, not copies (hbmd's read-only views stay shared).
 
-        Built on the meta device first, so no weights are drawn only to be
-        replaced; the tables that are computed rather than loaded (rotary,
-        slot positions) are then made on ``device``.
+        The parameters are made on the meta device, so no weights are drawn
+        or allocated only to be replaced; the tables that are computed rather
+        than loaded (rotary, slot positions) are made on ``device``.
         """
-        model = cls(config, torch.device("meta"), dtype, None)
+        model = cls(config, torch.device("meta"), dtype, None, tables_device=device)
         model.load_state_dict(state_dict, assign=True)
-        model.rotary = Rotary(config.head_dim, config.max_model_len, config.rope_theta, device)
-        model.slot_positions = torch.arange(config.max_blocks_per_seq * config.block_size, device=device)
         model.requires_grad_(False)
         return model
 

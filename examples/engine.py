@@ -1,16 +1,22 @@
 """A real decoder whose KV cache lives in hbmd buffers: serve, crash and resume, sleep and wake, share a GPU.
 
-    python examples/engine.py --run-dir DIR MODE [--device cpu|cuda] [--config tiny|gpu] [--start-daemon] [--json] ...
+    python examples/engine.py [--run-dir DIR] MODE [--device cpu|cuda] [--config tiny|gpu] [--start-daemon] [--json] ...
+
+The daemon is found as ``hbmctl`` finds it: under ``--run-dir``, else
+``$HBMD_RUN_DIR``, else ``/run/hbmd``. Each engine sizes its KV cache to what
+its requests need (a full batch of the longest sequences); ``--kv-share F``
+sizes it to F of what the daemon has left instead, as a serving engine's
+``--gpu-memory-utilization`` does, and ``--kv-blocks N`` to N blocks.
 
 Modes:
 
-- ``generate``: one engine: warm up on a few KV blocks, size the cache from
-  what the daemon has left, prefill a batch of seeded random prompts and
-  greedy-decode. ``--persistent`` names its buffers ``<name>-kv-layerN`` and
-  saves the decode state after every step; ``--kill-after K`` SIGKILLs the
-  process after K decode steps; ``--resume`` attaches the buffers and the
-  state a dead worker left and finishes the request; ``--hold`` keeps the
-  session until a line arrives on stdin.
+- ``generate``: one engine: warm up on a few KV blocks, size the cache,
+  prefill a batch of seeded random prompts and greedy-decode.
+  ``--persistent`` names its buffers ``<name>-kv-layerN`` and saves the
+  decode state after every step; ``--kill-after K`` SIGKILLs the process
+  after K decode steps; ``--resume`` attaches the buffers and the state a
+  dead worker left and finishes the request; ``--hold`` keeps the session
+  until a line arrives on stdin.
 - ``crash-resume``: an uninterrupted run, a run killed halfway, a resumed
   run; are the tokens identical, and how long did resuming take against
   recomputing the prefix?
@@ -23,9 +29,10 @@ Modes:
   and the wake against recomputing the prefix (the daemon needs
   ``--host-budget``; ``--start-daemon`` gives it one as large as
   ``--budget``).
-- ``two-engines``: two engines with different models under one daemon; the
-  second sizes its cache from what the first left. Each declares a tenant,
-  and ``--daemon-config FILE`` starts the daemon with a quota file.
+- ``two-engines``: two engines with different models under one daemon. With
+  ``--kv-share F`` the first takes F of what fits and the second sizes its
+  cache from what the first left. Each declares a tenant, and
+  ``--daemon-config FILE`` starts the daemon with a quota file.
 - ``make-room``: engine A, of a tenant the daemon may demote, serves a
   request halfway and idles; engine B, another model, wants a cache that
   does not fit beside A's. The daemon has A's client move A's cache to the
@@ -33,7 +40,8 @@ Modes:
   by itself and A finishes. Both engines' tokens against undisturbed runs
   (``--start-daemon`` writes the tenants, ``--tenants``, into a config with
   the first one demotable, and gives the daemon a host tier as large as
-  ``--budget``).
+  ``--budget``). Each engine sizes its cache to ``--kv-share`` (default 0.6)
+  of what fits: two caches that do not fit together are the point.
 - ``restart``: a worker restart, from process start to its first generated
   token, with the weights loaded from a checkpoint file on local disk
   (``torch.load``; once evicted from the page cache, once cached) against
@@ -48,12 +56,16 @@ Modes:
 weights from a ``torch.save`` checkpoint or from sealed weights in hbmd
 (:mod:`hbmd.client.weights`) instead of drawing them from ``--seed``.
 
-``--start-daemon`` starts ``hbmd`` under the run directory for the run (host
-backend for ``--device cpu``, CUDA for ``cuda``) and stops it at the end;
-otherwise a daemon must be serving there. Progress goes to stderr; the
-result goes to stdout as a short summary or, with ``--json``, as one JSON
-line (the summary then goes to stderr).
-The exit status is 1 when a mode's check fails.
+``--start-daemon`` starts ``hbmd`` for the run (host backend for ``--device
+cpu``, CUDA for ``cuda``) under ``--run-dir``, else in a new temporary run
+directory, and stops it at the end; otherwise a daemon must be serving. The
+example keeps its own files (decode state, weight checkpoints, a started
+daemon's log) in ``--work-dir``, by default ``~/.cache/hbmd-examples``: the
+run directory is the daemon's, and in production not the worker's to write.
+Progress goes to stderr, a line per phase with its time; the result goes to
+stdout as a short summary or, with ``--json``, as one JSON line (the summary
+then goes to stderr). The exit status is 1 when a mode's check fails or no
+daemon serves.
 """
 
 from __future__ import annotations
@@ -63,9 +75,11 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,6 +87,8 @@ from typing import Any, Iterator
 
 from hbmd.client import Client, connect
 from hbmd.daemon.spawn import DaemonProcess, wait_until
+from hbmd.proto.errors import DaemonUnavailable
+from hbmd.proto.instance import RUN_DIR_ENV, resolve_run_dir
 from hbmd.proto.units import format_bytes, parse_size
 
 HERE = Path(__file__).resolve().parent
@@ -99,12 +115,23 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
 
+def default_work_dir() -> Path:
+    """``$XDG_CACHE_HOME/hbmd-examples``, else ``~/.cache/hbmd-examples``: the user's own, on a disk (``restart``
+    reads a checkpoint from it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hbmd-examples"
+
+
 # the daemon
 
 
 @contextlib.contextmanager
 def daemon_for(args: argparse.Namespace) -> Iterator[str | None]:
-    """With ``--start-daemon``, an ``hbmd`` subprocess serving the run directory for the block; yields its instance."""
+    """With ``--start-daemon``, an ``hbmd`` subprocess serving the run directory for the block; yields its instance.
+
+    Without ``--run-dir`` it serves a new temporary run directory (short, under
+    ``/tmp``: socket paths are limited), removed afterwards, and ``args.run_dir``
+    names it for the engines this run starts.
+    """
     if not args.start_daemon:
         yield None
         return
@@ -117,17 +144,26 @@ def daemon_for(args: argparse.Namespace) -> Iterator[str | None]:
         options += ["--config", str(args.daemon_config)]
     elif args.mode == "make-room":
         options += ["--config", str(demotable_config(args))]
-    daemon = DaemonProcess(args.run_dir, *options, log_path=args.run_dir / "hbmd.log").start()
+    temporary = args.run_dir is None
+    if temporary:
+        args.run_dir = Path(tempfile.mkdtemp(prefix="hbmd-", dir="/tmp"))
     try:
-        log("daemon", f"hbmd pid {daemon.pid} serves {daemon.instance} ({backend} backend, budget {budget}); "
-                      f"log in {daemon.log_path}")
-        yield daemon.instance
+        start = time.perf_counter()
+        daemon = DaemonProcess(args.run_dir, *options, log_path=args.work_dir / "hbmd.log").start()
+        try:
+            log("daemon", f"hbmd pid {daemon.pid} serves {daemon.instance} under {args.run_dir} ({backend} backend, "
+                          f"budget {budget}), started in {ms(time.perf_counter() - start)}; log in {daemon.log_path}")
+            yield daemon.instance
+        finally:
+            daemon.stop()
     finally:
-        daemon.stop()
+        if temporary:
+            shutil.rmtree(args.run_dir, ignore_errors=True)
 
 
 def connect_for(args: argparse.Namespace, instance: str | None, client_name: str, tenant: str = "") -> Client:
-    """A session with the daemon serving ``--device`` under the run directory."""
+    """A session with the daemon serving ``--device`` under the run directory (``--run-dir``, else
+    ``$HBMD_RUN_DIR``, else ``/run/hbmd``, as the client library resolves it)."""
     if instance is not None:
         return connect(run_dir=args.run_dir, instance=instance, client_name=client_name, tenant=tenant)
     # "cuda:0", not "cuda": naming the index keeps an orchestrator from creating a CUDA context just to ask torch.
@@ -142,7 +178,7 @@ def connect_for(args: argparse.Namespace, instance: str | None, client_name: str
 def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
     """Serve one batch (or finish a dead worker's batch with ``--resume``); the result as a dict."""
     import torch
-    from serving import DecodeState, Engine, Sizing, config_named, make_prompts
+    from serving import DecodeState, Engine, config_named, make_prompts
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -151,7 +187,7 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
     weights_start = time.perf_counter()
     weights = load_weights_from(args.weights, device, client)
     weights_s = time.perf_counter() - weights_start
-    state_path = args.run_dir / f"{args.name}.state.json"
+    state_path = args.work_dir / f"{args.name}.state.json"
     started = time.perf_counter()
     resumed_at = None
     if args.resume:
@@ -186,7 +222,7 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
             persistent=args.persistent,
             weights=weights,
         )
-        engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant, args.kv_blocks))
+        engine.start(args.warmup_blocks, sizing(args))
         prompts = make_prompts(engine.config, args.prompt_seed, args.batch, args.prompt_len)
         state = engine.prefill(prompts, args.prompt_seed, args.prompt_len, args.new_tokens)
         # Wall-clock time, so that the orchestrator measures from before it started this process.
@@ -243,6 +279,15 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
     return result
 
 
+def sizing(args: argparse.Namespace) -> Any:
+    """How ``--kv-blocks``, ``--kv-share`` or, by default, the request (``--prompt-len``, ``--new-tokens``) size the
+    KV cache."""
+    from serving import Sizing
+
+    return Sizing(blocks=args.kv_blocks, share=args.kv_share, request=(args.prompt_len, args.new_tokens),
+                  margin_bytes=args.margin, tenant=args.tenant)
+
+
 def load_weights_from(source: str, device: Any, client: Client) -> dict[str, Any] | None:
     """The state dict ``--weights`` names: None for ``seed`` (drawn by the engine), else a checkpoint's or hbmd's."""
     if source == "seed":
@@ -264,7 +309,8 @@ def summarize_generate(r: dict[str, Any]) -> str:
     lines = [
         f"engine {r['engine']} ({r['config']}, {r['params'] / 1e6:.1f}M params, {r['device']}, "
         f"decode step {'in a CUDA graph' if r['graph'] else 'eager'}): {r['batch']} sequences x {r['new_tokens']} new tokens",
-        f"  KV cache: {kv['num_blocks']} blocks x {format_bytes(kv['bytes_per_block'])} = {format_bytes(kv['physical_bytes'])} "
+        f"  KV cache ({kv['sized_to']}): {kv['num_blocks']} blocks x {format_bytes(kv['bytes_per_block'])} = "
+        f"{format_bytes(kv['physical_bytes'])} "
         f"in {kv['buffers']} hbmd buffers ({kv['segments']} segments, {kv['chunks']} chunks); "
         f"session committed {format_bytes(r['session_committed_bytes'])}",
         f"  decode {t['decode_steps']:.0f} steps in {ms(t['decode_s'])}"
@@ -283,13 +329,14 @@ def summarize_generate(r: dict[str, Any]) -> str:
 
 def engine_command(args: argparse.Namespace, *extra: str) -> list[str]:
     """The ``generate`` command line for an engine subprocess, with this run's workload options."""
-    command = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--run-dir",
-        str(args.run_dir),
+    command = [sys.executable, str(Path(__file__).resolve())]
+    if args.run_dir is not None:
+        command += ["--run-dir", str(args.run_dir)]
+    command += [
         "generate",
         "--json",
+        "--work-dir",
+        str(args.work_dir),
         "--device",
         args.device,
         "--config",
@@ -311,6 +358,8 @@ def engine_command(args: argparse.Namespace, *extra: str) -> list[str]:
     ]
     if args.kv_blocks:
         command += ["--kv-blocks", str(args.kv_blocks)]
+    if args.kv_share:
+        command += ["--kv-share", str(args.kv_share)]
     return command + list(extra)
 
 
@@ -371,7 +420,7 @@ def crash_resume(args: argparse.Namespace, instance: str | None) -> dict[str, An
     for stale in kv_buffers_of(observer, args.name):
         log("crash-resume", f"deleting {stale.name}, left by an earlier run")
         observer.delete(stale.name)
-    (args.run_dir / f"{args.name}.state.json").unlink(missing_ok=True)
+    (args.work_dir / f"{args.name}.state.json").unlink(missing_ok=True)
 
     log("crash-resume", "1/3 uninterrupted reference run")
     reference = run_engine(args, "--name", f"{args.name}-reference")
@@ -434,7 +483,7 @@ def summarize_crash_resume(r: dict[str, Any]) -> str:
 def started_engine(args: argparse.Namespace, instance: str | None) -> tuple[Any, Client, Any]:
     """An engine in this process with its KV cache sized and warmed up: its device, client and itself."""
     import torch
-    from serving import Engine, Sizing, config_named
+    from serving import Engine, config_named
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -443,7 +492,7 @@ def started_engine(args: argparse.Namespace, instance: str | None) -> tuple[Any,
     engine = Engine(
         client, config_named(args.config), device, weights_seed=args.seed, batch_size=args.batch, name=args.name
     )
-    engine.start(args.warmup_blocks, Sizing(args.kv_share, args.margin, 0.0, args.tenant, args.kv_blocks))
+    engine.start(args.warmup_blocks, sizing(args))
     return device, client, engine
 
 
@@ -506,10 +555,34 @@ def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
     }
 
 
+class DaemonUnfit(Exception):
+    """The daemon serving lacks what a mode needs; the message says what, and how to get a daemon that has it."""
+
+
+def require_host_tier(args: argparse.Namespace, instance: str | None, config: bool = False) -> None:
+    """Raise :class:`DaemonUnfit` at once where the daemon has no host tier (or, with ``config``, no ``--config``),
+    rather than after the first engines ran."""
+    client = connect_for(args, instance, args.mode)
+    try:
+        status = client.status()
+    finally:
+        client.close()
+    lacks = []
+    if not status.host_budget_bytes:
+        lacks.append("a host tier (hbmd --host-budget SIZE)")
+    if config and not status.config_path:
+        lacks.append("a config with a demotable tenant (hbmd --config FILE)")
+    if lacks:
+        raise DaemonUnfit(f"{args.mode} needs a daemon with {' and '.join(lacks)}; the daemon of instance "
+                          f"{status.instance} has none: pass --start-daemon to start one that has")
+
+
 def sleep_keep(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
     """Decode halfway, sleep with the KV cache kept in the host tier, one step there, wake, finish; against an
     undisturbed engine's tokens, and the wake against recomputing the prefix."""
     from serving import make_prompts
+
+    require_host_tier(args, instance)
 
     log("sleep-keep", f"undisturbed engine serving the request (prompt seed {args.prompt_seed}), for comparison")
     undisturbed = run_engine(args, "--name", f"{args.name}-undisturbed")
@@ -578,7 +651,9 @@ def sleep_keep(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
 
 def show_hbmctl(args: argparse.Namespace, instance: str | None) -> None:
     """What an operator sees meanwhile: ``hbmctl status``, to stderr."""
-    command = [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(args.run_dir)]
+    command = [sys.executable, "-m", "hbmd.client.ctl"]
+    if args.run_dir is not None:
+        command += ["--run-dir", str(args.run_dir)]
     if instance is not None:
         command += ["--instance", instance]
     shown = subprocess.run(command + ["status"], capture_output=True, text=True, timeout=60)
@@ -633,16 +708,23 @@ def summarize_sleep_keep(r: dict[str, Any]) -> str:
 
 
 def two_engines(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
-    """Engine A takes ``--kv-share`` of what fits; engine B, another model, sizes from what is left."""
+    """Engine A, then engine B (another model) beside it: each sized to its requests, or, with ``--kv-share``, A to
+    that share of what fits and B to what A left."""
     second_config = args.second_config or SECOND_CONFIG[args.config]
     tenants = tenant_pair(args)
     batch, prompt_len, new_tokens = WORKLOADS[second_config]
+    if args.kv_blocks:
+        sized = (f"{args.kv_blocks} blocks", f"{args.kv_blocks} blocks", [])
+    elif args.kv_share:
+        sized = (f"{args.kv_share:.0%} of what fits", "what is left", ["--kv-share", "1"])
+    else:
+        sized = ("what its requests need", "what its requests need", [])
     held: list[HeldEngine] = []
     try:
-        log("two-engines", f"engine A: {args.config}, tenant {tenants[0]}, takes {args.kv_share:.0%} of what fits")
-        held.append(HeldEngine(args, "--name", "engine-a", "--tenant", tenants[0], "--kv-share", str(args.kv_share)))
+        log("two-engines", f"engine A: {args.config}, tenant {tenants[0]}, takes {sized[0]}")
+        held.append(HeldEngine(args, "--name", "engine-a", "--tenant", tenants[0]))
         first = held[0].result()
-        log("two-engines", f"engine B: {second_config}, tenant {tenants[1]}, takes what is left")
+        log("two-engines", f"engine B: {second_config}, tenant {tenants[1]}, takes {sized[1]}")
         held.append(
             HeldEngine(
                 args,
@@ -658,6 +740,7 @@ def two_engines(args: argparse.Namespace, instance: str | None) -> dict[str, Any
                 str(prompt_len),
                 "--new-tokens",
                 str(new_tokens),
+                *sized[2],
             )
         )
         second = held[1].result()
@@ -710,7 +793,7 @@ def two_engines(args: argparse.Namespace, instance: str | None) -> dict[str, Any
 def demotable_config(args: argparse.Namespace) -> Path:
     """A daemon config naming the two ``--tenants``, the first one demotable under pressure."""
     demotable, other = tenant_pair(args)
-    path = args.run_dir / "make-room.toml"
+    path = args.work_dir / "make-room.toml"
     path.write_text(f'[[tenants]]\nname = "{demotable}"\ndemote = 1\n\n[[tenants]]\nname = "{other}"\n')
     return path
 
@@ -729,16 +812,16 @@ def make_room(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
 
     from hbmd.daemon.state import DEMOTE_IDLE_S
 
+    require_host_tier(args, instance, config=True)
     demotable, other = tenant_pair(args)
     second_config = args.second_config or SECOND_CONFIG[args.config]
     batch, prompt_len, new_tokens = WORKLOADS[second_config]
     second = ["--config", second_config, "--batch", str(batch), "--prompt-len", str(prompt_len),
               "--new-tokens", str(new_tokens)]
-    share = ["--kv-share", str(args.kv_share)]
     log("make-room", f"undisturbed runs, each engine alone taking {args.kv_share:.0%} of what fits: "
                      f"A ({args.config}), B ({second_config})")
-    undisturbed_a = run_engine(args, "--name", "a-undisturbed", *share)
-    undisturbed_b = run_engine(args, "--name", "b-undisturbed", *share, *second)
+    undisturbed_a = run_engine(args, "--name", "a-undisturbed")
+    undisturbed_b = run_engine(args, "--name", "b-undisturbed", *second)
     a_args = argparse.Namespace(**{**vars(args), "name": "engine-a", "tenant": demotable,
                                    "kv_blocks": undisturbed_a["kv"]["num_blocks"]})
     device, client, engine = started_engine(a_args, instance)
@@ -856,7 +939,7 @@ def stored_weights(args: argparse.Namespace, instance: str | None, who: str) -> 
     if device.type == "cuda":
         torch.cuda.init()
     client = connect_for(args, instance, who)
-    name, checkpoint = f"{args.name}-weights", args.run_dir / f"{args.name}.weights.pt"
+    name, checkpoint = f"{args.name}-weights", args.work_dir / f"{args.name}.weights.pt"
     if any(b.name == name for b in client.buffers()):
         log(who, f"deleting {name}, left by an earlier run")
         client.delete(name)
@@ -952,15 +1035,12 @@ def share_weights(args: argparse.Namespace, instance: str | None) -> dict[str, A
     """Two engines with their own copies of the weights, then two on one copy in hbmd: device memory and tokens.
 
     Every engine commits the same KV cache (``--kv-blocks``, by default what
-    its batch needs), so the difference in the device memory the pair uses
+    its requests need), so the difference in the device memory the pair uses
     is the weights. The shared copy is committed once, read by both engines
     and charged to neither; all four engines must produce the same tokens.
     """
     import torch
-    from serving import config_named
 
-    block_size = config_named(args.config).block_size
-    args.kv_blocks = args.kv_blocks or args.batch * -(-(args.prompt_len + args.new_tokens) // block_size)
     if args.device == "cuda":
         # This process's own context is made before the baseline, so that it is not counted as the engines'.
         torch.empty(1, device="cuda")
@@ -991,16 +1071,18 @@ def share_weights(args: argparse.Namespace, instance: str | None) -> dict[str, A
     (weights,) = [b for b in buffers if b.name == name]
     committed = shared_held.committed_bytes
     kv = sum(r["kv"]["physical_bytes"] for r in shared)
+    kv_blocks = {r["kv"]["num_blocks"] for r in own + shared}
     uncharged = all(r["session_committed_bytes"] == r["kv"]["physical_bytes"] for r in shared)
     identical = all(r["tokens"] == own[0]["tokens"] for r in own + shared)
     return {
         "mode": "share-weights",
-        "ok": identical and uncharged and weights.readers == 2 and committed == weights.physical_bytes + kv,
+        "ok": identical and uncharged and weights.readers == 2 and committed == weights.physical_bytes + kv
+        and len(kv_blocks) == 1,
         "tokens_identical": identical,
         "config": shared[0]["config"],
         "device": shared[0]["device"],
         "params": shared[0]["params"],
-        "kv_blocks": args.kv_blocks,
+        "kv_blocks": max(kv_blocks),
         "weights_bytes": weights.physical_bytes,
         "readers": weights.readers,
         "kv_bytes": kv,
@@ -1016,12 +1098,15 @@ def share_weights(args: argparse.Namespace, instance: str | None) -> dict[str, A
 
 def summarize_share_weights(r: dict[str, Any]) -> str:
     used = r["device_used_bytes"]
+    saved = used["own"] - used["shared"]
+    # On the host backend "device memory" is the machine's free RAM, which other processes move as much.
+    saving = f"saved {format_bytes(saved)}" if saved >= 0 else f"{format_bytes(-saved)} more"
     return "\n".join(
         [
             f"share-weights ({r['config']}, {r['params'] / 1e6:.1f}M params, {r['device']}): "
             f"two engines, {r['kv_blocks']} KV blocks each",
             f"  device memory used by the pair: own weights {format_bytes(used['own'])}, "
-            f"shared weights {format_bytes(used['shared'])} (saved {format_bytes(used['own'] - used['shared'])})",
+            f"shared weights {format_bytes(used['shared'])} ({saving})",
             f"  weights {format_bytes(r['weights_bytes'])} committed once, read by {r['readers']} engines "
             f"(attached in {', '.join(ms(s) for s in r['attach_s'])}); KV caches {format_bytes(r['kv_bytes'])}; "
             f"daemon committed {format_bytes(r['committed_bytes'])}",
@@ -1078,7 +1163,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--run-dir", type=Path, required=True, help="the daemon's run directory (short: socket paths)")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="the daemon's run directory (default: $HBMD_RUN_DIR, else /run/hbmd; with --start-daemon a new "
+        "temporary one)",
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     common.add_argument(
@@ -1091,17 +1181,21 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--prompt-len", type=int, help="longest prompt; lengths are drawn from [len/2, len]")
     common.add_argument("--new-tokens", type=int, help="tokens generated per sequence (the prefill's one included)")
     common.add_argument("--warmup-blocks", type=int, default=4, help="KV blocks committed for warm-up")
-    common.add_argument("--margin", help="bytes left free when sizing the KV cache (default: 0 on cpu, 1GiB on cuda)")
+    common.add_argument(
+        "--margin", help="with --kv-share, bytes left free when sizing the KV cache (default: 0 on cpu, 1GiB on cuda)"
+    )
     common.add_argument(
         "--kv-share",
         type=float,
-        help="fraction of what fits that the engine commits (default: 1; engine A's in two-engines 0.5; "
-        "each engine's in make-room 0.6)",
+        metavar="F",
+        help="size the KV cache to the budget: commit F of what fits, as --gpu-memory-utilization does (default: "
+        "to what the requests need; make-room: 0.6; two-engines: A takes F, B what A left)",
     )
     common.add_argument(
         "--kv-blocks",
         type=int,
-        help="KV blocks the engine commits, instead of a share of what fits (share-weights: default what its batch needs)",
+        metavar="N",
+        help="commit N KV blocks, over --kv-share and what the requests need",
     )
     common.add_argument(
         "--name", default="engine", help="engine name: labels, persistent buffer names <name>-kv-layerN"
@@ -1115,7 +1209,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--json", action="store_true", help="print one JSON line on stdout (the summary goes to stderr)"
     )
-    common.add_argument("--start-daemon", action="store_true", help="start hbmd under --run-dir for this run")
+    common.add_argument("--start-daemon", action="store_true",
+                        help="start hbmd for this run, under --run-dir or a new temporary run directory")
+    common.add_argument("--work-dir", type=Path, default=default_work_dir(),
+                        help="where the example keeps its files: decode state, weight checkpoints, a started "
+                        "daemon's log (default: %(default)s)")
     common.add_argument("--budget", help="the started daemon's --budget (default: 256MiB on cpu, 50%% on cuda)")
     common.add_argument(
         "--daemon-config", type=Path, metavar="FILE", help="the started daemon's --config (tenant quotas, TOML)"
@@ -1162,10 +1260,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.margin = parse_size(args.margin or DEFAULT_MARGIN[args.device])
     except ValueError as exc:
         parser.error(f"--margin: {exc}")
-    # Not set_defaults on the two-engines parser: the options' actions are shared by every mode through `common`.
-    args.kv_share = args.kv_share or {"two-engines": 0.5, "make-room": 0.6}.get(args.mode, 1.0)
-    if not 0 < args.kv_share <= 1:
+    # Not set_defaults on the make-room parser: the options' actions are shared by every mode through `common`.
+    args.kv_share = args.kv_share or {"make-room": 0.6}.get(args.mode)
+    if args.kv_share is not None and not 0 < args.kv_share <= 1:
         parser.error("--kv-share must be in (0, 1]")
+    if args.mode == "share-weights" and args.kv_share is not None:
+        parser.error("share-weights compares engines with equal KV caches: --kv-blocks, not --kv-share")
     if args.kill_after is not None and not 0 <= args.kill_after < args.new_tokens - 1:
         parser.error(f"--kill-after must be below the {args.new_tokens - 1} decode steps")
     return args
@@ -1174,10 +1274,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run, _ = MODES[args.mode]
-    with daemon_for(args) as instance:
-        result = run(args, instance)
+    args.work_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    who = args.name if args.mode == "generate" else args.mode
+    started = time.perf_counter()
+    if not args.start_daemon:
+        origin = "--run-dir" if args.run_dir else f"${RUN_DIR_ENV}" if os.environ.get(RUN_DIR_ENV) else "the default"
+        log(who, f"{args.mode} with the daemon under {resolve_run_dir(args.run_dir)} ({origin})")
+    try:
+        with daemon_for(args) as instance:
+            result = run(args, instance)
+    except (DaemonUnavailable, DaemonUnfit) as exc:
+        log(who, str(exc))
+        return 1
     if not (args.mode == "generate" and args.hold):
         emit(args, result)
+    log(who, f"done in {time.perf_counter() - started:.1f} s")
     return 0 if result["ok"] else 1
 
 

@@ -7,10 +7,15 @@ The flow follows what a serving engine does with an extensible KV cache:
 2. warm up: a prefill of the longest prompt (the activation peak) and the
    decode step, which on a GPU is captured once in a CUDA graph whose block
    indices live in device tensors;
-3. size the cache from what the daemon can still give
-   (:func:`kv_blocks_that_fit`) and commit it, defragmented, under the
-   captured graph: the base pointers do not move, so the graph stays valid;
+3. size the cache, to what the requests need (the default) or to a share
+   of what the daemon can still give (:func:`kv_blocks_that_fit`, as vLLM's
+   ``--gpu-memory-utilization`` sizes to the device), and commit it,
+   defragmented, under the captured graph: the base pointers do not move,
+   so the graph stays valid;
 4. serve: prefill each prompt, then replay the decode step.
+
+Each phase logs a line with its time to stderr; a decode that runs longer
+than :data:`PROGRESS_EVERY_S` logs where it stands meanwhile.
 
 The decode state (block tables, sequence lengths, tokens so far) is small
 and saved after every step, so a worker killed mid-request can be replaced
@@ -31,11 +36,19 @@ from typing import Callable
 import torch
 from decoder import CONFIGS, Decoder, DecoderConfig
 from hbmd.client import Client, kv_blocks_that_fit
+from hbmd.proto.units import format_bytes
 from paged_kv import BlockTables, PagedKVCache
+
+PROGRESS_EVERY_S = 5.0
+"""A decode running longer than this says where it stands this often (a user watching the terminal sees it move)."""
 
 
 def log(who: str, message: str) -> None:
     print(f"[{who}] {message}", file=sys.stderr, flush=True)
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
 
 
 def synchronize(device: torch.device) -> None:
@@ -143,15 +156,24 @@ class DecodeStep:
 
 @dataclasses.dataclass
 class Sizing:
-    """How the engine sizes its KV cache after warm-up."""
+    """How the engine sizes its KV cache after warm-up: to ``blocks``, else to ``share`` of what fits, else to what
+    its ``request`` needs."""
 
-    share: float = 1.0
-    """Fraction of the blocks that fit which this engine takes (leave room for another engine)."""
+    blocks: int | None = None
+    """A fixed size (engines compared at equal KV)."""
+    share: float | None = None
+    """Fraction of the blocks that fit which this engine takes: sizing to the budget, as vLLM's
+    ``--gpu-memory-utilization`` sizes to the device (below 1: leave room for another engine)."""
+    request: tuple[int, int] | None = None
+    """The longest prompt and the new tokens per sequence: the cache holds a full decode batch of such sequences
+    (:meth:`Engine.blocks_for`)."""
     margin_bytes: int = 0
     margin_fraction: float = 0.0
     tenant: str = ""
-    blocks: int | None = None
-    """A fixed cache size in blocks instead of a share of what fits (engines compared at equal KV)."""
+
+    def __post_init__(self) -> None:
+        if self.blocks is None and self.share is None and self.request is None:
+            raise ValueError("a KV cache is sized to a number of blocks, a share of what fits or a request")
 
 
 class Engine:
@@ -182,10 +204,14 @@ class Engine:
             else:
                 self.model = Decoder.from_state_dict(config, device, self.dtype, weights)
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        log(name, f"model {config.name} ({self.num_params / 1e6:.1f}M params, {device}) built in "
+                  f"{ms(self.timings['build_s'])}")
         self.cache: PagedKVCache | None = None
         self.tables: BlockTables | None = None
         self.step_fn: DecodeStep | None = None
         self.available_at_sizing: int | None = None
+        self.sized_to = ""
+        """How the cache got its size: what the requests need, a share of what fits, a fixed size, attached."""
 
     @contextlib.contextmanager
     def _timed(self, key: str):
@@ -200,16 +226,36 @@ class Engine:
     def bytes_per_block(self) -> int:
         return PagedKVCache.bytes_per_block(self.config, self.dtype)
 
+    def blocks_for(self, prompt_len: int, new_tokens: int) -> int:
+        """The blocks a full decode batch of sequences of up to ``prompt_len + new_tokens`` tokens needs.
+
+        The null block included (:class:`BlockTables` never hands it out), and
+        rounded up to the whole granules per segment that committing them
+        takes anyway.
+        """
+        per_sequence = -(-(prompt_len + new_tokens) // self.config.block_size)
+        needed = BlockTables.NULL_BLOCK + 1 + self.batch_size * per_sequence
+        return PagedKVCache.aligned_capacity(self.config, self.dtype, needed, self.client.granularity)
+
     # start
 
     def start(self, warmup_blocks: int, sizing: Sizing) -> None:
-        """Reserve the cache, warm up on ``warmup_blocks`` blocks, then commit the final size."""
-        granularity = self.client.granularity
+        """Reserve the cache, warm up on ``warmup_blocks`` blocks, then commit the final size.
+
+        The reservation spans what fits (address space costs no memory), so a
+        cache sized to its requests could still grow as far as the budget.
+        """
+        if sizing.blocks is not None:
+            wanted = sizing.blocks
+        elif sizing.share is None:
+            wanted = self.blocks_for(*sizing.request)
+        else:
+            wanted = 0
         capacity = PagedKVCache.aligned_capacity(
             self.config,
             self.dtype,
-            max(warmup_blocks, sizing.blocks or 0, self._blocks_within(self.client.device_memory().available())),
-            granularity,
+            max(warmup_blocks, wanted, self._blocks_within(self.client.device_memory().available())),
+            self.client.granularity,
         )
         self.cache = PagedKVCache.create(
             self.client, self.config, self.dtype, self.device, capacity, name=self.name if self.persistent else None
@@ -217,19 +263,31 @@ class Engine:
         self.cache.commit(warmup_blocks)
         log(
             self.name,
-            f"reserved {capacity} blocks of {self.bytes_per_block} B in {self.config.num_layers} buffers; "
-            f"{warmup_blocks} committed for warm-up",
+            f"reserved {capacity} blocks of {format_bytes(self.bytes_per_block)} in {self.config.num_layers} "
+            f"buffers; {warmup_blocks} committed for warm-up",
         )
         with self._timed("warmup_s"):
             self._warm_up()
+        log(self.name, f"warmed up in {ms(self.timings['warmup_s'])} (a prefill of {self.config.max_model_len} "
+                       f"tokens, the decode step {'captured in a CUDA graph' if self.step_fn.graph else 'eager'})")
+        self.available_at_sizing = self.client.device_memory().available()
+        if sizing.blocks is not None:
+            blocks, why = wanted, "a fixed size"
+        elif sizing.share is None:
+            blocks, why = wanted, f"what {self.batch_size} sequences of up to {sum(sizing.request)} tokens need"
+        else:
+            blocks, why = min(capacity, self._blocks_to_commit(sizing)), f"{sizing.share:.0%} of what fits"
+        self.sized_to = why
+        log(self.name, f"committing {blocks} blocks ({format_bytes(blocks * self.bytes_per_block)}, {why}; "
+                       f"{format_bytes(self.available_at_sizing)} left in the budget)")
         with self._timed("size_s"):
-            blocks = min(capacity, sizing.blocks or self._blocks_to_commit(sizing))
             # Right after warm-up, as vLLM does: one chunk per segment, the warm-up data discarded.
             self.cache.commit(blocks, defragment=True)
         self.tables = BlockTables(self.config.block_size, self.cache.num_blocks)
         log(
             self.name,
-            f"KV cache sized to {blocks} blocks ({self.cache.physical_bytes} B, {self.cache.num_chunks} chunks)",
+            f"KV cache sized to {blocks} blocks ({format_bytes(self.cache.physical_bytes)}, "
+            f"{self.cache.num_chunks} chunks) in {ms(self.timings['size_s'])}",
         )
 
     def _blocks_within(self, num_bytes: int) -> int:
@@ -253,7 +311,6 @@ class Engine:
         minimums are not ours to take and our own tenant's maximum caps us.
         """
         per_block = self.bytes_per_block
-        self.available_at_sizing = self.client.device_memory().available()
         held_for_others, room = tenant_headroom(self.client, sizing.tenant)
         fit = kv_blocks_that_fit(
             self.client,
@@ -273,10 +330,11 @@ class Engine:
         with self._timed("attach_s"):
             self.cache = PagedKVCache.attach(self.client, self.config, self.dtype, self.device, self.name)
         self.tables = BlockTables(self.config.block_size, self.cache.num_blocks, state.block_tables)
+        self.sized_to = "attached"
         log(
             self.name,
-            f"attached {self.config.num_layers} buffers: {self.cache.num_blocks} blocks, "
-            f"{self.cache.physical_bytes} B in {self.cache.num_chunks} chunks, data intact",
+            f"attached {self.config.num_layers} buffers in {ms(self.timings['attach_s'])}: {self.cache.num_blocks} "
+            f"blocks, {format_bytes(self.cache.physical_bytes)} in {self.cache.num_chunks} chunks, data intact",
         )
 
     def capture(self) -> None:
@@ -307,6 +365,8 @@ class Engine:
             first.append(self.model.prefill(tokens, slots, self.cache.layers))
         first_tokens = [int(t) for t in first]
         self.timings["prefill_s"] = time.perf_counter() - start
+        log(self.name, f"prefilled {len(prompts)} prompts ({sum(len(p) for p in prompts)} tokens) in "
+                       f"{ms(self.timings['prefill_s'])}")
         return DecodeState(
             engine=self.name,
             config=self.config.name,
@@ -331,7 +391,9 @@ class Engine:
         dies between the two leaves a write the next one redoes identically.
         """
         start, steps = time.perf_counter(), 0
+        last_said = start
         width = self.config.max_blocks_per_seq
+        total = state.new_tokens - 1
         while not state.done:
             for seq, length in enumerate(state.seq_lens):
                 self.tables.reserve(seq, length + 1)
@@ -343,10 +405,14 @@ class Engine:
             state.block_tables = self.tables.tables
             state.step += 1
             steps += 1
+            if time.perf_counter() - last_said > PROGRESS_EVERY_S:
+                last_said = time.perf_counter()
+                log(self.name, f"decode step {state.step} of {total}, {last_said - start:.1f} s so far")
             if after_step is not None:
                 after_step(state)
         self.timings["decode_s"] = time.perf_counter() - start
         self.timings["decode_steps"] = steps
+        log(self.name, f"decoded {steps} steps in {ms(self.timings['decode_s'])}")
         return state
 
     def time_recompute(self, prompts: list[list[int]], generated: list[list[int]]) -> float:
@@ -392,6 +458,7 @@ class Engine:
             "physical_bytes": self.cache.physical_bytes,
             "chunks": self.cache.num_chunks,
             "available_at_sizing": self.available_at_sizing,
+            "sized_to": self.sized_to,
         }
 
 

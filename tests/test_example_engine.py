@@ -1,19 +1,22 @@
 """The example engine (``examples/engine.py``) on the host backend: a real decoder whose KV cache lives in hbmd.
 
 Each test runs one mode of the example as a subprocess against a host
-daemon, on the tiny model, and checks what the mode promises: a worker
-SIGKILLed halfway and resumed on its persistent buffers produces the tokens
-of an uninterrupted run; a KV cache released between requests commits
-nothing while asleep and serves correctly after waking; two engines sized
-one after the other both fit and show in the daemon's sessions; an idle
-engine's cache is demoted to make room for another's and comes back; a restarted
-worker gets the same tokens from weights attached from hbmd as from a
-checkpoint file; two engines share one copy of the weights.
+daemon, on the tiny model, and checks what the mode promises: an engine
+sizes its KV cache to its requests, not to the budget, finds the daemon as
+hbmctl does and says what each phase took, or says where it looked; a
+worker SIGKILLed halfway and resumed on its persistent buffers produces the
+tokens of an uninterrupted run; a KV cache released between requests
+commits nothing while asleep and serves correctly after waking; two engines
+sized one after the other both fit and show in the daemon's sessions; an
+idle engine's cache is demoted to make room for another's and comes back; a
+restarted worker gets the same tokens from weights attached from hbmd as
+from a checkpoint file; two engines share one copy of the weights.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -30,8 +33,9 @@ EXAMPLE_TIMEOUT_S = 120
 
 
 def example_command(daemon, mode: str, *args: str, device: str = "cpu", config: str = "tiny") -> list[str]:
+    # The work directory too is the test's own, not the user's ~/.cache.
     return [sys.executable, str(ENGINE), "--run-dir", str(daemon.run_dir), mode, "--device", device, "--config", config,
-            "--json", "--timeout", "60", *args]
+            "--json", "--timeout", "60", "--work-dir", str(daemon.run_dir), *args]
 
 
 def run_example(daemon, mode: str, *args: str, device: str = "cpu", config: str = "tiny") -> dict:
@@ -49,6 +53,32 @@ def run_example(daemon, mode: str, *args: str, device: str = "cpu", config: str 
 @pytest.fixture
 def small_daemon(start_daemon):
     return start_daemon("--budget", "64MiB")
+
+
+def test_an_engine_sizes_its_kv_cache_to_its_requests_and_finds_the_daemon_as_hbmctl_does(start_daemon, tmp_path):
+    daemon = start_daemon("--budget", "4GiB")
+    # No --run-dir: $HBMD_RUN_DIR says where the daemon is.
+    command = [sys.executable, str(ENGINE), "generate", "--json", "--work-dir", str(tmp_path)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S,
+                          env={**os.environ, "HBMD_RUN_DIR": str(daemon.run_dir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    kv = result["kv"]
+    # 4 sequences of up to 40 + 24 tokens, 16 a block, and the null block: 17 blocks, whose pages are a granule
+    # per layer and segment; not the 4 GiB the budget would hold.
+    assert kv["sized_to"] == "what 4 sequences of up to 64 tokens need"
+    assert kv["physical_bytes"] == result["session_committed_bytes"] == 2 * 2 * 2 * MiB
+    assert kv["num_blocks"] * kv["bytes_per_block"] == kv["physical_bytes"] and kv["num_blocks"] >= 17
+    for phase in ("built in", "warmed up in", "KV cache sized to", "prefilled", "decoded", "done in"):
+        assert phase in proc.stderr, f"no line says {phase!r}:\n{proc.stderr}"
+    assert f"under {daemon.run_dir} ($HBMD_RUN_DIR)" in proc.stderr
+
+
+def test_with_no_daemon_it_says_where_it_looked_and_exits_1(run_dir):
+    proc = subprocess.run([sys.executable, str(ENGINE), "--run-dir", str(run_dir), "crash-resume",
+                           "--work-dir", str(run_dir)], capture_output=True, text=True, timeout=EXAMPLE_TIMEOUT_S)
+    assert proc.returncode == 1
+    assert f"no hbmd is serving {run_dir}" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_worker_killed_halfway_resumes_on_its_kv_cache_with_identical_tokens(small_daemon):
@@ -117,7 +147,7 @@ def test_an_idle_engines_cache_is_demoted_to_make_room_and_comes_back_with_ident
 
 
 def test_two_engines_size_from_what_is_left_and_both_show_in_the_sessions(small_daemon):
-    result = run_example(small_daemon, "two-engines", "--tenants", "llama-a,llama-b")
+    result = run_example(small_daemon, "two-engines", "--tenants", "llama-a,llama-b", "--kv-share", "0.5")
     assert result["ok"]
     first, second = result["sessions"]
     assert (first["engine"], first["config"], first["tenant"]) == ("engine-a", "tiny", "llama-a")
@@ -128,6 +158,8 @@ def test_two_engines_size_from_what_is_left_and_both_show_in_the_sessions(small_
     for row, engine in zip(result["sessions"], result["engines"]):
         assert row["committed_bytes"] == engine["kv"]["physical_bytes"] == engine["session_committed_bytes"]
         assert row["num_blocks"] * row["bytes_per_block"] <= row["committed_bytes"]
+    # --kv-share sizes A to the budget, not to its requests (8 MiB): half of what it saw left.
+    assert first["committed_bytes"] >= first["available_at_sizing"] // 2 > 8 * MiB
 
 
 def test_two_engines_stay_within_their_tenants_quotas(start_daemon, tmp_path):
@@ -158,7 +190,7 @@ def test_a_restarted_worker_gets_the_same_tokens_from_weights_in_hbmd_as_from_a_
 
 
 def test_two_engines_share_one_copy_of_the_weights(small_daemon):
-    result = run_example(small_daemon, "share-weights", "--new-tokens", "9")
+    result = run_example(small_daemon, "share-weights")
     assert result["ok"] and result["tokens_identical"] and result["readers"] == 2
     assert not result["engines_charged_for_weights"]
     assert result["committed_bytes"] == result["weights_bytes"] + result["kv_bytes"] <= 64 * MiB
