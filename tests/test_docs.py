@@ -43,7 +43,7 @@ import pytest
 from hbmd.daemon.main import EXIT_BOOKS_UNBALANCED
 from hbmd.daemon.spawn import DaemonProcess
 
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]  # the documented examples and snippet are torch engines
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = ("README.md", "examples/README.md")

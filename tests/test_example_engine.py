@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from helpers import DEMOTABLE, MiB, cuda_vmm_status
 
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]  # the examples are torch engines
 GPU_OK, GPU_REASON = cuda_vmm_status()
 
 ENGINE = Path(__file__).resolve().parents[1] / "examples" / "engine.py"

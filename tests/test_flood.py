@@ -2,7 +2,8 @@
 
 The flooder makes a buffer of 60,000 segments, then sends, as fast as the
 daemon reads them, either placements of leased granules that the daemon must
-refuse (handle plane) or pipelined commits of every segment that the budget
+refuse (handle plane), hellos it must refuse, each naming a tenant of its
+own (an attacker's way to fill the daemon with records), or pipelined commits of every segment that the budget
 refuses (control plane), on one control connection or on 64 of its own, as
 the engine's uid or as another. Meanwhile an engine commits and asks for
 status every 100 ms, newcomers connect and an operator runs ``hbmctl
@@ -28,7 +29,7 @@ import pytest
 from hbmd.client import ExtensibleTensor
 from helpers import GRANULE, MiB, hbmctl
 
-pytestmark = [pytest.mark.flood, pytest.mark.ipc]
+pytestmark = [pytest.mark.flood, pytest.mark.ipc, pytest.mark.torch]  # the engine grows through its views
 
 FLOOD_SECONDS = float(os.environ.get("HBMD_FLOOD_SECONDS", "8"))
 TICK_S = 0.1
@@ -39,8 +40,9 @@ FLOODER = """
 import os
 import time
 import zmq
-from hbmd.client import connect
-from hbmd.proto import CommitSegments, LeasePlace, encode_datagram, encode_frames
+from hbmd.client import InvalidRequest, connect
+from hbmd.client.transport import HandleChannel
+from hbmd.proto import PROTOCOL_VERSION, CommitSegments, Hello, LeasePlace, encode_datagram, encode_frames
 
 SEGMENTS = 60_000
 os.nice(nice)
@@ -59,7 +61,18 @@ while client.leased_granules < 2 and time.monotonic() < deadline:
     time.sleep(0.01)
 leased = sorted(client._lease._ready)[:2]
 wide = client.create_buffer(SEGMENTS * 4096, SEGMENTS)
-if plane == "handles":
+if plane == "hellos":
+    # Hellos the daemon must refuse (a client name with an escape), each naming a tenant nobody else names.
+    print("flooding", 1, flush=True)
+    refused = 0
+    while True:
+        channel = HandleChannel(client.paths, 5)
+        try:
+            channel.handshake(Hello(list(PROTOCOL_VERSION), os.getpid(), client_name="\x1b[2J", tenant=f"squat-{refused}"))
+        except InvalidRequest:
+            refused += 1
+        channel.close()
+elif plane == "handles":
     # Every segment grows by one byte: the growth needs every granule of the buffer, two are placed.
     placement = encode_datagram(LeasePlace(wide.buffer_id, [1] * SEGMENTS, leased, [0, 2 << 20]))
     sock = client._handles.sock
@@ -89,6 +102,7 @@ else:
 
 FLOODS = {  # plane, control connections, as uid 65534, nice
     "placements": ("handles", 1, False, 0),
+    "refused hellos naming new tenants": ("hellos", 1, False, 0),
     "commits": ("control", 1, False, 0),
     "commits on 64 connections": ("control", 64, False, 0),
     "commits on 64 connections of another uid": ("control", 64, True, 0),
@@ -149,6 +163,7 @@ def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker,
             errors.append(f"engine: {type(exc).__name__}: {exc}")
         time.sleep(max(0.0, TICK_S - (time.monotonic() - tick)))
     operator.join()
+    squatted = [t.name for t in engine.status().tenants if t.name.startswith("squat-")]
     with open(f"/proc/{daemon.pid}/status") as status:
         peak_rss = next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
     started = time.monotonic()
@@ -166,6 +181,7 @@ def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, spawn_worker,
         f"the daemon's peak RSS {peak_rss >> 10} MiB"
     )
     assert errors == []
+    assert squatted == []  # a refused hello leaves no tenant behind
     assert percentile(calls, 0.99) <= 0.25 and max(calls) <= 2.0
     assert newcomers and max(newcomers) <= 1.0
     assert operators and set(operators) == {0}
