@@ -1,6 +1,10 @@
 """Commit latency against size (log-log), hbmd and in-process, from a gpu_bench result (needs matplotlib).
 
-    python3 bench/plot.py bench/results/h200-DATE.json [--out commit.png]
+    python3 bench/plot.py [bench/results/h200-DATE.json] [--out commit.png]
+
+Without a result it plots the newest GPU run under bench/results/ (by the
+date its meta records) into bench/results/commit-latency.png, the picture the
+README shows: rerun it after a new GPU run so that the picture tells the truth.
 """
 
 from __future__ import annotations
@@ -10,12 +14,36 @@ import json
 import sys
 from pathlib import Path
 
+RESULTS = Path(__file__).with_name("results")
+PICTURE = RESULTS / "commit-latency.png"
+
+
+def newest_gpu_result() -> Path | None:
+    """The GPU run under ``bench/results/`` with a commit case, the newest by its recorded date."""
+    runs = []
+    for path in RESULTS.glob("*.json"):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        meta = result.get("meta", {}) if isinstance(result, dict) else {}
+        if meta.get("gpu_name") and result.get("cases", {}).get("commit", {}).get("sizes"):
+            runs.append((meta.get("date_utc", ""), path.name, path))
+    return max(runs)[2] if runs else None
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("result", type=Path, help="a gpu_bench.py (or host_bench.py) JSON result")
-    parser.add_argument("--out", type=Path, help="PNG to write (default: the result's name with .png)")
+    parser.add_argument("result", type=Path, nargs="?",
+                        help="a gpu_bench.py (or host_bench.py) JSON result (default: the newest GPU run)")
+    parser.add_argument("--out", type=Path, help=f"PNG to write (default: the result's name with .png; {PICTURE} for "
+                        "the newest GPU run)")
     args = parser.parse_args()
+    if args.result is None:
+        args.result, args.out = newest_gpu_result(), args.out or PICTURE
+        if args.result is None:
+            print(f"no GPU result with a commit case under {RESULTS}", file=sys.stderr)
+            return 1
     try:
         import matplotlib
 
