@@ -242,15 +242,20 @@ def test_status_shows_every_instance_of_a_node(two_instances):
     assert set(unreachable) == set(answered) and unreachable["budget_bytes"] is None  # one shape, nulls for the unknown
 
 
-def test_json_has_one_shape_whatever_the_node_and_null_for_what_does_not_exist(daemon, spawn_worker):
+def deaf_worker(daemon, spawn_worker):
+    """A worker that never answers a reclaim, and its session id."""
     worker = spawn_worker(daemon, """
         import sys
         from hbmd.client import connect
-        c = connect("cpu", client_name="deaf")  # never answers a reclaim
+        c = connect("cpu", client_name="deaf")
         print(c.session_id, flush=True)
         sys.stdin.readline()
         """)
-    session_id = int(worker.readline())
+    return worker, int(worker.readline())
+
+
+def test_json_has_one_shape_whatever_the_node_and_null_for_what_does_not_exist(daemon, spawn_worker):
+    worker, session_id = deaf_worker(daemon, spawn_worker)
     rd = str(daemon.run_dir)
     hbmctl("--run-dir", rd, "reclaim", "--session", str(session_id), "--bytes", "1MiB")
     alone = json.loads(hbmctl("--run-dir", rd, "--json", "status").stdout)
@@ -483,14 +488,7 @@ def test_status_says_when_your_own_tenant_maximum_caps_the_budget_left(start_dae
 
 
 def test_a_reclaim_wait_that_ends_unanswered_exits_4(daemon, spawn_worker):
-    worker = spawn_worker(daemon, """
-        import sys
-        from hbmd.client import connect
-        c = connect("cpu", client_name="deaf")  # never answers a reclaim
-        print(c.session_id, flush=True)
-        sys.stdin.readline()
-        """)
-    session_id = int(worker.readline())
+    worker, session_id = deaf_worker(daemon, spawn_worker)
     rd = str(daemon.run_dir)
     out = hbmctl("--run-dir", rd, "--json", "reclaim", "--session", str(session_id), "--bytes", "1MiB", "--wait", "0.5")
     assert out.returncode == 4 and json.loads(out.stdout)["state"] == "pending"
