@@ -54,6 +54,7 @@ from hbmd.proto.errors import (
     DaemonUnavailable,
     HbmdError,
     InvalidRequest,
+    NotFound,
     OutOfBudget,
     PermissionDenied,
     SessionLost,
@@ -847,7 +848,12 @@ class Client:
                         log.warning("moving buffer %d for the daemon failed: %s", holder.buffer_id, exc)
             if isinstance(request, ReclaimRequest):
                 log.info("demoted %d bytes to the host tier for the daemon (%s)", moved, request.reason)
-                self.answer_reclaim(request, moved)
+                try:
+                    self.answer_reclaim(request, moved)
+                except NotFound:
+                    # Asked by a daemon since restarted, which keeps no reclaim: nobody waits for the answer. The
+                    # requests queued behind it (a promote, say) are served all the same.
+                    log.debug("the daemon that asked for reclaim %d is gone: answer dropped", request.reclaim_id)
             else:
                 log.info("promoted %d bytes back to the device: the daemon has room again", moved)
 

@@ -21,7 +21,7 @@ import time
 
 import pytest
 from hbmd.client import Conflict, ExtensibleKVCacheBuffers, ExtensibleTensor, InvalidRequest, OutOfBudget
-from hbmd.proto import Move
+from hbmd.proto import Move, PromoteRequest, ReclaimRequest
 from helpers import DEMOTABLE, MiB, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
@@ -489,3 +489,13 @@ def test_host_tier_flags_that_make_no_sense_are_refused_as_usage_errors(run_dir,
     out = subprocess.run([sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir), *flags],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and words in out.stderr, out.stderr
+
+
+def test_a_demote_answer_the_restarted_daemon_does_not_know_does_not_hold_up_the_promote_behind_it(daemon):
+    """The daemon that asked for a demote was replaced before the answer reached it; the promote its successor sends
+    next is served all the same (it waited behind the refused answer, unserved, until the next datagram)."""
+    with daemon.connect(lease=False) as client:
+        client._handles.demotes.extend([ReclaimRequest(999, 0, "asked by a daemon since restarted", demote=True),
+                                        PromoteRequest(0)])
+        client._serve_demotes()
+        assert not client._handles.demotes
