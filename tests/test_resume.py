@@ -17,7 +17,7 @@ import pytest
 from hbmd.client import ExtensibleTensor, connect
 from hbmd.client.transport import HandleChannel
 from hbmd.daemon.takeover import take_over
-from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello
+from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello, Release
 from hbmd.proto.errors import PermissionDenied, SessionLost
 from hbmd.proto.instance import InstancePaths
 from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, wait_until
@@ -271,3 +271,13 @@ def test_a_request_that_only_reads_costs_the_journal_nothing(restartable, run_di
         client.sessions()
         client.buffers()
     assert journal.stat().st_size == size
+
+
+def test_a_request_sent_again_and_again_is_answered_each_time_and_logged_once(daemon):
+    with daemon.connect(lease=False) as client:
+        buffer = client.create_buffer(8 * MiB, 1)
+        request_id = client._control.next_request_id()
+        answers = [client._control.call_with_id(Release(buffer.buffer_id), 5, request_id)[0] for _ in range(30)]
+        assert all(answer == answers[0] for answer in answers)  # the one answer, given again
+    wait_until(lambda: "again after a restart: answered as before" in daemon.log())
+    assert daemon.log().count("again after a restart: answered as before") == 1  # a peer cannot flood the log

@@ -536,8 +536,9 @@ class Server(Generic[A, C]):
         Only the last request of a session can be sent again (its client has
         one in flight, and numbers them in order): another id is a new request.
         """
-        log.info("session %d sent request %d again after a restart: answered as before", conn.session.session_id,
-                 request_id)
+        # A peer can send its last request again at will: a line per uid per interval.
+        self._refusals.log(logging.INFO, f"again-{conn.uid}", "session %d sent request %d again after a restart: "
+                           "answered as before", conn.session.session_id, request_id)
         if answered.frames is not None:
             return answered.frames
         return self._buffer_requests.deliver_again(conn, request_id, answered)
