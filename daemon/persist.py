@@ -293,8 +293,8 @@ def _claimed(fds: dict[str, int], names: list[str]) -> None:
 
 
 def _owners_of_incomplete(records: list[Any], fds: dict[str, int], image_version: int) -> set[Any]:
-    """The journaled ids of the sessions owning a buffer that cannot come back whole: a descriptor of it was not passed
-    back (a service manager that dropped its store), or its record cannot be read."""
+    """The journaled ids of the sessions owning or reading a buffer that cannot come back whole: a descriptor of it was
+    not passed back (a service manager that dropped its store), or its record cannot be read."""
     owners = set()
     for record in records:
         try:
@@ -303,6 +303,10 @@ def _owners_of_incomplete(records: list[Any], fds: dict[str, int], image_version
             complete = False
         if not complete:
             owners.add(_field(record, "owner"))
+            try:
+                owners.update(int(session_id) for session_id, _ in record.get("readers", []))
+            except (TypeError, ValueError, AttributeError):
+                pass  # readers that cannot be read are no session's
     owners.discard(0)
     owners.discard(None)
     return owners

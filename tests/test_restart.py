@@ -213,3 +213,27 @@ def test_a_journal_back_without_its_chunks_never_leaves_memory_uncounted(start_d
     with second.connect(observer=True) as look:
         wait_until(lambda: look.status().committed_bytes == 0 and look.buffers() == [])
     client.close()
+
+
+def test_a_reader_of_sealed_weights_lost_with_the_store_declares_them_again(start_daemon, run_dir, systemd):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--budget", "64MiB", "--state-dir", str(state_dir))
+    first = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
+    with first.connect(lease=False) as loader:
+        weights = ExtensibleTensor(8 * MiB, "cpu", client=loader, name="weights", persistent=True)
+        weights.resize_(6 * MiB)
+        weights.full_view()[: 6 * MiB] = 4
+        weights.seal()
+        weights.detach()  # an orphan its readers map
+    reader = first.connect(lease=False)
+    mapped = ExtensibleTensor.attach("weights", "cpu", client=reader, readonly=True)
+    assert first.stop() == 0
+    systemd.drop_store()
+    second = start_daemon(*args, **systemd.relaunch())
+    assert reader.status().committed_bytes == 6 * MiB  # counted again: declared by the process that reads them
+    assert int(mapped.full_view()[: 6 * MiB].float().mean()) == 4
+    mapped.free()
+    with second.connect(observer=True) as look:
+        wait_until(lambda: look.status().committed_bytes == 0)
+    reader.close()
