@@ -144,6 +144,7 @@ def test_a_gpu_instance_labels_its_series_as_dcgm_exporter_does_beside_its_name(
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) is not on PATH")
+@pytest.mark.torch
 def test_the_page_passes_promtool(start_daemon, run_dir):
     port = free_port()
     config = run_dir / "tenants.toml"
