@@ -550,3 +550,30 @@ def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wai
     assert "demoting" not in own.value.details  # nor for its own tenant's commits
     state.reclaim_answered(batch, batch.reclaim.reclaim_id, 0)
     assert batch.demoted_under_pressure is False and state.promotes_due(time.monotonic() + 60) == []
+
+
+def test_a_demote_done_while_the_daemon_asks_for_one_is_marked_with_the_move_not_with_the_answer():
+    """The room a demote makes can be given away before its client's answer comes; a daemon killed in between
+    journaled the move, so its successor still knows to promote the buffer back."""
+    from hbmd.daemon.config import parse_config
+
+    config = parse_config('[[tenants]]\nname = "batch"\ndemote = 1\n', total_bytes=64 * MiB, budget_bytes=64 * MiB)
+    state = State(HostBackend(host_piece=4 * MiB), budget_bytes=64 * MiB, config=config, host_budget_bytes=32 * MiB)
+    batch = state.open_session(1, 1000, 1000, "", "batch")
+    online = state.open_session(2, 1001, 1001, "", "online")
+    idle = state.create_buffer(batch, 48 * MiB, 1)
+    state.commit(batch, idle.buffer_id, 16 * MiB)
+    mine = state.create_buffer(batch, 8 * MiB, 1)
+    state.commit(batch, mine.buffer_id, 8 * MiB)
+    state.move(batch, mine.buffer_id, "host")  # its own choice: nobody asked
+    state.finish_defragment(batch, mine.buffer_id, True)
+    assert batch.demoted_under_pressure is False
+    wanted = state.create_buffer(online, 64 * MiB, 1)
+    batch.grown_at -= 10
+    with pytest.raises(OutOfBudget, match="being demoted"):
+        state.commit(online, wanted.buffer_id, 56 * MiB)
+    state.move(batch, idle.buffer_id, "host")
+    assert batch.demoted_under_pressure is True and batch.reclaim.released_bytes is None
+    state.finish_defragment(batch, idle.buffer_id, True)
+    state.commit(online, wanted.buffer_id, 56 * MiB)  # the room went to the commit before the answer
+    state.check_invariants()

@@ -24,7 +24,7 @@ import math
 import time
 from typing import Callable, Generic
 
-from hbmd.proto import TIER_DEVICE, ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto import TIER_DEVICE, TIER_HOST, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import round_up
@@ -305,8 +305,17 @@ class State(Generic[A, C]):
         return self.buffers_room.finish_defragment(session, buffer_id, keep_new)
 
     def move(self, session: Session, buffer_id: int, tier: str) -> list[Chunk[C]]:
-        """Demote the buffer to the host tier or promote it back; see :meth:`Buffers.move`."""
-        return self.buffers_room.move(session, buffer_id, tier)
+        """Demote the buffer to the host tier or promote it back; see :meth:`Buffers.move`.
+
+        A demote while the daemon's request to demote is unanswered is one done
+        for it: marked now, with the move, for the room it makes can be given
+        away before the answer comes, and a restart in between would lose it.
+        """
+        chunks = self.buffers_room.move(session, buffer_id, tier)
+        reclaim = session.reclaim
+        if chunks and tier == TIER_HOST and reclaim is not None and reclaim.demote and reclaim.released_bytes is None:
+            session.demoted_under_pressure = True
+        return chunks
 
     def idle(self) -> bool:
         """A step of the backend's background work, its host pool kept within the host budget's room and paused while
