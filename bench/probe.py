@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import json
 import os
 import sys
@@ -57,7 +58,7 @@ class Probe:
             owner, attribute, original = self._undo.pop()
             setattr(owner, attribute, original)
 
-    def __enter__(self) -> "Probe":
+    def __enter__(self) -> Probe:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -76,6 +77,7 @@ def client_probe() -> Probe:
     import zmq
     from hbmd import driver
     from hbmd.client import transport
+    from hbmd.client.inbox import Inbox
     from hbmd.client.lease import Lease
     from hbmd.client.transport import ControlChannel, HandleChannel
 
@@ -83,10 +85,10 @@ def client_probe() -> Probe:
     probe.wrap(ControlChannel, "call_with_id", "client.control_call")
     probe.wrap(zmq.Socket, "send_multipart", "client.send_request")
     probe.wrap(transport, "decode_frames", "client.decode_reply")
-    probe.wrap(HandleChannel, "_read_and_file", "client.file_datagram")
+    probe.wrap(Inbox, "_read_and_file", "client.file_datagram")
     probe.wrap(Lease, "granted", "client.import_leased")
     probe.wrap(os, "close", "client.os_close")
-    probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
+    probe.wrap(Inbox, "receive_fds", "client.receive_fds")
     probe.wrap(HandleChannel, "send", "client.send_bind")
     for name in ("create", "export_fd", "import_fd", "map", "set_access", "release", "memset_async",
                  "context_synchronize", "make_current"):
@@ -100,13 +102,14 @@ def move_probe() -> Probe:
     and ``client.map_new`` map them in place; a demote's ``client.move_into`` holds all three, the old chunks mapped
     again at a scratch range), and the finish; with the driver calls they make."""
     from hbmd import driver
+    from hbmd.client.inbox import Inbox
     from hbmd.client.reservation import Reservation
     from hbmd.client.session import Client
-    from hbmd.client.transport import ControlChannel, HandleChannel
+    from hbmd.client.transport import ControlChannel
 
     probe = Probe()
     probe.wrap(Client, "move", "client.move_request")
-    probe.wrap(HandleChannel, "receive_fds", "client.receive_fds")
+    probe.wrap(Inbox, "receive_fds", "client.receive_fds")
     probe.wrap(Reservation, "copy_into", "client.copy_into")
     probe.wrap(Reservation, "move_into", "client.move_into")
     probe.wrap(Reservation, "unmap_all", "client.unmap_old")
@@ -141,10 +144,9 @@ def daemon_probe() -> Probe:
     import zmq
     from hbmd import driver
     from hbmd.daemon.backends.pool import HostPool
-    from hbmd.daemon.server import Server
+    from hbmd.daemon.server import Server, loop
     from hbmd.daemon.server.buffers import BufferRequests
     from hbmd.daemon.server.handles import HandlePlane
-    from hbmd.daemon.server import loop
     from hbmd.daemon.server.outbox import Outbox
     from hbmd.daemon.server.session import SessionNotices
     from hbmd.daemon.state import State
@@ -202,7 +204,7 @@ def turns(events: list[Event], begin: int, end: int, longest: int = 5) -> dict[s
     ordered = sorted(events, key=lambda e: e[1])
     starts = [e[1] for e in ordered]
     marks = [start for label, start, _ in ordered if label == "daemon.turn"]
-    spans = [(b - a, a, b) for a, b in zip(marks, marks[1:]) if begin <= a < end]
+    spans = [(b - a, a, b) for a, b in itertools.pairwise(marks) if begin <= a < end]
     if not spans:
         return {"turns": 0}
     ms = [span / 1e6 for span, _, _ in spans]

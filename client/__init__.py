@@ -18,6 +18,7 @@ from hbmd.proto.errors import (
 )
 from hbmd.proto.instance import VERSION
 
+from .budget import DeviceMemory
 from .kv import ExtensibleKVCacheBuffers
 from .kv_layout import (
     bytes_per_block_per_segment,
@@ -26,8 +27,8 @@ from .kv_layout import (
     narrow_blocks,
     num_segments,
 )
-from .budget import DeviceMemory
-from .session import Client, ForkedClient, connect, default_client
+from .opening import connect, default_client
+from .session import Client, ForkedClient
 from .tensor import ExtensibleTensor
 
 __version__ = VERSION

@@ -33,7 +33,7 @@ class DeviceMemory:
     budget_left: int
 
     @classmethod
-    def of(cls, status: StatusReply) -> "DeviceMemory":
+    def of(cls, status: StatusReply) -> DeviceMemory:
         """The figures of a status reply, the budget left as :func:`budget_left` counts it."""
         return cls(
             total=status.total_bytes,

@@ -9,7 +9,8 @@ once: the mapping keeps the memory alive, so unmapping is what frees it.
 from __future__ import annotations
 
 import os
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 from hbmd import driver
 from hbmd.proto import ChunkInfo
@@ -57,7 +58,10 @@ class CudaMapper:
         return driver.reserve(size, self.granularity)
 
     def map(self, address: int, chunk: ChunkInfo, fd: int, readonly: bool = False) -> None:
-        """Import ``chunk``'s FD, map it at ``address``, grant access (read-only if asked); a failed step undoes the others."""
+        """Import ``chunk``'s FD, map it at ``address``, grant access (read-only if asked).
+
+        A failed step undoes the others.
+        """
         handle = self.prepare(fd)
         try:
             self.map_prepared(address, chunk, handle, readonly)
@@ -80,7 +84,7 @@ class CudaMapper:
     def discard(self, prepared: Any) -> None:
         driver.release(prepared)
 
-    def beside_capture(self) -> ContextManager[None]:
+    def beside_capture(self) -> AbstractContextManager[None]:
         driver.make_current(self._ctx)
         return driver.relaxed_capture()
 

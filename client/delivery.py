@@ -14,12 +14,13 @@ import collections
 import logging
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from hbmd.proto import ChunkInfo, Committed
 from hbmd.proto.errors import DriverError, ProtocolError
 
-from .transport import FdCloser, HandleChannel
+from .inbox import Inbox
+from .transport import FdCloser
 
 log = logging.getLogger("hbmd.client")
 
@@ -44,14 +45,14 @@ class Delivery:
         self,
         reply: Committed,
         request_id: int,
-        handles: HandleChannel,
+        inbox: Inbox,
         closer: FdCloser,
         timeout: float,
         session_lock: threading.RLock,
     ) -> None:
         self.reply = reply
         self._request_id = request_id
-        self._handles = handles
+        self._inbox = inbox
         self._closer = closer
         self._deadline = time.monotonic() + timeout
         self._session_lock = session_lock
@@ -77,7 +78,7 @@ class Delivery:
         return self._chunks[chunk_id], self._handed
 
     def _receive_batch(self) -> None:
-        batch, fds = self._handles.receive_fds(self._request_id, self._deadline)
+        batch, fds = self._inbox.receive_fds(self._request_id, self._deadline)
         self._batches_left -= 1
         self._arrived.extend(zip(batch.chunk_ids, fds))
         if batch.error:
@@ -99,14 +100,14 @@ class Delivery:
             while self._arrived:
                 self._closer.close_later(self._arrived.popleft()[1])
             while self._batches_left:
-                _, fds = self._handles.receive_fds(self._request_id, self._deadline)
+                _, fds = self._inbox.receive_fds(self._request_id, self._deadline)
                 self._batches_left -= 1
                 for fd in fds:
                     self._closer.close_later(fd)
         finally:
             self._session_lock.release()
 
-    def __enter__(self) -> "Delivery":
+    def __enter__(self) -> Delivery:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:

@@ -6,8 +6,9 @@ from typing import Any
 
 
 def parse_device(device: Any) -> tuple[str, int]:
-    """``("cpu", -1)`` or ``("cuda", index)`` for ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``1``, a ``torch.device`` or ``None``.
+    """The device ``device`` names, as ``("cpu", -1)`` or ``("cuda", index)``.
 
+    ``device`` is ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``1``, a ``torch.device`` or ``None``.
     ``None`` means the current CUDA device where torch sees one, else the host.
     Anything else raises ``ValueError``.
     """

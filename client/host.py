@@ -6,7 +6,7 @@ import contextlib
 import ctypes
 import mmap
 import os
-from typing import Any, ContextManager
+from typing import Any
 
 from hbmd import memfd
 from hbmd.proto import ChunkInfo
@@ -82,7 +82,7 @@ class HostMapper:
     def discard(self, prepared: int) -> None:
         os.close(prepared)
 
-    def beside_capture(self) -> ContextManager[None]:
+    def beside_capture(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
     def make(self, size: int) -> int:

@@ -33,7 +33,11 @@ class ExtensibleKVCacheBuffers:
         self.buffers = buffers
         self.num_blocks_capacity = num_blocks_capacity
         self.num_blocks_committed = min(
-            (size // stride for t, per_block in buffers for size, stride in zip(t.segment_sizes, _strides(t, per_block))),
+            (
+                size // stride
+                for t, per_block in buffers
+                for size, stride in zip(t.segment_sizes, _strides(t, per_block))
+            ),
             default=0,
         )
         self._blocks_before_release = 0

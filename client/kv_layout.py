@@ -10,7 +10,8 @@ segments that each grow block by block; their product is the segment count.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hbmd.proto.units import exact_bytes
 
@@ -41,7 +42,9 @@ def num_segments(shape: Sequence[int], stride_order: Sequence[int], block_dim: i
     return math.prod(shape[d] for d in outer)
 
 
-def bytes_per_block_per_segment(shape: Sequence[int], stride_order: Sequence[int], block_dim: int, itemsize: int) -> int:
+def bytes_per_block_per_segment(
+    shape: Sequence[int], stride_order: Sequence[int], block_dim: int, itemsize: int
+) -> int:
     """Bytes one block takes in each segment: the physical dimensions after the block dimension."""
     _check_order(shape, stride_order, block_dim)
     inner = stride_order[list(stride_order).index(block_dim) + 1 :]
@@ -69,11 +72,16 @@ def kv_view(tensor: ExtensibleTensor, shape: Sequence[int], stride_order: Sequen
 
 
 def narrow_blocks(view: Any, block_dim: int, num_blocks: int) -> Any:
-    """``view`` cut to its first ``num_blocks`` blocks: same base pointer, same strides (what a KV connector registers)."""
+    """``view`` cut to its first ``num_blocks`` blocks.
+
+    Same base pointer, same strides: what a KV connector registers.
+    """
     return view.narrow(block_dim, 0, num_blocks)
 
 
-def kv_blocks_that_fit(client: Client, bytes_per_block: int, *, margin_bytes: int = 0, margin_fraction: float = 0.0) -> int:
+def kv_blocks_that_fit(
+    client: Client, bytes_per_block: int, *, margin_bytes: int = 0, margin_fraction: float = 0.0
+) -> int:
     """How many KV blocks of ``bytes_per_block`` (summed over buffers and segments) can be committed now.
 
     Run after warm-up and graph capture: what is left of the budget, capped by

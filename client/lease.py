@@ -26,13 +26,16 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from hbmd.proto import CreditGrant, CreditReturn, CreditRevoke, LeaseGrant, LeaseReturn, LeaseRevoke, Message
 
 from .mapper import Mapper
 
 log = logging.getLogger("hbmd.client")
+
+T = TypeVar("T")
 
 MAX_UNWANTED = 4096
 """Chunk ids remembered as not wanted before their grant arrives; the oldest are forgotten past this."""
@@ -67,7 +70,8 @@ class Lease:
         self._lock = threading.Lock()
         self._ready: dict[int, LeasedGranule] = {}
         self._in_hand: set[int] = set()
-        """Chunk ids out of ``_ready`` for a while but still this session's: being imported, or taken for a placement."""
+        """Chunk ids out of ``_ready`` for a while but still this session's: being imported, or taken for a
+        placement."""
         self._asked_back: set[int] = set()
         """Those of ``_in_hand`` the daemon asked back meanwhile: they go back instead of into ``_ready``."""
         self._unwanted: set[int] = set()
@@ -85,7 +89,10 @@ class Lease:
         return len(self._ready)
 
     def granted(self, grant: LeaseGrant, fds: list[int]) -> None:
-        """Import the granted granules, closing their FDs; those asked back, before or while they are imported, go back."""
+        """Import the granted granules, closing their FDs.
+
+        Those asked back, before or while they are imported, go back.
+        """
         back: list[int] = []
         for chunk_id, fd in zip(grant.chunk_ids, fds):
             try:
@@ -147,13 +154,8 @@ class Lease:
         if not grants and not revokes:
             return
         with self._mapper().beside_capture():
-            for queue, serve in ((grants, lambda g: self.granted(*g)), (revokes, self.revoked)):
-                while True:
-                    try:
-                        item = queue.popleft()
-                    except IndexError:
-                        break
-                    serve(item)
+            _drain(grants, lambda grant: self.granted(*grant))
+            _drain(revokes, self.revoked)
 
     def revoked(self, revoke: LeaseRevoke) -> None:
         """Give back the granules asked for that are here; mark those in hand, remember the others for their grant."""
@@ -273,7 +275,8 @@ class Credit:
     """
 
     def __init__(self, send: Callable[[Message], None], mapper: Callable[[], Mapper]) -> None:
-        """``send`` sends a datagram; ``mapper`` gives the session's mapper (asked once, when the first spare is made)."""
+        """``send`` sends a datagram; ``mapper`` gives the session's mapper (asked once, when the first spare is
+        made)."""
         self._send = send
         self._get_mapper = mapper
         self._mapper_now: Mapper | None = None
@@ -299,7 +302,10 @@ class Credit:
                 self.give_back()
 
     def take_spare(self, size: int) -> Spare | None:
-        """The chunk made ahead, where it is of ``size`` bytes; the caller pays it with :meth:`spend` and lets go of it."""
+        """The chunk made ahead, where it is of ``size`` bytes.
+
+        The caller pays it with :meth:`spend` and lets go of it.
+        """
         with self._lock:
             spare = self._spare
             if spare is None or spare.size != size:
@@ -394,3 +400,13 @@ class Credit:
         """Let go of the chunk made ahead; the daemon drops the credit when the session ends."""
         with self._lock:
             self._drop_spare()
+
+
+def _drain(queue: collections.deque[T], serve: Callable[[T], None]) -> None:
+    """``serve`` each item of ``queue`` in order; another thread draining it too takes each item off it once."""
+    while True:
+        try:
+            item = queue.popleft()
+        except IndexError:
+            return
+        serve(item)

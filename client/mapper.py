@@ -8,7 +8,8 @@ speaks only this protocol.
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Protocol
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from hbmd.proto import ChunkInfo
 
@@ -46,7 +47,7 @@ class Mapper(Protocol):
         """Let go of what :meth:`prepare` returned (a mapping made from it stays)."""
         ...
 
-    def beside_capture(self) -> ContextManager[None]:
+    def beside_capture(self) -> AbstractContextManager[None]:
         """A scope for making, importing and letting go of chunks on a thread of the client's own (the listener)
         without failing a CUDA graph the engine captures meanwhile."""
         ...

@@ -9,19 +9,19 @@ them stay correct) as the buffer grows.
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any, Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo, ChunkInfo, Redeclare
-from hbmd.proto.errors import HbmdError, InvalidRequest, SessionLost, TensorUnusable
+from hbmd.proto import TIER_HOST, BufferInfo
+from hbmd.proto.errors import HbmdError, SessionLost, TensorUnusable
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import exact_bytes
 
-from .delivery import Delivery
 from .devices import parse_device
+from .moves import Moves
+from .opening import default_client
 from .reservation import Reservation
-from .session import Client, default_client
-from .transaction import Transactions
+from .session import Client
 
 EXPORT_POSIX_FD = 0x1
 EXPORT_FABRIC = 0x8
@@ -57,7 +57,7 @@ def _uniform(values: list[int]) -> int:
     return values[0]
 
 
-class ExtensibleTensor(Transactions):
+class ExtensibleTensor(Moves):
     """A reserved range of ``max_num_bytes`` in segments laid back to back, each committed as a prefix on demand.
 
     Stands in for vLLM's ``vllm.utils.extensible_tensor.ExtensibleTensor``
@@ -117,7 +117,7 @@ class ExtensibleTensor(Transactions):
     @classmethod
     def attach(
         cls, name: str, device: Any = None, *, client: Client | None = None, readonly: bool = False
-    ) -> "ExtensibleTensor":
+    ) -> ExtensibleTensor:
         """Map this user's persistent buffer ``name`` in this process, with its data and layout, without a copy.
 
         ``readonly``: read the sealed buffer ``name`` (see :meth:`seal`) beside
@@ -147,7 +147,8 @@ class ExtensibleTensor(Transactions):
         served = "cpu" if self._client.backend == "host" else "cuda"
         if served != kind:
             raise ValueError(
-                f"device {kind!r} cannot be served by instance {self._client.instance!r} ({self._client.backend} backend)"
+                f"device {kind!r} cannot be served by instance {self._client.instance!r} "
+                f"({self._client.backend} backend)"
             )
         self._device = (kind, index)
 
@@ -300,14 +301,14 @@ class ExtensibleTensor(Transactions):
         return self.full_view()[: self.num_bytes]
 
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
-        """For each segment, whether its first ``sizes[i]`` bytes lie inside one chunk (what RDMA registration needs)."""
+        """For each segment, whether its first ``sizes[i]`` bytes lie in one chunk (what RDMA registration needs)."""
         if self._freed:
             return [False] * len(sizes)
         return [self._reservation.in_one_chunk(start, size) for start, size in zip(self._offsets, sizes)]
 
     # growth
 
-    def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> "ExtensibleTensor":
+    def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> ExtensibleTensor:
         """Grow each segment's committed prefix to ``sizes[i]``; existing bytes are kept.
 
         With ``zero_new`` exactly the newly committed bytes read as zero.
@@ -348,11 +349,11 @@ class ExtensibleTensor(Transactions):
             if new > old:
                 self._mapper.zero(self._base + offset + old, new - old)
 
-    def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> "ExtensibleTensor":
+    def resize_per_segment_(self, bytes_per_segment: int, zero_new: bool = False) -> ExtensibleTensor:
         """Grow every segment's committed prefix to ``bytes_per_segment`` (see :meth:`resize_segments_`)."""
         return self.resize_segments_([bytes_per_segment] * self.num_segments, zero_new)
 
-    def zero_(self) -> "ExtensibleTensor":
+    def zero_(self) -> ExtensibleTensor:
         """Zero every committed byte."""
         self._check_writable("zero_")
         for offset, size in zip(self._offsets, self._sizes):
@@ -375,133 +376,9 @@ class ExtensibleTensor(Transactions):
 
     # defragment
 
-    def defragment(self, preserve: bool = True) -> "ExtensibleTensor":
-        """Re-back each segment's committed prefix with one chunk, at the same addresses.
-
-        ``preserve``: each new chunk is mapped at a temporary address, the data
-        copied into it, then mapped in place of the old chunks; the daemon
-        drops the old chunks only once told the remap is done, so a worker
-        killed mid-way loses nothing (this needs budget for both at once).
-        Otherwise the old chunks go first and the contents are undefined:
-        what an engine does right after warm-up, before RDMA registration.
-        """
-        self._check_writable("defragment")
-        if not preserve:
-            # The old chunks are unmapped before the daemon drops them; a refusal maps them back.
-            self._transaction(lambda: self._client.defragment(self.buffer_id, False), before=self._reservation.unmap_all)
-            return self
-        self._reback(lambda: self._client.defragment(self.buffer_id, True))
-        return self
-
-    def demote(self) -> "ExtensibleTensor":
-        """Move the committed bytes to the daemon's host tier, at the same addresses; the device pages go back at once.
-
-        Views, ``base_ptr`` and CUDA graphs captured over the buffer stay
-        valid (kernels then read host memory over the bus); the data is
-        copied as :meth:`defragment` copies it, so a worker killed midway
-        loses nothing. Growing or defragmenting a demoted buffer is refused
-        (``Conflict``) until :meth:`promote`. Already there, or with nothing
-        committed: a no-op. Raises ``OutOfBudget`` where the host budget is
-        short or the daemon has no host tier (``hbmd --host-budget``),
-        ``InvalidRequest`` for a sealed buffer (its readers map it too).
-        """
-        self._check_writable("demote")
-        self._reback(lambda: self._client.move(self.buffer_id, TIER_HOST), TIER_HOST)
-        return self
-
-    def promote(self) -> "ExtensibleTensor":
-        """Move a demoted buffer's bytes back to device memory, at the same addresses (see :meth:`demote`).
-
-        Raises ``OutOfBudget`` where the device budget cannot hold them now
-        (the buffer stays in the host tier, whole); a no-op on the device.
-        """
-        self._check_writable("promote")
-        self._reback(lambda: self._client.move(self.buffer_id, TIER_DEVICE), TIER_DEVICE)
-        return self
-
-    _demoted_under_pressure = False
-    """Demoted by the client for the daemon, not by the engine: promoted back by the client once there is room."""
-
-    def _demote_under_pressure(self) -> int:
-        """Demote this buffer where its owner may (the client serving the daemon's request); returns the bytes."""
-        if self._freed or self._readonly or self.sealed or self.tier == TIER_HOST or self._unusable is not None:
-            return 0
-        physical = self.physical_bytes
-        self.demote()
-        self._demoted_under_pressure = self.tier == TIER_HOST
-        return physical if self._demoted_under_pressure else 0
-
-    def _promote_after_pressure(self) -> int:
-        """Promote this buffer back if the client demoted it for the daemon and it is still there; returns the bytes."""
-        if not self._demoted_under_pressure or self._freed or self._unusable is not None or self.tier != TIER_HOST:
-            self._demoted_under_pressure = False
-            return 0
-        self.promote()
-        self._demoted_under_pressure = False
-        return self.physical_bytes
-
-    _moved_to: str | None = None
-    """The tier of what this process maps while a move's remap is done and its finish not heard yet: what a daemon
-    that restarted meanwhile, with nothing kept, is told the buffer is in."""
-
-    def _reback(self, ask: Callable[[], Delivery], to_tier: str | None = None) -> None:
-        """Re-back the buffer with the chunks ``ask`` brings (a preserving defragment's, or a move's to ``to_tier``):
-        copied into, then mapped in place of the old ones (to the host tier: mapped in place, then copied into, since
-        host-tier chunks are slow to map). None brought: nothing to do."""
-        fresh: list[tuple[ChunkInfo, int]] = []
-        started_over = self._client.started_over
-        try:
-            with ask() as delivery:
-                for chunk, fd in delivery:
-                    fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
-            if fresh:
-                self._move_into(fresh, started_over, to_tier)
-        finally:
-            _close_all(fresh)
-
-    def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int, to_tier: str | None) -> None:
-        """Copy the data into the new chunks, map them in place of the old, and confirm.
-
-        The FDs are closed before the daemon hears the outcome: once it has,
-        its host pool may pin memory again, which holds up the driver's
-        closing of an FD in every process (~60 ms on the H200).
-        """
-        with Undo() as undo:
-            # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
-            undo.push(self._finish_defragment, False, started_over)
-            undo.push(_close_all, fresh)
-            map_once = to_tier == TIER_HOST
-            if map_once:
-                self._reservation.move_into(fresh)  # mapped in place already
-            else:
-                self._reservation.copy_into(fresh)
-        # From here the new chunks hold the data: the daemon keeps them whatever happens next.
-        try:
-            if not map_once:
-                self._reservation.unmap_all()
-                for chunk, fd in fresh:
-                    self._reservation.map(chunk, fd, self._maps_readonly)
-            self._moved_to = to_tier
-        finally:
-            _close_all(fresh)
-            try:
-                self._finish_defragment(True, started_over)
-            finally:
-                self._moved_to = None
-
-    def _finish_defragment(self, keep_new: bool, started_over: int) -> None:
-        """Tell the daemon which chunks back the buffer now. Where the session started over meanwhile (its daemon
-        restarted with nothing kept), the defragment went with the old daemon and the buffer was declared again as
-        it is mapped here: there is nothing left to tell."""
-        try:
-            self._set_info(self._client.finish_defragment(self.buffer_id, keep_new).buffer)
-        except InvalidRequest:
-            if self._client.started_over == started_over:
-                raise
-
     # sharing
 
-    def seal(self) -> "ExtensibleTensor":
+    def seal(self) -> ExtensibleTensor:
         """Make this persistent buffer immutable and readable by every session of this user at once.
 
         What a loader does once the bytes are written (model weights, say):
@@ -544,7 +421,7 @@ class ExtensibleTensor(Transactions):
         self._set_info(released.buffer)
         self._sizes_before_release = [max(a, b) for a, b in zip(self._sizes_before_release or held, held)]
 
-    def recommit(self) -> "ExtensibleTensor":
+    def recommit(self) -> ExtensibleTensor:
         """Commit again, with zeroed pages, the segment sizes held before :meth:`release_physical` (wake); a buffer
         demoted by ``release_physical(keep=True)`` is promoted back first, its data kept.
 
@@ -603,66 +480,12 @@ class ExtensibleTensor(Transactions):
         self._freed = True
         self._drop_mappings()
 
-    # after a restart of the daemon that kept nothing
-
-    def _declaration(self) -> Redeclare | None:
-        """The buffer as this process maps it, to declare on the session started over; None once freed."""
-        if self._freed:
-            return None
-        mapped = self._reservation.mapped
-        return Redeclare(
-            capacity=self._info.capacity_bytes,
-            segment_capacities=list(self._capacities),
-            # Released by a request the old daemon took with it: nothing mapped, nothing committed.
-            segment_sizes=list(self._sizes) if mapped else [0] * self.num_segments,
-            chunks=[ChunkInfo(0, offset, size) for offset, size in mapped],
-            buffer_id=self.buffer_id,
-            name=self._info.name,
-            persistent=self._info.persistent,
-            shareable=self._info.shareable,
-            sealed=self._info.sealed,
-            readonly=self._readonly,
-            tier=self._moved_to or self._info.tier,
-        )
-
-    def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:
-        """The new daemon counts the buffer again (``buffer``, under its id where that was free), or refused to
-        (``refusal``): memory no daemon counts is not kept, so the pages go at once, as a ``release_physical()``'s
-        do (the address range stays reserved while views of it remain), and the tensor goes no further."""
-        if buffer is not None:
-            self._set_info(buffer)
-            return
-        self._recorded = False
-        self._reservation.unmap_all()
-        self._unusable = TensorUnusable(
-            f"buffer {self.buffer_id}: hbmd restarted with nothing to keep its memory and refused to count it again "
-            f"({refusal}); its pages are gone: free it and create or attach it anew",
-            buffer_id=self.buffer_id,
-        )
-
     def _drop_mappings(self) -> None:
         """Unmap everything and leave the address range to its :class:`Reservation` to give back."""
         self._client.lets_go(self)
         self._reservation.free()
         self._view = None
         del self._reservation  # the views that are left hold it; the last one gives the range back
-
-    def _check_live(self) -> None:
-        if self._freed:
-            raise ValueError("this ExtensibleTensor was freed")
-        if self._unusable is not None:
-            raise self._unusable
-
-    def _check_writable(self, what: str) -> None:
-        """Refuse a change here rather than at the daemon: release and defragment unmap before they ask."""
-        self._check_live()
-        if self._readonly:
-            raise ValueError(f"{what} needs the buffer's owner: this ExtensibleTensor is a read-only attach of a sealed buffer")
-        if self.sealed and what != "seal":
-            raise InvalidRequest(
-                f"buffer {self.buffer_id} ({self.name!r}) is sealed: it is immutable, {what} is refused",
-                buffer_id=self.buffer_id,
-            )
 
     def _check_single_segment(self, what: str) -> None:
         if self.num_segments != 1:
@@ -673,9 +496,3 @@ class ExtensibleTensor(Transactions):
             f"ExtensibleTensor(buffer {self.buffer_id} on {self._client.instance}, "
             f"{self.num_bytes}/{self.max_num_bytes} bytes in {self.num_segments} segments, {self.num_chunks} chunks)"
         )
-
-
-def _close_all(fds: list[tuple[ChunkInfo, int]]) -> None:
-    """Close each chunk's FD and empty the list (closing twice is a no-op)."""
-    while fds:
-        os.close(fds.pop()[1])

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_SEGMENTS, TIER_HOST, BufferInfo
-from hbmd.proto.errors import HbmdError, TensorUnusable
+from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_SEGMENTS, TIER_HOST, BufferInfo, ChunkInfo, Redeclare
+from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
 from hbmd.proto.runs import new_runs, prefix_offsets
 
 from .delivery import Delivery
@@ -31,14 +32,38 @@ class Transactions:
     chunks that keep the tensor's :class:`Reservation` in step with it.
 
     A part of the tensor class: the tensor sets ``_client``,
-    ``_reservation``, ``_readonly`` and ``_unusable``; the record
+    ``_reservation``, ``_readonly``, ``_freed``, ``_recorded`` and ``_unusable``; the record
     (``_info`` and what follows from it) is set here, by :meth:`_set_info`.
     """
 
     _client: Client
     _reservation: Reservation
     _readonly: bool
+    _freed: bool
+    _recorded: bool
     _unusable: TensorUnusable | None
+    _moved_to: str | None = None
+    """The tier of what this process maps while a move's remap is done and its finish not heard yet: what a daemon
+    that restarted meanwhile, with nothing kept, is told the buffer is in."""
+
+    def _check_live(self) -> None:
+        if self._freed:
+            raise ValueError("this ExtensibleTensor was freed")
+        if self._unusable is not None:
+            raise self._unusable
+
+    def _check_writable(self, what: str) -> None:
+        """Refuse a change here rather than at the daemon: release and defragment unmap before they ask."""
+        self._check_live()
+        if self._readonly:
+            raise ValueError(
+                f"{what} needs the buffer's owner: this ExtensibleTensor is a read-only attach of a sealed buffer"
+            )
+        if self._info.sealed and what != "seal":
+            raise InvalidRequest(
+                f"buffer {self._info.buffer_id} ({self._info.name!r}) is sealed: it is immutable, {what} is refused",
+                buffer_id=self._info.buffer_id,
+            )
 
     def _set_info(self, info: BufferInfo) -> None:
         """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
@@ -81,10 +106,10 @@ class Transactions:
             # regrowth relies on): a lease, one chunk per granule, serves only runs of one.
             return False
         offsets = [start for start, _ in runs]
-        taken = self._client.take_lease(len(offsets))
+        taken = self._client.leasing.take(len(offsets))
         if taken is None:
             return False
-        if not self._client.place(self._info.buffer_id, sizes, taken, offsets):
+        if not self._client.leasing.place(self._info.buffer_id, sizes, taken, offsets):
             return False
         try:
             self._reservation.map_leased(taken, offsets)
@@ -93,7 +118,7 @@ class Transactions:
                 raise
             return True
         finally:
-            self._client.discard_leased(taken)
+            self._client.leasing.discard(taken)
         # What the daemon now records too: the placement went before the mapping.
         self._sizes = list(sizes)
         self._physical_bytes += len(offsets) * self._client.granularity
@@ -114,7 +139,7 @@ class Transactions:
         them.
         """
         runs = [(start, end - start) for start, end in new]
-        if not runs or len(runs) > MAX_OWN_CHUNKS or not self._client.credit_covers(sum(n for _, n in runs)):
+        if not runs or len(runs) > MAX_OWN_CHUNKS or not self._client.leasing.credit_covers(sum(n for _, n in runs)):
             return False
         mapper = self._reservation.mapper
         made: list[Any] = []
@@ -122,13 +147,13 @@ class Transactions:
         bound = False
         try:
             for _, size in runs:
-                spare = self._client.take_spare(size)
+                spare = self._client.leasing.take_spare(size)
                 made.append(mapper.make(size) if spare is None else spare.prepared)
                 fds.append(-1 if spare is None else spare.fd)
             self._reservation.map_made(made, runs)
             if zero is not None:
                 zero(sizes)
-            bound = self._client.bind(self._info.buffer_id, sizes, runs, made, fds)
+            bound = self._client.leasing.bind(self._info.buffer_id, sizes, runs, made, fds)
         except (HbmdError, OSError) as exc:
             log.debug("buffer %d: a growth on credit failed (%s); asking the daemon", self._info.buffer_id, exc)
         finally:
@@ -198,13 +223,52 @@ class Transactions:
             reply = delivery.reply
         except BaseException as exc:
             self._unusable = TensorUnusable(
-                f"buffer {self._info.buffer_id}: {error} and mapping it again failed ({exc}); free it and create or attach "
-                "it anew",
+                f"buffer {self._info.buffer_id}: {error} and mapping it again failed ({exc}); "
+                "free it and create or attach it anew",
                 buffer_id=self._info.buffer_id,
             )
             raise self._unusable from error
         done = reply.buffer.segment_sizes != self._sizes or reply.buffer.num_chunks != self._num_chunks
         self._set_info(reply.buffer)
         if done:
-            log.warning("buffer %d: %s while mapping; mapped again as the daemon records it", self._info.buffer_id, error)
+            log.warning(
+                "buffer %d: %s while mapping; mapped again as the daemon records it", self._info.buffer_id, error
+            )
         return done and isinstance(error, (HbmdError, OSError))
+
+    # after a restart of the daemon that kept nothing
+
+    def _declaration(self) -> Redeclare | None:
+        """The buffer as this process maps it, to declare on the session started over; None once freed."""
+        if self._freed:
+            return None
+        mapped = self._reservation.mapped
+        return Redeclare(
+            capacity=self._info.capacity_bytes,
+            segment_capacities=list(self._capacities),
+            # Released by a request the old daemon took with it: nothing mapped, nothing committed.
+            segment_sizes=list(self._sizes) if mapped else [0] * len(self._capacities),
+            chunks=[ChunkInfo(0, offset, size) for offset, size in mapped],
+            buffer_id=self._info.buffer_id,
+            name=self._info.name,
+            persistent=self._info.persistent,
+            shareable=self._info.shareable,
+            sealed=self._info.sealed,
+            readonly=self._readonly,
+            tier=self._moved_to or self._info.tier,
+        )
+
+    def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:
+        """The new daemon counts the buffer again (``buffer``, under its id where that was free), or refused to
+        (``refusal``): memory no daemon counts is not kept, so the pages go at once, as a ``release_physical()``'s
+        do (the address range stays reserved while views of it remain), and the tensor goes no further."""
+        if buffer is not None:
+            self._set_info(buffer)
+            return
+        self._recorded = False
+        self._reservation.unmap_all()
+        self._unusable = TensorUnusable(
+            f"buffer {self._info.buffer_id}: hbmd restarted with nothing to keep its memory and refused to count it "
+            f"again ({refusal}); its pages are gone: free it and create or attach it anew",
+            buffer_id=self._info.buffer_id,
+        )

@@ -1,7 +1,8 @@
 """The client's two connections to a daemon instance.
 
 :class:`HandleChannel` is the session: a Unix ``SOCK_SEQPACKET`` connection
-that carries the handshake and, afterwards, the chunk FDs (``SCM_RIGHTS``).
+that carries the handshake and, afterwards, the chunk FDs (``SCM_RIGHTS``),
+read into its :class:`~hbmd.client.inbox.Inbox`.
 :class:`ControlChannel` is a ZeroMQ DEALER with a request id per call, a
 poll with a timeout, stale replies dropped and the socket rebuilt after a
 timeout, so a call on a dead or silent daemon fails in bounded time with a
@@ -12,7 +13,6 @@ with :class:`SessionLost` instead of waiting out its timeout.
 
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import select
@@ -23,18 +23,10 @@ from typing import TypeVar
 
 import zmq
 from hbmd.proto import (
-    MAX_FDS_PER_DATAGRAM,
     Committed,
-    CreditGrant,
-    CreditRevoke,
     ErrorReply,
-    FdBatch,
     Hello,
-    LeaseGrant,
-    LeaseRevoke,
     Message,
-    PromoteRequest,
-    ReclaimRequest,
     Refused,
     Request,
     Welcome,
@@ -49,10 +41,10 @@ from hbmd.proto.errors import (
     SessionLost,
     error_from_wire,
 )
-from hbmd.proto.fdpass import receive_with_fds
 from hbmd.proto.instance import InstancePaths, access_denied
 
-MAX_DATAGRAM = 64 << 10
+from .inbox import Inbox, receive
+
 CONNECT_RETRY_S = 0.005
 SPIN_S = 0.001
 """How long a call polls for its reply before its thread sleeps (``HBMD_SPIN_US``): most replies come within it (a
@@ -64,29 +56,15 @@ R = TypeVar("R", bound=Message)
 
 
 class HandleChannel:
-    """The session's handle-plane connection.
+    """The session's handle-plane connection: the handshake, then datagrams both ways.
 
-    Two readers may share it: the caller waiting for a request's FD batches,
-    and the client's listener thread. Reads happen under one lock, never
-    waits (sends need the lock too); whichever reader takes a datagram meant
-    for the other leaves it in ``_backlog`` (FD batches, signalled on
-    ``_filed``), ``reclaims`` and ``demotes`` (reclaim requests), ``grants`` (leased
-    granules, with their FDs), ``revokes`` (leased granules asked back) or
-    ``credits`` (credit granted and asked back, in the order they came).
+    What comes from the daemon is read into :attr:`inbox` by whichever of
+    its two readers gets there first (see :mod:`hbmd.client.inbox`).
     """
 
     def __init__(self, paths: InstancePaths, timeout: float) -> None:
         self.path = os.fspath(paths.handles)
         self.timeout = timeout
-        self._lock = threading.Lock()
-        self._backlog: list[tuple[FdBatch, list[int]]] = []
-        self.reclaims: collections.deque[ReclaimRequest] = collections.deque()
-        self.demotes: collections.deque[ReclaimRequest | PromoteRequest] = collections.deque()
-        """Requests to demote buffers under pressure (``ReclaimRequest.demote``) and to promote them back once there
-        is room: the client serves them itself."""
-        self.grants: collections.deque[tuple[LeaseGrant, list[int]]] = collections.deque()
-        self.revokes: collections.deque[LeaseRevoke] = collections.deque()
-        self.credits: collections.deque[CreditGrant | CreditRevoke] = collections.deque()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self.sock.settimeout(timeout)
         try:
@@ -98,12 +76,13 @@ class HandleChannel:
             ) from None
         except PermissionError:
             self.sock.close()
-            raise DaemonUnavailable(f"cannot connect to {self.path}: {access_denied(self.path)}", path=self.path) from None
+            raise DaemonUnavailable(
+                f"cannot connect to {self.path}: {access_denied(self.path)}", path=self.path
+            ) from None
         except OSError as exc:
             self.sock.close()
             raise DaemonUnavailable(f"cannot connect to {self.path}: {exc}", path=self.path) from None
-        self._filed = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        """Written when an FD batch goes to ``_backlog``: wakes a caller waiting for the batch the listener took."""
+        self.inbox = Inbox(self.sock, self.path)
         self._hang_up = select.poll()
         """Watches the socket for the daemon's hang-up; made once, as :meth:`lost` runs before every call."""
         self._hang_up.register(self.sock, select.POLLRDHUP)
@@ -126,10 +105,10 @@ class HandleChannel:
             pass  # a daemon that turned this peer away at once has closed already; its refusal waits to be read
         try:
             try:
-                data = self._recv(timeout=self.timeout)[0]
+                data = receive(self.sock, self.path, self.timeout)[0]
             except ConnectionResetError:
                 # Closed without reading the hello: the kernel reports the reset first, the refusal queued after it.
-                data = self._recv(timeout=self.timeout)[0]
+                data = receive(self.sock, self.path, self.timeout)[0]
             reply = decode_datagram(data)
         except (OSError, ProtocolError, SessionLost) as exc:
             raise DaemonUnavailable(f"handshake with hbmd at {self.path} failed: {exc}", path=self.path) from None
@@ -139,150 +118,20 @@ class HandleChannel:
             raise ProtocolError(f"expected a welcome from {self.path}, got {reply.KIND}")
         return reply
 
-    def _recv(self, timeout: float) -> tuple[bytes, list[int]]:
-        self.sock.settimeout(timeout)
-        try:
-            data, fds, _ = receive_with_fds(self.sock, MAX_DATAGRAM, MAX_FDS_PER_DATAGRAM)
-        except socket.timeout:
-            raise DaemonUnavailable(f"hbmd at {self.path} sent nothing within {timeout:.1f}s", path=self.path) from None
-        if not data and not fds:
-            raise SessionLost(f"hbmd at {self.path} closed the session", path=self.path)
-        return data, fds
-
-    def _sort(self, data: bytes, fds: list[int]) -> FdBatch | None:
-        """File one datagram: reclaim requests, lease grants and revokes to their queues; returns an FD batch, or
-        None (FDs closed unless filed with a grant)."""
-        try:
-            msg = decode_datagram(data)
-        except ProtocolError:
-            msg = None
-        if isinstance(msg, LeaseGrant) and len(fds) == len(msg.chunk_ids):
-            self.grants.append((msg, fds))
-            return None
-        if isinstance(msg, FdBatch):
-            if len(fds) != (0 if msg.error else len(msg.chunk_ids)):
-                _close_all(fds)
-                raise ProtocolError(f"batch of {len(msg.chunk_ids)} chunks came with {len(fds)} FDs")
-            return msg
-        _close_all(fds)
-        if isinstance(msg, ReclaimRequest):
-            (self.demotes if msg.demote else self.reclaims).append(msg)
-        elif isinstance(msg, LeaseRevoke):
-            self.revokes.append(msg)
-        elif isinstance(msg, (CreditGrant, CreditRevoke)):
-            self.credits.append(msg)
-        elif isinstance(msg, PromoteRequest):
-            self.demotes.append(msg)
-        return None
-
-    def receive_fds(self, request_id: int, deadline: float) -> tuple[FdBatch, list[int]]:
-        """The next FD batch of ``request_id``; batches of earlier requests are dropped and their FDs closed.
-
-        The lock is held to read and file what waits, not while waiting for
-        it, so the listener's sends go on meanwhile. Raises
-        :class:`DaemonUnavailable` past ``deadline``, :class:`SessionLost`
-        once the daemon has closed the session.
-        """
-        while True:
-            with self._lock:
-                batch = self._take_batch(request_id)
-                if batch is not None:
-                    return batch
-                read = self._read_and_file()
-            if read:
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DaemonUnavailable(f"hbmd at {self.path} sent no chunk FDs within {self.timeout:.1f}s", path=self.path)
-            # Readable socket: a datagram to read; readable _filed: the listener read and filed a batch first.
-            select.select([self.sock, self._filed], [], [], remaining)
-
-    def _take_batch(self, request_id: int) -> tuple[FdBatch, list[int]] | None:
-        """The first filed batch of ``request_id``, the lock held; those of earlier requests are dropped."""
-        try:
-            os.eventfd_read(self._filed)
-        except BlockingIOError:
-            pass  # nothing filed since the last look
-        for stale in [entry for entry in self._backlog if entry[0].request_id < request_id]:
-            self._backlog.remove(stale)
-            _close_all(stale[1])
-        for i, (waiting, _) in enumerate(self._backlog):
-            if waiting.request_id == request_id:
-                return self._backlog.pop(i)
-        return None
-
-    @property
-    def filed(self) -> int:
-        """The eventfd written when the listener files an FD batch: for a caller that waits on other sockets too."""
-        return self._filed
-
-    def reply_to(self, request_id: int) -> Committed | None:
-        """The reply to ``request_id`` that rode with its first FD batch (:attr:`FdBatch.reply`), once that batch is
-        here; None until then. Reads and files what waits, without waiting; the batch stays filed for its delivery.
-        Raises :class:`SessionLost` once the daemon has closed the session."""
-        with self._lock:
-            try:
-                os.eventfd_read(self._filed)
-            except BlockingIOError:
-                pass  # nothing filed by the listener since the last look
-            while self._read_and_file():
-                pass
-            for batch, _ in self._backlog:
-                if batch.request_id == request_id and batch.reply is not None:
-                    return batch.reply
-        return None
-
-    def poll(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for datagrams and file them; False once the daemon has gone."""
-        try:
-            readable, _, _ = select.select([self.sock], [], [], timeout)
-        except (OSError, ValueError):
-            return False
-        if not readable:
-            return True
-        with self._lock:
-            return self._file_next() is not False  # None: the other reader took it
-
-    def drain(self) -> None:
-        """File every datagram waiting now, without blocking."""
-        with self._lock:
-            while self._file_next():
-                pass
-
-    def _file_next(self) -> bool | None:
-        """Read and file one datagram, the lock held: True; None when none waits; False once the daemon has gone."""
-        try:
-            return self._read_and_file() or None
-        except (DaemonUnavailable, OSError):
-            return False
-
-    def _read_and_file(self) -> bool:
-        """Read one datagram and file it, the lock held; False when none waits. Raises once the daemon has gone."""
-        try:
-            # Non-blocking mode, not MSG_DONTWAIT: with a timeout set, Python waits for the socket to turn readable
-            # before it reads, and if the other reader took the datagram, this would sit on the lock (which sends
-            # need too) until the next one arrived or the timeout passed.
-            data, fds = self._recv(timeout=0.0)
-        except BlockingIOError:
-            return False
-        batch = self._sort(data, fds)
-        if batch is not None:
-            self._backlog.append((batch, fds))
-            os.eventfd_write(self._filed, 1)
-        return True
-
     def send(self, msg: Message, fds: list[int] | None = None) -> None:
         """Send a datagram to the daemon, with ``fds`` (``SCM_RIGHTS``) if given; once this returns it is queued on the
         daemon's side of the socket, FDs and all (they outlive this process there)."""
-        with self._lock:
+        with self.inbox.lock:
             self.sock.settimeout(self.timeout)
             try:
                 if fds:
                     socket.send_fds(self.sock, [encode_datagram(msg)], fds)
                 else:
                     self.sock.send(encode_datagram(msg))
-            except socket.timeout:
-                raise DaemonUnavailable(f"hbmd at {self.path} read nothing within {self.timeout:.1f}s", path=self.path) from None
+            except TimeoutError:
+                raise DaemonUnavailable(
+                    f"hbmd at {self.path} read nothing within {self.timeout:.1f}s", path=self.path
+                ) from None
             except OSError as exc:
                 raise SessionLost(f"hbmd at {self.path} closed the session ({exc.strerror})", path=self.path) from None
 
@@ -305,13 +154,7 @@ class HandleChannel:
     def close(self) -> None:
         """Close the socket and the FDs that came on it and were never taken."""
         self.sock.close()
-        if self._filed >= 0:
-            os.close(self._filed)
-            self._filed = -1
-        for _, fds in (*self._backlog, *self.grants):
-            _close_all(fds)
-        self._backlog.clear()
-        self.grants.clear()
+        self.inbox.close()
 
 
 class FdCloser:
@@ -354,11 +197,6 @@ def poll_spinning(poller: zmq.Poller, deadline: float, spin_until: float) -> dic
         os.sched_yield()
 
 
-def _close_all(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
-
-
 class ControlChannel:
     """Request/reply over a ZeroMQ DEALER; one call in flight at a time.
 
@@ -387,7 +225,7 @@ class ControlChannel:
         self.replies_with_fds = replies_with_fds and session is not None
         self.requests_sent = 0
         """Requests sent so far; the last one's id (ids count from 1)."""
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context = zmq.Context.instance()
         self._socket = self._open()
         self._poller = self._watch()
         self._poller_with_fds = self._watch(with_fds=True)
@@ -408,7 +246,7 @@ class ControlChannel:
             # POLLERR is how zmq reports a raw descriptor's hang-up: the daemon closed the session.
             poller.register(self.session.sock.fileno(), zmq.POLLERR | (zmq.POLLIN if with_fds else 0))
             if with_fds:
-                poller.register(self.session.filed, zmq.POLLIN)
+                poller.register(self.session.inbox.filed, zmq.POLLIN)
         return poller
 
     def _rewatch(self) -> None:
@@ -444,9 +282,9 @@ class ControlChannel:
             ready = poll_spinning(poller, deadline, spin_until)
             if with_fds and ready and self._socket not in ready:
                 # A datagram, or the listener filed one: the reply, if it rode with the FDs (or the daemon's EOF).
-                reply = self._reply_with_fds(request_id)
-                if reply is not None:
-                    return reply, request_id  # type: ignore[return-value]  # msg.Reply is Committed, which is R
+                committed = self._reply_with_fds(request_id)
+                if committed is not None:
+                    return committed, request_id  # type: ignore[return-value]  # msg.Reply is Committed, which is R
                 continue
             if self._socket not in ready:
                 # A late reply would answer the wrong call: start over on a new socket.
@@ -470,8 +308,9 @@ class ControlChannel:
             return reply, request_id  # type: ignore[return-value]  # checked against msg.Reply, which is R
 
     def _reply_with_fds(self, request_id: int) -> Committed | None:
+        assert self.session is not None  # replies_with_fds is only ever set with a session
         try:
-            return self.session.reply_to(request_id)
+            return self.session.inbox.reply_to(request_id)
         except (SessionLost, OSError):  # EOF, or a reset: the daemon has closed the session
             self._socket.close(linger=0)
             self._socket = self._open()

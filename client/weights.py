@@ -27,8 +27,9 @@ from __future__ import annotations
 import ctypes
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import round_up
@@ -79,7 +80,9 @@ def store_weights(
     return buffer
 
 
-def write_weights(buffer: ExtensibleTensor, state_dict: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> None:
+def write_weights(
+    buffer: ExtensibleTensor, state_dict: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+) -> None:
     """:func:`store_weights` into ``buffer``, an empty persistent buffer of this session made beforehand (to claim its
     name before the tensors exist, say) with room for them; ``ValueError`` when it has too little."""
     plan = _plan(state_dict, meta)

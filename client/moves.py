@@ -1,0 +1,163 @@
+"""Re-backing a tensor's buffer with other chunks at the same addresses: defragment, demote and promote.
+
+The daemon brings the new chunks; the data is copied into them and they are
+mapped in place of the old ones, and only then is the daemon told to drop
+the old ones (:class:`~hbmd.proto.FinishDefragment`), so a worker killed
+mid-way loses nothing. Views, ``base_ptr`` and CUDA graphs captured over the
+buffer stay valid throughout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from hbmd.proto import TIER_DEVICE, TIER_HOST, ChunkInfo
+from hbmd.proto.errors import InvalidRequest
+from hbmd.proto.undo import Undo
+
+from .delivery import Delivery
+from .transaction import Transactions
+
+
+class Moves(Transactions):
+    """A part of the tensor class (see :class:`Transactions`): the moves of its bytes between chunks."""
+
+    def defragment(self, preserve: bool = True) -> Moves:
+        """Re-back each segment's committed prefix with one chunk, at the same addresses.
+
+        ``preserve``: each new chunk is mapped at a temporary address, the data
+        copied into it, then mapped in place of the old chunks; the daemon
+        drops the old chunks only once told the remap is done, so a worker
+        killed mid-way loses nothing (this needs budget for both at once).
+        Otherwise the old chunks go first and the contents are undefined:
+        what an engine does right after warm-up, before RDMA registration.
+        """
+        self._check_writable("defragment")
+        if not preserve:
+            # The old chunks are unmapped before the daemon drops them; a refusal maps them back.
+            self._transaction(
+                lambda: self._client.defragment(self._info.buffer_id, False), before=self._reservation.unmap_all
+            )
+            return self
+        self._reback(lambda: self._client.defragment(self._info.buffer_id, True))
+        return self
+
+    def demote(self) -> Moves:
+        """Move the committed bytes to the daemon's host tier, at the same addresses; the device pages go back at once.
+
+        Views, ``base_ptr`` and CUDA graphs captured over the buffer stay
+        valid (kernels then read host memory over the bus); the data is
+        copied as :meth:`defragment` copies it, so a worker killed midway
+        loses nothing. Growing or defragmenting a demoted buffer is refused
+        (``Conflict``) until :meth:`promote`. Already there, or with nothing
+        committed: a no-op. Raises ``OutOfBudget`` where the host budget is
+        short or the daemon has no host tier (``hbmd --host-budget``),
+        ``InvalidRequest`` for a sealed buffer (its readers map it too).
+        """
+        self._check_writable("demote")
+        self._reback(lambda: self._client.move(self._info.buffer_id, TIER_HOST), TIER_HOST)
+        return self
+
+    def promote(self) -> Moves:
+        """Move a demoted buffer's bytes back to device memory, at the same addresses (see :meth:`demote`).
+
+        Raises ``OutOfBudget`` where the device budget cannot hold them now
+        (the buffer stays in the host tier, whole); a no-op on the device.
+        """
+        self._check_writable("promote")
+        self._reback(lambda: self._client.move(self._info.buffer_id, TIER_DEVICE), TIER_DEVICE)
+        return self
+
+    _demoted_under_pressure = False
+    """Demoted by the client for the daemon, not by the engine: promoted back by the client once there is room."""
+
+    def _demote_under_pressure(self) -> int:
+        """Demote this buffer where its owner may (the client serving the daemon's request); returns the bytes."""
+        if (
+            self._freed
+            or self._readonly
+            or self._info.sealed
+            or self._info.tier == TIER_HOST
+            or self._unusable is not None
+        ):
+            return 0
+        physical = self._physical_bytes
+        self.demote()
+        self._demoted_under_pressure = self._info.tier == TIER_HOST
+        return physical if self._demoted_under_pressure else 0
+
+    def _promote_after_pressure(self) -> int:
+        """Promote this buffer back if the client demoted it for the daemon and it is still there; returns the bytes."""
+        if (
+            not self._demoted_under_pressure
+            or self._freed
+            or self._unusable is not None
+            or self._info.tier != TIER_HOST
+        ):
+            self._demoted_under_pressure = False
+            return 0
+        self.promote()
+        self._demoted_under_pressure = False
+        return self._physical_bytes
+
+    def _reback(self, ask: Callable[[], Delivery], to_tier: str | None = None) -> None:
+        """Re-back the buffer with the chunks ``ask`` brings (a preserving defragment's, or a move's to ``to_tier``):
+        copied into, then mapped in place of the old ones (to the host tier: mapped in place, then copied into, since
+        host-tier chunks are slow to map). None brought: nothing to do."""
+        fresh: list[tuple[ChunkInfo, int]] = []
+        started_over = self._client.started_over
+        try:
+            with ask() as delivery:
+                for chunk, fd in delivery:
+                    fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
+            if fresh:
+                self._move_into(fresh, started_over, to_tier)
+        finally:
+            _close_all(fresh)
+
+    def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int, to_tier: str | None) -> None:
+        """Copy the data into the new chunks, map them in place of the old, and confirm.
+
+        The FDs are closed before the daemon hears the outcome: once it has,
+        its host pool may pin memory again, which holds up the driver's
+        closing of an FD in every process (~60 ms on the H200).
+        """
+        with Undo() as undo:
+            # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.
+            undo.push(self._finish_defragment, False, started_over)
+            undo.push(_close_all, fresh)
+            map_once = to_tier == TIER_HOST
+            if map_once:
+                self._reservation.move_into(fresh)  # mapped in place already
+            else:
+                self._reservation.copy_into(fresh)
+        # From here the new chunks hold the data: the daemon keeps them whatever happens next.
+        try:
+            if not map_once:
+                self._reservation.unmap_all()
+                for chunk, fd in fresh:
+                    self._reservation.map(chunk, fd, self._maps_readonly)
+            self._moved_to = to_tier
+        finally:
+            _close_all(fresh)
+            try:
+                self._finish_defragment(True, started_over)
+            finally:
+                self._moved_to = None
+
+    def _finish_defragment(self, keep_new: bool, started_over: int) -> None:
+        """Tell the daemon which chunks back the buffer now. Where the session started over meanwhile (its daemon
+        restarted with nothing kept), the defragment went with the old daemon and the buffer was declared again as
+        it is mapped here: there is nothing left to tell."""
+        try:
+            self._set_info(self._client.finish_defragment(self._info.buffer_id, keep_new).buffer)
+        except InvalidRequest:
+            if self._client.started_over == started_over:
+                raise
+
+
+def _close_all(fds: list[tuple[ChunkInfo, int]]) -> None:
+    """Close each chunk's FD and empty the list (closing twice is a no-op)."""
+    while fds:
+        os.close(fds.pop()[1])
