@@ -33,8 +33,8 @@ from .persist import RESUME_WINDOW_S, NewerState, Persistence, restore, unpack_i
 from .reload import ConfigReloader
 from .server import AlreadyRunning, BooksUnbalanced, HandlerTableError, Server
 from .server.loop import HANDOVER_TIMEOUT_S
+from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, DEMOTE_IDLE_S, Limits, State
 from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
-from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, Limits, State
 
 log = logging.getLogger("hbmd.daemon")
 
@@ -113,16 +113,28 @@ def device_index(text: str) -> int:
     return index
 
 
-def seconds(text: str) -> float:
-    """A duration from :data:`MIN_SECONDS` to :data:`MAX_SECONDS`; an argparse type."""
+def _number_of_seconds(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+
+
+def seconds(text: str) -> float:
+    """A duration from :data:`MIN_SECONDS` to :data:`MAX_SECONDS`; an argparse type."""
+    value = _number_of_seconds(text)
     if not value > 0:  # nan too
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     if not MIN_SECONDS <= value <= MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"{text} seconds: give from {MIN_SECONDS:g} to {MAX_SECONDS:g} (a day)")
+    return value
+
+
+def idle_seconds(text: str) -> float:
+    """A duration from 0 (none: no wait at all) to :data:`MAX_SECONDS`; an argparse type."""
+    value = _number_of_seconds(text)
+    if not 0 <= value <= MAX_SECONDS:  # nan too
+        raise argparse.ArgumentTypeError(f"{text} seconds: give from 0 to {MAX_SECONDS:g} (a day)")
     return value
 
 
@@ -175,11 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-GPU memory daemon: owns device memory and serves growable buffers to worker processes.",
         epilog="example: hbmd --backend host --run-dir ~/.hbmd --budget 8GiB\n\n"
                "--config FILE is TOML, every key shown here (sizes as --budget takes them, a percentage of the\n"
-               "device's memory; both sections optional; SIGHUP reloads it):\n\n" + textwrap.indent(CONFIG_FORMAT, "  "),
+               "device's memory; both sections optional; SIGHUP reloads it):\n\n"
+               + textwrap.indent(CONFIG_FORMAT, "  "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto",
-                        help="memory to serve (default: auto, CUDA where a driver and the device are present, else host)")
+                        help="memory to serve "
+                             "(default: auto, CUDA where a driver and the device are present, else host)")
     parser.add_argument("--device", type=device_index, metavar="N",
                         help="GPU index as nvidia-smi numbers it (default: 0); not with --backend host")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
@@ -240,6 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "as a dead client's does (default: %(default)g)")
     parser.add_argument("--reclaim-timeout", type=seconds, default=30.0, metavar="S",
                         help="seconds before an unanswered reclaim request is reported as ignored (default: 30)")
+    parser.add_argument("--demote-idle", type=idle_seconds, default=DEMOTE_IDLE_S, metavar="S",
+                        help="seconds a session must have grown no buffer before it may be asked to demote its "
+                             "buffers to the host tier for another tenant's commit (a config tenant's demote); "
+                             "0: however lately it grew (default: %(default)g)")
     parser.add_argument("--max-sessions-per-uid", type=int, default=Limits.sessions_per_uid, metavar="N",
                         help=f"sessions one uid may hold open at once; each costs the daemon FDs "
                              f"(default: {Limits.sessions_per_uid})")
@@ -361,7 +379,7 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, config, args.reclaim_timeout, limits, lease, host_budget_bytes=host_budget,
-                  credit_bytes=credit)
+                  credit_bytes=credit, demote_idle_s=args.demote_idle)
     if args.config:
         state.config_load.path = os.path.abspath(args.config)
         state.config_load.loaded()

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from hbmd.daemon.spawn import wait_until  # noqa: F401 - the tests' one polling helper
+from hbmd.daemon.spawn import wait_until  # the tests' one polling helper
 
 MiB = 1 << 20
 GRANULE = 2 * MiB
@@ -45,6 +45,19 @@ def hbmctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+def chunks_held() -> int:
+    """How many descriptors this process holds on host-backend chunks: the sealed memfds of :mod:`hbmd.memfd`, made by
+    a daemon or by a client. Unlike a count of all its descriptors, it is not moved by the sockets, pipes and eventfds
+    that threads earlier tests left running in the process open and close."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:hbmd-")
+        except FileNotFoundError:  # closed meanwhile
+            pass
+    return held
+
+
 def parked_names(state_dir, buffer_name: str, instance: str = "host") -> set[str]:
     """The FD-store names of the chunks of the buffer named ``buffer_name``, as its daemon journaled them."""
     from hbmd.daemon.persist import Journal, chunk_name
@@ -74,7 +87,8 @@ class GpuKvCache:
         torch.cuda.synchronize()
 
     def intact(self) -> bool:
-        return int(self.view[: 64 * MiB].float().mean()) == 7 and int(self.view[512 * MiB : 576 * MiB].float().mean()) == 9
+        return (int(self.view[: 64 * MiB].float().mean()) == 7
+                and int(self.view[512 * MiB : 576 * MiB].float().mean()) == 9)
 
     def grows_on(self) -> None:
         """Grow it further after the restart: at the same address, with its data, and writable where it grew."""
@@ -108,7 +122,8 @@ class HostEngine:
         self.view[32 * MiB : 40 * MiB] = 9
 
     def intact(self) -> bool:
-        return (int(self.view[: 8 * MiB].float().mean()) == 7 and int(self.view[32 * MiB : 40 * MiB].float().mean()) == 9
+        return (int(self.view[: 8 * MiB].float().mean()) == 7
+                and int(self.view[32 * MiB : 40 * MiB].float().mean()) == 9
                 and int(self.weights.full_view()[: 6 * MiB].float().mean()) == 5)
 
     def grows_on(self) -> None:
@@ -129,7 +144,7 @@ def credited(client, tensor, first: int, at_least: int) -> None:
     """Grow ``tensor`` to ``first`` bytes through the daemon, so that the session is granted credit (twice that, where
     the budget has room), and wait until ``at_least`` bytes of it have come."""
     tensor.resize_(first)
-    wait_until(lambda: client.credit_covers(at_least), timeout=10)
+    wait_until(lambda: client.leasing.credit_covers(at_least), timeout=10)
 
 
 def daemon_view(client, tensor):

@@ -18,8 +18,8 @@ from hbmd import memfd, proto
 from hbmd.client import ExtensibleTensor, OutOfBudget
 from hbmd.client.host import HostMapper
 from hbmd.client.lease import Credit
-from hbmd.client.session import MAX_KEPT_FDS
-from helpers import GRANULE, MiB, credited, daemon_view, wait_until
+from hbmd.client.recovery import MAX_KEPT_FDS
+from helpers import GRANULE, MiB, chunks_held, credited, daemon_view, wait_until
 
 pytestmark = pytest.mark.ipc
 
@@ -64,7 +64,7 @@ from hbmd.client import ExtensibleTensor, connect
 c = connect("cpu")
 t = ExtensibleTensor(256 << 20, "cpu", client=c, name="kv", persistent=True)
 t.resize_(8 << 20)
-while not c.credit_covers(16 << 20):
+while not c.leasing.credit_covers(16 << 20):
     time.sleep(0.001)
 sent = c.requests_sent
 t.resize_(24 << 20)
@@ -188,7 +188,7 @@ def test_a_worker_killed_with_binds_unread_keeps_what_it_committed(start_daemon,
         c = connect("cpu")
         t = ExtensibleTensor(256 << 20, "cpu", client=c, name="kv", persistent=True)
         t.resize_(64 << 20)
-        while not c.credit_covers({binds * run}):
+        while not c.leasing.credit_covers({binds * run}):
             time.sleep(0.001)
         print("credited", flush=True)
         sys.stdin.readline()
@@ -237,12 +237,12 @@ def test_a_worker_that_only_grows_on_credit_keeps_few_descriptors(start_daemon):
     with daemon.connect() as client:
         t = ExtensibleTensor(1 << 30, "cpu", client=client)
         credited(client, t, 256 * MiB, 512 * MiB)
-        own_fds = len(os.listdir("/proc/self/fd"))
+        own_chunks = chunks_held()
         sent = client.requests_sent
         for step in range(1, 81):
             t.resize_(256 * MiB + step * 2 * GRANULE)  # a run of two granules: the credit's, not the lease's
             # Those confirmed are closed on the client's closer thread, a moment after the answer that confirmed them.
-            wait_until(lambda: len(os.listdir("/proc/self/fd")) <= own_fds + MAX_KEPT_FDS + 2, timeout=5)
+            wait_until(lambda: chunks_held() <= own_chunks + MAX_KEPT_FDS + 2, timeout=5)
         assert client.requests_sent == sent + 1  # one answer, past MAX_KEPT_FDS, confirmed what was kept
         assert daemon_view(client, t).num_chunks == 81
 
@@ -257,7 +257,7 @@ def test_credit_is_asked_back_for_a_commit_that_needs_the_room(start_daemon):
         with pytest.raises(OutOfBudget):
             big.resize_(900 * MiB)  # the holder's 128 MiB of credit stands in the way until it is given back
         wait_until(lambda: needy.status().leased_bytes == 0)
-        assert not holder.credit_covers(GRANULE)
+        assert not holder.leasing.credit_covers(GRANULE)
         big.resize_(900 * MiB)
         assert needy.status().committed_bytes == 964 * MiB
 
@@ -458,7 +458,8 @@ def test_a_bind_with_more_descriptors_than_allowed_is_dropped_whole(start_daemon
         count = proto.MAX_OWN_CHUNKS + 1
         fds = [sealed_chunk(GRANULE) for _ in range(count)]
         try:
-            forger.send([32 * MiB + i * GRANULE for i in range(count)], [GRANULE] * count, fds, 32 * MiB + count * GRANULE)
+            forger.send([32 * MiB + i * GRANULE for i in range(count)], [GRANULE] * count, fds,
+                        32 * MiB + count * GRANULE)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -50,6 +50,9 @@ def test_a_budget_of_nothing_is_refused(run_dir, budget):
         (["--resume-timeout", "nan"], "argument --resume-timeout: nan is not a positive number of seconds"),
         (["--reclaim-timeout", "0"], "argument --reclaim-timeout: 0 is not a positive number of seconds"),
         (["--reclaim-timeout", "1e9"], "argument --reclaim-timeout: 1e9 seconds: give from 0.1 to 86400"),
+        (["--demote-idle", "-1"], "argument --demote-idle: -1 seconds: give from 0 to 86400"),
+        (["--demote-idle", "nan"], "argument --demote-idle: nan seconds: give from 0 to 86400"),
+        (["--demote-idle", "2s"], "argument --demote-idle: '2s' is not a number of seconds"),
         (["--device", "-1"], "argument --device: -1 is negative"),
         (["--device", "1.5"], "argument --device: '1.5' is not a whole number"),
         (["--warm-chunks", "1e3"], "argument --warm-chunks: '1e3' is not a whole number"),
@@ -67,7 +70,7 @@ def test_an_absurd_number_is_a_one_line_usage_error(run_dir, args, message):
 
 def test_the_least_and_most_each_option_takes_still_serve(start_daemon):
     daemon = start_daemon("--budget", "2MiB", "--host-budget", "2MiB", "--resume-timeout", "0.1",
-                          "--reclaim-timeout", "86400", "--lease", "0", "--credit", "0")
+                          "--reclaim-timeout", "86400", "--demote-idle", "86400", "--lease", "0", "--credit", "0")
     with daemon.connect() as client:
         status = client.status()
         assert (status.budget_bytes, status.host_budget_bytes) == (2 * MiB, 2 * MiB)
@@ -228,7 +231,9 @@ sys.exit(main.main(sys.argv[1:]))
 
 def test_a_daemon_checking_its_books_exits_at_the_first_that_does_not_balance(run_dir):
     launcher = [sys.executable, "-c", MISCOUNTING_DAEMON]
-    with DaemonProcess(run_dir, "--backend", "host", "--budget", "64MiB", "--check-invariants", command=launcher) as daemon:
+    with DaemonProcess(
+        run_dir, "--backend", "host", "--budget", "64MiB", "--check-invariants", command=launcher
+    ) as daemon:
         with connect(run_dir=run_dir, instance=daemon.instance, lease=False, resume_timeout=0.5) as client:
             buffer = client.create_buffer(8 * MiB)
             # The books are checked after the reply is queued; whether it leaves before the daemon ends is a race.

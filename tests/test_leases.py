@@ -18,7 +18,7 @@ import time
 import pytest
 from hbmd import proto
 from hbmd.client import ExtensibleTensor, OutOfBudget
-from hbmd.client import session as client_session
+from hbmd.client import recovery as client_recovery
 from hbmd.daemon.state.leases import LEASE_RETURN_PATIENCE_S
 from helpers import GRANULE, MiB, daemon_view, hbmctl, wait_until
 
@@ -68,7 +68,7 @@ def test_credit_stands_behind_the_granules_of_a_session_that_outruns_its_lease(s
     with daemon.connect() as client:
         t = ExtensibleTensor(64 * MiB, "cpu", client=client)
         t.resize_(GRANULE)  # through the daemon: the lease and the credit grow from this demand
-        wait_until(lambda: client.leased_granules == 2 and client.credit_covers(2 * GRANULE), timeout=10)
+        wait_until(lambda: client.leased_granules == 2 and client.leasing.credit_covers(2 * GRANULE), timeout=10)
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
             sent = client.requests_sent
@@ -166,7 +166,7 @@ def test_a_lease_made_one_granule_a_turn_fills_without_the_loop_waiting_between(
 def test_a_worker_that_only_grows_from_its_lease_keeps_a_bounded_record(daemon, client, monkeypatch):
     """Placements are kept to send again after a restart until an answer confirms them; a worker that sends no
     request asks for one past MAX_UNCONFIRMED, so what it keeps stays bounded, however long it runs."""
-    monkeypatch.setattr(client_session, "MAX_UNCONFIRMED", 8)
+    monkeypatch.setattr(client_recovery, "MAX_UNCONFIRMED", 8)
     t = ExtensibleTensor(64 * MiB, "cpu", client=client)
     t.resize_(GRANULE)  # through the daemon: the lease grows from this demand
     sent = client.requests_sent
@@ -174,7 +174,7 @@ def test_a_worker_that_only_grows_from_its_lease_keeps_a_bounded_record(daemon, 
         leased_at_least(client, 1)  # each step a placement
         t.resize_(step * GRANULE)
         t.full_view()[(step - 1) * GRANULE : step * GRANULE] = step
-        assert len(client._unconfirmed) <= 8
+        assert len(client._recovery.unconfirmed) <= 8
     assert client.requests_sent == sent + 3  # at the 9th, 18th and 27th placement
     assert daemon_view(client, t).num_chunks == 28
     assert [int(t.full_view()[step * GRANULE - 1]) for step in range(2, 29)] == list(range(2, 29))
@@ -251,14 +251,15 @@ def test_a_lease_its_session_does_not_give_back_is_not_promised_to_a_retry(daemo
         from hbmd.client import ExtensibleTensor, connect
         c = connect("cpu", client_name="deaf")
         ExtensibleTensor(64 << 20, "cpu", client=c).resize_(2 << 20)
-        while c.leased_granules < 2 or not c.credit_covers(4 << 20):  # granules, and credit behind them
+        while c.leased_granules < 2 or not c.leasing.credit_covers(4 << 20):  # granules, and credit behind them
             time.sleep(0.01)
         print("leased", flush=True)
         time.sleep(600)
         """,
     )
     assert deaf.readline().strip() == "leased"
-    os.kill(deaf.proc.pid, signal.SIGSTOP)  # it reads nothing more, the daemon's requests to give the lease back included
+    # It reads nothing more, the daemon's requests to give the lease back included.
+    os.kill(deaf.proc.pid, signal.SIGSTOP)
     with daemon.connect(client_name="engine", lease=False) as engine:
         leased = engine.status().leased_bytes
         assert leased >= 2 * GRANULE + 4 * MiB
@@ -402,7 +403,7 @@ def test_a_reader_that_finds_its_datagram_taken_does_not_hold_the_socket(daemon,
     client = daemon.connect(lease=False)  # no listener thread of its own
     monkeypatch.setattr(select, "select", lambda r, w, x, timeout: (r, [], []))  # "readable", yet nothing waits
     started = time.monotonic()
-    assert client._handles.poll(0.2)
+    assert client._handles.inbox.poll(0.2)
     assert time.monotonic() - started < 1
     monkeypatch.undo()
     client.close()
@@ -443,14 +444,35 @@ def test_a_session_flooding_its_socket_does_not_hold_the_daemon(daemon, client, 
     worker.kill()
 
 
-def test_a_closed_client_leaves_no_descriptor_behind(daemon, client):
-    client.status()  # ZeroMQ's own descriptors (one context per process) exist from here on
-    before = len(os.listdir("/proc/self/fd"))
-    for _ in range(3):
-        client = daemon.connect()
-        t = ExtensibleTensor(32 * MiB, "cpu", num_segments=2, client=client)
-        t.resize_per_segment_(GRANULE)
-        leased_at_least(client, 4)  # imported granules held, and maybe grants still unread, at the close
-        t.free()
-        client.close()
-    wait_until(lambda: len(os.listdir("/proc/self/fd")) <= before)
+def test_a_closed_client_leaves_no_descriptor_behind(daemon, spawn_worker):
+    # Counted in a process of its own: in this one, threads that earlier tests left running open and close
+    # descriptors of their own meanwhile.
+    worker = spawn_worker(
+        daemon,
+        """
+        import os
+        from hbmd.client import ExtensibleTensor, connect
+        from hbmd.daemon.spawn import wait_until
+
+        def held():
+            return len(os.listdir("/proc/self/fd"))
+
+        first = connect("cpu")
+        first.status()  # ZeroMQ's own descriptors (one context per process) exist from here on
+        before = held()
+        for _ in range(3):
+            client = connect("cpu")
+            t = ExtensibleTensor(32 << 20, "cpu", num_segments=2, client=client)
+            t.resize_per_segment_(2 << 20)
+            wait_until(lambda: client.leased_granules >= 4)  # imported granules held, and maybe grants still unread
+            t.free()
+            client.close()
+        try:
+            wait_until(lambda: held() <= before)
+        except TimeoutError:
+            pass
+        print(before, held(), flush=True)
+        """,
+    )
+    before, after = map(int, worker.readline().split())
+    assert after <= before

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import time
 
 import msgpack
@@ -72,11 +71,49 @@ class PipeBackend:
         return 0
 
 
-def fds_held(systemd: FakeSystemd) -> int:
-    """This process's open FDs, less those the systemd stand-in (which runs in it) holds in its store."""
-    with systemd.lock:
-        stored = sum(len(fds) for fds in systemd.store.values())
-    return len(os.listdir("/proc/self/fd")) - stored
+class OneAtATimeBackend(PipeBackend):
+    """Counts the chunks adopted while the descriptor passed for the one adopted before was still open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passed: tuple[int, tuple[int, int]] | None = None
+        """The descriptor passed to the last ``adopt``, and its pipe."""
+        self.both_held = 0
+
+    def adopt(self, arena: None, offset: int, size: int, fd: int) -> int:
+        if self.passed_still_open():
+            self.both_held += 1
+        self.passed = fd, pipe_of(fd)
+        return super().adopt(arena, offset, size, fd)
+
+    def passed_still_open(self) -> bool:
+        if self.passed is None:
+            return False
+        fd, pipe = self.passed
+        try:
+            return pipe_of(fd) == pipe  # closed, its number may be another thread's by now
+        except OSError:
+            return False
+
+
+def pipe_of(fd_or_path: int | str) -> tuple[int, int]:
+    """The pipe a descriptor is open on (a chunk of :class:`PipeBackend`), as device and inode."""
+    st = os.stat(fd_or_path)
+    return st.st_dev, st.st_ino
+
+
+def descriptors_on(chunks) -> int:
+    """How many of this process's descriptors are open on the pipes of ``chunks``, whoever holds them (a state, the
+    systemd stand-in's store). Only these tests open such descriptors, so the threads that earlier tests leave running
+    in the process, opening and closing their own, do not move the count."""
+    pipes = {pipe_of(chunk.handle) for chunk in chunks}
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += pipe_of(f"/proc/self/fd/{fd}") in pipes
+        except FileNotFoundError:  # closed meanwhile: another thread's
+            pass
+    return held
 
 
 @pytest.fixture
@@ -133,32 +170,35 @@ def test_a_buffer_missing_one_chunk_fd_is_skipped_and_unparked(parked, caplog):
     with systemd.lock:  # the store lets one go, as beyond FileDescriptorStoreMax
         for fd in systemd.store.pop(dropped):
             os.close(fd)
-    before = fds_held(systemd)
+    kept = buffers["kept"]
+    kept_before, lost_before = descriptors_on(kept.chunks), descriptors_on(lost.chunks)
     with caplog.at_level(logging.ERROR, "hbmd.persist"):
         state, restored = restart(systemd, notifier, journal, PipeBackend())
     assert restored == (0, 1) and [b.name for b in state.buffers.values()] == ["kept"]
     assert "buffer 'lost' (6.0 MiB) is lost: 1 of its 3 parked descriptors did not come back" in caplog.text
     state.check_invariants()
-    kept = buffers["kept"]
     wait_until(lambda: systemd.names() == {chunk_name(c.chunk_id) for c in kept.chunks})
-    # The two chunks of 'kept' and the journal, open to append; the FDs of 'lost' that did come back are closed.
-    assert fds_held(systemd) == before + 3
+    # The new state holds the two chunks of 'kept'; the FDs of 'lost' that did come back are closed, and the store
+    # let go of its own two.
+    assert descriptors_on(kept.chunks) == kept_before + 2
+    assert descriptors_on(lost.chunks) == lost_before - 2
     for chunk in state.buffers[kept.buffer_id].chunks:
         os.close(chunk.handle)
 
 
 def test_a_buffer_the_backend_cannot_adopt_is_skipped_and_what_was_adopted_released(parked, caplog):
     systemd, notifier, journal, buffers = parked
-    lost = buffers["lost"]
-    before = fds_held(systemd)
+    lost, kept = buffers["lost"], buffers["kept"]
+    kept_before, lost_before = descriptors_on(kept.chunks), descriptors_on(lost.chunks)
     with caplog.at_level(logging.ERROR, "hbmd.persist"):
         state, restored = restart(systemd, notifier, journal, PipeBackend(refuse_at=lost.chunks[2].offset))
     assert restored == (0, 1) and [b.name for b in state.buffers.values()] == ["kept"]
     assert "buffer 'lost' (6.0 MiB) is lost: the driver is gone" in caplog.text
     state.check_invariants()
-    kept = buffers["kept"]
     wait_until(lambda: systemd.names() == {chunk_name(c.chunk_id) for c in kept.chunks})
-    assert fds_held(systemd) == before + 3  # 'kept' and the journal: the two adopted chunks of 'lost' were released
+    assert descriptors_on(kept.chunks) == kept_before + 2
+    # The two adopted chunks of 'lost' were released, the three passed closed, and the store let go of its own three.
+    assert descriptors_on(lost.chunks) == lost_before - 3
     for chunk in state.buffers[kept.buffer_id].chunks:
         os.close(chunk.handle)
 
@@ -198,7 +238,7 @@ def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_
 
 
 def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_exactly(tmp_path, store):
-    systemd, notifier = store
+    _systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
     state.budget.budget_bytes = 1024 * GRANULE
     buffer = state.create_buffer(session, 512 * GRANULE, 2)
@@ -221,7 +261,8 @@ def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_e
 
 
 def test_a_restore_holds_one_descriptor_a_chunk_not_two(tmp_path, store):
-    # Thousands of chunks come back under an FD limit that holds them once: each passed FD closes once adopted.
+    # Thousands of chunks come back under an FD limit that holds them once: each passed FD closes once adopted, before
+    # the next chunk is.
     systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
     state.budget.budget_bytes = 1024 * GRANULE
@@ -231,14 +272,11 @@ def test_a_restore_holds_one_descriptor_a_chunk_not_two(tmp_path, store):
     wait_until(lambda: len(systemd.names()) == 400)
     with systemd.lock:
         passed = {name: [os.dup(fd) for fd in fds] for name, fds in systemd.store.items()}
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
-    try:
-        restored = State(PipeBackend(), 1024 * GRANULE)
-        assert Persistence(restored, notifier, tmp_path / "journal").restore(passed) == (1, 1)
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    backend = OneAtATimeBackend()
+    restored = State(backend, 1024 * GRANULE)
+    assert Persistence(restored, notifier, tmp_path / "journal").restore(passed) == (1, 1)
     assert len(restored.buffers[buffer.buffer_id].chunks) == 400
+    assert backend.both_held == 0 and not backend.passed_still_open()
     for state_of in (state, restored):
         for chunk in state_of.buffers[buffer.buffer_id].chunks:
             os.close(chunk.handle)

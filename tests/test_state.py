@@ -11,7 +11,7 @@ import time
 import pytest
 from hbmd.daemon.backends.host import HostBackend
 from hbmd.daemon.backends.pool import HostPool
-from hbmd.daemon.state import State
+from hbmd.daemon.state import DEMOTE_IDLE_S, State
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -525,11 +525,32 @@ def test_a_demoted_buffer_is_not_sealed_for_it_would_never_move_again():
     state.check_invariants()
 
 
-def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wait_for_quiet():
+class Clock:
+    """Monotonic time that moves only when the test advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0  # past the 0 that times never stamped hold
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def demotable_state(clock: Clock, host_budget_bytes: int, demote_idle_s: float = DEMOTE_IDLE_S) -> State:
+    """:func:`tiered_state` with a host tier of ``host_budget_bytes``, a tenant "batch" whose idle buffers are demoted
+    under pressure, and ``clock`` for its time."""
     from hbmd.daemon.config import parse_config
 
     config = parse_config('[[tenants]]\nname = "batch"\ndemote = 1\n', total_bytes=64 * MiB, budget_bytes=64 * MiB)
-    state = State(HostBackend(host_piece=4 * MiB), budget_bytes=64 * MiB, config=config, host_budget_bytes=16 * MiB)
+    return State(HostBackend(host_piece=4 * MiB), budget_bytes=64 * MiB, config=config,
+                 host_budget_bytes=host_budget_bytes, demote_idle_s=demote_idle_s, clock=clock)
+
+
+def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wait_for_quiet():
+    clock = Clock()
+    state = demotable_state(clock, host_budget_bytes=16 * MiB)
     batch = state.open_session(1, 1000, 1000, "", "batch")
     online = state.open_session(2, 1001, 1001, "", "online")
     idle = state.create_buffer(batch, 48 * MiB, 1)
@@ -538,7 +559,11 @@ def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wai
     with pytest.raises(OutOfBudget) as refused:
         state.commit(online, wanted.buffer_id, 32 * MiB)
     assert "demoting" not in refused.value.details and not state.reclaims_due  # it grew just now: busy
-    batch.grown_at -= 10
+    clock.advance(DEMOTE_IDLE_S / 2)
+    with pytest.raises(OutOfBudget) as refused:
+        state.commit(online, wanted.buffer_id, 32 * MiB)
+    assert "demoting" not in refused.value.details and not state.reclaims_due  # still busy
+    clock.advance(DEMOTE_IDLE_S / 2)
     with pytest.raises(OutOfBudget, match="being demoted") as refused:
         state.commit(online, wanted.buffer_id, 32 * MiB)
     # Never more than the host tier holds; its own tenant's sessions are never asked.
@@ -549,16 +574,26 @@ def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wai
         state.commit(batch, more.buffer_id, 32 * MiB)
     assert "demoting" not in own.value.details  # nor for its own tenant's commits
     state.reclaim_answered(batch, batch.reclaim.reclaim_id, 0)
-    assert batch.demoted_under_pressure is False and state.promotes_due(time.monotonic() + 60) == []
+    assert batch.demoted_under_pressure is False and state.promotes_due(clock() + 60) == []
+
+
+def test_a_state_that_needs_no_idle_time_asks_a_session_that_grew_just_now():
+    state = demotable_state(Clock(), host_budget_bytes=16 * MiB, demote_idle_s=0)
+    batch = state.open_session(1, 1000, 1000, "", "batch")
+    online = state.open_session(2, 1001, 1001, "", "online")
+    busy = state.create_buffer(batch, 48 * MiB, 1)
+    state.commit(batch, busy.buffer_id, 40 * MiB)
+    wanted = state.create_buffer(online, 64 * MiB, 1)
+    with pytest.raises(OutOfBudget, match="being demoted"):
+        state.commit(online, wanted.buffer_id, 32 * MiB)
+    assert [(s.session_id, r.demote) for s, r in state.reclaims_due] == [(1, True)]
 
 
 def test_a_demote_done_while_the_daemon_asks_for_one_is_marked_with_the_move_not_with_the_answer():
     """The room a demote makes can be given away before its client's answer comes; a daemon killed in between
     journaled the move, so its successor still knows to promote the buffer back."""
-    from hbmd.daemon.config import parse_config
-
-    config = parse_config('[[tenants]]\nname = "batch"\ndemote = 1\n', total_bytes=64 * MiB, budget_bytes=64 * MiB)
-    state = State(HostBackend(host_piece=4 * MiB), budget_bytes=64 * MiB, config=config, host_budget_bytes=32 * MiB)
+    clock = Clock()
+    state = demotable_state(clock, host_budget_bytes=32 * MiB)
     batch = state.open_session(1, 1000, 1000, "", "batch")
     online = state.open_session(2, 1001, 1001, "", "online")
     idle = state.create_buffer(batch, 48 * MiB, 1)
@@ -569,7 +604,7 @@ def test_a_demote_done_while_the_daemon_asks_for_one_is_marked_with_the_move_not
     state.finish_defragment(batch, mine.buffer_id, True)
     assert batch.demoted_under_pressure is False
     wanted = state.create_buffer(online, 64 * MiB, 1)
-    batch.grown_at -= 10
+    clock.advance(DEMOTE_IDLE_S)
     with pytest.raises(OutOfBudget, match="being demoted"):
         state.commit(online, wanted.buffer_id, 56 * MiB)
     state.move(batch, idle.buffer_id, "host")

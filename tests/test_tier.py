@@ -275,7 +275,7 @@ def test_metrics_show_bytes_per_tier_per_tenant(start_daemon):
 
     port = free_port()
     daemon = start_daemon("--budget", "64MiB", *TIER, "--metrics-addr", f"127.0.0.1:{port}")
-    awake, _ = written(daemon.connect(tenant="team-a", lease=False), sizes=(4 * MiB, 4 * MiB))
+    _awake, _ = written(daemon.connect(tenant="team-a", lease=False), sizes=(4 * MiB, 4 * MiB))
     asleep, _ = written(daemon.connect(tenant="team-b", lease=False))
     asleep.demote()
     samples = scrape(port)
@@ -424,7 +424,8 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
                                                                                        lease):
     config = tmp_path / "hbmd.toml"
     config.write_text(DEMOTABLE if demote else DEMOTABLE.replace("demote = 1\n", ""))
-    daemon = start_daemon("--budget", "64MiB", *TIER, "--config", str(config))
+    # Idle at once: the batch engine's last growth, a moment ago, does not make it busy.
+    daemon = start_daemon("--budget", "64MiB", *TIER, "--config", str(config), "--demote-idle", "0")
     batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
     sleeping, data = written(batch, sizes=(32 * MiB, 16 * MiB))
     online = daemon.connect(client_name="online", tenant="online", lease=lease)
@@ -434,10 +435,6 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
         # meets the demote under way, which it waits for as well.
         growing.resize_(2 * MiB)
         wait_until(lambda: online.status().leased_bytes > 0)
-    else:
-        with pytest.raises(OutOfBudget):
-            growing.resize_(32 * MiB)  # the batch engine grew a moment ago: busy, it is not asked
-    time.sleep(2.2)  # idle now (DEMOTE_IDLE_S)
     if not demote:
         with pytest.raises(OutOfBudget):
             growing.resize_(32 * MiB)
@@ -455,19 +452,32 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
     assert intact(sleeping, data) and online.status().host_bytes == 0
 
 
+def test_a_demotable_tenant_that_grew_within_the_demote_idle_time_is_busy_and_not_asked(start_daemon, tmp_path):
+    config = tmp_path / "hbmd.toml"
+    config.write_text(DEMOTABLE)
+    daemon = start_daemon("--budget", "64MiB", *TIER, "--config", str(config), "--demote-idle", "3600")
+    batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
+    busy, data = written(batch, sizes=(32 * MiB, 16 * MiB))
+    online = daemon.connect(client_name="online", tenant="online", lease=False)
+    growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
+    with pytest.raises(OutOfBudget) as refused:
+        growing.resize_(32 * MiB)
+    assert "demoting" not in refused.value.details
+    assert busy.tier == "device" and intact(busy, data) and online.status().host_bytes == 0
+
+
 def test_a_buffer_demoted_under_pressure_is_promoted_back_by_a_restarted_daemon(start_daemon, run_dir, tmp_path,
                                                                                  systemd):
     config = tmp_path / "hbmd.toml"
     config.write_text(DEMOTABLE)
     state_dir = run_dir / "state"
     state_dir.mkdir()
-    flags = ("--budget", "64MiB", *TIER, "--config", str(config), "--state-dir", str(state_dir))
+    flags = ("--budget", "64MiB", *TIER, "--config", str(config), "--state-dir", str(state_dir), "--demote-idle", "0")
     daemon = start_daemon(*flags, env={"NOTIFY_SOCKET": str(systemd.path)})
     wait_until(lambda: systemd.saw("READY=1"))
     batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
     sleeping, data = written(batch, sizes=(32 * MiB, 16 * MiB))
     online = daemon.connect(client_name="online", tenant="online", lease=False)
-    time.sleep(2.2)  # the batch engine is idle (DEMOTE_IDLE_S)
     growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
     growing.resize_(32 * MiB)
     assert sleeping.tier == "host"
@@ -495,7 +505,7 @@ def test_a_demote_answer_the_restarted_daemon_does_not_know_does_not_hold_up_the
     """The daemon that asked for a demote was replaced before the answer reached it; the promote its successor sends
     next is served all the same (it waited behind the refused answer, unserved, until the next datagram)."""
     with daemon.connect(lease=False) as client:
-        client._handles.demotes.extend([ReclaimRequest(999, 0, "asked by a daemon since restarted", demote=True),
+        client._handles.inbox.demotes.extend([ReclaimRequest(999, 0, "asked by a daemon since restarted", demote=True),
                                         PromoteRequest(0)])
-        client._serve_demotes()
-        assert not client._handles.demotes
+        client._pressure.serve_demotes()
+        assert not client._handles.inbox.demotes

@@ -169,18 +169,15 @@ def test_workers_killed_mid_move_lose_nothing(tiered_gpu, gpu_client):
 
 
 def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenant_and_room_brings_it_back(start_daemon, tmp_path):
-    import time
-
     config = tmp_path / "hbmd.toml"
     config.write_text('[[tenants]]\nname = "batch"\ndemote = 1\n')
     daemon = start_daemon("--device", "0", "--budget", "2GiB", "--host-budget", "4GiB", "--host-pool", "1GiB",
-                          "--config", str(config), backend="cuda")
+                          "--config", str(config), "--demote-idle", "0", backend="cuda")
     torch.cuda.init()
     batch = connect("cuda:0", run_dir=daemon.run_dir, client_name="batch", tenant="batch", lease=False)
     online = connect("cuda:0", run_dir=daemon.run_dir, client_name="online", lease=False)
     sleeping, data = kv_cache(batch)  # 768 MiB committed
     growing = ExtensibleTensor(2 * GiB, "cuda", client=online)
-    time.sleep(2.2)  # the batch engine is idle now
     growing.resize_(1536 * MiB)  # does not fit beside it: its client demotes it, the commit goes through
     assert sleeping.tier == "host" and intact(sleeping, data)
     growing.free()

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Generic
+from collections.abc import Callable
+from typing import Generic
 
 from hbmd.proto import TIER_DEVICE, TIER_HOST, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
@@ -50,7 +51,8 @@ from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
 
 DEMOTE_IDLE_S = 2.0
-"""A session that grew a buffer within this many seconds is busy: it is not asked to demote its buffers."""
+"""By default (``--demote-idle``), a session that grew a buffer within this many seconds is busy: it is not asked to
+demote its buffers."""
 PROMOTE_ASK_EVERY_S = 1.0
 """How often a client that demoted buffers when asked is told again that the device has room for them."""
 PROMOTE_QUIET_S = 2.0
@@ -58,7 +60,8 @@ PROMOTE_QUIET_S = 2.0
 refused commit's first, which its client is sending again."""
 
 __all__ = [
-    "DEFAULT_CREDIT_BYTES", "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim", "Session", "State", "Tenant"
+    "DEFAULT_CREDIT_BYTES", "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim",
+    "Session", "State", "Tenant",
 ]
 
 
@@ -71,15 +74,19 @@ class State(Generic[A, C]):
         budget_bytes: int,
         config: Config | None = None,
         reclaim_patience_s: float = RECLAIM_PATIENCE_S,
-        limits: Limits = Limits(),
+        limits: Limits = Limits(),  # noqa: B008 - frozen: one default shared by every State is safe
         lease_bytes: int = DEFAULT_LEASE_BYTES,
         lease_idle_s: float = LEASE_IDLE_S,
         host_budget_bytes: int = 0,
         credit_bytes: int = DEFAULT_CREDIT_BYTES,
+        demote_idle_s: float = DEMOTE_IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`;
         ``host_budget_bytes``: the most the host tier holds (0: no host tier); ``credit_bytes``: the most credit one
-        session holds (0: none)."""
+        session holds (0: none); ``demote_idle_s``: see :data:`DEMOTE_IDLE_S`; ``clock``: the monotonic time that
+        growth, refused commits and reclaim requests are stamped with and demotes are decided by (a test's own clock
+        advances without waiting)."""
         self.backend = backend
         self.limits = limits
         self.budget = Tenants(budget_bytes, config or Config(), host_budget_bytes)
@@ -87,6 +94,8 @@ class State(Generic[A, C]):
         self.sessions_room = Sessions(limits, reclaim_patience_s)
         self.buffers_room: Buffers[A, C] = Buffers(backend, self.chunks, self.budget, limits, self)
         self.leases: Leases[A, C] = Leases(backend, self.chunks, self.budget, lease_bytes, lease_idle_s, credit_bytes)
+        self.demote_idle_s = demote_idle_s
+        self.clock = clock
         self.started_at = time.monotonic()
         self.refused_at = float("-inf")
         """When the budget last refused a commit (monotonic)."""
@@ -195,6 +204,7 @@ class State(Generic[A, C]):
             self.budget.hold(charged)
             undo.push(self.budget.let_go, charged)
             session = self.sessions_room.open(pid, uid, gid, client_name, charged, admin, observer, wants_lease)
+        session.grown_at = self.clock()
         session.wants_credit = credit and not observer and self.leases.credit_max > 0
         return session
 
@@ -203,6 +213,7 @@ class State(Generic[A, C]):
         and credit; it waits for its client until ``resume_by``."""
         session.tenant = self.budget.named(session.tenant.name)
         self.sessions_room.restore(session, resume_by)
+        session.grown_at = self.clock()
         self.budget.hold(session.tenant)
         self.leases.adopt(session, lease, credit)
 
@@ -237,8 +248,11 @@ class State(Generic[A, C]):
         self, session: Session, capacity: int, num_segments: int, name: str = "", persistent: bool = False,
         shareable: bool = False, segment_capacities: list[int] | None = None,
     ) -> Buffer[A, C]:
-        """A buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities`` (summing to ``capacity``)."""
-        return self.buffers_room.create(session, capacity, num_segments, segment_capacities, name, persistent, shareable)
+        """A buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities`` (summing to
+        ``capacity``)."""
+        return self.buffers_room.create(
+            session, capacity, num_segments, segment_capacities, name, persistent, shareable
+        )
 
     def restore_buffer(
         self, buffer_id: int, name: str, persistent: bool, owner: Session | None, owner_uid: int, tenant: str,
@@ -295,7 +309,7 @@ class State(Generic[A, C]):
         """
         created = self.buffers_room.commit(session, buffer_id, sizes)
         self.leases.note_demand(session, created)
-        session.grown_at = time.monotonic()
+        session.grown_at = self.clock()
         return created
 
     def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk[C]]:
@@ -368,6 +382,7 @@ class State(Generic[A, C]):
 
     def export(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> int:
         """A new FD for a buffer's chunk."""
+        assert chunk.handle is not None, "a chunk held only by its mappers is never handed out"
         return self.backend.export(buffer.arena, chunk.handle)
 
     def export_leased(self, chunk: Chunk[C]) -> int:
@@ -396,7 +411,9 @@ class State(Generic[A, C]):
     def top_up_lease(self, session: Session, until: float = math.inf) -> list[Chunk[C]]:
         return self.leases.top_up(session, until)
 
-    def place(self, session: Session, buffer_id: int, sizes: list[int], chunk_ids: list[int], offsets: list[int]) -> Buffer[A, C]:
+    def place(
+        self, session: Session, buffer_id: int, sizes: list[int], chunk_ids: list[int], offsets: list[int]
+    ) -> Buffer[A, C]:
         """Leased granules now back the session's buffer, which grows to ``sizes``: what the client mapped.
 
         The granules must be exactly the ones the growth needs, each a chunk
@@ -406,7 +423,7 @@ class State(Generic[A, C]):
         self.leases.check_placement(session, buffer, sizes, chunk_ids, offsets)
         runs = self.buffers_room.growth(buffer, sizes)
         self.buffers_room.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
-        session.grown_at = time.monotonic()
+        session.grown_at = self.clock()
         return buffer
 
     def return_lease(self, session: Session, chunk_ids: list[int]) -> list[int]:
@@ -430,7 +447,7 @@ class State(Generic[A, C]):
         self.leases.check_segments(buffer_id, sizes)
         runs = self.buffers_room.growth(buffer, sizes)
         self.buffers_room.grow(buffer, sizes, self.leases.bind(session, buffer, runs, offsets, chunk_sizes, fds))
-        session.grown_at = time.monotonic()
+        session.grown_at = self.clock()
         return buffer
 
     def withdraw_credit(self, session: Session, granted: int) -> None:
@@ -456,7 +473,8 @@ class State(Generic[A, C]):
     # pressure: what a commit that met a limit asks of other sessions
 
     def refused(self, requester: Session | None) -> None:
-        """Budget pressure: ask every other session for its unplaced granules, and lease them none until they commit again.
+        """Budget pressure: ask every other session for its unplaced granules, and lease them none until they commit
+        again.
 
         The requester gives its own lease back and asks again (the client
         does so at once): it is leased nothing more meanwhile, or a top-up
@@ -478,10 +496,10 @@ class State(Generic[A, C]):
 
         As reclaim, through each session's client and with its patience as
         deadline: nothing is taken by force. Not beyond the host tier's room,
-        and not of a session that grew a buffer in the last
-        :data:`DEMOTE_IDLE_S`.
+        and not of a session that grew a buffer in the last ``demote_idle_s``
+        (:data:`DEMOTE_IDLE_S`).
         """
-        now = self.refused_at = time.monotonic()
+        now = self.refused_at = self.clock()
         needed = min(needed, self.budget.host_room())
         asked = 0
         for other in self.budget.demotable():
@@ -489,10 +507,12 @@ class State(Generic[A, C]):
                 continue
             for session in sorted(self.sessions.values(), key=lambda s: s.session_id):
                 held = session.committed_bytes
-                if asked >= needed or session.tenant is not other or held == 0 or now - session.grown_at < DEMOTE_IDLE_S:
+                busy = now - session.grown_at < self.demote_idle_s
+                if asked >= needed or session.tenant is not other or held == 0 or busy:
                     continue
                 reclaim = session.reclaim
-                if reclaim is not None and reclaim.demote and reclaim.outcome(now, self.reclaim_patience_s) == "pending":
+                if (reclaim is not None and reclaim.demote
+                        and reclaim.outcome(now, self.reclaim_patience_s) == "pending"):
                     asked += reclaim.requested_bytes  # asked already: on its way
                     continue
                 ask = min(held, needed - asked)
@@ -538,7 +558,7 @@ class State(Generic[A, C]):
     def request_reclaim(self, session: Session, requested_bytes: int, reason: str, demote: bool = False) -> Reclaim:
         """Record a request that ``session`` give ``requested_bytes`` back (its lease first; ``demote``: demote them to
         the host tier); the server delivers it."""
-        reclaim = self.sessions_room.request_reclaim(session, requested_bytes, reason, demote)
+        reclaim = self.sessions_room.request_reclaim(session, requested_bytes, reason, self.clock(), demote)
         self.leases.ask_back(session)
         return reclaim
 
