@@ -29,12 +29,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Iterator, Self
+from collections.abc import Iterator
+from typing import Any, Self
 
 import zmq
 from hbmd import driver
+from hbmd.client.env import spin_from_env
 from hbmd.client.host import HostMapper
-from hbmd.client.session import spin_from_env
 from hbmd.client.transport import poll_spinning
 from hbmd.proto import ChunkInfo
 from hbmd.proto.fdpass import receive_with_fds
@@ -299,6 +300,7 @@ class CudaGrantedBuffer:
 
 @contextlib.contextmanager
 def granted_buffers(ordinal: int, granule: int, stream: Any, warm: int) -> Iterator[Any]:
-    """Makes :class:`CudaGrantedBuffer` of a given capacity, all granted by one :func:`granter`, alive with the block."""
+    """Makes :class:`CudaGrantedBuffer` of a given capacity, all granted by one :func:`granter`, alive with the
+    block."""
     with granter(ordinal, warm) as granted:
         yield lambda capacity: CudaGrantedBuffer(capacity, ordinal, granule, stream, granted)

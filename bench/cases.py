@@ -15,8 +15,9 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from common import (
     BENCH_DIR,
@@ -34,7 +35,7 @@ from common import (
     workers,
 )
 from hbmd.client import Client, ExtensibleTensor, connect
-from hbmd.client.session import spin_from_env
+from hbmd.client.env import spin_from_env
 from hbmd.proto.units import format_bytes
 from probe import turns
 from workers import echo_round_trips
@@ -91,7 +92,8 @@ def grow_in_steps(grow: Callable[[int], Any], size: int, step: int) -> None:
 
 
 def fresh_commit_hbmd(t: Target, size: int) -> tuple[int, int]:
-    """(commit, buffer creation + commit) in ns: ``resize_per_segment_(size, zero_new=True)`` of a new buffer, synchronized."""
+    """(commit, buffer creation + commit) in ns: ``resize_per_segment_(size, zero_new=True)`` of a new buffer,
+    synchronized."""
     t0 = now_ns()
     tensor = t.tensor(size)
     t1 = now_ns()
@@ -158,14 +160,17 @@ def fresh_commits(t: Target, reps: dict[int, tuple[int, int]], handover_up_to: i
                 "ratio_p50_to_in_process": ratio(floor["p50_us"], entry["commit"]["in_process"]["p50_us"]),
                 "hbmd_ratio_p50_to_floor": ratio(entry["commit"]["hbmd"]["p50_us"], floor["p50_us"]),
             }
-            line += (f"; handover floor {floor['p50_us']} µs, ratio {entry['handover_floor']['ratio_p50_to_in_process']}"
+            line += (f"; handover floor {floor['p50_us']} µs, "
+                     f"ratio {entry['handover_floor']['ratio_p50_to_in_process']}"
                      f", hbmd ÷ floor {entry['handover_floor']['hbmd_ratio_p50_to_floor']}")
         print(line, flush=True)
         sizes.append(entry)
     return sizes
 
 
-def step_commits(t: Target, n: int, client: Client | None = None, floor: Callable[[int], Any] | None = None) -> dict[str, Any]:
+def step_commits(
+    t: Target, n: int, client: Client | None = None, floor: Callable[[int], Any] | None = None
+) -> dict[str, Any]:
     """``n`` successive one-granule commits to one buffer: one new chunk each.
 
     ``round_trips`` counts the commits that went to the daemon; the others
@@ -361,7 +366,8 @@ def concurrent_commits(t: Target, device: str, clients: tuple[int, ...], seconds
     in-process exporting each chunk to another process too (the floor of a commit that outlives its worker), and
     to one that imports it (the floor where one process makes a chunk and another checks or maps it, as every
     commit through hbmd has: the daemon makes a leased granule and the client imports it, or the client makes one on
-    credit and the daemon imports it to check it); the order rotates from one count to the next (:func:`run_workers`)."""
+    credit and the daemon imports it to check it); the order rotates from one count to the next
+    (:func:`run_workers`)."""
     args = commit_worker_args(t.daemon, device)
     modes = ["hbmd", "in_process"] + (["handover", "handover_imported"] if handover else [])
     points = []

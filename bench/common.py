@@ -22,8 +22,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from hbmd.daemon.spawn import DaemonProcess, LineProcess
 
@@ -253,7 +254,7 @@ def metadata() -> dict[str, Any]:
     commit = _git("rev-parse", "HEAD")
     dirty = _git("status", "--porcelain") if commit else None
     return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(sys.orig_argv),
         "cwd_is_repo": Path.cwd().resolve() == REPO_DIR,
         "python": platform.python_version(),
@@ -273,7 +274,7 @@ def metadata() -> dict[str, Any]:
 
 
 def today_utc() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -15,8 +15,9 @@ import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from baseline import CudaInProcessBuffer, fd_sink, granted_buffers
 from cases import (
@@ -96,14 +97,18 @@ def commit_case(t: Target) -> dict[str, Any]:
 @bench.case("commit_2mib_steps")
 def commit_steps_case(t: Target) -> dict[str, Any]:
     figures = step_commits(t, t.reps(1000, 200))
-    figures["goals"] = [goal("1,000 successive 2 MiB commits, lease warm, hbmd/in-process p50", figures["ratio_p50"], "<=", 1.0)]
+    figures["goals"] = [
+        goal("1,000 successive 2 MiB commits, lease warm, hbmd/in-process p50", figures["ratio_p50"], "<=", 1.0)
+    ]
     return figures
 
 
 @bench.case("commit_2mib_steps_no_lease")
 def commit_steps_no_lease_case(t: Target) -> dict[str, Any]:
     figures = step_commits_without_lease(t, t.reps(1000, 200))
-    figures["goals"] = [goal("a 2 MiB commit with the lease empty adds (p50)", figures["added_p50_us"], "<=", 300, " µs")]
+    figures["goals"] = [
+        goal("a 2 MiB commit with the lease empty adds (p50)", figures["added_p50_us"], "<=", 300, " µs")
+    ]
     return figures
 
 
@@ -256,7 +261,8 @@ def reattach_case(t: Target) -> dict[str, Any]:
     def medians(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if not rows:
             return {}
-        return {key: round(percentile([r[key] for r in rows], 50), 3) for key in ("connect_ms", "attach_ms", "total_ms")}
+        keys = ("connect_ms", "attach_ms", "total_ms")
+        return {key: round(percentile([r[key] for r in rows], 50), 3) for key in keys}
 
     figures.update({
         "new_process": {"n": len(cold), **medians(cold)},
@@ -409,7 +415,8 @@ def scale_case(t: Target) -> dict[str, Any]:
 
 BREAKDOWN_SIZES = {2 * MiB: (20, 4), 64 * MiB: (10, 2), 1 * GiB: (5, 1), 8 * GiB: (3, 1), 64 * GiB: (2, 1)}
 NESTED_STEPS = ("client.send_request", "client.decode_reply", "client.file_datagram", "client.import_leased")
-"""Client steps inside others (or on the listener thread): left out of the client's own time, or it would count twice."""
+"""Client steps inside others (or on the listener thread): left out of the client's own time, or it would count
+twice."""
 
 
 def window(windows: list[tuple[int, int]], fn: Callable[[], Any]) -> None:
@@ -529,7 +536,7 @@ def setup(args: Any):
     with Daemon("--backend", "cuda", "--device", str(DEVICE), *options) as daemon, fd_sink() as sink:
         client = connect(f"cuda:{DEVICE}", run_dir=daemon.run_dir, client_name="gpu_bench")
         try:
-            client.mapper  # the mapper's context and stream, before any clock starts
+            client.mapper  # noqa: B018 - the mapper's context and stream, made before any clock starts
             # The baseline zeroes on a stream of its own, as the client mapper does on its.
             stream = driver.create_stream()
             yield Target(
@@ -572,7 +579,8 @@ def main() -> int:
     parser.add_argument("--warm-chunks", type=int, default=None, metavar="N",
                         help="start the daemon with --warm-chunks N (the commit cases' daemon; default: the daemon's)")
     parser.add_argument("--no-export-sentinel", action="store_true",
-                        help="start the daemon with --no-export-sentinel: exports and closes off the driver's fast path")
+                        help="start the daemon with --no-export-sentinel: exports and closes off the driver's "
+                             "fast path")
     return bench.run(parser.parse_args(), setup, describe)
 
 

@@ -57,7 +57,8 @@ def commit_steps_no_lease_case(t: Target) -> dict[str, Any]:
 
 
 class UnmappedHostMapper(HostMapper):
-    """The host mapper with mapping, unmapping and zeroing left out: what remains of a commit is the client's own work."""
+    """The host mapper with mapping, unmapping and zeroing left out: what remains of a commit is the client's own
+    work."""
 
     def map_prepared(self, address: int, chunk: Any, prepared: int, readonly: bool = False) -> None:
         pass
@@ -116,7 +117,7 @@ def credit_commit_client_work_case(t: Target) -> dict[str, Any]:
         for _ in range(n):
             tensor = t.tensor(size, client=client)
             mapper.pool.append(sealed_memfd(size))
-            wait_until(lambda: client.credit_covers(size), timeout=10)
+            wait_until(lambda: client.leasing.credit_covers(size), timeout=10)
             os.kill(t.daemon.pid, signal.SIGSTOP)
             try:
                 samples.append(timed_ns(lambda: tensor.resize_per_segment_(size, zero_new=True)))

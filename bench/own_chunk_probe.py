@@ -157,7 +157,8 @@ def main() -> int:
         verifier(args.device, args.verifier)
         return 0
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    child = subprocess.Popen([sys.executable, __file__, "--device", str(args.device), "--verifier", str(theirs.fileno())],
+    child = subprocess.Popen([sys.executable, __file__, "--device", str(args.device),
+                              "--verifier", str(theirs.fileno())],
                              pass_fds=[theirs.fileno()], stdout=subprocess.PIPE, text=True)
     theirs.close()
     result = {"client": client(args.device, ours)}

@@ -1,4 +1,5 @@
-"""What surviving a restart costs: commits with every chunk journaled and parked, and the pause a restart costs a client.
+"""What surviving a restart costs: commits with every chunk journaled and parked, and the pause a restart costs a
+client.
 
 Two figures, each measured in one run against its baseline:
 
@@ -36,10 +37,9 @@ import threading
 import time
 from pathlib import Path
 
+from common import RESULTS_DIR, metadata, today_utc, write_json
 from hbmd.client import connect
 from hbmd.daemon.spawn import DaemonProcess, wait_until
-
-from common import RESULTS_DIR, metadata, today_utc, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fake_systemd import FakeSystemd  # the stand-in lives with the tests that check it
@@ -216,8 +216,9 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         try:
             wait_until(lambda: client.status().num_chunks == chunks, timeout=30)
         except TimeoutError:
+            complaints = [line for line in daemon.log().splitlines() if "WARNING" in line or "ERROR" in line]
             restored.append(f"{client.status().num_chunks} of {chunks} chunks back after 30 s; the daemon's log: "
-                            + " | ".join(line for line in daemon.log().splitlines() if "WARNING" in line or "ERROR" in line))
+                            + " | ".join(complaints))
             kv = None  # the daemon does not know it: nothing to free there
         if kv is not None:
             kv.free()

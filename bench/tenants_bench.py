@@ -41,9 +41,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from hbmd.client import ExtensibleTensor, connect
-
 from common import RESULTS_DIR, Daemon, MiB, metadata, percentile, today_utc, write_json
+from hbmd.client import ExtensibleTensor, connect
 
 STATUS_CALLS = 30
 COMMITS = 64

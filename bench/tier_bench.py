@@ -29,13 +29,14 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from common import BENCH_DIR, RESULTS_DIR, Bench, Daemon, GiB, goal, summarize_ns, timed_ns, today_utc
-from probe import Probe, breakdown, move_probe
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.proto.units import format_bytes, parse_size
+from probe import Probe, breakdown, move_probe
 
 bench = Bench("tier", "demote and promote against a plain copy between the same memories")
 

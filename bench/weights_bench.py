@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import GiB, RESULTS_DIR, Daemon, metadata, nvidia_smi, today_utc, write_json
+from common import RESULTS_DIR, Daemon, GiB, metadata, nvidia_smi, today_utc, write_json
 
 HIDDEN, KV, FFN, VOCAB = 4096, 1024, 14336, 128256
 """Llama 3 8B's shapes."""

@@ -38,7 +38,8 @@ def _answer(payload: dict[str, Any]) -> None:
 
 
 def write_pattern(view: Any, num_bytes: int) -> None:
-    """``0, 1, ..., 63`` at the start and at the end of the first ``num_bytes``: what a re-attach or a defragment must keep."""
+    """``0, 1, ..., 63`` at the start and at the end of the first ``num_bytes``: what a re-attach or a defragment must
+    keep."""
     import torch
 
     pattern = torch.arange(PATTERN_BYTES, dtype=torch.uint8, device=view.device)
@@ -108,8 +109,8 @@ def _commit(args: argparse.Namespace, sinks: contextlib.ExitStack) -> None:
         mode, seconds = line.split()
         if mode == "hbmd":
             tensor = ExtensibleTensor(args.capacity, device, client=client)
-            result = loop(float(seconds), lambda n: tensor.resize_per_segment_(n, zero_new=True), tensor.release_physical,
-                          tensor.capacity_bytes)
+            result = loop(float(seconds), lambda n: tensor.resize_per_segment_(n, zero_new=True),
+                          tensor.release_physical, tensor.capacity_bytes)
             tensor.free()
         else:
             buffer = in_process_buffer(mode)

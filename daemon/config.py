@@ -132,8 +132,10 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
     if unknown:
         raise ConfigError(f"{where}: [access] has unknown key(s) {', '.join(sorted(unknown))}")
     access = Access(
-        allow_uids=_ids(f"{where}: access.allow_uids", access_raw["allow_uids"]) if "allow_uids" in access_raw else None,
-        allow_gids=_ids(f"{where}: access.allow_gids", access_raw["allow_gids"]) if "allow_gids" in access_raw else None,
+        allow_uids=(_ids(f"{where}: access.allow_uids", access_raw["allow_uids"])
+                    if "allow_uids" in access_raw else None),
+        allow_gids=(_ids(f"{where}: access.allow_gids", access_raw["allow_gids"])
+                    if "allow_gids" in access_raw else None),
         admin_uids=_ids(f"{where}: access.admin_uids", access_raw.get("admin_uids", [0])) | {0, os.getuid()},
     )
     tenants: list[TenantLimits] = []
@@ -147,7 +149,9 @@ def parse_config(text: str, total_bytes: int, budget_bytes: int, where: str = "c
             raise ConfigError(f"{at} needs exactly one of name or uid")
         if "uid" in entry and (type(entry["uid"]) is not int or entry["uid"] < 0):
             raise ConfigError(f"{at}.uid must be a non-negative integer")
-        if "name" in entry and (not isinstance(entry["name"], str) or not entry["name"] or entry["name"].startswith("uid:")):
+        if "name" in entry and (
+            not isinstance(entry["name"], str) or not entry["name"] or entry["name"].startswith("uid:")
+        ):
             raise ConfigError(f"{at}.name must be a non-empty string not starting with 'uid:'")
         name = entry["name"] if "name" in entry else f"uid:{entry['uid']}"
         if name in seen:

@@ -27,7 +27,8 @@ import socket
 import socketserver
 import threading
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from hbmd.proto import TIER_DEVICE, TIER_HOST
@@ -97,7 +98,8 @@ class StateCollector(Collector):
             for name, doc, value in (
                 ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes),
                 ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes),
-                ("hbmd_leased_bytes", "Granules and credit leased to sessions, not placed or spent yet; charged to their tenants.",
+                ("hbmd_leased_bytes",
+                 "Granules and credit leased to sessions, not placed or spent yet; charged to their tenants.",
                  state.leased_bytes),
                 ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes),
                 ("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes),
@@ -112,7 +114,8 @@ class StateCollector(Collector):
                 yield self._add(self._family(name, doc), value)
             free = backend.free_bytes()
             if free >= 0:
-                yield self._add(self._family("hbmd_device_free_bytes", "Free device memory as the driver reports it."), free)
+                family = self._family("hbmd_device_free_bytes", "Free device memory as the driver reports it.")
+                yield self._add(family, free)
             orphans = state.orphans
             yield self._add(self._family(
                 "hbmd_orphaned_bytes",
@@ -132,7 +135,8 @@ class StateCollector(Collector):
             return
         yield self._add(self._family(
             "hbmd_config_last_reload_successful",
-            "1 when the last load of --config took effect, 0 when a reload was refused and the config before serves on.",
+            "1 when the last load of --config took effect, "
+            "0 when a reload was refused and the config before serves on.",
         ), 0 if load.failed_at else 1)
         yield self._add(self._family(
             "hbmd_config_last_reload_success_timestamp_seconds",
@@ -144,7 +148,8 @@ class StateCollector(Collector):
         of thousands, and the page is built under the server's lock (``bench/tenants_bench.py``)."""
         labels = ["tenant"]
         used = self._family(
-            "hbmd_tenant_committed_bytes", "Bytes committed per tenant, its sessions' leases included (what its limits count).",
+            "hbmd_tenant_committed_bytes",
+            "Bytes committed per tenant, its sessions' leases included (what its limits count).",
             labels,
         )
         guaranteed = self._family("hbmd_tenant_guaranteed_bytes", "Guaranteed minimum per tenant.", labels)
@@ -260,6 +265,6 @@ class Metrics:
     def serve(self, host: str, port: int) -> None:
         """Serve on ``host:port`` from background threads; ``OSError`` if the address cannot be bound."""
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+        server_class: type[_ThreadingServer] = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
         httpd = make_server(host, port, self.app, server_class, _QuietHandler)
         threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()

@@ -95,7 +95,7 @@ class SystemdNotifier:
         self._warned = False
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] | None = None) -> "SystemdNotifier":
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> SystemdNotifier:
         """A notifier for what the service manager put in the environment (``os.environ`` by default)."""
         env = os.environ if environ is None else environ
         address = parse_notify_socket(env.get("NOTIFY_SOCKET"))

@@ -52,6 +52,7 @@ from hbmd.proto.errors import HbmdError, NotFound
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes, round_up
 
+from .backends import parkable
 from .notify import SystemdNotifier
 from .state import Answer, Buffer, Chunk, Session, State, Tenant
 
@@ -59,9 +60,9 @@ log = logging.getLogger("hbmd.persist")
 
 JOURNAL_VERSION = 6
 """6: a buffer's chunks in the host tier (``host``: their ids), which an older daemon would count as device memory;
-5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset,
-size]``, 2 added a fourth field, always 0, and each segment's capacity and size; version 1's equal segments are read
-too."""
+5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack records; 3
+(JSON, persistent buffers only) recorded a chunk as ``[id, offset, size]``, 2 added a fourth field, always 0, and each
+segment's capacity and size; version 1's equal segments are read too."""
 COMPACT_MIN_BYTES = 1 << 20
 COMPACT_RATIO = 4
 """The journal is rewritten whole once it is this many times the size of the state it describes."""
@@ -262,7 +263,7 @@ def _restore_session(state: State[Any, Any], record: dict[str, Any], fds: dict[s
             name = chunk_name(int(chunk_id))
             if name not in fds or int(size) != granule:
                 continue  # a granule that did not come back is one the client gives up at its resume
-            handle = state.backend.adopt(arena, 0, granule, fds[name])
+            handle = parkable(state.backend).adopt(arena, 0, granule, fds[name])
             undo.push(state.backend.release, arena, handle)
             lease.append(Chunk(int(chunk_id), 0, granule, handle))
             claimed.append(name)
@@ -327,8 +328,9 @@ def _needed(record: dict[str, Any], layout: list[tuple[str, tuple[int, int, int]
 
 
 def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[str, int], image_version: int) -> None:
-    """Adopt one journaled buffer, taking its FDs out of ``fds``; raises, taking none, where it cannot be adopted whole."""
-    backend = state.backend
+    """Adopt one journaled buffer, taking its FDs out of ``fds``; raises, taking none, where it cannot be adopted
+    whole."""
+    backend = parkable(state.backend)
     buffer_id = int(record["id"])
     layout = _layout(record)
     held = {int(chunk_id) for chunk_id in record.get("held", [])}
@@ -357,7 +359,8 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
                 # The backend holds its own copy: one descriptor a chunk, not two, at any moment of a restore of
                 # thousands. Should a later chunk fail, the name is unparked with those of buffers not restored.
                 os.close(fds.pop(name))
-            adopted[part].append(Chunk(chunk_id, offset, size, handle, tier=TIER_HOST if chunk_id in host else TIER_DEVICE))
+            tier = TIER_HOST if chunk_id in host else TIER_DEVICE
+            adopted[part].append(Chunk(chunk_id, offset, size, handle, tier=tier))
         capacities, sizes = _segments(record)
         state.restore_buffer(
             buffer_id, str(record["name"]), bool(record["persistent"]), owner, int(record["uid"]),
@@ -544,7 +547,7 @@ class Persistence:
                 self._full = True
             return
         try:
-            fd = self.state.backend.parked_fd(arena, chunk.handle)
+            fd = parkable(self.state.backend).parked_fd(arena, chunk.handle)
         except (HbmdError, OSError) as exc:
             log.warning("cannot park chunk %d with the service manager: %s", chunk.chunk_id, exc)
             return
@@ -696,6 +699,7 @@ class Persistence:
 
     def _start_journal(self) -> None:
         """Take the state as it is now as journaled, and write it whole; from here on each change is a record."""
+        assert self.state.changed is not None  # tracked since __init__
         self.state.changed.clear()
         self._sessions = {s.session_id: _journaled_as(s) for s in self.state.sessions.values() if _kept(s)}
         self._buffers = {b.buffer_id: _shape(b) for b in self.state.buffers.values()}

@@ -31,7 +31,9 @@ class ConfigReloader:
 
     def install(self) -> None:
         # SIGHUP's default action ends the process: even without a config it must not.
-        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=self.reload, name="reload", daemon=True).start())
+        signal.signal(
+            signal.SIGHUP, lambda *_: threading.Thread(target=self.reload, name="reload", daemon=True).start()
+        )
 
     def reload(self) -> bool:
         """Load and apply the config file; True when it took effect."""

@@ -27,7 +27,8 @@ DIRECTORY_MODE = 0o750
 
 
 class RunDirectoryError(OSError):
-    """The run or instance directory is unusable, or could be changed by someone else; the message says which and how."""
+    """The run or instance directory is unusable, or could be changed by someone else; the message says which and
+    how."""
 
 
 def _trusted_owner(st: os.stat_result) -> bool:
@@ -96,7 +97,9 @@ def open_instance_directory(directory: Path, group: int | None) -> int:
         try:
             fd = os.open(directory.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
         except OSError as exc:
-            raise RunDirectoryError(f"instance directory {directory} is not a directory of its own: {exc.strerror}") from None
+            raise RunDirectoryError(
+                f"instance directory {directory} is not a directory of its own: {exc.strerror}"
+            ) from None
     finally:
         os.close(parent_fd)
     with Undo() as undo:
@@ -116,7 +119,8 @@ def open_instance_directory(directory: Path, group: int | None) -> int:
 
 
 def create_file(dir_fd: int, name: str, mode: int, group: int | None) -> int:
-    """A new regular file ``name`` in ``dir_fd`` (a stale one is replaced), never through a link; returns its descriptor."""
+    """A new regular file ``name`` in ``dir_fd`` (a stale one is replaced), never through a link; returns its
+    descriptor."""
     try:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -126,7 +130,8 @@ def create_file(dir_fd: int, name: str, mode: int, group: int | None) -> int:
 
 
 def _own(fd: int, mode: int, group: int | None) -> int:
-    """Give the open ``fd`` its ``mode`` and ``--group``, on the descriptor (no path a link could redirect); closes it on failure."""
+    """Give the open ``fd`` its ``mode`` and ``--group``, on the descriptor (no path a link could redirect); closes it
+    on failure."""
     with Undo() as undo:
         undo.push(os.close, fd)
         if group is not None:
@@ -136,7 +141,8 @@ def _own(fd: int, mode: int, group: int | None) -> int:
 
 
 def open_lock(dir_fd: int, name: str) -> int:
-    """The instance's lock file, kept across runs: opened without following a link, and checked to be a plain file of ours."""
+    """The instance's lock file, kept across runs: opened without following a link, and checked to be a plain file of
+    ours."""
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640, dir_fd=dir_fd)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:

@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from hbmd.proto.instance import instance_published_by
 
@@ -62,7 +63,7 @@ class DaemonProcess:
         self.proc: subprocess.Popen | None = None
         self.instance = ""
 
-    def start(self, timeout: float = START_TIMEOUT_S) -> "DaemonProcess":
+    def start(self, timeout: float = START_TIMEOUT_S) -> DaemonProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -115,7 +116,7 @@ class DaemonProcess:
             self.proc.kill()
             self.proc.wait(5)
 
-    def __enter__(self) -> "DaemonProcess":
+    def __enter__(self) -> DaemonProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -139,6 +140,7 @@ class LineProcess:
     def readline(self, timeout: float = LINE_TIMEOUT_S) -> str:
         """The next line it prints, stripped. ``TimeoutError`` (and the process killed) when none comes in time,
         ``RuntimeError`` when it exited instead; both with the end of its stderr."""
+        assert self.proc.stdout is not None  # stdout=PIPE
         with selectors.DefaultSelector() as selector:
             selector.register(self.proc.stdout, selectors.EVENT_READ)
             if not selector.select(timeout):
@@ -150,6 +152,7 @@ class LineProcess:
         return line.strip()
 
     def send(self, line: str) -> None:
+        assert self.proc.stdin is not None  # stdin=PIPE
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
@@ -157,6 +160,7 @@ class LineProcess:
         """The end of its stderr once it has exited ("(still running)" before)."""
         if self.proc.poll() is None:
             return "(still running)"
+        assert self.proc.stderr is not None  # stderr=PIPE
         return self.proc.stderr.read()[-3000:]
 
     def wait(self, timeout: float = LINE_TIMEOUT_S) -> int:

@@ -14,7 +14,10 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GPU = 'UUID=~"$gpu"'
 
 
-def panel(title: str, targets: list[tuple[str, str]], x: int, y: int, unit: str = "bytes", w: int = 12, kind: str = "timeseries") -> dict:
+def panel(
+    title: str, targets: list[tuple[str, str]], x: int, y: int, unit: str = "bytes", w: int = 12,
+    kind: str = "timeseries",
+) -> dict:
     return {
         "type": kind,
         "title": title,
@@ -46,7 +49,8 @@ PANELS = [
     ], 12, 0),
     panel("Budget left, leased and orphaned, per GPU", [
         # What commits may still take: the budget less what is committed and what is leased ahead of need.
-        (f"hbmd_budget_bytes{{{GPU}}} - hbmd_committed_bytes{{{GPU}}} - hbmd_leased_bytes{{{GPU}}}", f"budget left {ON}"),
+        (f"hbmd_budget_bytes{{{GPU}}} - hbmd_committed_bytes{{{GPU}}} - hbmd_leased_bytes{{{GPU}}}",
+         f"budget left {ON}"),
         (f"hbmd_leased_bytes{{{GPU}}}", f"leased {ON}"),
         # Persistent buffers no worker holds: committed until attached again or deleted (hbmctl delete).
         (f"hbmd_orphaned_bytes{{{GPU}}}", f"orphaned {ON}"),
@@ -65,9 +69,11 @@ PANELS = [
          f"reclaims {ON}"),
     ], 12, 16, unit="ops"),
     panel("Operation latency (p50, p99)", [
-        (f"histogram_quantile(0.5, sum by (le, operation) (rate(hbmd_operation_seconds_bucket{{{GPU}}}[$__rate_interval])))",
+        (f"histogram_quantile(0.5, sum by (le, operation) "
+         f"(rate(hbmd_operation_seconds_bucket{{{GPU}}}[$__rate_interval])))",
          "p50 {{operation}}"),
-        (f"histogram_quantile(0.99, sum by (le, operation) (rate(hbmd_operation_seconds_bucket{{{GPU}}}[$__rate_interval])))",
+        (f"histogram_quantile(0.99, sum by (le, operation) "
+         f"(rate(hbmd_operation_seconds_bucket{{{GPU}}}[$__rate_interval])))",
          "p99 {{operation}}"),
     ], 0, 24, unit="s"),
     panel("Sessions, buffers, chunks", [

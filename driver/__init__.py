@@ -18,10 +18,10 @@ import functools
 import logging
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from hbmd.proto.errors import DriverError, OutOfDeviceMemory
-
 
 log = logging.getLogger("hbmd.driver")
 
@@ -263,7 +263,7 @@ def unreserve(address: int, size: int) -> None:
     call("cuMemAddressFree", address, size)
 
 
-def map(address: int, size: int, handle: Any) -> None:  # noqa: A001 - the driver's own verb
+def map(address: int, size: int, handle: Any) -> None:  # the driver's own verb, though it shadows the builtin
     call("cuMemMap", address, size, 0, handle, 0)
 
 
@@ -277,7 +277,8 @@ def retain(address: int) -> Any:
 
 
 def set_access(address: int, size: int, ordinals: list[int], readonly: bool = False) -> None:
-    """Grant read-write (or, ``readonly``, read-only) access to ``[address, address + size)`` from each device in ``ordinals``.
+    """Grant read-write (or, ``readonly``, read-only) access to ``[address, address + size)`` from each device in
+    ``ordinals``.
 
     A kernel that writes through a read-only mapping faults: the context
     reports an illegal-address error, as for an unmapped address.

@@ -141,7 +141,8 @@ class Rotary(nn.Module):
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``(..., kv_heads, head_dim)`` to ``(..., kv_heads * groups, head_dim)``: query head h reads KV head h // groups."""
+    """``(..., kv_heads, head_dim)`` to ``(..., kv_heads * groups, head_dim)``: query head h reads KV head h //
+    groups."""
     if groups == 1:
         return x
     *lead, kv_heads, head_dim = x.shape
@@ -291,7 +292,7 @@ class Decoder(nn.Module):
     @classmethod
     def from_state_dict(
         cls, config: DecoderConfig, device: torch.device, dtype: torch.dtype, state_dict: dict[str, torch.Tensor]
-    ) -> "Decoder":
+    ) -> Decoder:
         """The decoder over ``state_dict``'s tensors themselves, not copies (hbmd's read-only views stay shared).
 
         The parameters are made on the meta device, so no weights are drawn
@@ -317,7 +318,8 @@ class Decoder(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, caches: list[torch.Tensor]) -> torch.Tensor:
-        """Run one sequence's prompt ``tokens`` ``(T,)`` storing its K/V at ``slots``; the greedy next token (a 0-d tensor)."""
+        """Run one sequence's prompt ``tokens`` ``(T,)`` storing its K/V at ``slots``; the greedy next token (a 0-d
+        tensor)."""
         positions = torch.arange(tokens.shape[0], device=tokens.device)
         h = self.embed(tokens)
         for layer, cache in zip(self.layers, caches):
@@ -329,7 +331,8 @@ class Decoder(nn.Module):
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, caches: list[torch.Tensor]
     ) -> torch.Tensor:
-        """One decode step of a batch: ``tokens`` at ``positions`` ``(B,)``; ``block_tables`` ``(B, max_blocks_per_seq)``.
+        """One decode step of a batch: ``tokens`` at ``positions`` ``(B,)``; ``block_tables``
+        ``(B, max_blocks_per_seq)``.
 
         Only device-side indexing, no host synchronisation: the step can be
         captured in a CUDA graph with its inputs in static device tensors.

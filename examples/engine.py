@@ -82,8 +82,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from hbmd.client import Client, connect
 from hbmd.daemon.spawn import DaemonProcess, wait_until
@@ -308,7 +309,8 @@ def summarize_generate(r: dict[str, Any]) -> str:
     kv, t = r["kv"], r["timings"]
     lines = [
         f"engine {r['engine']} ({r['config']}, {r['params'] / 1e6:.1f}M params, {r['device']}, "
-        f"decode step {'in a CUDA graph' if r['graph'] else 'eager'}): {r['batch']} sequences x {r['new_tokens']} new tokens",
+        f"decode step {'in a CUDA graph' if r['graph'] else 'eager'}): "
+        f"{r['batch']} sequences x {r['new_tokens']} new tokens",
         f"  KV cache ({kv['sized_to']}): {kv['num_blocks']} blocks x {format_bytes(kv['bytes_per_block'])} = "
         f"{format_bytes(kv['physical_bytes'])} "
         f"in {kv['buffers']} hbmd buffers ({kv['segments']} segments, {kv['chunks']} chunks); "
@@ -467,7 +469,8 @@ def summarize_crash_resume(r: dict[str, Any]) -> str:
         [
             f"crash-resume ({r['config']} on {r['device']}): "
             f"SIGKILL after {r['killed_at_step']} of {r['decode_steps']} decode steps; "
-            f"the daemon kept {r['orphaned_buffers']} persistent buffers ({format_bytes(r['orphaned_bytes'])} committed)",
+            f"the daemon kept {r['orphaned_buffers']} persistent buffers "
+            f"({format_bytes(r['orphaned_bytes'])} committed)",
             f"  tokens identical to an uninterrupted run: {'yes' if r['tokens_identical'] else 'NO'} "
             f"({res['batch']} sequences x {res['new_tokens']} tokens)",
             f"  resume setup {ms(r['resume_s'])} (attach {res['kv']['buffers']} buffers {ms(r['attach_s'])}) "
@@ -608,7 +611,8 @@ def sleep_keep(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
             engine.cache.release_physical(keep=True)
             seen["sleep_s"] = time.perf_counter() - start
             seen["asleep"] = where()
-            log("sleep-keep", f"asleep after decode step {state.step}: device {format_bytes(seen['asleep']['device'])}, "
+            log("sleep-keep", f"asleep after decode step {state.step}: "
+                              f"device {format_bytes(seen['asleep']['device'])}, "
                               f"host tier {format_bytes(seen['asleep']['host'])}; one step on the cache there")
             show_hbmctl(args, instance)
         elif state.step == sleep_at + 1:
@@ -656,7 +660,7 @@ def show_hbmctl(args: argparse.Namespace, instance: str | None) -> None:
         command += ["--run-dir", str(args.run_dir)]
     if instance is not None:
         command += ["--instance", instance]
-    shown = subprocess.run(command + ["status"], capture_output=True, text=True, timeout=60)
+    shown = subprocess.run([*command, "status"], capture_output=True, text=True, timeout=60)
     print(shown.stdout + shown.stderr, file=sys.stderr, end="", flush=True)
 
 
@@ -808,9 +812,8 @@ def tenant_pair(args: argparse.Namespace) -> tuple[str, str]:
 def make_room(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
     """Engine A serves halfway and idles; B's cache does not fit beside A's, so A's is demoted instead of B refused;
     B serves and exits, A's cache comes back and A finishes; both against undisturbed runs."""
-    from serving import make_prompts
-
     from hbmd.daemon.state import DEMOTE_IDLE_S
+    from serving import make_prompts
 
     require_host_tier(args, instance, config=True)
     demotable, other = tenant_pair(args)
@@ -912,8 +915,9 @@ def summarize_make_room(r: dict[str, Any]) -> str:
             f"{format_bytes(r['a_before']['host'])}, while B served down to {format_bytes(r['a_during_b']['device'])}"
             f"/up to {format_bytes(r['a_during_b']['host'])}, after {format_bytes(r['a_after']['device'])}/"
             f"{format_bytes(r['a_after']['host'])} (back {ms(r['back_s'])} after B exited)",
-            f"  engine B ({r['tenants'][1]}) served in {ms(r['b_s'])}, refused nothing; tokens identical to undisturbed "
-            f"runs: A {'yes' if r['tokens_identical']['a'] else 'NO'}, B {'yes' if r['tokens_identical']['b'] else 'NO'};"
+            f"  engine B ({r['tenants'][1]}) served in {ms(r['b_s'])}, refused nothing; "
+            f"tokens identical to undisturbed runs: A {'yes' if r['tokens_identical']['a'] else 'NO'}, "
+            f"B {'yes' if r['tokens_identical']['b'] else 'NO'};"
             f" A's base pointers kept: {'yes' if r['base_pointers_kept'] else 'NO'}",
         ]
     )
@@ -931,9 +935,8 @@ def stored_weights(args: argparse.Namespace, instance: str | None, who: str) -> 
     """
     import torch
     from decoder import Decoder
-    from serving import config_named
-
     from hbmd.client.weights import store_weights
+    from serving import config_named
 
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -943,10 +946,12 @@ def stored_weights(args: argparse.Namespace, instance: str | None, who: str) -> 
     if any(b.name == name for b in client.buffers()):
         log(who, f"deleting {name}, left by an earlier run")
         client.delete(name)
-    model = Decoder(config_named(args.config), device, torch.bfloat16 if device.type == "cuda" else torch.float32, args.seed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = Decoder(config_named(args.config), device, dtype, args.seed)
     torch.save(model.state_dict(), checkpoint)
     stored = store_weights(model.state_dict(), name, device, client=client)
-    log(who, f"weights: {checkpoint.stat().st_size / 2**20:.1f} MiB checkpoint, {format_bytes(stored.physical_bytes)} in hbmd")
+    log(who, f"weights: {checkpoint.stat().st_size / 2**20:.1f} MiB checkpoint, "
+             f"{format_bytes(stored.physical_bytes)} in hbmd")
     # The weights stay in hbmd, sealed, for the engines to read: this process lets go of them and of its copy.
     stored.detach()
     del model, stored
@@ -979,12 +984,13 @@ RESTART_KINDS = {
 
 
 def restart(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
-    """A worker started from scratch, weights from a checkpoint file (cold and cached) and from hbmd: time to its first token.
+    """A worker started from scratch, weights from a checkpoint file (cold and cached) and from hbmd: time to its first
+    token.
 
     Each kind runs twice, interleaved, and the faster run counts, so that
     none gets the operating system's warm caches (Python, torch) alone.
     """
-    with stored_weights(args, instance, "restart") as (client, name, checkpoint):
+    with stored_weights(args, instance, "restart") as (_client, name, checkpoint):
         sources = {"file": f"file:{checkpoint}", "hbmd": f"hbmd:{name}"}
         checkpoint_bytes = checkpoint.stat().st_size
         runs: dict[str, dict[str, Any]] = {}
@@ -992,7 +998,8 @@ def restart(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
             for kind, (source, evict) in RESTART_KINDS.items():
                 if evict:
                     evict_from_page_cache(checkpoint)
-                log("restart", f"a worker starts with its weights from {sources[source]}" + (" (not cached)" if evict else ""))
+                log("restart",
+                    f"a worker starts with its weights from {sources[source]}" + (" (not cached)" if evict else ""))
                 spawned_at = time.time()
                 result = run_engine(args, "--name", f"{args.name}-{kind}", "--weights", sources[source])
                 run = {
@@ -1021,7 +1028,8 @@ def summarize_restart(r: dict[str, Any]) -> str:
     d, f, h = r["disk"], r["file"], r["hbmd"]
     return "\n".join(
         [
-            f"restart ({r['config']}, {r['params'] / 1e6:.1f}M params, {format_bytes(r['checkpoint_bytes'])} checkpoint, "
+            f"restart ({r['config']}, {r['params'] / 1e6:.1f}M params, "
+            f"{format_bytes(r['checkpoint_bytes'])} checkpoint, "
             f"{r['device']}): process start to first token",
             f"  weights from a checkpoint on disk:  {ms(d['first_token_s'])} (loading them {ms(d['weights_s'])})",
             f"  weights from the page cache:        {ms(f['first_token_s'])} (loading them {ms(f['weights_s'])})",
@@ -1132,7 +1140,8 @@ def summarize_two_engines(r: dict[str, Any]) -> str:
     for t in r["tenants"]:
         limit = f", max {format_bytes(t['max_bytes'])}" if t["max_bytes"] >= 0 else ""
         lines.append(
-            f"  tenant {t['name']}: uses {format_bytes(t['used_bytes'])}, guaranteed {format_bytes(t['guaranteed_bytes'])}{limit}"
+            f"  tenant {t['name']}: uses {format_bytes(t['used_bytes'])}, "
+            f"guaranteed {format_bytes(t['guaranteed_bytes'])}{limit}"
         )
     return "\n".join(lines)
 
@@ -1150,7 +1159,8 @@ MODES = {
 
 
 def emit(args: argparse.Namespace, result: dict[str, Any]) -> None:
-    """The summary on stdout; with ``--json`` the JSON line there instead, and the summary with the progress on stderr."""
+    """The summary on stdout; with ``--json`` the JSON line there instead, and the summary with the progress on
+    stderr."""
     summary = MODES[result["mode"]][1](result)
     if args.json:
         print(summary, file=sys.stderr, flush=True)
@@ -1173,7 +1183,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     common.add_argument(
         "--config",
-        help="model config: tiny, small (CPU), gpu, gpu-small, gpu-large (4.9 GiB of weights); default tiny on cpu, gpu on cuda",
+        help="model config: tiny, small (CPU), gpu, gpu-small, gpu-large (4.9 GiB of weights); "
+             "default tiny on cpu, gpu on cuda",
     )
     common.add_argument("--seed", type=int, default=0, help="weights seed")
     common.add_argument("--prompt-seed", type=int, default=1)
@@ -1237,7 +1248,8 @@ def build_parser() -> argparse.ArgumentParser:
     two = modes.add_parser("two-engines", parents=[common], help="two models under one daemon")
     two.add_argument("--second-config", help="engine B's model (default: small for tiny, gpu-small for gpu)")
     two.add_argument("--tenants", default="engine-a,engine-b", help="the two engines' tenant names")
-    room = modes.add_parser("make-room", parents=[common], help="an idle engine's cache demoted to make room for another")
+    room = modes.add_parser("make-room", parents=[common],
+                            help="an idle engine's cache demoted to make room for another")
     room.add_argument("--second-config", help="engine B's model (default: small for tiny, gpu-small for gpu)")
     room.add_argument("--tenants", default="batch,online",
                       help="A's tenant (demotable) and B's, named in the started daemon's config")

@@ -113,8 +113,9 @@ class PagedKVCache:
         device: torch.device,
         num_blocks_capacity: int,
         name: str | None = None,
-    ) -> "PagedKVCache":
-        """Reserve room for ``num_blocks_capacity`` blocks per layer, nothing committed; ``name`` makes the buffers persistent."""
+    ) -> PagedKVCache:
+        """Reserve room for ``num_blocks_capacity`` blocks per layer, nothing committed; ``name`` makes the buffers
+        persistent."""
         segments, per_block = _layout(config, dtype)
         tensors: list[ExtensibleTensor] = []
         try:
@@ -138,7 +139,7 @@ class PagedKVCache:
     @classmethod
     def attach(
         cls, client: Client, config: DecoderConfig, dtype: torch.dtype, device: torch.device, name: str
-    ) -> "PagedKVCache":
+    ) -> PagedKVCache:
         """Map engine ``name``'s persistent buffers, with their data, as a dead worker left them.
 
         Raises ``ValueError`` when the buffers do not have this config's layout.

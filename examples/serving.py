@@ -30,8 +30,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from decoder import CONFIGS, Decoder, DecoderConfig
@@ -100,7 +100,7 @@ class DecodeState:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path) -> "DecodeState":
+    def load(cls, path: Path) -> DecodeState:
         return cls(**json.loads(path.read_text()))
 
     @property
@@ -191,7 +191,8 @@ class Engine:
         persistent: bool = False,
         weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """``weights``: the model's state dict, used as it is (a checkpoint's, or hbmd's shared views); else drawn from ``weights_seed``."""
+        """``weights``: the model's state dict, used as it is (a checkpoint's, or hbmd's shared views); else drawn from
+        ``weights_seed``."""
         self.client, self.config, self.device = client, config, device
         self.name, self.persistent = name, persistent
         self.batch_size = batch_size
@@ -463,7 +464,8 @@ class Engine:
 
 
 def tenant_headroom(client: Client, tenant: str) -> tuple[int, int | None]:
-    """Bytes held for other tenants' unmet guaranteed minimums, and what our tenant's maximum still allows (None: no maximum).
+    """Bytes held for other tenants' unmet guaranteed minimums, and what our tenant's maximum still allows (None: no
+    maximum).
 
     Daemons without tenant reporting answer ``(0, None)``.
     """

@@ -59,6 +59,13 @@ import time
 from typing import Any
 
 import torch
+from hbmd.client import Client, Conflict, HbmdError, NotFound, default_client
+from hbmd.client.tensor import ExtensibleTensor
+from hbmd.client.weights import Weights, open_weights, write_weights
+from hbmd.integrations.weights_key import checkpoint_fields, files_changes, not_a_store, storer_name
+from hbmd.proto.admin import SessionInfo
+from hbmd.proto.buffers import BufferInfo
+from hbmd.proto.units import format_bytes
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
@@ -84,14 +91,6 @@ from vllm.model_executor.model_loader.weight_cache.utils import (
     record_external_weight_charge,
     record_external_weight_fallback,
 )
-
-from hbmd.client import Client, Conflict, HbmdError, NotFound, default_client
-from hbmd.client.tensor import ExtensibleTensor
-from hbmd.client.weights import Weights, open_weights, write_weights
-from hbmd.integrations.weights_key import checkpoint_fields, files_changes, not_a_store, storer_name
-from hbmd.proto.admin import SessionInfo
-from hbmd.proto.buffers import BufferInfo
-from hbmd.proto.units import format_bytes
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
 log = logging.getLogger("vllm.hbmd")
@@ -163,7 +162,9 @@ class HbmdModelLoader(IpcModelLoader):
         if not isinstance(self.fallback, bool) or not 0 <= self.wait_s <= 86400:
             raise ValueError(f"load format {LOAD_FORMAT}: fallback must be true or false and wait_s 0 to 86400 seconds")
         if extra:
-            raise ValueError(f"unexpected --model-loader-extra-config keys for load format {LOAD_FORMAT}: {sorted(extra)}")
+            raise ValueError(
+                f"unexpected --model-loader-extra-config keys for load format {LOAD_FORMAT}: {sorted(extra)}"
+            )
         # What IpcModelLoader's model building reads: the engine maps the tensors, it does not copy them.
         self.mode = "zero_copy"
         self.is_draft = False
@@ -184,9 +185,9 @@ class HbmdModelLoader(IpcModelLoader):
         """
         total = self._resident_bytes(vllm_config, vllm_config.model_config)
         spec = vllm_config.speculative_config
-        if spec is not None and spec.draft_model_config is not None:
-            if get_draft_load_config(vllm_config).load_format == LOAD_FORMAT:
-                total += self._resident_bytes(vllm_config, spec.draft_model_config)
+        if (spec is not None and spec.draft_model_config is not None
+                and get_draft_load_config(vllm_config).load_format == LOAD_FORMAT):
+            total += self._resident_bytes(vllm_config, spec.draft_model_config)
         return total
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:

@@ -56,7 +56,8 @@ class StatusReply(Message):
     tenants_left_out: int = 0
     """Tenants not listed in ``tenants`` (1.2)."""
     leased_bytes: int = 0
-    """Granules leased to sessions and not placed yet (1.3): charged to their tenants, not part of ``committed_bytes``."""
+    """Granules leased to sessions and not placed yet (1.3): charged to their tenants, not part of
+    ``committed_bytes``."""
     config_path: str = ""
     """The daemon's ``--config`` file, empty without one (1.5)."""
     config_loaded_at: float = 0.0

@@ -64,7 +64,8 @@ class BufferInfo:
     readers: int = 0
     """Sessions holding a read-only attach of this sealed buffer (1.2)."""
     shareable: bool = False
-    """Backed by RDMA-capable chunks where the device has them (1.3): such a buffer grows through the daemon, never from a lease."""
+    """Backed by RDMA-capable chunks where the device has them (1.3): such a buffer grows through the daemon, never from
+    a lease."""
     pending_bytes: int = 0
     """New chunks of a preserving defragment until the owner confirms its remap: committed and charged beside
     ``physical_bytes``. Needs no new minor: a peer that does not know it reads 0, as between defragments."""
@@ -100,7 +101,8 @@ class Released(Message):
 
 @message("buffer.detached")
 class Detached(Message):
-    """Reply to :class:`Detach`: the buffer, now an orphan, and the bytes of an unfinished defragment's new chunks dropped."""
+    """Reply to :class:`Detach`: the buffer, now an orphan, and the bytes of an unfinished defragment's new chunks
+    dropped."""
 
     buffer: BufferInfo
     freed_bytes: int

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from typing import Any, Callable, ClassVar, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgpack
 
@@ -36,9 +37,9 @@ with no keeper (``Redeclare``, ``BufferInfo.held_elsewhere``), the config file a
 (``Move``, ``BufferInfo.tier``, ``TenantInfo.host_bytes``, the host figures in status); 1.7 a commit's reply riding
 with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``); 1.8 credit, commits in chunks
 the client makes itself (``Welcome.credit_bytes``, the ``CreditGrant``/``CreditRevoke``/``OwnChunks``/
-``CreditReturn`` datagrams); 1.9 the tenant charged in the welcome (``Welcome.tenant``/``tenant_note``), and in status the bytes held for
-other tenants' guarantees and the credit (``StatusReply.held_for_guarantees_bytes``/``credit_bytes``). A 1.0
-peer ignores what it does not know."""
+``CreditReturn`` datagrams); 1.9 the tenant charged in the welcome (``Welcome.tenant``/``tenant_note``), and in status
+the bytes held for other tenants' guarantees and the credit (``StatusReply.held_for_guarantees_bytes``/
+``credit_bytes``). A 1.0 peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request a daemon reads: the longest a client sends, a buffer's 65,536 segment sizes, takes under
@@ -47,8 +48,9 @@ MAX_MESSAGE_CHARS = 1000
 MAX_DETAIL_CHARS = 256
 
 M = TypeVar("M", bound="Message")
+T = TypeVar("T")
 
-_KINDS: dict[str, type["Message"]] = {}
+_KINDS: dict[str, type[Message]] = {}
 
 
 class Message:
@@ -91,7 +93,8 @@ def requests() -> list[type[Request]]:
     return sorted((cls for cls in _KINDS.values() if issubclass(cls, Request)), key=lambda cls: cls.KIND)
 
 
-def message(kind: str):
+@typing.dataclass_transform(frozen_default=True)
+def message(kind: str) -> Callable[[type[M]], type[M]]:
     """Class decorator: make a frozen dataclass and register it under ``kind``."""
 
     def register(cls: type[M]) -> type[M]:
@@ -105,7 +108,8 @@ def message(kind: str):
     return register
 
 
-def record(cls: type[M]) -> type[M]:
+@typing.dataclass_transform(frozen_default=True)
+def record(cls: type[T]) -> type[T]:
     """Class decorator for a plain frozen value nested inside messages."""
     return dataclasses.dataclass(frozen=True)(cls)
 
@@ -171,7 +175,8 @@ def _record_encoder(cls: type) -> Callable[[Any], dict[str, Any]]:
 
 
 def _plain(tp: Any) -> bool:
-    """Whether values of field type ``tp`` are msgpack-ready as they are: scalars, and lists, maps and unions of them."""
+    """Whether values of field type ``tp`` are msgpack-ready as they are: scalars, and lists, maps and unions of
+    them."""
     if tp in _SCALARS:
         return True
     args = typing.get_args(tp)
@@ -198,7 +203,7 @@ def _decoder(tp: Any) -> Decoder:
 
 
 def _build_decoder(tp: Any) -> Decoder:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _record_decoder(tp)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
@@ -256,7 +261,7 @@ def _record_decoder(tp: type) -> Decoder:
     def record(data: Any, where: str) -> Any:
         if not isinstance(data, dict):
             raise ProtocolError(f"{where}: expected a map, got {type(data).__name__}")
-        values = {}
+        values: dict[str, Any] = {}
         for name, exact, decode, default in fields:
             value = data.get(name, _ABSENT)
             if value is _ABSENT:
@@ -267,7 +272,7 @@ def _record_decoder(tp: type) -> Decoder:
                 values[name] = value
             else:
                 values[name] = decode(value, f"{where}.{name}")
-        instance = new(tp)
+        instance: object = new(tp)
         instance.__dict__.update(values)
         return instance
 
@@ -441,7 +446,7 @@ class ErrorReply(Message):
     details: dict[str, int | str | bool | float] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, exc: HbmdError) -> "ErrorReply":
+    def of(cls, exc: HbmdError) -> ErrorReply:
         """The reply for ``exc``; echoed input is cut short so the reply always fits a frame."""
         details = {
             k: v

@@ -8,6 +8,7 @@ the same types and tests match on ``code`` rather than on message text.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 
 class ErrorCode(enum.Enum):
@@ -32,7 +33,7 @@ class ErrorCode(enum.Enum):
         self.retryable = retryable
 
     @classmethod
-    def from_wire(cls, wire: str) -> "ErrorCode":
+    def from_wire(cls, wire: str) -> ErrorCode:
         for code in cls:
             if code.wire == wire:
                 return code
@@ -61,7 +62,8 @@ class DaemonUnavailable(HbmdError):
 
 
 class SessionLost(DaemonUnavailable):
-    """The session is over: its daemon stopped or restarted. Connect again; persistent buffers are attached again by name."""
+    """The session is over: its daemon stopped or restarted. Connect again; persistent buffers are attached again by
+    name."""
 
     code = ErrorCode.SESSION_LOST
 
@@ -164,7 +166,7 @@ ERROR_CLASSES: dict[ErrorCode, type[HbmdError]] = {
 }
 
 
-def error_from_wire(code: str, message: str, details: dict[str, object]) -> HbmdError:
+def error_from_wire(code: str, message: str, details: Mapping[str, object]) -> HbmdError:
     """Rebuild the exception the daemon raised from its wire form."""
     cls = ERROR_CLASSES[ErrorCode.from_wire(code)]
     return cls(message, **{str(k): v for k, v in details.items()})

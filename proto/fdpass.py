@@ -17,7 +17,9 @@ _INT = array.array("i").itemsize
 
 def receive_with_fds(sock: socket.socket, bufsize: int, maxfds: int, flags: int = 0) -> tuple[bytes, list[int], int]:
     """One datagram, the FDs that came with it (close-on-exec) and the message flags (``MSG_CTRUNC``...)."""
-    data, ancillary, msg_flags, _ = sock.recvmsg(bufsize, socket.CMSG_SPACE(maxfds * _INT), flags | socket.MSG_CMSG_CLOEXEC)
+    data, ancillary, msg_flags, _ = sock.recvmsg(
+        bufsize, socket.CMSG_SPACE(maxfds * _INT), flags | socket.MSG_CMSG_CLOEXEC
+    )
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:

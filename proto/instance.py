@@ -94,7 +94,7 @@ class InstancePaths:
     """Where the run directory came from and how to choose another (:func:`run_dir_origin`), for messages."""
 
     @classmethod
-    def of(cls, run_dir: str | os.PathLike | None, instance: str) -> "InstancePaths":
+    def of(cls, run_dir: str | os.PathLike | None, instance: str) -> InstancePaths:
         return cls(resolve_run_dir(run_dir) / instance, run_dir_origin(run_dir))
 
     @property
@@ -155,7 +155,7 @@ class InstanceInfo:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "InstanceInfo":
+    def from_json(cls, text: str) -> InstanceInfo:
         """Parse ``instance.json``; ``ValueError`` when it is not one (unknown keys are ignored)."""
         data: Any = json.loads(text)
         if not isinstance(data, dict):
@@ -166,7 +166,7 @@ class InstanceInfo:
             raise ValueError(f"instance.json has no {exc.args[0]!r}") from None
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> "InstanceInfo | None":
+    def read(cls, path: str | os.PathLike) -> InstanceInfo | None:
         """The info at ``path``, or None where it is missing or unreadable."""
         try:
             return cls.from_json(Path(path).read_text())

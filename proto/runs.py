@@ -8,7 +8,7 @@ same inputs, so both sides agree on them without a round trip.
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
+from collections.abc import Iterable
 
 from .units import round_up
 
@@ -49,7 +49,8 @@ def subtract_runs(runs: list[tuple[int, int]], taken: list[tuple[int, int]]) -> 
 
 
 def backed_runs(offsets: list[int], sizes: list[int], granule: int) -> list[tuple[int, int]]:
-    """Byte runs (granule-aligned, merged) that must be backed to hold ``sizes[i]`` bytes of the segment at ``offsets[i]``.
+    """Byte runs (granule-aligned, merged) that must be backed to hold ``sizes[i]`` bytes of the segment at
+    ``offsets[i]``.
 
     A granule straddling two segments appears once: the runs are merged.
     """

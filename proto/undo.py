@@ -20,7 +20,8 @@ library only).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("hbmd.undo")
 
@@ -52,7 +53,7 @@ class Undo:
             except Exception:
                 log.exception("undoing a step with %s failed", getattr(undo, "__qualname__", undo))
 
-    def __enter__(self) -> "Undo":
+    def __enter__(self) -> Undo:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:

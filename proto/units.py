@@ -38,7 +38,10 @@ def parse_size(text: str, total: int | None = None) -> int:
     """
     match = _SIZE.match(text)
     if not match:
-        raise ValueError(f"bad size {text!r}: expected a number with an optional unit (B, KiB, MiB, GiB, TiB, PiB, KB, MB, GB, TB, PB) or a percentage")
+        raise ValueError(
+            f"bad size {text!r}: expected a number with an optional unit "
+            "(B, KiB, MiB, GiB, TiB, PiB, KB, MB, GB, TB, PB) or a percentage"
+        )
     if len(match.group(1)) > MAX_DIGITS:
         raise ValueError(f"bad size {text[:MAX_DIGITS]!r}...: {len(match.group(1))} digits, more than any size needs")
     number, unit = Fraction(match.group(1)), match.group(2).lower()

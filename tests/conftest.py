@@ -14,7 +14,6 @@ from hbmd.client import Client, connect
 from hbmd.daemon import spawn
 from hbmd.daemon.main import EXIT_BOOKS_UNBALANCED
 
-
 TORCH_MISSING = importlib.util.find_spec("torch") is None
 
 

@@ -55,7 +55,7 @@ class FakeSystemd:
         while not self._stop.is_set():
             try:
                 data, ancdata, _, _ = self.sock.recvmsg(4096, fd_bytes)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             fds: list[int] = []
             for level, kind, payload in ancdata:

@@ -134,7 +134,8 @@ def test_a_reclaim_request_reaches_the_engines_callback(quota_daemon):
         return released
 
     engine.on_reclaim(give_back)
-    out = hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "reclaim", "--session", str(engine.session_id), "--bytes", "32MiB", "--wait", "10")
+    out = hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "reclaim", "--session", str(engine.session_id),
+                 "--bytes", "32MiB", "--wait", "10")
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["state"] == "answered" and answer["released_bytes"] == 48 * MiB
@@ -150,7 +151,8 @@ def test_an_ignored_reclaim_is_reported_and_the_session_lives_on(quota_daemon):
     idle = quota_daemon.connect(client_name="idle")
     t = ExtensibleTensor(16 * MiB, "cpu", client=idle)
     t.resize_(16 * MiB)
-    out = hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "reclaim", "--session", str(idle.session_id), "--bytes", "8MiB", "--wait", "3")
+    out = hbmctl("--run-dir", str(quota_daemon.run_dir), "--json", "reclaim", "--session", str(idle.session_id),
+                 "--bytes", "8MiB", "--wait", "3")
     assert json.loads(out.stdout)["state"] == "ignored"
     wait_until(lambda: "has not answered reclaim request" in quota_daemon.log())
     assert idle.status().committed_bytes == 16 * MiB and t.physical_bytes == 16 * MiB  # nothing taken by force
@@ -164,7 +166,8 @@ def test_an_ignored_reclaim_is_reported_and_the_session_lives_on(quota_daemon):
 def test_reclaim_of_an_unknown_session_is_refused(quota_daemon):
     out = hbmctl("--run-dir", str(quota_daemon.run_dir), "reclaim", "--session", "999", "--bytes", "1MiB")
     assert out.returncode == 3 and "no session 999" in out.stderr
-    assert hbmctl("--run-dir", str(quota_daemon.run_dir), "reclaim", "--session", "1", "--bytes", "lots").returncode == 2
+    unparsable = hbmctl("--run-dir", str(quota_daemon.run_dir), "reclaim", "--session", "1", "--bytes", "lots")
+    assert unparsable.returncode == 2
 
 
 def test_an_unknown_config_is_a_clear_startup_error(run_dir):
@@ -234,7 +237,8 @@ def run_as_nobody(daemon, *args: str) -> dict:
 @pytest.fixture
 def nobody_can_run_python(run_dir):
     if os.getuid() != 0:
-        pytest.skip("switching to another uid needs root; the uid checks are covered at the unit level in test_config.py")
+        pytest.skip("switching to another uid needs root; "
+                    "the uid checks are covered at the unit level in test_config.py")
     code = f"import site; [site.addsitedir(p) for p in {site.getsitepackages()!r}]; import hbmd.client"
     try:
         probe = subprocess.run([*nobody_python(), "-c", code], user=NOBODY, group=NOBODY, extra_groups=[],

@@ -164,7 +164,8 @@ def test_hbmctl_is_an_observer_it_is_neither_counted_nor_listed(daemon, client):
 def watch_for_a_while(daemon, *args: str) -> tuple[int, str, str]:
     """``hbmctl watch ARGS`` refreshing every 0.1 s, left with Ctrl-C after 3 s: its exit status, stdout and stderr."""
     watch = subprocess.Popen(
-        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", *args, "--interval", "0.1"],
+        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", *args,
+         "--interval", "0.1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -229,7 +230,9 @@ def test_status_shows_every_instance_of_a_node(two_instances):
     ]
     csv_rows = hbmctl("--run-dir", rd, "-o", "csv", "--no-headers", "status").stdout.splitlines()
     # A host instance has no GPU index: an empty cell, as for every figure that does not exist.
-    assert [row.split(",")[:4] for row in csv_rows] == [["host", "host", "", str(64 * MiB)], ["host2", "host", "", str(32 * MiB)]]
+    assert [row.split(",")[:4] for row in csv_rows] == [
+        ["host", "host", "", str(64 * MiB)], ["host2", "host", "", str(32 * MiB)]
+    ]
     wide = hbmctl("--run-dir", rd, "-o", "wide", "status").stdout
     assert "PID" in wide and str(second.pid) in wide
 
@@ -312,7 +315,8 @@ def test_sessions_and_buffers_list_every_instance_of_a_node(two_instances):
     buffers = json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]
     assert [(b["instance"], b["physical_bytes"]) for b in buffers] == [("host", 2 * MiB), ("host2", 4 * MiB)]
     csv_rows = hbmctl("--run-dir", rd, "-o", "csv", "buffers").stdout.splitlines()
-    assert csv_rows[0].startswith("instance,buffer,session,") and [r.split(",")[0] for r in csv_rows[1:]] == ["host", "host2"]
+    assert csv_rows[0].startswith("instance,buffer,session,")
+    assert [r.split(",")[0] for r in csv_rows[1:]] == ["host", "host2"]
 
     # --instance narrows to one: its rows only, as on a node of one instance, each record still naming it.
     header, *rows = hbmctl("--run-dir", rd, "--instance", "host2", "buffers").stdout.splitlines()
@@ -353,7 +357,8 @@ def test_watch_shows_the_sessions_of_every_instance(two_instances):
 
 def test_versions_agree():
     ctl = hbmctl("--version")
-    daemon = subprocess.run([sys.executable, "-m", "hbmd.daemon", "--version"], capture_output=True, text=True, timeout=60)
+    daemon = subprocess.run([sys.executable, "-m", "hbmd.daemon", "--version"],
+                            capture_output=True, text=True, timeout=60)
     assert ctl.returncode == 0 and daemon.returncode == 0
     assert ctl.stdout.split()[1] == daemon.stdout.split()[1] != ""
 
@@ -371,7 +376,9 @@ def test_reclaim_finds_a_session_by_pid_or_client_name(daemon, spawn_worker):
     )
     session_id = int(worker.readline())
     rd = str(daemon.run_dir)
-    by_pid = json.loads(hbmctl("--run-dir", rd, "--json", "reclaim", "--pid", str(worker.proc.pid), "--bytes", "1MiB").stdout)
+    by_pid = json.loads(
+        hbmctl("--run-dir", rd, "--json", "reclaim", "--pid", str(worker.proc.pid), "--bytes", "1MiB").stdout
+    )
     by_name = json.loads(hbmctl("--run-dir", rd, "--json", "reclaim", "--name", "engine-a", "--bytes", "1MiB").stdout)
     assert by_pid["session_id"] == by_name["session_id"] == session_id
     out = hbmctl("--run-dir", rd, "reclaim", "--name", "nobody", "--bytes", "1MiB")
@@ -394,7 +401,8 @@ def test_no_headers_leaves_rows_only(daemon, client):
 def test_control_characters_from_a_peer_are_shown_escaped(fmt):
     # A daemon older than the hello's name check passes any client_name on: hbmctl must not emit it raw.
     forged = "eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx"
-    listing = Output(data={}, columns=[Column("NAME", lambda r: r["name"], lambda r: r["name"])], items=[{"name": forged}])
+    listing = Output(data={}, columns=[Column("NAME", lambda r: r["name"], lambda r: r["name"])],
+                     items=[{"name": forged}])
     text = render(listing, fmt, with_headers=True)
     assert text.splitlines()[1] == r"eng\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE\r\nx"
     assert all(c.isprintable() for c in text.replace("\n", ""))
@@ -460,7 +468,8 @@ def test_status_says_what_holds_budget_left_below_the_uncommitted_budget(start_d
         assert status["held_for_guarantees_bytes"] == 96 * MiB and status["leased_bytes"] == 0
         assert status["budget_left_bytes"] == (256 - 16 - 96) * MiB
         text = hbmctl("--run-dir", str(run_dir), "status").stdout
-        assert "budget left: 144.0 MiB (240.0 MiB uncommitted, less 96.0 MiB held for other tenants' guaranteed minimums)" in text
+        assert ("budget left: 144.0 MiB "
+                "(240.0 MiB uncommitted, less 96.0 MiB held for other tenants' guaranteed minimums)") in text
         wide = hbmctl("--run-dir", str(run_dir), "-o", "csv", "status").stdout.splitlines()
         row = dict(zip(wide[0].split(","), wide[1].split(",")))
         assert row["held-for-guarantees"] == str(96 * MiB) and row["budget-left"] == str(144 * MiB)
@@ -473,7 +482,8 @@ def test_status_shows_leases_granules_and_credit_apart(start_daemon, run_dir):
         credited(engine, ExtensibleTensor(1 << 30, "cpu", client=engine), 64 * MiB, 128 * MiB)
         wait_until(lambda: engine.status().leased_bytes == 128 * MiB)
         [status] = json.loads(hbmctl("--run-dir", str(run_dir), "--json", "status").stdout)["instances"]
-        assert status["credit_bytes"] == status["leased_bytes"] == 128 * MiB and status["held_for_guarantees_bytes"] == 0
+        assert status["credit_bytes"] == status["leased_bytes"] == 128 * MiB
+        assert status["held_for_guarantees_bytes"] == 0
         text = hbmctl("--run-dir", str(run_dir), "status").stdout
         assert "leased:      128.0 MiB (0 B granules, 128.0 MiB credit: " in text
         assert "budget left: 1.8 GiB (1.9 GiB uncommitted, less 128.0 MiB leased)" in text

@@ -23,7 +23,8 @@ def queries() -> list[str]:
 
 @pytest.mark.unit
 def test_the_committed_dashboard_is_what_the_generator_writes():
-    generated = subprocess.run([sys.executable, str(DEPLOY / "grafana-dashboard.py")], capture_output=True, text=True, timeout=60)
+    generated = subprocess.run([sys.executable, str(DEPLOY / "grafana-dashboard.py")],
+                               capture_output=True, text=True, timeout=60)
     assert json.loads(generated.stdout) == json.loads((DEPLOY / "grafana-dashboard.json").read_text())
 
 
@@ -50,5 +51,7 @@ def test_a_legend_that_names_a_gpu_names_its_node_and_the_operators_panels_are_t
     per_gpu = [t["legendFormat"] for t in targets if "{{gpu}}" in t["legendFormat"]]
     assert per_gpu and all("{{node}}" in legend or "{{Hostname}}" in legend for legend in per_gpu)
     expressions = " ".join(t["expr"] for t in targets)
-    for figure in ("hbmd_leased_bytes", "hbmd_orphaned_bytes", "hbmd_budget_bytes{UUID=~\"$gpu\"} - hbmd_committed_bytes"):
+    for figure in (
+        "hbmd_leased_bytes", "hbmd_orphaned_bytes", "hbmd_budget_bytes{UUID=~\"$gpu\"} - hbmd_committed_bytes"
+    ):
         assert figure in expressions

@@ -49,7 +49,8 @@ def test_only_the_monitoring_namespace_reaches_the_metrics_and_each_series_names
     [allowed] = rule["ports"]
     assert (allowed["port"], allowed["endPort"]) == (min(ports), max(ports)) == (9470, 9472)
     assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-    assert policy["spec"]["podSelector"] == daemonset["spec"]["selector"] and policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"] == daemonset["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
     for endpoint in monitor["spec"]["podMetricsEndpoints"]:
         assert {"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"} in endpoint["relabelings"]
 
@@ -88,8 +89,9 @@ def test_image_and_namespace_are_chosen_on_the_command_line():
     assert "deploy/daemonset.py --gpus 2:" in generate(2).stdout.splitlines()[0]
 
 
-@pytest.mark.parametrize("option, value", [("--namespace", "Not_A_Name"), ("--namespace", "-x"), ("--namespace", "a" * 64),
-                                           ("--image", "two words"), ("--image", "x\ny: z"), ("--image", "")])
+@pytest.mark.parametrize("option, value", [("--namespace", "Not_A_Name"), ("--namespace", "-x"),
+                                           ("--namespace", "a" * 64), ("--image", "two words"),
+                                           ("--image", "x\ny: z"), ("--image", "")])
 def test_an_image_or_namespace_yaml_would_misread_is_a_usage_error(option, value):
     out = subprocess.run([sys.executable, str(DEPLOY / "daemonset.py"), "--gpus", "1", option, value],
                          capture_output=True, text=True, timeout=60)
@@ -103,7 +105,8 @@ def test_the_header_tells_the_update_strategy_the_daemonset_has():
     daemonset = list(yaml.safe_load_all(text))[1]
     assert daemonset["spec"]["updateStrategy"] == {"type": "RollingUpdate",
                                                    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-    assert all({"--takeover", "--linger"} <= set(c["args"]) for c in daemonset["spec"]["template"]["spec"]["containers"])
+    containers = daemonset["spec"]["template"]["spec"]["containers"]
+    assert all({"--takeover", "--linger"} <= set(c["args"]) for c in containers)
     # Upgrades take every session over; only a container restart loses them, and the header says just that.
     assert "Upgrades keep every session" in header and "(--takeover)" in header
     assert "A container restart is not an upgrade" in header

@@ -48,7 +48,8 @@ def test_the_unit_keeps_gpu_access_and_peer_uids():
 
 def allowed_syscalls(group: str) -> set[str]:
     """The system calls a ``SystemCallFilter=`` group allows, nested groups expanded."""
-    out = subprocess.run(["systemd-analyze", "syscall-filter", group], capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(["systemd-analyze", "syscall-filter", group],
+                         capture_output=True, text=True, timeout=60).stdout
     names: set[str] = set()
     for line in out.splitlines()[1:]:
         entry = line.strip()
@@ -68,16 +69,17 @@ def test_every_system_call_of_the_daemon_passes_the_units_filter(run_dir):
     config.write_text('[[tenants]]\nname = "a"\nmax = "64MiB"\n')
     trace = run_dir / "trace"
     port = free_port()
-    log = open(run_dir / "hbmd.log", "wb")
     # Not the start_daemon fixture: the daemon is strace's child here, so instance.json names another pid.
-    traced = subprocess.Popen(
-        ["strace", "-f", "-qq", "-o", str(trace), sys.executable, "-m", "hbmd.daemon", "--backend", "host",
-         "--run-dir", str(run_dir), "--budget", "128MiB", "--config", str(config), "--metrics-addr", f"127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    log.close()
+    with open(run_dir / "hbmd.log", "wb") as log:
+        traced = subprocess.Popen(
+            ["strace", "-f", "-qq", "-o", str(trace), sys.executable, "-m", "hbmd.daemon", "--backend", "host",
+             "--run-dir", str(run_dir), "--budget", "128MiB", "--config", str(config),
+             "--metrics-addr", f"127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
     try:
-        info = wait_until(lambda: (run_dir / "host" / "instance.json").is_file() and run_dir / "host" / "instance.json", 30)
+        instance_json = run_dir / "host" / "instance.json"
+        info = wait_until(lambda: instance_json.is_file() and instance_json, 30)
         daemon_pid = json.loads(info.read_text())["pid"]
         # Everything a daemon does in service: sessions, commits and FD passing, a refusal, a scrape, a reload.
         with connect(run_dir=run_dir, instance="host", tenant="a") as client:

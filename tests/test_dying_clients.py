@@ -102,7 +102,7 @@ if mode == "churning":
         if len(held) > 4:  # keep a few buffers held at any moment, well inside the budget
             client.free(held.pop(rng.randrange(len(held))))
 raise SystemExit(f"unknown mode {mode!r}")
-""" % {"segments": SEGMENTS}
+""" % {"segments": SEGMENTS}  # noqa: UP031 - the worker's code has braces of its own
 
 # Modes the test kills from outside, after the worker's second line, at a random moment.
 KILLED_FROM_OUTSIDE = {"large commit, killed from outside": "committing", "churning": "churning"}

@@ -238,4 +238,5 @@ def test_an_engine_decoding_while_the_daemon_restarts_gets_the_tokens_of_an_undi
     # Every decode step ran, on the KV cache it had, through the restart: the same tokens.
     assert disturbed["tokens"] == undisturbed["tokens"]
     assert "declared again" in daemon.log() if how == "kill with no keeper" else "resumed" in daemon.log()
-    print(f"\n{how} on {device}: the new daemon served {serving_after:.2f}s after {'its launch' if how == 'takeover' else 'the kill'}")
+    since = "its launch" if how == "takeover" else "the kill"
+    print(f"\n{how} on {device}: the new daemon served {serving_after:.2f}s after {since}")

@@ -59,7 +59,7 @@ with client.commit(small.buffer_id, 2 << 20):
 deadline = time.monotonic() + 30
 while client.leased_granules < 2 and time.monotonic() < deadline:
     time.sleep(0.01)
-leased = sorted(client._lease._ready)[:2]
+leased = sorted(client.leasing.lease._ready)[:2]
 wide = client.create_buffer(SEGMENTS * 4096, SEGMENTS)
 if plane == "hellos":
     # Hellos the daemon must refuse (a client name with an escape), each naming a tenant nobody else names.
@@ -68,7 +68,8 @@ if plane == "hellos":
     while True:
         channel = HandleChannel(client.paths, 5)
         try:
-            channel.handshake(Hello(list(PROTOCOL_VERSION), os.getpid(), client_name="\x1b[2J", tenant=f"squat-{refused}"))
+            channel.handshake(Hello(list(PROTOCOL_VERSION), os.getpid(), client_name="\x1b[2J",
+                                    tenant=f"squat-{refused}"))
         except InvalidRequest:
             refused += 1
         channel.close()

@@ -377,7 +377,7 @@ class Barrage:
         wait_until(lambda: all(s.session_id != stale.session_id for s in self.legit.sessions()))
         legit_buffer = self.legit.buffers(self.legit.session_id)[0].buffer_id
         tokens = {
-            "forged": "%032x" % self.rng.getrandbits(128),
+            "forged": f"{self.rng.getrandbits(128):032x}",
             "stale": stale_token,
             "empty": "",
             "one char off": self.token[:-1] + ("0" if self.token[-1] != "0" else "1"),
@@ -643,7 +643,7 @@ class Barrage:
                     try:
                         if watcher.recv(1) != b"":
                             self.problems.append(f"FDs {what}: a probe received data")
-                    except socket.timeout:
+                    except TimeoutError:
                         self.problems.append(f"FDs {what}: the daemon kept an unsolicited FD open for 5 s")
                     watcher.close()
                 if stage == "garbage":
@@ -712,7 +712,7 @@ def test_a_barrage_of_garbage_on_every_socket_changes_nothing(daemon):
         try:
             if silent.recv(65536) != b"":
                 barrage.problems.append("a peer that never said hello got a datagram")
-        except socket.timeout:
+        except TimeoutError:
             barrage.problems.append(f"a peer that never said hello was still connected after {SILENT_PEER_DROP_S} s")
     finally:
         silent.close()

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import threading
+from typing import ClassVar
 
 import pytest
 from hbmd import driver, memfd, proto
@@ -491,7 +492,7 @@ def test_a_cuda_map_that_fails_midway_is_repaired_and_a_failed_attach_keeps_the_
     class FlakyCudaMapper(CudaMapper):
         """The CUDA mapper, with the map calls numbered in ``fail`` failing."""
 
-        fail: set[int] = set()
+        fail: ClassVar[set[int]] = set()
         maps = 0
 
         def map_prepared(self, address, chunk, prepared, *args, **kwargs):
@@ -635,7 +636,7 @@ def test_a_chunk_made_ahead_on_credit_is_taken_by_the_next_commit_of_its_size(gp
     t = ExtensibleTensor(1 << 30, "cuda", client=client)
     credited(client, t, 64 * MiB, 128 * MiB)
     t.resize_(128 * MiB, zero_new=True)  # on credit: the listener then makes the next 64 MiB ahead
-    wait_until(lambda: client._credit._spare is not None)
+    wait_until(lambda: client.leasing.credit._spare is not None)
     t.full_view()[: 128 * MiB].fill_(7)
     sent = client.requests_sent
     t.resize_(192 * MiB, zero_new=True)

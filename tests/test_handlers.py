@@ -44,12 +44,12 @@ def test_a_server_missing_a_handler_refuses_to_be_built():
     class LostCommit(BufferRequests):
         commit = None
 
-    with pytest.raises(HandlerTableError, match="no handler for buffer.commit, buffer.commit_segments"):
+    with pytest.raises(HandlerTableError, match=r"no handler for buffer\.commit, buffer\.commit_segments"):
         build(AdminRequests, LostCommit, SessionRequests)
 
 
 def test_a_server_missing_a_room_refuses_to_be_built():
-    with pytest.raises(HandlerTableError, match="no handler for session.reclaim_done"):
+    with pytest.raises(HandlerTableError, match=r"no handler for session\.reclaim_done"):
         build(AdminRequests, BufferRequests)
 
 
@@ -59,7 +59,7 @@ def test_a_handler_of_something_that_is_not_a_request_refuses_to_be_built():
         def committed(self, conn, request_id, msg):
             return proto.Ack()
 
-    with pytest.raises(HandlerTableError, match="HandlesAReply.committed handles .*not a request"):
+    with pytest.raises(HandlerTableError, match=r"HandlesAReply\.committed handles .*not a request"):
         build(HandlesAReply, BufferRequests, SessionRequests)
 
 
@@ -69,7 +69,7 @@ def test_two_handlers_of_one_request_refuse_to_be_built():
         def status_again(self, conn, request_id, msg):
             return proto.Ack()
 
-    with pytest.raises(HandlerTableError, match="admin.status is handled twice"):
+    with pytest.raises(HandlerTableError, match=r"admin\.status is handled twice"):
         build(AdminRequests, BufferRequests, TwoStatus)
 
 
@@ -87,7 +87,7 @@ def test_a_request_added_to_the_protocol_without_a_handler_is_caught():
     class Novel(proto.Request[proto.Ack]):
         pass
 
-    with pytest.raises(HandlerTableError, match="Novel|no handler"):
+    with pytest.raises(HandlerTableError, match=r"Novel|no handler"):
         handler_table(Server.ROOMS, [*proto.requests(), Novel])
 
 

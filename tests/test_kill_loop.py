@@ -94,7 +94,9 @@ def check(kv: ExtensibleTensor, confirmed: list[int]) -> tuple[int, int]:
                 intact += 1
                 continue
             assert start >= confirmed[segment], f"segment {segment} page at {start} lost its data"
-            assert page.replace(bytes([value]), b"").strip(b"\x00") == b"", f"segment {segment} page at {start} is garbage"
+            assert page.replace(bytes([value]), b"").strip(b"\x00") == b"", (
+                f"segment {segment} page at {start} is garbage"
+            )
             cut += 1
     return intact, cut
 

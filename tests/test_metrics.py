@@ -152,7 +152,8 @@ def test_the_page_passes_promtool(start_daemon, run_dir):
     daemon = start_daemon("--budget", "256MiB", "--metrics-addr", f"127.0.0.1:{port}", "--config", str(config))
     worker = daemon.connect(client_name="engine", tenant="team-a")
     ExtensibleTensor(16 * MiB, "cpu", client=worker).resize_(4 * MiB)
-    lint = subprocess.run(["promtool", "check", "metrics"], input=page(port), capture_output=True, text=True, timeout=60)
+    lint = subprocess.run(["promtool", "check", "metrics"], input=page(port),
+                          capture_output=True, text=True, timeout=60)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     worker.close()
 
@@ -164,7 +165,8 @@ def test_the_page_passes_promtool(start_daemon, run_dir):
 )
 def test_metrics_addr_must_be_host_and_port(run_dir, address, complaint):
     out = subprocess.run(
-        [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir), "--metrics-addr", address],
+        [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir),
+         "--metrics-addr", address],
         capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 2 and complaint in out.stderr and "Traceback" not in out.stderr
@@ -247,7 +249,8 @@ def test_config_reloads_show_in_metrics_and_in_hbmctl_status(start_daemon, run_d
     assert value(scrape(port), "hbmd_config_last_reload_success_timestamp_seconds") == loaded
     status = hbmctl("--run-dir", str(run_dir), "status").stdout
     [line] = [line for line in status.splitlines() if line.strip().startswith("config:")]
-    assert str(config) in line and "was refused, the config loaded before serves on" in line and "over the budget" in line
+    assert str(config) in line and "was refused, the config loaded before serves on" in line
+    assert "over the budget" in line
     [record] = json.loads(hbmctl("--run-dir", str(run_dir), "--json", "status").stdout)["instances"]
     assert record["config_loaded_at"] == loaded and record["config_reload_failed_at"] >= loaded
     assert "over the budget" in record["config_reload_error"]

@@ -169,7 +169,8 @@ def test_a_session_ends_with_its_worker_even_while_a_child_lives(daemon, client,
     worker.wait()
     client.free(buffer_id)
     assert client.status().committed_bytes == 0
-    # A forked child also held the worker's ZeroMQ connection (not a session): the daemon drops it once the child is gone.
+    # A forked child also held the worker's ZeroMQ connection (not a session): the daemon drops it once the child is
+    # gone.
     wait_until(lambda: daemon.open_fds() == fds_before, timeout=5)
     assert daemon.alive()
 
@@ -205,7 +206,7 @@ def test_a_stopped_daemon_that_does_not_come_back_is_a_lost_session_once_the_cli
     client.status()
     assert daemon.stop() == 0
     started = time.monotonic()
-    with pytest.raises(SessionLost, match="did not come back within 0.5s") as lost:
+    with pytest.raises(SessionLost, match=r"did not come back within 0\.5s") as lost:
         client.status()
     assert time.monotonic() - started < 1.5  # the listener began waiting when the daemon went
     assert lost.value.retryable and isinstance(lost.value, DaemonUnavailable)

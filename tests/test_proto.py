@@ -86,7 +86,9 @@ def test_unknown_fields_are_ignored_within_a_major():
 
 
 def test_a_hello_from_an_older_minor_without_later_fields_decodes():
-    old = msgpack.packb({"kind": "session.hello", "body": {"version": [1, 0], "pid": 7, "client_name": "w", "tenant": ""}})
+    old = msgpack.packb(
+        {"kind": "session.hello", "body": {"version": [1, 0], "pid": 7, "client_name": "w", "tenant": ""}}
+    )
     assert proto.decode_datagram(old) == proto.Hello([1, 0], 7, "w", "", observer=False)
 
 
@@ -169,8 +171,8 @@ def test_the_requests_are_the_ones_clients_send():
     # naming its reply) leaves a shipped client without an answer.
     assert {cls.KIND for cls in proto.requests()} == {
         "admin.status", "admin.sessions", "admin.buffers", "admin.reclaim", "buffer.create", "buffer.commit",
-        "buffer.commit_segments", "buffer.remap", "buffer.release", "buffer.free", "buffer.attach", "buffer.detach", "buffer.delete",
-        "buffer.redeclare",
+        "buffer.commit_segments", "buffer.remap", "buffer.release", "buffer.free", "buffer.attach", "buffer.detach",
+        "buffer.delete", "buffer.redeclare",
         "buffer.defragment", "buffer.seal",
         "buffer.finish_defragment", "buffer.move", "session.reclaim_done",
     }
@@ -179,12 +181,12 @@ def test_the_requests_are_the_ones_clients_send():
 def test_a_request_that_names_no_reply_is_refused_at_definition():
     with pytest.raises(TypeError, match="name the reply type"):
 
-        class NoReply(proto.Request):  # noqa: F841 - defining it is the test
+        class NoReply(proto.Request):  # defining it is the test
             pass
 
     with pytest.raises(TypeError, match="not a request"):
 
-        class RepliesWithARequest(proto.Request[proto.Status]):  # noqa: F841
+        class RepliesWithARequest(proto.Request[proto.Status]):
             pass
 
 

@@ -324,7 +324,9 @@ def test_what_was_declared_again_is_handed_over_to_a_successor_and_goes_on_there
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)
-def test_a_gpu_kv_cache_goes_on_after_a_restart_with_no_keeper_and_its_memory_is_freed_at_the_end(start_daemon, run_dir):
+def test_a_gpu_kv_cache_goes_on_after_a_restart_with_no_keeper_and_its_memory_is_freed_at_the_end(
+    start_daemon, run_dir
+):
     args = ("--device", "0", "--budget", "8GiB")
     daemon = start_daemon(*args, backend="cuda")
     torch.cuda.init()

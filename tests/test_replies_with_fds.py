@@ -29,7 +29,7 @@ class RawSession:
 
     def commit(self, buffer_id: int, size: int) -> tuple[proto.Committed, proto.FdBatch, list[int]]:
         reply, request_id = self.control.call_with_id(proto.Commit(buffer_id, size))
-        batch, fds = self.handles.receive_fds(request_id, float("inf"))
+        batch, fds = self.handles.inbox.receive_fds(request_id, float("inf"))
         return reply, batch, fds
 
     def control_socket_is_silent(self) -> bool:

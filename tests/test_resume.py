@@ -122,10 +122,10 @@ def test_only_the_process_that_opened_a_session_may_resume_it(restartable, spawn
         c = connect("cpu")
         kv = ExtensibleTensor(8 << 20, "cpu", client=c)
         kv.resize_(2 << 20)
-        print(c.session_id, c._credential, flush=True)
+        print(c.session_id, c._recovery.credential, flush=True)
         input()
         kv.resize_(4 << 20)
-        print(c.status().committed_bytes, c._credential, flush=True)
+        print(c.status().committed_bytes, c._recovery.credential, flush=True)
     """)
     session_id, credential = worker.readline().split()
     os.kill(worker.proc.pid, signal.SIGSTOP)  # so that the thief comes first

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.ipc
 PATTERN_SEED = 18
 
 
-def pattern(size: int) -> "torch.Tensor":
+def pattern(size: int) -> torch.Tensor:
     return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(PATTERN_SEED))
 
 
@@ -38,7 +38,8 @@ from hbmd.client import ExtensibleTensor, connect
 c = connect("cpu", client_name="writer", tenant="loader")
 w = ExtensibleTensor(16 << 20, "cpu", client=c, name="weights", persistent=True)
 w.resize_(6 << 20)
-w.full_view()[: 6 << 20] = torch.randint(0, 256, (6 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(18))
+w.full_view()[: 6 << 20] = torch.randint(0, 256, (6 << 20,), dtype=torch.uint8,
+                                         generator=torch.Generator().manual_seed(18))
 w.seal()
 print(w.buffer_id, c.session_id, flush=True)
 sys.stdin.readline()
@@ -71,7 +72,7 @@ def info(client, buffer_id):
 
 
 def test_two_processes_read_a_sealed_buffer_at_once_and_see_the_same_bytes(daemon, client, spawn_worker):
-    writer, buffer_id, _ = sealed_writer(daemon, spawn_worker)
+    _writer, buffer_id, _ = sealed_writer(daemon, spawn_worker)
     readers = [spawn_worker(daemon, READER) for _ in range(2)]
     lines = [r.readline().split() for r in readers]
     written = pattern(6 * MiB)
@@ -99,7 +100,7 @@ def test_two_processes_read_a_sealed_buffer_at_once_and_see_the_same_bytes(daemo
 
 
 def test_a_write_through_a_read_only_mapping_faults_and_hurts_nobody_else(daemon, client, spawn_worker):
-    writer, buffer_id, _ = sealed_writer(daemon, spawn_worker)
+    _writer, buffer_id, _ = sealed_writer(daemon, spawn_worker)
     vandal = spawn_worker(daemon, READER)
     vandal_session = int(vandal.readline().split()[0])
     w = ExtensibleTensor.attach("weights", "cpu", client=client, readonly=True)
@@ -137,7 +138,9 @@ def test_a_sealed_buffer_refuses_every_change(daemon, client):
 
     # A reader may not change it either, nor drop it.
     reader = ExtensibleTensor.attach("weights", "cpu", client=client, readonly=True)
-    for refused in (lambda: reader.resize_(8 * MiB), reader.release_physical, reader.defragment, reader.zero_, reader.seal):
+    for refused in (
+        lambda: reader.resize_(8 * MiB), reader.release_physical, reader.defragment, reader.zero_, reader.seal
+    ):
         with pytest.raises(ValueError, match="read-only attach"):
             refused()
     reader.free()  # lets go of the read claim, not of the buffer
@@ -163,7 +166,7 @@ def test_only_a_sealed_persistent_buffer_is_read_only_attached_or_sealed(daemon,
 
 
 def test_deleting_a_sealed_buffer_waits_for_its_readers(daemon, client, spawn_worker):
-    writer, buffer_id, _ = sealed_writer(daemon, spawn_worker)
+    writer, _buffer_id, _ = sealed_writer(daemon, spawn_worker)
     writer.send("done")
     assert writer.wait() == 0
     reader = spawn_worker(daemon, READER)
@@ -228,7 +231,7 @@ def test_a_release_the_daemon_refuses_maps_the_tensor_back(daemon, client, monke
 
 def test_the_budget_counts_a_sealed_buffer_once_to_its_writers_tenant(start_daemon, spawn_worker):
     daemon = start_daemon("--budget", "10MiB")
-    writer, buffer_id, writer_session = sealed_writer(daemon, spawn_worker)
+    _writer, _buffer_id, writer_session = sealed_writer(daemon, spawn_worker)
     readers = [spawn_worker(daemon, READER) for _ in range(3)]
     reader_sessions = [int(r.readline().split()[0]) for r in readers]
     with daemon.connect(tenant="engine") as client:
@@ -246,7 +249,7 @@ def test_the_budget_counts_a_sealed_buffer_once_to_its_writers_tenant(start_daem
 
 
 def test_the_writers_end_leaves_the_sealed_buffer_to_its_readers(daemon, client, spawn_worker):
-    writer, buffer_id, writer_session = sealed_writer(daemon, spawn_worker)
+    writer, buffer_id, _writer_session = sealed_writer(daemon, spawn_worker)
     w = ExtensibleTensor.attach("weights", "cpu", client=client, readonly=True)
     writer.kill()
     wait_until(lambda: info(client, buffer_id).session_id == 0)

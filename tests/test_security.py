@@ -314,7 +314,8 @@ def test_a_session_that_never_reads_its_fds_is_held_and_refused_more_while_other
             asked += 64
             if asked % (64 * 64) == 0:
                 honest.resize_(honest.num_bytes + 2 * MiB)  # a session of the same uid still gets its FDs
-    assert refused.value.retryable and 64 * MAX_QUEUED_BATCHES < asked <= 64 * MAX_QUEUED_BATCHES + MAX_FDS_IN_FLIGHT + 64
+    assert refused.value.retryable
+    assert 64 * MAX_QUEUED_BATCHES < asked <= 64 * MAX_QUEUED_BATCHES + MAX_FDS_IN_FLIGHT + 64
     # Every request that delivers chunks is refused alike: the repair of a failed map (Remap) and a commit too.
     for request in (proto.Remap(buffer.buffer_id), proto.Commit(buffer.buffer_id, 4 * MiB)):
         with pytest.raises(HbmdError, match="wait unread on this session's handle socket"):
@@ -376,7 +377,7 @@ def test_a_hello_refused_for_too_many_sessions_leaves_no_tenant_behind(start_dae
         daemon.connect(tenant="never-seen")
     assert "never-seen" not in [t.name for t in first.status().tenants]
     second.close()
-    with daemon.connect(tenant="now-seen") as third:
+    with daemon.connect(tenant="now-seen"):
         assert "now-seen" in [t.name for t in first.status().tenants]
     wait_until(lambda: "now-seen" not in [t.name for t in first.status().tenants])
     first.close()
@@ -418,7 +419,9 @@ print(t.num_chunks, min(int(t.segment_view(i).float().mean()) for i in range(8))
 """
 
 
-def test_sessions_that_never_read_cannot_starve_another_uid_of_fds_in_flight(nobody_can_run_python, start_daemon, run_dir):
+def test_sessions_that_never_read_cannot_starve_another_uid_of_fds_in_flight(
+    nobody_can_run_python, start_daemon, run_dir
+):
     os.chown(run_dir, NOBODY, NOBODY)
     daemon = start_daemon("--budget", "2GiB", command=as_nobody_with_fds(1024))
     client = daemon.connect()
@@ -556,7 +559,8 @@ def full_state_dir(run_dir):
     as_root_only("mounting a small filesystem")
     state_dir = run_dir / "state"
     state_dir.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(state_dir)], capture_output=True).returncode:
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(state_dir)]
+    if subprocess.run(mount, capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     filler = state_dir / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
@@ -704,7 +708,9 @@ print(json.dumps(out), flush=True)
 """
 
 
-def test_a_user_sees_only_its_own_tenants_and_cannot_tell_others_buffer_ids(nobody_can_run_python, start_daemon, run_dir):
+def test_a_user_sees_only_its_own_tenants_and_cannot_tell_others_buffer_ids(
+    nobody_can_run_python, start_daemon, run_dir
+):
     daemon = start_daemon("--budget", "256MiB", "--group", "nogroup")
     with daemon.connect(tenant="secret-team") as root:
         fds_before = settled_fds(daemon, root)

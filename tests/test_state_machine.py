@@ -3,8 +3,8 @@
 A hypothesis state machine drives :class:`State` as sessions would (open,
 create, commit, release, defragment both ways, finish, attach, detach, delete,
 free, close, seal, read-only attach and its detach, leases topped up, placed,
-returned and asked back, buffers declared again by clients after a restart with no keeper) over a backend that fails on demand in ``create`` and ``export``,
-and checks :meth:`State.check_invariants` after every step, plus two promises of
+returned and asked back, buffers declared again by clients after a restart with no keeper) over a backend that fails on
+demand in ``create`` and ``export``, and checks :meth:`State.check_invariants` after every step, plus two promises of
 its own: a refused request changes nothing, and no chunk the backend made is
 leaked or released twice.
 """
@@ -17,8 +17,8 @@ import itertools
 import pytest
 from hbmd.daemon.config import Config, ConfigError, TenantLimits
 from hbmd.daemon.state import Chunk, State
-from hbmd.proto.runs import backed_runs, new_runs, prefix_offsets
 from hbmd.proto.errors import HbmdError, InternalError, OutOfDeviceMemory
+from hbmd.proto.runs import backed_runs, new_runs, prefix_offsets
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -142,14 +142,17 @@ class StateMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(sorted(owned, key=lambda b: b.buffer_id)))
 
     def attempt(self, call, *args) -> None:
-        """Run one request; a refusal must change nothing (a discarding defragment has dropped its old pages first, by design)."""
+        """Run one request; a refusal must change nothing (a discarding defragment has dropped its old pages first, by
+        design)."""
         before = snapshot(self.state)
         try:
             call(*args)
         except HbmdError as exc:
             assert not isinstance(exc, InternalError), exc
             if not (call == self.state.defragment and not args[2]):
-                assert snapshot(self.state) == before, f"{call.__name__}{args[1:]} refused ({exc}) but changed the state"
+                assert snapshot(self.state) == before, (
+                    f"{call.__name__}{args[1:]} refused ({exc}) but changed the state"
+                )
 
     # rules
 
@@ -222,7 +225,8 @@ class StateMachine(RuleBasedStateMachine):
         # Mostly a buffer with something committed in the other tier, and its client mostly done with the copy at once.
         committed = sorted((b for b in self.state.buffers.values() if b.owner and b.chunks and b.tier != tier),
                            key=lambda b: b.buffer_id)
-        buffer = data.draw(st.sampled_from(committed)) if committed and data.draw(st.integers(0, 3)) else self.owned(data)
+        buffer = (data.draw(st.sampled_from(committed)) if committed and data.draw(st.integers(0, 3))
+                  else self.owned(data))
         self.backend.fail_create_in = fail_after
         self.attempt(self.state.move, buffer.owner, buffer.buffer_id, tier)
         self.backend.fail_create_in = None
@@ -270,7 +274,8 @@ class StateMachine(RuleBasedStateMachine):
         readable = [(b, s) for b in self.state.buffers.values() if b.sealed
                     for s in self.state.sessions.values() if s.uid == b.owner_uid]
         if readable and data.draw(st.integers(0, 3)):
-            buffer, session = data.draw(st.sampled_from(sorted(readable, key=lambda p: (p[0].buffer_id, p[1].session_id))))
+            ordered = sorted(readable, key=lambda p: (p[0].buffer_id, p[1].session_id))
+            buffer, session = data.draw(st.sampled_from(ordered))
         else:
             session = self.session(data)
             buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
@@ -287,7 +292,8 @@ class StateMachine(RuleBasedStateMachine):
     @rule(data=st.data(), granules=st.integers(1, 3), fail_after=st.none() | st.integers(0, 2))
     def top_up_lease(self, data, granules, fail_after):
         session = self.session(data)
-        self.state.leases.note_demand(session, [Chunk(0, 0, GRANULE, 0)] * granules)  # a commit of that many granule runs
+        # A commit of that many granule runs.
+        self.state.leases.note_demand(session, [Chunk(0, 0, GRANULE, 0)] * granules)
         self.backend.fail_create_in = fail_after
         self.state.top_up_lease(session)
         self.backend.fail_create_in = None
@@ -298,21 +304,24 @@ class StateMachine(RuleBasedStateMachine):
         """What a client sends after mapping leased granules: mostly the right ones, sometimes anything."""
         buffer = self.owned(data)
         session = buffer.owner
-        sizes = [old + int((capacity - old) * fraction) for old, capacity in zip(buffer.segment_sizes, buffer.segment_capacities)]
+        sizes = [old + int((capacity - old) * fraction)
+                 for old, capacity in zip(buffer.segment_sizes, buffer.segment_capacities)]
         runs = new_runs(buffer.segment_offsets, buffer.segment_sizes, sizes, GRANULE)
         offsets = [start for begin, end in runs for start in range(begin, end, GRANULE)]
         chunk_ids = sorted(session.lease)[: len(offsets)]
         if not honest:
             offsets = data.draw(st.lists(st.integers(-1, 16).map(lambda g: g * GRANULE), max_size=4))
             chunk_ids = data.draw(st.lists(st.integers(0, 200), min_size=len(offsets), max_size=len(offsets)))
-            sizes = data.draw(st.lists(st.integers(-1, 8 * GRANULE), min_size=buffer.num_segments, max_size=buffer.num_segments))
+            sizes = data.draw(st.lists(st.integers(-1, 8 * GRANULE),
+                                       min_size=buffer.num_segments, max_size=buffer.num_segments))
         self.attempt(self.state.place, session, buffer.buffer_id, sizes, chunk_ids, offsets)
 
     @precondition(lambda self: any(s.lease for s in self.state.sessions.values()))
     @rule(data=st.data())
     def return_lease(self, data):
-        session = data.draw(st.sampled_from(sorted((s for s in self.state.sessions.values() if s.lease), key=lambda s: s.session_id)))
-        returned = data.draw(st.lists(st.sampled_from(sorted(session.lease) + [0, 10**9]), max_size=4))
+        leased = sorted((s for s in self.state.sessions.values() if s.lease), key=lambda s: s.session_id)
+        session = data.draw(st.sampled_from(leased))
+        returned = data.draw(st.lists(st.sampled_from([*sorted(session.lease), 0, 10**9]), max_size=4))
         self.state.return_lease(session, returned)
 
     @precondition(lambda self: self.state.sessions)
@@ -333,12 +342,13 @@ class StateMachine(RuleBasedStateMachine):
         chunks = [(start, GRANULE) for begin, end in runs for start in range(begin, end, GRANULE)] if split else [
             (start, end - start) for start, end in runs]
         if not honest:
-            chunks = chunks[1:] + [(sum(capacities) // GRANULE * GRANULE, GRANULE)]
+            chunks = [*chunks[1:], (sum(capacities) // GRANULE * GRANULE, GRANULE)]
         named = sorted(b.name for b in self.state.buffers.values() if b.persistent and b.owner_uid == session.uid)
-        name = "" if kind == "anonymous" else data.draw(st.sampled_from(named + [f"b{next(self.names)}"]))
+        name = "" if kind == "anonymous" else data.draw(st.sampled_from([*named, f"b{next(self.names)}"]))
         previous = data.draw(st.sampled_from([0, *sorted(self.state.buffers)[:3], 10_000]))
-        self.attempt(self.state.redeclare, session, previous, capacities, sizes, chunks, name, kind != "anonymous", False,
-                     kind == "reader" or data.draw(st.booleans()) and kind == "persistent", kind == "reader")
+        self.attempt(self.state.redeclare, session, previous, capacities, sizes, chunks, name,
+                     kind != "anonymous", False,
+                     kind == "reader" or (data.draw(st.booleans()) and kind == "persistent"), kind == "reader")
 
     @invariant()
     def a_sealed_buffer_stays_as_sealed(self):
@@ -351,7 +361,9 @@ class StateMachine(RuleBasedStateMachine):
                 assert (list(buffer.segment_sizes), [c.chunk_id for c in buffer.chunks]) == frozen
         for buffer in self.state.buffers.values():
             if buffer.sealed:
-                self.frozen.setdefault(buffer.buffer_id, (list(buffer.segment_sizes), [c.chunk_id for c in buffer.chunks]))
+                self.frozen.setdefault(
+                    buffer.buffer_id, (list(buffer.segment_sizes), [c.chunk_id for c in buffer.chunks])
+                )
 
     @rule(config=st.sampled_from(CONFIGS))
     def reconfigure(self, config):

@@ -93,7 +93,7 @@ def fork(children: list[int], body: Callable[[], str]) -> tuple[int, int]:
             os.close(read_end)
             outcome = body()
             status = 0
-        except BaseException as exc:  # noqa: BLE001 - a forked child reports any failure, never returns into pytest
+        except BaseException as exc:  # a forked child reports any failure, never returns into pytest
             outcome = f"{type(exc).__name__}: {exc}"
         finally:
             os.write(write_end, outcome.encode())

@@ -31,7 +31,7 @@ class FlakyMapper(HostMapper):
         self.fail_map: set[int] = set()
         self.reserves = self.maps = 0
 
-    def arm(self, *, reserve: set[int] = frozenset(), map: set[int] = frozenset()) -> None:  # noqa: A002
+    def arm(self, *, reserve: set[int] = frozenset(), map: set[int] = frozenset()) -> None:
         self.fail_reserve, self.fail_map = set(reserve), set(map)
         self.reserves = self.maps = 0
 

@@ -130,7 +130,7 @@ def test_a_client_of_protocol_1_0_is_refused_an_uneven_buffer(daemon, client, mo
     client.close()
     monkeypatch.setattr(client_session, "PROTOCOL_VERSION", (1, 0))
     old = daemon.connect()
-    with pytest.raises(VersionMismatch, match="protocol 1.1"):
+    with pytest.raises(VersionMismatch, match=r"protocol 1\.1"):
         ExtensibleTensor.attach("kv-new", "cpu", client=old)
     assert [b.session_id for b in old.buffers()] == [0]  # still an orphan
 

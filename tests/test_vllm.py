@@ -175,7 +175,8 @@ def test_with_sleep_keep_vllms_kv_cache_sleeps_in_host_memory_and_wakes_with_its
     kv.commit(300)
     blocks = [kv.buffer.segment_view(s)[: 300 * kv.segment_strides[s]] for s in range(kv.buffer.num_segments)]
     for segment, view in enumerate(blocks):
-        view.copy_(torch.randint(0, 255, view.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(segment)))
+        view.copy_(torch.randint(0, 255, view.shape, dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(segment)))
     written = [view.clone() for view in blocks]
     observer = daemon.connect(observer=True)
 

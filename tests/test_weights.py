@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.ipc
 
 
-def model(seed: int = 7) -> dict[str, "torch.Tensor"]:
+def model(seed: int = 7) -> dict[str, torch.Tensor]:
     """A small state dict of every kind a checkpoint holds: several dtypes, a 0-d, an empty, a transposed and a sliced
     tensor."""
     g = torch.Generator().manual_seed(seed)
@@ -69,7 +69,7 @@ sys.stdin.readline()
 
 def stored_by_a_worker(daemon, spawn_worker, request):
     worker = spawn_worker(daemon, STORE.format(tests=str(request.path.parent)))
-    buffer_id, session_id = map(int, worker.readline().split())
+    buffer_id, _session_id = map(int, worker.readline().split())
     return worker, buffer_id
 
 
@@ -122,7 +122,7 @@ def test_what_the_storer_records_comes_back_with_the_tensors(client):
 def test_strides_that_reach_outside_a_tensors_bytes_are_refused(client):
     stored = store_weights({"w": torch.randn(8, 4).t()}, "forged", "cpu", client=client)
     view = stored.full_view()
-    magic, length = HEADER.unpack(bytes(view[: HEADER.size].tolist()))
+    _magic, length = HEADER.unpack(bytes(view[: HEADER.size].tolist()))
     manifest = json.loads(bytes(view[HEADER.size : HEADER.size + length].tolist()))
     assert manifest["tensors"][0]["stride"] == [1, 4]
     stored.free()

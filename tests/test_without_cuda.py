@@ -54,7 +54,8 @@ def test_asking_for_cuda_without_the_bindings_is_a_clear_error(run_dir):
 
 def test_a_gpu_client_without_the_bindings_is_told_what_to_install_and_of_the_host_instance(start_daemon, run_dir):
     start_daemon("--budget", "64MiB")
-    code = "import sys; sys.modules['cuda'] = None\nfrom hbmd.client import connect\nconnect('cuda:0', run_dir=sys.argv[1])"
+    code = ("import sys; sys.modules['cuda'] = None\nfrom hbmd.client import connect\n"
+            "connect('cuda:0', run_dir=sys.argv[1])")
     out = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True, timeout=60)
     message = out.stderr.strip().splitlines()[-1]
     assert message.startswith("hbmd.driver.CudaUnavailable: cuda-bindings is not installed"), out.stderr
@@ -72,7 +73,8 @@ def test_a_gpu_client_without_the_bindings_is_told_what_to_install_and_of_the_ho
          "pip install 'hbmd[cuda12]' (this node's driver is R535"),
         ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02  Thu May  2 14:37:44 UTC 2024",
          "driver R470 is older than any cuda-bindings hbmd takes"),
-        (None, "'hbmd[cuda13]' for R580 and newer, 'hbmd[cuda12]' for R525 and newer (no NVIDIA driver is loaded here)"),
+        (None,
+         "'hbmd[cuda13]' for R580 and newer, 'hbmd[cuda12]' for R525 and newer (no NVIDIA driver is loaded here)"),
     ],
 )
 def test_the_extra_to_install_follows_the_nodes_driver(tmp_path, version, advice):

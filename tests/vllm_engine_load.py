@@ -36,8 +36,8 @@ torch.accelerator.current_device_index = lambda: 0
 
 from hbmd.client.tensor import ExtensibleTensor  # noqa: E402
 from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.logger import configure_logging  # noqa: E402
 from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.logger import configure_logging  # noqa: E402
 from vllm.model_executor.model_loader import get_model_loader, weight_utils  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 

@@ -10,7 +10,7 @@ restart needs on top.
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 from hbmd.proto import TIER_DEVICE
 
@@ -53,7 +53,8 @@ class Backend(Protocol[A, C]):
 
     def accept(self, arena: A, size: int, fd: int) -> C:
         """Take a chunk of ``size`` bytes a client made (within its credit) from its FD, which the caller closes: kept
-        as this backend's own once shown to be its kind of memory, of exactly that size; ``InvalidRequest`` otherwise."""
+        as this backend's own once shown to be its kind of memory, of exactly that size; ``InvalidRequest``
+        otherwise."""
         ...
 
     def release(self, arena: A, chunk: C) -> None:
@@ -99,3 +100,9 @@ class ParkableBackend(Backend[A, C], Protocol[A, C]):
     def adopt(self, arena: A, offset: int, size: int, fd: int) -> C:
         """Rebuild a chunk handle after a restart from its parked FD (which the caller closes)."""
         ...
+
+
+def parkable(backend: Backend[A, C]) -> ParkableBackend[A, C]:
+    """``backend`` as a restart needs it: both of hbmd's backends, host and CUDA, are parkable, and only they are
+    journaled (``daemon/main.py`` wires the persistence)."""
+    return cast("ParkableBackend[A, C]", backend)

@@ -37,8 +37,8 @@ import errno
 import os
 import threading
 
-from hbmd.proto import TIER_DEVICE, TIER_HOST
 from hbmd import memfd
+from hbmd.proto import TIER_DEVICE, TIER_HOST
 from hbmd.proto.errors import InternalError, InvalidRequest, OutOfDeviceMemory
 
 from .. import fds
@@ -58,7 +58,8 @@ _libc.fallocate.restype = ctypes.c_int
 
 
 def punch_out(fd: int, size: int) -> None:
-    """Free the pages of ``[0, size)`` of a memfd (``fallocate`` with ``FALLOC_FL_PUNCH_HOLE``); ``OSError`` on failure."""
+    """Free the pages of ``[0, size)`` of a memfd (``fallocate`` with ``FALLOC_FL_PUNCH_HOLE``); ``OSError`` on
+    failure."""
     if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
@@ -123,7 +124,8 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
     granularity = GRANULE
 
     def __init__(self, host_pool_bytes: int = 0, host_piece: int = HOST_PIECE) -> None:
-        """``host_pool_bytes``: host-tier pieces of ``host_piece`` bytes kept made ahead of demotes (see ``pool.py``)."""
+        """``host_pool_bytes``: host-tier pieces of ``host_piece`` bytes kept made ahead of demotes (see
+        ``pool.py``)."""
         self.total_bytes = host_memory_bytes()
         self._open_chunks = 0
         self._counting = threading.Lock()
@@ -180,8 +182,8 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
                 self._open_chunks -= 1
 
     def idle(self, host_room: int, moving: bool) -> bool:
-        """Tell the host pool's thread the room ``host_room`` leaves it, to fill or trim the pool to; nothing is left for
-        the daemon's loop."""
+        """Tell the host pool's thread the room ``host_room`` leaves it, to fill or trim the pool to; nothing is left
+        for the daemon's loop."""
         self._host_pool.idle(host_room, moving)
         return False
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Generic
+from collections.abc import Callable
+from typing import Generic
 
 from hbmd.proto.errors import HbmdError
 
@@ -112,9 +113,9 @@ class HostPool(Generic[C]):
                 self._changed.notify()
 
     def _next(self) -> C | None:
-        """Wait for work while no move is in flight or just ended: a chunk to release, or None for a piece to make. Where
-        more than ``target`` bytes wait to be released, one goes at once, move or not: moves one after another would
-        otherwise keep ever more memory pinned past the host budget."""
+        """Wait for work while no move is in flight or just ended: a chunk to release, or None for a piece to make.
+        Where more than ``target`` bytes wait to be released, one goes at once, move or not: moves one after another
+        would otherwise keep ever more memory pinned past the host budget."""
         with self._changed:
             while not self._closing:
                 if self._unwanted_bytes > self.target:

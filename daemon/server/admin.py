@@ -41,7 +41,7 @@ class AdminRequests(RequestRoom[A, C]):
     def status(self, conn: HandleConnection[A, C], request_id: int, msg: Status) -> StatusReply:
         """The instance, its budget and use, and the tenants the asking session may see."""
         state, backend = self.state, self.state.backend
-        me = conn.session
+        me = conn.opened_session
         # Limited tenants first, then the largest: what a capped list must not lose.
         tenants = sorted(
             state.tenant_infos(None if me.admin else me.uid),
@@ -83,13 +83,13 @@ class AdminRequests(RequestRoom[A, C]):
     @handles(ListSessions)
     def list_sessions(self, conn: HandleConnection[A, C], request_id: int, msg: ListSessions) -> SessionList:
         """The worker sessions the asking session may see."""
-        me = conn.session
+        me = conn.opened_session
         return SessionList([self.state.session_info(s) for s in self.state.workers if me.admin or s.uid == me.uid])
 
     @handles(ListBuffers)
     def list_buffers(self, conn: HandleConnection[A, C], request_id: int, msg: ListBuffers) -> BufferList:
         """Every buffer, or one session's, that the asking session may see."""
-        me = conn.session
+        me = conn.opened_session
         if msg.session_id == -1:
             buffers = self.state.buffers.values()
         else:
@@ -99,8 +99,8 @@ class AdminRequests(RequestRoom[A, C]):
     @handles(Reclaim)
     def reclaim(self, conn: HandleConnection[A, C], request_id: int, msg: Reclaim) -> ReclaimSent:
         """Ask a session to release memory; the loop sends the request on its handle socket (``SessionNotices``)."""
-        target = self._visible_session(conn.session, msg.session_id)
-        reason = f"asked by session {conn.session.session_id} (uid {conn.uid})"
+        target = self._visible_session(conn.opened_session, msg.session_id)
+        reason = f"asked by session {conn.opened_session.session_id} (uid {conn.uid})"
         reclaim = self.state.request_reclaim(target, msg.bytes, reason)
         log.info("asked session %d (pid %d) to release %s", target.session_id, target.pid, format_bytes(msg.bytes))
         return ReclaimSent(reclaim.reclaim_id, target.session_id, target.pid)

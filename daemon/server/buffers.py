@@ -50,24 +50,25 @@ class BufferRequests(RequestRoom[A, C]):
     def create_buffer(self, conn: HandleConnection[A, C], request_id: int, msg: CreateBuffer) -> BufferCreated:
         """Reserve a buffer; nothing is committed yet."""
         buffer = self.state.create_buffer(
-            conn.session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
+            conn.opened_session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
             msg.segment_capacities,
         )
         return BufferCreated(buffer.info())
 
     @handles(Commit, CommitSegments)
     def commit(self, conn: HandleConnection[A, C], request_id: int, msg: Commit | CommitSegments) -> Committed:
-        """Grow the segments' committed prefixes, all to one size (``Commit``) or each to its own (``CommitSegments``)."""
+        """Grow the segments' committed prefixes, all to one size (``Commit``) or each to its own
+        (``CommitSegments``)."""
         self.plane.outbox.check_reading(conn)
         sizes = msg.bytes_per_segment if isinstance(msg, Commit) else msg.sizes
-        chunks = self.state.commit(conn.session, msg.buffer_id, sizes)
+        chunks = self.state.commit(conn.opened_session, msg.buffer_id, sizes)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
     @handles(Remap)
     def remap(self, conn: HandleConnection[A, C], request_id: int, msg: Remap) -> Committed:
         """Send every chunk of the buffer again, for a client whose mapping failed midway."""
         self.plane.outbox.check_reading(conn)
-        buffer = self.state.remappable(conn.session, msg.buffer_id)
+        buffer = self.state.remappable(conn.opened_session, msg.buffer_id)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
     @handles(Attach)
@@ -76,15 +77,18 @@ class BufferRequests(RequestRoom[A, C]):
         self.plane.outbox.check_reading(conn)
         uneven_ok = conn.protocol_minor >= 1
         if msg.readonly:
-            buffer = self.state.attach_reader(conn.session, msg.name, uneven_ok=uneven_ok)
+            buffer = self.state.attach_reader(conn.opened_session, msg.name, uneven_ok=uneven_ok)
             log.info(
-                "session %d reads sealed buffer %r (%d readers)", conn.session.session_id, msg.name, len(buffer.readers)
+                "session %d reads sealed buffer %r (%d readers)",
+                conn.opened_session.session_id, msg.name, len(buffer.readers),
             )
         else:
-            buffer = self.plane.unless_holder_exited(lambda: self.state.attach(conn.session, msg.name, uneven_ok=uneven_ok))
+            buffer = self.plane.unless_holder_exited(
+                lambda: self.state.attach(conn.opened_session, msg.name, uneven_ok=uneven_ok)
+            )
             log.info(
                 "session %d attached persistent buffer %r (%s)",
-                conn.session.session_id, msg.name, format_bytes(buffer.physical_bytes),
+                conn.opened_session.session_id, msg.name, format_bytes(buffer.physical_bytes),
             )
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
@@ -92,12 +96,12 @@ class BufferRequests(RequestRoom[A, C]):
     def redeclare(self, conn: HandleConnection[A, C], request_id: int, msg: Redeclare) -> BufferCreated:
         """Record a buffer the client still maps after a restart with no keeper; its memory counts from now on."""
         buffer = self.state.redeclare(
-            conn.session, msg.buffer_id, msg.segment_capacities, msg.segment_sizes,
+            conn.opened_session, msg.buffer_id, msg.segment_capacities, msg.segment_sizes,
             [(c.offset, c.size) for c in msg.chunks],
             msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly, msg.tier,
         )
         log.info("session %d declared again %s buffer %d%s: %d bytes its process still maps",
-                 conn.session.session_id, "a read claim on" if msg.readonly else "its",
+                 conn.opened_session.session_id, "a read claim on" if msg.readonly else "its",
                  buffer.buffer_id, f" {buffer.name!r}" if buffer.name else "", buffer.physical_bytes)
         return BufferCreated(buffer.info())
 
@@ -105,43 +109,44 @@ class BufferRequests(RequestRoom[A, C]):
     def defragment(self, conn: HandleConnection[A, C], request_id: int, msg: Defragment) -> Committed:
         """Re-back each committed run with one new chunk; the old ones go at once or, preserving, at the finish."""
         self.plane.outbox.check_reading(conn)
-        chunks = self.state.defragment(conn.session, msg.buffer_id, msg.preserve)
+        chunks = self.state.defragment(conn.opened_session, msg.buffer_id, msg.preserve)
         return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
 
     @handles(FinishDefragment)
     def finish_defragment(self, conn: HandleConnection[A, C], request_id: int, msg: FinishDefragment) -> Released:
         """Drop the old chunks of a preserving defragment (or the new ones, if the client gave up)."""
-        freed = self.state.finish_defragment(conn.session, msg.buffer_id, msg.keep_new)
+        freed = self.state.finish_defragment(conn.opened_session, msg.buffer_id, msg.keep_new)
         return Released(self.state.buffers[msg.buffer_id].info(), freed)
 
     @handles(Move)
     def move(self, conn: HandleConnection[A, C], request_id: int, msg: Move) -> Committed:
         """Make the buffer's chunks in the other tier, beside the old ones; the finish drops the old ones."""
         self.plane.outbox.check_reading(conn)
-        chunks = self.state.move(conn.session, msg.buffer_id, msg.tier)
+        chunks = self.state.move(conn.opened_session, msg.buffer_id, msg.tier)
         buffer = self.state.buffers[msg.buffer_id]
         if chunks:
-            log.info("session %d moves buffer %d (%s) to the %s tier", conn.session.session_id, buffer.buffer_id,
+            log.info("session %d moves buffer %d (%s) to the %s tier", conn.opened_session.session_id, buffer.buffer_id,
                      format_bytes(buffer.pending_bytes), msg.tier)
         return self._deliver(conn, request_id, buffer, chunks)
 
     @handles(Release)
     def release(self, conn: HandleConnection[A, C], request_id: int, msg: Release) -> Released:
         """Drop every chunk of the buffer and keep its reservation."""
-        freed = self.state.release(conn.session, msg.buffer_id)
+        freed = self.state.release(conn.opened_session, msg.buffer_id)
         return Released(self.state.buffers[msg.buffer_id].info(), freed)
 
     @handles(Free)
     def free(self, conn: HandleConnection[A, C], request_id: int, msg: Free) -> Freed:
         """Drop the buffer entirely."""
-        return Freed(msg.buffer_id, self.plane.unless_holder_exited(lambda: self.state.free(conn.session, msg.buffer_id)))
+        freed = self.plane.unless_holder_exited(lambda: self.state.free(conn.opened_session, msg.buffer_id))
+        return Freed(msg.buffer_id, freed)
 
     @handles(Seal)
     def seal(self, conn: HandleConnection[A, C], request_id: int, msg: Seal) -> Sealed:
         """Make a persistent buffer immutable, so sessions of its user may read it side by side."""
-        buffer = self.state.seal(conn.session, msg.buffer_id)
+        buffer = self.state.seal(conn.opened_session, msg.buffer_id)
         log.info(
-            "session %d sealed persistent buffer %r (%s)", conn.session.session_id, buffer.name,
+            "session %d sealed persistent buffer %r (%s)", conn.opened_session.session_id, buffer.name,
             format_bytes(buffer.physical_bytes),
         )
         return Sealed(buffer.info())
@@ -150,22 +155,25 @@ class BufferRequests(RequestRoom[A, C]):
     def detach(self, conn: HandleConnection[A, C], request_id: int, msg: Detach) -> Detached:
         """Let go of a persistent buffer, which stays as an orphan, or drop one read claim (``readonly``)."""
         if msg.readonly:
-            return Detached(self.state.detach_reader(conn.session, msg.buffer_id).info(), 0)
-        buffer = self.state.buffer_of(conn.session, msg.buffer_id)
-        freed = self.state.detach(conn.session, msg.buffer_id)
+            return Detached(self.state.detach_reader(conn.opened_session, msg.buffer_id).info(), 0)
+        buffer = self.state.buffer_of(conn.opened_session, msg.buffer_id)
+        freed = self.state.detach(conn.opened_session, msg.buffer_id)
         log.info(
             "session %d detached persistent buffer %r (%s)",
-            conn.session.session_id, buffer.name, format_bytes(buffer.physical_bytes),
+            conn.opened_session.session_id, buffer.name, format_bytes(buffer.physical_bytes),
         )
         return Detached(buffer.info(), freed)
 
     @handles(Delete)
     def delete(self, conn: HandleConnection[A, C], request_id: int, msg: Delete) -> Freed:
         """Free an orphaned persistent buffer by name: this user's, or for an admin anyone's."""
-        buffer_id, freed = self.plane.unless_holder_exited(lambda: self.state.delete(conn.session, msg.name, msg.owner_uid))
+        buffer_id, freed = self.plane.unless_holder_exited(
+            lambda: self.state.delete(conn.opened_session, msg.name, msg.owner_uid)
+        )
         owner = conn.uid if msg.owner_uid == -1 else msg.owner_uid
         log.info(
-            "session %d (uid %d) deleted persistent buffer %r of uid %d", conn.session.session_id, conn.uid, msg.name, owner
+            "session %d (uid %d) deleted persistent buffer %r of uid %d",
+            conn.opened_session.session_id, conn.uid, msg.name, owner,
         )
         return Freed(buffer_id, freed)
 
@@ -173,7 +181,7 @@ class BufferRequests(RequestRoom[A, C]):
         """The chunks of the session's answered request ``request_id`` once more, its reply having been lost with the
         daemon before a restart."""
         self.plane.outbox.check_reading(conn)
-        buffer = self.state.buffer_of(conn.session, answer.buffer_id)
+        buffer = self.state.buffer_of(conn.opened_session, answer.buffer_id)
         by_id = {c.chunk_id: c for c in (*buffer.chunks, *buffer.pending)}
         return self._deliver(conn, request_id, buffer, [by_id[c] for c in answer.chunk_ids if c in by_id])
 

@@ -47,6 +47,12 @@ class HandleConnection(Generic[A, C]):
     exited_at: float | None = None
     """When the loop saw the peer's process exit with datagrams still to read (``HandlePlane``), else None."""
 
+    @property
+    def opened_session(self) -> Session:
+        """The session its hello opened, for what comes only after the hello: requests, datagrams, the daemon's asks."""
+        assert self.session is not None, f"pid {self.pid} has not said hello"
+        return self.session
+
     def send_quietly(self, msg: Message) -> bool:
         """Send one datagram without FDs; a peer that is gone or not reading just misses it (False)."""
         try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import msgpack
 import zmq
@@ -131,13 +131,16 @@ class ControlQueue:
                 self.add(peer, identity, body)
             else:
                 self._refuse(router, peer, identity, body)
-            if identity in seen or time.perf_counter() >= ends or not router.get(zmq.EVENTS) & zmq.POLLIN:
+            # pyzmq types every option's value int | bytes; ZMQ_EVENTS is an int.
+            if (identity in seen or time.perf_counter() >= ends
+                    or not cast(int, router.get(zmq.EVENTS)) & zmq.POLLIN):
                 return
             seen.add(identity)
 
     def waiting(self, peer: Peer) -> int:
         """How many requests of ``peer`` wait."""
-        return len(self._uids.get(peer.uid, {}).get(peer.pid, ()))
+        processes = self._uids.get(peer.uid)
+        return len(processes.get(peer.pid, ())) if processes else 0
 
     def add(self, peer: Peer, identity: bytes, body: list[bytes]) -> None:
         """Queue a request of ``peer`` (``identity``: its connection's) behind its others.

@@ -5,8 +5,8 @@ come from ``SO_PEERCRED``; when it closes the session ends and its buffers
 are freed. After the hello the client sends only the placements of leased
 granules and their returns (``LeasePlace``, ``LeaseReturn``), the chunks it
 made on its credit (``OwnChunks``, the only datagram with FDs) and the
-credit's return (``CreditReturn``), read before any request is answered, each session's within its share of a turn of the loop
-(:data:`WORK_PER_TURN_S`). What the daemon sends back, FDs above all, goes
+credit's return (``CreditReturn``), read before any request is answered, each session's within its share of a turn of
+the loop (:data:`WORK_PER_TURN_S`). What the daemon sends back, FDs above all, goes
 through the outbox (``outbox.py``).
 
 A session ends with its process, not with the last copy of its socket. A
@@ -37,8 +37,9 @@ import os
 import select
 import socket
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Generic, Mapping, TypeVar
+from typing import Generic, TypeVar
 
 from hbmd.proto import (
     MAX_OWN_CHUNKS,
@@ -235,7 +236,8 @@ class HandlePlane(Generic[A, C]):
 
     def _read_after_exit_now(self, conn: HandleConnection[A, C]) -> None:
         """Read what an exited process's session has left unread, at once: a request waits on its end (a replacement
-        attaching the buffers it grew). Within :data:`EXITED_READ_S` from when its exit was first seen, as over turns."""
+        attaching the buffers it grew). Within :data:`EXITED_READ_S` from when its exit was first seen, as over
+        turns."""
         while self._reading_after_exit(conn):
             self._worked.pop(conn.sock.fileno(), None)
             if not self._drain_datagrams(conn):
@@ -385,7 +387,9 @@ class HandlePlane(Generic[A, C]):
         for fd in fds:
             os.close(fd)
         if fds:
-            self._warnings.warning("fds-in", "pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds))
+            self._warnings.warning(
+                "fds-in", "pid %d sent %d unsolicited file descriptors; closed them", conn.pid, len(fds)
+            )
         if data:
             self._handshake(conn, data)
 
@@ -443,14 +447,14 @@ class HandlePlane(Generic[A, C]):
         finally:
             self._worked[fd] = worked
         self._warnings.warning(
-            f"flood-{conn.uid}", "session %d (pid %d) sends datagrams faster than they are read", conn.session.session_id,
-            conn.pid,
+            f"flood-{conn.uid}", "session %d (pid %d) sends datagrams faster than they are read",
+            conn.opened_session.session_id, conn.pid,
         )
         return True
 
     def _apply_datagram(self, conn: HandleConnection[A, C], data: bytes, fds: list[int]) -> None:
         """Apply one datagram of a session; the caller closes ``fds`` (what the state keeps, it duplicated)."""
-        session = conn.session
+        session = conn.opened_session
         try:
             msg = decode_datagram(data, MAX_SEGMENTS)
             if fds and not isinstance(msg, OwnChunks):

@@ -30,16 +30,17 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Generic
+from typing import TYPE_CHECKING, Generic
 
 import zmq
 from hbmd.proto import (
     MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
     MAX_SEGMENTS,
-    Committed,
     PROTOCOL_VERSION,
+    Committed,
     ErrorReply,
     Message,
     Redeclare,
@@ -146,7 +147,7 @@ class Server(Generic[A, C]):
         """A successor serves in this daemon's place: it stopped for that."""
         self._lock_fd = -1
         self._dir_fd = -1
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
         self._requests = ControlQueue()
         """Control requests read from the router, waiting for their peer's turn."""
@@ -161,7 +162,9 @@ class Server(Generic[A, C]):
         self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane, journal)
         self._refusals = RateLimitedLog(log)
         rooms = {room: room(state, self._plane) for room in self.ROOMS}
-        self._buffer_requests = rooms[BufferRequests]
+        buffer_requests = rooms[BufferRequests]
+        assert isinstance(buffer_requests, BufferRequests)
+        self._buffer_requests = buffer_requests
         self._handlers: dict[type[Request], Callable[..., Message]] = {
             kind: getattr(rooms[room], name) for kind, (room, name) in table.items()
         }
@@ -322,7 +325,8 @@ class Server(Generic[A, C]):
         """What the poll finds ready within ``timeout`` ms: the handle plane's descriptors one by one (the poll watches
         their epoll as one), the others as they are."""
         ready: list[tuple[zmq.Socket | int, int]] = []
-        for fd_or_socket, events in self._poller.poll(timeout=timeout):
+        # pyzmq takes a float timeout (it rounds it down); its stub says int.
+        for fd_or_socket, events in self._poller.poll(timeout=timeout):  # type: ignore[arg-type]
             if fd_or_socket == self._plane.descriptors.fileno():
                 ready.extend(self._plane.descriptors.ready())
             else:
@@ -335,11 +339,11 @@ class Server(Generic[A, C]):
         elif fd_or_socket == self._wake_r:
             self._drain_wake()
         elif self._successors is not None and fd_or_socket == self._successors.fileno():
-            self._hand_over()
+            self._hand_over(self._successors)
         elif isinstance(fd_or_socket, int):
             self._plane.on_event(fd_or_socket)
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, successors: TakeoverListener) -> None:
         """Hand the state and every chunk to a successor daemon asking for them (``hbmd --takeover``), and stop once it
         serves.
 
@@ -348,7 +352,7 @@ class Server(Generic[A, C]):
         clients reconnect to it and resume. Where it fails before it serves,
         this daemon binds again and serves on: its clients resume here.
         """
-        pending = self._successors.accept()
+        pending = successors.accept()
         if pending is None:
             return
         self._plane.take_placements()
@@ -470,13 +474,14 @@ class Server(Generic[A, C]):
         operation = "invalid"
         session: Session | None = None
         conn: HandleConnection[A, C] | None = None
-        fresh = False  # a change not answered yet: its answer becomes the session's last
+        fresh: Session | None = None  # the session of a change not answered yet: its answer becomes the session's last
+        reply: Message | list[bytes]
         try:
             # Decoded once, within a request's bounds: a larger frame or a longer list is refused unread.
             kind, request_id, token, raw = read_envelope(frames, MAX_REQUEST_BYTES, MAX_SEGMENTS)
-            handler = self._handlers.get(kind)
-            if handler is None:
+            if not issubclass(kind, Request):
                 raise ProtocolError(f"{kind.KIND} is not a request")
+            handler = self._handlers[kind]  # every request has one: the table was checked before the server was built
             operation = kind.KIND
             # The token before the body: an unknown peer costs no decoding.
             session = self.state.session_for(token)
@@ -491,13 +496,14 @@ class Server(Generic[A, C]):
             if answered is not None and request_id == answered.request_id:
                 reply = self._answer_again(conn, request_id, answered)
             else:
-                fresh = kind.changes_state
+                fresh = session if kind.changes_state else None
                 session.previous_credential_hash = ""  # the client speaks: it holds its last welcome's credential
                 reply = handler(conn, request_id, decode_body(kind, raw))
         except _Behind:
             raise  # nothing done yet: answered once the session's datagrams are read
         except OutOfBudget as exc:
-            self._log_refusal(operation, session, exc)  # only a handler refuses for budget: the session is known
+            assert session is not None  # only a handler refuses for budget: the session is known
+            self._log_refusal(operation, session, exc)
             reply = ErrorReply.of(exc)
         except HbmdError as exc:
             reply = ErrorReply.of(exc)
@@ -514,12 +520,13 @@ class Server(Generic[A, C]):
         encoded: list[bytes] | None
         if isinstance(reply, list):
             encoded = reply  # the answer given before a restart, as it went then
-        elif isinstance(reply, Committed) and self._plane.outbox.reply_with_fds(conn, request_id, reply):
+        elif (isinstance(reply, Committed) and conn is not None
+                and self._plane.outbox.reply_with_fds(conn, request_id, reply)):
             encoded = None
         else:
             encoded = encode_frames(reply, request_id)
-        if fresh and not session.observer:
-            session.answer = (
+        if fresh is not None and not fresh.observer:
+            fresh.answer = (
                 Answer(request_id, None, reply.buffer.buffer_id, [c.chunk_id for c in reply.chunks])
                 if isinstance(reply, Committed) else Answer(request_id, encoded)
             )
@@ -538,7 +545,7 @@ class Server(Generic[A, C]):
         """
         # A peer can send its last request again at will: a line per uid per interval.
         self._refusals.log(logging.INFO, f"again-{conn.uid}", "session %d sent request %d again after a restart: "
-                           "answered as before", conn.session.session_id, request_id)
+                           "answered as before", conn.opened_session.session_id, request_id)
         if answered.frames is not None:
             return answered.frames
         return self._buffer_requests.deliver_again(conn, request_id, answered)

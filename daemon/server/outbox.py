@@ -30,7 +30,8 @@ import select
 import socket
 import struct
 import termios
-from typing import Any, Generic, Mapping
+from collections.abc import Mapping
+from typing import Any, Generic
 
 from hbmd.proto import MAX_FDS_PER_DATAGRAM, MAX_SEGMENTS_WITH_FDS, Committed, FdBatch, LeaseGrant, encode_datagram
 from hbmd.proto.errors import Conflict, HbmdError, InternalError
@@ -150,13 +151,15 @@ class Outbox(Generic[A, C]):
         if len(conn.outbox) >= MAX_QUEUED_BATCHES:
             self._warnings.warning(
                 f"queued-{conn.uid}", "refusing session %d (pid %d) more FDs: %d batches wait for it to read its "
-                "handle socket", conn.session.session_id, conn.pid, len(conn.outbox),
+                "handle socket", conn.opened_session.session_id, conn.pid, len(conn.outbox),
             )
             raise Conflict(
                 f"{len(conn.outbox)} batches of FDs wait unread on this session's handle socket; read them first"
             )
 
-    def deliver(self, conn: HandleConnection[A, C], request_id: int, buffer: Buffer[A, C], chunks: list[Chunk[C]]) -> int:
+    def deliver(
+        self, conn: HandleConnection[A, C], request_id: int, buffer: Buffer[A, C], chunks: list[Chunk[C]]
+    ) -> int:
         """Queue the FDs of a request's ``chunks`` of ``buffer``; returns the batches. They go at the next
         :meth:`flush`, once the request is journaled (the loop's)."""
         batches = [chunks[i : i + MAX_FDS_PER_DATAGRAM] for i in range(0, len(chunks), MAX_FDS_PER_DATAGRAM)]
@@ -181,7 +184,7 @@ class Outbox(Generic[A, C]):
         lease is journaled)."""
         if len(conn.outbox) >= MAX_QUEUED_BATCHES:
             return
-        chunks = self.state.top_up_lease(conn.session, until)
+        chunks = self.state.top_up_lease(conn.opened_session, until)
         if chunks:
             conn.outbox.append(LeaseDelivery(chunks, self.state.backend.granularity))
 
@@ -251,7 +254,7 @@ class Outbox(Generic[A, C]):
             self._warnings.warning("export", "export for %s failed: %s", delivery.purpose, exc)
             for fd in fds:
                 os.close(fd)
-            instead = delivery.failed(self.state, conn.session, str(exc))
+            instead = delivery.failed(self.state, conn.opened_session, str(exc))
             return None if instead is None else (encode_datagram(instead), [])
         return encode_datagram(delivery.header()), fds
 
@@ -259,7 +262,9 @@ class Outbox(Generic[A, C]):
         """Log a send that failed; True when the session is held until readers catch up."""
         if exc.errno == errno.ETOOMANYREFS:
             # Too many FDs in flight for this user, on all sessions together: wait for readers.
-            self._warnings.warning("etoomanyrefs", "sending FDs to pid %d waits: too many FDs in flight (%s)", conn.pid, exc)
+            self._warnings.warning(
+                "etoomanyrefs", "sending FDs to pid %d waits: too many FDs in flight (%s)", conn.pid, exc
+            )
             return True
         if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
             self._warnings.warning("send", "sending FDs to pid %d failed: %s", conn.pid, exc)

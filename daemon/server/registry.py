@@ -3,7 +3,8 @@ starts."""
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Generic, TypeVar
 
 from hbmd.proto import Message, Request
 

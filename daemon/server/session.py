@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Generic
+from collections.abc import Callable
+from typing import Generic
 
 from hbmd.proto import Ack, CreditGrant, CreditRevoke, LeaseRevoke, PromoteRequest, ReclaimDone, ReclaimRequest
 from hbmd.proto.units import format_bytes
@@ -38,10 +39,10 @@ class SessionRequests(RequestRoom[A, C]):
     @handles(ReclaimDone)
     def reclaim_done(self, conn: HandleConnection[A, C], request_id: int, msg: ReclaimDone) -> Ack:
         """Record how much the session released for reclaim ``msg.reclaim_id``."""
-        self.state.reclaim_answered(conn.session, msg.reclaim_id, msg.released_bytes)
+        self.state.reclaim_answered(conn.opened_session, msg.reclaim_id, msg.released_bytes)
         log.info(
             "session %d answered reclaim %d: released %s",
-            conn.session.session_id, msg.reclaim_id, format_bytes(msg.released_bytes),
+            conn.opened_session.session_id, msg.reclaim_id, format_bytes(msg.released_bytes),
         )
         return Ack()
 
@@ -104,24 +105,24 @@ class SessionNotices(Generic[A, C]):
             conn = self.plane.by_session.get(session_id)
             if conn is not None:
                 self.plane.outbox.top_up_lease(conn, until)
-                topped_up.append((conn, self.state.top_up_credit(conn.session)))
+                topped_up.append((conn, self.state.top_up_credit(conn.opened_session)))
         if not topped_up:
             return
         self.journal()
         for conn, granted in topped_up:
             self.plane.outbox.flush(conn)
             if granted and not conn.send_quietly(CreditGrant(granted)):
-                self.state.withdraw_credit(conn.session, granted)
+                self.state.withdraw_credit(conn.opened_session, granted)
 
     def report_ignored_reclaims(self, now: float) -> None:
         """Log, once each, the reclaim requests that sessions left unanswered past the state's patience."""
         for conn in self.plane.by_session.values():
-            reclaim = conn.session.reclaim
+            reclaim = conn.opened_session.reclaim
             if reclaim is None or reclaim.reported:
                 continue
             if reclaim.outcome(now, self.state.reclaim_patience_s) == "ignored":
                 reclaim.reported = True
                 log.warning(
                     "session %d (pid %d) has not answered reclaim request %d for %s; it keeps running",
-                    conn.session.session_id, conn.pid, reclaim.reclaim_id, format_bytes(reclaim.requested_bytes),
+                    conn.opened_session.session_id, conn.pid, reclaim.reclaim_id, format_bytes(reclaim.requested_bytes),
                 )

@@ -9,6 +9,7 @@ memory back.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Generic, Protocol
 
 from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, TIERS
@@ -57,7 +58,8 @@ class Pressure(Protocol):
 
 
 def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
-    """The segments of a new buffer: ``num_segments`` equal ones, or the uneven ``capacities`` summing to ``capacity``."""
+    """The segments of a new buffer: ``num_segments`` equal ones, or the uneven ``capacities`` summing to
+    ``capacity``."""
     check_int("capacity", capacity, 1, MAX_CAPACITY)
     if capacities:
         check_int("len(segment_capacities)", len(capacities), 1, MAX_SEGMENTS)
@@ -68,7 +70,9 @@ def layout_segments(capacity: int, num_segments: int, capacities: list[int] | No
         return list(capacities)
     check_int("num_segments", num_segments, 1, min(MAX_SEGMENTS, capacity))
     if capacity % num_segments:
-        raise InvalidRequest(f"capacity {capacity} is not divisible by num_segments {num_segments}", field="num_segments")
+        raise InvalidRequest(
+            f"capacity {capacity} is not divisible by num_segments {num_segments}", field="num_segments"
+        )
     return [capacity // num_segments] * num_segments
 
 
@@ -147,7 +151,8 @@ class Buffers(Generic[A, C]):
         return buffer
 
     def growable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        """The session's buffer, to grow or defragment: refused, besides as :meth:`changeable` refuses, while demoted."""
+        """The session's buffer, to grow or defragment: refused, besides as :meth:`changeable` refuses, while
+        demoted."""
         buffer = self.changeable(session, buffer_id)
         if buffer.demoted:
             raise Conflict(
@@ -187,7 +192,7 @@ class Buffers(Generic[A, C]):
         if persistent:
             self._check_new_name(session.uid, name)
         reserved = round_up(capacity, self.backend.granularity)
-        buffer = Buffer(
+        buffer: Buffer[A, C] = Buffer(
             buffer_id=self._next_id, name=name, persistent=persistent, shareable=shareable, owner=session,
             owner_uid=session.uid, tenant=session.tenant, capacity=capacity, reserved=reserved,
             segment_capacities=capacities, arena=self.backend.open_arena(reserved, shareable),
@@ -226,7 +231,7 @@ class Buffers(Generic[A, C]):
         if (readonly or sealed) and not (persistent and sealed):
             raise InvalidRequest("only a sealed persistent buffer is read or sealed", field="sealed")
         reserved = round_up(capacity, self.backend.granularity)
-        record = Buffer(
+        record: Buffer[Any, C] = Buffer(  # no arena until the declaration passes its checks
             buffer_id=keep or self._next_id, name=name, persistent=persistent, shareable=shareable,
             owner=None if readonly else session, owner_uid=session.uid, tenant=session.tenant, capacity=capacity,
             reserved=reserved, segment_capacities=capacities, arena=None, sealed=sealed,
@@ -265,7 +270,7 @@ class Buffers(Generic[A, C]):
             raise InvalidRequest(f"more chunks than the buffer has granules ({len(chunks)})", field="chunks")
         ordered = sorted(chunks)
         ragged = any(offset % granule or size <= 0 or size % granule for offset, size in ordered)
-        overlapping = any(offset + size > after for (offset, size), (after, _) in zip(ordered, ordered[1:]))
+        overlapping = any(offset + size > after for (offset, size), (after, _) in itertools.pairwise(ordered))
         covered = merge_runs((offset, offset + size) for offset, size in ordered)
         if ragged or overlapping or covered != buffer.backed_runs(buffer.segment_sizes, granule):
             raise InvalidRequest(
@@ -400,7 +405,8 @@ class Buffers(Generic[A, C]):
     def forget_unheld(self, buffer: Buffer[A, C]) -> int:
         """Drop an orphan whose memory was held only by processes that no longer map it (see :meth:`redeclare`): it
         is gone. Returns the bytes it had."""
-        if buffer.owner is not None or buffer.readers or not buffer.held_elsewhere or buffer.buffer_id not in self.by_id:
+        if (buffer.owner is not None or buffer.readers or not buffer.held_elsewhere
+                or buffer.buffer_id not in self.by_id):
             return 0
         return self.drop(buffer)
 
@@ -512,7 +518,9 @@ class Buffers(Generic[A, C]):
         if len(buffer.chunks) == len(runs) and (preserve or not buffer.held_elsewhere):
             return [] if preserve else buffer.chunks
         if preserve:
-            buffer.pending = self.make_runs(buffer, runs, "defragment (old and new chunks coexist until the copy is done)")
+            buffer.pending = self.make_runs(
+                buffer, runs, "defragment (old and new chunks coexist until the copy is done)"
+            )
             self.account(buffer, pending=sum(c.size for c in buffer.pending))
             return buffer.pending
         sizes = buffer.segment_sizes
@@ -660,9 +668,9 @@ class Buffers(Generic[A, C]):
             )
         if buffer.held_elsewhere and not buffer.readers:
             raise Conflict(
-                f"buffer {buffer_id} ({buffer.name!r}) was declared again after hbmd restarted with nothing to keep its "
-                "memory: only this process holds it, so a detach would lose it; keep it mapped, or copy it into a new "
-                "persistent buffer and detach that",
+                f"buffer {buffer_id} ({buffer.name!r}) was declared again after hbmd restarted with nothing to keep "
+                "its memory: only this process holds it, so a detach would lose it; keep it mapped, or copy it into a "
+                "new persistent buffer and detach that",
                 buffer_id=buffer_id,
             )
         return self.disown(buffer)

@@ -37,7 +37,8 @@ class Chunks(Generic[A, C]):
         self.keeper: Keeper | None = None
 
     def make(self, arena: A, offset: int, size: int, tier: str = TIER_DEVICE) -> Chunk[C]:
-        """One chunk of ``size`` bytes at ``offset`` in ``tier``; raises as the backend does (``OutOfDeviceMemory``...)."""
+        """One chunk of ``size`` bytes at ``offset`` in ``tier``; raises as the backend does
+        (``OutOfDeviceMemory``...)."""
         chunk = Chunk(self.next_id, offset, size, self.backend.create(arena, offset, size, tier), tier=tier)
         self.next_id += 1
         if self.keeper is not None:

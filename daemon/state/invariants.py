@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from hbmd.proto import TIER_HOST
 from hbmd.proto.runs import merge_runs
 
-from .records import Buffer, Chunk
+from .records import Buffer, Chunk, Session
 
 if TYPE_CHECKING:
     from . import State
@@ -18,7 +18,7 @@ def require(condition: bool, what: str) -> None:
         raise AssertionError(what)
 
 
-def check_invariants(state: "State[Any, Any]") -> None:
+def check_invariants(state: State[Any, Any]) -> None:
     """Raise ``AssertionError`` naming the first thing that does not add up.
 
     Committed bytes equal the sum of chunk sizes, leased bytes the sum of
@@ -56,17 +56,20 @@ def check_invariants(state: "State[Any, Any]") -> None:
     _check_session_counts(state)
     for session in state.sessions.values():
         for buffer in session.buffers.values():
-            require(state.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} holds a dropped buffer")
+            require(state.buffers.get(buffer.buffer_id) is buffer,
+                    f"session {session.session_id} holds a dropped buffer")
         for buffer in session.reading.values():
-            require(state.buffers.get(buffer.buffer_id) is buffer, f"session {session.session_id} reads a dropped buffer")
-            require(session.session_id in buffer.readers, f"session {session.session_id} reads {buffer.buffer_id} unrecorded")
+            require(state.buffers.get(buffer.buffer_id) is buffer,
+                    f"session {session.session_id} reads a dropped buffer")
+            require(session.session_id in buffer.readers,
+                    f"session {session.session_id} reads {buffer.buffer_id} unrecorded")
     require(state.committed_bytes == total, f"committed {state.committed_bytes} != {total} in chunks")
     leased = _check_leases(state, chunk_ids)
     require(state.leased_bytes == leased, f"leased {state.leased_bytes} != {leased} in sessions' leases")
     _check_tenants(state)
 
 
-def _check_session_counts(state: "State[Any, Any]") -> None:
+def _check_session_counts(state: State[Any, Any]) -> None:
     room = state.sessions_room
     for uid, held in room.of_uid.items():
         require(bool(held) and all(s.uid == uid and state.sessions.get(i) is s for i, s in held.items()),
@@ -78,7 +81,7 @@ def _check_session_counts(state: "State[Any, Any]") -> None:
     require(room.workers_of == workers, f"workers per tenant counted {room.workers_of}, {workers} connected")
 
 
-def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids: set[int]) -> int:
+def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: set[int]) -> int:
     """Check one buffer's chunks and links; returns its device bytes (mapped and pending)."""
     granule = state.backend.granularity
     wanted = buffer.backed_runs(buffer.segment_sizes, granule)
@@ -112,8 +115,10 @@ def _check_buffer(state: "State[Any, Any]", buffer: Buffer[Any, Any], chunk_ids:
     for session_id, claims in buffer.readers.items():
         reader = state.sessions.get(session_id)
         require(claims > 0, f"buffer {buffer.buffer_id}: session {session_id} holds {claims} read claims")
-        require(reader is not None, f"buffer {buffer.buffer_id}: reader session {session_id} ended")
-        require(reader.reading.get(buffer.buffer_id) is buffer, f"buffer {buffer.buffer_id}: reader {session_id} lost it")
+        if reader is None:
+            raise AssertionError(f"buffer {buffer.buffer_id}: reader session {session_id} ended")
+        require(reader.reading.get(buffer.buffer_id) is buffer,
+                f"buffer {buffer.buffer_id}: reader {session_id} lost it")
     host = sum(c.size for c in (*buffer.chunks, *buffer.pending) if c.tier == TIER_HOST)
     require(buffer.host_bytes == host, f"buffer {buffer.buffer_id}: host bytes {buffer.host_bytes} != {host} in chunks")
     return buffer.physical_bytes + buffer.pending_bytes - host
@@ -131,7 +136,7 @@ def _check_chunk_layout(where: str, chunks: list[Chunk[Any]], reserved: int, gra
         end = chunk.offset + chunk.size
 
 
-def _check_leases(state: "State[Any, Any]", chunk_ids: set[int]) -> int:
+def _check_leases(state: State[Any, Any], chunk_ids: set[int]) -> int:
     """Check every session's lease; returns the bytes leased in all."""
     granule = state.backend.granularity
     leased = 0
@@ -151,14 +156,15 @@ def _check_leases(state: "State[Any, Any]", chunk_ids: set[int]) -> int:
     return leased
 
 
-def _check_tenants(state: "State[Any, Any]") -> None:
+def _check_tenants(state: State[Any, Any]) -> None:
     tenants = state.tenants
     used = sum(t.used_bytes for t in tenants.values())
     require(state.committed_bytes + state.leased_bytes == used,
             f"committed {state.committed_bytes} + leased {state.leased_bytes} != {used} used by tenants")
     holders: dict[str, int] = {}
     leased: dict[str, int] = {}
-    for holder in (*state.sessions.values(), *state.buffers.values()):
+    holding: list[Session | Buffer[Any, Any]] = [*state.sessions.values(), *state.buffers.values()]
+    for holder in holding:
         require(tenants.get(holder.tenant.name) is holder.tenant, f"tenant {holder.tenant.name!r} was forgotten")
         holders[holder.tenant.name] = holders.get(holder.tenant.name, 0) + 1
     for session in state.sessions.values():
@@ -172,7 +178,8 @@ def _check_tenants(state: "State[Any, Any]") -> None:
         limits = state.budget.limits(tenant.name)
         require(tenant.holders == holders.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.holders} holders")
         require(tenant.holders > 0, f"tenant {tenant.name!r} is kept for nobody")
-        require(tenant.leased_bytes == leased.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.leased_bytes} leased")
+        require(tenant.leased_bytes == leased.get(tenant.name, 0),
+                f"tenant {tenant.name!r}: {tenant.leased_bytes} leased")
         require(
             (tenant.max_bytes, tenant.guaranteed_bytes)
             == ((limits.max_bytes, limits.guaranteed_bytes) if limits else (None, 0)),

@@ -31,7 +31,7 @@ from hbmd.proto.errors import HbmdError, InvalidRequest
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes
 
-from ..backends import A, Backend, C
+from ..backends import A, Backend, C, parkable
 from .chunks import Chunks
 from .records import Buffer, Chunk, Session
 from .tenants import Tenants
@@ -194,7 +194,8 @@ class Leases(Generic[A, C]):
         total = sum(chunk_sizes)
         if total > session.credit:
             raise InvalidRequest(
-                f"buffer {buffer_id}: chunks of {format_bytes(total)} made on a credit of {format_bytes(session.credit)}",
+                f"buffer {buffer_id}: chunks of {format_bytes(total)} made on a credit of "
+                f"{format_bytes(session.credit)}",
                 buffer_id=buffer_id,
             )
         taken: list[Chunk[C]] = []
@@ -235,7 +236,9 @@ class Leases(Generic[A, C]):
         leased to the session. Each check costs next to nothing, whatever the peer sent (``InvalidRequest``)."""
         buffer_id = buffer.buffer_id
         if buffer.shareable:
-            raise InvalidRequest(f"buffer {buffer_id} is shareable: leased granules are plain ones", buffer_id=buffer_id)
+            raise InvalidRequest(
+                f"buffer {buffer_id} is shareable: leased granules are plain ones", buffer_id=buffer_id
+            )
         self.check_segments(buffer_id, sizes)
         if len(chunk_ids) > MAX_PLACED_GRANULES or len(offsets) != len(chunk_ids):
             raise InvalidRequest(
@@ -260,7 +263,8 @@ class Leases(Generic[A, C]):
         needed_bytes = sum(end - start for start, end in runs)
         if needed_bytes != len(chunk_ids) * granule:
             raise InvalidRequest(
-                f"buffer {buffer_id}: the growth needs {needed_bytes // granule} granules, {len(chunk_ids)} were placed",
+                f"buffer {buffer_id}: the growth needs {needed_bytes // granule} granules, "
+                f"{len(chunk_ids)} were placed",
                 buffer_id=buffer_id,
             )
         needed = [start for begin, end in runs for start in range(begin, end, granule)]
@@ -289,7 +293,7 @@ class Leases(Generic[A, C]):
         """Release leased chunks (all by default); returns their ids."""
         chunk_ids = list(session.lease) if chunk_ids is None else chunk_ids
         for chunk_id in chunk_ids:
-            self.chunks.release(session.lease.pop(chunk_id), self.arena)
+            self.chunks.release(session.lease.pop(chunk_id), self.leased_arena)
         session.revoking.difference_update(chunk_ids)
         self._account(session, -len(chunk_ids) * self.backend.granularity)
         return chunk_ids
@@ -349,9 +353,16 @@ class Leases(Generic[A, C]):
     def adopted_arena(self) -> A:
         """The arena leased granules live in, to adopt journaled ones into after a restart."""
         if self.arena is None:
-            self.arena = self.backend.adopt_arena(self.backend.granularity, False)
+            self.arena = parkable(self.backend).adopt_arena(self.backend.granularity, False)
+        return self.arena
+
+    @property
+    def leased_arena(self) -> A:
+        """The arena of the granules leased, made with the first of them."""
+        assert self.arena is not None, "no granule was leased yet"
         return self.arena
 
     def export(self, chunk: Chunk[C]) -> int:
         """A new FD for a leased granule."""
-        return self.backend.export(self.arena, chunk.handle)
+        assert chunk.handle is not None, "a leased granule is the daemon's own"
+        return self.backend.export(self.leased_arena, chunk.handle)

@@ -64,7 +64,8 @@ class Chunk(Generic[C]):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Per-uid bounds on what costs the daemon something besides the budget: descriptors, memory, its state directory."""
+    """Per-uid bounds on what costs the daemon something besides the budget: descriptors, memory, its state
+    directory."""
 
     sessions_per_uid: int = 128
     persistent_buffers_per_uid: int = 64
@@ -161,7 +162,8 @@ class Session:
     lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
     """When the session last placed leased granules or found its lease short."""
     wants_credit: bool = False
-    """The client commits in chunks it makes itself, within a credit (a client of protocol 1.8 that asked for leases)."""
+    """The client commits in chunks it makes itself, within a credit (a client of protocol 1.8 that asked for
+    leases)."""
     credit: int = 0
     """Bytes granted for chunks its client makes itself and not spent yet (:class:`~hbmd.proto.CreditGrant`): a part
     of ``leased_bytes``."""
@@ -176,7 +178,8 @@ class Session:
     promote_asked_at: float = 0.0
     """When its client was last told the device has room for them (monotonic)."""
     credential_hash: str = ""
-    """SHA-256 of the credential that resumes the session after a daemon restart (the credential itself is never kept)."""
+    """SHA-256 of the credential that resumes the session after a daemon restart (the credential itself is never
+    kept)."""
     previous_credential_hash: str = ""
     """The one before, good until the client next speaks: the daemon may have gone with the welcome that carried the
     new one still unsent."""

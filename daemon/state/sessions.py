@@ -6,7 +6,7 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from hbmd.proto import SessionInfo
 from hbmd.proto.errors import (
@@ -92,7 +92,9 @@ class Sessions:
         _, count = self._started_over.pop((uid, pid), (0.0, 0))
         while len(self._started_over) >= MAX_STARTING_OVER:
             del self._started_over[next(iter(self._started_over))]
-        self._started_over[(uid, pid)] = (time.monotonic() + STARTING_OVER_S, min(count + 1, self.limits.sessions_per_uid))
+        self._started_over[(uid, pid)] = (
+            time.monotonic() + STARTING_OVER_S, min(count + 1, self.limits.sessions_per_uid)
+        )
 
     def _take_start_over(self, uid: int, pid: int) -> bool:
         """Whether a session opened now by process ``pid`` of ``uid`` starts over (see :meth:`_starting_over`)."""
@@ -104,7 +106,8 @@ class Sessions:
         return True
 
     def issue_credential(self, session: Session) -> str:
-        """A new credential that resumes ``session`` after a restart; the one before it is void. Only its hash is kept."""
+        """A new credential that resumes ``session`` after a restart; the one before it is void. Only its hash is
+        kept."""
         credential = secrets.token_hex(16)
         session.previous_credential_hash, session.credential_hash = session.credential_hash, _digest(credential)
         return credential
@@ -206,11 +209,13 @@ class Sessions:
 
     # reclaim
 
-    def request_reclaim(self, session: Session, requested_bytes: int, reason: str, demote: bool = False) -> Reclaim:
-        """Record a request that ``session`` give ``requested_bytes`` back (``demote``: move them to the host tier);
-        the server delivers it."""
+    def request_reclaim(
+        self, session: Session, requested_bytes: int, reason: str, asked_at: float, demote: bool = False
+    ) -> Reclaim:
+        """Record a request, made at ``asked_at`` (monotonic), that ``session`` give ``requested_bytes`` back
+        (``demote``: move them to the host tier); the server delivers it."""
         check_int("bytes", requested_bytes, 1, MAX_CAPACITY)
-        session.reclaim = Reclaim(self._next_reclaim, requested_bytes, reason[:200], demote=demote)
+        session.reclaim = Reclaim(self._next_reclaim, requested_bytes, reason[:200], asked_at, demote=demote)
         self._next_reclaim += 1
         self.reclaims_due.append((session, session.reclaim))
         return session.reclaim

@@ -18,7 +18,7 @@ status lists those.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from hbmd.proto import TenantInfo
 from hbmd.proto.errors import OutOfBudget, PermissionDenied
@@ -155,7 +155,8 @@ class Tenants:
         return self.unmet_guarantees - tenant.unmet_guarantee
 
     def admissible(self, tenant: Tenant) -> int:
-        """Budget left for ``tenant``: the most a commit charged to it would be admitted for now (what :meth:`admit` allows)."""
+        """Budget left for ``tenant``: the most a commit charged to it would be admitted for now (what :meth:`admit`
+        allows)."""
         room = self.budget_bytes - self.committed_bytes - self.leased_bytes - self.held_for_others(tenant)
         if tenant.max_bytes is not None:
             room = min(room, tenant.max_bytes - tenant.used_bytes)
@@ -247,7 +248,8 @@ class Tenants:
             held = tenant.committed_bytes
             if limits.max_bytes is not None and held > limits.max_bytes:
                 raise ConfigError(
-                    f"tenant {tenant.name!r} holds {format_bytes(held)}, over its new max of {format_bytes(limits.max_bytes)}"
+                    f"tenant {tenant.name!r} holds {format_bytes(held)}, "
+                    f"over its new max of {format_bytes(limits.max_bytes)}"
                 )
             unmet -= min(held, limits.guaranteed_bytes)
         if self.committed_bytes + unmet > self.budget_bytes:
