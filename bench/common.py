@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hbmd.daemon.spawn import DaemonProcess, LineProcess
+from hbmd.testing.spawn import DaemonProcess, LineProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent

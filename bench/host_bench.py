@@ -32,8 +32,8 @@ from cases import (
 from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, summarize_ns, timed_ns, today_utc
 from hbmd.client import connect
 from hbmd.client.host import HostMapper
-from hbmd.daemon.spawn import wait_until
 from hbmd.memfd import sealed_memfd
+from hbmd.testing.spawn import wait_until
 
 bench = Bench("host", "hbmd's host backend against the in-process baseline, side by side")
 

@@ -11,7 +11,7 @@ Two figures, each measured in one run against its baseline:
 - **pause**: a client holding N chunks (10, 1,000, 10,000) and calling the
   daemon in a loop while the daemon is killed and restarted on what the store
   kept (a crash under systemd), and while a successor takes over
-  (``--takeover``), and while a daemon with no keeper is killed and started
+  (``--takeover``), and while a daemon with no FD store is killed and started
   again (the client declares again what its tensor maps): the longest wait
   between two of its calls' answers (how long its engine would stand), how
   many calls failed (none may), and how long the new daemon took from its
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from common import RESULTS_DIR, metadata, today_utc, write_json
 from hbmd.client import connect
-from hbmd.daemon.spawn import DaemonProcess, wait_until
+from hbmd.testing.spawn import DaemonProcess, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fake_systemd import FakeSystemd  # the stand-in lives with the tests that check it
@@ -188,20 +188,20 @@ class CallsInALoop:
         return [b - a for a, b in zip(self._answered, self._answered[1:])]
 
 
-HOWS = ("crash", "takeover", "no keeper")
+HOWS = ("crash", "takeover", "cold")
 
 
 def pause(backend: str, chunks: int, how: str) -> dict:
-    """A client holding ``chunks`` chunks; the daemon crashes (or is taken over, or crashes with no keeper): the
+    """A client holding ``chunks`` chunks; the daemon crashes (or is taken over, or crashes with no FD store): the
     client's pause."""
     from hbmd.client import ExtensibleTensor
 
     fds_before = len(os.listdir("/proc/self/fd"))  # this process keeps the stand-in's store and the client
-    instance = Instance(backend, how != "no keeper", restartable=True)
+    instance = Instance(backend, how != "cold", restartable=True)
     try:
         client = instance.connect(lease=False)
-        # Segments of two granules, each grown by one: a run, and so a chunk, per segment. Mapped, so that with no
-        # keeper there is something to declare again.
+        # Segments of two granules, each grown by one: a run, and so a chunk, per segment. Mapped, so that after a
+        # cold restart there is something to declare again.
         kv = ExtensibleTensor(chunks * 2 * GRANULE, "cpu" if backend == "host" else "cuda:0", num_segments=chunks,
                               client=client)
         kv.resize_per_segment_(GRANULE)

@@ -234,7 +234,7 @@ BUFFER_COLUMNS = [
     plain_column("TIER", "tier", wide=True),
     Column("SEALED", lambda r: "yes" if r.get("sealed") else "no", lambda r: int(bool(r.get("sealed")))),
     plain_column("READERS", "readers"),
-    # Declared again by the processes that map it after a restart with no keeper: counted, not attachable elsewhere.
+    # Declared again by the processes that map it after a cold restart: counted, not attachable elsewhere.
     Column("KEPT-BY", lambda r: "mappers" if r.get("held_elsewhere") else "hbmd",
            lambda r: int(bool(r.get("held_elsewhere"))), wide=True),
 ]

@@ -41,8 +41,8 @@ MAX_UNWANTED = 4096
 """Chunk ids remembered as not wanted before their grant arrives; the oldest are forgotten past this."""
 
 IMPORT_WAIT_S = 0.05
-"""The longest a commit short of granules waits for those the listener is importing (an import takes 30 to 90 µs on
-an H200, SPEC.md) before it goes to the daemon instead."""
+"""The longest a commit short of granules waits for those the listener is importing (an import takes far less) before
+it goes to the daemon instead."""
 
 
 @dataclasses.dataclass(frozen=True)

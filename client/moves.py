@@ -121,7 +121,7 @@ class Moves(Transactions):
 
         The FDs are closed before the daemon hears the outcome: once it has,
         its host pool may pin memory again, which holds up the driver's
-        closing of an FD in every process (~60 ms on the H200).
+        closing of an FD in every process.
         """
         with Undo() as undo:
             # Until the data is copied, the way back is the daemon's: it drops the new chunks and keeps the old.

@@ -101,7 +101,7 @@ class Client:
     (``HBMD_RESUME_TIMEOUT``, default 30). The call in flight is sent again
     under its request id: the daemon answers it again where it had done it,
     and does it where it had not. Only where the daemon kept nothing (it
-    restarted with no keeper for its memory: no systemd FD store, no
+    restarted cold, with nothing holding its memory: no systemd FD store, no
     ``--takeover``) or does not come back in time does a call raise
     :class:`SessionLost`, a retryable :class:`DaemonUnavailable`; then close
     this client and connect again: the new session attaches the persistent

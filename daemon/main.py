@@ -31,7 +31,7 @@ from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .persist import RESUME_WINDOW_S, NewerState, Persistence, restore, unpack_image
 from .reload import ConfigReloader
-from .server import AlreadyRunning, BooksUnbalanced, HandlerTableError, Server
+from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
 from .server.loop import HANDOVER_TIMEOUT_S
 from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, DEMOTE_IDLE_S, Limits, State
 from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
@@ -40,11 +40,11 @@ log = logging.getLogger("hbmd.daemon")
 
 HOST_POOL_DEFAULT = "4GiB"
 """Host-tier memory made ahead of demotes without ``--host-pool`` (within the host budget): creating pinned host
-memory takes ~250 ms a GiB on the H200, which a demote would otherwise wait for."""
+memory is slow to make (SPEC.md, "host-NUMA VMM memory"), which a demote would otherwise wait for."""
 DEFAULT_WARM_CHUNKS = 4
 """CUDA granules kept made and exported ahead without ``--warm-chunks`` (8 MiB on the H200): a one-granule commit
-through the daemon otherwise pays ``cuMemCreate`` and the export on its critical path, 49 and 68 µs in the
-context-free daemon there (``bench/gpu_bench.py --cases breakdown``, "2 MiB step, lease empty")."""
+through the daemon otherwise pays ``cuMemCreate`` and the export on its critical path
+(``bench/gpu_bench.py --cases breakdown``, "2 MiB step, lease empty", measures both)."""
 HOST_DEFAULT_BUDGET = "50%"
 """The host backend's budget without ``--budget``: its pages are the machine's RAM, which the
 kernel, the engines and their page cache need too."""
@@ -54,8 +54,8 @@ MIN_SECONDS = 0.1
 answers a reclaim sooner, and an idle loop looks at its timers once a second (``server/loop.py``)."""
 MAX_SECONDS = 86400.0
 """The longest: a day, as ``hbmctl``'s durations."""
-EXIT_BOOKS_UNBALANCED = os.EX_SOFTWARE
-"""Exit status (70, sysexits' EX_SOFTWARE) of a daemon whose ``--check-invariants`` found the books unbalanced:
+EXIT_INVARIANT_VIOLATED = os.EX_SOFTWARE
+"""Exit status (70, sysexits' EX_SOFTWARE) of a daemon whose ``--check-invariants`` found an invariant broken:
 a bug in hbmd, told apart from a refusal to start (1, 2) and a clean stop (0)."""
 
 
@@ -268,9 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"buffers one uid may hold; they cost no budget but daemon memory "
                              f"(default: {Limits.buffers_per_uid})")
     parser.add_argument("--check-invariants", action="store_true",
-                        help="check the books (committed bytes, chunks, owners) after every batch of requests and "
+                        help="check the invariants (committed bytes, chunks, owners) after every batch of requests and "
                              "events; where they do not balance, log what is off and exit at once with status "
-                             f"{EXIT_BOOKS_UNBALANCED} (EX_SOFTWARE); costs time, for tests")
+                             f"{EXIT_INVARIANT_VIOLATED} (EX_SOFTWARE); costs time, for tests")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default="auto", choices=logs.FORMATS,
                         help="text (with a timestamp), journal (<N> priority prefixes, no timestamp: journald adds "
@@ -511,8 +511,8 @@ def _take_over(args: argparse.Namespace, state: State[A, C], paths: InstancePath
 def run(daemon: Daemon[A, C]) -> int:
     """Bind, publish, serve until SIGTERM, and clean up; returns the exit code.
 
-    Where ``--check-invariants`` finds the books unbalanced it does not
-    return: it ends the process (:func:`_exit_unbalanced`).
+    Where ``--check-invariants`` finds an invariant broken it does not
+    return: it ends the process (:func:`_exit_on_violation`).
     """
     args, backend, server, notifier = daemon.args, daemon.backend, daemon.server, daemon.notifier
     metrics_url = _bind(daemon)
@@ -529,8 +529,8 @@ def run(daemon: Daemon[A, C]) -> int:
     notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(daemon.budget)}")
     try:
         server.run()
-    except BooksUnbalanced as exc:
-        _exit_unbalanced(exc)
+    except InvariantViolated as exc:
+        _exit_on_violation(exc)
     finally:
         notifier.stopping()
         server.close()
@@ -551,8 +551,8 @@ def _linger() -> None:
     stopped.wait()
 
 
-def _exit_unbalanced(exc: BooksUnbalanced) -> NoReturn:
-    """Log the imbalance and end the process at once with :data:`EXIT_BOOKS_UNBALANCED`.
+def _exit_on_violation(exc: InvariantViolated) -> NoReturn:
+    """Log the violation and end the process at once with :data:`EXIT_INVARIANT_VIOLATED`.
 
     The state is known to be wrong, so nothing more is done through it: no
     session is ended and no chunk released by it (a chunk counted twice
@@ -561,10 +561,10 @@ def _exit_unbalanced(exc: BooksUnbalanced) -> NoReturn:
     daemon held, as after a crash; the next daemon clears the instance
     directory as it does then.
     """
-    log.error("the books do not balance: %s; exiting at once with status %d (--check-invariants)",
-              exc, EXIT_BOOKS_UNBALANCED)
+    log.error("an invariant does not hold: %s; exiting at once with status %d (--check-invariants)",
+              exc, EXIT_INVARIANT_VIOLATED)
     logging.shutdown()
-    os._exit(EXIT_BOOKS_UNBALANCED)
+    os._exit(EXIT_INVARIANT_VIOLATED)
 
 
 def _bind(daemon: Daemon[Any, Any]) -> str | None:

@@ -4,7 +4,7 @@ A daemon that restarts under live engines must come back with everything it
 had handed out: every buffer (ordinary and persistent, sealed or not, mid-
 defragment or not) with its layout, owner, tenant and readers, every
 session with its lease and its last answer, and the memory itself. The
-memory cannot outlive the process on its own, so a *keeper* holds a
+memory cannot outlive the process on its own, so something else holds a
 descriptor for every chunk:
 
 - under systemd, the service manager's file-descriptor store: every chunk
@@ -230,7 +230,7 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
     for record in image.get("sessions", {}).values():
         if _field(record, "id") in short:
             # Resumed, it would go on mapping memory the daemon no longer counts: refused its resume, its client starts
-            # over and declares what it maps, as after a restart with no keeper.
+            # over and declares what it maps, as after a cold restart.
             log.warning("session %s is not restored: a buffer of it did not come back whole; its client starts over",
                         _field(record, "id"))
             continue
@@ -516,7 +516,7 @@ class Persistence:
         self.resume_window_s = resume_window_s
         self.max_parked = min(max_parked, MAX_PARKED)
         state.changed = set()
-        state.chunks.keeper = self
+        state.chunks.fd_store = self
         self._parked: set[int] = set()
         """Ids of the chunks parked."""
         self._names_chars = 0

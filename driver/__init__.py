@@ -178,7 +178,7 @@ def host_granularity(numa_node: int) -> int:
 
 
 def create_host(numa_node: int, size: int) -> Any:
-    """A host-NUMA allocation exportable as a POSIX FD (its pages pinned as it is made: ~250 ms a GiB on the H200)."""
+    """A host-NUMA allocation exportable as a POSIX FD (its pages pinned as it is made, slowly)."""
     return call("cuMemCreate", size, _host_allocation_prop(numa_node), 0)
 
 
@@ -233,8 +233,7 @@ def spans_exactly(handle: Any, size: int, granule: int, scratch: int) -> bool:
     The driver reads no size from a handle. Both mappings are needed: an
     H200's driver refuses a mapping shorter than its allocation, but the
     driver API allows one, and where it does only the second tells a larger
-    allocation apart. Works without a context (an H200: ~20 µs to map, 30 to
-    unmap).
+    allocation apart. Works without a context.
     """
     try:
         map(scratch, size + granule, handle)

@@ -87,10 +87,10 @@ from pathlib import Path
 from typing import Any
 
 from hbmd.client import Client, connect
-from hbmd.daemon.spawn import DaemonProcess, wait_until
 from hbmd.proto.errors import DaemonUnavailable
 from hbmd.proto.instance import RUN_DIR_ENV, resolve_run_dir
 from hbmd.proto.units import format_bytes, parse_size
+from hbmd.testing.spawn import DaemonProcess, wait_until
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -71,7 +71,7 @@ class BufferInfo:
     ``physical_bytes``. Needs no new minor: a peer that does not know it reads 0, as between defragments."""
     held_elsewhere: bool = False
     """Some of its memory is held only by the processes that map it (1.5): declared again by its client after the
-    daemon restarted with no keeper (:class:`Redeclare`). It is counted, but cannot be attached by another process."""
+    daemon restarted cold (:class:`Redeclare`). It is counted, but cannot be attached by another process."""
     tier: str = TIER_DEVICE
     """Where its mapped chunks are (1.6): :data:`TIER_DEVICE`, or :data:`TIER_HOST` once demoted (:class:`Move`)."""
 
@@ -141,7 +141,7 @@ class CreateBuffer(Request[BufferCreated]):
 class Redeclare(Request[BufferCreated]):
     """Declare again a buffer this process still maps, after its daemon restarted with nothing to keep its memory (1.5).
 
-    A daemon restarted with no keeper (no service manager's FD store, no
+    A daemon restarted cold (no service manager's FD store, no
     ``--takeover``) knows no session or buffer of the one before; the memory
     lives on in the processes that map it. A client that finds its session
     gone opens a new one and declares each buffer it maps: its layout

@@ -160,8 +160,8 @@ so beyond this the daemon's round trip is faster; and a commit the lease is not 
 daemon lease more."""
 MAX_PLACED_SEGMENTS = 1024
 """The most segments of a buffer that grows from a lease. A placement carries a size per segment, and the daemon
-works out the granules the growth needs from all of them before it can refuse a wrong one: 35 ms for 60,000
-segments, 0.5 ms for 1,024 (the 2-core CI-class machine, 2026-12-03). Engines' buffers (a segment per layer, or two)
+works out the granules the growth needs from all of them before it can refuse a wrong one, in time that grows with
+the segments. Engines' buffers (a segment per layer, or two)
 stay far below; a buffer of more segments grows through the daemon."""
 
 

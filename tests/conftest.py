@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fake_systemd import FakeSystemd
 from hbmd.client import Client, connect
-from hbmd.daemon import spawn
-from hbmd.daemon.main import EXIT_BOOKS_UNBALANCED
+from hbmd.daemon.main import EXIT_INVARIANT_VIOLATED
+from hbmd.testing import spawn
 
 TORCH_MISSING = importlib.util.find_spec("torch") is None
 
@@ -29,8 +29,8 @@ def pytest_collection_modifyitems(config, items):
 
 class DaemonProcess(spawn.DaemonProcess):
     """An ``hbmd`` subprocess on the host backend (unless told otherwise), logging at debug and checking its
-    books after every batch of requests (``--check-invariants``: it exits with ``EXIT_BOOKS_UNBALANCED`` where they
-    do not balance); killed in teardown."""
+    invariants after every batch of requests (``--check-invariants``: it exits with ``EXIT_INVARIANT_VIOLATED``
+    where one does not hold); killed in teardown."""
 
     def __init__(self, run_dir: Path, *args: str, backend: str = "host", **launch) -> None:
         super().__init__(run_dir, "--backend", backend, "--log-level", "debug", "--check-invariants", *args, **launch)
@@ -69,8 +69,8 @@ def start_daemon(run_dir):
         daemon.kill()
     for daemon in started:
         # A daemon still running was just killed (-9); one that exited on its own with this status found a bug.
-        assert daemon.proc.returncode != EXIT_BOOKS_UNBALANCED, daemon.log()[-4000:]
-        assert "the books do not balance" not in daemon.log(), daemon.log()[-4000:]
+        assert daemon.proc.returncode != EXIT_INVARIANT_VIOLATED, daemon.log()[-4000:]
+        assert "an invariant does not hold" not in daemon.log(), daemon.log()[-4000:]
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from hbmd.daemon.spawn import wait_until  # the tests' one polling helper
+from hbmd.testing.spawn import wait_until  # the tests' one polling helper
 
 MiB = 1 << 20
 GRANULE = 2 * MiB

@@ -388,7 +388,7 @@ class Forger:
         msg = proto.OwnChunks(self.tensor.buffer_id, [grow_to], offsets, chunk_sizes)
         socket.send_fds(self.client._handles.sock, [proto.encode_datagram(msg)], fds)
 
-    def books(self) -> tuple:
+    def accounts(self) -> tuple:
         status = self.client.status()
         return daemon_view(self.client, self.tensor), status.committed_bytes, status.leased_bytes, status.num_chunks
 
@@ -435,14 +435,14 @@ def test_a_bind_the_daemon_cannot_trust_is_refused_and_changes_nothing(start_dae
     daemon = start_daemon("--budget", "2GiB")
     with daemon.connect() as client:
         forger = Forger(daemon, client)
-        before, fds_before = forger.books(), daemon.open_fds()
+        before, fds_before = forger.accounts(), daemon.open_fds()
         fds = [make(size) for size in sizes]
         try:
             forger.send(offsets, sizes, fds, 32 * MiB + claimed)
         finally:
             for fd in fds:
                 os.close(fd)
-        assert forger.books() == before, what
+        assert forger.accounts() == before, what
         assert daemon.open_fds() == fds_before, what
         assert "sent a datagram that was refused" in daemon.log()
         forger.tensor.resize_(96 * MiB)  # the session goes on, and its credit still serves it
@@ -454,7 +454,7 @@ def test_a_bind_with_more_descriptors_than_allowed_is_dropped_whole(start_daemon
     daemon = start_daemon("--budget", "2GiB")
     with daemon.connect() as client:
         forger = Forger(daemon, client)
-        before, fds_before = forger.books(), daemon.open_fds()
+        before, fds_before = forger.accounts(), daemon.open_fds()
         count = proto.MAX_OWN_CHUNKS + 1
         fds = [sealed_chunk(GRANULE) for _ in range(count)]
         try:
@@ -463,7 +463,7 @@ def test_a_bind_with_more_descriptors_than_allowed_is_dropped_whole(start_daemon
         finally:
             for fd in fds:
                 os.close(fd)
-        assert forger.books() == before
+        assert forger.accounts() == before
         assert daemon.open_fds() == fds_before
         assert "oversized datagram" in daemon.log()
 

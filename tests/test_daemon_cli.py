@@ -1,4 +1,4 @@
-"""The daemon's command line as operators use it: arguments, SIGHUP reloads, instance names, the books checked."""
+"""The daemon's command line as operators use it: arguments, SIGHUP reloads, instance names, the invariants checked."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from hbmd import proto
 from hbmd.client import ExtensibleTensor, OutOfBudget, SessionLost, connect
 from hbmd.daemon.backends.host import host_memory_bytes
 from hbmd.daemon.logs import JournalFormatter, JsonFormatter
-from hbmd.daemon.main import EXIT_BOOKS_UNBALANCED
-from hbmd.daemon.spawn import DaemonProcess
+from hbmd.daemon.main import EXIT_INVARIANT_VIOLATED
+from hbmd.testing.spawn import DaemonProcess
 from helpers import MiB, wait_until
 
 pytestmark = pytest.mark.ipc
@@ -221,7 +221,7 @@ commit = state.State.commit
 
 def commit_charging_a_granule_too_many(self, session, buffer_id, sizes):
     chunks = commit(self, session, buffer_id, sizes)
-    self.budget.committed_bytes += self.backend.granularity
+    self.tenant_table.committed_bytes += self.backend.granularity
     return chunks
 
 state.State.commit = commit_charging_a_granule_too_many
@@ -229,18 +229,18 @@ sys.exit(main.main(sys.argv[1:]))
 """
 
 
-def test_a_daemon_checking_its_books_exits_at_the_first_that_does_not_balance(run_dir):
+def test_a_daemon_checking_its_invariants_exits_at_the_first_that_does_not_hold(run_dir):
     launcher = [sys.executable, "-c", MISCOUNTING_DAEMON]
     with DaemonProcess(
         run_dir, "--backend", "host", "--budget", "64MiB", "--check-invariants", command=launcher
     ) as daemon:
         with connect(run_dir=run_dir, instance=daemon.instance, lease=False, resume_timeout=0.5) as client:
             buffer = client.create_buffer(8 * MiB)
-            # The books are checked after the reply is queued; whether it leaves before the daemon ends is a race.
+            # The invariants are checked after the reply is queued; whether it leaves before the daemon ends is a race.
             with contextlib.suppress(SessionLost):
                 client.call(proto.Commit(buffer.buffer_id, 2 * MiB))
-            assert daemon.proc.wait(10) == EXIT_BOOKS_UNBALANCED
-    assert f"the books do not balance: committed {4 * MiB} != {2 * MiB} in chunks" in daemon.log()
+            assert daemon.proc.wait(10) == EXIT_INVARIANT_VIOLATED
+    assert f"an invariant does not hold: committed {4 * MiB} != {2 * MiB} in chunks" in daemon.log()
     assert "Traceback" not in daemon.log()
     # It left as a crashed daemon leaves: the next one takes over the instance directory.
     with DaemonProcess(run_dir, "--backend", "host", "--budget", "64MiB") as again:

@@ -40,8 +40,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hbmd.daemon.main import EXIT_BOOKS_UNBALANCED
-from hbmd.daemon.spawn import DaemonProcess
+from hbmd.daemon.main import EXIT_INVARIANT_VIOLATED
+from hbmd.testing.spawn import DaemonProcess
 
 pytestmark = [pytest.mark.ipc, pytest.mark.torch]  # the documented examples and snippet are torch engines
 
@@ -235,7 +235,7 @@ def run_after_quick_start(command: Command) -> Outcome:
     try:
         bin_dir = checkout_after_quick_start(home)
         run_dir = home / ".hbmd"
-        # The quick start's daemon (no --budget: half of the RAM), checking its books as the conftest's do.
+        # The quick start's daemon (no --budget: half of the RAM), checking its invariants as the conftest's do.
         daemon = DaemonProcess(run_dir, "--backend", "host", "--log-level", "debug", "--check-invariants",
                                log_path=home / "hbmd.log").start()
         try:
@@ -301,6 +301,6 @@ def test_the_documented_command_runs_as_written(command, request):
     assert outcome.returncode == 0, (
         f"{command.id} exited with {outcome.returncode}:\n{command.text}\n{outcome.output[-4000:]}"
     )
-    # A daemon that exited on its own with this status, or said so, found its books unbalanced: a bug.
-    assert outcome.daemon_status != EXIT_BOOKS_UNBALANCED, outcome.daemon_log[-4000:]
-    assert "the books do not balance" not in outcome.daemon_log, outcome.daemon_log[-4000:]
+    # A daemon that exited on its own with this status, or said so, found an invariant broken: a bug.
+    assert outcome.daemon_status != EXIT_INVARIANT_VIOLATED, outcome.daemon_log[-4000:]
+    assert "an invariant does not hold" not in outcome.daemon_log, outcome.daemon_log[-4000:]

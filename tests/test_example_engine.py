@@ -200,7 +200,7 @@ def test_two_engines_share_one_copy_of_the_weights(small_daemon):
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)])]
 )
-@pytest.mark.parametrize("how", ["kill", "takeover", "kill with no keeper"])
+@pytest.mark.parametrize("how", ["kill", "takeover", "kill cold"])
 def test_an_engine_decoding_while_the_daemon_restarts_gets_the_tokens_of_an_undisturbed_run(
     start_daemon, run_dir, systemd, how, device
 ):
@@ -222,7 +222,7 @@ def test_an_engine_decoding_while_the_daemon_restarts_gets_the_tokens_of_an_undi
         if how == "kill":
             daemon.kill()  # a crash, mid-decode: Restart=on-failure starts the next one on what the store kept
             daemon = start_daemon(*args, backend=backend, **systemd.relaunch())
-        elif how == "kill with no keeper":
+        elif how == "kill cold":
             daemon.kill()  # a plain daemon started again on nothing: the engine declares what it maps
             daemon = start_daemon(*args[:2], backend=backend)
         else:
@@ -237,6 +237,6 @@ def test_an_engine_decoding_while_the_daemon_restarts_gets_the_tokens_of_an_undi
     disturbed = json.loads(out.strip().splitlines()[-1])
     # Every decode step ran, on the KV cache it had, through the restart: the same tokens.
     assert disturbed["tokens"] == undisturbed["tokens"]
-    assert "declared again" in daemon.log() if how == "kill with no keeper" else "resumed" in daemon.log()
+    assert "declared again" in daemon.log() if how == "kill cold" else "resumed" in daemon.log()
     since = "its launch" if how == "takeover" else "the kill"
     print(f"\n{how} on {device}: the new daemon served {serving_after:.2f}s after {since}")

@@ -1,5 +1,5 @@
-"""A request is defined once: the protocol names each request's reply, the server's rooms register one handler per
-request."""
+"""A request is defined once: the protocol names each request's reply, the server's handler classes register one
+handler per request."""
 
 from __future__ import annotations
 
@@ -15,28 +15,28 @@ from hbmd.daemon.server.session import SessionRequests
 pytestmark = pytest.mark.unit
 
 
-def build(*rooms: type) -> Server:
+def build(*classes: type) -> Server:
     class Rebuilt(Server):
-        ROOMS = rooms
+        HANDLER_CLASSES = classes
 
     # The table is checked before anything else is touched: no state, sockets or backend are needed to see it fail.
     return Rebuilt(None, None, lock=threading.Lock())  # type: ignore[arg-type]
 
 
 def test_the_server_handles_every_request_of_the_protocol_once():
-    table = handler_table(Server.ROOMS, proto.requests())
+    table = handler_table(Server.HANDLER_CLASSES, proto.requests())
     assert set(table) == set(proto.requests())
 
 
-def test_each_family_of_requests_is_handled_in_its_own_room():
-    rooms = {kind: room for kind, (room, _) in handler_table(Server.ROOMS, proto.requests()).items()}
-    for kind, room in rooms.items():
+def test_each_family_of_requests_is_handled_in_its_own_module():
+    where = {kind: cls for kind, (cls, _) in handler_table(Server.HANDLER_CLASSES, proto.requests()).items()}
+    for kind, cls in where.items():
         family = kind.__module__.rpartition(".")[2]
-        assert room.__module__ == f"hbmd.daemon.server.{family}", f"{kind.KIND} is handled in {room.__module__}"
+        assert cls.__module__ == f"hbmd.daemon.server.{family}", f"{kind.KIND} is handled in {cls.__module__}"
 
 
 def test_one_handler_answers_both_ways_of_asking_for_a_commit():
-    table = handler_table(Server.ROOMS, proto.requests())
+    table = handler_table(Server.HANDLER_CLASSES, proto.requests())
     assert table[proto.Commit] == table[proto.CommitSegments] == (BufferRequests, "commit")
 
 
@@ -48,7 +48,7 @@ def test_a_server_missing_a_handler_refuses_to_be_built():
         build(AdminRequests, LostCommit, SessionRequests)
 
 
-def test_a_server_missing_a_room_refuses_to_be_built():
+def test_a_server_missing_a_family_refuses_to_be_built():
     with pytest.raises(HandlerTableError, match=r"no handler for session\.reclaim_done"):
         build(AdminRequests, BufferRequests)
 
@@ -88,7 +88,7 @@ def test_a_request_added_to_the_protocol_without_a_handler_is_caught():
         pass
 
     with pytest.raises(HandlerTableError, match=r"Novel|no handler"):
-        handler_table(Server.ROOMS, [*proto.requests(), Novel])
+        handler_table(Server.HANDLER_CLASSES, [*proto.requests(), Novel])
 
 
 def test_a_handler_must_name_a_request():

@@ -9,8 +9,8 @@ step as the daemon does (a :class:`Persistence` synced after each request,
 each chunk parked with an in-process stand-in for systemd's file-descriptor
 store), and now and then restarts: a fresh state restored from the journal
 and the parked descriptors must hold the same sessions, buffers with their
-layouts and chunks, tenants' charges and budget totals, with books that
-balance. The machine then drives the restored state on, as the restarted
+layouts and chunks, tenants' charges and budget totals, with invariants that
+hold. The machine then drives the restored state on, as the restarted
 daemon serves, so that later restarts replay a journal a restore began.
 """
 
@@ -69,7 +69,7 @@ def chunk_layout(chunks: list[Chunk[Any]]) -> list[tuple[int, int, int, str]]:
     return [(c.chunk_id, c.offset, c.size, c.tier) for c in chunks]
 
 
-def books(state: State[Any, Any]) -> dict[str, Any]:
+def accounts(state: State[Any, Any]) -> dict[str, Any]:
     """What a restart must bring back: the sessions it keeps (an observer connects anew), every buffer with its
     layout, chunks and readers, each tenant's charges, and the budget's totals."""
     return {
@@ -302,20 +302,20 @@ class JournalReplay(RuleBasedStateMachine):
     @rule()
     def restart(self):
         """The daemon dies and a new one restores what the journal and the store hold."""
-        before = books(self.state)
+        before = accounts(self.state)
         self.die()
         self.state = self.new_state()
         self.persistence = Persistence(self.state, self.store, self.journal)
         sessions, buffers = self.persistence.restore(self.store.passed())
         assert (sessions, buffers) == (len(before["sessions"]), len(before["buffers"]))
-        after = books(self.state)
+        after = accounts(self.state)
         for part, was in before.items():
             assert after[part] == was, part
 
     # promises
 
     @invariant()
-    def books_balance(self):
+    def invariants_hold(self):
         self.state.check_invariants()
 
     @invariant()

@@ -277,7 +277,7 @@ def test_a_lease_its_session_does_not_give_back_is_not_promised_to_a_retry(daemo
 
 
 def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
-    """Hostile or stale placements on the handle socket: refused one by one, the daemon's books whole."""
+    """Hostile or stale placements on the handle socket: refused one by one, the daemon's accounting whole."""
     t = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
     t.resize_per_segment_(GRANULE)
     leased_at_least(client, 2)
@@ -452,7 +452,7 @@ def test_a_closed_client_leaves_no_descriptor_behind(daemon, spawn_worker):
         """
         import os
         from hbmd.client import ExtensibleTensor, connect
-        from hbmd.daemon.spawn import wait_until
+        from hbmd.testing.spawn import wait_until
 
         def held():
             return len(os.listdir("/proc/self/fd"))

@@ -227,7 +227,7 @@ def test_a_call_in_flight_when_the_daemon_dies_waits_for_it_no_longer_than_the_r
     client.close()
 
 
-def test_after_a_restart_without_a_keeper_the_old_session_is_lost_at_once_and_a_new_one_works(start_daemon, run_dir):
+def test_after_a_cold_restart_the_old_session_is_lost_at_once_and_a_new_one_works(start_daemon, run_dir):
     first = start_daemon("--budget", "256MiB")
     client = first.connect(timeout=10.0)
     token = client.welcome.token

@@ -74,7 +74,7 @@ def test_the_wheel_ships_what_a_node_needs_besides_the_code(tmp_path):
         members = set(wheel.namelist())
     for path in ("hbmd@.service", "hbmd.sysusers.conf", "grafana-dashboard.json", "daemonset.py", "README.md"):
         assert f"hbmd/deploy/{path}" in members, path
-    assert not any(m.startswith(("hbmd/tests/", "hbmd/bench/")) for m in members)
+    assert not any(m.startswith(("hbmd/tests/", "hbmd/bench/", "hbmd/testing/")) for m in members)
 
 
 def test_python_m_hbmd_deploy_says_where_the_files_are():

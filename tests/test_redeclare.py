@@ -1,4 +1,4 @@
-"""A restart with no keeper: the clients declare again what they still map, and the new daemon counts it.
+"""A cold restart: the clients declare again what they still map, and the new daemon counts it.
 
 No systemd FD store and no ``--takeover``: a plain daemon is killed or
 stopped and started again on the same run directory. It knows nothing of the
@@ -50,7 +50,7 @@ def committed(daemon) -> int:
 
 @pytest.mark.parametrize("how", ["kill", "term"])
 @pytest.mark.parametrize("lease", [False, True])
-def test_after_a_restart_with_no_keeper_the_new_daemon_counts_what_the_clients_map(start_daemon, how, lease):
+def test_after_a_cold_restart_the_new_daemon_counts_what_the_clients_map(start_daemon, how, lease):
     daemon = start_daemon("--budget", "256MiB")
     client = daemon.connect(client_name="engine", lease=lease)
     engine = HostEngine(client)
@@ -324,7 +324,7 @@ def test_what_was_declared_again_is_handed_over_to_a_successor_and_goes_on_there
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)
-def test_a_gpu_kv_cache_goes_on_after_a_restart_with_no_keeper_and_its_memory_is_freed_at_the_end(
+def test_a_gpu_kv_cache_goes_on_after_a_cold_restart_and_its_memory_is_freed_at_the_end(
     start_daemon, run_dir
 ):
     args = ("--device", "0", "--budget", "8GiB")

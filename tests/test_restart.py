@@ -8,7 +8,7 @@ import msgpack
 import pytest
 from hbmd.client import ExtensibleTensor, OutOfBudget
 from hbmd.daemon.persist import JOURNAL_VERSION, Journal
-from hbmd.daemon.spawn import DaemonProcess
+from hbmd.testing.spawn import DaemonProcess
 from helpers import MiB, parked_names, wait_until
 
 torch = pytest.importorskip("torch")

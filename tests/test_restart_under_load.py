@@ -8,7 +8,7 @@ successor (``--takeover``), SIGHUPed (a reload) and stopped then started
 again (``systemctl stop``, which drops the FD store but leaves the journal:
 the workers start over and declare what they map, counted again), round
 after round, under the systemd stand-in that keeps its chunks. Every
-daemon checks its books after each batch (``--check-invariants``). Then the same with no keeper: a
+daemon checks its invariants after each batch (``--check-invariants``). Then the same restarted cold: a
 plain daemon SIGKILLed and SIGTERMed and started again on nothing, each
 worker declaring again what it maps. After each restart a peer sends hellos
 the daemon refuses, each naming a tenant of its own: none may be left. At the end the workers report what
@@ -126,19 +126,19 @@ def hellos_refused(daemon, round_: int) -> int:
     return HOSTILE_HELLOS
 
 
-@pytest.mark.parametrize("keeper", [True, False], ids=["kept", "no keeper"])
-def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, spawn_worker, run_dir, systemd, keeper):
+@pytest.mark.parametrize("fd_store", [True, False], ids=["kept", "cold"])
+def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, spawn_worker, run_dir, systemd, fd_store):
     state_dir = run_dir / "state"
     state_dir.mkdir()
-    args = ("--budget", "512MiB", "--state-dir", str(state_dir)) if keeper else ("--budget", "512MiB")
-    kept = {"env": {"NOTIFY_SOCKET": str(systemd.path)}} if keeper else {}
+    args = ("--budget", "512MiB", "--state-dir", str(state_dir)) if fd_store else ("--budget", "512MiB")
+    kept = {"env": {"NOTIFY_SOCKET": str(systemd.path)}} if fd_store else {}
     daemon = start_daemon(*args, **kept)
     baseline_sockets = held(daemon, "socket:")
     workers = [spawn_worker(daemon, f"import sys; sys.argv[1:] = ['{seed}']\n{WORKER}") for seed in range(WORKERS)]
     for worker in workers:
         assert worker.readline().strip() == "ready"
     rng = random.Random(5)
-    kinds = ("kill", "term", "takeover", "hup", "stop") if keeper else ("kill", "term")
+    kinds = ("kill", "term", "takeover", "hup", "stop") if fd_store else ("kill", "term")
     ways = dict.fromkeys(kinds, 0)
     refused = 0
     for round_ in range(ROUNDS):
@@ -159,7 +159,7 @@ def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, sp
                 assert daemon.stop() == 0
             if how == "stop":
                 systemd.drop_store()  # systemctl stop, then start: the journal is back, the chunks are not
-            daemon = start_daemon(*args, **(systemd.relaunch() if keeper else {}))
+            daemon = start_daemon(*args, **(systemd.relaunch() if fd_store else {}))
         refused += hellos_refused(daemon, round_)
         with daemon.connect(observer=True) as look:
             # Every worker is back within the window, by its listener or its next call: resumed, or started over.

@@ -240,7 +240,7 @@ def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_
 def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_exactly(tmp_path, store):
     _systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
-    state.budget.budget_bytes = 1024 * GRANULE
+    state.tenant_table.budget_bytes = 1024 * GRANULE
     buffer = state.create_buffer(session, 512 * GRANULE, 2)
     journal = persistence.journal
     growth = []
@@ -265,7 +265,7 @@ def test_a_restore_holds_one_descriptor_a_chunk_not_two(tmp_path, store):
     # the next chunk is.
     systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
-    state.budget.budget_bytes = 1024 * GRANULE
+    state.tenant_table.budget_bytes = 1024 * GRANULE
     buffer = state.create_buffer(session, 800 * GRANULE, 400, "many", persistent=True)
     state.commit(session, buffer.buffer_id, GRANULE)  # a chunk per segment: 400
     persistence.sync()

@@ -49,7 +49,7 @@ def restartable(start_daemon, run_dir, systemd):
     return Restartable()
 
 
-def books(client):
+def accounts(client):
     """What ``hbmctl status/buffers/sessions`` show, less what moves by itself (time, free memory)."""
     status = client.status()
     sessions = sorted((s.session_id, s.pid, s.tenant, s.committed_bytes, s.num_buffers, s.num_chunks)
@@ -63,14 +63,14 @@ def test_a_restart_keeps_every_session_and_buffer_and_the_next_call_goes_on(rest
     client = restartable.daemon.connect(client_name="engine", lease=lease)
     engine = HostEngine(client)
     with restartable.daemon.connect(observer=True) as look:
-        before = books(look)
+        before = accounts(look)
 
     daemon = restartable.restart(how)
     assert "restored: 1 sessions (resuming within 30s), 2 buffers" in daemon.log()
     assert engine.intact()  # the engine's memory was never unmapped: it reads and writes on while the daemon is away
     wait_until(lambda: "session 1 resumed" in daemon.log())  # the listener took it back before any call
     with daemon.connect(observer=True) as look:
-        assert books(look) == before
+        assert accounts(look) == before
 
     engine.grows_on()  # the next call goes to the new daemon as if nothing happened
     assert client.status().committed_bytes == 24 * MiB + 6 * MiB
@@ -170,7 +170,7 @@ def test_a_daemon_taken_over_hands_every_session_and_buffer_to_its_successor(sta
     weights.full_view()[: 4 * MiB] = 5
     weights.seal()
     with first.connect(observer=True) as look:
-        before = books(look)
+        before = accounts(look)
 
     second = start_daemon("--budget", "256MiB", "--takeover")
     assert first.proc.wait(10) == 0  # it stops once its successor serves
@@ -178,7 +178,7 @@ def test_a_daemon_taken_over_hands_every_session_and_buffer_to_its_successor(sta
     assert "took over from pid" in second.log()
     wait_until(lambda: "session 1 resumed" in second.log())
     with second.connect(observer=True) as look:
-        assert books(look) == before
+        assert accounts(look) == before
     kv.resize_per_segment_(12 * MiB)
     assert int(view[: 8 * MiB].float().mean()) == 7
     reader = ExtensibleTensor.attach("weights", "cpu", client=second.connect(), readonly=True)
@@ -231,7 +231,7 @@ def test_a_gpu_kv_cache_stays_in_place_and_grows_on_across_a_restart(start_daemo
     client = connect("cuda:0", run_dir=run_dir, client_name="gpu-engine")
     cache = GpuKvCache(client)
     with daemon.connect(observer=True) as look:
-        before = books(look)
+        before = accounts(look)
 
     if how == "kill":
         daemon.kill()
@@ -243,7 +243,7 @@ def test_a_gpu_kv_cache_stays_in_place_and_grows_on_across_a_restart(start_daemo
     assert cache.intact()  # the device memory never left this process
     wait_until(lambda: "session 1 resumed" in daemon.log())
     with daemon.connect(observer=True) as look:
-        assert books(look) == before
+        assert accounts(look) == before
     cache.grows_on()
     cache.free()
     assert client.status().committed_bytes == 0

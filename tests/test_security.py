@@ -1,7 +1,7 @@
 """Attacks on a real daemon by its peers and by other users of the machine (see SECURITY.md).
 
 Each test sends the attack to a real ``hbmd`` subprocess and checks that the
-daemon refused it, stayed up with its books balanced, kept its FD count flat
+daemon refused it, stayed up with its invariants holding, kept its FD count flat
 and held no memory outside its budget.
 """
 
@@ -138,7 +138,7 @@ def test_the_daemon_makes_its_files_itself(start_daemon, run_dir):
         assert c.status().budget_bytes == 64 * MiB
 
 
-# What every attack must leave behind: a live daemon, balanced books, no FD and no byte beyond its budget.
+# What every attack must leave behind: a live daemon, invariants holding, no FD and no byte beyond its budget.
 
 
 def daemon_memory(daemon) -> int:
@@ -160,7 +160,7 @@ def assert_intact(daemon, client, fds_before: int, committed: int = 0) -> None:
     assert status.committed_bytes == committed <= status.budget_bytes
     wait_until(lambda: daemon.open_fds() == fds_before, timeout=10)  # a closed peer's sockets go a moment later
     assert daemon_memory(daemon) == committed
-    assert "the books do not balance" not in daemon.log()
+    assert "an invariant does not hold" not in daemon.log()
 
 
 def settled_fds(daemon, client) -> int:
@@ -361,7 +361,7 @@ def test_a_client_name_that_could_forge_log_lines_or_terminal_output_is_refused_
 
 @pytest.mark.parametrize("client_name", [FORGED, "eng\u202eevil", "a" * 129], ids=["escape", "bidi-override", "129"])
 def test_a_refused_hello_naming_a_new_tenant_leaves_no_tenant_behind(daemon, client, client_name):
-    """Each refused hello named a tenant nobody had named: none is recorded, and the checked books still balance."""
+    """Each refused hello named a tenant nobody had named: none is recorded, and the checked invariants still hold."""
     before = [t.name for t in client.status().tenants]
     for n in range(50):
         with pytest.raises(InvalidRequest, match="client name"):

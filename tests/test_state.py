@@ -120,7 +120,7 @@ def test_sessions_are_counted_by_uid_and_workers_by_tenant_as_they_come_and_go(s
     assert state.num_workers == 1
     assert workers_by_tenant() == {"train": 1, "serve": 0}
     assert workers_by_tenant(1001) == {}
-    assert set(state.sessions_room.of_uid) == {1000}
+    assert set(state.session_table.of_uid) == {1000}
     state.check_invariants()
     state.close_session(a)
     assert state.num_workers == 0

@@ -1,9 +1,9 @@
-"""The state's books balance after any sequence of requests, failed ones included.
+"""The state's invariants hold after any sequence of requests, failed ones included.
 
 A hypothesis state machine drives :class:`State` as sessions would (open,
 create, commit, release, defragment both ways, finish, attach, detach, delete,
 free, close, seal, read-only attach and its detach, leases topped up, placed,
-returned and asked back, buffers declared again by clients after a restart with no keeper) over a backend that fails on
+returned and asked back, buffers declared again by clients after a cold restart) over a backend that fails on
 demand in ``create`` and ``export``, and checks :meth:`State.check_invariants` after every step, plus two promises of
 its own: a refused request changes nothing, and no chunk the backend made is
 leaked or released twice.
@@ -334,7 +334,7 @@ class StateMachine(RuleBasedStateMachine):
           fraction=st.floats(0, 1), split=st.booleans(), kind=st.sampled_from(["anonymous", "persistent", "reader"]),
           honest=st.integers(0, 3))
     def redeclare(self, data, capacities, fraction, split, kind, honest):
-        """What a client maps after a restart with no keeper, declared again: mostly a true layout, at times a name
+        """What a client maps after a cold restart, declared again: mostly a true layout, at times a name
         declared already (a reader joining, or a conflict), at times chunks that do not tile it."""
         session = self.session(data)
         sizes = [int(c * fraction) for c in capacities]
@@ -390,7 +390,7 @@ class StateMachine(RuleBasedStateMachine):
     # promises
 
     @invariant()
-    def books_balance(self):
+    def invariants_hold(self):
         self.state.check_invariants()
 
     @invariant()
@@ -414,7 +414,7 @@ StateMachine.TestCase.settings = settings(
 TestStateMachine = StateMachine.TestCase
 
 
-def test_check_invariants_notices_books_that_do_not_balance():
+def test_check_invariants_notices_counts_that_do_not_add_up():
     state = State(FlakyBackend(), BUDGET)
     session = state.open_session(1, 1000, 100, "w", "")
     buffer = state.create_buffer(session, 8 * GRANULE, 2)

@@ -1,6 +1,7 @@
 """Many tenants: admission, status and shutdown cost no more with a config of ten thousand (issue 42, item 4).
 
-``bench/tenants_bench.py`` has the figures; these tests hold the books and the promises a caller with a timeout sees.
+``bench/tenants_bench.py`` has the figures; these tests hold the accounting and the promises a caller with a
+timeout sees.
 """
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ def test_the_running_total_of_unmet_guarantees_follows_commits_frees_and_reloads
     config = parse_config(config_of('name = "a"\nguaranteed = "32MiB"', 'name = "b"\nguaranteed = "16MiB"'),
                           total_bytes=1 << 40, budget_bytes=BUDGET)
     state = State(HostBackend(), BUDGET, config, lease_bytes=0)
-    assert state.budget.unmet_guarantees == 48 * MiB == unmet_sum(state)
+    assert state.tenant_table.unmet_guarantees == 48 * MiB == unmet_sum(state)
 
     a = state.open_session(1, 1000, 1000, "", "a")
     first = commit(state, a, 20 * MiB)
-    assert state.budget.unmet_guarantees == 28 * MiB
+    assert state.tenant_table.unmet_guarantees == 28 * MiB
     commit(state, a, 20 * MiB)  # past its guarantee: nothing more held for it
-    assert state.budget.unmet_guarantees == 16 * MiB
+    assert state.tenant_table.unmet_guarantees == 16 * MiB
     state.free(a, first.buffer_id)
-    assert state.budget.unmet_guarantees == 28 * MiB  # 12 MiB short of its guarantee again
+    assert state.tenant_table.unmet_guarantees == 28 * MiB  # 12 MiB short of its guarantee again
     state.check_invariants()
 
     # a's guarantee raised, b's dropped, c added with one: the total is the new config's.
@@ -58,14 +59,14 @@ def test_the_running_total_of_unmet_guarantees_follows_commits_frees_and_reloads
         config_of('name = "a"\nguaranteed = "64MiB"', 'name = "c"\nguaranteed = "8MiB"'),
         total_bytes=1 << 40, budget_bytes=BUDGET,
     ))
-    assert state.budget.unmet_guarantees == 44 * MiB + 8 * MiB == unmet_sum(state)
+    assert state.tenant_table.unmet_guarantees == 44 * MiB + 8 * MiB == unmet_sum(state)
     assert "b" not in state.tenants
     other = state.open_session(2, 1001, 1001, "", "")
     with pytest.raises(OutOfBudget) as refused:
         commit(state, other, BUDGET - 20 * MiB - 50 * MiB)
     assert refused.value.details["held"] == 52 * MiB  # what admission holds back is the running total
     state.close_session(a)
-    assert state.budget.unmet_guarantees == 72 * MiB == unmet_sum(state)
+    assert state.tenant_table.unmet_guarantees == 72 * MiB == unmet_sum(state)
     state.check_invariants()
 
 
@@ -78,7 +79,7 @@ def test_a_refused_reload_leaves_the_running_total_as_it_was():
     with pytest.raises(ConfigError, match="guaranteed minimums need"):
         state.reconfigure(parse_config(config_of('name = "a"\nguaranteed = "64MiB"'), total_bytes=1 << 40,
                                        budget_bytes=BUDGET))
-    assert state.budget.unmet_guarantees == 32 * MiB == unmet_sum(state)
+    assert state.tenant_table.unmet_guarantees == 32 * MiB == unmet_sum(state)
     state.check_invariants()
 
 
@@ -120,7 +121,7 @@ def test_the_running_total_stays_the_sum_over_random_commits_frees_leases_and_re
                 state.return_lease(session, list(session.lease))
         except (OutOfBudget, ConfigError):
             pass
-        assert state.budget.unmet_guarantees == unmet_sum(state), f"step {step}"
+        assert state.tenant_table.unmet_guarantees == unmet_sum(state), f"step {step}"
         state.check_invariants()
 
 
@@ -133,7 +134,7 @@ def test_only_the_tenants_in_use_are_made_listed_and_demoted():
     bulk = state.open_session(2, 1000, 1000, "", "bulk")
     state.open_session(3, 1000, 1000, "", "")
     assert [t.name for t in state.tenant_infos()] == ["batch", "bulk", "uid:1000"]
-    assert [t.name for t in state.budget.demotable()] == ["bulk", "batch"]  # "spare" has nothing to demote
+    assert [t.name for t in state.tenant_table.demotable()] == ["bulk", "batch"]  # "spare" has nothing to demote
     state.close_session(batch)
     state.close_session(bulk)
     assert list(state.tenants) == ["uid:1000"]  # forgotten with their last session: made again with their limits

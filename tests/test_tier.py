@@ -371,7 +371,7 @@ def test_workers_killed_mid_demote_and_promote_lose_no_byte_and_leak_nothing(tie
     print(f"\ntier kill loop: rounds={KILL_ROUNDS}, {physical >> 20} MiB checked each round, bytes lost=0")
 
 
-def test_a_restart_with_no_keeper_declares_a_demoted_buffer_in_the_host_tier(start_daemon):
+def test_a_cold_restart_declares_a_demoted_buffer_in_the_host_tier(start_daemon):
     flags = ("--budget", "64MiB", *TIER)
     daemon = start_daemon(*flags)
     client = daemon.connect(client_name="engine", lease=False)
@@ -390,7 +390,7 @@ def test_a_restart_with_no_keeper_declares_a_demoted_buffer_in_the_host_tier(sta
 
 
 @pytest.mark.parametrize("to_tier", ["host", "device"])
-def test_a_restart_with_no_keeper_between_a_moves_remap_and_its_finish_declares_the_new_tier(start_daemon, to_tier,
+def test_a_cold_restart_between_a_moves_remap_and_its_finish_declares_the_new_tier(start_daemon, to_tier,
                                                                                              monkeypatch):
     flags = ("--budget", "64MiB", *TIER)
     daemon = start_daemon(*flags)

@@ -200,7 +200,7 @@ def test_vllm_commits_no_more_than_the_daemon_admits(hbmd_cache, daemon):
     kv.free()
 
 
-@pytest.mark.parametrize("how", ["takeover", "kill", "kill with no keeper"])
+@pytest.mark.parametrize("how", ["takeover", "kill", "kill cold"])
 def test_vllms_kv_cache_goes_on_across_a_daemon_restart(vllm_on_hbmd, start_daemon, run_dir, systemd, monkeypatch, how):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -217,7 +217,7 @@ def test_vllms_kv_cache_goes_on_across_a_daemon_restart(vllm_on_hbmd, start_daem
     if how == "kill":
         daemon.kill()
         daemon = start_daemon(*args, **systemd.relaunch())
-    elif how == "kill with no keeper":
+    elif how == "kill cold":
         daemon.kill()
         daemon = start_daemon("--budget", "256MiB")  # it knows nothing: the worker declares what it maps
     else:

@@ -75,16 +75,16 @@ class CudaArena:
 class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
     """One GPU's memory. ``warm_chunks`` granules are kept created and exported ahead of time.
 
-    The export sentinel: the driver exports a POSIX FD and closes one in about
-    0.6 and 0.5 ms while no exported FD is open anywhere on the machine, and
-    in 30-50 and 10-17 us while any is (H200, driver 580; ``bench/export_probe.py``
-    measures it). So the daemon keeps one exported granule's FD open for its
-    whole life, taken out of the budget like the warm pool, and every export
-    and every client's close on the node take the fast path from the first
-    commit on (``export_sentinel=False`` turns it off, for measuring).
+    The export sentinel: the driver exports and closes a POSIX FD an order of
+    magnitude faster while any exported FD is open anywhere on the machine
+    than while none is (``bench/export_probe.py`` measures both). So the
+    daemon keeps one exported granule's FD open for its whole life, taken out
+    of the budget like the warm pool, and every export and every client's
+    close on the node take the fast path from the first commit on
+    (``export_sentinel=False`` turns it off, for measuring).
 
     Exporting a POSIX FD costs about as much as everything else in a small
-    commit (0.5-0.7 ms on the H200), so single-granule runs, the common case
+    commit, so single-granule runs, the common case
     of block-by-block growth, take a warm chunk when one is there; the
     server tops the pool up while idle (the host pool fills on a thread of its own).
     """
@@ -169,7 +169,7 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
         return chunk.export()
 
     def release(self, arena: CudaArena, chunk: CudaChunk) -> None:
-        """A host-tier chunk goes to the host pool's thread: unpinning its pages takes ~20 ms a GiB."""
+        """A host-tier chunk goes to the host pool's thread: unpinning its pages is slow."""
         if chunk.host_bytes:
             self._host_pool.give_back(chunk, chunk.host_bytes)
         else:
@@ -199,7 +199,7 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
 
         The check imports the FD, reads the allocation's properties and maps
         it in a scratch range of the daemon's (no context needed), then lets
-        the import go: ~150 µs on an H200, while the client waits for its zeroing.
+        the import go, while the client waits for its zeroing.
         """
         try:
             handle = driver.import_fd(fd)

@@ -25,7 +25,7 @@ keeps chunk counts, and so mappings per commit, small.
 
 The host tier (demoted buffers) is a second memfd pool of the same kind of
 chunks, charged to the host budget instead of the device's: on this backend
-both tiers are RAM, so what it tests is the protocol, the books and the
+both tiers are RAM, so what it tests is the protocol, the accounting and the
 copies, as the CUDA backend runs them with host-NUMA memory.
 """
 

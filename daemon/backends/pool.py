@@ -1,8 +1,7 @@
 """The host pool: host-tier chunks made ahead of demotes, and given back after promotes, by a thread of its own.
 
-Pinned host memory is slow to make and to give back (a GiB of host-NUMA
-memory took 217-278 ms to make on the H200, SPEC "host-NUMA VMM memory",
-and ~20 ms to release): a demote that made its chunks then would wait on
+Pinned host memory is slow to make and to give back (SPEC.md, "host-NUMA
+VMM memory"): a demote that made its chunks then would wait on
 that, not on its copy, and so would a promote's finish that released them.
 So each backend keeps pieces of :data:`HOST_PIECE` bytes made ahead of need
 (a demote is cut into such pieces, ``Chunks.make_runs``), and the host-tier
@@ -40,7 +39,7 @@ log = logging.getLogger("hbmd.pool")
 
 HOST_PIECE = 256 << 20
 """Bytes of one pooled piece: a 64 GiB demote maps 256 of them, and a run's last, shorter piece is made on demand
-(at most 255 MiB, ~60 ms on the H200)."""
+(at most 255 MiB)."""
 
 QUIET_S = 2.0
 """How long after the last move the thread waits before it works: an engine going to sleep moves its buffers one after

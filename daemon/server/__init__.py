@@ -1,12 +1,12 @@
-"""The daemon's sockets: the ZeroMQ control plane and the Unix handle plane, in rooms a reader finds by name.
+"""The daemon's sockets: the ZeroMQ control plane and the Unix handle plane: one module per job, named for it.
 
 - ``loop.py``: :class:`Server`, the lifecycle (bind, publish, run, stop,
   close), the poll loop and the dispatch of control requests; what runs on
   which thread, and under which lock.
-- ``registry.py``: request rooms, ``@handles`` and the handler table the
+- ``registry.py``: the request handler classes, ``@handles`` and the handler table the
   daemon checks before it starts.
 - ``buffers.py``, ``session.py``, ``admin.py``: the request handlers, one
-  room per protocol family as in ``hbmd.proto``; ``session.py`` also sends
+  class per protocol family as in ``hbmd.proto``; ``session.py`` also sends
   what the daemon tells sessions unasked (reclaims, lease grants and revokes).
 - ``handles.py``: the handle plane: accept, ``SO_PEERCRED``, pidfds, the
   hello, the datagrams clients send (leased granules placed and returned),
@@ -22,9 +22,9 @@
 from .admin import MAX_TENANTS_LISTED
 from .control import MAX_QUEUED_PER_PEER
 from .handles import HELLO_TIMEOUT_S, MAX_PENDING_HELLOS_PER_UID
-from .loop import AlreadyRunning, BooksUnbalanced, Server
+from .loop import AlreadyRunning, InvariantViolated, Server
 from .outbox import MAX_FDS_IN_FLIGHT, MAX_FDS_IN_FLIGHT_PER_UID, MAX_QUEUED_BATCHES
-from .registry import HandlerTableError, RequestRoom, handler_table, handles
+from .registry import HandlerTableError, RequestHandlers, handler_table, handles
 
 __all__ = [
     "HELLO_TIMEOUT_S",
@@ -35,9 +35,9 @@ __all__ = [
     "MAX_QUEUED_PER_PEER",
     "MAX_TENANTS_LISTED",
     "AlreadyRunning",
-    "BooksUnbalanced",
     "HandlerTableError",
-    "RequestRoom",
+    "InvariantViolated",
+    "RequestHandlers",
     "Server",
     "handler_table",
     "handles",

@@ -26,7 +26,7 @@ from hbmd.proto.units import format_bytes
 from ..backends import A, C
 from ..state import Session
 from .connection import HandleConnection
-from .registry import RequestRoom, handles
+from .registry import RequestHandlers, handles
 
 log = logging.getLogger("hbmd.server.admin")
 
@@ -34,7 +34,7 @@ MAX_TENANTS_LISTED = 1000
 """Tenants in one status reply: it must stay far below the frame limit however many names clients declare."""
 
 
-class AdminRequests(RequestRoom[A, C]):
+class AdminRequests(RequestHandlers[A, C]):
     """What ``hbmctl`` asks: the instance's status, its sessions and buffers, and a reclaim from a session."""
 
     @handles(Status)
@@ -67,7 +67,7 @@ class AdminRequests(RequestRoom[A, C]):
             tenants=sorted(tenants[:MAX_TENANTS_LISTED], key=lambda t: t.name),
             tenants_left_out=max(0, len(tenants) - MAX_TENANTS_LISTED),
             admissible_bytes=state.admissible_for(me),
-            held_for_guarantees_bytes=state.budget.held_for_others(me.tenant),
+            held_for_guarantees_bytes=state.tenant_table.held_for_others(me.tenant),
             credit_bytes=sum(s.credit for s in state.workers),
             held_back_bytes=backend.held_back_bytes(),
             leased_bytes=state.leased_bytes,

@@ -38,12 +38,12 @@ from hbmd.proto.units import format_bytes
 from ..backends import A, C
 from ..state import Answer, Buffer, Chunk
 from .connection import HandleConnection
-from .registry import RequestRoom, handles
+from .registry import RequestHandlers, handles
 
 log = logging.getLogger("hbmd.server.buffers")
 
 
-class BufferRequests(RequestRoom[A, C]):
+class BufferRequests(RequestHandlers[A, C]):
     """A session's buffers: their life from create to free, and persistent ones shared across sessions."""
 
     @handles(CreateBuffer)
@@ -94,7 +94,7 @@ class BufferRequests(RequestRoom[A, C]):
 
     @handles(Redeclare)
     def redeclare(self, conn: HandleConnection[A, C], request_id: int, msg: Redeclare) -> BufferCreated:
-        """Record a buffer the client still maps after a restart with no keeper; its memory counts from now on."""
+        """Record a buffer the client still maps after a cold restart; its memory counts from now on."""
         buffer = self.state.redeclare(
             conn.opened_session, msg.buffer_id, msg.segment_capacities, msg.segment_sizes,
             [(c.offset, c.size) for c in msg.chunks],

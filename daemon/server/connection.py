@@ -114,9 +114,8 @@ class Descriptors:
     The loop's ZeroMQ poll watches the epoll's own descriptor, not each of
     them: pyzmq builds its list of poll items afresh on every call and reads
     every item's result after it, so a turn of the loop cost time in
-    proportion to the sessions connected, twice (on the host backend the
-    daemon's CPU per status with 100 sessions was 178-188 µs before, 119-124
-    µs after, ``bench/host_bench.py --cases status_by_sessions``). The epoll
+    proportion to the sessions connected, twice
+    (``bench/host_bench.py --cases status_by_sessions`` measures it). The epoll
     answers with the ready descriptors only. Level-triggered, as ``poll``:
     what a turn leaves unread is ready again at the next.
 

@@ -3,9 +3,8 @@
 A ROUTER hands over its connections' requests in turn, one per connection:
 a process that opened 64 control connections and kept costly requests in
 flight on each had 63 of them answered before a peer with one connection
-had its next (the engine's calls p50 61-474 ms, p99 0.4-1.5 s; p99 0.6-2.2 s
-where the flooder was another uid: ``tests/test_flood.py``, "commits on 64
-connections"). So the loop reads what waits on the ROUTER into a queue per
+had its next (``tests/test_flood.py``, "commits on 64 connections", times an
+engine's calls meanwhile; SECURITY.md has the figures). So the loop reads what waits on the ROUTER into a queue per
 peer, the process at the other end of the connection as the kernel names it
 (``SO_PEERCRED``, which libzmq hands on as a message's ``Peer-Address``,
 ``…:uid:gid:pid``), and answers in turns: the uids with requests waiting take
@@ -38,13 +37,13 @@ at once: a flood's requests are refused, and cost the daemon no more memory than
 UNREAD_PER_CONNECTION = 8
 """Requests ZeroMQ reads ahead on one control connection (the ROUTER's ``RCVHWM``; libzmq's default is 1000): past
 them it leaves the connection's socket unread and the sender waits. A flood of 60,000-segment commits on 64
-connections took the daemon to a peak RSS of 3.5-5.9 GiB with the default, 136 MiB at most with this
-(``tests/test_flood.py`` prints it)."""
+connections takes the daemon's RSS to gigabytes with the default, not with this (``tests/test_flood.py`` prints
+its peak)."""
 READ_PER_TURN_S = 0.02
 """Seconds spent reading the ROUTER in one turn of the loop at most (one request at least). A turn reads a request of
-each connection that has one, as the ROUTER hands them over, and stops when a connection comes round again: 60-70 µs
-of CPU a 60,000-segment commit read and refused on the 2-core CI machine, 4 ms for a 64-connection flood of them, so
-this bounds only floods of some 300 connections or more."""
+each connection that has one, as the ROUTER hands them over, and stops when a connection comes round again: a turn
+over a 64-connection flood of the largest commits stays well within it, so this bounds only floods of some hundreds of
+connections."""
 
 
 Requests = collections.deque[tuple[bytes, list[bytes]]]
@@ -76,8 +75,9 @@ def leading_request_id(payload: bytes) -> int:
     it is not there.
 
     ``hbmd.proto.peek_request_id`` skips every other entry to honour an id
-    repeated after the body, which takes 0.5 ms for a 60,000-segment commit:
-    a refusal of a flood's request reads 16 bytes instead.
+    repeated after the body, which costs in proportion to the body (a
+    commit of many segments): a refusal of a flood's request reads 16 bytes
+    instead.
     """
     unpacker = msgpack.Unpacker(raw=False)
     unpacker.feed(payload[:16])
@@ -116,8 +116,7 @@ class ControlQueue:
         ends = time.perf_counter() + READ_PER_TURN_S
         seen: set[bytes] = set()
         # The poll saw a request: the first is read at once. After each the socket is asked whether another waits
-        # rather than read: a read of an empty socket raises zmq.Again, half again as dear as asking (5.6 against 3.8 µs
-        # on the 2-core CI machine).
+        # rather than read: a read of an empty socket raises zmq.Again, dearer than asking.
         while True:
             try:
                 # The first frame uncopied, for its peer's credentials; the rest of a message comes with it.

@@ -506,7 +506,7 @@ class HandlePlane(Generic[A, C]):
         self._by_session[session.session_id] = conn
         if session.wants_lease:
             self._placing.register(conn.sock.fileno(), select.EPOLLIN)
-        note = "" if resumed else self.state.budget.unconfigured(conn.uid, hello.tenant, session.tenant)
+        note = "" if resumed else self.state.tenant_table.unconfigured(conn.uid, hello.tenant, session.tenant)
         if note:
             # A peer can declare names at will: a line per uid per interval.
             self._warnings.warning(f"tenant-{conn.uid}", "session %d (pid %d): %s", session.session_id, conn.pid, note)

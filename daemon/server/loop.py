@@ -67,7 +67,7 @@ from .control import UNREAD_PER_CONNECTION, ControlQueue
 from .handles import HELLO_TIMEOUT_S, HandlePlane
 from .outbox import DRAIN_CHECK_S
 from .ratelimit import RateLimitedLog
-from .registry import RequestRoom, handler_table
+from .registry import RequestHandlers, handler_table
 from .session import SessionNotices, SessionRequests
 
 if TYPE_CHECKING:  # an optional collaborator: prometheus_client loads only when metrics are asked for
@@ -99,15 +99,15 @@ class AlreadyRunning(RuntimeError):
     """Another daemon holds the instance's lock."""
 
 
-class BooksUnbalanced(RuntimeError):
-    """The state's books do not balance (``check_invariants``): a bug in the daemon, which must stop serving."""
+class InvariantViolated(RuntimeError):
+    """An invariant of the state does not hold (``check_invariants``): a bug in the daemon, which must stop serving."""
 
 
 class Server(Generic[A, C]):
     """Serves one :class:`State` on one instance directory until :meth:`stop`."""
 
-    ROOMS: tuple[type[RequestRoom], ...] = (AdminRequests, BufferRequests, SessionRequests)
-    """The request handlers, one room per protocol family; together they answer every request once."""
+    HANDLER_CLASSES: tuple[type[RequestHandlers], ...] = (AdminRequests, BufferRequests, SessionRequests)
+    """The request handlers, one class per protocol family; together they answer every request once."""
 
     def __init__(
         self,
@@ -126,11 +126,11 @@ class Server(Generic[A, C]):
 
         ``lock`` is held while the loop touches the state, so a metrics scrape
         or a config reload on another thread sees it whole. ``check_invariants``:
-        check the state's books after every batch of events, and stop with
-        :class:`BooksUnbalanced` where they do not balance (tests). ``resume_window_s``: how long sessions
+        check the state's invariants after every batch of events, and stop with
+        :class:`InvariantViolated` where they do not balance (tests). ``resume_window_s``: how long sessions
         handed over to a successor wait for their clients (here too, should it fail).
         """
-        table = handler_table(self.ROOMS, requests())
+        table = handler_table(self.HANDLER_CLASSES, requests())
         self.state = state
         self.paths = paths
         self.group = group
@@ -161,12 +161,12 @@ class Server(Generic[A, C]):
         self._poller.register(self._plane.descriptors.fileno(), zmq.POLLIN)
         self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane, journal)
         self._refusals = RateLimitedLog(log)
-        rooms = {room: room(state, self._plane) for room in self.ROOMS}
-        buffer_requests = rooms[BufferRequests]
+        handlers = {cls: cls(state, self._plane) for cls in self.HANDLER_CLASSES}
+        buffer_requests = handlers[BufferRequests]
         assert isinstance(buffer_requests, BufferRequests)
         self._buffer_requests = buffer_requests
         self._handlers: dict[type[Request], Callable[..., Message]] = {
-            kind: getattr(rooms[room], name) for kind, (room, name) in table.items()
+            kind: getattr(handlers[cls], name) for kind, (cls, name) in table.items()
         }
 
     # lifecycle
@@ -255,7 +255,7 @@ class Server(Generic[A, C]):
         self._stopping = True
 
     def run(self) -> None:
-        """Serve until :meth:`stop`; raises :class:`BooksUnbalanced` as soon as ``check_invariants`` finds them so."""
+        """Serve until :meth:`stop`; raises :class:`InvariantViolated` as soon as ``check_invariants`` finds them so."""
         idle_work = True
         while not self._stopping:
             busy = idle_work or self._waiting or self._requests or self.state.top_ups_due
@@ -277,7 +277,7 @@ class Server(Generic[A, C]):
                     self._answer_waiting()
                 self._look_after_sessions()
                 if self.check_invariants and events:
-                    self._check_books()
+                    self._check_invariants()
                 if self.persistence is not None:
                     self.persistence.sync()
                 idle_work = self._idle() if not events else True
@@ -401,11 +401,11 @@ class Server(Generic[A, C]):
             self._notices.send_promotes(now)
         self._notices.serve_leases()
 
-    def _check_books(self) -> None:
+    def _check_invariants(self) -> None:
         try:
             self.state.check_invariants()
         except AssertionError as exc:
-            raise BooksUnbalanced(str(exc)) from exc
+            raise InvariantViolated(str(exc)) from exc
 
     def _idle(self) -> bool:
         """One step of the backend's background work (the warm pool, the host pool); False when done or failing."""

@@ -1,4 +1,4 @@
-"""Which method answers which request: request rooms, the ``@handles`` mark, and the table checked before the daemon
+"""Which method answers which request: request classes, the ``@handles`` mark, and the table checked before the daemon
 starts."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class HandlerTableError(RuntimeError):
     """The server's handlers and the protocol's requests do not match one to one: the daemon must not start."""
 
 
-class RequestRoom(Generic[A, C]):
+class RequestHandlers(Generic[A, C]):
     """The handlers of one protocol family: the state they serve and the handle plane their sessions are on."""
 
     def __init__(self, state: State[A, C], plane: HandlePlane[A, C]) -> None:
@@ -28,7 +28,7 @@ class RequestRoom(Generic[A, C]):
 
 
 def handles(*kinds: type[Request]) -> Callable[[Handler], Handler]:
-    """Mark a method of a :class:`RequestRoom` as the handler of each request in ``kinds``.
+    """Mark a method of a :class:`RequestHandlers` as the handler of each request in ``kinds``.
 
     The method is called as ``(conn, request_id, msg)`` and returns the
     request's ``Reply``; one method may answer several requests of one
@@ -45,24 +45,24 @@ def handles(*kinds: type[Request]) -> Callable[[Handler], Handler]:
     return mark
 
 
-def handler_table(rooms: Iterable[type], request_kinds: list[type[Request]]) -> dict[type[Request], tuple[type, str]]:
-    """The room and method name handling each request kind, checked against ``request_kinds``.
+def handler_table(classes: Iterable[type], request_kinds: list[type[Request]]) -> dict[type[Request], tuple[type, str]]:
+    """The class and method name handling each request kind, checked against ``request_kinds``.
 
     Raises :class:`HandlerTableError` when a request has no handler, a handler
     handles something that is not a request, or two handle the same one.
     """
     table: dict[type[Request], tuple[type, str]] = {}
-    for room in rooms:
-        for name in dir(room):
-            for kind in getattr(getattr(room, name), "handles", ()):
-                where = f"{room.__name__}.{name}"
+    for cls in classes:
+        for name in dir(cls):
+            for kind in getattr(getattr(cls, name), "handles", ()):
+                where = f"{cls.__name__}.{name}"
                 if not (isinstance(kind, type) and issubclass(kind, Request)) or kind not in request_kinds:
                     raise HandlerTableError(f"{where} handles {kind!r}, which is not a request of the protocol")
                 if kind in table:
-                    first_room, first_name = table[kind]
-                    first = f"{first_room.__name__}.{first_name}"
+                    first_class, first_name = table[kind]
+                    first = f"{first_class.__name__}.{first_name}"
                     raise HandlerTableError(f"{kind.KIND} is handled twice: by {first} and {where}")
-                table[kind] = (room, name)
+                table[kind] = (cls, name)
     missing = [kind.KIND for kind in request_kinds if kind not in table]
     if missing:
         raise HandlerTableError(f"the server has no handler for {', '.join(missing)}")

@@ -22,7 +22,7 @@ from ..backends import A, C
 from ..state import State
 from .connection import HandleConnection
 from .handles import HandlePlane
-from .registry import RequestRoom, handles
+from .registry import RequestHandlers, handles
 
 log = logging.getLogger("hbmd.server.session")
 
@@ -33,7 +33,7 @@ up at once (engines starting together), making all their granules in one turn he
 for tens of milliseconds."""
 
 
-class SessionRequests(RequestRoom[A, C]):
+class SessionRequests(RequestHandlers[A, C]):
     """A session's answer to a reclaim request it was sent."""
 
     @handles(ReclaimDone)

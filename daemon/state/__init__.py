@@ -1,7 +1,7 @@
 """The daemon's state: sessions, buffers, chunks, leases and the budget.
 
 Plain data and arithmetic over a :class:`Backend`; nothing here knows about
-sockets. Each concern has a room of its own, and :class:`State` is the one
+sockets. Each concern has a module of its own, and :class:`State` is the one
 façade the server calls:
 
 - ``records``: the data (sessions, buffers, chunks, tenants, reclaims);
@@ -11,7 +11,7 @@ façade the server calls:
 - ``buffers``: buffers, their chunks, persistent names, seals and readers;
 - ``leases``: granules made ahead of need and placed by clients;
 - ``chunks``: where chunks are made and released with the backend;
-- ``invariants``: whether the books balance.
+- ``invariants``: whether the counts agree with the records they count.
 
 Every request either completes or raises with the state unchanged, with one
 exception the caller asks for: a discarding defragment that cannot make its
@@ -89,11 +89,13 @@ class State(Generic[A, C]):
         advances without waiting)."""
         self.backend = backend
         self.limits = limits
-        self.budget = Tenants(budget_bytes, config or Config(), host_budget_bytes)
+        self.tenant_table = Tenants(budget_bytes, config or Config(), host_budget_bytes)
         self.chunks: Chunks[A, C] = Chunks(backend)
-        self.sessions_room = Sessions(limits, reclaim_patience_s)
-        self.buffers_room: Buffers[A, C] = Buffers(backend, self.chunks, self.budget, limits, self)
-        self.leases: Leases[A, C] = Leases(backend, self.chunks, self.budget, lease_bytes, lease_idle_s, credit_bytes)
+        self.session_table = Sessions(limits, reclaim_patience_s)
+        self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self)
+        self.leases: Leases[A, C] = Leases(
+            backend, self.chunks, self.tenant_table, lease_bytes, lease_idle_s, credit_bytes
+        )
         self.demote_idle_s = demote_idle_s
         self.clock = clock
         self.started_at = time.monotonic()
@@ -106,51 +108,51 @@ class State(Generic[A, C]):
 
     @property
     def sessions(self) -> dict[int, Session]:
-        return self.sessions_room.by_id
+        return self.session_table.by_id
 
     @property
     def buffers(self) -> dict[int, Buffer[A, C]]:
-        return self.buffers_room.by_id
+        return self.buffer_table.by_id
 
     @property
     def persistent(self) -> dict[tuple[int, str], Buffer[A, C]]:
-        return self.buffers_room.persistent
+        return self.buffer_table.persistent
 
     @property
     def tenants(self) -> dict[str, Tenant]:
-        return self.budget.by_name
+        return self.tenant_table.by_name
 
     @property
     def config(self) -> Config:
-        return self.budget.config
+        return self.tenant_table.config
 
     @property
     def budget_bytes(self) -> int:
-        return self.budget.budget_bytes
+        return self.tenant_table.budget_bytes
 
     @property
     def committed_bytes(self) -> int:
-        return self.budget.committed_bytes
+        return self.tenant_table.committed_bytes
 
     @property
     def leased_bytes(self) -> int:
-        return self.budget.leased_bytes
+        return self.tenant_table.leased_bytes
 
     @property
     def host_budget_bytes(self) -> int:
-        return self.budget.host_budget_bytes
+        return self.tenant_table.host_budget_bytes
 
     @property
     def host_bytes(self) -> int:
-        return self.budget.host_bytes
+        return self.tenant_table.host_bytes
 
     @property
     def reserved_bytes(self) -> int:
-        return self.buffers_room.reserved_bytes
+        return self.buffer_table.reserved_bytes
 
     @property
     def num_chunks(self) -> int:
-        return self.buffers_room.num_chunks
+        return self.buffer_table.num_chunks
 
     @property
     def orphans(self) -> list[Buffer[A, C]]:
@@ -159,24 +161,24 @@ class State(Generic[A, C]):
 
     @property
     def workers(self) -> list[Session]:
-        return self.sessions_room.workers
+        return self.session_table.workers
 
     @property
     def num_workers(self) -> int:
-        return self.sessions_room.num_workers
+        return self.session_table.num_workers
 
     @property
     def reclaim_patience_s(self) -> float:
-        return self.sessions_room.reclaim_patience_s
+        return self.session_table.reclaim_patience_s
 
     @property
     def changed(self) -> set[int] | None:
         """Persistent buffers changed since the persistence layer last synced (None: nobody tracks them)."""
-        return self.buffers_room.changed
+        return self.buffer_table.changed
 
     @changed.setter
     def changed(self, value: set[int] | None) -> None:
-        self.buffers_room.changed = value
+        self.buffer_table.changed = value
 
     @property
     def revokes_due(self) -> list[tuple[Session, list[int]]]:
@@ -184,12 +186,12 @@ class State(Generic[A, C]):
 
     @property
     def reclaims_due(self) -> list[tuple[Session, Reclaim]]:
-        return self.sessions_room.reclaims_due
+        return self.session_table.reclaims_due
 
     # sessions
 
     def tenant_for(self, uid: int, declared: str) -> Tenant:
-        return self.budget.resolve(uid, declared)
+        return self.tenant_table.resolve(uid, declared)
 
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False,
@@ -197,13 +199,13 @@ class State(Generic[A, C]):
     ) -> Session:
         """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
         ``PermissionDenied`` for a tenant it may not declare."""
-        charged = self.budget.resolve(uid, tenant)
+        charged = self.tenant_table.resolve(uid, tenant)
         wants_lease = lease and not observer and self.leases.granules > 0
         with Undo() as undo:
             # Held first, so that a hello refused below lets go of a tenant it named and nothing else held.
-            self.budget.hold(charged)
-            undo.push(self.budget.let_go, charged)
-            session = self.sessions_room.open(pid, uid, gid, client_name, charged, admin, observer, wants_lease)
+            self.tenant_table.hold(charged)
+            undo.push(self.tenant_table.let_go, charged)
+            session = self.session_table.open(pid, uid, gid, client_name, charged, admin, observer, wants_lease)
         session.grown_at = self.clock()
         session.wants_credit = credit and not observer and self.leases.credit_max > 0
         return session
@@ -211,35 +213,35 @@ class State(Generic[A, C]):
     def restore_session(self, session: Session, lease: list[Chunk[C]], credit: int, resume_by: float) -> None:
         """Take back a session journaled before a restart (its tenant recorded by name on it) with its leased granules
         and credit; it waits for its client until ``resume_by``."""
-        session.tenant = self.budget.named(session.tenant.name)
-        self.sessions_room.restore(session, resume_by)
+        session.tenant = self.tenant_table.named(session.tenant.name)
+        self.session_table.restore(session, resume_by)
         session.grown_at = self.clock()
-        self.budget.hold(session.tenant)
+        self.tenant_table.hold(session.tenant)
         self.leases.adopt(session, lease, credit)
 
     def resume_session(self, session_id: int, uid: int, pid: int, credential: str) -> Session:
         """A restored session back with its client; see :meth:`Sessions.resume`."""
-        return self.sessions_room.resume(session_id, uid, pid, credential)
+        return self.session_table.resume(session_id, uid, pid, credential)
 
     def suspend_session(self, session: Session, resume_by: float) -> None:
-        self.sessions_room.suspend(session, resume_by)
+        self.session_table.suspend(session, resume_by)
 
     def issue_credential(self, session: Session) -> str:
-        return self.sessions_room.issue_credential(session)
+        return self.session_table.issue_credential(session)
 
     def unresumed_sessions(self, now: float, gone: Callable[[int], bool]) -> list[Session]:
-        return self.sessions_room.unresumed(now, gone)
+        return self.session_table.unresumed(now, gone)
 
     def session_for(self, token: str) -> Session:
-        return self.sessions_room.for_token(token)
+        return self.session_table.for_token(token)
 
     def close_session(self, session: Session) -> int:
         """End a session: its lease and read claims go, its anonymous buffers are freed, its persistent ones
         orphaned (mid-defragment keeping the old chunks, which hold the data). Returns the bytes freed."""
         self.leases.end_session(session)
-        freed = self.buffers_room.end_session(session)
-        self.sessions_room.forget(session)
-        self.budget.let_go(session.tenant)
+        freed = self.buffer_table.end_session(session)
+        self.session_table.forget(session)
+        self.tenant_table.let_go(session.tenant)
         return freed
 
     # buffers
@@ -250,7 +252,7 @@ class State(Generic[A, C]):
     ) -> Buffer[A, C]:
         """A buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities`` (summing to
         ``capacity``)."""
-        return self.buffers_room.create(
+        return self.buffer_table.create(
             session, capacity, num_segments, segment_capacities, name, persistent, shareable
         )
 
@@ -263,11 +265,11 @@ class State(Generic[A, C]):
         counts whatever the budget: it is there already."""
         buffer = Buffer(
             buffer_id=buffer_id, name=name, persistent=persistent, shareable=shareable, owner=owner,
-            owner_uid=owner_uid, tenant=self.budget.named(tenant), capacity=capacity,
+            owner_uid=owner_uid, tenant=self.tenant_table.named(tenant), capacity=capacity,
             reserved=round_up(capacity, self.backend.granularity), segment_capacities=capacities, arena=arena,
             segment_sizes=sizes, chunks=chunks, pending=pending, sealed=sealed,
         )
-        self.buffers_room.adopt(buffer)
+        self.buffer_table.adopt(buffer)
         if owner is not None:
             owner.buffers[buffer_id] = buffer
         for session_id, claims in readers.items():
@@ -282,7 +284,7 @@ class State(Generic[A, C]):
         chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool, readonly: bool,
         tier: str = TIER_DEVICE,
     ) -> Buffer[A, C]:
-        """A buffer the session's process still maps, declared again after a restart with no keeper; see
+        """A buffer the session's process still maps, declared again after a cold restart; see
         :meth:`Buffers.redeclare`. Refused (``PermissionDenied``) but on a session whose process started over, before
         it asks for anything else (:attr:`Session.declaring`)."""
         if not session.declaring:
@@ -290,33 +292,33 @@ class State(Generic[A, C]):
                 "buffers are declared again only by a session whose process found its own gone after a restart, "
                 "before any other request"
             )
-        return self.buffers_room.redeclare(session, previous_id, capacities, sizes, chunks, name, persistent,
+        return self.buffer_table.redeclare(session, previous_id, capacities, sizes, chunks, name, persistent,
                                            shareable, sealed, readonly, tier)
 
     def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""
-        buffer = self.buffers_room.of(session, buffer_id)
-        self.buffers_room.check_handed_out(buffer)
+        buffer = self.buffer_table.of(session, buffer_id)
+        self.buffer_table.check_handed_out(buffer)
         return buffer
 
     def buffer_of(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        return self.buffers_room.of(session, buffer_id)
+        return self.buffer_table.of(session, buffer_id)
 
     def commit(self, session: Session, buffer_id: int, sizes: int | list[int]) -> list[Chunk[C]]:
         """Grow each segment's committed prefix to ``sizes[i]`` (an int: the same for all); returns the new chunks.
 
         A commit a lease could have served tells the lease it was short.
         """
-        created = self.buffers_room.commit(session, buffer_id, sizes)
+        created = self.buffer_table.commit(session, buffer_id, sizes)
         self.leases.note_demand(session, created)
         session.grown_at = self.clock()
         return created
 
     def defragment(self, session: Session, buffer_id: int, preserve: bool) -> list[Chunk[C]]:
-        return self.buffers_room.defragment(session, buffer_id, preserve)
+        return self.buffer_table.defragment(session, buffer_id, preserve)
 
     def finish_defragment(self, session: Session, buffer_id: int, keep_new: bool) -> int:
-        return self.buffers_room.finish_defragment(session, buffer_id, keep_new)
+        return self.buffer_table.finish_defragment(session, buffer_id, keep_new)
 
     def move(self, session: Session, buffer_id: int, tier: str) -> list[Chunk[C]]:
         """Demote the buffer to the host tier or promote it back; see :meth:`Buffers.move`.
@@ -325,7 +327,7 @@ class State(Generic[A, C]):
         for it: marked now, with the move, for the room it makes can be given
         away before the answer comes, and a restart in between would lose it.
         """
-        chunks = self.buffers_room.move(session, buffer_id, tier)
+        chunks = self.buffer_table.move(session, buffer_id, tier)
         reclaim = session.reclaim
         if chunks and tier == TIER_HOST and reclaim is not None and reclaim.demote and reclaim.released_bytes is None:
             session.demoted_under_pressure = True
@@ -334,32 +336,32 @@ class State(Generic[A, C]):
     def idle(self) -> bool:
         """A step of the backend's background work, its host pool kept within the host budget's room and paused while
         a move (or a preserving defragment) is in flight."""
-        return self.backend.idle(self.budget.host_room(), self.buffers_room.pending_bytes > 0)
+        return self.backend.idle(self.tenant_table.host_room(), self.buffer_table.pending_bytes > 0)
 
     def release(self, session: Session, buffer_id: int) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""
-        return self.buffers_room.release_all(self.buffers_room.changeable(session, buffer_id))
+        return self.buffer_table.release_all(self.buffer_table.changeable(session, buffer_id))
 
     def free(self, session: Session, buffer_id: int) -> int:
         """Drop the buffer (a sealed one only once nobody reads it). Returns the bytes freed."""
-        buffer = self.buffers_room.of(session, buffer_id)
-        self.buffers_room.check_unread(buffer, self._pids())
-        return self.buffers_room.drop(buffer)
+        buffer = self.buffer_table.of(session, buffer_id)
+        self.buffer_table.check_unread(buffer, self._pids())
+        return self.buffer_table.drop(buffer)
 
     def attach(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
-        return self.buffers_room.attach(session, name, uneven_ok)
+        return self.buffer_table.attach(session, name, uneven_ok)
 
     def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        return self.buffers_room.seal(session, buffer_id)
+        return self.buffer_table.seal(session, buffer_id)
 
     def attach_reader(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
-        return self.buffers_room.attach_reader(session, name, uneven_ok)
+        return self.buffer_table.attach_reader(session, name, uneven_ok)
 
     def detach_reader(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        return self.buffers_room.detach_reader(session, buffer_id)
+        return self.buffer_table.detach_reader(session, buffer_id)
 
     def detach(self, session: Session, buffer_id: int) -> int:
-        return self.buffers_room.detach(session, buffer_id)
+        return self.buffer_table.detach(session, buffer_id)
 
     def delete(self, session: Session, name: str, owner_uid: int = -1) -> tuple[int, int]:
         """Free an orphaned persistent buffer by name: the session's user's, or for an admin ``owner_uid``'s.
@@ -370,9 +372,9 @@ class State(Generic[A, C]):
         uid = session.uid if owner_uid == -1 else owner_uid
         if uid != session.uid and not session.admin:
             raise PermissionDenied("only an admin may delete another user's persistent buffer")
-        buffer = self.buffers_room.orphan(uid, name)
-        self.buffers_room.check_unread(buffer, self._pids())
-        return buffer.buffer_id, self.buffers_room.drop(buffer)
+        buffer = self.buffer_table.orphan(uid, name)
+        self.buffer_table.check_unread(buffer, self._pids())
+        return buffer.buffer_id, self.buffer_table.drop(buffer)
 
     def _pids(self) -> dict[int, int]:
         return {s.session_id: s.pid for s in self.sessions.values()}
@@ -419,10 +421,10 @@ class State(Generic[A, C]):
         The granules must be exactly the ones the growth needs, each a chunk
         of the session's lease; otherwise nothing changes.
         """
-        buffer = self.buffers_room.growable(session, buffer_id)
+        buffer = self.buffer_table.growable(session, buffer_id)
         self.leases.check_placement(session, buffer, sizes, chunk_ids, offsets)
-        runs = self.buffers_room.growth(buffer, sizes)
-        self.buffers_room.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
+        runs = self.buffer_table.growth(buffer, sizes)
+        self.buffer_table.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
         session.grown_at = self.clock()
         return buffer
 
@@ -443,10 +445,10 @@ class State(Generic[A, C]):
         One chunk per run the growth needs, each shown by the backend to be
         what it claims; otherwise nothing changes.
         """
-        buffer = self.buffers_room.growable(session, buffer_id)
+        buffer = self.buffer_table.growable(session, buffer_id)
         self.leases.check_segments(buffer_id, sizes)
-        runs = self.buffers_room.growth(buffer, sizes)
-        self.buffers_room.grow(buffer, sizes, self.leases.bind(session, buffer, runs, offsets, chunk_sizes, fds))
+        runs = self.buffer_table.growth(buffer, sizes)
+        self.buffer_table.grow(buffer, sizes, self.leases.bind(session, buffer, runs, offsets, chunk_sizes, fds))
         session.grown_at = self.clock()
         return buffer
 
@@ -464,8 +466,11 @@ class State(Generic[A, C]):
     def ask_back_lease(self, session: Session) -> None:
         self.leases.ask_back(session)
 
-    def ask_back_all_leases(self) -> None:
-        self.refused(None)
+    def ask_back_all_leases(self, but: Session | None = None) -> None:
+        """Ask every session but ``but`` for its unplaced granules, and lease them none until they commit again."""
+        for session in self.sessions.values():
+            if session is not but:
+                self.leases.ask_back(session)
 
     def ask_back_idle_leases(self, now: float) -> None:
         self.leases.ask_back_idle(list(self.sessions.values()), now)
@@ -480,9 +485,7 @@ class State(Generic[A, C]):
         does so at once): it is leased nothing more meanwhile, or a top-up
         would take the room its retry needs.
         """
-        for session in self.sessions.values():
-            if session is not requester:
-                self.leases.ask_back(session)
+        self.ask_back_all_leases(but=requester)
         if requester is not None:
             self.leases.hold_off(requester)
 
@@ -500,9 +503,9 @@ class State(Generic[A, C]):
         (:data:`DEMOTE_IDLE_S`).
         """
         now = self.refused_at = self.clock()
-        needed = min(needed, self.budget.host_room())
+        needed = min(needed, self.tenant_table.host_room())
         asked = 0
-        for other in self.budget.demotable():
+        for other in self.tenant_table.demotable():
             if other is tenant:
                 continue
             for session in sorted(self.sessions.values(), key=lambda s: s.session_id):
@@ -523,7 +526,7 @@ class State(Generic[A, C]):
     def short(self, tenant: Tenant, needed: int) -> None:
         """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""
         self.refused(None)
-        for other, excess in self.budget.over_guarantee():
+        for other, excess in self.tenant_table.over_guarantee():
             if other is tenant:
                 continue
             for session in self.sessions.values():
@@ -558,39 +561,39 @@ class State(Generic[A, C]):
     def request_reclaim(self, session: Session, requested_bytes: int, reason: str, demote: bool = False) -> Reclaim:
         """Record a request that ``session`` give ``requested_bytes`` back (its lease first; ``demote``: demote them to
         the host tier); the server delivers it."""
-        reclaim = self.sessions_room.request_reclaim(session, requested_bytes, reason, self.clock(), demote)
+        reclaim = self.session_table.request_reclaim(session, requested_bytes, reason, self.clock(), demote)
         self.leases.ask_back(session)
         return reclaim
 
     def reclaim_answered(self, session: Session, reclaim_id: int, released_bytes: int) -> None:
-        self.sessions_room.reclaim_answered(session, reclaim_id, released_bytes)
+        self.session_table.reclaim_answered(session, reclaim_id, released_bytes)
 
     # the budget
 
     def admissible_for(self, session: Session) -> int:
         """Budget left for ``session``: what a commit of it would be admitted for now; its own lease counts as room
         (it is given up for it)."""
-        return self.budget.admissible(session.tenant) + session.leased_bytes
+        return self.tenant_table.admissible(session.tenant) + session.leased_bytes
 
     def reconfigure(self, config: Config) -> None:
         """Make ``config`` the daemon's (``ConfigError`` and nothing changed where it cannot be honoured); leases
         granted under the old limits are asked back."""
-        self.budget.reconfigure(config)
+        self.tenant_table.reconfigure(config)
         self.ask_back_all_leases()
 
     # inspection
 
     def session_info(self, session: Session) -> SessionInfo:
-        return self.sessions_room.info(session)
+        return self.session_table.info(session)
 
     def tenant_infos(self, uid: int | None = None) -> list[TenantInfo]:
         """Every tenant in use by name, or with ``uid`` only those its sessions and buffers are charged to."""
         names = None
         if uid is not None:
-            names = {s.tenant.name for s in self.sessions_room.of_uid.get(uid, {}).values()}
-            names |= {b.tenant.name for b in self.buffers_room.of_uid.get(uid, {}).values()}
-        return self.budget.infos(names, self.sessions_room.workers_of)
+            names = {s.tenant.name for s in self.session_table.of_uid.get(uid, {}).values()}
+            names |= {b.tenant.name for b in self.buffer_table.of_uid.get(uid, {}).values()}
+        return self.tenant_table.infos(names, self.session_table.workers_of)
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` naming the first thing in the books that does not add up."""
+        """Raise ``AssertionError`` naming the first count that does not agree with what it counts."""
         check_invariants(self)

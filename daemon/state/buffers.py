@@ -107,7 +107,7 @@ class Buffers(Generic[A, C]):
         """Buffers changed (chunks, owner, readers, seal; or dropped) since the persistence layer last journaled them
         (None: nobody is tracking, and nothing is recorded)."""
 
-    # the books
+    # accounting
 
     def account(self, buffer: Buffer[A, C], mapped: int = 0, pending: int = 0, tier: str = TIER_DEVICE) -> None:
         """A buffer's mapped and pending chunks in ``tier`` changed by these bytes: its record, its tenant's, the
@@ -206,7 +206,7 @@ class Buffers(Generic[A, C]):
     def redeclare(self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
                   chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool,
                   readonly: bool, tier: str = TIER_DEVICE) -> Buffer[A, C]:
-        """A buffer its client still maps, declared again after the daemon restarted with no keeper.
+        """A buffer its client still maps, declared again after the daemon restarted cold.
 
         The chunks (``(offset, size)``) are recorded as held elsewhere, and
         their bytes admitted and charged as a commit of them would be. A
@@ -679,7 +679,7 @@ class Buffers(Generic[A, C]):
         """Refuse to drop a sealed buffer that sessions still read (``pids``: each session id's pid, to name them).
 
         Their mappings would keep the pages alive outside the budget (and
-        the daemon's books), so the buffer goes only once its readers have
+        the daemon's accounting), so the buffer goes only once its readers have
         let go: they detach or end.
         """
         if not buffer.readers:

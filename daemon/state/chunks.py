@@ -19,9 +19,9 @@ from .records import Chunk
 log = logging.getLogger("hbmd.state")
 
 
-class Keeper(Protocol):
-    """Who keeps chunks alive across a restart of the daemon (``daemon/persist.py``): told of each one made and
-    released."""
+class FdStore(Protocol):
+    """The service manager's file-descriptor store, which keeps chunks alive across a restart of the daemon
+    (``daemon/persist.py``): told of each chunk made and released."""
 
     def made(self, chunk: Chunk[Any], arena: Any) -> None: ...
 
@@ -34,15 +34,15 @@ class Chunks(Generic[A, C]):
     def __init__(self, backend: Backend[A, C]) -> None:
         self.backend = backend
         self.next_id = 1
-        self.keeper: Keeper | None = None
+        self.fd_store: FdStore | None = None
 
     def make(self, arena: A, offset: int, size: int, tier: str = TIER_DEVICE) -> Chunk[C]:
         """One chunk of ``size`` bytes at ``offset`` in ``tier``; raises as the backend does
         (``OutOfDeviceMemory``...)."""
         chunk = Chunk(self.next_id, offset, size, self.backend.create(arena, offset, size, tier), tier=tier)
         self.next_id += 1
-        if self.keeper is not None:
-            self.keeper.made(chunk, arena)
+        if self.fd_store is not None:
+            self.fd_store.made(chunk, arena)
         return chunk
 
     def accept(self, arena: A, offset: int, size: int, fd: int) -> Chunk[C]:
@@ -50,8 +50,8 @@ class Chunks(Generic[A, C]):
         ``InvalidRequest`` where it is not what it claims); from now on as if made here."""
         chunk = Chunk(self.next_id, offset, size, self.backend.accept(arena, size, fd))
         self.next_id += 1
-        if self.keeper is not None:
-            self.keeper.made(chunk, arena)
+        if self.fd_store is not None:
+            self.fd_store.made(chunk, arena)
         return chunk
 
     def take_id(self) -> int:
@@ -86,8 +86,8 @@ class Chunks(Generic[A, C]):
         chunk.live = False
         if chunk.handle is None:
             return  # held by the processes that map it: their unmapping frees it
-        if self.keeper is not None:
-            self.keeper.released(chunk)
+        if self.fd_store is not None:
+            self.fd_store.released(chunk)
         try:
             self.backend.release(arena, chunk.handle)
         except (HbmdError, OSError):

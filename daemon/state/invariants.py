@@ -1,4 +1,4 @@
-"""Whether the state's books balance: the checker the tests and ``--check-invariants`` run."""
+"""Whether the state's invariants hold: the checker the tests and ``--check-invariants`` run."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def check_invariants(state: State[Any, Any]) -> None:
         total += _check_buffer(state, buffer, chunk_ids)
         host += buffer.host_bytes
         pending += buffer.pending_bytes
-    require(state.buffers_room.pending_bytes == pending,
-            f"pending {state.buffers_room.pending_bytes} != {pending} in buffers' pending chunks")
+    require(state.buffer_table.pending_bytes == pending,
+            f"pending {state.buffer_table.pending_bytes} != {pending} in buffers' pending chunks")
     require(state.host_bytes == host, f"host tier {state.host_bytes} != {host} in buffers' host chunks")
     require(sum(t.host_bytes for t in state.tenants.values()) == host, f"tenants' host bytes do not add up to {host}")
     require(len(state.persistent) == sum(b.persistent for b in state.buffers.values()), "stale persistent names")
@@ -49,10 +49,10 @@ def check_invariants(state: State[Any, Any]) -> None:
     require(state.reserved_bytes == reserved, f"reserved {state.reserved_bytes} != {reserved} in buffers")
     chunks = sum(len(b.chunks) for b in state.buffers.values())
     require(state.num_chunks == chunks, f"{state.num_chunks} chunks counted, {chunks} in buffers")
-    for uid, held in state.buffers_room.of_uid.items():
+    for uid, held in state.buffer_table.of_uid.items():
         require(bool(held) and all(b.owner_uid == uid and state.buffers.get(i) is b for i, b in held.items()),
                 f"the buffers of uid {uid} do not match the buffers")
-    require(sum(map(len, state.buffers_room.of_uid.values())) == len(state.buffers), "a buffer missing from its uid's")
+    require(sum(map(len, state.buffer_table.of_uid.values())) == len(state.buffers), "a buffer missing from its uid's")
     _check_session_counts(state)
     for session in state.sessions.values():
         for buffer in session.buffers.values():
@@ -70,15 +70,15 @@ def check_invariants(state: State[Any, Any]) -> None:
 
 
 def _check_session_counts(state: State[Any, Any]) -> None:
-    room = state.sessions_room
-    for uid, held in room.of_uid.items():
+    table = state.session_table
+    for uid, held in table.of_uid.items():
         require(bool(held) and all(s.uid == uid and state.sessions.get(i) is s for i, s in held.items()),
                 f"the sessions of uid {uid} do not match the sessions")
-    require(sum(map(len, room.of_uid.values())) == len(state.sessions), "a session missing from its uid's")
+    require(sum(map(len, table.of_uid.values())) == len(state.sessions), "a session missing from its uid's")
     workers: dict[str, int] = {}
-    for session in room.workers:
+    for session in table.workers:
         workers[session.tenant.name] = workers.get(session.tenant.name, 0) + 1
-    require(room.workers_of == workers, f"workers per tenant counted {room.workers_of}, {workers} connected")
+    require(table.workers_of == workers, f"workers per tenant counted {table.workers_of}, {workers} connected")
 
 
 def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: set[int]) -> int:
@@ -172,10 +172,10 @@ def _check_tenants(state: State[Any, Any]) -> None:
     # A configured tenant nobody uses is owed its whole guarantee.
     unmet = sum(max(0, limits.guaranteed_bytes - (tenants[limits.name].used_bytes if limits.name in tenants else 0))
                 for limits in state.config.tenants)
-    require(state.budget.unmet_guarantees == unmet,
-            f"unmet guarantees counted {state.budget.unmet_guarantees}, {unmet} in the config's tenants")
+    require(state.tenant_table.unmet_guarantees == unmet,
+            f"unmet guarantees counted {state.tenant_table.unmet_guarantees}, {unmet} in the config's tenants")
     for tenant in tenants.values():
-        limits = state.budget.limits(tenant.name)
+        limits = state.tenant_table.limits(tenant.name)
         require(tenant.holders == holders.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.holders} holders")
         require(tenant.holders > 0, f"tenant {tenant.name!r} is kept for nobody")
         require(tenant.leased_bytes == leased.get(tenant.name, 0),

@@ -1,6 +1,6 @@
 """What the daemon records: chunks, tenants, sessions, buffers and reclaim requests.
 
-Plain data. The rooms beside this module own the rules that change it:
+Plain data. The modules beside this one own the rules that change it:
 ``tenants`` the budget, ``sessions`` who is connected, ``buffers`` the
 buffers and their chunks, ``leases`` the granules made ahead of need.
 """
@@ -54,8 +54,8 @@ class Chunk(Generic[C]):
     offset: int
     size: int
     handle: C | None
-    """None: the chunk is held only by the processes that map it (declared by its client after a restart of the
-    daemon with no keeper): the daemon counts it, but can neither hand it out nor free its memory."""
+    """None: the chunk is held only by the processes that map it (declared by its client after a cold restart of
+    the daemon, nothing holding its memory): the daemon counts it, but can neither hand it out nor free its memory."""
     live: bool = True
     """False once released: a queued export of it must not happen."""
     tier: str = TIER_DEVICE
