@@ -1,7 +1,10 @@
-"""The takeover channel: a real listener and a real taker, in threads or forked processes, over a real socket."""
+"""The takeover channel: a real listener and a real taker, in threads, forked processes or a fresh interpreter, over a
+real socket."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import re
 import select
@@ -83,6 +86,13 @@ def memfds(count: int) -> list[tuple[str, int]]:
     return chunks
 
 
+def in_a_fresh_process(body: Callable[..., None], *args: object) -> None:
+    """Run ``body(*args)`` in a new interpreter, its assertions raised here: there no thread of an earlier test opens or
+    closes descriptors meanwhile, so the process's own count of them is exact."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        pool.apply(body, args)
+
+
 def fork(children: list[int], body: Callable[[], str]) -> tuple[int, int]:
     """Run ``body`` in a forked child; ``(pid, read end of a pipe)`` that carries what it returns, or its error."""
     read_end, write_end = os.pipe()
@@ -118,8 +128,10 @@ def outcome_of(pid: int, read_end: int) -> tuple[str, int]:
     return b"".join(chunks).decode(), status
 
 
-def test_a_large_state_and_1000_fds_arrive_whole_and_the_old_daemon_may_exit(listener, socket_path):
+def hand_over_a_large_state(socket_path: Path) -> None:
     before = open_count()
+    listener = TakeoverListener(MAJOR, request_timeout=REQUEST_TIMEOUT_S)
+    listener.bind(socket_path)
     state = os.urandom(8 * MiB + 12345)
     chunks = memfds(1000)
     with ThreadPoolExecutor(1) as pool:
@@ -145,10 +157,17 @@ def test_a_large_state_and_1000_fds_arrive_whole_and_the_old_daemon_may_exit(lis
         os.close(fd)
     for _, fd in chunks:
         os.close(fd)
-    assert open_count() <= before  # fewer where an earlier test's client threads closed theirs meanwhile
+    listener.close()
+    assert open_count() == before
 
 
-def test_wait_serving_is_false_when_the_new_daemon_abandons(listener, socket_path):
+def test_a_large_state_and_1000_fds_arrive_whole_and_the_old_daemon_may_exit(socket_path):
+    in_a_fresh_process(hand_over_a_large_state, socket_path)
+
+
+def abandon_a_handover(socket_path: Path) -> None:
+    listener = TakeoverListener(MAJOR, request_timeout=REQUEST_TIMEOUT_S)
+    listener.bind(socket_path)
     chunks = memfds(3)
     before = open_count()
     with ThreadPoolExecutor(1) as pool:
@@ -166,6 +185,11 @@ def test_wait_serving_is_false_when_the_new_daemon_abandons(listener, socket_pat
     assert open_count() == before  # abandon closed the two nobody took
     for _, fd in chunks:
         os.close(fd)
+    listener.close()
+
+
+def test_wait_serving_is_false_when_the_new_daemon_abandons(socket_path):
+    in_a_fresh_process(abandon_a_handover, socket_path)
 
 
 def test_a_daemon_of_another_protocol_major_is_refused(listener, socket_path):
@@ -231,7 +255,7 @@ def test_hand_over_refuses_a_name_given_twice_before_sending_anything(listener, 
     os.close(fd)
 
 
-def test_an_old_daemon_that_dies_mid_handover_leaves_no_fd_open(socket_path, children, monkeypatch):
+def take_over_from_an_old_daemon_that_dies_mid_handover(socket_path: Path) -> None:
     ready_read, ready_write = os.pipe()
 
     def old_daemon() -> str:
@@ -248,30 +272,40 @@ def test_an_old_daemon_that_dies_mid_handover_leaves_no_fd_open(socket_path, chi
             send_batch(names, fds)
             batches_sent += 1
 
-        pending._send_batch = send_two_batches_then_die
+        pending._send_batch = send_two_batches_then_die  # type: ignore[method-assign]
         pending.hand_over(os.urandom(MiB), memfds(1000), timeout=10)
         return "handed over whole"
 
+    children: list[int] = []
     pid, outcome = fork(children, old_daemon)
-    assert os.read(ready_read, 64) == b"listening"
-    closed: list[int] = []
-    close_all = takeover._close_all
+    try:
+        assert os.read(ready_read, 64) == b"listening"
+        closed: list[int] = []
+        close_all = takeover._close_all
 
-    def counting_close_all(fds):
-        closed.extend(fds)
-        close_all(fds)
+        def counting_close_all(fds):
+            closed.extend(fds)
+            close_all(fds)
 
-    monkeypatch.setattr(takeover, "_close_all", counting_close_all)
-
-    before = open_count()
-    with pytest.raises(TakeoverError, match="closed the connection before the file descriptors"):
-        take_over(socket_path, MAJOR, 10)
-    assert open_count() == before
-    assert len(closed) == 2 * 253  # what the two batches brought, closed again
-    _, status = outcome_of(pid, outcome)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        takeover._close_all = counting_close_all  # this process is the test's alone
+        before = open_count()
+        with pytest.raises(TakeoverError, match="closed the connection before the file descriptors"):
+            take_over(socket_path, MAJOR, 10)
+        assert open_count() == before
+        assert len(closed) == 2 * 253  # what the two batches brought, closed again
+        _, status = outcome_of(pid, outcome)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    finally:
+        with contextlib.suppress(ChildProcessError):  # reaped already where the test got that far
+            if os.waitpid(pid, os.WNOHANG) == (0, 0):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
     os.close(ready_read)
     os.close(ready_write)
+
+
+def test_an_old_daemon_that_dies_mid_handover_leaves_no_fd_open(socket_path):
+    in_a_fresh_process(take_over_from_an_old_daemon_that_dies_mid_handover, socket_path)
 
 
 def become_nobody() -> None:
@@ -349,8 +383,8 @@ HOSTILE_OLD_DAEMONS = {
 }
 
 
-@pytest.mark.parametrize("messages_of, complaint", HOSTILE_OLD_DAEMONS.values(), ids=HOSTILE_OLD_DAEMONS.keys())
-def test_what_a_hostile_old_daemon_declares_is_checked_and_no_fd_stays_open(socket_path, messages_of, complaint):
+def take_over_from_a_hostile_old_daemon(socket_path: Path, hostile_kind: str) -> None:
+    messages_of, complaint = HOSTILE_OLD_DAEMONS[hostile_kind]
     hostile = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     hostile.bind(os.fspath(socket_path))
     hostile.listen()
@@ -377,3 +411,8 @@ def test_what_a_hostile_old_daemon_declares_is_checked_and_no_fd_stays_open(sock
     assert open_count() == before
     hostile.close()
     os.close(fd)
+
+
+@pytest.mark.parametrize("hostile_kind", HOSTILE_OLD_DAEMONS)
+def test_what_a_hostile_old_daemon_declares_is_checked_and_no_fd_stays_open(socket_path, hostile_kind):
+    in_a_fresh_process(take_over_from_a_hostile_old_daemon, socket_path, hostile_kind)
