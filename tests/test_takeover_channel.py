@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import multiprocessing.pool
 import os
 import re
 import select
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from hbmd.daemon import takeover
@@ -38,6 +40,7 @@ MAJOR = 1
 REQUEST_TIMEOUT_S = 0.5
 CHILD_TIMEOUT_S = 20
 NOBODY = 65534
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -51,21 +54,6 @@ def listener(socket_path: Path):
     listener.bind(socket_path)
     yield listener
     listener.close()
-
-
-@pytest.fixture
-def children():
-    """Forked children; any still running at teardown is killed."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass  # reaped by the test
-        except ProcessLookupError:
-            pass
 
 
 def accept_within(listener: TakeoverListener, timeout: float = 5.0) -> PendingTakeover | None:
@@ -86,14 +74,19 @@ def memfds(count: int) -> list[tuple[str, int]]:
     return chunks
 
 
-def in_a_fresh_process(body: Callable[..., None], *args: object) -> None:
-    """Run ``body(*args)`` in a new interpreter, its assertions raised here: there no thread of an earlier test opens or
-    closes descriptors meanwhile, so the process's own count of them is exact."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        pool.apply(body, args)
+def fresh_processes() -> multiprocessing.pool.Pool:
+    """A pool of one new interpreter: no thread of an earlier test opens or closes descriptors there, so the process's
+    own count of them is exact, and it may fork or change its uid without touching pytest's."""
+    return multiprocessing.get_context("spawn").Pool(1)
 
 
-def fork(children: list[int], body: Callable[[], str]) -> tuple[int, int]:
+def in_a_fresh_process(body: Callable[..., T], *args: object) -> T:
+    """``body(*args)`` run in :func:`fresh_processes`, its assertions raised here."""
+    with fresh_processes() as pool:
+        return pool.apply(body, args)
+
+
+def fork(body: Callable[[], str]) -> tuple[int, int]:
     """Run ``body`` in a forked child; ``(pid, read end of a pipe)`` that carries what it returns, or its error."""
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -103,18 +96,17 @@ def fork(children: list[int], body: Callable[[], str]) -> tuple[int, int]:
             os.close(read_end)
             outcome = body()
             status = 0
-        except BaseException as exc:  # a forked child reports any failure, never returns into pytest
+        except BaseException as exc:  # a forked child reports any failure, never returns into its caller
             outcome = f"{type(exc).__name__}: {exc}"
         finally:
             os.write(write_end, outcome.encode())
             os._exit(status)
-    children.append(pid)
     os.close(write_end)
     return pid, read_end
 
 
 def outcome_of(pid: int, read_end: int) -> tuple[str, int]:
-    """What the child wrote and its wait status, within :data:`CHILD_TIMEOUT_S` (the fixture kills it after)."""
+    """What the child wrote and its wait status, within :data:`CHILD_TIMEOUT_S` (its caller kills it after)."""
     poller = select.poll()
     poller.register(read_end, select.POLLIN)
     deadline = time.monotonic() + CHILD_TIMEOUT_S
@@ -276,8 +268,7 @@ def take_over_from_an_old_daemon_that_dies_mid_handover(socket_path: Path) -> No
         pending.hand_over(os.urandom(MiB), memfds(1000), timeout=10)
         return "handed over whole"
 
-    children: list[int] = []
-    pid, outcome = fork(children, old_daemon)
+    pid, outcome = fork(old_daemon)
     try:
         assert os.read(ready_read, 64) == b"listening"
         closed: list[int] = []
@@ -308,55 +299,57 @@ def test_an_old_daemon_that_dies_mid_handover_leaves_no_fd_open(socket_path):
     in_a_fresh_process(take_over_from_an_old_daemon_that_dies_mid_handover, socket_path)
 
 
-def become_nobody() -> None:
+def as_nobody(body: Callable[..., str], *args: object) -> str:
+    """``body(*args)`` as uid nobody, in the fresh process it runs in: what it returns, or its error as text."""
     os.setgroups([])
     os.setgid(NOBODY)
     os.setuid(NOBODY)
+    try:
+        return body(*args)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
-def taking_over_as_nobody(socket_path: Path) -> Callable[[], str]:
-    def body() -> str:
-        become_nobody()
-        take_over(socket_path, MAJOR, 5)
-        return "took over"
+def take_over_once(socket_path: Path) -> str:
+    take_over(socket_path, MAJOR, 5)
+    return "took over"
 
-    return body
+
+def ask_to_take_over(socket_path: Path) -> str:
+    """A taker's first message, sent by hand: what the listener answers."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(5)
+        sock.connect(os.fspath(socket_path))
+        sock.send(packb({"takeover": takeover.WIRE_VERSION, "protocol": MAJOR}))
+        return unpackb(sock.recv(4096))["refused"]
 
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running a taker as another uid needs root")
 
 
 @needs_root
-def test_another_user_cannot_even_connect(listener, socket_path, run_dir, children):
+def test_another_user_cannot_even_connect(listener, socket_path, run_dir):
     os.chmod(run_dir, 0o711)  # nobody may reach the socket; only its mode stands in the way
     assert stat.S_IMODE(os.stat(socket_path).st_mode) == 0o600
-    text, status = outcome_of(*fork(children, taking_over_as_nobody(socket_path)))
+    text = in_a_fresh_process(as_nobody, take_over_once, socket_path)
     assert text == f"TakeoverError: cannot connect to {socket_path}: Permission denied"
-    assert os.WEXITSTATUS(status) == 1
 
 
 @needs_root
-def test_a_peer_of_another_uid_is_refused_through_a_socket_left_open(listener, socket_path, run_dir, children):
+def test_a_peer_of_another_uid_is_refused_through_a_socket_left_open(listener, socket_path, run_dir):
     os.chmod(run_dir, 0o711)
     os.chmod(socket_path, 0o666)  # as a careless hand might: the kernel's word on the peer's uid still decides
 
-    def ask_as_nobody() -> str:
-        become_nobody()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-            sock.settimeout(5)
-            sock.connect(os.fspath(socket_path))
-            sock.send(packb({"takeover": takeover.WIRE_VERSION, "protocol": MAJOR}))
-            return unpackb(sock.recv(4096))["refused"]
-
-    pid, outcome = fork(children, ask_as_nobody)
-    assert accept_within(listener) is None
-    assert outcome_of(pid, outcome) == (f"uid {NOBODY} is not this daemon's uid 0", 0)
+    with fresh_processes() as pool:
+        asking = pool.apply_async(as_nobody, (ask_to_take_over, socket_path))
+        assert accept_within(listener) is None
+        assert asking.get(CHILD_TIMEOUT_S) == f"uid {NOBODY} is not this daemon's uid 0"
 
     # The taker asks the kernel too: a daemon of another uid is not one to take state and FDs from.
-    pid, outcome = fork(children, taking_over_as_nobody(socket_path))
-    assert accept_within(listener) is None
-    text, _ = outcome_of(pid, outcome)
-    assert text.endswith(f"may not hand over: uid 0 is not this daemon's uid {NOBODY}")
+    with fresh_processes() as pool:
+        taking = pool.apply_async(as_nobody, (take_over_once, socket_path))
+        assert accept_within(listener) is None
+        assert taking.get(CHILD_TIMEOUT_S).endswith(f"may not hand over: uid 0 is not this daemon's uid {NOBODY}")
 
 
 def offer(state_bytes: object, fds: object) -> bytes:
