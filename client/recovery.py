@@ -4,8 +4,8 @@ When the daemon that served a session goes away, what this process maps
 stays mapped. :class:`Recovery` takes the session back from the daemon that
 serves next (with the credential of the last welcome), sends again the
 placements and binds that daemon may never have read, and agrees with it on
-the lease. Where the new daemon kept nothing (it restarted cold
-for its memory), the session starts over: a new one, on which every buffer
+the lease. Where the new daemon kept nothing (a cold restart: no FD store,
+no takeover), the session starts over: a new one, on which every buffer
 this process still maps is declared (:class:`~hbmd.proto.Redeclare`) so that
 it is counted again.
 """
