@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default: {Limits.buffers_per_uid})")
     parser.add_argument("--check-invariants", action="store_true",
                         help="check the invariants (committed bytes, chunks, owners) after every batch of requests and "
-                             "events; where they do not balance, log what is off and exit at once with status "
+                             "events; where one does not hold, log what is off and exit at once with status "
                              f"{EXIT_INVARIANT_VIOLATED} (EX_SOFTWARE); costs time, for tests")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.add_argument("--log-format", default="auto", choices=logs.FORMATS,

@@ -127,7 +127,7 @@ class Server(Generic[A, C]):
         ``lock`` is held while the loop touches the state, so a metrics scrape
         or a config reload on another thread sees it whole. ``check_invariants``:
         check the state's invariants after every batch of events, and stop with
-        :class:`InvariantViolated` where they do not balance (tests). ``resume_window_s``: how long sessions
+        :class:`InvariantViolated` where one does not hold (tests). ``resume_window_s``: how long sessions
         handed over to a successor wait for their clients (here too, should it fail).
         """
         table = handler_table(self.HANDLER_CLASSES, requests())
