@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 from hbmd.testing.spawn import wait_until  # the tests' one polling helper
 
@@ -45,17 +46,23 @@ def hbmctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
-def chunks_held() -> int:
-    """How many descriptors this process holds on host-backend chunks: the sealed memfds of :mod:`hbmd.memfd`, made by
-    a daemon or by a client. Unlike a count of all its descriptors, it is not moved by the sockets, pipes and eventfds
-    that threads earlier tests left running in the process open and close."""
+def descriptors_where(test: Callable[[str], bool]) -> int:
+    """How many of this process's descriptors ``test`` picks, given each one's ``/proc/self/fd/N`` path. Unlike a
+    count of all of them, one that picks the tests' own is not moved by the sockets, pipes and eventfds that threads
+    earlier tests left running in the process open and close (one closed meanwhile is not counted)."""
     held = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            held += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:hbmd-")
-        except FileNotFoundError:  # closed meanwhile
+            held += test(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile: another thread's
             pass
     return held
+
+
+def chunks_held() -> int:
+    """How many descriptors this process holds on host-backend chunks: the sealed memfds of :mod:`hbmd.memfd`, made by
+    a daemon or by a client."""
+    return descriptors_where(lambda path: os.readlink(path).startswith("/memfd:hbmd-"))
 
 
 def parked_names(state_dir, buffer_name: str, instance: str = "host") -> set[str]:

@@ -19,7 +19,7 @@ from fake_systemd import FakeSystemd
 from hbmd.daemon.notify import SystemdNotifier
 from hbmd.daemon.persist import MAX_NAMES_CHARS, MAX_PARKED, Journal, Persistence, buffer_record, chunk_name
 from hbmd.daemon.state import State
-from helpers import GRANULE, wait_until
+from helpers import GRANULE, descriptors_where, wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -104,16 +104,9 @@ def pipe_of(fd_or_path: int | str) -> tuple[int, int]:
 
 def descriptors_on(chunks) -> int:
     """How many of this process's descriptors are open on the pipes of ``chunks``, whoever holds them (a state, the
-    systemd stand-in's store). Only these tests open such descriptors, so the threads that earlier tests leave running
-    in the process, opening and closing their own, do not move the count."""
+    systemd stand-in's store). Only these tests open such descriptors."""
     pipes = {pipe_of(chunk.handle) for chunk in chunks}
-    held = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            held += pipe_of(f"/proc/self/fd/{fd}") in pipes
-        except FileNotFoundError:  # closed meanwhile: another thread's
-            pass
-    return held
+    return descriptors_where(lambda path: pipe_of(path) in pipes)
 
 
 @pytest.fixture
