@@ -4,15 +4,28 @@ Registered as a ``vllm.general_plugins`` entry point, so vLLM calls
 :func:`register` in every process it starts (front end, engine core,
 workers). It does nothing unless the operator opts in with ``HBMD_VLLM=1``
 (or ``true``, ``yes``, ``on``; any spelling it does not know is refused);
-then it checks the vLLM version and points the name vLLM's KV cache looks
-up (``vllm.v1.worker.extensible_kv_cache.ExtensibleTensor``) at
-:class:`VllmExtensibleTensor`, hbmd's class with vLLM's interface, and caps
-each commit by what the daemon would admit for this worker. No vLLM code is
-copied or changed; sleep mode's ``release_physical``/``recommit`` return the
-pages to the daemon and take fresh ones, or with ``HBMD_VLLM_SLEEP=keep``
-demote the cache to the daemon's host tier and promote it back. It also registers the model loader
-``--load-format hbmd`` (:mod:`hbmd.integrations.vllm_weights`): weights
-loaded once per GPU into a sealed buffer, mapped by every later engine.
+then it checks the vLLM version and hbmd's other settings, and points the
+name vLLM's KV cache looks up
+(``vllm.v1.worker.extensible_kv_cache.ExtensibleTensor``) at
+:class:`VllmExtensibleTensor`, hbmd's class with vLLM's interface (vLLM's
+own where no daemon serves the GPU, with a warning: :func:`hbmd_or_own`). No vLLM
+code is copied or changed; a few of its functions are wrapped:
+
+- vLLM counts its KV blocks (after warm-up, and the blocks warm-up may
+  commit) no higher than hbmd admits for this worker
+  (:func:`capped_by_daemon`): its scheduler's block pool is built from that
+  count before any commit, so the count is where a budget must bite.
+- a commit hbmd refuses anyway (another engine took the memory since)
+  fails naming the cause (:func:`refusal_explained`), never runs short.
+- vLLM's sleep returns the pages to the daemon, or with
+  ``HBMD_VLLM_SLEEP=keep`` demotes the cache to the daemon's host tier
+  (:func:`keeping_release`; only the sleep keeps: every other release
+  discards); the wake gets every block back or waits, then fails with the
+  engine still asleep (:func:`waking`, ``HBMD_VLLM_WAKE_WAIT_S``).
+
+It also registers the model loader ``--load-format hbmd``
+(:mod:`hbmd.integrations.vllm_weights`): weights loaded once per GPU into a
+sealed buffer, mapped by every later engine.
 
 Buffers are named ``vllm-<engine>-rank<R>`` (``HBMD_VLLM_ENGINE``, default
 the pid; the rank from ``RANK``/``LOCAL_RANK``), so ``hbmctl buffers`` shows
@@ -20,16 +33,25 @@ which engine holds what; ``HBMD_TENANT`` charges them to a tenant of the
 daemon's ``--config``. The KV cache is not persistent: a restarted vLLM
 rebuilds its prefix index from nothing, so a cache that outlived the worker
 would be unreadable to it.
+
+vLLM loads general plugins only where ``VLLM_PLUGINS`` is unset or names
+them: with a list that leaves ``hbmd`` out, none of this runs, whatever
+``HBMD_VLLM`` says.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
+import time
 from typing import Any
 
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.proto import TIER_HOST
+from hbmd.proto.errors import DaemonUnavailable, NotFound, OutOfBudget, OutOfDeviceMemory
+from hbmd.proto.units import format_bytes
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
 log = logging.getLogger("vllm.hbmd")
@@ -88,7 +110,13 @@ def buffer_name() -> str:
 
 
 class VllmExtensibleTensor(ExtensibleTensor):
-    """hbmd's tensor as vLLM constructs it: named per engine and rank, connected to the daemon of ``device``."""
+    """hbmd's tensor as vLLM constructs it: named per engine and rank, connected to the daemon of ``device``.
+
+    Its ``release_physical`` is the plain one, which discards: vLLM calls it
+    to throw the pages away before a remap (``ExtensibleKVCache.commit`` with
+    ``shrink`` or ``defragment``). Only vLLM's sleep may keep them
+    (:func:`keeping_release`).
+    """
 
     def __init__(
         self,
@@ -101,64 +129,230 @@ class VllmExtensibleTensor(ExtensibleTensor):
         super().__init__(
             max_num_bytes, device, num_segments, segment_capacities, export_handle_types, name=buffer_name()
         )
-
-    def release_physical(self, keep: bool | None = None) -> None:
-        """vLLM's sleep: drop the pages, or with ``HBMD_VLLM_SLEEP=keep`` demote them to the host tier."""
-        super().release_physical(keep=sleep_keeps() if keep is None else keep)
+        # The worker exists by now (it built the model runner that builds this cache).
+        patch_worker()
 
 
-def capped_commit(original):
-    """Wrap ``ExtensibleKVCache.commit`` so it never asks for more blocks than the daemon would admit.
+def hbmd_or_own(own):
+    """What vLLM's KV cache constructs in place of its own ``ExtensibleTensor`` (``own``): hbmd's, or where no daemon
+    serves this GPU (none started, or it is down), vLLM's own, with a warning that says why: an engine that would
+    start without hbmd starts without it."""
 
-    vLLM sizes its cache from the device's free memory; under an hbmd budget
-    or a tenant maximum less may be admissible. The cap counts vLLM's own
-    per-segment granule rounding (``blocks_within``).
+    def kv_tensor(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return VllmExtensibleTensor(*args, **kwargs)
+        except (DaemonUnavailable, NotFound) as exc:
+            log.warning("hbmd is not reachable (%s): the KV cache is vLLM's own, allocated in this process", exc)
+            return own(*args, **kwargs)
+
+    kv_tensor.__wrapped__ = own  # type: ignore[attr-defined]
+    return kv_tensor
+
+
+_sleep = threading.local()
+"""``active`` while vLLM's worker sleeps: the one release that may keep the KV cache."""
+
+
+def sleeping(original):
+    """Wrap ``Worker.sleep`` so that the KV cache's release inside it knows it is the sleep's."""
+
+    def sleep(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _sleep.active = True
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _sleep.active = False
+
+    sleep.__wrapped__ = original  # type: ignore[attr-defined]
+    return sleep
+
+
+def patch_worker() -> None:
+    """Wrap vLLM's GPU worker's ``sleep`` with :func:`sleeping` and its sizing with :func:`capped_by_daemon`, once,
+    where the worker module is loaded.
+
+    Looked up, not imported: a process that runs no GPU worker never loads it for hbmd's sake.
+    """
+    worker = sys.modules.get("vllm.v1.worker.gpu_worker")
+    if worker is None:
+        return
+    if not hasattr(worker.Worker.sleep, "__wrapped__"):
+        worker.Worker.sleep = sleeping(worker.Worker.sleep)
+    patch_sizing(worker)
+
+
+def keeping_release(original):
+    """Wrap ``ExtensibleKVCache.release_physical`` so that vLLM's sleep with ``HBMD_VLLM_SLEEP=keep`` demotes the
+    cache to the daemon's host tier; every other release (``release_kv_cache_memory``, a weight update borrowing
+    the memory, ``discard``) drops the pages, as vLLM asked.
+
+    vLLM clears its prefix cache at sleep level 1 and above, so a kept cache
+    is never read by vLLM itself: where the daemon cannot keep it (no host
+    tier, host budget short), the sleep drops it and says so.
     """
 
-    def commit(self, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
+    def release_physical(self: Any) -> Any:
         buffer = self.buffer
-        if isinstance(buffer, ExtensibleTensor) and num_blocks > self.num_committed_blocks:
-            most = self.blocks_within(buffer.physical_bytes + buffer.client.device_memory().budget_left)
-            if most < num_blocks:
-                log.warning("hbmd admits %d of the %d KV blocks vLLM asked for", most, num_blocks)
-                num_blocks = most
-        return original(self, num_blocks, *args, **kwargs)
+        if getattr(_sleep, "active", False) and sleep_keeps() and isinstance(buffer, ExtensibleTensor):
+            try:
+                buffer.release_physical(keep=True)
+                return None
+            except OutOfBudget as exc:
+                log.warning("hbmd cannot keep the KV cache over this sleep (%s): dropping it instead", exc)
+        return original(self)
+
+    release_physical.__wrapped__ = original  # type: ignore[attr-defined]
+    return release_physical
+
+
+def admitted_blocks(kv_cache: Any) -> int | None:
+    """The most blocks of ``kv_cache`` hbmd admits for this worker now (what it holds plus what the daemon would
+    still admit), or None where the cache is not hbmd's."""
+    buffer = kv_cache.buffer
+    if not isinstance(buffer, ExtensibleTensor):
+        return None
+    return kv_cache.blocks_within(buffer.physical_bytes + buffer.client.device_memory().budget_left)
+
+
+def capped_by_daemon(original, what: str):
+    """Wrap a function of vLLM that sizes the KV cache in blocks (the measure after warm-up, the blocks warm-up may
+    commit) so that it never counts more blocks than hbmd admits.
+
+    vLLM builds its scheduler's block pool from the measured count before
+    any worker commits it, and nothing reads the committed count back: a
+    block counted there without memory behind it faults when written. So the
+    cap belongs in the count, not in the commit. The first argument of
+    ``original`` is the ``ExtensibleKVCache``.
+    """
+
+    def sized(kv_cache: Any, *args: Any, **kwargs: Any) -> int:
+        blocks = original(kv_cache, *args, **kwargs)
+        admitted = admitted_blocks(kv_cache)
+        if admitted is not None and admitted < blocks:
+            log.warning("hbmd admits %d of the %d KV blocks vLLM %s; vLLM sizes its cache to %d (%s)", admitted,
+                        blocks, what, admitted, format_bytes(kv_cache.physical_bytes_for(admitted)))
+            return admitted
+        return blocks
+
+    sized.__wrapped__ = original  # type: ignore[attr-defined]
+    return sized
+
+
+class KvCacheRefused(RuntimeError):
+    """hbmd refused the KV blocks vLLM already counts on: serving on would write where no memory is."""
+
+
+def refusal_explained(original):
+    """Wrap ``ExtensibleKVCache.commit`` so that a commit hbmd refuses fails with what happened and what to do.
+
+    No round trip before it: the count was sized to what hbmd admits
+    (:func:`capped_by_daemon`), and a refusal means another engine took the
+    memory since.
+    """
+
+    def commit(self: Any, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, num_blocks, *args, **kwargs)
+        except OutOfBudget as exc:
+            raise KvCacheRefused(
+                f"hbmd refused {num_blocks} KV blocks ({format_bytes(self.physical_bytes_for(num_blocks))}) that vLLM "
+                f"counts on: {exc}. Another session committed since vLLM measured; start the engine again, or give "
+                "this tenant a guaranteed minimum in the daemon's --config"
+            ) from exc
 
     commit.__wrapped__ = original  # type: ignore[attr-defined]
     return commit
 
 
-def promoting_recommit(original):
-    """Wrap ``ExtensibleKVCache.recommit`` so that a cache kept in the host tier over sleep comes back first.
+def waking(original):
+    """Wrap ``ExtensibleKVCache.recommit`` (vLLM's wake) so that it comes back with every block vLLM counts on, or
+    not at all.
 
-    vLLM's wake commits the blocks it held again; on a promoted buffer they
-    are committed already, with their data, and that commit changes nothing.
+    A cache kept in the host tier over sleep is promoted first; on a
+    promoted buffer vLLM's own recommit then changes nothing. Where the
+    daemon cannot give the blocks back yet (another engine grew while this
+    one slept), the wake waits up to ``HBMD_VLLM_WAKE_WAIT_S`` seconds (default
+    :data:`DEFAULT_WAKE_WAIT_S`) for them, then fails with
+    :class:`KvCacheRefused`, the cache still asleep and its block count kept,
+    so that vLLM's engine stays asleep and a later wake tries again.
     """
 
-    def recommit(self, *args: Any, **kwargs: Any) -> Any:
+    def recommit(self: Any, *args: Any, **kwargs: Any) -> Any:
         buffer = self.buffer
-        if isinstance(buffer, ExtensibleTensor) and buffer.tier == TIER_HOST:
-            buffer.promote()
-        return original(self, *args, **kwargs)
+        if not isinstance(buffer, ExtensibleTensor):
+            return original(self, *args, **kwargs)
+        blocks = self.num_committed_blocks
+        deadline = time.monotonic() + wake_wait_s()
+        while True:
+            try:
+                if buffer.tier == TIER_HOST:
+                    buffer.promote()
+                return original(self, *args, **kwargs)
+            except (OutOfBudget, OutOfDeviceMemory, KvCacheRefused) as exc:
+                self.num_committed_blocks = blocks  # vLLM zeroed it before the commit that was refused
+                if time.monotonic() >= deadline:
+                    raise KvCacheRefused(
+                        f"hbmd could not give back the {blocks} KV blocks this engine held before it slept "
+                        f"({format_bytes(self.physical_bytes_for(blocks))}) within {wake_wait_s():g} s: {exc}. "
+                        "The engine stays asleep; wake it again once memory is free"
+                    ) from exc
+                time.sleep(WAKE_POLL_S)
 
     recommit.__wrapped__ = original  # type: ignore[attr-defined]
     return recommit
 
 
+WAKE_WAIT = "HBMD_VLLM_WAKE_WAIT_S"
+DEFAULT_WAKE_WAIT_S = 30.0
+WAKE_POLL_S = 0.25
+
+
+def wake_wait_s() -> float:
+    """``HBMD_VLLM_WAKE_WAIT_S``: how long a wake waits for its blocks (0 to a day); ``ValueError`` otherwise."""
+    value = os.environ.get(WAKE_WAIT, "").strip()
+    if not value:
+        return DEFAULT_WAKE_WAIT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 86400:
+        raise ValueError(f"{WAKE_WAIT}={value!r}: expected seconds from 0 to 86400")
+    return seconds
+
+
+def patch_sizing(module: Any) -> None:
+    """Point ``module``'s name ``measure_kv_cache_blocks`` at the capped one, once (vLLM's GPU worker imports the
+    function by name, so the name there is patched as well as the one it comes from)."""
+    measure = getattr(module, "measure_kv_cache_blocks", None)
+    if measure is not None and not hasattr(measure, "__wrapped__"):
+        module.measure_kv_cache_blocks = capped_by_daemon(measure, "measured after warm-up")
+
+
 def register() -> None:
-    """The entry point: inert unless ``HBMD_VLLM`` is on; otherwise route vLLM's extensible KV cache to hbmd."""
+    """The entry point: inert unless ``HBMD_VLLM`` is on; otherwise route vLLM's extensible KV cache to hbmd.
+
+    Every setting of hbmd's is read here, so that a misspelt one stops the
+    engine at start, not at its first sleep.
+    """
     if not enabled():
         return
+    sleep_keeps()
+    wake_wait_s()
     import vllm
     from vllm.v1.worker import extensible_kv_cache
 
     check_version(vllm.__version__)
-    if extensible_kv_cache.ExtensibleTensor is VllmExtensibleTensor:
+    if hasattr(extensible_kv_cache.ExtensibleTensor, "__wrapped__"):
         return  # vLLM may load general plugins more than once in a process
-    extensible_kv_cache.ExtensibleTensor = VllmExtensibleTensor
+    extensible_kv_cache.ExtensibleTensor = hbmd_or_own(extensible_kv_cache.ExtensibleTensor)
     cache = extensible_kv_cache.ExtensibleKVCache
-    cache.commit = capped_commit(cache.commit)
-    cache.recommit = promoting_recommit(cache.recommit)
+    cache.commit = refusal_explained(cache.commit)
+    cache.committable_blocks = capped_by_daemon(cache.committable_blocks, "may commit during warm-up")
+    cache.release_physical = keeping_release(cache.release_physical)
+    cache.recommit = waking(cache.recommit)
+    patch_sizing(extensible_kv_cache)
+    patch_worker()
     from vllm.model_executor.model_loader import register_model_loader
 
     from .vllm_weights import LOAD_FORMAT, HbmdModelLoader

@@ -73,7 +73,7 @@ def test_the_plugin_is_inert_unless_the_operator_opts_in():
 def test_with_the_opt_in_vllms_kv_cache_resolves_to_hbmd():
     out = run_with_plugins({"HBMD_VLLM": "1"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "hbmd.integrations.vllm.VllmExtensibleTensor"
+    assert out.stdout.strip().splitlines()[-1] == "hbmd.integrations.vllm.hbmd_or_own.<locals>.kv_tensor"
 
 
 def test_an_unknown_vllm_version_is_refused_clearly():
@@ -86,13 +86,14 @@ def test_an_unknown_vllm_version_is_refused_clearly():
 @pytest.fixture
 def vllm_on_hbmd(monkeypatch):
     """vLLM's KV cache module with its ExtensibleTensor name pointed at hbmd, as the plugin does."""
-    monkeypatch.setattr(vllm_cache, "ExtensibleTensor", plugin.VllmExtensibleTensor)
-    monkeypatch.setattr(
-        vllm_cache.ExtensibleKVCache, "commit", plugin.capped_commit(vllm_cache.ExtensibleKVCache.commit)
-    )
-    monkeypatch.setattr(
-        vllm_cache.ExtensibleKVCache, "recommit", plugin.promoting_recommit(vllm_cache.ExtensibleKVCache.recommit)
-    )
+    cache = vllm_cache.ExtensibleKVCache
+    monkeypatch.setattr(vllm_cache, "ExtensibleTensor", plugin.hbmd_or_own(vllm_cache.ExtensibleTensor))
+    monkeypatch.setattr(cache, "commit", plugin.refusal_explained(cache.commit))
+    monkeypatch.setattr(cache, "committable_blocks", plugin.capped_by_daemon(cache.committable_blocks, "may commit"))
+    monkeypatch.setattr(cache, "release_physical", plugin.keeping_release(cache.release_physical))
+    monkeypatch.setattr(cache, "recommit", plugin.waking(cache.recommit))
+    monkeypatch.setattr(vllm_cache, "measure_kv_cache_blocks",
+                        plugin.capped_by_daemon(vllm_cache.measure_kv_cache_blocks, "measured"))
     return vllm_cache
 
 
@@ -164,23 +165,34 @@ def test_vllms_own_kv_cache_runs_unchanged_on_hbmd(hbmd_cache, daemon, title, la
     assert observer.status().committed_bytes == 0 and observer.buffers() == []
 
 
+def four_layers(available: int):
+    return planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], available)
+
+
+def random_blocks(kv, num_blocks: int) -> list:
+    """Fill the first ``num_blocks`` blocks of every segment with random bytes; the views written."""
+    views = [kv.buffer.segment_view(s)[: num_blocks * kv.segment_strides[s]] for s in range(kv.buffer.num_segments)]
+    for segment, view in enumerate(views):
+        view.copy_(torch.randint(0, 255, view.shape, dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(segment)))
+    return views
+
+
 def test_with_sleep_keep_vllms_kv_cache_sleeps_in_host_memory_and_wakes_with_its_blocks(vllm_on_hbmd, start_daemon,
                                                                                        monkeypatch):
     daemon = start_daemon("--budget", "256MiB", "--host-budget", "256MiB")
     monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
     monkeypatch.setenv("HBMD_VLLM_SLEEP", "keep")
-    layout, config = planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 4 * PAGE * 300)
+    layout, config = four_layers(4 * PAGE * 300)
     kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
     kv.allocate(kv.size)
     kv.commit(300)
-    blocks = [kv.buffer.segment_view(s)[: 300 * kv.segment_strides[s]] for s in range(kv.buffer.num_segments)]
-    for segment, view in enumerate(blocks):
-        view.copy_(torch.randint(0, 255, view.shape, dtype=torch.uint8,
-                                 generator=torch.Generator().manual_seed(segment)))
+    blocks = random_blocks(kv, 300)
     written = [view.clone() for view in blocks]
     observer = daemon.connect(observer=True)
+    worker_sleep = plugin.sleeping(lambda worker: kv.release_physical())  # vLLM's Worker.sleep, as the plugin wraps it
 
-    kv.release_physical()  # vLLM's sleep
+    worker_sleep(None)
     status = observer.status()
     assert kv.buffer.tier == "host" and status.committed_bytes == 0 and status.host_bytes == kv.physical_bytes > 0
     kv.recommit()  # vLLM's wake
@@ -190,13 +202,88 @@ def test_with_sleep_keep_vllms_kv_cache_sleeps_in_host_memory_and_wakes_with_its
     kv.free()
 
 
-def test_vllm_commits_no_more_than_the_daemon_admits(hbmd_cache, daemon):
-    layout, config = planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 512 * MiB)
+def test_with_sleep_keep_every_release_but_the_sleeps_discards_and_the_engine_starts_without_a_host_tier(
+        vllm_on_hbmd, start_daemon, monkeypatch):
+    daemon = start_daemon("--budget", "256MiB")  # no host tier: keeping would be refused
+    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
+    monkeypatch.setenv("HBMD_VLLM_SLEEP", "keep")
+    layout, config = four_layers(4 * PAGE * 300)
+    kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    kv.allocate(kv.size)
+    kv.commit(300)
+    random_blocks(kv, 300)
+    observer = daemon.connect(observer=True)
+
+    kv.commit(20, shrink=True)  # vLLM's warm-up remaps to a smaller size: a discard, never a demote
+    assert kv.num_committed_blocks == 20 and kv.buffer.tier == "device"
+    assert all(bool((kv.buffer.segment_view(s) == 0).all()) for s in range(kv.buffer.num_segments))
+    kv.commit(300, defragment=True)
+    assert all(kv.buffer.segments_backed_by_one_chunk([300 * s for s in kv.segment_strides]))
+    kv.release_physical()  # release_kv_cache_memory: a discard too
+    assert kv.buffer.tier == "device" and observer.status().committed_bytes == 0 and observer.status().host_bytes == 0
+    kv.recommit()
+    plugin.sleeping(lambda worker: kv.release_physical())(None)  # a sleep the daemon cannot keep: dropped, said
+    assert kv.buffer.tier == "device" and observer.status().committed_bytes == 0
+    kv.recommit()
+    assert kv.num_committed_blocks == 300 and observer.status().committed_bytes == kv.physical_bytes
+    kv.free()
+
+
+def test_vllm_counts_no_kv_block_hbmd_would_not_back_and_its_own_block_pool_writes_every_one(hbmd_cache, daemon):
+    from vllm.v1.core.block_pool import BlockPool
+
+    layout, config = four_layers(512 * MiB)
     kv = hbmd_cache.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
     kv.allocate(kv.size)
-    kv.commit(kv.capacity_blocks)  # vLLM's sizing would take it all; the 256 MiB budget does not hold that
-    assert 0 < kv.num_committed_blocks < kv.capacity_blocks
-    assert kv.physical_bytes <= 256 * MiB
+    # vLLM's measure would take the whole reservation; the daemon's budget of 256 MiB does not hold it.
+    measured = plugin.capped_by_daemon(lambda cache: cache.capacity_blocks, "measured after warm-up")(kv)
+    assert 0 < measured < kv.capacity_blocks and kv.physical_bytes_for(measured) <= 256 * MiB
+    kv.commit(measured, shrink=True)  # what vLLM's extend_kv_cache commits: the measured count, no fewer
+    assert kv.num_committed_blocks == measured
+    # vLLM's own block pool, built from that count as its scheduler does, hands out every block; a worker writes each.
+    pool = BlockPool(measured, enable_caching=True, hash_block_size=16)
+    handed = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert max(b.block_id for b in handed) == measured - 1
+    for block in (0, *(b.block_id for b in handed)):
+        for segment, stride in enumerate(kv.segment_strides):
+            kv.buffer.segment_view(segment)[block * stride: (block + 1) * stride].fill_(block % 251 + 1)
+    assert int(kv.buffer.segment_view(0)[(measured - 1) * kv.segment_strides[0]]) == (measured - 1) % 251 + 1
+    with daemon.connect(observer=True) as observer:
+        assert observer.status().committed_bytes == kv.physical_bytes <= 256 * MiB
+    kv.free()
+
+
+def test_a_commit_hbmd_refuses_fails_naming_the_cause_and_changes_nothing(hbmd_cache, daemon):
+    layout, config = four_layers(512 * MiB)
+    kv = hbmd_cache.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    kv.allocate(kv.size)
+    kv.commit(10)
+    with pytest.raises(plugin.KvCacheRefused, match="Another session committed since vLLM measured"):
+        kv.commit(kv.capacity_blocks)
+    assert kv.num_committed_blocks == 10 and kv.buffer.segment_sizes == [10 * s for s in kv.segment_strides]
+    kv.free()
+
+
+def test_a_wake_waits_for_its_blocks_then_fails_with_the_engine_asleep_and_wakes_once_they_are_free(
+        vllm_on_hbmd, start_daemon, monkeypatch):
+    daemon = start_daemon("--budget", "64MiB")
+    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
+    monkeypatch.setenv("HBMD_VLLM_WAKE_WAIT_S", "0.5")
+    layout, config = four_layers(4 * PAGE * 2000)
+    kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    kv.allocate(kv.size)
+    kv.commit(2000)
+    held = kv.physical_bytes
+    kv.release_physical()  # asleep
+    with daemon.connect() as other:  # another engine grows while this one sleeps
+        grown = ExtensibleTensor(64 * MiB, "cpu", client=other)
+        grown.resize_(64 * MiB - held + 2 * MiB)
+        with pytest.raises(plugin.KvCacheRefused, match="The engine stays asleep"):
+            kv.recommit()
+        assert kv.num_committed_blocks == 2000 and kv.physical_bytes == 0  # nothing served short; a retry knows
+        grown.free()
+    kv.recommit()
+    assert kv.num_committed_blocks == 2000 and kv.physical_bytes == held
     kv.free()
 
 
@@ -207,7 +294,7 @@ def test_vllms_kv_cache_goes_on_across_a_daemon_restart(vllm_on_hbmd, start_daem
     args = ("--budget", "256MiB", "--state-dir", str(state_dir))
     daemon = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
     monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
-    layout, config = planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 4 * PAGE * 300)
+    layout, config = four_layers(4 * PAGE * 300)
     kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
     kv.allocate(kv.size)
     kv.commit(100)

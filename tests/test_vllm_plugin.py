@@ -64,9 +64,19 @@ def test_a_sleep_mode_it_does_not_know_is_refused(monkeypatch):
         plugin.sleep_keeps()
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("name, value", [("HBMD_VLLM_SLEEP", "keepit"), ("HBMD_VLLM_WAKE_WAIT_S", "soon"),
+                                         ("HBMD_VLLM_WAKE_WAIT_S", "-1")])
+def test_a_setting_it_does_not_know_stops_the_engine_at_start_not_at_its_first_sleep(monkeypatch, name, value):
+    monkeypatch.setenv("HBMD_VLLM", "1")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}'"):
+        plugin.register()  # before vLLM is imported: no vLLM needed to be refused
+
+
 @pytest.mark.torch
 @pytest.mark.ipc
-def test_with_sleep_keep_vllms_release_demotes_and_its_recommit_promotes(start_daemon, run_dir, monkeypatch):
+def test_with_sleep_keep_the_tensors_own_release_still_discards(start_daemon, run_dir, monkeypatch):
     daemon = start_daemon("--budget", "64MiB", "--host-budget", "64MiB")
     monkeypatch.setenv("HBMD_RUN_DIR", str(run_dir))
     monkeypatch.setenv("HBMD_VLLM_SLEEP", "keep")
@@ -75,12 +85,9 @@ def test_with_sleep_keep_vllms_release_demotes_and_its_recommit_promotes(start_d
         kv.resize_(4 * MiB)
         kv.full_view()[: 4 * MiB].fill_(9)
         observer = daemon.connect(observer=True)
-        kv.release_physical()  # what vLLM's sleep calls, with no argument
-        assert kv.tier == "host" and observer.status().committed_bytes == 0 and observer.status().host_bytes == 4 * MiB
-        kv.recommit()
-        assert kv.tier == "device" and int(kv.full_view()[: 4 * MiB].min()) == 9
-        monkeypatch.setenv("HBMD_VLLM_SLEEP", "drop")
-        kv.release_physical()
+        kv.release_physical()  # what vLLM's ExtensibleKVCache.commit calls before a remap: throw the pages away
         assert kv.tier == "device" and observer.status().committed_bytes == 0 and observer.status().host_bytes == 0
+        kv.recommit()
+        assert int(kv.full_view()[: 4 * MiB].max()) == 0
     finally:
         kv.free()
