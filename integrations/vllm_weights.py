@@ -24,7 +24,8 @@ nanoseconds (:mod:`hbmd.integrations.weights_key`). A copy of a checkpoint
 in another folder is another checkpoint; a rewrite that keeps a file's size
 and modification time goes unseen, as no weight byte is read to tell.
 
-The buffer is named ``vllm-weights:<architecture>:<dtype>:tp<r>of<n>:pp<r>of<n>:<digest>``,
+The buffer is named ``vllm-weights:<architecture>:<folder>:<dtype>:tp<r>of<n>:pp<r>of<n>:<digest>``
+(``<folder>`` the checkpoint folder's own name),
 the digest a SHA-256 of every field of the key, which the buffer also
 records whole so that a reader compares field by field. Two engines
 starting together: the one that creates the buffer first stores, from a
@@ -54,12 +55,13 @@ import gc
 import hashlib
 import json
 import logging
+import os
 import re
 import time
 from typing import Any
 
 import torch
-from hbmd.client import Client, Conflict, HbmdError, NotFound, default_client
+from hbmd.client import Client, Conflict, NotFound, default_client
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.client.weights import Weights, open_weights, write_weights
 from hbmd.integrations.weights_key import checkpoint_fields, files_changes, not_a_store, storer_name
@@ -81,7 +83,6 @@ from vllm.model_executor.model_loader.utils import get_draft_load_config
 from vllm.model_executor.model_loader.weight_cache.ipc_loader import IpcModelLoader
 from vllm.model_executor.model_loader.weight_cache.protocol import (
     CacheConfigMismatchError,
-    UnsupportedQuantForIPCError,
     WeightCacheKey,
     WeightCacheState,
     check_ipc_quant_support,
@@ -99,6 +100,8 @@ LOAD_FORMAT = "hbmd"
 NAME_PREFIX = "vllm-weights"
 FORMAT = "vllm-weights-1"
 """What the buffer's manifest says it holds: vLLM's processed tensors, their kinds, tied aliases and model flags."""
+MAX_NAME = 128
+"""A buffer name's most characters, as the daemon takes them."""
 DEFAULT_WAIT_S = 600.0
 POLL_S = 0.2
 
@@ -125,12 +128,17 @@ def weights_name(key: dict[str, Any]) -> str:
     """The sealed buffer's name for ``key`` (:func:`key_fields`): readable in ``hbmctl buffers``, unique by the digest
     of every field, the checkpoint's files included."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    model = re.sub(r"[^A-Za-z0-9._-]", "_", key["model_arch"])[:48] or "model"
+    model = re.sub(r"[^A-Za-z0-9._-]", "_", key["model_arch"])[:32] or "model"
+    folder = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(key["weights_dir"])) or "checkpoint"
     ranks = f"tp{key['tp_rank']}of{key['tp_size']}:pp{key['pp_rank']}of{key['pp_size']}"
     if key["dp_size"] > 1:
         ranks += f":dp{key['dp_rank']}of{key['dp_size']}"
     role = ":draft" if key["is_draft"] else ""
-    return f"{NAME_PREFIX}:{model}:{key['dtype'].removeprefix('torch.')}:{ranks}{role}:{digest}"
+    rest = f"{key['dtype'].removeprefix('torch.')}:{ranks}{role}:{digest}"
+    # The checkpoint folder's own name, so that `hbmctl weights` tells two fine-tunes of one architecture apart; cut
+    # to what a buffer name's 128 characters leave.
+    folder = folder[: max(8, MAX_NAME - len(f"{NAME_PREFIX}:{model}::{rest}"))]
+    return f"{NAME_PREFIX}:{model}:{folder}:{rest}"
 
 
 @dataclasses.dataclass
@@ -194,6 +202,7 @@ class HbmdModelLoader(IpcModelLoader):
         if vllm_config.parallel_config.enable_eplb:
             raise ValueError(f"load format {LOAD_FORMAT} does not support EPLB: its expert weights move")
         name = ""
+        registered = _registrations(vllm_config)
         try:
             key = self._key(vllm_config, model_config)
             name = weights_name(key)
@@ -202,6 +211,9 @@ class HbmdModelLoader(IpcModelLoader):
             if not self.fallback:
                 raise
             log.warning("weights %s: not from hbmd (%s); loading them from disk", name or "(no key)", exc)
+        # A model built before the failure registered its layers by name: the one loaded from disk registers the
+        # same names, which vLLM refuses twice.
+        _forget_since(vllm_config, registered)
         record_external_weight_fallback(name, self.is_draft)
         self.source = "disk"
         return self._fallback_load(vllm_config, model_config, prefix)
@@ -284,6 +296,7 @@ class HbmdModelLoader(IpcModelLoader):
             claim = ExtensibleTensor(storer.status().budget_bytes, device, client=storer, name=name, persistent=True)
         except Conflict:
             return None
+        registered = _registrations(vllm_config)
         try:
             log.info("weights %s: the first engine with this key: loading from disk to store them", name)
             model = self._fallback_load(vllm_config, model_config, prefix)
@@ -294,7 +307,9 @@ class HbmdModelLoader(IpcModelLoader):
             check_ipc_quant_support(model)
             self._check_unchanged(model_config, key)
             write_weights(claim, *self._exported(model, key))
-        except (UnsupportedQuantForIPCError, CheckpointChanged, HbmdError, ValueError, TypeError) as exc:
+        except Exception as exc:
+            # Whatever kept the store from completing (an import inside vLLM's quantization check included), the
+            # model from disk is whole: this engine serves with it rather than build a second one.
             claim.free()
             if not self.fallback:
                 raise
@@ -305,7 +320,7 @@ class HbmdModelLoader(IpcModelLoader):
             claim.free()
             raise
         claim.detach()
-        _forget(model, vllm_config)
+        _forget_since(vllm_config, registered)
         del model
         gc.collect()
         if device.type == "cuda":
@@ -340,8 +355,9 @@ class HbmdModelLoader(IpcModelLoader):
             raise
         self.weights, self.source = weights, source
         params = [t for n, t in weights.tensors.items() if kinds[n] == "param"]
-        log.info("weights %s: %d parameters (%s) mapped read-only from hbmd, %d buffers copied; %s", name, len(params),
-                 format_bytes(sum(t.numel() * t.element_size() for t in params)), len(weights.tensors) - len(params),
+        log.info("weights %s: %d parameters (%s) of %s mapped read-only from hbmd, %d buffers copied; %s", name,
+                 len(params), format_bytes(sum(t.numel() * t.element_size() for t in params)), key["weights_dir"],
+                 len(weights.tensors) - len(params),
                  "stored by this engine" if source == "stored" else "nothing read from disk")
         return model
 
@@ -465,10 +481,19 @@ def _named(client: Client, name: str, uid: int) -> BufferInfo | None:
     return next((b for b in client.buffers() if b.name == name and b.persistent and b.owner_uid == uid), None)
 
 
-def _forget(model: nn.Module, vllm_config: VllmConfig) -> None:
-    """Drop the registrations ``model``'s layers made in ``vllm_config`` (attention and state layers register by
-    name), so that the model built over the sealed buffer can register the same names."""
-    modules = {id(module) for module in model.modules()}
-    context = vllm_config.compilation_config.static_forward_context
-    for layer in [name for name, module in context.items() if id(module) in modules]:
-        del context[layer]
+def _registrations(vllm_config: VllmConfig) -> tuple[set[str], int]:
+    """What models built in ``vllm_config`` have registered so far: the layer names of its forward context and the
+    length of its list of MoE layers (see :func:`_forget_since`)."""
+    compilation = vllm_config.compilation_config
+    return set(compilation.static_forward_context), len(compilation.static_all_moe_layers)
+
+
+def _forget_since(vllm_config: VllmConfig, registered: tuple[set[str], int]) -> None:
+    """Drop what models built in ``vllm_config`` registered since :func:`_registrations` returned ``registered``
+    (attention, state and MoE layers register by name, and a name registered twice stops vLLM), so that the next
+    model built can register the same names."""
+    names, moe_layers = registered
+    compilation = vllm_config.compilation_config
+    for layer in [name for name in compilation.static_forward_context if name not in names]:
+        del compilation.static_forward_context[layer]
+    del compilation.static_all_moe_layers[moe_layers:]

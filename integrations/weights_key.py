@@ -6,8 +6,10 @@ overwritten in place, has the same key. vLLM's own weight daemon lives only
 as long as its process; hbmd keeps sealed weights after every engine exits,
 so :mod:`hbmd.integrations.vllm_weights` adds to the key the fields of
 :func:`checkpoint_fields`, which change with the bytes: the checkpoint's
-folder resolved, and each weight file's resolved path, size and
-modification time in nanoseconds.
+folder resolved, and each weight file's resolved path, size, modification
+time, and what a copy that keeps times (``cp -p``, ``rsync -a``) or a mount of
+another folder at the same path cannot keep: its device, inode and change
+time (``st_ctime_ns``, which no user can set).
 
 An engine storing the weights does so from a session of its own named
 :func:`storer_name`; another engine of the same key waits for it, and for
@@ -25,6 +27,8 @@ from typing import Any
 from hbmd.proto.admin import SessionInfo
 
 STORER_PREFIX = "vllm-weights-store"
+FILE_FIELDS = ("path", "size", "mtime_ns", "device", "inode", "ctime_ns")
+"""What :func:`checkpoint_fields` records of each weight file, in the order :func:`files_changes` names them."""
 
 
 def checkpoint_fields(folder: str, files: Iterable[str]) -> dict[str, Any]:
@@ -33,15 +37,17 @@ def checkpoint_fields(folder: str, files: Iterable[str]) -> dict[str, Any]:
     ``weights_dir`` is ``folder`` resolved (symlinks followed: a Hugging Face
     snapshot folder names its revision); ``weights_files`` lists, sorted by
     name, each file's name under ``folder``, its resolved path (a snapshot's
-    blob), size and ``st_mtime_ns``. Reads no weight bytes: a rewrite that
-    keeps a file's size and modification time goes unseen. Raises
-    ``OSError`` for a file that cannot be looked at.
+    blob), size, ``st_mtime_ns``, device, inode and ``st_ctime_ns``. Reads
+    no weight bytes, yet any write to a file, or a file put in its place,
+    changes its change time. Raises ``OSError`` for a file that cannot be
+    looked at.
     """
     entries = []
     for path in files:
         stat = os.stat(path)
         entries.append({"name": os.path.relpath(path, folder), "path": os.path.realpath(path), "size": stat.st_size,
-                        "mtime_ns": stat.st_mtime_ns})
+                        "mtime_ns": stat.st_mtime_ns, "device": stat.st_dev, "inode": stat.st_ino,
+                        "ctime_ns": stat.st_ctime_ns})
     return {"weights_dir": os.path.realpath(folder), "weights_files": sorted(entries, key=lambda e: e["name"])}
 
 
@@ -54,8 +60,8 @@ def files_changes(stored: Any, ours: list[dict[str, Any]]) -> list[str]:
     changes = [f"{n} is new" for n in sorted(after.keys() - before.keys())]
     changes += [f"{n} is gone" for n in sorted(before.keys() - after.keys())]
     for name in sorted(before.keys() & after.keys()):
-        differ = [f"{field} {before[name].get(field)} -> {after[name][field]}"
-                  for field in ("path", "size", "mtime_ns") if before[name].get(field) != after[name][field]]
+        differ = [f"{field} {before[name].get(field)} -> {after[name].get(field)}"
+                  for field in FILE_FIELDS if before[name].get(field) != after[name].get(field)]
         if differ:
             changes.append(f"{name}: {', '.join(differ)}")
     return changes

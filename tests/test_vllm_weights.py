@@ -61,9 +61,23 @@ def header(checkpoint: Path) -> bytes:
     return data[: 8 + int.from_bytes(data[:8], "little")]
 
 
+def copied_keeping_times(checkpoint: Path, source: Path) -> Path:
+    """``source``'s weight file put in place of ``checkpoint``'s as ``cp -p`` and ``rsync -a`` put one (written beside
+    it, times copied, renamed over it), its size and modification time those of the file it replaces."""
+    path = checkpoint / "model.safetensors"
+    before = path.stat()
+    staged = checkpoint / ".model.safetensors.tmp"
+    staged.write_bytes((source / "model.safetensors").read_bytes())
+    os.utime(staged, ns=(before.st_atime_ns, before.st_mtime_ns))
+    os.replace(staged, path)
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    return checkpoint
+
+
 def zeroed_in_place(checkpoint: Path) -> Path:
-    """The checkpoint with every weight byte zeroed in place, its size and modification time put back: hbmd's key,
-    which reads no weight byte, is the same, and an engine that read weights from it would get zeros."""
+    """The checkpoint with every weight byte zeroed in place, its size and modification time put back: only its
+    change time tells (``touch`` cannot set that)."""
     path = checkpoint / "model.safetensors"
     stat = path.stat()
     data = bytearray(path.read_bytes())
@@ -138,7 +152,7 @@ def test_the_first_engine_stores_and_a_later_one_maps_without_reading_the_checkp
     assert first["external_bytes"] == 0  # nothing resident yet: vLLM's profile counts what this engine stores
     (stored,) = weights_buffers(client)
     assert stored.name == first["name"] and stored.sealed and stored.session_id == 0 and stored.readers == 0
-    assert stored.name.startswith("vllm-weights:LlamaForCausalLM:float32:tp0of1:pp0of1:")
+    assert stored.name.startswith("vllm-weights:LlamaForCausalLM:tiny-llama:float32:tp0of1:pp0of1:")
     recorded = open_weights(stored.name, "cpu", client=client)
     assert recorded.meta["format"] == "vllm-weights-1" and recorded.meta["key"]["model_arch"] == "LlamaForCausalLM"
     assert recorded.meta["kinds"]["lm_head.weight"] == "param"
@@ -147,7 +161,7 @@ def test_the_first_engine_stores_and_a_later_one_maps_without_reading_the_checkp
         ("model.safetensors", (checkpoint / "model.safetensors").stat().st_size)]
     recorded.buffer.detach()
 
-    later = engine(zeroed_in_place(checkpoint)).wait()
+    later = engine(checkpoint).wait()
     assert later["source"] == "mapped" and later["name"] == stored.name
     assert later["files_opened"] == 0, "a later engine read the checkpoint"
     assert later["digest"] == disk["digest"] and later["views"]
@@ -189,6 +203,42 @@ def test_a_checkpoint_overwritten_in_place_is_served_its_new_bytes(engine, check
     mapped = engine(checkpoint).wait()
     assert mapped["source"] == "mapped" and mapped["name"] == served["name"] and mapped["files_opened"] == 0
     assert mapped["digest"] == new_from_disk["digest"]
+
+
+@pytest.mark.parametrize("replace", ["cp -p", "zeroed in place"])
+def test_a_checkpoint_replaced_keeping_its_size_and_modification_time_is_served_its_new_bytes(
+        engine, checkpoint, client, tmp_path, replace):
+    first = engine(checkpoint).wait()
+    assert first["source"] == "stored"
+    if replace == "cp -p":
+        copied_keeping_times(checkpoint, write_checkpoint(tmp_path / "tuned", seed=1))
+    else:
+        zeroed_in_place(checkpoint)
+    new_from_disk = engine(checkpoint, load_format="auto").wait()
+    assert new_from_disk["digest"] != first["digest"]
+
+    later = engine(checkpoint)
+    served = later.wait()
+    assert served["source"] == "stored" and served["name"] != first["name"], "the replaced checkpoint was mapped"
+    assert served["digest"] == new_from_disk["digest"]
+    assert "tiny-llama" in served["name"]
+
+
+def test_a_failure_after_the_model_is_built_falls_back_to_disk_without_building_the_same_layers_twice(
+        engine, checkpoint, client):
+    """As an import error inside vLLM's quantization check once did: the engine serves from disk, never dies with
+    "Duplicate layer name"."""
+    disk = engine(checkpoint, load_format="auto").wait()
+    storing = engine(checkpoint, HBMD_TEST_FAIL="quant_check")
+    stored = storing.wait()
+    assert stored["source"] == "disk" and stored["digest"] == disk["digest"] and stored["files_opened"] == 1
+    assert "not stored in hbmd (" in storing.log and weights_buffers(client) == []
+
+    assert engine(checkpoint).wait()["source"] == "stored"
+    mapping = engine(checkpoint, HBMD_TEST_FAIL="build")
+    mapped = mapping.wait()
+    assert mapped["source"] == "disk" and mapped["digest"] == disk["digest"]
+    assert "loading them from disk" in mapping.log and "Duplicate layer name" not in mapping.log
 
 
 def test_a_checkpoint_that_changes_while_the_storer_reads_it_is_not_stored(engine, checkpoint, client):

@@ -8,7 +8,11 @@ digest of every tensor and whether every parameter is a view of the sealed
 buffer. ``HBMD_TEST_SEAL_DELAY`` holds the seal back that many seconds,
 ``HBMD_TEST_DIE_BEFORE_SEAL`` kills the process there instead, and
 ``HBMD_TEST_TOUCH_ON_READ`` moves a weights file's modification time a
-second on each time it is opened, as a rewrite during the load would.
+second on each time it is opened, as a rewrite during the load would, and
+``HBMD_TEST_FAIL`` makes hbmd's loader fail once a model is built:
+``quant_check`` in vLLM's quantization check of the model read from disk
+(an import error, as once seen), ``build`` after the model over the sealed
+buffer is built.
 
 vLLM on a machine with no accelerator needs two things this load never uses
 set aside, and nothing else: its CPU platform refuses x86 without triton-cpu
@@ -81,9 +85,30 @@ def digest(model: torch.nn.Module) -> str:
     return hasher.hexdigest()
 
 
+def fail_after_building() -> None:
+    """Make hbmd's loader fail as ``HBMD_TEST_FAIL`` says, after a model was built (see the module's docstring)."""
+    from hbmd.integrations import vllm_weights
+
+    failing = os.environ.get("HBMD_TEST_FAIL")
+    if failing == "quant_check":
+        def check(model):
+            raise ImportError("cannot import name 'QuantizeMethodBase' (a stand-in)")
+
+        vllm_weights.check_ipc_quant_support = check
+    elif failing == "build":
+        build = vllm_weights.HbmdModelLoader._build_model
+
+        def build_then_fail(self, *args, **kwargs):
+            build(self, *args, **kwargs)
+            raise RuntimeError("failed after the model was built (a stand-in)")
+
+        vllm_weights.HbmdModelLoader._build_model = build_then_fail
+
+
 def main() -> None:
     model_dir, load_format, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     load_general_plugins()
+    fail_after_building()
     config = VllmConfig(
         model_config=ModelConfig(model=model_dir, dtype="float32", skip_tokenizer_init=True, enforce_eager=True),
         device_config=DeviceConfig(device="cpu"),
