@@ -253,6 +253,21 @@ def test_vllm_counts_no_kv_block_hbmd_would_not_back_and_its_own_block_pool_writ
     kv.free()
 
 
+def test_growing_vllms_kv_cache_asks_the_daemon_nothing_but_the_commits(hbmd_cache, daemon, monkeypatch):
+    from hbmd.client import Client
+
+    layout, config = four_layers(4 * PAGE * 300)
+    kv = hbmd_cache.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    kv.allocate(kv.size)
+    asked = []
+    status = Client.status
+    monkeypatch.setattr(Client, "status", lambda client: asked.append(client) or status(client))
+    for blocks in range(2, 300, 7):  # growth in small steps, as warm-up's commits come
+        kv.commit(blocks)
+    assert kv.num_committed_blocks == 296 and asked == []
+    kv.free()
+
+
 def test_a_commit_hbmd_refuses_fails_naming_the_cause_and_changes_nothing(hbmd_cache, daemon):
     layout, config = four_layers(512 * MiB)
     kv = hbmd_cache.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
