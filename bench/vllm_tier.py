@@ -574,7 +574,7 @@ def group_big(tier: Tier, model: str) -> None:
     tier.start_daemon("--budget", "60GiB")
     runs = [tier.run(label, {"model": model, "load_format": fmt, "steps": ["generate"]}, hbmd)
             for label, fmt, hbmd in (("big-plain", "auto", False), ("big-store", "hbmd", True),
-                                     ("big-map", "hbmd", True), ("big-plain-again", "auto", False))]
+                                     ("big-map", "hbmd", True))]
     reference = runs[0].event("generate")["outputs"]
     for engine in runs[1:]:
         tier.check(f"{engine.label}: agrees with plain vLLM", **agree(reference, engine.event("generate")["outputs"]))

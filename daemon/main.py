@@ -313,12 +313,17 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
         raise Refusal(f"--device {args.device}: the host backend serves host memory, no GPU; leave --device out, or "
                       "serve the GPU with --backend cuda", 2)
     device = 0 if args.device is None else args.device
+    # A GPU named is a GPU meant: auto falls back to host memory only where none was named, or an engine looking
+    # for the GPU's daemon would find host memory served under another name.
+    kind = "cuda" if args.backend == "auto" and args.device is not None else args.backend
     host_budget, host_pool, host_piece = _host_tier(args)
     try:
-        backend, why = select_backend(args.backend, device, _warm_chunks(args), not args.no_export_sentinel, host_pool,
+        backend, why = select_backend(kind, device, _warm_chunks(args), not args.no_export_sentinel, host_pool,
                                       host_piece)
     except BackendUnavailable as exc:
-        raise Refusal(str(exc), 1) from None
+        named = f"--device {args.device} names a GPU, so host memory is not served instead; " if kind != args.backend \
+            else ""
+        raise Refusal(named + str(exc), 1) from None
     try:
         if host_budget:
             _check_host_tier(backend)
@@ -600,7 +605,9 @@ def _bind(daemon: Daemon[Any, Any]) -> str | None:
 def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
     """The first log line says what serves where; then what the warm pool holds back."""
     args, backend = daemon.args, daemon.backend
-    log.info(
+    # Host memory where a GPU may have been expected deserves more than INFO.
+    log.log(
+        logging.WARNING if daemon.why.startswith("auto: CUDA unusable") else logging.INFO,
         "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s%s",
         VERSION,
         backend.instance,

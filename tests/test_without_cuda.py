@@ -30,7 +30,8 @@ def test_auto_falls_back_to_host_memory_and_says_why(start_daemon, run_dir):
         "--budget", "64MiB", backend="auto", command=[sys.executable, str(launcher), "-m", "hbmd.daemon"]
     )
     assert daemon.instance == "host"
-    assert "auto: CUDA unusable (cuda-bindings is not installed" in daemon.log().splitlines()[0]
+    first = daemon.log().splitlines()[0]
+    assert "auto: CUDA unusable (cuda-bindings is not installed" in first and " WARNING " in first
     with daemon.connect() as client:
         ExtensibleTensor(8 * MiB, "cpu", client=client).resize_(4 * MiB)
         status = subprocess.run(
@@ -50,6 +51,19 @@ def test_asking_for_cuda_without_the_bindings_is_a_clear_error(run_dir):
     )
     assert out.returncode == 1 and "cuda-bindings is not installed" in out.stderr and "Traceback" not in out.stderr
     assert bindings_to_install() in out.stderr  # the extra to install
+
+
+def test_a_gpu_named_without_cuda_is_refused_not_served_as_host_memory(run_dir):
+    launcher = run_dir / "without_cuda.py"
+    launcher.write_text(WITHOUT_CUDA)
+    out = subprocess.run(
+        [sys.executable, str(launcher), "-m", "hbmd.daemon", "--device", "0", "--budget", "90%", "--run-dir",
+         str(run_dir)], capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "--device 0 names a GPU, so host memory is not served instead" in out.stderr
+    assert bindings_to_install() in out.stderr
+    assert not (run_dir / "host").exists()
 
 
 def test_a_gpu_client_without_the_bindings_is_told_what_to_install_and_of_the_host_instance(start_daemon, run_dir):
