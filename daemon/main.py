@@ -538,6 +538,8 @@ def run(daemon: Daemon[A, C]) -> int:
         _exit_on_violation(exc)
     finally:
         notifier.stopping()
+        if server.metrics is not None:
+            server.metrics.close()
         server.close()
         backend.close()
         notifier.close()
@@ -595,7 +597,7 @@ def _bind(daemon: Daemon[Any, Any]) -> str | None:
         return ""
     host, port = daemon.args.metrics_addr
     try:
-        server.metrics.serve(host, port)
+        server.metrics.serve(host, port, beside_predecessor=daemon.handover is not None)
     except OSError as exc:
         log.error("--metrics-addr %s:%d: %s", host, port, exc)
         return None

@@ -1,8 +1,12 @@
 """Prometheus metrics and a health check, served on ``--metrics-addr``.
 
 Gauges are read from the :class:`State` at scrape time by a collector, under
-the server's lock (the HTTP server runs on its own threads); operation
-counters and latency histograms are recorded by the server as it answers.
+the server's lock (the HTTP server runs on its own threads), which is let go
+before the page is written; operation counters and latency histograms are
+recorded by the server as it answers. The port serves
+:data:`MAX_CONNECTIONS` connections at once, each for at most
+:data:`CONNECTION_TIMEOUT_S` per read or write: what a peer that can reach
+it costs the daemon is bounded.
 
 Conventions, so the series sit beside dcgm-exporter's: every series, the
 process's own included, names its instance in ``hbmd_instance`` (``gpu0``,
@@ -90,42 +94,48 @@ class StateCollector(Collector):
         return family
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        # The values are taken under the lock, and the page is written and sent after it is let go: a scraper, or
+        # one that reads slowly, holds up no request.
         with self.lock:
-            state, backend = self.state, self.state.backend
-            info = self._family("hbmd_build_info", "Version and backend of the daemon; always 1.",
-                                ["version", "backend", "python_version"])
-            yield self._add(info, 1, self.version, backend.name, platform.python_version())
-            for name, doc, value in (
-                ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes),
-                ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes),
-                ("hbmd_leased_bytes",
-                 "Granules and credit leased to sessions, not placed or spent yet; charged to their tenants.",
-                 state.leased_bytes),
-                ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes),
-                ("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes),
-                ("hbmd_sessions", "Connected worker sessions.", state.num_workers),
-                ("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers)),
-                ("hbmd_chunks", "Physical chunks.", state.num_chunks),
-                ("hbmd_host_budget_bytes", "Most bytes the host tier holds (demoted buffers); 0: no host tier.",
-                 state.host_budget_bytes),
-                ("hbmd_host_bytes", "Bytes of buffers demoted to the host tier.", state.host_bytes),
-                ("hbmd_host_pool_bytes", "Host-tier memory made ahead of demotes.", backend.host_pool_bytes()),
-            ):
-                yield self._add(self._family(name, doc), value)
-            free = backend.free_bytes()
-            if free >= 0:
-                family = self._family("hbmd_device_free_bytes", "Free device memory as the driver reports it.")
-                yield self._add(family, free)
-            orphans = state.orphans
-            yield self._add(self._family(
-                "hbmd_orphaned_bytes",
-                "Bytes committed to persistent buffers no session holds: kept until attached again or deleted.",
-            ), sum(b.physical_bytes + b.pending_bytes for b in orphans))
-            yield self._add(self._family("hbmd_orphaned_buffers", "Persistent buffers no session holds."), len(orphans))
-            yield from self._config()
-            yield from self._tenants()
-            if self.per_session:
-                yield from self._sessions()
+            families = list(self._families())
+        yield from families
+
+    def _families(self) -> Iterator[GaugeMetricFamily]:
+        state, backend = self.state, self.state.backend
+        info = self._family("hbmd_build_info", "Version and backend of the daemon; always 1.",
+                            ["version", "backend", "python_version"])
+        yield self._add(info, 1, self.version, backend.name, platform.python_version())
+        for name, doc, value in (
+            ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes),
+            ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes),
+            ("hbmd_leased_bytes",
+             "Granules and credit leased to sessions, not placed or spent yet; charged to their tenants.",
+             state.leased_bytes),
+            ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes),
+            ("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes),
+            ("hbmd_sessions", "Connected worker sessions.", state.num_workers),
+            ("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers)),
+            ("hbmd_chunks", "Physical chunks.", state.num_chunks),
+            ("hbmd_host_budget_bytes", "Most bytes the host tier holds (demoted buffers); 0: no host tier.",
+             state.host_budget_bytes),
+            ("hbmd_host_bytes", "Bytes of buffers demoted to the host tier.", state.host_bytes),
+            ("hbmd_host_pool_bytes", "Host-tier memory made ahead of demotes.", backend.host_pool_bytes()),
+        ):
+            yield self._add(self._family(name, doc), value)
+        free = backend.free_bytes()
+        if free >= 0:
+            family = self._family("hbmd_device_free_bytes", "Free device memory as the driver reports it.")
+            yield self._add(family, free)
+        orphans = state.orphans
+        yield self._add(self._family(
+            "hbmd_orphaned_bytes",
+            "Bytes committed to persistent buffers no session holds: kept until attached again or deleted.",
+        ), sum(b.physical_bytes + b.pending_bytes for b in orphans))
+        yield self._add(self._family("hbmd_orphaned_buffers", "Persistent buffers no session holds."), len(orphans))
+        yield from self._config()
+        yield from self._tenants()
+        if self.per_session:
+            yield from self._sessions()
 
     def _config(self) -> Iterator[GaugeMetricFamily]:
         """Whether the last reload of ``--config`` took effect, and when the config in force was read (as
@@ -183,13 +193,44 @@ class StateCollector(Collector):
         yield from (committed, reserved, chunks)
 
 
+MAX_CONNECTIONS = 16
+"""Connections the metrics port serves at once; one beyond is closed at once, so that idle peers cannot take the
+daemon's descriptors (whose end aborts the control plane's libzmq) or its threads."""
+CONNECTION_TIMEOUT_S = 5.0
+"""How long a connection may take to send its request or read its answer."""
 class _QuietHandler(WSGIRequestHandler):
+    timeout = CONNECTION_TIMEOUT_S
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would drown the daemon's log."""
 
 
-class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A thread per connection, :data:`MAX_CONNECTIONS` at most; the address shared with a successor (``--takeover``
+    binds it beside this one, which lets go once it has handed over: ``SO_REUSEPORT`` takes only the same user's)."""
+
     daemon_threads = True
+    allow_reuse_port = True
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class Metrics:
@@ -217,6 +258,7 @@ class Metrics:
             [*names, "operation"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self._metrics_app = make_wsgi_app(self.registry)
+        self._httpd: _BoundedServer | None = None
 
     def record(self, operation: str, outcome: str, started: float) -> None:
         self.operations.labels(*self._instance, operation, outcome).inc()
@@ -262,9 +304,24 @@ class Metrics:
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found: the metrics are on /metrics, the health check on /healthz\n"]
 
-    def serve(self, host: str, port: int) -> None:
-        """Serve on ``host:port`` from background threads; ``OSError`` if the address cannot be bound."""
+    def serve(self, host: str, port: int, *, beside_predecessor: bool = False) -> None:
+        """Serve on ``host:port`` from background threads; ``OSError`` if the address cannot be bound.
+
+        ``beside_predecessor``: the daemon taken over from still listens there
+        and lets go once it has handed over. Any other daemon is refused an
+        address in use, as if it were not shared.
+        """
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        server_class: type[_ThreadingServer] = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
-        httpd = make_server(host, port, self.app, server_class, _QuietHandler)
-        threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
+        if not beside_predecessor:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((host, port))
+        server_class: type[_BoundedServer] = type("MetricsServer", (_BoundedServer,), {"address_family": family})
+        self._httpd = make_server(host, port, self.app, server_class, _QuietHandler)
+        threading.Thread(target=self._httpd.serve_forever, name="metrics", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving and let the address go: a daemon that handed over reports nothing as if it still served."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None

@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 from hbmd.client import ExtensibleTensor, OutOfBudget
+from hbmd.daemon.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
 from helpers import MiB, hbmctl, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -268,3 +269,38 @@ def test_without_a_config_there_is_no_reload_to_report(start_daemon, run_dir):
     start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
     assert not any(name.startswith("hbmd_config_") for name, _ in scrape(port))
     assert "config:" not in hbmctl("--run-dir", str(run_dir), "status").stdout
+
+
+def test_a_takeover_keeps_the_metrics_address_and_the_lingering_predecessor_reports_nothing(start_daemon):
+    port = free_port()
+    args = ("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    first = start_daemon(*args, "--linger", "--log-format", "json")
+    started_first = value(scrape(port), "process_start_time_seconds")
+    second = start_daemon(*args, "--takeover")  # the same command line, as an upgrade without systemd runs it
+    assert "took over from pid" in second.log()
+    wait_until(lambda: "lingering until stopped" in first.log())
+    assert page(port, "/healthz") == "ok\n"
+    # Every answer on the port now comes from the successor: the lingering one reports nothing.
+    assert all(value(scrape(port), "process_start_time_seconds") > started_first for _ in range(20))
+    assert first.stop() == 0
+    lines = first.log().splitlines()
+    assert all(line.startswith("{") for line in lines), [line for line in lines if not line.startswith("{")][:5]
+
+
+def test_idle_connections_to_the_metrics_port_take_neither_the_daemons_descriptors_nor_its_requests(start_daemon):
+    port = free_port()
+    daemon = start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    page(port)
+    descriptors = daemon.open_fds()
+    idle = []
+    try:
+        for _ in range(300):  # as a peer that can reach the port and sends nothing
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        with daemon.connect() as client:  # the control plane serves on, a newcomer included
+            assert client.status().num_sessions == 1
+        assert daemon.open_fds() <= descriptors + MAX_CONNECTIONS + 4
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_until(lambda: "hbmd_committed_bytes" in page(port), timeout=2 * CONNECTION_TIMEOUT_S + 5)
+    assert daemon.alive()

@@ -155,6 +155,7 @@ class Server(Generic[A, C]):
         """Requests waiting for their session's datagrams (:class:`_Behind`), by session id: one each at most."""
         self._successors: TakeoverListener | None = None
         self._wake_r = self._wake_w = -1
+        self._signals_installed = False
         journal = persistence.sync if persistence is not None else lambda: None
         self._plane: HandlePlane[A, C] = HandlePlane(state, journal)
         self._poller = zmq.Poller()
@@ -247,6 +248,7 @@ class Server(Generic[A, C]):
     def install_signal_handlers(self) -> None:
         """SIGTERM and SIGINT stop the loop; the wake pipe interrupts the poll."""
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self._signals_installed = True
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop())
 
@@ -288,6 +290,10 @@ class Server(Generic[A, C]):
         """Hang up on every session, drop the sockets, files and lock."""
         self._unbind()
         self._plane.close_watches()
+        if self._signals_installed:
+            # The pipe closes below: a signal after that (a lingering daemon's SIGTERM) must not be written to it.
+            signal.set_wakeup_fd(-1)
+            self._signals_installed = False
         for fd in (self._wake_r, self._wake_w):
             if fd >= 0:
                 os.close(fd)
