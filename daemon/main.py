@@ -470,6 +470,10 @@ def _persistence(
     or a service manager, and then the FDs passed in are closed."""
     passed = listen_fds()
     if not (args.state_dir and notifier.enabled):
+        if args.state_dir:
+            log.warning("--state-dir %s: no service manager to keep the chunks (NOTIFY_SOCKET is not set), so nothing "
+                        "is journaled: a stop or a crash loses every buffer. Run under systemd (deploy/hbmd@.service), "
+                        "or upgrade with --takeover", args.state_dir)
         for fd in (fd for fds in passed.values() for fd in fds):
             os.close(fd)
         return None
@@ -540,6 +544,8 @@ def run(daemon: Daemon[A, C]) -> int:
         notifier.stopping()
         if server.metrics is not None:
             server.metrics.close()
+        if not server.handed_over and server.persistence is None:
+            _warn_of_what_is_lost(server.state)
         server.close()
         backend.close()
         notifier.close()
@@ -547,6 +553,18 @@ def run(daemon: Daemon[A, C]) -> int:
         _linger()
     log.info("hbmd stopped")
     return 0
+
+
+def _warn_of_what_is_lost(state: State[Any, Any]) -> None:
+    """Name the persistent buffers a stop destroys where nothing keeps them (no FD store, no successor): what an
+    operator stopping the daemon may not know it is giving up."""
+    kept = [buffer for buffer in state.buffers.values() if buffer.persistent]
+    if kept:
+        names = ", ".join(repr(buffer.name) for buffer in kept[:10]) + (" ..." if len(kept) > 10 else "")
+        log.warning("stopping with nothing to keep them (no service manager's FD store, no --takeover): %d persistent "
+                    "buffers (%s, %d sealed, %d held by no session) are destroyed: %s", len(kept),
+                    format_bytes(sum(b.physical_bytes for b in kept)), sum(b.sealed for b in kept),
+                    sum(b.owner is None for b in kept), names)
 
 
 def _linger() -> None:

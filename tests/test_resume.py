@@ -281,3 +281,35 @@ def test_a_request_sent_again_and_again_is_answered_each_time_and_logged_once(da
         assert all(answer == answers[0] for answer in answers)  # the one answer, given again
     wait_until(lambda: "again after a restart: answered as before" in daemon.log())
     assert daemon.log().count("again after a restart: answered as before") == 1  # a peer cannot flood the log
+
+
+def warnings_in(log: str) -> list[str]:
+    return [line for line in log.splitlines() if " WARNING " in line]
+
+
+@pytest.mark.torch
+def test_what_a_plain_stop_destroys_is_named_and_a_buffer_left_to_nobody_is_logged(start_daemon, run_dir):
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    daemon = start_daemon("--budget", "64MiB", "--state-dir", str(state_dir))  # no service manager: no FD store
+    (said,) = warnings_in(daemon.log())
+    assert f"--state-dir {state_dir}: no service manager to keep the chunks" in said
+    with daemon.connect() as engine:
+        kv = ExtensibleTensor(8 * MiB, "cpu", client=engine, name="kv-cache", persistent=True)
+        kv.resize_(4 * MiB)
+        session = engine.session_id
+    wait_until(lambda: "is an orphan" in daemon.log())
+    assert f"buffer 1 'kv-cache' of session {session} is an orphan: 4.0 MiB kept until attached again" in daemon.log()
+    assert daemon.stop() == 0
+    (said,) = warnings_in(daemon.log())[1:]
+    assert "stopping with nothing to keep them" in said and "1 persistent buffers (4.0 MiB, 0 sealed, 1 held by no " \
+        "session) are destroyed: 'kv-cache'" in said
+
+
+@pytest.mark.torch
+def test_a_stop_that_destroys_nothing_kept_warns_of_nothing(start_daemon):
+    daemon = start_daemon("--budget", "64MiB")
+    with daemon.connect() as engine:
+        ExtensibleTensor(8 * MiB, "cpu", client=engine).resize_(4 * MiB)
+        assert daemon.stop() == 0
+    assert warnings_in(daemon.log()) == []
