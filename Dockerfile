@@ -1,5 +1,5 @@
 # The image deploy/hbmd-daemonset.yaml names (registry.example.com/hbmd:<version>):
-#   docker build -t registry.example.com/hbmd:0.2.0 .
+#   docker build -t registry.example.com/hbmd:0.3.0 .
 # libcuda and NVML are not in it: the NVIDIA container runtime mounts the
 # node's driver libraries. CUDA_EXTRA picks the cuda-bindings major for the
 # fleet's driver: cuda13 needs R580 or newer, cuda12 runs on R525 and newer.

@@ -61,7 +61,7 @@ def uint8_view(address: int, size: int, device_type: int, device_id: int, owner:
     try:
         import torch
     except ImportError as exc:
-        raise ImportError("tensor views need torch: pip install 'hbmd[torch]'") from exc
+        raise ImportError("tensor views need torch: pip install 'torch>=2.4' numpy") from exc
     shape = (ctypes.c_int64 * 1)(size)
     strides = (ctypes.c_int64 * 1)(1)
     managed = _DLManagedTensor()

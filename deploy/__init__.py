@@ -1,4 +1,4 @@
-"""hbmd's deployment files, shipped with the package so that ``pip install hbmd`` is enough to deploy it.
+"""hbmd's deployment files, shipped with the package so that installing its wheel is enough to deploy it.
 
 Beside this module: ``hbmd@.service`` (the systemd unit), ``hbmd.sysusers.conf``,
 ``grafana-dashboard.json``, ``hbmd-daemonset.yaml`` and ``README.md``, which

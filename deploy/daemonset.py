@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import re
 
-IMAGE = "registry.example.com/hbmd:0.2.0"
+IMAGE = "registry.example.com/hbmd:0.3.0"
 """The image unless ``--image`` names another: the Dockerfile at the top of the repository, built and pushed."""
 NAMESPACE = "hbmd-system"
 """Where the daemons run unless ``--namespace`` names another."""

@@ -44,21 +44,22 @@ def _bindings() -> Any:
 
 
 def bindings_to_install(version_file: str = DRIVER_VERSION_FILE) -> str:
-    """Which of hbmd's extras brings the cuda-bindings that this node's driver runs: ``cuda13`` needs an R580 or newer
-    driver, ``cuda12`` R525 or newer (pyproject's extras)."""
+    """The cuda-bindings this node's driver runs, as an install that works wherever hbmd came from: the bindings by
+    their own name (13.x needs an R580 or newer driver, 12.x R525 or newer), or hbmd's extra of the same pin from a
+    checkout or a built wheel (pyproject's ``cuda13``/``cuda12``)."""
     try:
         with open(version_file, encoding="utf-8") as f:
             found = re.search(r"\s(\d+)\.\d+(?:\.\d+)?\s", f.read())
     except OSError:
         found = None
     if found is None:
-        return ("install the extra for the node's driver: pip install 'hbmd[cuda13]' for R580 and newer, "
-                "'hbmd[cuda12]' for R525 and newer (no NVIDIA driver is loaded here)")
+        return ("install the cuda-bindings of the node's driver: pip install 'cuda-bindings>=13,<14' for R580 and "
+                "newer, 'cuda-bindings>=12,<13' for R525 and newer (no NVIDIA driver is loaded here)")
     major = int(found.group(1))
     if major < 525:
         return f"this node's driver R{major} is older than any cuda-bindings hbmd takes (R525 for cuda-bindings 12)"
-    extra = "cuda13" if major >= 580 else "cuda12"
-    return f"pip install 'hbmd[{extra}]' (this node's driver is R{major}; '.[{extra}]' from a checkout)"
+    pin, extra = ("'cuda-bindings>=13,<14'", "cuda13") if major >= 580 else ("'cuda-bindings>=12,<13'", "cuda12")
+    return f"pip install {pin} (this node's driver is R{major}; from an hbmd checkout, pip install '.[{extra}]')"
 
 
 def check(result: Any, function: str) -> Any:

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
     """Without torch, the tests that go through tensor views skip, saying so; the others run as ever."""
     if not TORCH_MISSING:
         return
-    skip = pytest.mark.skip(reason="needs torch for tensor views: pip install 'hbmd[torch]' (or torch==2.13.0)")
+    skip = pytest.mark.skip(reason="needs torch for tensor views: pip install torch==2.13.0 numpy")
     for item in items:
         if item.get_closest_marker("torch") is not None:
             item.add_marker(skip)

@@ -68,7 +68,8 @@ NOT_RUN = {
         "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[torch,test]' && "
         ".venv/bin/python -m pytest -q"
     )): "installs torch and the test extras (pip, from the network), then runs the whole suite, this test included",
-    ("README.md", "pip install hbmd # in vLLM's environment; registers the plugin"): "pip, in vLLM's environment",
+    ("README.md", "pip install /path/to/hbmd # a checkout or its wheel, in vLLM's environment: registers the plugin"):
+        "pip, in vLLM's environment",
     ("README.md", "hbmd --device 0 --budget 90% & # or the hbmd@0 systemd unit"): "needs a GPU",
     ("README.md", "HBMD_VLLM=1 vllm serve MODEL # without HBMD_VLLM=1 the plugin does nothing"): "needs vLLM and a GPU",
     ("README.md", "HBMD_VLLM=1 vllm serve MODEL --load-format hbmd"): "needs vLLM and a GPU",

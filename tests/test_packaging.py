@@ -80,3 +80,19 @@ def test_the_wheel_ships_what_a_node_needs_besides_the_code(tmp_path):
 def test_python_m_hbmd_deploy_says_where_the_files_are():
     out = subprocess.run([sys.executable, "-m", "hbmd.deploy"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and (Path(out.stdout.strip()) / "hbmd@.service").is_file()
+
+
+@pytest.mark.unit
+def test_no_hint_or_document_tells_anyone_to_install_hbmd_by_a_name_nobody_here_publishes():
+    """hbmd is not on PyPI: `pip install hbmd` (or one of its extras by name) would install whatever someone else
+    registers under it. Hints name the dependency itself, or a checkout or a wheel."""
+    import re
+
+    wrong = re.compile(r"pip install\s+(-\S+\s+)*['\"]?hbmd(\[|['\"\s]|$)")
+    files = [p for p in ROOT.rglob("*") if p.suffix in {".py", ".md", ".toml", ".yaml", ".service", ".sh"}
+             or p.name == "Dockerfile"]
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in files
+                 if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+                 and p.relative_to(ROOT).parts[0] not in ("build", "dist") and p.name != "CHANGELOG.md"
+                 for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if wrong.search(line)]
+    assert offenders == []

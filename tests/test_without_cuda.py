@@ -82,13 +82,15 @@ def test_a_gpu_client_without_the_bindings_is_told_what_to_install_and_of_the_ho
     "version, advice",
     [
         ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (dvs-builder@U16)",
-         "pip install 'hbmd[cuda13]' (this node's driver is R580"),
+         "pip install 'cuda-bindings>=13,<14' (this node's driver is R580; from an hbmd checkout, pip install "
+         "'.[cuda13]')"),
         ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024",
-         "pip install 'hbmd[cuda12]' (this node's driver is R535"),
+         "pip install 'cuda-bindings>=12,<13' (this node's driver is R535"),
         ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.256.02  Thu May  2 14:37:44 UTC 2024",
          "driver R470 is older than any cuda-bindings hbmd takes"),
         (None,
-         "'hbmd[cuda13]' for R580 and newer, 'hbmd[cuda12]' for R525 and newer (no NVIDIA driver is loaded here)"),
+         "pip install 'cuda-bindings>=13,<14' for R580 and newer, 'cuda-bindings>=12,<13' for R525 and newer (no "
+         "NVIDIA driver is loaded here)"),
     ],
 )
 def test_the_extra_to_install_follows_the_nodes_driver(tmp_path, version, advice):
