@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "for a container whose restart policy would start it again, and take over back")
     parser.add_argument("--config", metavar="FILE",
                         help="TOML file with access rules and per-tenant quotas; SIGHUP reloads it")
+    parser.add_argument("--check-config", action="store_true",
+                        help="check the options and --config as a start would, serve nothing, and exit: 0 when a "
+                             "start would take them, 2 when not (before systemctl reload, or in a package's tests)")
     parser.add_argument("--group", metavar="NAME",
                         help="group owning the instance directory and sockets; its members may connect")
     parser.add_argument("--metrics-addr", type=metrics_address, metavar="HOST:PORT",
@@ -366,9 +369,22 @@ def _check_host_tier(backend: Backend[Any, Any]) -> None:
         raise Refusal(f"--host-budget: {backend.name} cannot serve a host tier here: {exc}", 1) from None
 
 
-def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budget: int = 0) -> Daemon[A, C]:
-    if args.instance_name:
-        backend.instance = args.instance_name
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the options and the config file ask of a backend, checked: everything :func:`_wire` needs before it
+    makes anything."""
+
+    budget: int
+    lease: int
+    credit: int
+    config: Config
+    group: int | None
+    limits: Limits
+
+
+def _settings(args: argparse.Namespace, backend: Backend[Any, Any]) -> Settings:
+    """The options and ``--config`` checked against ``backend``; raises :class:`Refusal` (exit 2) naming what is
+    wrong."""
     budget = _budget(args, backend)
     lease = _granules_option("--lease", args.lease, backend)
     credit = _granules_option("--credit", args.credit, backend)
@@ -380,11 +396,38 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
         group = grp.getgrnam(args.group).gr_gid if args.group else None
     except KeyError:
         raise Refusal(f"--group: no group named {args.group!r}", 2) from None
-    limits = _limits(args)
+    return Settings(budget, lease, credit, config, group, _limits(args))
+
+
+def check_config(args: argparse.Namespace) -> int:
+    """``--check-config``: check the options and ``--config`` as a start would, serve nothing, and say what they
+    set; 0 when a start would take them, 2 (logged) when not, 1 when the backend cannot run here."""
+    _host_tier(args)
+    kind = "cuda" if args.backend == "auto" and args.device is not None else args.backend
+    try:
+        backend, _ = select_backend(kind, 0 if args.device is None else args.device, export_sentinel=False)
+    except BackendUnavailable as exc:
+        raise Refusal(str(exc), 1) from None
+    try:
+        settings = _settings(args, backend)
+    finally:
+        backend.close()
+    tenants = settings.config.tenants
+    print(f"{args.config or 'no --config'}: valid for the {backend.name} backend; budget "
+          f"{format_bytes(settings.budget)} of {format_bytes(backend.total_bytes)}, {len(tenants)} tenants "
+          f"guaranteed {format_bytes(settings.config.guaranteed_bytes)} in all")
+    return 0
+
+
+def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budget: int = 0) -> Daemon[A, C]:
+    if args.instance_name:
+        backend.instance = args.instance_name
+    settings = _settings(args, backend)
+    budget = settings.budget
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
-    state = State(backend, budget, config, args.reclaim_timeout, limits, lease, host_budget_bytes=host_budget,
-                  credit_bytes=credit, demote_idle_s=args.demote_idle)
+    state = State(backend, budget, settings.config, args.reclaim_timeout, settings.limits, settings.lease,
+                  host_budget_bytes=host_budget, credit_bytes=settings.credit, demote_idle_s=args.demote_idle)
     if args.config:
         state.config_load.path = os.path.abspath(args.config)
         state.config_load.loaded()
@@ -398,7 +441,7 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
         metrics = Metrics(state, lock, VERSION, per_session=args.metrics_sessions)
     try:
         server = Server(
-            state, paths, lock=lock, notifier=notifier, group=group, metrics=metrics, persistence=persistence,
+            state, paths, lock=lock, notifier=notifier, group=settings.group, metrics=metrics, persistence=persistence,
             check_invariants=args.check_invariants, resume_window_s=args.resume_timeout,
         )
     except HandlerTableError as exc:
@@ -657,6 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format)
     raise_fd_limit()
     try:
+        if args.check_config:
+            return check_config(args)
         daemon = build(args)
     except Refusal as exc:
         log.error("%s", exc)

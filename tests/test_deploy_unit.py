@@ -43,7 +43,30 @@ def test_the_unit_keeps_gpu_access_and_peer_uids():
     assert unit_values("DeviceAllow") == ["char-nvidia* rw"] and unit_values("DevicePolicy") == ["closed"]
     assert not unit_values("PrivateUsers") and not unit_values("PrivateDevices")
     assert unit_values("CapabilityBoundingSet") == [""]
-    assert unit_values("ExecReload") == ["/bin/kill -HUP $MAINPID"] and unit_values("Documentation")
+    assert unit_values("Documentation")
+
+
+@pytest.mark.unit
+def test_a_reload_checks_the_config_first_and_a_bad_one_at_boot_is_not_restarted_in_a_loop():
+    (start,) = unit_values("ExecStart")
+    assert unit_values("ExecReload") == [f"{start} --check-config", "/bin/kill -HUP $MAINPID"]
+    assert unit_values("RestartPreventExitStatus") == ["2"]
+
+
+@pytest.mark.ipc
+def test_check_config_says_whether_a_start_would_take_the_config_and_serves_nothing(run_dir):
+    good, bad = run_dir / "good.toml", run_dir / "bad.toml"
+    good.write_text('[[tenants]]\nname = "serving"\nmax = "6GiB"\nguaranteed = "1GiB"\n')
+    bad.write_text('[[tenants]]\nname = "serving"\nmax = "six"\n')
+    command = [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--budget", "8GiB", "--run-dir", str(run_dir),
+               "--check-config", "--config"]
+    ok = subprocess.run([*command, str(good)], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"{good}: valid for the host backend; budget 8.0 GiB of ")
+    assert ok.stdout.endswith(", 1 tenants guaranteed 1.0 GiB in all\n")
+    refused = subprocess.run([*command, str(bad)], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "tenants[0].max: bad size 'six'" in refused.stderr
+    assert "Traceback" not in refused.stderr and not (run_dir / "host").exists()
 
 
 def allowed_syscalls(group: str) -> set[str]:
