@@ -46,8 +46,10 @@ from hbmd.proto.units import parse_size
 from . import __version__
 from .ctl_commands import (
     INSTANCE_COLUMN,
+    NOT_RUNNING,
     STATUS_COLUMNS,
     UNREACHABLE,
+    UNREACHABLE_STATE,
     cmd_buffers,
     cmd_delete,
     cmd_reclaim,
@@ -80,16 +82,20 @@ def ask(client: Client, instance: str, commands: list[str], args: argparse.Names
 
 def ask_every_instance(
     args: argparse.Namespace, names: list[str], commands: list[str]
-) -> tuple[dict[str, Output | None], list[str]]:
+) -> tuple[dict[str, Output | None], list[str], list[str]]:
     """Each of ``commands`` asked of every instance in ``names``, over one connection each: what each command shows
-    for them all (None where none answered), and a complaint for each instance that did not answer.
+    for them all (None where none answered), a complaint for each instance that did not answer, and a note for each
+    that nothing serves.
 
     One instance's output is its own, and its error is raised. Of several,
     status shows one row each, those that did not answer marked so, and a
-    listing the rows of those that answered, after an INSTANCE column.
+    listing the rows of those that answered, after an INSTANCE column. An
+    instance nothing serves (a daemon killed leaves its directory, until
+    the next one of the instance clears it) is reported so, not as a
+    failure, unless nothing serves any of them.
     """
     answers: dict[str, list[Output]] = {command: [] for command in commands}
-    failures = []
+    failures, notes = [], []
     for name in names:
         try:
             with open_client(args, name) as client:
@@ -97,16 +103,20 @@ def ask_every_instance(
         except HbmdError as exc:
             if len(names) == 1:
                 raise
-            failures.append(f"{name}: {exc.message}")
+            gone = bool(exc.details.get("not_running"))
+            (notes if gone else failures).append(f"{name}: {NOT_RUNNING if gone else 'unreachable'}: {exc.message}")
             outputs = {}
             if "status" in commands:
-                record = UNREACHABLE | {"instance": name, "error": exc.message}
+                record = UNREACHABLE | {"instance": name, "error": exc.message,
+                                        "state": NOT_RUNNING if gone else UNREACHABLE_STATE}
                 outputs["status"] = Output({"instances": [record]}, "", STATUS_COLUMNS, [record])
         for command, output in outputs.items():
             answers[command].append(output)
     if len(names) == 1:
-        return {command: listed[0] for command, listed in answers.items()}, failures
-    return {command: _side_by_side(listed) for command, listed in answers.items()}, failures
+        return {command: listed[0] for command, listed in answers.items()}, failures, notes
+    if len(notes) == len(names):
+        failures, notes = notes, []
+    return {command: _side_by_side(listed) for command, listed in answers.items()}, failures, notes
 
 
 def _side_by_side(outputs: list[Output]) -> Output | None:
@@ -128,7 +138,9 @@ def watch(args: argparse.Namespace, names: list[str]) -> int:
 
     On a terminal each frame replaces the last; elsewhere frames follow one
     another. Several instances show side by side, as the commands show them,
-    those that do not answer marked so in status, and watching goes on.
+    those that do not answer marked so in status, and watching goes on. One
+    instance whose daemon goes away (stopped, restarted, taken over) is
+    waited for, saying so on stderr, and followed once one serves it again.
     ``--json`` writes one JSON object per frame and line: ``{"time": ...,
     "instances": [...], "sessions": [...], "buffers": [...]}``, each session
     and buffer naming its instance. ``-o csv`` writes the status columns,
@@ -137,16 +149,34 @@ def watch(args: argparse.Namespace, names: list[str]) -> int:
     """
     fmt = "json" if args.json else args.output
     redraw = sys.stdout.isatty() and fmt not in ("json", "csv")
-    # One instance: one connection for the whole watch, and its loss ends it; several are asked afresh each frame.
+    # One instance: one connection while its daemon serves, opened again when it has gone (a restart, a successor),
+    # as journalctl -f follows a rotated journal; several are asked afresh each frame.
     client = open_client(args, names[0]) if len(names) == 1 else None
+    away = False
     headers = not args.no_headers
     try:
         while True:
             failures: list[str] = []
-            if client is not None:
-                outputs: dict[str, Output | None] = dict(ask(client, names[0], WATCHED, args))
+            if len(names) == 1:
+                try:
+                    client = client or open_client(args, names[0])
+                    outputs: dict[str, Output | None] = dict(ask(client, names[0], WATCHED, args))
+                except DaemonUnavailable as exc:
+                    if client is not None:
+                        client.close()
+                        client = None
+                    if not away:
+                        print(f"hbmctl: {shown(exc.message)}; waiting for hbmd to serve {names[0]} again",
+                              file=sys.stderr, flush=True)
+                        away = True
+                    time.sleep(args.interval)
+                    continue
+                if away:
+                    print(f"hbmctl: hbmd serves {names[0]} again", file=sys.stderr, flush=True)
+                    away = False
             else:
-                outputs, failures = ask_every_instance(args, names, WATCHED)
+                outputs, failures, notes = ask_every_instance(args, names, WATCHED)
+                failures += notes
             now, stamp = time.time(), time.strftime("%H:%M:%S")
             if fmt == "json":
                 record: dict[str, Any] = {"time": now, "sessions": [], "buffers": []}
@@ -352,8 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "watch":
             return watch(args, names)
         if args.command in MULTI_INSTANCE:
-            answers, failures = ask_every_instance(args, names, [args.command])
+            answers, failures, notes = ask_every_instance(args, names, [args.command])
             output = answers[args.command]
+            for note in notes:
+                print(f"hbmctl: {shown(note)}", file=sys.stderr)
         else:
             with open_client(args, names[0]) as client:
                 output = command_call(args.command)(client, args)

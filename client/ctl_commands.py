@@ -20,6 +20,7 @@ from .ctl_output import (
     as_dict,
     bytes_column,
     duration,
+    none_for_empty,
     none_for_negative,
     plain_column,
     render_table,
@@ -36,15 +37,22 @@ def status_record(client: Client) -> dict[str, Any]:
     record = none_for_negative(
         as_dict(s), "device_index", "device_free_bytes", "admissible_bytes", "held_for_guarantees_bytes", "credit_bytes"
     )
+    # What does not exist is null, not an empty string or a zero time: no GPU's UUID on the host backend, no config.
+    none_for_empty(record, "device_uuid", "config_path", "config_loaded_at", "config_reload_error",
+                   "config_reload_failed_at")
     record["budget_left_bytes"] = budget_left(s)
+    record["state"] = SERVING
     record["error"] = None
     for tenant in record["tenants"]:
         none_for_negative(tenant, "max_bytes")
     return record
 
 
-UNREACHABLE = dict.fromkeys([f.name for f in dataclasses.fields(StatusReply)] + ["budget_left_bytes"])
-"""The record of an instance that did not answer: every figure null, beside its name and the error."""
+SERVING, UNREACHABLE_STATE, NOT_RUNNING = "serving", "unreachable", "not running"
+"""An instance's ``state`` in status: it answered; it did not (hung, or too slow for ``--timeout``); nothing serves
+it (its daemon is gone and left its directory, which the next daemon of the instance clears)."""
+UNREACHABLE = dict.fromkeys([f.name for f in dataclasses.fields(StatusReply)] + ["budget_left_bytes", "state"])
+"""The record of an instance that did not answer: every figure null, beside its name, its state and the error."""
 
 
 def _device(r: dict[str, Any]) -> str:
@@ -57,7 +65,7 @@ INSTANCE_COLUMN = plain_column("INSTANCE", "instance")
 
 STATUS_COLUMNS = [
     INSTANCE_COLUMN,
-    Column("BACKEND", lambda r: r["backend"] or "unreachable", lambda r: r["backend"] or "unreachable"),
+    Column("BACKEND", lambda r: r["backend"] or r["state"], lambda r: r["backend"] or r["state"]),
     Column("DEVICE", _device, lambda r: r["device_index"]),
     bytes_column("BUDGET", "budget_bytes"),
     bytes_column("COMMITTED", "committed_bytes"),

@@ -134,6 +134,14 @@ def plain_column(header: str, key: str, wide: bool = False, human: Callable[[Any
     )
 
 
+def none_for_empty(record: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``record`` with each of ``keys`` whose wire value is empty ("" or 0: nothing of the kind) set to None."""
+    for key in keys:
+        if not record[key]:
+            record[key] = None
+    return record
+
+
 def none_for_negative(record: dict[str, Any], *keys: str) -> dict[str, Any]:
     """``record`` with each of ``keys`` whose wire value is -1 ("none" or "unknown") set to None: JSON's null."""
     for key in keys:

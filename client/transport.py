@@ -72,7 +72,7 @@ class HandleChannel:
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             self.sock.close()
             raise DaemonUnavailable(
-                f"no hbmd is serving {self.path}: {exc.strerror} ({paths.origin})", path=self.path
+                f"no hbmd is serving {self.path}: {exc.strerror} ({paths.origin})", path=self.path, not_running=True
             ) from None
         except PermissionError:
             self.sock.close()

@@ -236,13 +236,17 @@ def test_status_shows_every_instance_of_a_node(two_instances):
     wide = hbmctl("--run-dir", rd, "-o", "wide", "status").stdout
     assert "PID" in wide and str(second.pid) in wide
 
-    second.kill()  # killed, so its instance.json stays behind: the row says so and the exit code too
-    out = hbmctl("--run-dir", rd, "status", "--timeout", "2")
-    assert out.returncode == 1 and "host2" in out.stderr and "unreachable" in out.stdout
-    out = hbmctl("--run-dir", rd, "--json", "status", "--timeout", "2")
+    os.kill(second.pid, signal.SIGSTOP)  # hung: it does not answer, the row says so and the exit code too
+    out = hbmctl("--run-dir", rd, "status", "--timeout", "1")
+    assert out.returncode == 1 and "host2: unreachable" in out.stderr and "unreachable" in out.stdout
+    out = hbmctl("--run-dir", rd, "--json", "status", "--timeout", "1")
     answered, unreachable = json.loads(out.stdout)["instances"]
     assert out.returncode == 1 and answered["error"] is None and unreachable["error"]
+    assert (answered["state"], unreachable["state"]) == ("serving", "unreachable")
     assert set(unreachable) == set(answered) and unreachable["budget_bytes"] is None  # one shape, nulls for the unknown
+    second.kill()  # killed, so its instance.json stays behind: not running, which is no failure of this node
+    out = hbmctl("--run-dir", rd, "status", "--timeout", "2")
+    assert out.returncode == 0 and "host2: not running" in out.stderr and "not running" in out.stdout
 
 
 def deaf_worker(daemon, spawn_worker):
@@ -266,6 +270,9 @@ def test_json_has_one_shape_whatever_the_node_and_null_for_what_does_not_exist(d
     assert list(alone) == list(named) == ["instances"] and len(alone["instances"]) == 1
     [status] = alone["instances"]
     assert status["device_index"] is None and status["error"] is None and status["admissible_bytes"] >= 0
+    # No GPU, no config: nulls, not "" or a time of 0.
+    assert [status[key] for key in ("device_uuid", "config_path", "config_loaded_at", "config_reload_error",
+                                    "config_reload_failed_at")] == [None] * 5
     [session] = json.loads(hbmctl("--run-dir", rd, "--json", "sessions").stdout)["sessions"]
     assert session["reclaim_state"] == "pending" and session["reclaim_released_bytes"] is None
     worker.send("done")
@@ -325,17 +332,43 @@ def test_sessions_and_buffers_list_every_instance_of_a_node(two_instances):
     assert buffer["instance"] == "host2"
 
     engines[1].close()
-    second.kill()  # its instance.json stays behind: the listing shows the other, names it, and says so in its exit code
+    second.kill()  # its instance.json stays behind: the listing shows the other and says the killed one is not running
     out = hbmctl("--run-dir", rd, "sessions", "--timeout", "2")
-    assert out.returncode == 1 and "hbmctl: host2: " in out.stderr
+    assert out.returncode == 0 and "hbmctl: host2: not running: no hbmd is serving" in out.stderr
     header, *rows = out.stdout.splitlines()
     assert header.split()[0] == "INSTANCE" and [row.split()[0] for row in rows] == ["host"]
     out = hbmctl("--run-dir", rd, "--json", "buffers", "--timeout", "2")
-    assert out.returncode == 1 and [b["instance"] for b in json.loads(out.stdout)["buffers"]] == ["host"]
+    assert out.returncode == 0 and [b["instance"] for b in json.loads(out.stdout)["buffers"]] == ["host"]
+    status = hbmctl("--run-dir", rd, "--json", "status", "--timeout", "2")
+    records = json.loads(status.stdout)["instances"]
+    assert status.returncode == 0 and [(r["instance"], r["state"]) for r in records] == [
+        ("host", "serving"), ("host2", "not running")]
+    assert records[1]["committed_bytes"] is None
+    assert "not running" in hbmctl("--run-dir", rd, "status").stdout.splitlines()[2]
     first.kill()
     out = hbmctl("--run-dir", rd, "--json", "sessions", "--timeout", "2")
     assert out.returncode == 1 and out.stdout == "" and "host:" in out.stderr and "host2:" in out.stderr
     engines[0].close()
+
+
+def test_watch_follows_its_instance_through_a_restart_saying_so(start_daemon, run_dir):
+    daemon = start_daemon("--budget", "64MiB")
+    watch = subprocess.Popen([sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(run_dir), "--json", "watch",
+                              "--interval", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(watch.stdout.readline())["instances"][0]["pid"]
+        daemon.kill()
+        again = start_daemon("--budget", "32MiB")
+        while json.loads(watch.stdout.readline())["instances"][0]["pid"] != again.pid:
+            pass
+        assert watch.poll() is None and first == daemon.pid
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0
+    assert "waiting for hbmd to serve host again" in err and err.rstrip().endswith("hbmd serves host again")
 
 
 def test_watch_shows_the_sessions_of_every_instance(two_instances):
