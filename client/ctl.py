@@ -95,7 +95,8 @@ def ask_every_instance(
     failure, unless nothing serves any of them.
     """
     answers: dict[str, list[Output]] = {command: [] for command in commands}
-    failures, notes = [], []
+    failures: list[str] = []
+    notes: list[str] = []
     for name in names:
         try:
             with open_client(args, name) as client:
