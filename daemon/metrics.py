@@ -157,9 +157,14 @@ class StateCollector(Collector):
         """Series per tenant in use (a session or buffer charged to it), as status lists them: a config may name tens
         of thousands, and the page is built under the server's lock (``bench/tenants_bench.py``)."""
         labels = ["tenant"]
-        used = self._family(
+        committed = self._family(
             "hbmd_tenant_committed_bytes",
-            "Bytes committed per tenant, its sessions' leases included (what its limits count).",
+            "Bytes committed per tenant (on the device): the tenants sum to hbmd_committed_bytes.",
+            labels,
+        )
+        used = self._family(
+            "hbmd_tenant_used_bytes",
+            "Bytes its limits count per tenant: committed, and its sessions' leases.",
             labels,
         )
         guaranteed = self._family("hbmd_tenant_guaranteed_bytes", "Guaranteed minimum per tenant.", labels)
@@ -170,14 +175,16 @@ class StateCollector(Collector):
             [*labels, "tier"],
         )
         for tenant in self.state.tenant_infos():
+            device_bytes = self.state.tenants[tenant.name].committed_bytes
+            self._add(committed, device_bytes, tenant.name)
             self._add(used, tenant.used_bytes, tenant.name)
-            self._add(tiers, self.state.tenants[tenant.name].committed_bytes, tenant.name, TIER_DEVICE)
+            self._add(tiers, device_bytes, tenant.name, TIER_DEVICE)
             self._add(tiers, tenant.host_bytes, tenant.name, TIER_HOST)
             self._add(guaranteed, tenant.guaranteed_bytes, tenant.name)
             self._add(sessions, tenant.num_sessions, tenant.name)
             if tenant.max_bytes >= 0:
                 self._add(limit, tenant.max_bytes, tenant.name)
-        yield from (used, guaranteed, limit, sessions, tiers)
+        yield from (committed, used, guaranteed, limit, sessions, tiers)
 
     def _sessions(self) -> Iterator[GaugeMetricFamily]:
         labels = ["session", "pid", "client", "tenant"]

@@ -191,7 +191,9 @@ def test_leased_bytes_are_a_metric_of_their_own_and_count_in_the_tenants(start_d
     leased = value(samples, "hbmd_leased_bytes")
     assert leased == worker.status().leased_bytes >= 4 * MiB
     assert value(samples, "hbmd_committed_bytes") == 2 * MiB
-    assert value(samples, "hbmd_tenant_committed_bytes", tenant="team-a") == 2 * MiB + leased
+    assert value(samples, "hbmd_tenant_used_bytes", tenant="team-a") == 2 * MiB + leased
+    # The tenants' committed bytes sum to the daemon's: a lease is not committed.
+    assert value(samples, "hbmd_tenant_committed_bytes", tenant="team-a") == 2 * MiB
     worker.close()
     wait_until(lambda: value(scrape(port), "hbmd_leased_bytes") == 0)
 
