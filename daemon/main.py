@@ -32,6 +32,8 @@ from .notify import SystemdNotifier, listen_fds
 from .persist import RESUME_WINDOW_S, NewerState, Persistence, restore, unpack_image
 from .reload import ConfigReloader
 from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
+from .server.device_lock import DEFAULT_DIR as DEVICE_LOCK_DIR
+from .server.device_lock import DeviceLock
 from .server.loop import HANDOVER_TIMEOUT_S
 from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, DEMOTE_IDLE_S, Limits, State
 from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
@@ -229,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "so a commit of any size costs no round trip; grows with demand, taken back under "
                              "pressure, all sessions' leases within an 8th of the budget; 0 turns it off "
                              "(default: %(default)s)")
+    parser.add_argument("--device-lock-dir", metavar="DIR", default=DEVICE_LOCK_DIR,
+                        help="where every daemon of this node locks the GPU it serves by UUID, so that a second one "
+                             "(another run directory, a container) is refused: one directory for the whole node, "
+                             "writable by the service's user only (default: %(default)s)")
     parser.add_argument("--takeover", action="store_true",
                         help="take over from the daemon serving this instance: it hands over its sessions, buffers "
                              "and memory and stops once this one serves, so clients resume here without a gap "
@@ -443,6 +449,7 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
         server = Server(
             state, paths, lock=lock, notifier=notifier, group=settings.group, metrics=metrics, persistence=persistence,
             check_invariants=args.check_invariants, resume_window_s=args.resume_timeout,
+            device_lock=DeviceLock(args.device_lock_dir, backend.device_uuid) if backend.device_uuid else None,
         )
     except HandlerTableError as exc:
         raise Refusal(f"this hbmd build is inconsistent: {exc}", 1) from None

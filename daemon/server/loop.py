@@ -64,6 +64,7 @@ from .admin import AdminRequests
 from .buffers import BufferRequests
 from .connection import HandleConnection
 from .control import UNREAD_PER_CONNECTION, ControlQueue
+from .device_lock import DeviceLock, DeviceTaken
 from .handles import HELLO_TIMEOUT_S, HandlePlane
 from .outbox import DRAIN_CHECK_S
 from .ratelimit import RateLimitedLog
@@ -121,6 +122,7 @@ class Server(Generic[A, C]):
         persistence: Persistence | None = None,
         check_invariants: bool = False,
         resume_window_s: float = RESUME_WINDOW_S,
+        device_lock: DeviceLock | None = None,
     ) -> None:
         """Raises :class:`HandlerTableError` when a request of the protocol has no handler here.
 
@@ -128,7 +130,8 @@ class Server(Generic[A, C]):
         or a config reload on another thread sees it whole. ``check_invariants``:
         check the state's invariants after every batch of events, and stop with
         :class:`InvariantViolated` where one does not hold (tests). ``resume_window_s``: how long sessions
-        handed over to a successor wait for their clients (here too, should it fail).
+        handed over to a successor wait for their clients (here too, should it fail). ``device_lock``: the GPU's
+        lock (one daemon per GPU), taken and let go with the instance's own.
         """
         table = handler_table(self.HANDLER_CLASSES, requests())
         self.state = state
@@ -139,6 +142,7 @@ class Server(Generic[A, C]):
         self.persistence = persistence
         self.check_invariants = check_invariants
         self.resume_window_s = resume_window_s
+        self.device_lock = device_lock
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
         self._stopping = False
         self._timers_at = 0.0
@@ -176,18 +180,21 @@ class Server(Generic[A, C]):
         """Take the instance lock and bind both sockets.
 
         Raises ``RunDirectoryError`` where someone else could change the
-        instance directory, :class:`AlreadyRunning` where another daemon serves it.
+        instance directory, :class:`AlreadyRunning` where another daemon serves
+        it or (in another run directory) its GPU.
         """
         self.paths.check_lengths()
         self._dir_fd = open_instance_directory(self.paths.directory, self.group)
         self._lock_fd = open_lock(self._dir_fd, self.paths.lock.name)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            self._lock_device()
+        except (BlockingIOError, DeviceTaken) as exc:
             os.close(self._lock_fd)
             os.close(self._dir_fd)
             self._lock_fd = self._dir_fd = -1
-            raise AlreadyRunning(f"another hbmd is already serving {self.paths.directory}") from None
+            instance_held = f"another hbmd is already serving {self.paths.directory}"
+            raise AlreadyRunning(str(exc) if isinstance(exc, DeviceTaken) else instance_held) from None
         for stale in (self.paths.control, self.paths.handles, self.paths.info, self._info_tmp):
             try:
                 os.unlink(stale.name, dir_fd=self._dir_fd)
@@ -211,6 +218,19 @@ class Server(Generic[A, C]):
         if self._wake_r < 0:
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._poller.register(self._wake_r, zmq.POLLIN)
+
+    def _lock_device(self) -> None:
+        """Take the GPU's lock (:class:`DeviceTaken` where another daemon holds it); where its directory cannot be
+        used, serve without it, saying so once."""
+        if self.device_lock is None or self.device_lock.held:
+            return
+        try:
+            self.device_lock.acquire(self.paths.directory.parent)
+        except OSError as exc:
+            log.warning("cannot take the lock of GPU %s in %s (%s): a second daemon of this GPU, in another run "
+                        "directory, would not be refused", self.device_lock.device_uuid, self.device_lock.path.parent,
+                        exc.strerror or exc)
+            self.device_lock = None
 
     def _share(self, path: Path) -> None:
         """Let the ``--group`` connect to the socket at ``path`` (mode 0660, its group).
@@ -313,6 +333,9 @@ class Server(Generic[A, C]):
             self._poller.unregister(self._successors.fileno())
             self._successors.close()
             self._successors = None
+        if self.device_lock is not None:
+            # The GPU before the instance: a successor waiting for the instance finds the GPU free once it has it.
+            self.device_lock.release()
         if self._lock_fd >= 0:
             # Only the daemon holding the lock may remove what it made: another one may be serving.
             for path in (self.paths.control, self.paths.handles, self.paths.info, self.paths.takeover):
