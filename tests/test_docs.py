@@ -71,8 +71,8 @@ NOT_RUN = {
     ("README.md", "pip install /path/to/hbmd # a checkout or its wheel, in vLLM's environment: registers the plugin"):
         "pip, in vLLM's environment",
     ("README.md", "hbmd --device 0 --budget 90% & # or the hbmd@0 systemd unit"): "needs a GPU",
-    ("README.md", "HBMD_VLLM=1 vllm serve MODEL # without HBMD_VLLM=1 the plugin does nothing"): "needs vLLM and a GPU",
-    ("README.md", "HBMD_VLLM=1 vllm serve MODEL --load-format hbmd"): "needs vLLM and a GPU",
+    ("README.md", "HBMD_VLLM=1 vllm serve MODEL --load-format hbmd # without HBMD_VLLM=1 the plugin does nothing"):
+        "needs vLLM and a GPU",
     ("examples/README.md",
      "python examples/engine.py crash-resume --start-daemon --device cuda --config gpu --kv-share 1"): GPU_NODE,
     ("examples/README.md",

@@ -1,6 +1,6 @@
 """vLLM 0.34 as the client: its own ExtensibleKVCache allocating through hbmd's host backend, and the plugin.
 
-Needs vLLM 0.34 installed (README, "Use with vLLM"); skipped elsewhere.
+Needs vLLM 0.34 installed (integrations/README.md); skipped elsewhere.
 """
 
 from __future__ import annotations

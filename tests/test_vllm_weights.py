@@ -3,7 +3,7 @@
 Each engine is a process of its own (tests/vllm_engine_load.py) running
 vLLM's own configuration, plugin loading, parallel state, model loader and
 Llama model classes over a tiny checkpoint this test writes (random
-weights, safetensors). Needs vLLM 0.34 installed (README, "Use with vLLM").
+weights, safetensors). Needs vLLM 0.34 installed (integrations/README.md).
 """
 
 from __future__ import annotations
