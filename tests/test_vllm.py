@@ -178,16 +178,29 @@ def random_blocks(kv, num_blocks: int) -> list:
     return views
 
 
+def cache_on_a_daemon(vllm_cache, start_daemon, monkeypatch, blocks: int, *daemon_args: str, **env: str):
+    """A daemon started with ``daemon_args`` (a 256 MiB budget unless they say), ``env`` set, and vLLM's KV cache of
+    four layers on it with ``blocks`` blocks committed: the daemon and the cache."""
+    daemon = start_daemon("--budget", "256MiB", *daemon_args)
+    for name, value in {"HBMD_RUN_DIR": str(daemon.run_dir), **env}.items():
+        monkeypatch.setenv(name, value)
+    layout, config = four_layers(4 * PAGE * blocks)
+    kv = vllm_cache.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
+    kv.allocate(kv.size)
+    kv.commit(blocks)
+    return daemon, kv
+
+
+def kept_over_sleep(vllm_cache, start_daemon, monkeypatch, *daemon_args: str):
+    """:func:`cache_on_a_daemon` with ``HBMD_VLLM_SLEEP=keep`` and 300 blocks of random bytes: the daemon, the cache and
+    the views of its blocks."""
+    daemon, kv = cache_on_a_daemon(vllm_cache, start_daemon, monkeypatch, 300, *daemon_args, HBMD_VLLM_SLEEP="keep")
+    return daemon, kv, random_blocks(kv, 300)
+
+
 def test_with_sleep_keep_vllms_kv_cache_sleeps_in_host_memory_and_wakes_with_its_blocks(vllm_on_hbmd, start_daemon,
                                                                                        monkeypatch):
-    daemon = start_daemon("--budget", "256MiB", "--host-budget", "256MiB")
-    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
-    monkeypatch.setenv("HBMD_VLLM_SLEEP", "keep")
-    layout, config = four_layers(4 * PAGE * 300)
-    kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
-    kv.allocate(kv.size)
-    kv.commit(300)
-    blocks = random_blocks(kv, 300)
+    daemon, kv, blocks = kept_over_sleep(vllm_on_hbmd, start_daemon, monkeypatch, "--host-budget", "256MiB")
     written = [view.clone() for view in blocks]
     observer = daemon.connect(observer=True)
     worker_sleep = plugin.sleeping(lambda worker: kv.release_physical())  # vLLM's Worker.sleep, as the plugin wraps it
@@ -204,14 +217,7 @@ def test_with_sleep_keep_vllms_kv_cache_sleeps_in_host_memory_and_wakes_with_its
 
 def test_with_sleep_keep_every_release_but_the_sleeps_discards_and_the_engine_starts_without_a_host_tier(
         vllm_on_hbmd, start_daemon, monkeypatch):
-    daemon = start_daemon("--budget", "256MiB")  # no host tier: keeping would be refused
-    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
-    monkeypatch.setenv("HBMD_VLLM_SLEEP", "keep")
-    layout, config = four_layers(4 * PAGE * 300)
-    kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
-    kv.allocate(kv.size)
-    kv.commit(300)
-    random_blocks(kv, 300)
+    daemon, kv, _ = kept_over_sleep(vllm_on_hbmd, start_daemon, monkeypatch)  # no host tier: keeping is refused
     observer = daemon.connect(observer=True)
 
     kv.commit(20, shrink=True)  # vLLM's warm-up remaps to a smaller size: a discard, never a demote
@@ -281,13 +287,8 @@ def test_a_commit_hbmd_refuses_fails_naming_the_cause_and_changes_nothing(hbmd_c
 
 def test_a_wake_waits_for_its_blocks_then_fails_with_the_engine_asleep_and_wakes_once_they_are_free(
         vllm_on_hbmd, start_daemon, monkeypatch):
-    daemon = start_daemon("--budget", "64MiB")
-    monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
-    monkeypatch.setenv("HBMD_VLLM_WAKE_WAIT_S", "0.5")
-    layout, config = four_layers(4 * PAGE * 2000)
-    kv = vllm_on_hbmd.ExtensibleKVCache(config, torch.device("cpu"), layout, export_handle_types=0)
-    kv.allocate(kv.size)
-    kv.commit(2000)
+    daemon, kv = cache_on_a_daemon(vllm_on_hbmd, start_daemon, monkeypatch, 2000, "--budget", "64MiB",
+                                   HBMD_VLLM_WAKE_WAIT_S="0.5")
     held = kv.physical_bytes
     kv.release_physical()  # asleep
     with daemon.connect() as other:  # another engine grows while this one sleeps
