@@ -318,13 +318,7 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
     The backend is chosen at run time, so its arena and chunk types are
     known only from here on (:func:`_wire`).
     """
-    if args.backend == "host" and args.device is not None:
-        raise Refusal(f"--device {args.device}: the host backend serves host memory, no GPU; leave --device out, or "
-                      "serve the GPU with --backend cuda", 2)
-    device = 0 if args.device is None else args.device
-    # A GPU named is a GPU meant: auto falls back to host memory only where none was named, or an engine looking
-    # for the GPU's daemon would find host memory served under another name.
-    kind = "cuda" if args.backend == "auto" and args.device is not None else args.backend
+    kind, device = _backend_asked(args)
     host_budget, host_pool, host_piece = _host_tier(args)
     try:
         backend, why = select_backend(kind, device, _warm_chunks(args), not args.no_export_sentinel, host_pool,
@@ -340,6 +334,18 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
     except BaseException:
         backend.close()
         raise
+
+
+def _backend_asked(args: argparse.Namespace) -> tuple[str, int]:
+    """The backend (``auto``, ``cuda`` or ``host``) and GPU index the options ask for; :class:`Refusal` for a GPU
+    named to the host backend."""
+    if args.backend == "host" and args.device is not None:
+        raise Refusal(f"--device {args.device}: the host backend serves host memory, no GPU; leave --device out, or "
+                      "serve the GPU with --backend cuda", 2)
+    # A GPU named is a GPU meant: auto falls back to host memory only where none was named, or an engine looking
+    # for the GPU's daemon would find host memory served under another name.
+    kind = "cuda" if args.backend == "auto" and args.device is not None else args.backend
+    return kind, 0 if args.device is None else args.device
 
 
 def _host_tier(args: argparse.Namespace) -> tuple[int, int, int]:
@@ -408,10 +414,10 @@ def _settings(args: argparse.Namespace, backend: Backend[Any, Any]) -> Settings:
 def check_config(args: argparse.Namespace) -> int:
     """``--check-config``: check the options and ``--config`` as a start would, serve nothing, and say what they
     set; 0 when a start would take them, 2 (logged) when not, 1 when the backend cannot run here."""
+    kind, device = _backend_asked(args)
     _host_tier(args)
-    kind = "cuda" if args.backend == "auto" and args.device is not None else args.backend
     try:
-        backend, _ = select_backend(kind, 0 if args.device is None else args.device, export_sentinel=False)
+        backend, _ = select_backend(kind, device, export_sentinel=False)
     except BackendUnavailable as exc:
         raise Refusal(str(exc), 1) from None
     try:
