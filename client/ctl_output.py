@@ -27,9 +27,17 @@ def duration(seconds: float) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+"""How a cell starts that a spreadsheet opening the csv would run as a formula (OWASP's list)."""
+
+
 def _shown_cell(value: Any) -> Any:
-    # Names come from peers, and a daemon older than the hello's check passes any on.
-    return shown(value) if isinstance(value, str) else value
+    """A csv cell: text shown safely (names come from peers, and a daemon older than the hello's check passes any
+    on), and text a spreadsheet would take for a formula quoted with a leading apostrophe, as spreadsheets quote."""
+    if not isinstance(value, str):
+        return value
+    text = shown(value)
+    return "'" + text if text.startswith(FORMULA_STARTS) else text
 
 
 def render_table(headers: list[str], rows: list[list[Any]], with_headers: bool = True) -> str:

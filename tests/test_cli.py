@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import signal
@@ -542,3 +544,13 @@ def test_a_reclaim_wait_that_ends_unanswered_exits_4(daemon, spawn_worker):
     assert hbmctl("--run-dir", rd, "reclaim", "--session", str(session_id), "--bytes", "1MiB").returncode == 0
     worker.send("done")
     assert worker.wait() == 0
+
+
+@pytest.mark.parametrize("name", ["=HYPERLINK(\"http://x\",\"y\")", "+1+1", "-2+3", "@SUM(A1)"])
+def test_a_name_a_spreadsheet_would_run_as_a_formula_is_quoted_in_csv(daemon, name):
+    with daemon.connect(client_name=name, lease=False):
+        out = hbmctl("--run-dir", str(daemon.run_dir), "-o", "csv", "sessions")
+        rows = list(csv.DictReader(io.StringIO(out.stdout)))
+        assert out.returncode == 0 and [row["name"] for row in rows] == ["'" + name]
+        as_json = json.loads(hbmctl("--run-dir", str(daemon.run_dir), "--json", "sessions").stdout)
+        assert [s["client_name"] for s in as_json["sessions"]] == [name]  # JSON is data, not a sheet: as it is
