@@ -3,7 +3,9 @@
 # (bench/vllm_tier.py says what it checks). Needs an NVIDIA GPU, this checkout installed (pip install -e '.[cuda13]',
 # or cuda12 on an older driver) and vLLM 0.34 importable: on a machine that reaches PyPI, `pip install vllm==0.34.0`;
 # on one that does not, the wheel and its dependencies as files, given as WHEELS (the wheel, or its parts p00..p03
-# made by `split -n 4`, and a deps/ folder), installed into /tmp/vllm-site with no network.
+# made by `split -n 4`, and a deps/ folder), installed into /tmp/vllm-site with no network. The serve group's
+# `vllm serve` imports more than the offline engine: seen missing on the GPU machine (2026-12-06), uvicorn, h11,
+# model_hosting_container_standards, jmespath and supervisor; put their wheels in deps/ too.
 # Usage: bash scripts/vllm-gpu-tier.sh [--wheels WHEELS] [bench/vllm_tier.py options]   (about 8 minutes on an H100)
 set -euo pipefail
 cd "$(dirname "$0")/.."
