@@ -32,7 +32,6 @@ from .notify import SystemdNotifier, listen_fds
 from .persist import RESUME_WINDOW_S, NewerState, Persistence, restore, unpack_image
 from .reload import ConfigReloader
 from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
-from .server.device_lock import DEFAULT_DIR as DEVICE_LOCK_DIR
 from .server.device_lock import DeviceLock
 from .server.loop import HANDOVER_TIMEOUT_S
 from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, DEMOTE_IDLE_S, Limits, State
@@ -231,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "so a commit of any size costs no round trip; grows with demand, taken back under "
                              "pressure, all sessions' leases within an 8th of the budget; 0 turns it off "
                              "(default: %(default)s)")
-    parser.add_argument("--device-lock-dir", metavar="DIR", default=DEVICE_LOCK_DIR,
+    parser.add_argument("--device-lock-dir", metavar="DIR", default=DEFAULT_RUN_DIR,
                         help="where every daemon of this node locks the GPU it serves by UUID, so that a second one "
                              "(another run directory, a container) is refused: one directory for the whole node, "
                              "writable by the service's user only (default: %(default)s)")

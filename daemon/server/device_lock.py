@@ -22,10 +22,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import time
 from pathlib import Path
 
-DEFAULT_DIR = "/run/hbmd"
 MAX_RECORD = 4096
 """The most of a holder's record read back: a pid and a path."""
 
@@ -46,24 +44,20 @@ class DeviceLock:
     def held(self) -> bool:
         return self._fd >= 0
 
-    def acquire(self, run_dir: str | os.PathLike, wait_s: float = 0.0) -> None:
-        """Take the lock and record this daemon in it, waiting up to ``wait_s`` for its holder to let go.
+    def acquire(self, run_dir: str | os.PathLike) -> None:
+        """Take the lock and record this daemon in it.
 
-        Raises :class:`DeviceTaken` naming the holder, or ``OSError`` where
-        the lock file cannot be opened (the caller decides whether to serve
-        without it).
+        Raises :class:`DeviceTaken` naming the holder (a successor waits for
+        its predecessor by trying again, as for the instance), or ``OSError``
+        where the lock file cannot be opened (the caller decides whether to
+        serve without it).
         """
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        deadline = time.monotonic() + wait_s
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise DeviceTaken(self._taken_by(fd)) from None
-                    time.sleep(0.01)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DeviceTaken(self._taken_by(fd)) from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()} {os.path.abspath(run_dir)}\n".encode(), 0)
         except BaseException:
