@@ -66,7 +66,7 @@ from hbmd.client.tensor import ExtensibleTensor
 from hbmd.client.weights import Weights, open_weights, write_weights
 from hbmd.integrations.weights_key import checkpoint_fields, files_changes, not_a_store, storer_name
 from hbmd.proto.admin import SessionInfo
-from hbmd.proto.buffers import BufferInfo
+from hbmd.proto.buffers import MAX_NAME, BufferInfo
 from hbmd.proto.units import format_bytes
 from torch import nn
 from vllm.config import ModelConfig, VllmConfig
@@ -100,8 +100,6 @@ LOAD_FORMAT = "hbmd"
 NAME_PREFIX = "vllm-weights"
 FORMAT = "vllm-weights-1"
 """What the buffer's manifest says it holds: vLLM's processed tensors, their kinds, tied aliases and model flags."""
-MAX_NAME = 128
-"""A buffer name's most characters, as the daemon takes them."""
 DEFAULT_WAIT_S = 600.0
 POLL_S = 0.2
 

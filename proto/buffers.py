@@ -19,6 +19,9 @@ TIERS = (TIER_DEVICE, TIER_HOST)
 """Where a chunk's memory is (1.6): the device's own, or host memory the device reaches (host-NUMA memory on CUDA, a
 second memfd pool on the host backend), mapped at the same addresses either way."""
 
+MAX_NAME = 128
+"""The most characters of a name a peer gives (a buffer's, a session's client name, a tenant's): the daemon refuses a
+longer one."""
 MAX_SEGMENTS = 1 << 16
 """The most segments a buffer has, so also the longest list a request carries (a size per segment): a daemon decodes
 no longer one."""

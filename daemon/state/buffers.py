@@ -13,6 +13,7 @@ import itertools
 from typing import Any, Generic, Protocol
 
 from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, TIERS
+from hbmd.proto.buffers import MAX_NAME
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -29,7 +30,6 @@ from ..backends import A, Backend, C
 from .chunks import Chunks
 from .records import (
     MAX_CAPACITY,
-    MAX_NAME,
     Buffer,
     Chunk,
     Limits,

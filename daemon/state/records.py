@@ -19,7 +19,6 @@ from ..backends import A, C
 
 MAX_CAPACITY = 1 << 50
 """1 PiB: more than any device, small enough that offsets never overflow."""
-MAX_NAME = 128
 
 
 def check_int(name: str, value: int, low: int, high: int) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from hbmd.proto import SessionInfo
+from hbmd.proto.buffers import MAX_NAME
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -17,7 +18,7 @@ from hbmd.proto.errors import (
     SessionLost,
 )
 
-from .records import MAX_CAPACITY, MAX_NAME, Limits, Reclaim, Session, Tenant, check_int
+from .records import MAX_CAPACITY, Limits, Reclaim, Session, Tenant, check_int
 
 RECLAIM_PATIENCE_S = 30.0
 """By default a reclaim request unanswered this long is reported as ignored (the session is never killed for it)."""

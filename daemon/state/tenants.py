@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hbmd.proto import TenantInfo
+from hbmd.proto.buffers import MAX_NAME
 from hbmd.proto.errors import OutOfBudget, PermissionDenied
 from hbmd.proto.units import format_bytes
 
 from ..config import Config, ConfigError, TenantLimits
-from .records import MAX_NAME, Tenant
+from .records import Tenant
 
 LEASE_TIGHT_DIVISOR = 16
 """No lease is granted that would leave a tenant less room than a 16th of the budget."""
