@@ -282,11 +282,6 @@ class Engine:
         self.log.close()
         return code
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.wait()
-
     def log_text(self) -> str:
         if not self.log.closed:
             self.log.flush()
@@ -386,8 +381,8 @@ def group_core(tier: Tier, model: str) -> None:
         tier.check(f"{engine.label}: KV blocks bit-identical to plain vLLM's",
                    engine.event("kv_digest")["digest"] == plain[0].event("kv_digest")["digest"])
         physical = engine.event("physical")
-        tier.check(f"{engine.label}: KV cache is hbmd's", physical["buffer"] == "hbmd.client.tensor"
-                   or physical["buffer"].startswith("hbmd."), buffer=physical["buffer"])
+        tier.check(f"{engine.label}: KV cache is hbmd's", physical["buffer"].startswith("hbmd."),
+                   buffer=physical["buffer"])
     tier.check("hbmd-map: no checkpoint read by vLLM's loader, where plain vLLM reads one",
                mapped.event("started")["weight_files_opened"] == 0 < plain[0].event("started")["weight_files_opened"],
                opened=mapped.event("started")["weight_files_opened"],
@@ -601,7 +596,6 @@ def tier_main(args: argparse.Namespace) -> int:
     tier.figures["vllm"] = vllm.__version__
     tier.figures["torch"] = torch.__version__
     small = str(make_model(work / "model-156m", big=False))
-    failed_groups = []
     for name in args.groups.split(","):
         began = time.monotonic()
         try:
@@ -611,7 +605,6 @@ def tier_main(args: argparse.Namespace) -> int:
                 GROUPS[name](tier, small)
         except Exception as exc:  # one broken group must not hide the others' results
             tier.check(f"group {name} ran to its end", False, error=f"{type(exc).__name__}: {exc}")
-            failed_groups.append(name)
             tier.stop_daemon()
         tier.figures.setdefault("group_seconds", {})[name] = round(time.monotonic() - began, 1)
         # After every group: a run cut short keeps what it found.
