@@ -39,7 +39,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from hbmd.proto import (
     MAX_OWN_CHUNKS,
@@ -72,7 +72,7 @@ from ..backends import A, C
 from ..fds import limit as fd_limit
 from ..fds import open_count as open_fds
 from ..fds import usable as usable_fds
-from ..state import Buffer, Session, State
+from ..state import Session, State
 from .connection import Descriptors, HandleConnection, open_pidfd, peer_credentials, readable_now
 from .outbox import Outbox
 from .ratelimit import RateLimitedLog
@@ -248,11 +248,9 @@ class HandlePlane(Generic[A, C]):
         self._hang_up(conn)
         if conn.session is not None:
             self._by_session.pop(conn.session.session_id, None)
-            orphans = _orphaned_by(conn.session)
-            freed = self.state.close_session(conn.session)
+            freed = self._end_session(conn.session)
             log.log(logging.DEBUG if conn.session.observer else logging.INFO,
                     "session %d ended (%s): freed %s", conn.session.session_id, why, format_bytes(freed))
-            _log_orphans(conn.session, orphans)
 
     def _hang_up(self, conn: HandleConnection[A, C]) -> None:
         """Close the connection and its pidfd, its session's placements read first; the session is left as it is."""
@@ -571,15 +569,23 @@ class HandlePlane(Generic[A, C]):
             tenant=session.tenant.name,
         )
 
+    def _end_session(self, session: Session) -> int:
+        """End ``session`` (:meth:`State.close_session`), naming each persistent buffer its end leaves to nobody:
+        kept, and charged, until attached again or deleted. Returns the bytes freed."""
+        orphans = [buffer for buffer in session.buffers.values() if buffer.persistent]
+        freed = self.state.close_session(session)
+        for buffer in orphans:
+            log.info("buffer %d %r of session %d is an orphan: %s kept until attached again or deleted (hbmctl delete)",
+                     buffer.buffer_id, buffer.name, session.session_id, format_bytes(buffer.physical_bytes))
+        return freed
+
     def end_unresumed(self, now: float) -> None:
         """End the sessions restored after a restart whose clients did not come back in time, or whose processes are
         gone, as a dead client's session ends (its anonymous buffers freed, its persistent ones orphaned)."""
         for session in self.state.unresumed_sessions(now, self._gone):
-            orphans = _orphaned_by(session)
-            freed = self.state.close_session(session)
+            freed = self._end_session(session)
             log.info("session %d (pid %d) was not resumed after the restart: ended, freed %s",
                      session.session_id, session.pid, format_bytes(freed))
-            _log_orphans(session, orphans)
 
     @staticmethod
     def _gone(pid: int) -> bool:
@@ -594,14 +600,3 @@ class HandlePlane(Generic[A, C]):
             pass
         return False
 
-
-def _orphaned_by(session: Session) -> list[Buffer[Any, Any]]:
-    """The persistent buffers ``session`` holds, which its end leaves to nobody."""
-    return [buffer for buffer in session.buffers.values() if buffer.persistent]
-
-
-def _log_orphans(session: Session, orphans: list[Buffer[Any, Any]]) -> None:
-    """Say which buffers a session's end orphaned: kept, charged, until attached again or deleted."""
-    for buffer in orphans:
-        log.info("buffer %d %r of session %d is an orphan: %s kept until attached again or deleted (hbmctl delete)",
-                 buffer.buffer_id, buffer.name, session.session_id, format_bytes(buffer.physical_bytes))
