@@ -105,11 +105,11 @@ def ask_every_instance(
             if len(names) == 1:
                 raise
             gone = bool(exc.details.get("not_running"))
-            (notes if gone else failures).append(f"{name}: {NOT_RUNNING if gone else 'unreachable'}: {exc.message}")
+            state = NOT_RUNNING if gone else UNREACHABLE_STATE
+            (notes if gone else failures).append(f"{name}: {state}: {exc.message}")
             outputs = {}
             if "status" in commands:
-                record = UNREACHABLE | {"instance": name, "error": exc.message,
-                                        "state": NOT_RUNNING if gone else UNREACHABLE_STATE}
+                record = UNREACHABLE | {"instance": name, "error": exc.message, "state": state}
                 outputs["status"] = Output({"instances": [record]}, "", STATUS_COLUMNS, [record])
         for command, output in outputs.items():
             answers[command].append(output)
