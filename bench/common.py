@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hbmd.proto.units import format_bytes
 from hbmd.testing.spawn import DaemonProcess, LineProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -208,6 +209,32 @@ def gpu_memory_by_pid() -> dict[int, int]:
         if len(parts) == 2 and parts[0].isdigit():
             usage[int(parts[0])] = int(parts[1]) if parts[1].isdigit() else -1
     return usage
+
+
+def gpu_free_bytes(index: int = 0) -> int | None:
+    """Bytes free on GPU ``index`` now, from nvidia-smi (asking makes no CUDA context); None without it."""
+    out = nvidia_smi("-i", str(index), "--query-gpu=memory.free", "--format=csv,noheader,nounits").strip()
+    return int(out) * MiB if out.isdigit() else None
+
+
+def sized_to_card(sizes: list[int], copies: int, spare: int, index: int = 0) -> tuple[list[int], list[str]]:
+    """The sizes of which ``copies`` at once, and ``spare`` bytes besides (contexts, the daemon's own), fit in what GPU
+    ``index`` has free, and a line per size left out saying why: a bench sized on an H200 runs what an H100 holds
+    and says what it skipped, rather than dying of out-of-memory halfway."""
+    free = gpu_free_bytes(index)
+    if free is None:
+        return sizes, []
+    kept, skipped = [], []
+    for size in sizes:
+        need = copies * size + spare
+        if need <= free:
+            kept.append(size)
+        else:
+            skipped.append(f"{format_bytes(size)}: needs {format_bytes(need)}, "
+                           f"GPU {index} has {format_bytes(free)} free")
+    for line in skipped:
+        print(f"skipped {line}", flush=True)
+    return kept, skipped
 
 
 # metadata and results

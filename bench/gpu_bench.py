@@ -49,6 +49,7 @@ from common import (
     ratio,
     repeat_ns,
     side_by_side,
+    sized_to_card,
     summarize_ns,
     timed_ns,
     today_utc,
@@ -66,6 +67,16 @@ DEVICE = 0
 """nvidia-smi index of the GPU the daemon serves, and this process's CUDA ordinal for it."""
 
 bench = Bench("gpu", "hbmd on a GPU against the in-process baseline, side by side")
+
+CARD_SPARE = 2 * GiB
+"""What a size needs on the card besides itself: this process's context and the daemon's warm chunks."""
+
+
+def on_this_card(reps: dict[int, tuple[int, int]]) -> tuple[dict[int, tuple[int, int]], list[str]]:
+    """The sizes of ``reps`` one buffer of which fits on the GPU (the sides run one after the other), and why the
+    others were left out."""
+    kept, skipped = sized_to_card(list(reps), copies=1, spare=CARD_SPARE, index=DEVICE)
+    return {size: reps[size] for size in kept}, skipped
 
 
 # commit
@@ -85,13 +96,14 @@ HANDOVER_UP_TO = 16 * GiB
 
 @bench.case("commit")
 def commit_case(t: Target) -> dict[str, Any]:
-    sizes = fresh_commits(t, COMMIT_REPS, HANDOVER_UP_TO)
+    reps, skipped = on_this_card(COMMIT_REPS)
+    sizes = fresh_commits(t, reps, HANDOVER_UP_TO)
     goals = [
         goal(f"a single {s['label']} commit, hbmd/in-process p50", s["commit"]["ratio_p50"], "<=",
              COMMIT_GOALS.get(s["bytes"], 1.05))
         for s in sizes
     ]
-    return {"sizes": sizes, "goals": goals}
+    return {"sizes": sizes, "skipped": skipped, "goals": goals}
 
 
 @bench.case("commit_2mib_steps")
@@ -112,9 +124,15 @@ def commit_steps_no_lease_case(t: Target) -> dict[str, Any]:
     return figures
 
 
+RECOMMIT_BYTES = 64 * GiB
+
+
 @bench.case("recommit")
 def recommit_case(t: Target) -> dict[str, Any]:
-    figures = release_recommit(t, 64 * GiB, t.reps(11, 2))
+    fits, skipped = on_this_card({RECOMMIT_BYTES: (11, 2)})
+    if skipped:
+        return {"skipped": skipped}
+    figures = release_recommit(t, RECOMMIT_BYTES, t.reps(*fits[RECOMMIT_BYTES]))
     figures["goals"] = [goal(f"release + recommit {figures['label']}, hbmd/in-process p50",
                              figures["release_plus_recommit"]["ratio_p50"], "<=", 1.10)]
     return figures
@@ -228,6 +246,9 @@ def reattach_case(t: Target) -> dict[str, Any]:
     if not hasattr(ExtensibleTensor, "attach"):
         return {"status": "not available: ExtensibleTensor.attach is missing"}
     size = REATTACH_BYTES
+    skipped = on_this_card({size: (1, 1)})[1]
+    if skipped:
+        return {"skipped": skipped}
     owner = t.connect("bench-kv-owner")
     tensor = t.tensor(size, client=owner, name=REATTACH_NAME, persistent=True)
     figures: dict[str, Any] = {"bytes": size}
@@ -496,7 +517,7 @@ def breakdown_case(t: Target) -> dict[str, Any]:
                     windows["2 MiB step, lease empty"] = step_windows(t, without_lease, n)
                 finally:
                     without_lease.close()
-                for size, reps in BREAKDOWN_SIZES.items():
+                for size, reps in on_this_card(BREAKDOWN_SIZES)[0].items():
                     spans = windows[format_bytes(size)] = {"hbmd": [], "in_process": []}
                     for _ in range(t.reps(*reps)):
                         tensor = t.tensor(size, client=client)

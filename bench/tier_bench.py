@@ -7,7 +7,9 @@ Starts its own daemon with a host tier as large as the largest buffer
 (``--host-budget``) and a host pool as large (``--host-pool``), so that a
 demote finds its pinned host memory made ahead and what is timed is the move
 itself: the daemon's request, the copy, the remap and the finish. Before each
-demote the bench waits for the pool to be full.
+demote the bench waits for the pool to be full. On a GPU, a size whose buffer
+and scratch copy do not fit side by side (64 GiB on an 80 GB H100) is
+skipped, said on the console and in the result's ``skipped_sizes``.
 
 The floor is measured on the same memory in the same run: while the buffer
 is demoted, a plain copy of its bytes from a scratch buffer on the device
@@ -33,7 +35,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import BENCH_DIR, RESULTS_DIR, Bench, Daemon, GiB, goal, summarize_ns, timed_ns, today_utc
+from common import (
+    BENCH_DIR,
+    RESULTS_DIR,
+    Bench,
+    Daemon,
+    GiB,
+    goal,
+    sized_to_card,
+    summarize_ns,
+    timed_ns,
+    today_utc,
+)
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.proto.units import format_bytes, parse_size
 from probe import Probe, breakdown, move_probe
@@ -54,6 +67,8 @@ class TierTarget:
     backend: str
     device: str
     sizes: list[int]
+    skipped: list[str]
+    """The sizes asked for that the GPU could not hold, and why."""
     piece: int
     """The daemon's ``--host-piece``: the pool holds whole pieces."""
     pool: int
@@ -173,6 +188,12 @@ def move_breakdown(t: TierTarget) -> dict[str, Any]:
 @contextlib.contextmanager
 def setup(args: Any):
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    skipped: list[str] = []
+    if args.backend == "cuda":
+        # The buffer and its scratch copy side by side, and a context in each process.
+        sizes, skipped = sized_to_card(sizes, copies=2, spare=2 * GiB)
+        if not sizes:
+            raise SystemExit("tier_bench: no size asked for fits on this GPU")
     largest = max(sizes)
     host_budget = largest + args.host_piece_bytes
     daemon_args = ["--backend", args.backend, "--host-budget", str(host_budget), "--host-pool", str(largest),
@@ -202,12 +223,13 @@ def setup(args: Any):
         cleanup.callback(client.close)
         if args.breakdown:
             probe = cleanup.enter_context(move_probe())
-        yield TierTarget(args.quick, daemon, client, args.backend, device, sizes, args.host_piece_bytes, largest, sync,
-                         probe, events_path)
+        yield TierTarget(args.quick, daemon, client, args.backend, device, sizes, skipped, args.host_piece_bytes,
+                         largest, sync, probe, events_path)
 
 
 def describe(t: TierTarget) -> dict[str, Any]:
-    meta: dict[str, Any] = {"backend": t.backend, "daemon_command": " ".join(t.daemon.command)}
+    meta: dict[str, Any] = {"backend": t.backend, "daemon_command": " ".join(t.daemon.command),
+                            "skipped_sizes": t.skipped}
     if t.backend == "cuda":
         from common import gpu_metadata
 

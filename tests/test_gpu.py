@@ -24,6 +24,7 @@ from hbmd.client import (
     connect,
 )
 from hbmd.client.lease import Credit, Lease
+from hbmd.testing.spawn import DaemonProcess
 from helpers import MiB, credited, cuda_vmm_status, daemon_view, wait_until
 
 GPU_OK, GPU_REASON = cuda_vmm_status()
@@ -722,3 +723,20 @@ def test_a_chunk_that_is_not_what_it_claims_is_refused(gpu_daemon, gpu_client, k
     assert "sent a datagram that was refused" in gpu_daemon.log()
     t.resize_(96 * MiB)
     assert daemon_view(client, t).physical_bytes == 96 * MiB
+
+
+def test_a_second_daemon_of_the_gpu_is_refused_whatever_its_run_directory(start_daemon, run_dir, tmp_path):
+    """The device lock keyed by the card's own UUID, as the driver reports it (tests/test_device_lock.py checks the
+    lock's wiring on the host backend)."""
+    locks = str(tmp_path / "locks")
+    first = start_daemon("--device", "0", "--budget", "1GiB", "--device-lock-dir", locks, backend="cuda")
+    uuid = driver.device_uuid(0)
+    assert uuid.startswith("GPU-")
+    second = DaemonProcess(run_dir / "other", "--device", "0", "--budget", "1GiB", "--device-lock-dir", locks,
+                           backend="cuda")
+    with pytest.raises(RuntimeError, match=f"(?s)hbmd exited with 1:.*GPU {uuid} is already served by hbmd pid "
+                                           f"{first.pid}"):
+        second.start()
+    assert first.alive() and first.stop() == 0
+    assert second.start().alive()  # the card is free once the first has stopped
+    second.kill()
