@@ -1,0 +1,72 @@
+"""Which part of hbmd may import which: the layering ARCHITECTURE.md draws, checked on every file's imports.
+
+Read from the source (every ``import`` statement, relative ones resolved, those inside functions included), so a
+layer crossed by a lazy import inside a function fails here as surely as one at the top of a module.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONTRACTS = [
+    # (the files, the modules none of them may import, why)
+    ("client", ("hbmd.daemon",), "the client library talks to the daemon only over its sockets"),
+    ("proto", ("hbmd.daemon", "hbmd.client", "hbmd.integrations", "zmq", "torch"),
+     "the wire format is shared by both sides and needs neither"),
+    ("daemon/state", ("zmq", "socket", "hbmd.daemon.server", "hbmd.client", "hbmd.driver", "torch"),
+     "the state machine is pure: no sockets, no driver (a backend object is handed to it)"),
+    ("daemon/server", ("hbmd.driver", "torch", "hbmd.client"),
+     "the server routes requests; only a backend calls the driver"),
+    ("daemon", ("torch", "hbmd.client", "hbmd.integrations"), "the daemon makes no CUDA context and serves no engine"),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = ["hbmd", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, relative imports made absolute."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def crossings(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    return [f"{path.relative_to(ROOT)} imports {name}"
+            for path in sorted((ROOT / folder).rglob("*.py"))
+            for name in sorted(imports_of(path))
+            if any(name == f or name.startswith(f + ".") for f in forbidden)]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("folder", "forbidden", "why"), CONTRACTS, ids=[c[0] for c in CONTRACTS])
+def test_no_layer_imports_what_it_must_not(folder, forbidden, why):
+    assert crossings(folder, forbidden) == [], why
+
+
+@pytest.mark.unit
+def test_the_check_sees_relative_and_nested_imports(tmp_path, monkeypatch):
+    """A contract that could not fail would prove nothing: a relative import inside a function is found."""
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    (tmp_path / "client").mkdir()
+    (tmp_path / "client" / "late.py").write_text("def f():\n    from ..daemon.state import State\n")
+    assert crossings("client", ("hbmd.daemon",)) == [
+        "client/late.py imports hbmd.daemon.state", "client/late.py imports hbmd.daemon.state.State"]
