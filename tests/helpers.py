@@ -10,6 +10,12 @@ from collections.abc import Callable
 from hbmd.testing.spawn import wait_until  # the tests' one polling helper
 
 MiB = 1 << 20
+
+
+def filled(view, value: int) -> bool:
+    """Whether every byte of ``view`` is ``value``: exact, where a mean would pass a mix of values, or a chunk
+    mapped from another buffer that happens to hold the same average."""
+    return bool((view == value).all())
 GRANULE = 2 * MiB
 DEMOTABLE = '[[tenants]]\nname = "batch"\ndemote = 1\n\n[[tenants]]\nname = "online"\n'
 """A daemon config with a tenant whose idle buffers are demoted under pressure ("batch") and one that is not."""
@@ -94,8 +100,8 @@ class GpuKvCache:
         torch.cuda.synchronize()
 
     def intact(self) -> bool:
-        return (int(self.view[: 64 * MiB].float().mean()) == 7
-                and int(self.view[512 * MiB : 576 * MiB].float().mean()) == 9)
+        return (filled(self.view[: 64 * MiB], 7)
+                and filled(self.view[512 * MiB : 576 * MiB], 9))
 
     def grows_on(self) -> None:
         """Grow it further after the restart: at the same address, with its data, and writable where it grew."""
@@ -103,7 +109,7 @@ class GpuKvCache:
         assert self.kv.full_view().data_ptr() == self.base
         assert self.intact()
         self.kv.full_view()[128 * MiB : 256 * MiB] = 3
-        assert int(self.kv.full_view()[128 * MiB : 256 * MiB].float().mean()) == 3
+        assert filled(self.kv.full_view()[128 * MiB : 256 * MiB], 3)
 
     def free(self) -> None:
         del self.view
@@ -129,9 +135,9 @@ class HostEngine:
         self.view[32 * MiB : 40 * MiB] = 9
 
     def intact(self) -> bool:
-        return (int(self.view[: 8 * MiB].float().mean()) == 7
-                and int(self.view[32 * MiB : 40 * MiB].float().mean()) == 9
-                and int(self.weights.full_view()[: 6 * MiB].float().mean()) == 5)
+        return (filled(self.view[: 8 * MiB], 7)
+                and filled(self.view[32 * MiB : 40 * MiB], 9)
+                and filled(self.weights.full_view()[: 6 * MiB], 5))
 
     def grows_on(self) -> None:
         """Grow the KV cache to 12 MiB a segment (24 MiB with the weights' 6 committed: 30): its data stays, and
@@ -139,7 +145,7 @@ class HostEngine:
         self.kv.resize_per_segment_(12 * MiB)
         assert self.intact()
         self.kv.full_view()[8 * MiB : 12 * MiB] = 3
-        assert int(self.kv.full_view()[8 * MiB : 12 * MiB].float().mean()) == 3
+        assert filled(self.kv.full_view()[8 * MiB : 12 * MiB], 3)
 
     def free(self) -> None:
         del self.view

@@ -27,7 +27,7 @@ from hbmd.proto.errors import (
     TensorUnusable,
 )
 from hbmd.proto.instance import InstancePaths
-from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, hbmctl, wait_until
+from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, filled, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
 GPU_OK, GPU_REASON = cuda_vmm_status()
@@ -92,7 +92,7 @@ def test_the_call_in_flight_goes_to_the_new_session_under_the_new_buffer_id(star
         assert other.buffer_id == kv.buffer_id
         kv.resize_(8 * MiB)
     assert kv.buffer_id != other.buffer_id
-    assert int(kv.full_view()[: 4 * MiB].float().mean()) == 6
+    assert filled(kv.full_view()[: 4 * MiB], 6)
     assert committed(daemon) == 8 * MiB
 
 
@@ -111,7 +111,7 @@ def test_a_sealed_buffer_its_readers_map_is_counted_once_and_goes_with_the_last_
     wait_until(lambda: committed(daemon) == 6 * MiB)
     with daemon.connect(observer=True) as look:
         wait_until(lambda: [(b.name, b.readers) for b in look.buffers()] == [("weights", 2)])
-    assert all(int(r.full_view()[: 6 * MiB].float().mean()) == 4 for r in readers)
+    assert all(filled(r.full_view()[: 6 * MiB], 4) for r in readers)
     with daemon.connect() as another, pytest.raises(Conflict, match="cannot hand it to another process"):
         ExtensibleTensor.attach("weights", "cpu", client=another, readonly=True)
     readers[0].free()
@@ -263,7 +263,7 @@ def test_a_persistent_buffer_only_its_process_holds_is_not_lost_to_a_detach(star
     wait_until(lambda: committed(daemon) == 4 * MiB)
     with pytest.raises(Conflict, match="only this process holds it, so a detach would lose it"):
         kv.detach()
-    assert int(kv.full_view()[: 4 * MiB].float().mean()) == 3  # still mapped, still counted, still its own
+    assert filled(kv.full_view()[: 4 * MiB], 3)  # still mapped, still counted, still its own
     assert committed(daemon) == 4 * MiB
     kv.resize_(6 * MiB)
     kv.free()
@@ -316,7 +316,7 @@ def test_what_was_declared_again_is_handed_over_to_a_successor_and_goes_on_there
     with successor.connect(observer=True) as look:
         assert [(b.held_elsewhere, b.physical_bytes) for b in look.buffers()] == [(True, 4 * MiB)]
     kv.resize_per_segment_(4 * MiB)
-    assert int(kv.full_view()[: 2 * MiB].float().mean()) == 8
+    assert filled(kv.full_view()[: 2 * MiB], 8)
     assert committed(successor) == 8 * MiB
     kv.free()
     assert committed(successor) == 0

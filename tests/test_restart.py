@@ -9,7 +9,7 @@ import pytest
 from hbmd.client import ExtensibleTensor, OutOfBudget
 from hbmd.daemon.persist import JOURNAL_VERSION, Journal
 from hbmd.testing.spawn import DaemonProcess
-from helpers import MiB, parked_names, wait_until
+from helpers import MiB, filled, parked_names, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -55,7 +55,7 @@ def test_a_restart_keeps_persistent_buffers_and_their_data(start_daemon, spawn_w
     kv = ExtensibleTensor.attach("kv", "cpu", client=client)
     g = torch.Generator().manual_seed(11)
     assert torch.equal(kv.full_view()[: 12 * MiB], torch.randint(0, 256, (12 * MiB,), dtype=torch.uint8, generator=g))
-    assert int(kv.full_view()[32 * MiB : 44 * MiB].float().mean()) == 200
+    assert filled(kv.full_view()[32 * MiB : 44 * MiB], 200)
     assert (kv.num_segments, kv.bytes_per_segment, kv.num_chunks) == (2, 12 * MiB, 6)
 
     # It keeps working after the restart: it grows, and it can be deleted, which unparks it.
@@ -123,9 +123,9 @@ def test_a_daemon_that_stops_leaves_its_live_clients_pages_alone(start_daemon, l
 
     assert daemon.stop() == 0
     # The engine's KV cache is still there to read and write: the daemon went, its pages did not.
-    assert int(view[: 8 * MiB].float().mean()) == 7 and int(view[32 * MiB : 40 * MiB].float().mean()) == 9
+    assert filled(view[: 8 * MiB], 7) and filled(view[32 * MiB : 40 * MiB], 9)
     view[: 8 * MiB] = 11
-    assert int(view[: 8 * MiB].float().mean()) == 11
+    assert filled(view[: 8 * MiB], 11)
     assert "stopping with 1 session(s) connected" in daemon.log()
     del view
     kv.free()  # the session is gone with the daemon: only the mappings are left to drop
@@ -199,8 +199,8 @@ def test_a_journal_back_without_its_chunks_never_leaves_memory_uncounted(start_d
     assert "is not restored: a buffer of it did not come back whole" in second.log()
 
     kv.resize_(128 * MiB)  # the engine's next call goes on: no NotFound, no exception
-    assert int(kv.full_view()[: 96 * MiB].float().mean()) == 5
-    assert int(weights.full_view()[: 32 * MiB].float().mean()) == 9
+    assert filled(kv.full_view()[: 96 * MiB], 5)
+    assert filled(weights.full_view()[: 32 * MiB], 9)
     with second.connect(lease=False) as newcomer:
         assert newcomer.status().committed_bytes == 160 * MiB  # all that this process maps
         with pytest.raises(OutOfBudget):
@@ -232,7 +232,7 @@ def test_a_reader_of_sealed_weights_lost_with_the_store_declares_them_again(star
     systemd.drop_store()
     second = start_daemon(*args, **systemd.relaunch())
     assert reader.status().committed_bytes == 6 * MiB  # counted again: declared by the process that reads them
-    assert int(mapped.full_view()[: 6 * MiB].float().mean()) == 4
+    assert filled(mapped.full_view()[: 6 * MiB], 4)
     mapped.free()
     with second.connect(observer=True) as look:
         wait_until(lambda: look.status().committed_bytes == 0)
