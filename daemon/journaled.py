@@ -25,6 +25,7 @@ from .state.records import MAX_CAPACITY
 MAX_ID = (1 << 63) - 1
 MAX_UID = (1 << 32) - 1
 REQUIRED: Any = object()
+"""The default of a field a record must have."""
 
 
 def _value(record: dict[str, Any], key: str, default: Any) -> Any:
@@ -154,11 +155,6 @@ class JournaledBuffer:
     """Without handles yet; ``handle is None`` marks none, held only by their mappers: see :attr:`held`."""
     held: frozenset[int]
     """Ids of its chunks held only by the processes that map them (nothing parked for them)."""
-
-    @property
-    def sessions(self) -> set[int]:
-        """The sessions that map it: its owner and its readers."""
-        return ({self.owner} | set(self.readers)) - {0}
 
 
 def buffer_of(record: Any, granule: int) -> JournaledBuffer:
