@@ -29,8 +29,9 @@ from .backends.pool import HOST_PIECE
 from .config import FORMAT as CONFIG_FORMAT
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
-from .persist import RESUME_WINDOW_S, NewerState, Persistence, restore, unpack_image
+from .persist import RESUME_WINDOW_S, Persistence, unpack_image
 from .reload import ConfigReloader
+from .restore import NewerState, restore
 from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
 from .server.device_lock import DeviceLock
 from .server.loop import HANDOVER_TIMEOUT_S

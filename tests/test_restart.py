@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import msgpack
 import pytest
@@ -235,5 +236,51 @@ def test_a_reader_of_sealed_weights_lost_with_the_store_declares_them_again(star
     assert filled(mapped.full_view()[: 6 * MiB], 4)
     mapped.free()
     with second.connect(observer=True) as look:
+        wait_until(lambda: look.status().committed_bytes == 0)
+    reader.close()
+
+
+def test_weights_held_by_a_reader_alone_leave_no_orphan_when_the_store_is_lost_twice(start_daemon, run_dir, systemd):
+    """Issue #51: the FD store lost at two restarts in a row. After the first, a reader declares the sealed weights
+    it maps, held by it alone, beside its KV cache, which then grows on chunks the daemon parks. After the second its
+    KV cache cannot come back whole, so it is not resumed: the weights must not stay behind as an orphan nobody maps
+    (``--check-invariants`` exited 70 on every start, and without it they were charged for good). They are lost,
+    logged, and counted again as the reader declares them."""
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--budget", "64MiB", "--state-dir", str(state_dir))
+    first = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
+    with first.connect(lease=False) as loader:
+        weights = ExtensibleTensor(8 * MiB, "cpu", client=loader, name="weights", persistent=True)
+        weights.resize_(6 * MiB)
+        weights.full_view()[: 6 * MiB] = 4
+        weights.seal()
+        weights.detach()
+    reader = first.connect(lease=False)
+    mapped = ExtensibleTensor.attach("weights", "cpu", client=reader, readonly=True)
+    kv = ExtensibleTensor(16 * MiB, "cpu", client=reader)
+    kv.resize_(4 * MiB)
+    kv.full_view()[: 4 * MiB] = 7
+    assert first.stop() == 0
+    systemd.drop_store()
+
+    second = start_daemon(*args, **systemd.relaunch())
+    assert reader.status().committed_bytes == 10 * MiB  # both declared again, held by the reader alone
+    kv.resize_(8 * MiB)  # on a chunk the daemon makes and parks
+    wait_until(lambda: len(systemd.names()) == 1)
+    assert second.stop() == 0
+    systemd.drop_store()
+
+    third = start_daemon(*args, **systemd.relaunch())
+    with third.connect(observer=True) as look:
+        look.status()  # a request: the daemon checks its invariants after it
+    assert third.alive()
+    assert re.search(r"WARNING .*buffer \d+ 'weights' \(6.0 MiB\) is lost: no session that maps it came back",
+                     third.log())
+    assert reader.status().committed_bytes == 14 * MiB  # declared again: counted once, not twice
+    assert int(mapped.full_view()[: 6 * MiB].float().mean()) == 4 and int(kv.full_view()[: 4 * MiB].float().mean()) == 7
+    mapped.free()
+    kv.free()
+    with third.connect(observer=True) as look:
         wait_until(lambda: look.status().committed_bytes == 0)
     reader.close()

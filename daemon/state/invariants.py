@@ -92,7 +92,7 @@ def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: s
         where = f"buffer {buffer.buffer_id} {label}"
         require(sum(c.size for c in chunks) == accounted, f"{where}: sizes do not add up to {accounted}")
         require(len({c.tier for c in chunks}) <= 1, f"{where} lie in more than one tier")
-        _check_chunk_layout(where, chunks, buffer.reserved, granule, chunk_ids)
+        check_chunk_layout(where, chunks, buffer.reserved, granule, chunk_ids)
         if chunks or label == "chunks":
             covered = merge_runs((c.offset, c.offset + c.size) for c in chunks)
             require(covered == wanted, f"{where} cover {covered}, not the committed prefixes {wanted}")
@@ -124,7 +124,9 @@ def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: s
     return buffer.physical_bytes + buffer.pending_bytes - host
 
 
-def _check_chunk_layout(where: str, chunks: list[Chunk[Any]], reserved: int, granule: int, chunk_ids: set[int]) -> None:
+def check_chunk_layout(where: str, chunks: list[Chunk[Any]], reserved: int, granule: int, chunk_ids: set[int]) -> None:
+    """Chunks of whole granules, inside ``reserved``, backing no granule twice, their ids not in ``chunk_ids`` (which
+    takes them); a journaled buffer is held to it before it is restored."""
     end = 0
     for chunk in sorted(chunks, key=lambda c: c.offset):
         require(chunk.chunk_id not in chunk_ids, f"{where}: chunk id {chunk.chunk_id} used twice")
