@@ -72,10 +72,44 @@ class Moves(Transactions):
     _demoted_under_pressure = False
     """Demoted by the client for the daemon, not by the engine: promoted back by the client once there is room."""
 
+    _idle = False
+
+    def set_idle(self, idle: bool = True) -> Moves:
+        """Say whether the engine leaves this buffer alone, so that its client may move it for the daemon.
+
+        Under pressure the daemon asks the clients of a ``demote =`` tenant for
+        room (README, "Demotion instead of refusal"); a client moves only the
+        buffers its engine declared idle: no thread reads or writes them and no
+        kernel that does is queued (declaring waits for the device). A move
+        under a writer would lose what it writes during the copy, and on a GPU
+        the remap would leave its kernels an unmapped address.
+
+        ``set_idle(False)`` takes the buffer back before the engine touches it
+        again: one demoted meanwhile is promoted first, and where the device
+        has no room yet that raises ``OutOfBudget`` with the buffer still idle
+        in the host tier (its bytes intact; try again later).
+        """
+        if idle:
+            self._client.mapper.synchronize()
+            self._idle = True
+            return self
+        with self._client.exclusive:  # the listener moves buffers under this lock: no move is half done here
+            if self._demoted_under_pressure and self._info.tier == TIER_HOST and not self._freed:
+                self.promote()
+            self._demoted_under_pressure = False
+            self._idle = False
+        return self
+
+    @property
+    def idle(self) -> bool:
+        """Whether the engine declared this buffer idle (:meth:`set_idle`)."""
+        return self._idle
+
     def _demote_under_pressure(self) -> int:
         """Demote this buffer where its owner may (the client serving the daemon's request); returns the bytes."""
         if (
-            self._freed
+            not self._idle
+            or self._freed
             or self._readonly
             or self._info.sealed
             or self._info.tier == TIER_HOST

@@ -846,6 +846,8 @@ def make_room(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
         seen["a_before"] = tiers()
         log("make-room", f"engine A idles after decode step {state.step}, its cache "
                          f"{format_bytes(seen['a_before']['device'])} on the device; engine B starts")
+        for tensor in engine.cache.tensors:
+            tensor.set_idle()  # its client may move it now: nothing of engine A touches it until set_idle(False)
         time.sleep(DEMOTE_IDLE_S + 0.5)  # idle as the daemon counts it: only an idle tenant is demoted
         during: list[dict[str, int]] = []
         watching = threading.Event()
@@ -865,6 +867,8 @@ def make_room(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
         start = time.perf_counter()
         wait_until(lambda: all(t.tier == "device" for t in engine.cache.tensors), timeout=args.timeout)
         seen["back_s"] = time.perf_counter() - start
+        for tensor in engine.cache.tensors:
+            tensor.set_idle(False)
         seen["a_after"] = tiers()
         log("make-room", f"engine A's cache is back on the device after {ms(seen['back_s'])}; A finishes")
 

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -428,6 +429,7 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
     daemon = start_daemon("--budget", "64MiB", *TIER, "--config", str(config), "--demote-idle", "0")
     batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
     sleeping, data = written(batch, sizes=(32 * MiB, 16 * MiB))
+    sleeping.set_idle()
     online = daemon.connect(client_name="online", tenant="online", lease=lease)
     growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
     if lease:
@@ -450,6 +452,49 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
     growing.free()
     wait_until(lambda: sleeping.tier == "device")  # room again: its client promoted it back by itself
     assert intact(sleeping, data) and online.status().host_bytes == 0
+
+
+def test_a_buffer_its_engine_writes_is_never_moved_under_it_and_one_declared_idle_comes_back_on_taking_it_back(
+        start_daemon, tmp_path):
+    """A demotable tenant's engine writes its buffer without growing it (idle, as the daemon counts idleness): its
+    client does not move it, so no write is lost and no address goes unmapped under the writer; declared idle, it
+    moves for another tenant's commit, and the engine takes it back, promoted, with every byte it wrote."""
+    config = tmp_path / "hbmd.toml"
+    config.write_text(DEMOTABLE)
+    daemon = start_daemon("--budget", "64MiB", *TIER, "--config", str(config), "--demote-idle", "0")
+    batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
+    busy, _ = written(batch, sizes=(32 * MiB, 16 * MiB))
+    stop, rounds = threading.Event(), []
+
+    def write() -> None:
+        value = 0
+        while not stop.is_set():
+            value = value % 250 + 1
+            busy.segment_view(0)[:] = value
+            busy.segment_view(1)[:] = value
+            rounds.append(value)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    online = daemon.connect(client_name="online", tenant="online", lease=False)
+    growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
+    try:
+        with pytest.raises(OutOfBudget):
+            growing.resize_(32 * MiB)  # asked, the batch client moved nothing its engine was writing
+    finally:
+        stop.set()
+        writer.join()
+    last = rounds[-1]
+    assert busy.tier == "device" and filled(busy.segment_view(0), last) and filled(busy.segment_view(1), last)
+    busy.set_idle()
+    growing.resize_(32 * MiB)
+    assert busy.tier == "host"
+    with pytest.raises(OutOfBudget):
+        busy.set_idle(False)  # no room on the device yet: it stays idle, in the host tier, intact
+    assert busy.idle and busy.tier == "host" and filled(busy.segment_view(0), last)
+    growing.free()
+    busy.set_idle(False)
+    assert not busy.idle and busy.tier == "device" and filled(busy.segment_view(1), last)
 
 
 def test_a_demotable_tenant_that_grew_within_the_demote_idle_time_is_busy_and_not_asked(start_daemon, tmp_path):
@@ -477,6 +522,7 @@ def test_a_buffer_demoted_under_pressure_is_promoted_back_by_a_restarted_daemon(
     wait_until(lambda: systemd.saw("READY=1"))
     batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
     sleeping, data = written(batch, sizes=(32 * MiB, 16 * MiB))
+    sleeping.set_idle()
     online = daemon.connect(client_name="online", tenant="online", lease=False)
     growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
     growing.resize_(32 * MiB)
