@@ -268,6 +268,24 @@ class Journal:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
         self.size = len(data)
         self._legacy.unlink(missing_ok=True)
+        self.stale.unlink(missing_ok=True)
+
+    @property
+    def stale(self) -> Path:
+        """Where a journal that could not be written lies, set aside (:meth:`set_aside`)."""
+        return self.path.with_name(self.path.name + ".stale")
+
+    def set_aside(self) -> bool:
+        """Rename the journal out of a restart's way (a rename takes no room on a full filesystem): it misses changes
+        since, and a restart that resumed sessions from it would resume them without what they made meanwhile.
+        Returns whether there was one."""
+        self.close()
+        self.size = 0
+        try:
+            self.path.replace(self.stale)
+        except FileNotFoundError:
+            return False
+        return True
 
     @property
     def _legacy(self) -> Path:

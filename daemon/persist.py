@@ -315,10 +315,13 @@ class Persistence:
     def _failed(self, exc: OSError) -> None:
         # A full or broken state directory must not stop the daemon: it serves on, and writes again at the next change.
         if not self.degraded:
+            set_aside = self.journal.set_aside()
             log.error(
-                "persistence degraded: cannot write the journal %s (%s); changes since will not survive a restart "
-                "until it can be written (retried at the next change)",
+                "persistence degraded: cannot write the journal %s (%s); %still it can be written again (retried at "
+                "the next change), a restart is cold: clients declare again what they map, buffers nobody maps are "
+                "lost",
                 self.journal.path, exc.strerror or exc,
+                f"it is set aside as {self.journal.stale.name}, and " if set_aside else "",
             )
         self.degraded = True
 
@@ -330,6 +333,9 @@ class Persistence:
 
         Raises :class:`NewerState` for a newer daemon's journal, leaving it and the store as they are.
         """
+        if self.journal.stale.exists() and not self.journal.path.exists():
+            log.warning("the last daemon could not write its journal and set it aside (%s): this start is cold, "
+                        "clients declare again what they map", self.journal.stale)
         try:
             image = self.journal.read()
         except OSError as exc:

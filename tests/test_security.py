@@ -575,6 +575,57 @@ def full_state_dir(run_dir):
     subprocess.run(["umount", "-l", str(state_dir)], check=False)
 
 
+def fill(filler) -> None:
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass  # full
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.torch
+def test_a_restart_after_the_journal_could_not_be_written_is_cold_and_loses_nothing_mapped(start_daemon, run_dir,
+                                                                                          full_state_dir):
+    """The state directory fills after a buffer was journaled; one made since is not. A restart that keeps the FD
+    store must not resume the session from the journal (it would come back without the new buffer, whose memory its
+    process still maps): it starts cold, and the client declares both again."""
+    state_dir, filler = full_state_dir
+    filler.unlink()
+    systemd = FakeSystemd(run_dir / "notify.sock")
+    try:
+        flags = ("--budget", "64MiB", "--state-dir", str(state_dir))
+        daemon = start_daemon(*flags, env={"NOTIFY_SOCKET": str(systemd.path)})
+        wait_until(lambda: systemd.saw("READY=1"))
+        client = daemon.connect()
+        journaled = ExtensibleTensor(16 * MiB, "cpu", client=client, name="journaled", persistent=True)
+        journaled.resize_(4 * MiB)
+        journaled.full_view()[: 4 * MiB] = 3
+        fill(filler)
+        for _ in range(200):  # changes until the journal's last page, partly free when the disk filled, is full too
+            if "persistence degraded" in daemon.log():
+                break
+            ExtensibleTensor(2 * MiB, "cpu", client=client).free()
+        assert "persistence degraded" in daemon.log()
+        late = ExtensibleTensor(16 * MiB, "cpu", client=client)
+        late.resize_(8 * MiB)
+        late.full_view()[: 8 * MiB] = 5
+        assert (state_dir / "host.journal.stale").exists() and not (state_dir / "host.journal").exists()
+        daemon.kill()
+        filler.unlink()
+        daemon = start_daemon(*flags, **systemd.relaunch())
+        wait_until(lambda: "this start is cold" in daemon.log())
+        late.resize_(10 * MiB)  # the client started over and declared what it maps: the late buffer is known
+        assert filled(late.full_view()[: 8 * MiB], 5) and filled(journaled.full_view()[: 4 * MiB], 3)
+        assert client.status().committed_bytes == 14 * MiB  # counted once each, nothing beyond the budget unseen
+        assert not (state_dir / "host.journal.stale").exists()
+        client.close()
+    finally:
+        systemd.close()
+
+
 @pytest.mark.torch
 def test_a_full_state_directory_degrades_persistence_and_the_daemon_serves_on(start_daemon, run_dir, full_state_dir):
     state_dir, filler = full_state_dir
