@@ -17,6 +17,7 @@ from .admin import (
     TenantInfo,
 )
 from .buffers import (
+    MAX_DECLARED_CHUNKS,
     MAX_SEGMENTS,
     TIER_DEVICE,
     TIER_HOST,
@@ -106,6 +107,7 @@ from .session import (
 
 __all__ = [
     "ERROR_CLASSES",
+    "MAX_DECLARED_CHUNKS",
     "MAX_FDS_PER_DATAGRAM",
     "MAX_FRAME_BYTES",
     "MAX_OWN_CHUNKS",

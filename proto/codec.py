@@ -57,6 +57,8 @@ class Message:
     """Base of every wire message; subclasses are made with :func:`message`."""
 
     KIND: ClassVar[str] = ""
+    max_list_items: ClassVar[int] = 0
+    """A longer list than the receiver's bound that this kind may carry (:func:`read_envelope`); 0: none."""
 
 
 R = TypeVar("R", bound=Message)
@@ -339,6 +341,13 @@ def unpackb(data: bytes, max_bytes: int = MAX_FRAME_BYTES, max_items: int | None
     bounds = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, **bounds)
+    except ValueError as exc:
+        # msgpack says "N exceeds max_array_len(M)": the one refusal a well-formed message meets, worth naming.
+        if max_items is not None and "exceeds max_" in str(exc):
+            raise ProtocolError(
+                f"a list or map of {str(exc).split()[0]} items is longer than the {max_items} one message may carry"
+            ) from None
+        raise ProtocolError(f"malformed msgpack: {type(exc).__name__}") from None
     except Exception as exc:  # msgpack raises a zoo of types on garbage
         raise ProtocolError(f"malformed msgpack: {type(exc).__name__}") from None
 
@@ -385,7 +394,8 @@ def read_envelope(
     """``[kind, payload]`` opened but the body not yet checked: ``(kind class, request id, token, raw body)``.
 
     Lets a server refuse a kind or a token before it spends time on the body.
-    ``max_bytes`` and ``max_items`` bound the payload as :func:`unpackb` does.
+    ``max_bytes`` and ``max_items`` bound the payload as :func:`unpackb` does;
+    a kind that carries longer lists says so (:attr:`Message.max_list_items`).
     """
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames, got {len(frames)}")
@@ -394,6 +404,8 @@ def read_envelope(
     except UnicodeDecodeError:
         raise ProtocolError("message kind is not ASCII") from None
     cls = kind_class(kind)
+    if max_items is not None:
+        max_items = max(max_items, cls.max_list_items)
     payload = unpackb(frames[1], max_bytes, max_items)
     if not isinstance(payload, dict):
         raise ProtocolError("payload is not a map")
