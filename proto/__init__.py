@@ -5,6 +5,8 @@ client (and anything else) can speak it.
 """
 
 from .admin import (
+    MAX_LISTED,
+    MAX_LISTED_SEGMENTS,
     BufferList,
     ListBuffers,
     ListSessions,
@@ -110,6 +112,8 @@ __all__ = [
     "MAX_DECLARED_CHUNKS",
     "MAX_FDS_PER_DATAGRAM",
     "MAX_FRAME_BYTES",
+    "MAX_LISTED",
+    "MAX_LISTED_SEGMENTS",
     "MAX_OWN_CHUNKS",
     "MAX_PLACED_GRANULES",
     "MAX_PLACED_SEGMENTS",
