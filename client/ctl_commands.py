@@ -310,7 +310,7 @@ def cmd_reclaim(client: Client, args: argparse.Namespace) -> Output:
         return Output(data, text)
     deadline = time.monotonic() + args.wait
     while True:
-        session = next((s for s in client.sessions() if s.session_id == sent.session_id), None)
+        session = next(iter(client.sessions(sent.session_id)), None)
         state = session.reclaim_state if session else "ended"
         if state != "pending" or time.monotonic() > deadline:
             break

@@ -29,7 +29,16 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hbmd.proto import CreditGrant, CreditReturn, CreditRevoke, LeaseGrant, LeaseReturn, LeaseRevoke, Message
+from hbmd.proto import (
+    MAX_SEGMENTS,
+    CreditGrant,
+    CreditReturn,
+    CreditRevoke,
+    LeaseGrant,
+    LeaseReturn,
+    LeaseRevoke,
+    Message,
+)
 
 from .mapper import Mapper
 
@@ -212,8 +221,9 @@ class Lease:
         self._return(self._settle(taken))
 
     def _return(self, chunk_ids: list[int]) -> None:
-        if chunk_ids:
-            self._send(LeaseReturn(chunk_ids))
+        # A daemon decodes no list longer than a buffer's segments: a large lease goes back in several datagrams.
+        for start in range(0, len(chunk_ids), MAX_SEGMENTS):
+            self._send(LeaseReturn(chunk_ids[start : start + MAX_SEGMENTS]))
 
     def _discard(self, granules: list[LeasedGranule]) -> None:
         """Let go of imports; a failure is logged, never raised, so that their return is still sent."""

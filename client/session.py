@@ -269,11 +269,28 @@ class Client:
     def status(self) -> StatusReply:
         return self.call(Status())
 
-    def sessions(self) -> list[SessionInfo]:
-        return self.call(ListSessions()).sessions
+    def sessions(self, session_id: int = -1) -> list[SessionInfo]:
+        """The live sessions this session may see (its own user's; an admin's, all), or ``session_id`` alone; asked
+        for page by page."""
+        sessions: list[SessionInfo] = []
+        while True:
+            page = self.call(ListSessions(after=sessions[-1].session_id if sessions else 0, session_id=session_id))
+            sessions += page.sessions
+            if not (page.more and page.sessions):
+                # A daemon before 1.10 sends every session and no filter: it is applied here too.
+                return [s for s in sessions if session_id in (-1, s.session_id)]
 
-    def buffers(self, session_id: int = -1) -> list[BufferInfo]:
-        return self.call(ListBuffers(session_id)).buffers
+    def buffers(self, session_id: int = -1, *, name: str = "", owner_uid: int = -1) -> list[BufferInfo]:
+        """The buffers this session may see, every one or session ``session_id``'s, only those named ``name``
+        (where not empty) of user ``owner_uid`` (where not -1); asked for page by page."""
+        buffers: list[BufferInfo] = []
+        while True:
+            after = buffers[-1].buffer_id if buffers else 0
+            page = self.call(ListBuffers(session_id, after=after, name=name, owner_uid=owner_uid))
+            buffers += page.buffers
+            if not (page.more and page.buffers):
+                # A daemon before 1.10 sends every buffer and no filter: it is applied here too.
+                return [b for b in buffers if name in ("", b.name) and owner_uid in (-1, b.owner_uid)]
 
     def create_buffer(
         self,

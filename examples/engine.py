@@ -250,7 +250,7 @@ def generate(args: argparse.Namespace, instance: str | None) -> dict[str, Any]:
         engine.timings["recompute_s"] = engine.time_recompute(prompts, in_cache)
         engine.timings["recompute_tokens"] = sum(len(p) + len(g) - 1 for p, g in zip(prompts, in_cache))
     engine.timings["total_s"] = time.perf_counter() - started
-    session = next(s for s in client.sessions() if s.session_id == client.session_id)
+    session = client.sessions(client.session_id)[0]
     result = {
         "mode": "generate",
         "ok": True,
@@ -517,7 +517,7 @@ def sleep_wake(args: argparse.Namespace, instance: str | None) -> dict[str, Any]
         return engine.decode(engine.prefill(prompts, prompt_seed, args.prompt_len, args.new_tokens)).generated
 
     def committed() -> tuple[int, int]:
-        mine = next(s for s in client.sessions() if s.session_id == client.session_id)
+        mine = client.sessions(client.session_id)[0]
         return client.status().committed_bytes, mine.committed_bytes
 
     log("sleep-wake", f"request A (prompt seed {args.prompt_seed})")
@@ -947,7 +947,7 @@ def stored_weights(args: argparse.Namespace, instance: str | None, who: str) -> 
         torch.cuda.init()
     client = connect_for(args, instance, who)
     name, checkpoint = f"{args.name}-weights", args.work_dir / f"{args.name}.weights.pt"
-    if any(b.name == name for b in client.buffers()):
+    if client.buffers(name=name):
         log(who, f"deleting {name}, left by an earlier run")
         client.delete(name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -466,17 +466,18 @@ class HbmdModelLoader(IpcModelLoader):
 def _uid_seen_by(client: Client) -> int:
     """This process's uid as the daemon sees it, from this session's record: in another user namespace it is not
     ``os.getuid()``."""
-    return next(s.uid for s in client.sessions() if s.session_id == client.session_id)
+    return next(s.uid for s in client.sessions(client.session_id))
 
 
 def _session(client: Client, session_id: int) -> SessionInfo | None:
     """Live session ``session_id``, as this session may see it (its own user's); None once it has ended."""
-    return next((s for s in client.sessions() if s.session_id == session_id), None)
+    return next(iter(client.sessions(session_id)), None)
 
 
 def _named(client: Client, name: str, uid: int) -> BufferInfo | None:
-    """User ``uid``'s persistent buffer ``name`` (an admin's list holds every user's, and names are per user)."""
-    return next((b for b in client.buffers() if b.name == name and b.persistent and b.owner_uid == uid), None)
+    """User ``uid``'s persistent buffer ``name`` (names are per user), asked for alone: however many buffers others
+    hold, the answer is one page."""
+    return next((b for b in client.buffers(name=name, owner_uid=uid) if b.persistent), None)
 
 
 def _registrations(vllm_config: VllmConfig) -> tuple[set[str], int]:

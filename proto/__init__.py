@@ -5,6 +5,8 @@ client (and anything else) can speak it.
 """
 
 from .admin import (
+    MAX_LISTED,
+    MAX_LISTED_SEGMENTS,
     BufferList,
     ListBuffers,
     ListSessions,
@@ -17,6 +19,7 @@ from .admin import (
     TenantInfo,
 )
 from .buffers import (
+    MAX_DECLARED_CHUNKS,
     MAX_SEGMENTS,
     TIER_DEVICE,
     TIER_HOST,
@@ -106,8 +109,11 @@ from .session import (
 
 __all__ = [
     "ERROR_CLASSES",
+    "MAX_DECLARED_CHUNKS",
     "MAX_FDS_PER_DATAGRAM",
     "MAX_FRAME_BYTES",
+    "MAX_LISTED",
+    "MAX_LISTED_SEGMENTS",
     "MAX_OWN_CHUNKS",
     "MAX_PLACED_GRANULES",
     "MAX_PLACED_SEGMENTS",

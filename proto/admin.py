@@ -110,30 +110,63 @@ class SessionInfo:
     """Restored after a daemon restart, its client not back yet (1.4)."""
 
 
+MAX_LISTED = 1000
+"""The most sessions or buffers in one page of a list (1.10)."""
+MAX_LISTED_SEGMENTS = 1 << 16
+"""The most segments of the buffers in one page (1.10), a buffer of more always alone: with their sizes a page
+stays far below the frame limit, however many buffers peers make."""
+
+
 @message("admin.session_list")
 class SessionList(Message):
+    """A page of sessions, by id (1.10: earlier daemons send all in one)."""
+
     sessions: list[SessionInfo]
+    more: bool = False
+    """More follow (1.10): ask again with ``after`` the last one's id."""
 
 
 @message("admin.sessions")
 class ListSessions(Request[SessionList]):
-    """Ask for every live session."""
+    """Ask for the live sessions: every one the asking session may see, or ``session_id`` alone (1.10).
+
+    A page holds at most :data:`MAX_LISTED`, those of an id above ``after``
+    (1.10); the client library asks for the next until none are left.
+    """
 
     changes_state = False
+
+    after: int = 0
+    session_id: int = -1
 
 
 @message("admin.buffer_list")
 class BufferList(Message):
+    """A page of buffers, by id (1.10: earlier daemons send all in one)."""
+
     buffers: list[BufferInfo]
+    more: bool = False
+    """More follow (1.10): ask again with ``after`` the last one's id."""
 
 
 @message("admin.buffers")
 class ListBuffers(Request[BufferList]):
-    """Ask for buffers; ``session_id`` = -1 lists all."""
+    """Ask for buffers; ``session_id`` = -1 lists all.
+
+    Only those named ``name`` (1.10, where not empty) and of user
+    ``owner_uid`` (1.10, where not -1): what a client looking for one buffer
+    asks for, so that others' buffers never stand in its way. A page holds at
+    most :data:`MAX_LISTED` buffers of :data:`MAX_LISTED_SEGMENTS` segments in
+    all, those of an id above ``after`` (1.10); the client library asks for the
+    next until none are left.
+    """
 
     changes_state = False
 
     session_id: int = -1
+    after: int = 0
+    name: str = ""
+    owner_uid: int = -1
 
 
 @message("admin.reclaim_sent")

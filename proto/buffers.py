@@ -22,9 +22,14 @@ second memfd pool on the host backend), mapped at the same addresses either way.
 MAX_NAME = 128
 """The most characters of a name a peer gives (a buffer's, a session's client name, a tenant's): the daemon refuses a
 longer one."""
-MAX_SEGMENTS = 1 << 16
+MAX_SEGMENTS = 1 << 12
 """The most segments a buffer has, so also the longest list a request carries (a size per segment): a daemon decodes
-no longer one."""
+no longer one, but a declaration's chunks (:data:`MAX_DECLARED_CHUNKS`). Every request on a buffer, and its reply,
+costs the daemon's loop time in proportion to the buffer's segments, a commit of them all most: 3-4 ms for 4,096 on
+the 2-core CI machine, where 65,536 took 50 ms and every other session waited behind each (SECURITY.md, "Measured";
+``tests/test_message_bounds.py``)."""
+MAX_DECLARED_CHUNKS = 1 << 16
+"""The most chunks one :class:`Redeclare` carries: a buffer grown a granule at a time has a chunk per granule."""
 
 
 @record
@@ -159,6 +164,8 @@ class Redeclare(Request[BufferCreated]):
     its user; the claim joins the buffer already declared under that name, or
     declares it, an orphan, for the owner to join.
     """
+
+    max_list_items = MAX_DECLARED_CHUNKS
 
     capacity: int
     segment_capacities: list[int]

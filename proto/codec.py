@@ -23,7 +23,7 @@ import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 9)
+PROTOCOL_VERSION = (1, 10)
 """1.1 added uneven segments (``segment_capacities``, ``CommitSegments``), ``Detach``, ``Remap``, the
 ``session_lost`` error code and the status figures ``admissible_bytes`` and ``held_back_bytes``; 1.2 an
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
@@ -39,7 +39,9 @@ with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``
 the client makes itself (``Welcome.credit_bytes``, the ``CreditGrant``/``CreditRevoke``/``OwnChunks``/
 ``CreditReturn`` datagrams); 1.9 the tenant charged in the welcome (``Welcome.tenant``/``tenant_note``), and in status
 the bytes held for other tenants' guarantees and the credit (``StatusReply.held_for_guarantees_bytes``/
-``credit_bytes``). A 1.0 peer ignores what it does not know."""
+``credit_bytes``); 1.10 lists of sessions and buffers in pages (``after``, ``more``) and asked for by session, name
+or user (``ListSessions.session_id``, ``ListBuffers.name``/``owner_uid``). A 1.0 peer ignores what it does not
+know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request a daemon reads: the longest a client sends, a buffer's 65,536 segment sizes, takes under
@@ -57,6 +59,8 @@ class Message:
     """Base of every wire message; subclasses are made with :func:`message`."""
 
     KIND: ClassVar[str] = ""
+    max_list_items: ClassVar[int] = 0
+    """A longer list than the receiver's bound that this kind may carry (:func:`read_envelope`); 0: none."""
 
 
 R = TypeVar("R", bound=Message)
@@ -339,6 +343,13 @@ def unpackb(data: bytes, max_bytes: int = MAX_FRAME_BYTES, max_items: int | None
     bounds = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=True, **bounds)
+    except ValueError as exc:
+        # msgpack says "N exceeds max_array_len(M)": the one refusal a well-formed message meets, worth naming.
+        if max_items is not None and "exceeds max_" in str(exc):
+            raise ProtocolError(
+                f"a list or map of {str(exc).split()[0]} items is longer than the {max_items} one message may carry"
+            ) from None
+        raise ProtocolError(f"malformed msgpack: {type(exc).__name__}") from None
     except Exception as exc:  # msgpack raises a zoo of types on garbage
         raise ProtocolError(f"malformed msgpack: {type(exc).__name__}") from None
 
@@ -385,7 +396,8 @@ def read_envelope(
     """``[kind, payload]`` opened but the body not yet checked: ``(kind class, request id, token, raw body)``.
 
     Lets a server refuse a kind or a token before it spends time on the body.
-    ``max_bytes`` and ``max_items`` bound the payload as :func:`unpackb` does.
+    ``max_bytes`` and ``max_items`` bound the payload as :func:`unpackb` does;
+    a kind that carries longer lists says so (:attr:`Message.max_list_items`).
     """
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames, got {len(frames)}")
@@ -394,6 +406,8 @@ def read_envelope(
     except UnicodeDecodeError:
         raise ProtocolError("message kind is not ASCII") from None
     cls = kind_class(kind)
+    if max_items is not None:
+        max_items = max(max_items, cls.max_list_items)
     payload = unpackb(frames[1], max_bytes, max_items)
     if not isinstance(payload, dict):
         raise ProtocolError("payload is not a map")

@@ -183,3 +183,14 @@ def test_a_thread_waiting_for_chunk_fds_does_not_hold_up_the_other_threads_sends
     client.close()
     assert sent_after < 1, f"the send waited {sent_after:.1f}s for the receiver's lock"
     assert len(waited) == 1 and isinstance(waited[0], SessionLost)
+
+
+@pytest.mark.unit
+def test_a_lease_larger_than_a_message_carries_goes_back_in_several() -> None:
+    """A daemon decodes no list longer than a buffer's segments: every granule of a larger lease still goes back."""
+    lease, sent = lease_with(ImportingMapper())
+    recorded = set(range(1, 2 * proto.MAX_SEGMENTS + 2))
+    lease.resumed(recorded)  # the restarted daemon records granules this process never imported: all go back
+    assert set(returned(sent)) == recorded
+    for msg in sent:
+        assert proto.decode_datagram(proto.encode_datagram(msg), proto.MAX_SEGMENTS) == msg

@@ -1,6 +1,6 @@
 """One session floods the daemon with the costliest messages it can build; another session does not notice.
 
-The flooder makes a buffer of 60,000 segments, then sends, as fast as the
+The flooder makes a buffer of the most segments (4,096), then sends, as fast as the
 daemon reads them, either placements of leased granules that the daemon must
 refuse (handle plane), hellos it must refuse, each naming a tenant of its
 own (an attacker's way to fill the daemon with records), or pipelined commits of every segment that the budget
@@ -42,9 +42,10 @@ import time
 import zmq
 from hbmd.client import InvalidRequest, connect
 from hbmd.client.transport import HandleChannel
-from hbmd.proto import PROTOCOL_VERSION, CommitSegments, Hello, LeasePlace, encode_datagram, encode_frames
+from hbmd.proto import (MAX_SEGMENTS, PROTOCOL_VERSION, CommitSegments, Hello, LeasePlace, encode_datagram,
+                        encode_frames)
 
-SEGMENTS = 60_000
+SEGMENTS = MAX_SEGMENTS
 os.nice(nice)
 if as_nobody:
     # Everything is imported before: the checkout need not be open to uid 65534.
@@ -60,7 +61,7 @@ deadline = time.monotonic() + 30
 while client.leased_granules < 2 and time.monotonic() < deadline:
     time.sleep(0.01)
 leased = sorted(client.leasing.lease._ready)[:2]
-wide = client.create_buffer(SEGMENTS * 4096, SEGMENTS)
+wide = client.create_buffer(SEGMENTS * (2 << 20), SEGMENTS)  # a granule a segment: each needs its own
 if plane == "hellos":
     # Hellos the daemon must refuse (a client name with an escape), each naming a tenant nobody else names.
     print("flooding", 1, flush=True)

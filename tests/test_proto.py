@@ -129,7 +129,8 @@ def test_peek_request_id_survives_garbage():
 def test_a_request_past_a_daemons_bounds_is_refused_undecoded_and_keeps_its_id():
     sizes = [1] * (proto.MAX_SEGMENTS + 1)
     long_list = msgpack.packb({"id": 5, "token": "", "body": {"buffer_id": 1, "sizes": sizes}})
-    with pytest.raises(ProtocolError, match="malformed"):
+    with pytest.raises(ProtocolError, match=f"of {proto.MAX_SEGMENTS + 1} items is longer than the "
+                                            f"{proto.MAX_SEGMENTS} one message may carry"):
         proto.read_envelope([b"buffer.commit_segments", long_list], proto.MAX_REQUEST_BYTES, proto.MAX_SEGMENTS)
     assert proto.read_envelope([b"buffer.commit_segments", long_list])[3]["sizes"] == sizes  # a client's bounds
     large = msgpack.packb({"id": 6, "token": "", "body": {"capacity": 1, "name": "n" * proto.MAX_REQUEST_BYTES}})
@@ -215,3 +216,17 @@ def test_proto_imports_only_stdlib_and_msgpack():
 )
 def test_a_size_in_a_message_is_in_human_units_and_exact_where_they_round(n, shown):
     assert exact_bytes(n) == shown
+
+
+def test_only_a_declaration_carries_more_items_than_a_buffer_has_segments():
+    """A buffer grown a granule at a time has more chunks than segments: its declaration after a restart carries
+    them all, and nothing else carries a list that long."""
+    chunks = [proto.ChunkInfo(0, i * 4096, 4096) for i in range(proto.MAX_SEGMENTS + 1)]
+    declaration = proto.Redeclare(len(chunks) * 4096, [len(chunks) * 4096], [len(chunks) * 4096], chunks)
+    frames = proto.encode_frames(declaration, 3)
+    kind, _, _, body = proto.read_envelope(frames, proto.MAX_REQUEST_BYTES, proto.MAX_SEGMENTS)
+    assert kind is proto.Redeclare and len(body["chunks"]) == len(chunks)
+    longer = [proto.ChunkInfo(0, i, 1) for i in range(proto.MAX_DECLARED_CHUNKS + 1)]
+    with pytest.raises(ProtocolError, match="longer than the"):
+        proto.read_envelope(proto.encode_frames(proto.Redeclare(1, [1], [1], longer), 4), 4 * proto.MAX_REQUEST_BYTES,
+                            proto.MAX_SEGMENTS)

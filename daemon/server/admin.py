@@ -5,11 +5,14 @@ Each session sees its own user's sessions and buffers; an admin sees all.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import time
 
 from hbmd.proto import (
+    MAX_LISTED,
+    MAX_LISTED_SEGMENTS,
     BufferList,
     ListBuffers,
     ListSessions,
@@ -24,7 +27,7 @@ from hbmd.proto.instance import VERSION
 from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
-from ..state import Session
+from ..state import Buffer, Session
 from .connection import HandleConnection
 from .registry import RequestHandlers, handles
 
@@ -82,19 +85,37 @@ class AdminRequests(RequestHandlers[A, C]):
 
     @handles(ListSessions)
     def list_sessions(self, conn: HandleConnection[A, C], request_id: int, msg: ListSessions) -> SessionList:
-        """The worker sessions the asking session may see."""
+        """A page of the worker sessions the asking session may see, by id."""
         me = conn.opened_session
-        return SessionList([self.state.session_info(s) for s in self.state.workers if me.admin or s.uid == me.uid])
+        visible = [
+            s for s in self.state.workers
+            if s.session_id > msg.after and msg.session_id in (-1, s.session_id) and (me.admin or s.uid == me.uid)
+        ]
+        first = heapq.nsmallest(MAX_LISTED + 1, visible, key=lambda s: s.session_id)
+        return SessionList([self.state.session_info(s) for s in first[:MAX_LISTED]], more=len(first) > MAX_LISTED)
 
     @handles(ListBuffers)
     def list_buffers(self, conn: HandleConnection[A, C], request_id: int, msg: ListBuffers) -> BufferList:
-        """Every buffer, or one session's, that the asking session may see."""
+        """A page of the buffers, every one or one session's, that the asking session may see and asks for, by id."""
         me = conn.opened_session
         if msg.session_id == -1:
             buffers = self.state.buffers.values()
         else:
             buffers = self._visible_session(me, msg.session_id).buffers.values()
-        return BufferList([b.info() for b in buffers if me.admin or b.owner_uid == me.uid])
+        wanted = [
+            b for b in buffers
+            if b.buffer_id > msg.after and (me.admin or b.owner_uid == me.uid) and msg.name in ("", b.name)
+            and msg.owner_uid in (-1, b.owner_uid)
+        ]
+        first = heapq.nsmallest(MAX_LISTED + 1, wanted, key=lambda b: b.buffer_id)
+        page: list[Buffer[A, C]] = []
+        segments = 0
+        for buffer in first[:MAX_LISTED]:
+            segments += buffer.num_segments
+            if page and segments > MAX_LISTED_SEGMENTS:
+                break
+            page.append(buffer)
+        return BufferList([b.info() for b in page], more=len(page) < len(first))
 
     @handles(Reclaim)
     def reclaim(self, conn: HandleConnection[A, C], request_id: int, msg: Reclaim) -> ReclaimSent:

@@ -69,8 +69,9 @@ class Limits:
     sessions_per_uid: int = 128
     persistent_buffers_per_uid: int = 64
     buffers_per_uid: int = 1024
-    segments_per_uid: int = 1 << 20
-    """Buffers cost no budget, but each segment costs the daemon memory to describe."""
+    segments_per_uid: int = 1 << 16
+    """Buffers cost no budget, but each segment costs the daemon memory to describe, and every listing of the uid's
+    buffers bytes to send: 16 buffers of the most segments."""
 
 
 @dataclasses.dataclass
