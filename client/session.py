@@ -33,6 +33,7 @@ from hbmd.proto import (
     FinishDefragment,
     Free,
     Freed,
+    Graft,
     Hello,
     ListBuffers,
     ListSessions,
@@ -320,6 +321,13 @@ class Client:
             # A daemon that does not know the field would hand over the buffer itself.
             self._need_minor(2, "read-only attaches")
         return self._deliver(Attach(name, readonly))
+
+    def graft(self, buffer_id: int, name: str) -> Delivery:
+        """Take every chunk of this user's orphaned persistent buffer ``name`` into this session's empty buffer
+        ``buffer_id`` of the same layout, at the same offsets; the delivery brings them all (see
+        :class:`~hbmd.proto.Graft`)."""
+        self._need_minor(10, "grafts")
+        return self._deliver(Graft(buffer_id, name))
 
     def seal(self, buffer_id: int) -> Sealed:
         """Make this session's persistent buffer immutable and readable by other sessions of this user at once."""

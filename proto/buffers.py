@@ -1,4 +1,4 @@
-"""Buffer messages: create, commit, release, free, attach, detach.
+"""Buffer messages: create, commit, release, free, attach, detach, graft.
 
 Sizes are bytes. A buffer of ``capacity`` bytes has ``num_segments`` equal
 segments, or (protocol 1.1) uneven ones of ``segment_capacities`` bytes, laid
@@ -86,7 +86,7 @@ class BufferCreated(Message):
 
 @message("buffer.committed")
 class Committed(Message):
-    """Reply to commit, attach and defragment: the buffer and the chunks to map now.
+    """Reply to commit, attach, graft and defragment: the buffer and the chunks to map now.
 
     Their FDs arrive in ``fd_batches`` :class:`FdBatch` datagrams.
     """
@@ -230,6 +230,29 @@ class Attach(Request[Committed]):
 
     name: str
     readonly: bool = False
+
+
+@message("buffer.graft")
+class Graft(Request[Committed]):
+    """Take every chunk of this user's orphaned persistent buffer ``name``, with its data, into this session's buffer
+    ``buffer_id``, at the same offsets (1.10); every chunk comes back to map.
+
+    How a restarted engine adopts the memory its predecessor left: it made
+    its own buffer first (the address its CUDA graphs captured), let go of
+    every page of it, and maps the orphan's chunks in its place, without a
+    copy. The two buffers have the same layout (capacity, segment capacities,
+    ``shareable``); ``buffer_id`` has nothing committed and is not sealed;
+    the orphan is not sealed, on the device (not demoted) and not
+    mid-defragment. Its bytes, charged already, are charged to this session's
+    tenant from now on (its maximum and others' guarantees hold); its record
+    and name are gone. Refused, with nothing changed: ``InvalidRequest``
+    (layouts, a committed target, a sealed, demoted or busy orphan),
+    ``NotFound`` (no such orphan of this user), ``Conflict`` (a live session
+    holds it), ``OutOfBudget``.
+    """
+
+    buffer_id: int
+    name: str
 
 
 @message("buffer.detach")

@@ -3,7 +3,8 @@
 A hypothesis state machine drives :class:`State` as sessions would (open,
 create, commit, release, defragment both ways, finish, attach, detach, delete,
 free, close, seal, read-only attach and its detach, leases topped up, placed,
-returned and asked back, buffers declared again by clients after a cold restart) over a backend that fails on
+returned and asked back, buffers declared again by clients after a cold restart,
+orphans grafted) over a backend that fails on
 demand in ``create`` and ``export``, and checks :meth:`State.check_invariants` after every step, plus two promises of
 its own: a refused request changes nothing, and no chunk the backend made is
 leaked or released twice.
@@ -259,6 +260,25 @@ class StateMachine(RuleBasedStateMachine):
         buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
         call = data.draw(st.sampled_from([self.state.attach, self.state.delete]))
         self.attempt(call, session, buffer.name)
+
+    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @rule(data=st.data(), successor=st.integers(0, 3))
+    def graft(self, data, successor):
+        """Mostly what a restarted engine does: a buffer of an orphan's layout made by a session of its user, then the
+        orphan grafted into it; at times any buffer and name, to be refused."""
+        orphans = [(b, s) for b in self.state.buffers.values() if b.owner is None
+                   for s in self.state.sessions.values() if s.uid == b.owner_uid]
+        if orphans and successor:
+            orphan, session = data.draw(st.sampled_from(sorted(orphans, key=lambda p: (p[0].buffer_id,
+                                                                                        p[1].session_id))))
+            self.attempt(self.state.create_buffer, session, orphan.capacity, 1, "", False, orphan.shareable,
+                         orphan.segment_capacities)
+            target = max(session.buffers.values(), key=lambda b: b.buffer_id, default=None)
+        else:
+            target = self.owned(data) if any(b.owner for b in self.state.buffers.values()) else None
+            orphan = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
+        if target is not None and target.owner is not None:
+            self.attempt(self.state.graft, target.owner, target.buffer_id, orphan.name)
 
     @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
     @rule(data=st.data(), by_owner=st.booleans())

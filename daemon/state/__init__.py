@@ -10,6 +10,7 @@ façade the server calls:
 - ``sessions``: who is connected, and reclaim requests;
 - ``buffers``: buffers, their chunks, persistent names, seals and readers;
 - ``leases``: granules made ahead of need and placed by clients;
+- ``orphans``: persistent buffers no session holds: grafts;
 - ``chunks``: where chunks are made and released with the backend;
 - ``invariants``: whether the counts agree with the records they count.
 
@@ -36,6 +37,7 @@ from .buffers import Buffers
 from .chunks import Chunks
 from .invariants import check_invariants
 from .leases import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
+from .orphans import Orphans
 from .records import (
     Answer,
     Buffer,
@@ -93,6 +95,7 @@ class State(Generic[A, C]):
         self.chunks: Chunks[A, C] = Chunks(backend)
         self.session_table = Sessions(limits, reclaim_patience_s)
         self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self)
+        self.orphan_table: Orphans[A, C] = Orphans(self.buffer_table, self.tenant_table)
         self.leases: Leases[A, C] = Leases(
             backend, self.chunks, self.tenant_table, lease_bytes, lease_idle_s, credit_bytes
         )
@@ -350,6 +353,13 @@ class State(Generic[A, C]):
 
     def attach(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
         return self.buffer_table.attach(session, name, uneven_ok)
+
+    def graft(self, session: Session, buffer_id: int, name: str) -> Buffer[A, C]:
+        """Give every chunk of the orphan ``name`` to the session's empty buffer ``buffer_id``; see
+        :meth:`Orphans.graft`. The buffer grew: its session is busy, not to be asked to demote it at once."""
+        buffer = self.orphan_table.graft(session, buffer_id, name)
+        session.grown_at = self.clock()
+        return buffer
 
     def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         return self.buffer_table.seal(session, buffer_id)
