@@ -285,13 +285,16 @@ class Client:
         persistent: bool = False,
         shareable: bool = False,
         segment_capacities: list[int] | None = None,
+        keep_orphan_s: float = 0.0,
     ) -> BufferInfo:
-        """Reserve a buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities``."""
+        """Reserve a buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities``; a persistent
+        one is freed by the daemon ``keep_orphan_s`` seconds after it becomes an orphan (0: kept until deleted)."""
         if segment_capacities:
             self._need_minor(1, "uneven segments")
-        return self.call(
-            CreateBuffer(capacity, num_segments, name, persistent, shareable, list(segment_capacities or []))
-        ).buffer
+        if keep_orphan_s:
+            self._need_minor(10, "orphans' grace periods")
+        return self.call(CreateBuffer(capacity, num_segments, name, persistent, shareable,
+                                      list(segment_capacities or []), float(keep_orphan_s))).buffer
 
     def _need_minor(self, minor: int, feature: str) -> None:
         major, daemon_minor = self.welcome.version

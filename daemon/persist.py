@@ -62,7 +62,8 @@ JOURNAL_VERSION = 6
 """6: a buffer's chunks in the host tier (``host``: their ids), which an older daemon would count as device memory;
 5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack records; 3
 (JSON, persistent buffers only) recorded a chunk as ``[id, offset, size]``, 2 added a fourth field, always 0, and each
-segment's capacity and size; version 1's equal segments are read too."""
+segment's capacity and size; version 1's equal segments are read too. A buffer's grace period as an orphan (``orphan``)
+needs no new version: a daemon that does not know it keeps the orphan until deleted, as before it."""
 COMPACT_MIN_BYTES = 1 << 20
 COMPACT_RATIO = 4
 """The journal is rewritten whole once it is this many times the size of the state it describes."""
@@ -126,6 +127,7 @@ def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
         "pending": [[c.chunk_id, c.offset, c.size] for c in buffer.pending],
         "held": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.handle is None],
         "host": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.tier == TIER_HOST],
+        "orphan": [buffer.keep_orphan_s, buffer.orphaned_at, buffer.expires_at, *buffer.last_holder],
     }
 
 
@@ -134,7 +136,7 @@ def _shape(buffer: Buffer[Any, Any]) -> tuple[tuple[Any, ...], int, int]:
     name and user are fixed at its creation), then how many chunks and the last one's id. Chunk ids are never
     reused, so a buffer whose first chunks are still these only gained chunks."""
     head = (buffer.owner.session_id if buffer.owner else 0, buffer.tenant.name, buffer.sealed,
-            tuple(sorted(buffer.readers.items())), tuple(c.chunk_id for c in buffer.pending))
+            tuple(sorted(buffer.readers.items())), tuple(c.chunk_id for c in buffer.pending), buffer.expires_at)
     return head, len(buffer.chunks), buffer.chunks[-1].chunk_id if buffer.chunks else 0
 
 
@@ -366,10 +368,17 @@ def _restore_buffer(state: State[Any, Any], record: dict[str, Any], fds: dict[st
             buffer_id, str(record["name"]), bool(record["persistent"]), owner, int(record["uid"]),
             str(record["tenant"]), int(record["capacity"]), capacities, sizes, bool(record["shareable"]), arena,
             adopted["chunks"], adopted["pending"], bool(record.get("sealed", False)),
-            {int(s): int(n) for s, n in record.get("readers", [])},
+            {int(s): int(n) for s, n in record.get("readers", [])}, _orphan(record),
         )
     log.info("restored buffer %d %r: %s in %d chunks", buffer_id, record["name"],
              format_bytes(sum(c.size for c in adopted["chunks"])), len(adopted["chunks"]))
+
+
+def _orphan(record: dict[str, Any]) -> tuple[float, float, float, tuple[str, int]]:
+    """A record's grace period as an orphan, when it became one, its deadline (Unix times: see
+    ``daemon/state/orphans.py``) and who held it last; a buffer journaled without them is kept until deleted."""
+    keep, orphaned_at, expires_at, holder, pid = record.get("orphan") or (0.0, 0.0, 0.0, "", 0)
+    return float(keep), float(orphaned_at), float(expires_at), (str(holder), int(pid))
 
 
 def _chunk_layout(chunk: list) -> tuple[int, int, int]:

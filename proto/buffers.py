@@ -77,6 +77,16 @@ class BufferInfo:
     daemon restarted cold (:class:`Redeclare`). It is counted, but cannot be attached by another process."""
     tier: str = TIER_DEVICE
     """Where its mapped chunks are (1.6): :data:`TIER_DEVICE`, or :data:`TIER_HOST` once demoted (:class:`Move`)."""
+    keep_orphan_s: float = 0.0
+    """How long the daemon keeps it once no session holds it, then frees it (1.10); 0: until deleted."""
+    orphaned_at: float = 0.0
+    """Unix time it last became an orphan (1.10); 0 while a session holds it."""
+    expires_at: float = 0.0
+    """Unix time the daemon frees it, an orphan nobody attached or grafted by then (1.10); 0: never."""
+    last_holder: str = ""
+    """The client name of the session that last held it, an orphan (1.10); "" where the daemon does not know."""
+    last_holder_pid: int = 0
+    """That session's pid (1.10); 0 where the daemon does not know."""
 
 
 @message("buffer.created")
@@ -138,6 +148,9 @@ class CreateBuffer(Request[BufferCreated]):
     shareable: bool = False
     segment_capacities: list[int] = dataclasses.field(default_factory=list)
     """Uneven segments (1.1): positive, summing to ``capacity``; ``num_segments`` is then ignored."""
+    keep_orphan_s: float = 0.0
+    """A persistent buffer's grace period as an orphan (1.10): the daemon frees it this many seconds after its
+    session ends or detaches it, unless attached or grafted meanwhile; 0: kept until deleted."""
 
 
 @message("buffer.redeclare")

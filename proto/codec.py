@@ -39,8 +39,9 @@ with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``
 the client makes itself (``Welcome.credit_bytes``, the ``CreditGrant``/``CreditRevoke``/``OwnChunks``/
 ``CreditReturn`` datagrams); 1.9 the tenant charged in the welcome (``Welcome.tenant``/``tenant_note``), and in status
 the bytes held for other tenants' guarantees and the credit (``StatusReply.held_for_guarantees_bytes``/
-``credit_bytes``); 1.10 grafting an orphan's chunks into a session's empty buffer (``Graft``). A 1.0 peer ignores
-what it does not know."""
+``credit_bytes``); 1.10 grafting an orphan's chunks into a session's empty buffer (``Graft``) and an orphan's grace
+period (``CreateBuffer.keep_orphan_s``; in ``BufferInfo`` it, ``orphaned_at``, ``expires_at``, ``last_holder`` and
+``last_holder_pid``). A 1.0 peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request a daemon reads: the longest a client sends, a buffer's 65,536 segment sizes, takes under

@@ -31,6 +31,7 @@ EXAMPLES = [
     proto.Detach(7, readonly=True),
     proto.Attach("weights", readonly=True),
     proto.Graft(7, "kv"),
+    proto.CreateBuffer(64 << 20, 2, "kv", True, False, [], 300.0),
     proto.Seal(7),
     proto.Sealed(proto.BufferInfo(7, "weights", True, 0, 1000, 4 << 20, 4 << 20, 1, 4 << 20, 4 << 20, 4 << 20, 1,
                                   [4 << 20], [4 << 20], sealed=True, readers=2)),

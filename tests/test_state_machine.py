@@ -4,7 +4,7 @@ A hypothesis state machine drives :class:`State` as sessions would (open,
 create, commit, release, defragment both ways, finish, attach, detach, delete,
 free, close, seal, read-only attach and its detach, leases topped up, placed,
 returned and asked back, buffers declared again by clients after a cold restart,
-orphans grafted) over a backend that fails on
+orphans grafted and freed as their grace periods end) over a backend that fails on
 demand in ``create`` and ``export``, and checks :meth:`State.check_invariants` after every step, plus two promises of
 its own: a refused request changes nothing, and no chunk the backend made is
 leaked or released twice.
@@ -127,7 +127,9 @@ class StateMachine(RuleBasedStateMachine):
         super().__init__()
         self.backend = FlakyBackend()
         # Leases of up to 4 granules; none granted while a tenant's room is under a 16th of the budget.
-        self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE, host_budget_bytes=BUDGET // 2)
+        self.now = 1_800_000_000.0
+        self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE, host_budget_bytes=BUDGET // 2,
+                           wall_clock=lambda: self.now)
         self.uids = itertools.cycle([1000, 1001])
         self.names = itertools.count()
         self.frozen: dict[int, tuple[list[int], list[int]]] = {}
@@ -169,11 +171,12 @@ class StateMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.state.sessions)
     @rule(data=st.data(), granules=st.integers(1, 12), segments=st.integers(1, 3), extra=st.integers(0, GRANULE - 1),
-          persistent=st.booleans())
-    def create_buffer(self, data, granules, segments, extra, persistent):
+          persistent=st.booleans(), keep_s=st.sampled_from([0.0, 0.0, 1.0, 5.0]))
+    def create_buffer(self, data, granules, segments, extra, persistent, keep_s):
         capacity = (granules * GRANULE + extra) // segments * segments
         name = f"b{next(self.names)}" if persistent else ""
-        self.attempt(self.state.create_buffer, self.session(data), capacity, segments, name, persistent)
+        self.attempt(self.state.create_buffer, self.session(data), capacity, segments, name, persistent, False, None,
+                     keep_s)
 
     @precondition(lambda self: self.state.sessions)
     @rule(data=st.data(), capacities=st.lists(st.integers(1, 5 * GRANULE), min_size=1, max_size=4))
@@ -279,6 +282,11 @@ class StateMachine(RuleBasedStateMachine):
             orphan = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
         if target is not None and target.owner is not None:
             self.attempt(self.state.graft, target.owner, target.buffer_id, orphan.name)
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 5.0]))
+    def time_passes(self, seconds):
+        self.now += seconds
+        self.state.expire_orphans()
 
     @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
     @rule(data=st.data(), by_owner=st.booleans())

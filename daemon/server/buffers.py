@@ -52,7 +52,7 @@ class BufferRequests(RequestHandlers[A, C]):
         """Reserve a buffer; nothing is committed yet."""
         buffer = self.state.create_buffer(
             conn.opened_session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
-            msg.segment_capacities,
+            msg.segment_capacities, msg.keep_orphan_s,
         )
         return BufferCreated(buffer.info())
 

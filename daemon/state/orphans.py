@@ -3,10 +3,20 @@
 A *graft* gives an orphan's chunks, with their data, to a session's own
 empty buffer of the same layout, at the same offsets: how a restarted engine
 adopts what its predecessor left, at the address its own buffer already has.
+A *grace period* (``keep_orphan_s``, chosen at the buffer's creation) frees
+an orphan nobody attached or grafted within it.
+
+Deadlines are Unix times, journaled as they are (``daemon/persist.py``):
+the time the daemon was down counts, as the orphan held its memory then
+too, and a daemon that restarts over and over still frees it. A deadline
+kept as seconds left would start over at every restart.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from typing import TYPE_CHECKING, Any, Generic
 
 from hbmd.proto.errors import InvalidRequest
@@ -19,9 +29,41 @@ from .tenants import Tenants
 if TYPE_CHECKING:
     from .buffers import Buffers
 
+log = logging.getLogger("hbmd.state")
+
+MAX_KEEP_ORPHAN_S = 366 * 86400.0
+"""The longest grace period: a year. Longer is what 0 (kept until deleted) says."""
+
+
+def check_keep(keep_orphan_s: float, persistent: bool) -> None:
+    """Refuse a grace period that is not a number of seconds in ``[0, MAX_KEEP_ORPHAN_S]``, or one given to a buffer
+    that never becomes an orphan (an anonymous one ends with its session)."""
+    if not (math.isfinite(keep_orphan_s) and 0 <= keep_orphan_s <= MAX_KEEP_ORPHAN_S):
+        raise InvalidRequest(f"keep_orphan_s {keep_orphan_s} is out of range [0, {MAX_KEEP_ORPHAN_S:.0f}]",
+                             field="keep_orphan_s")
+    if keep_orphan_s and not persistent:
+        raise InvalidRequest("keep_orphan_s is for a persistent buffer: an anonymous one ends with its session",
+                             field="keep_orphan_s")
+
+
+def left_by(buffer: Buffer[Any, Any], session: Session, now: float) -> None:
+    """``session`` let go of the buffer, an orphan from Unix time ``now``: its grace period starts."""
+    buffer.last_holder = (session.client_name, session.pid)
+    buffer.orphaned_at = now
+    buffer.expires_at = now + buffer.keep_orphan_s if buffer.keep_orphan_s else 0.0
+
+
+def taken(buffer: Buffer[Any, Any]) -> None:
+    """A session holds the buffer again: it is no orphan, and nothing is due."""
+    buffer.orphaned_at = buffer.expires_at = 0.0
+
+
+def _when(unix_time: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))
+
 
 class Orphans(Generic[A, C]):
-    """Grafts, over the instance's :class:`~.buffers.Buffers` and the budget."""
+    """Grafts and grace periods, over the instance's :class:`~.buffers.Buffers` and the budget."""
 
     def __init__(self, buffers: Buffers[A, C], tenants: Tenants) -> None:
         self.buffers = buffers
@@ -60,6 +102,57 @@ class Orphans(Generic[A, C]):
         target.arena, donor.arena = donor.arena, target.arena
         self.buffers.drop(donor)
         return target
+
+    def expire(self) -> int:
+        """Free each orphan whose grace period is over, logging it at WARNING; returns how many.
+
+        One that sessions still read (a sealed one) waits for them to let go:
+        their mappings would keep its pages alive outside the budget.
+        """
+        deadlines = self.buffers.deadlines
+        if not deadlines:
+            return 0
+        now = self.buffers.clock()
+        if now < min(deadlines.values()):
+            return 0
+        expired = 0
+        for buffer_id, due in sorted(deadlines.items()):
+            buffer = self.buffers.by_id.get(buffer_id)
+            if buffer is None or buffer.owner is not None or buffer.expires_at != due:
+                del deadlines[buffer_id]  # attached, grafted or deleted meanwhile
+            elif due <= now and not buffer.readers:
+                del deadlines[buffer_id]
+                self._free(buffer)
+                expired += 1
+        return expired
+
+    def _free(self, buffer: Buffer[A, C]) -> None:
+        holder, pid = buffer.last_holder
+        by = f"{holder or 'a client'} (pid {pid})" if pid else "a session the daemon does not know"
+        freed = self.buffers.drop(buffer)
+        log.warning(
+            "orphan %r of uid %d freed (%s): an orphan since %s, last held by %s, nobody attached or grafted it "
+            "within its %gs grace period (keep_orphan_s)",
+            buffer.name, buffer.owner_uid, format_bytes(freed), _when(buffer.orphaned_at), by, buffer.keep_orphan_s,
+        )
+
+    def restored(self, buffer: Buffer[A, C], keep_orphan_s: float, orphaned_at: float, expires_at: float,
+                 last_holder: tuple[str, int]) -> None:
+        """A buffer brought back after a restart, with its grace period as journaled.
+
+        An orphan keeps its deadline; one journaled while held, whose session
+        did not come back, is an orphan from now. A deadline further off than
+        the grace period (the wall clock was set back since) is brought in to
+        it.
+        """
+        buffer.keep_orphan_s, buffer.last_holder = keep_orphan_s, last_holder
+        if buffer.owner is not None:
+            return
+        now = self.buffers.clock()
+        buffer.orphaned_at = orphaned_at or now
+        if keep_orphan_s:
+            buffer.expires_at = min(expires_at or math.inf, now + keep_orphan_s)
+            self.buffers.deadlines[buffer.buffer_id] = buffer.expires_at
 
 
 def _check_graftable(donor: Buffer[Any, Any]) -> None:
