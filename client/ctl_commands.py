@@ -224,11 +224,29 @@ def _committed(buffer: dict[str, Any]) -> int:
     return buffer["physical_bytes"] + buffer["pending_bytes"]
 
 
+def _last_holder(buffer: dict[str, Any]) -> str:
+    """Whose session an orphan was (a daemon older than protocol 1.11, or one that restarted since, may not know)."""
+    if buffer["session_id"] or not buffer.get("last_holder_pid"):
+        return "-"
+    return f"{buffer['last_holder'] or '?'} (pid {buffer['last_holder_pid']})"
+
+
+def _expires(buffer: dict[str, Any]) -> str:
+    """When the daemon frees an orphan nobody attaches or grafts; "never" for one kept until deleted."""
+    if buffer["session_id"]:
+        return "-"
+    if not buffer.get("expires_at"):
+        return "never"
+    return f"in {duration(max(0.0, buffer['expires_at'] - time.time()))}"
+
+
 BUFFER_COLUMNS = [
     plain_column("BUFFER", "buffer_id"),
     Column("SESSION", lambda r: r["session_id"] or "orphan", lambda r: r["session_id"] or ""),
     plain_column("NAME", "name"),
     Column("PERSISTENT", lambda r: "yes" if r["persistent"] else "no", lambda r: int(r["persistent"])),
+    Column("LAST-HOLDER", _last_holder, lambda r: "" if _last_holder(r) == "-" else _last_holder(r)),
+    Column("EXPIRES", _expires, lambda r: r.get("expires_at") or ""),
     plain_column("OWNER", "owner_uid", wide=True),
     plain_column("SEGMENTS", "num_segments"),
     bytes_column("PER-SEGMENT", "bytes_per_segment"),
@@ -249,7 +267,8 @@ BUFFER_COLUMNS = [
 
 
 def cmd_buffers(client: Client, args: argparse.Namespace) -> Output:
-    buffers = [as_dict(b) for b in client.buffers(args.session)]
+    buffers = [none_for_empty(as_dict(b), "orphaned_at", "expires_at", "last_holder", "last_holder_pid")
+               for b in client.buffers(args.session)]
     return Output({"buffers": buffers}, "", BUFFER_COLUMNS, buffers, "no buffers")
 
 

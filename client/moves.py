@@ -1,10 +1,11 @@
-"""Re-backing a tensor's buffer with other chunks at the same addresses: defragment, demote and promote.
+"""Re-backing a tensor's buffer with other chunks at the same addresses: defragment, demote, promote and graft.
 
 The daemon brings the new chunks; the data is copied into them and they are
 mapped in place of the old ones, and only then is the daemon told to drop
 the old ones (:class:`~hbmd.proto.FinishDefragment`), so a worker killed
-mid-way loses nothing. Views, ``base_ptr`` and CUDA graphs captured over the
-buffer stay valid throughout.
+mid-way loses nothing. A graft brings another buffer's chunks, data and
+all, into a tensor with none: nothing to copy. Views, ``base_ptr`` and CUDA
+graphs captured over the buffer stay valid throughout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .transaction import Transactions
 
 class Moves(Transactions):
     """A part of the tensor class (see :class:`Transactions`): the moves of its bytes between chunks."""
+
+    _sizes_before_release: list[int] | None
 
     def defragment(self, preserve: bool = True) -> Moves:
         """Re-back each segment's committed prefix with one chunk, at the same addresses.
@@ -67,6 +70,31 @@ class Moves(Transactions):
         """
         self._check_writable("promote")
         self._reback(lambda: self._client.move(self._info.buffer_id, TIER_DEVICE), TIER_DEVICE)
+        return self
+
+    def graft(self, name: str) -> Moves:
+        """Take the memory of this user's orphaned persistent buffer ``name``, data and all, into this tensor, at the
+        same offsets and without a copy; its segments' committed sizes become the orphan's.
+
+        How a restarted engine adopts the KV cache its predecessor left: it
+        makes its own tensor of the same layout first (the address its CUDA
+        graphs capture), lets go of every page (:meth:`release_physical`),
+        then grafts. ``base_ptr``, views and captured graphs stay valid. The
+        orphan's record and name are gone afterwards; its bytes are charged to
+        this session's tenant, and the tensor grows on as any other.
+
+        Raises, with this tensor as it was: ``InvalidRequest`` where the
+        layouts differ (capacity, segment capacities, ``shareable``), this
+        tensor has bytes committed or is sealed, or the orphan is sealed,
+        demoted or mid-defragment; ``NotFound`` for no orphan ``name`` of this
+        user; ``Conflict`` while a live session holds it; ``OutOfBudget``
+        past this session's tenant's maximum; ``VersionMismatch`` from a
+        daemon older than protocol 1.11. A mapping that fails midway is
+        repaired from the daemon's record, as a commit's is.
+        """
+        self._check_writable("graft")
+        self._transaction(lambda: self._client.graft(self._info.buffer_id, name))
+        self._sizes_before_release = None  # the orphan's sizes are the ones to come back to now
         return self
 
     _demoted_under_pressure = False

@@ -33,6 +33,7 @@ from hbmd.proto import (
     FinishDefragment,
     Free,
     Freed,
+    Graft,
     Hello,
     ListBuffers,
     ListSessions,
@@ -301,13 +302,16 @@ class Client:
         persistent: bool = False,
         shareable: bool = False,
         segment_capacities: list[int] | None = None,
+        keep_orphan_s: float = 0.0,
     ) -> BufferInfo:
-        """Reserve a buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities``."""
+        """Reserve a buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities``; a persistent
+        one is freed by the daemon ``keep_orphan_s`` seconds after it becomes an orphan (0: kept until deleted)."""
         if segment_capacities:
             self._need_minor(1, "uneven segments")
-        return self.call(
-            CreateBuffer(capacity, num_segments, name, persistent, shareable, list(segment_capacities or []))
-        ).buffer
+        if keep_orphan_s:
+            self._need_minor(11, "orphans' grace periods")
+        return self.call(CreateBuffer(capacity, num_segments, name, persistent, shareable,
+                                      list(segment_capacities or []), float(keep_orphan_s))).buffer
 
     def _need_minor(self, minor: int, feature: str) -> None:
         major, daemon_minor = self.welcome.version
@@ -337,6 +341,13 @@ class Client:
             # A daemon that does not know the field would hand over the buffer itself.
             self._need_minor(2, "read-only attaches")
         return self._deliver(Attach(name, readonly))
+
+    def graft(self, buffer_id: int, name: str) -> Delivery:
+        """Take every chunk of this user's orphaned persistent buffer ``name`` into this session's empty buffer
+        ``buffer_id`` of the same layout, at the same offsets; the delivery brings them all (see
+        :class:`~hbmd.proto.Graft`)."""
+        self._need_minor(11, "grafts")
+        return self._deliver(Graft(buffer_id, name))
 
     def seal(self, buffer_id: int) -> Sealed:
         """Make this session's persistent buffer immutable and readable by other sessions of this user at once."""

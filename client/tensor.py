@@ -74,7 +74,9 @@ class ExtensibleTensor(Moves):
     FABRIC handles (``EXPORT_FABRIC``) are not served: the daemon's chunks
     travel as FDs, so the bit is ignored with a warning and the chunks are
     POSIX-FD ones, as vLLM falls back where FABRIC allocation fails.
-    ``shareable`` is the older spelling of a non-zero value.
+    ``shareable`` is the older spelling of a non-zero value. A persistent buffer
+    left an orphan is freed after ``keep_orphan_s`` seconds unless attached or
+    grafted (:meth:`graft`); 0 keeps it until deleted.
 
     Raises ``ValueError`` as vLLM's class does for a negative size, a
     non-positive segment count, a size not divisible by it, or
@@ -94,6 +96,7 @@ class ExtensibleTensor(Moves):
         name: str | None = None,
         persistent: bool = False,
         shareable: bool = False,
+        keep_orphan_s: float = 0.0,
     ) -> None:
         if not isinstance(max_num_bytes, int) or isinstance(max_num_bytes, bool):
             raise ValueError(f"max_num_bytes must be an int, got {type(max_num_bytes).__name__}")
@@ -109,7 +112,7 @@ class ExtensibleTensor(Moves):
                 name=name or "",
                 persistent=persistent,
                 shareable=shareable or bool(export_handle_types),
-                segment_capacities=capacities if uneven else None,
+                segment_capacities=capacities if uneven else None, keep_orphan_s=keep_orphan_s,
             )
             undo.push(self._client.free, info.buffer_id)
             self._adopt(info)
@@ -373,8 +376,6 @@ class ExtensibleTensor(Moves):
         start = self.num_bytes
         self.resize_segments_([start + num_bytes], zero_new)
         return self.full_view()[start : start + num_bytes]
-
-    # defragment
 
     # sharing
 

@@ -155,6 +155,9 @@ class JournaledBuffer:
     """Without handles yet; ``handle is None`` marks none, held only by their mappers: see :attr:`held`."""
     held: frozenset[int]
     """Ids of its chunks held only by the processes that map them (nothing parked for them)."""
+    orphan: tuple[float, float, float, tuple[str, int]] = (0.0, 0.0, 0.0, ("", 0))
+    """Its grace period as an orphan, when it became one, when it is due to be freed (Unix times) and who held it
+    last (``daemon/state/orphans.py``); a buffer journaled without them is kept until deleted."""
 
 
 def buffer_of(record: Any, granule: int) -> JournaledBuffer:
@@ -178,10 +181,25 @@ def buffer_of(record: Any, granule: int) -> JournaledBuffer:
         owner=whole(record, "owner", 0, MAX_ID), uid=whole(record, "uid", 0, MAX_UID),
         tenant=text(record, "tenant", MAX_NAME, ""), capacity=capacity, capacities=capacities, sizes=sizes,
         sealed=flag(record, "sealed", False), readers={s: n for s, n in rows(record, "readers", (2,), [])},
-        chunks=parts["chunks"], pending=parts["pending"], held=held,
+        chunks=parts["chunks"], pending=parts["pending"], held=held, orphan=_orphan(record),
     )
     _check_layout(buffer, granule)
     return buffer
+
+
+MAX_SECONDS = float(1 << 40)
+"""Past any grace period or Unix time a daemon writes: a larger one is damage."""
+
+
+def _orphan(record: dict[str, Any]) -> tuple[float, float, float, tuple[str, int]]:
+    """A record's grace period as an orphan, when it became one, its deadline and who held it last."""
+    value = record.get("orphan", [0.0, 0.0, 0.0, "", 0])
+    if not (isinstance(value, list) and len(value) == 5
+            and all(type(t) in (int, float) and 0 <= t <= MAX_SECONDS for t in value[:3])
+            and isinstance(value[3], str) and len(value[3]) <= MAX_NAME and type(value[4]) is int
+            and 0 <= value[4] <= MAX_UID):
+        raise ValueError(f"its orphan's grace {value!r:.80} is not [keep, since, until, holder, pid]")
+    return float(value[0]), float(value[1]), float(value[2]), (value[3], value[4])
 
 
 def _segments(record: dict[str, Any], capacity: int) -> tuple[list[int], list[int]]:

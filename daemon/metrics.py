@@ -129,7 +129,8 @@ class StateCollector(Collector):
         orphans = state.orphans
         yield self._add(self._family(
             "hbmd_orphaned_bytes",
-            "Bytes committed to persistent buffers no session holds: kept until attached again or deleted.",
+            "Bytes committed to persistent buffers no session holds: kept until attached again, grafted, deleted or "
+            "freed at the end of their grace period.",
         ), sum(b.physical_bytes + b.pending_bytes for b in orphans))
         yield self._add(self._family("hbmd_orphaned_buffers", "Persistent buffers no session holds."), len(orphans))
         yield from self._config()

@@ -104,6 +104,7 @@ def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
         "pending": [[c.chunk_id, c.offset, c.size] for c in buffer.pending],
         "held": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.handle is None],
         "host": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.tier == TIER_HOST],
+        "orphan": [buffer.keep_orphan_s, buffer.orphaned_at, buffer.expires_at, *buffer.last_holder],
     }
 
 
@@ -112,7 +113,7 @@ def _shape(buffer: Buffer[Any, Any]) -> tuple[tuple[Any, ...], int, int]:
     name and user are fixed at its creation), then how many chunks and the last one's id. Chunk ids are never
     reused, so a buffer whose first chunks are still these only gained chunks."""
     head = (buffer.owner.session_id if buffer.owner else 0, buffer.tenant.name, buffer.sealed,
-            tuple(sorted(buffer.readers.items())), tuple(c.chunk_id for c in buffer.pending))
+            tuple(sorted(buffer.readers.items())), tuple(c.chunk_id for c in buffer.pending), buffer.expires_at)
     return head, len(buffer.chunks), buffer.chunks[-1].chunk_id if buffer.chunks else 0
 
 

@@ -33,7 +33,8 @@ JOURNAL_VERSION = 7
 chunks it follows; 6: a buffer's chunks in the host tier (``host``: their ids), which an older daemon would count as
 device memory; 5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack
 records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset, size]``, 2 added a fourth field, always
-0, and each segment's capacity and size; version 1's equal segments are read too."""
+0, and each segment's capacity and size; version 1's equal segments are read too. A buffer's grace period as an
+orphan (``orphan``) needs no new version: a daemon that does not know it keeps the orphan until deleted."""
 
 
 class NewerState(ValueError):
@@ -251,7 +252,7 @@ def _restore_buffer(state: State[Any, Any], record: JournaledBuffer, fds: dict[s
         state.restore_buffer(
             record.buffer_id, record.name, record.persistent, owner, record.uid, record.tenant, record.capacity,
             record.capacities, record.sizes, record.shareable, arena, adopted["chunks"], adopted["pending"],
-            record.sealed, readers,
+            record.sealed, readers, record.orphan,
         )
     log.info("restored buffer %d %r: %s in %d chunks", record.buffer_id, record.name, _size(record),
              len(adopted["chunks"]))

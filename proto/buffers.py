@@ -1,4 +1,4 @@
-"""Buffer messages: create, commit, release, free, attach, detach.
+"""Buffer messages: create, commit, release, free, attach, detach, graft.
 
 Sizes are bytes. A buffer of ``capacity`` bytes has ``num_segments`` equal
 segments, or (protocol 1.1) uneven ones of ``segment_capacities`` bytes, laid
@@ -82,6 +82,16 @@ class BufferInfo:
     daemon restarted cold (:class:`Redeclare`). It is counted, but cannot be attached by another process."""
     tier: str = TIER_DEVICE
     """Where its mapped chunks are (1.6): :data:`TIER_DEVICE`, or :data:`TIER_HOST` once demoted (:class:`Move`)."""
+    keep_orphan_s: float = 0.0
+    """How long the daemon keeps it once no session holds it, then frees it (1.11); 0: until deleted."""
+    orphaned_at: float = 0.0
+    """Unix time it last became an orphan (1.11); 0 while a session holds it."""
+    expires_at: float = 0.0
+    """Unix time the daemon frees it, an orphan nobody attached or grafted by then (1.11); 0: never."""
+    last_holder: str = ""
+    """The client name of the session that last held it, an orphan (1.11); "" where the daemon does not know."""
+    last_holder_pid: int = 0
+    """That session's pid (1.11); 0 where the daemon does not know."""
 
 
 @message("buffer.created")
@@ -91,7 +101,7 @@ class BufferCreated(Message):
 
 @message("buffer.committed")
 class Committed(Message):
-    """Reply to commit, attach and defragment: the buffer and the chunks to map now.
+    """Reply to commit, attach, graft and defragment: the buffer and the chunks to map now.
 
     Their FDs arrive in ``fd_batches`` :class:`FdBatch` datagrams.
     """
@@ -143,6 +153,9 @@ class CreateBuffer(Request[BufferCreated]):
     shareable: bool = False
     segment_capacities: list[int] = dataclasses.field(default_factory=list)
     """Uneven segments (1.1): positive, summing to ``capacity``; ``num_segments`` is then ignored."""
+    keep_orphan_s: float = 0.0
+    """A persistent buffer's grace period as an orphan (1.11): the daemon frees it this many seconds after its
+    session ends or detaches it, unless attached or grafted meanwhile; 0: kept until deleted."""
 
 
 @message("buffer.redeclare")
@@ -237,6 +250,29 @@ class Attach(Request[Committed]):
 
     name: str
     readonly: bool = False
+
+
+@message("buffer.graft")
+class Graft(Request[Committed]):
+    """Take every chunk of this user's orphaned persistent buffer ``name``, with its data, into this session's buffer
+    ``buffer_id``, at the same offsets (1.11); every chunk comes back to map.
+
+    How a restarted engine adopts the memory its predecessor left: it made
+    its own buffer first (the address its CUDA graphs captured), let go of
+    every page of it, and maps the orphan's chunks in its place, without a
+    copy. The two buffers have the same layout (capacity, segment capacities,
+    ``shareable``); ``buffer_id`` has nothing committed and is not sealed;
+    the orphan is not sealed, on the device (not demoted) and not
+    mid-defragment. Its bytes, charged already, are charged to this session's
+    tenant from now on (its maximum and others' guarantees hold); its record
+    and name are gone. Refused, with nothing changed: ``InvalidRequest``
+    (layouts, a committed target, a sealed, demoted or busy orphan),
+    ``NotFound`` (no such orphan of this user), ``Conflict`` (a live session
+    holds it), ``OutOfBudget``.
+    """
+
+    buffer_id: int
+    name: str
 
 
 @message("buffer.detach")

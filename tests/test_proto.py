@@ -30,6 +30,8 @@ EXAMPLES = [
     proto.Detached(BUFFER, 0),
     proto.Detach(7, readonly=True),
     proto.Attach("weights", readonly=True),
+    proto.Graft(7, "kv"),
+    proto.CreateBuffer(64 << 20, 2, "kv", True, False, [], 300.0),
     proto.Seal(7),
     proto.Sealed(proto.BufferInfo(7, "weights", True, 0, 1000, 4 << 20, 4 << 20, 1, 4 << 20, 4 << 20, 4 << 20, 1,
                                   [4 << 20], [4 << 20], sealed=True, readers=2)),
@@ -173,7 +175,7 @@ def test_the_requests_are_the_ones_clients_send():
     assert {cls.KIND for cls in proto.requests()} == {
         "admin.status", "admin.sessions", "admin.buffers", "admin.reclaim", "buffer.create", "buffer.commit",
         "buffer.commit_segments", "buffer.remap", "buffer.release", "buffer.free", "buffer.attach", "buffer.detach",
-        "buffer.delete", "buffer.redeclare",
+        "buffer.delete", "buffer.redeclare", "buffer.graft",
         "buffer.defragment", "buffer.seal",
         "buffer.finish_defragment", "buffer.move", "session.reclaim_done",
     }

@@ -3,7 +3,8 @@
 A hypothesis state machine drives :class:`State` as sessions would (open,
 create, commit, release, defragment both ways, finish, attach, detach, delete,
 free, close, seal, read-only attach and its detach, leases topped up, placed,
-returned and asked back, buffers declared again by clients after a cold restart) over a backend that fails on
+returned and asked back, buffers declared again by clients after a cold restart,
+orphans grafted and freed as their grace periods end) over a backend that fails on
 demand in ``create`` and ``export``, and checks :meth:`State.check_invariants` after every step, plus two promises of
 its own: a refused request changes nothing, and no chunk the backend made is
 leaked or released twice.
@@ -126,7 +127,9 @@ class StateMachine(RuleBasedStateMachine):
         super().__init__()
         self.backend = FlakyBackend()
         # Leases of up to 4 granules; none granted while a tenant's room is under a 16th of the budget.
-        self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE, host_budget_bytes=BUDGET // 2)
+        self.now = 1_800_000_000.0
+        self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE, host_budget_bytes=BUDGET // 2,
+                           wall_clock=lambda: self.now)
         self.uids = itertools.cycle([1000, 1001])
         self.names = itertools.count()
         self.frozen: dict[int, tuple[list[int], list[int]]] = {}
@@ -168,11 +171,12 @@ class StateMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.state.sessions)
     @rule(data=st.data(), granules=st.integers(1, 12), segments=st.integers(1, 3), extra=st.integers(0, GRANULE - 1),
-          persistent=st.booleans())
-    def create_buffer(self, data, granules, segments, extra, persistent):
+          persistent=st.booleans(), keep_s=st.sampled_from([0.0, 0.0, 1.0, 5.0]))
+    def create_buffer(self, data, granules, segments, extra, persistent, keep_s):
         capacity = (granules * GRANULE + extra) // segments * segments
         name = f"b{next(self.names)}" if persistent else ""
-        self.attempt(self.state.create_buffer, self.session(data), capacity, segments, name, persistent)
+        self.attempt(self.state.create_buffer, self.session(data), capacity, segments, name, persistent, False, None,
+                     keep_s)
 
     @precondition(lambda self: self.state.sessions)
     @rule(data=st.data(), capacities=st.lists(st.integers(1, 5 * GRANULE), min_size=1, max_size=4))
@@ -259,6 +263,30 @@ class StateMachine(RuleBasedStateMachine):
         buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
         call = data.draw(st.sampled_from([self.state.attach, self.state.delete]))
         self.attempt(call, session, buffer.name)
+
+    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @rule(data=st.data(), successor=st.integers(0, 3))
+    def graft(self, data, successor):
+        """Mostly what a restarted engine does: a buffer of an orphan's layout made by a session of its user, then the
+        orphan grafted into it; at times any buffer and name, to be refused."""
+        orphans = [(b, s) for b in self.state.buffers.values() if b.owner is None
+                   for s in self.state.sessions.values() if s.uid == b.owner_uid]
+        if orphans and successor:
+            orphan, session = data.draw(st.sampled_from(sorted(orphans, key=lambda p: (p[0].buffer_id,
+                                                                                        p[1].session_id))))
+            self.attempt(self.state.create_buffer, session, orphan.capacity, 1, "", False, orphan.shareable,
+                         orphan.segment_capacities)
+            target = max(session.buffers.values(), key=lambda b: b.buffer_id, default=None)
+        else:
+            target = self.owned(data) if any(b.owner for b in self.state.buffers.values()) else None
+            orphan = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
+        if target is not None and target.owner is not None:
+            self.attempt(self.state.graft, target.owner, target.buffer_id, orphan.name)
+
+    @rule(seconds=st.sampled_from([0.5, 1.0, 5.0]))
+    def time_passes(self, seconds):
+        self.now += seconds
+        self.state.expire_orphans()
 
     @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
     @rule(data=st.data(), by_owner=st.booleans())

@@ -1,6 +1,6 @@
 """Buffer requests (``hbmd.proto.buffers``): create, commit, map again, share and drop buffers.
 
-A request that hands chunks to the client (commit, remap, attach,
+A request that hands chunks to the client (commit, remap, attach, graft,
 defragment, move) is refused first while too many FD batches wait unread for the
 session (``Outbox.check_reading``), so a refusal changes nothing; the new
 chunks' FDs are then queued on its handle socket and described in the
@@ -25,6 +25,7 @@ from hbmd.proto import (
     FinishDefragment,
     Free,
     Freed,
+    Graft,
     Move,
     Redeclare,
     Release,
@@ -51,7 +52,7 @@ class BufferRequests(RequestHandlers[A, C]):
         """Reserve a buffer; nothing is committed yet."""
         buffer = self.state.create_buffer(
             conn.opened_session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
-            msg.segment_capacities,
+            msg.segment_capacities, msg.keep_orphan_s,
         )
         return BufferCreated(buffer.info())
 
@@ -90,6 +91,16 @@ class BufferRequests(RequestHandlers[A, C]):
                 "session %d attached persistent buffer %r (%s)",
                 conn.opened_session.session_id, msg.name, format_bytes(buffer.physical_bytes),
             )
+        return self._deliver(conn, request_id, buffer, buffer.chunks)
+
+    @handles(Graft)
+    def graft(self, conn: HandleConnection[A, C], request_id: int, msg: Graft) -> Committed:
+        """Give an orphan's chunks to the session's empty buffer of the same layout; all of them come to map there."""
+        self.plane.outbox.check_reading(conn)
+        session = conn.opened_session
+        buffer = self.plane.unless_holder_exited(lambda: self.state.graft(session, msg.buffer_id, msg.name))
+        log.info("session %d grafted orphan %r into buffer %d (%s in %d chunks)", session.session_id, msg.name,
+                 buffer.buffer_id, format_bytes(buffer.physical_bytes), len(buffer.chunks))
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
     @handles(Redeclare)

@@ -575,8 +575,9 @@ class HandlePlane(Generic[A, C]):
         orphans = [buffer for buffer in session.buffers.values() if buffer.persistent]
         freed = self.state.close_session(session)
         for buffer in orphans:
-            log.info("buffer %d %r of session %d is an orphan: %s kept until attached again or deleted (hbmctl delete)",
-                     buffer.buffer_id, buffer.name, session.session_id, format_bytes(buffer.physical_bytes))
+            until = f"for {buffer.keep_orphan_s:g}s" if buffer.expires_at else "until deleted (hbmctl delete)"
+            log.info("buffer %d %r of session %d is an orphan: %s kept until attached again or grafted, or %s",
+                     buffer.buffer_id, buffer.name, session.session_id, format_bytes(buffer.physical_bytes), until)
         return freed
 
     def end_unresumed(self, now: float) -> None:

@@ -417,8 +417,9 @@ class Server(Generic[A, C]):
 
     def _look_after_sessions(self) -> None:
         """What is due whatever the events were: held FDs sent on and leases topped up at every turn; idle leases asked
-        back, hello-less connections closed, unresumed sessions ended, ignored reclaims reported and buffers demoted
-        under pressure promoted where there is room, every :data:`TIMERS_EVERY_S`."""
+        back, hello-less connections closed, unresumed sessions ended, orphans past their grace period freed, ignored
+        reclaims reported and buffers demoted under pressure promoted where there is room, every
+        :data:`TIMERS_EVERY_S`."""
         self._plane.outbox.retry_draining()
         now = time.monotonic()
         if now - self._timers_at >= TIMERS_EVERY_S:
@@ -426,6 +427,7 @@ class Server(Generic[A, C]):
             self.state.ask_back_idle_leases(now)
             self._plane.expire_hellos(now)
             self._plane.end_unresumed(now)
+            self.state.expire_orphans()
             self._notices.report_ignored_reclaims(now)
             self._notices.send_promotes(now)
         self._notices.serve_leases()

@@ -10,6 +10,7 @@ façade the server calls:
 - ``sessions``: who is connected, and reclaim requests;
 - ``buffers``: buffers, their chunks, persistent names, seals and readers;
 - ``leases``: granules made ahead of need and placed by clients;
+- ``orphans``: persistent buffers no session holds: grafts, grace periods;
 - ``chunks``: where chunks are made and released with the backend;
 - ``invariants``: whether the counts agree with the records they count.
 
@@ -36,6 +37,7 @@ from .buffers import Buffers
 from .chunks import Chunks
 from .invariants import check_invariants
 from .leases import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
+from .orphans import Orphans
 from .records import (
     Answer,
     Buffer,
@@ -81,18 +83,20 @@ class State(Generic[A, C]):
         credit_bytes: int = DEFAULT_CREDIT_BYTES,
         demote_idle_s: float = DEMOTE_IDLE_S,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`;
         ``host_budget_bytes``: the most the host tier holds (0: no host tier); ``credit_bytes``: the most credit one
         session holds (0: none); ``demote_idle_s``: see :data:`DEMOTE_IDLE_S`; ``clock``: the monotonic time that
         growth, refused commits and reclaim requests are stamped with and demotes are decided by (a test's own clock
-        advances without waiting)."""
+        advances without waiting); ``wall_clock``: the Unix time orphans' grace periods are kept by (likewise)."""
         self.backend = backend
         self.limits = limits
         self.tenant_table = Tenants(budget_bytes, config or Config(), host_budget_bytes)
         self.chunks: Chunks[A, C] = Chunks(backend)
         self.session_table = Sessions(limits, reclaim_patience_s)
-        self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self)
+        self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self, wall_clock)
+        self.orphan_table: Orphans[A, C] = Orphans(self.buffer_table, self.tenant_table)
         self.leases: Leases[A, C] = Leases(
             backend, self.chunks, self.tenant_table, lease_bytes, lease_idle_s, credit_bytes
         )
@@ -248,21 +252,23 @@ class State(Generic[A, C]):
 
     def create_buffer(
         self, session: Session, capacity: int, num_segments: int, name: str = "", persistent: bool = False,
-        shareable: bool = False, segment_capacities: list[int] | None = None,
+        shareable: bool = False, segment_capacities: list[int] | None = None, keep_orphan_s: float = 0.0,
     ) -> Buffer[A, C]:
         """A buffer of ``num_segments`` equal segments, or of the uneven ``segment_capacities`` (summing to
-        ``capacity``)."""
+        ``capacity``); a persistent one is freed ``keep_orphan_s`` after it becomes an orphan (0: never)."""
         return self.buffer_table.create(
-            session, capacity, num_segments, segment_capacities, name, persistent, shareable
+            session, capacity, num_segments, segment_capacities, name, persistent, shareable, keep_orphan_s
         )
 
     def restore_buffer(
         self, buffer_id: int, name: str, persistent: bool, owner: Session | None, owner_uid: int, tenant: str,
         capacity: int, capacities: list[int], sizes: list[int], shareable: bool, arena: A, chunks: list[Chunk[C]],
         pending: list[Chunk[C]], sealed: bool, readers: dict[int, int],
+        orphan: tuple[float, float, float, tuple[str, int]] = (0.0, 0.0, 0.0, ("", 0)),
     ) -> Buffer[A, C]:
         """Bring back a buffer journaled before a restart, with its owner (None: an orphan) and read claims; its memory
-        counts whatever the budget: it is there already."""
+        counts whatever the budget: it is there already. ``orphan``: its grace period, when it became an orphan, when
+        it is due to be freed and who held it last (see :meth:`Orphans.restored`)."""
         buffer = Buffer(
             buffer_id=buffer_id, name=name, persistent=persistent, shareable=shareable, owner=owner,
             owner_uid=owner_uid, tenant=self.tenant_table.named(tenant), capacity=capacity,
@@ -277,6 +283,7 @@ class State(Generic[A, C]):
             if reader is not None:
                 buffer.readers[session_id] = claims
                 reader.reading[buffer_id] = buffer
+        self.orphan_table.restored(buffer, *orphan)
         return buffer
 
     def redeclare(
@@ -350,6 +357,17 @@ class State(Generic[A, C]):
 
     def attach(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
         return self.buffer_table.attach(session, name, uneven_ok)
+
+    def graft(self, session: Session, buffer_id: int, name: str) -> Buffer[A, C]:
+        """Give every chunk of the orphan ``name`` to the session's empty buffer ``buffer_id``; see
+        :meth:`Orphans.graft`. The buffer grew: its session is busy, not to be asked to demote it at once."""
+        buffer = self.orphan_table.graft(session, buffer_id, name)
+        session.grown_at = self.clock()
+        return buffer
+
+    def expire_orphans(self) -> int:
+        """Free the orphans whose grace period is over; returns how many."""
+        return self.orphan_table.expire()
 
     def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         return self.buffer_table.seal(session, buffer_id)

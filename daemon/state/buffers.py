@@ -10,6 +10,8 @@ memory back.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 from typing import Any, Generic, Protocol
 
 from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, TIERS
@@ -28,6 +30,7 @@ from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
+from .orphans import check_keep, left_by, taken
 from .records import (
     MAX_CAPACITY,
     Buffer,
@@ -85,7 +88,9 @@ class Buffers(Generic[A, C]):
     """Every buffer of the instance, by id and (persistent ones) by owner uid and name."""
 
     def __init__(self, backend: Backend[A, C], chunks: Chunks[A, C], tenants: Tenants, limits: Limits,
-                 pressure: Pressure) -> None:
+                 pressure: Pressure, clock: Callable[[], float] = time.time) -> None:
+        """``clock``: the Unix time orphans are stamped with and freed by (a test's own clock advances without
+        waiting)."""
         self.backend = backend
         self.chunks = chunks
         self.tenants = tenants
@@ -103,6 +108,10 @@ class Buffers(Generic[A, C]):
         """Every buffer's reservation, kept as buffers come and go: a status must not cost a pass over them all."""
         self.num_chunks = 0
         """Every buffer's mapped chunks, kept as they change, for the same reason."""
+        self.clock = clock
+        self.deadlines: dict[int, float] = {}
+        """When each orphan with a grace period is due to be freed (Unix time), by buffer id; an entry whose buffer was
+        attached, grafted or deleted since is dropped when next looked at (``Orphans.expire``)."""
         self.changed: set[int] | None = None
         """Buffers changed (chunks, owner, readers, seal; or dropped) since the persistence layer last journaled them
         (None: nobody is tracking, and nothing is recorded)."""
@@ -183,11 +192,13 @@ class Buffers(Generic[A, C]):
     # making and dropping
 
     def create(self, session: Session, capacity: int, num_segments: int, segment_capacities: list[int] | None,
-               name: str, persistent: bool, shareable: bool) -> Buffer[A, C]:
-        """A new buffer of the session (segments as :func:`layout_segments` makes them); raises with nothing made."""
+               name: str, persistent: bool, shareable: bool, keep_orphan_s: float = 0.0) -> Buffer[A, C]:
+        """A new buffer of the session (segments as :func:`layout_segments` makes them, kept ``keep_orphan_s`` as an
+        orphan); raises with nothing made."""
         check_observer(session)
         capacities = layout_segments(capacity, num_segments, segment_capacities)
         _check_name(name)
+        check_keep(keep_orphan_s, persistent)
         self._check_room_of(session.uid, len(capacities))
         if persistent:
             self._check_new_name(session.uid, name)
@@ -196,6 +207,7 @@ class Buffers(Generic[A, C]):
             buffer_id=self._next_id, name=name, persistent=persistent, shareable=shareable, owner=session,
             owner_uid=session.uid, tenant=session.tenant, capacity=capacity, reserved=reserved,
             segment_capacities=capacities, arena=self.backend.open_arena(reserved, shareable),
+            keep_orphan_s=keep_orphan_s,
         )
         self._next_id += 1
         self._add(buffer)
@@ -398,6 +410,9 @@ class Buffers(Generic[A, C]):
         freed = self.drop_pending(buffer)
         if buffer.owner is not None:
             buffer.owner.buffers.pop(buffer.buffer_id, None)
+            left_by(buffer, buffer.owner, self.clock())
+            if buffer.expires_at:
+                self.deadlines[buffer.buffer_id] = buffer.expires_at
         buffer.owner = None
         self.mark_changed(buffer)
         return freed + self.forget_unheld(buffer)
@@ -707,6 +722,7 @@ def _check_name(name: str) -> None:
 
 def _give_to(session: Session, buffer: Buffer[Any, Any]) -> None:
     """Make the session the owner of an orphan."""
+    taken(buffer)
     buffer.owner = session
     session.buffers[buffer.buffer_id] = buffer
 

@@ -29,7 +29,8 @@ def check_invariants(state: State[Any, Any]) -> None:
     up to the pending total); a
     buffer's mapped chunks are all in one tier, its pending ones too, and
     host-tier bytes add up to the host total and to the tenants'; every buffer and
-    session points at the other, readers included; only a persistent
+    session points at the other, readers included, and only an orphan is
+    due to be freed, looked for when it is due; only a persistent
     buffer is sealed, and only a sealed one has readers; every tenant has
     the limits the config in force gives it and is kept while held, and the
     running total of unmet guarantees is the config's tenants' sum.
@@ -99,8 +100,12 @@ def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: s
     if buffer.owner is not None:
         require(buffer.owner.buffers.get(buffer.buffer_id) is buffer, f"buffer {buffer.buffer_id}: owner lost it")
         require(state.sessions.get(buffer.owner.session_id) is buffer.owner, f"buffer {buffer.buffer_id}: owner ended")
+        require(not buffer.expires_at, f"buffer {buffer.buffer_id} is held, yet due to be freed as an orphan")
     else:
         require(buffer.persistent, f"anonymous buffer {buffer.buffer_id} has no owner")
+        due = state.buffer_table.deadlines.get(buffer.buffer_id, 0.0)
+        require(due == buffer.expires_at,
+                f"orphan {buffer.buffer_id} is due at {buffer.expires_at}, looked for at {due}")
     if buffer.persistent:
         named = state.persistent.get((buffer.owner_uid, buffer.name))
         require(named is buffer, f"persistent buffer {buffer.buffer_id} is not found by its name")

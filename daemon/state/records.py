@@ -225,6 +225,14 @@ class Buffer(Generic[A, C]):
     """Immutable from now on: no commit, release or defragment; sessions of its user may read it at once."""
     readers: dict[int, int] = dataclasses.field(default_factory=dict)
     """Read claims on a sealed buffer: how many read-only attaches each session id holds (never 0)."""
+    keep_orphan_s: float = 0.0
+    """How long it is kept as an orphan before the daemon frees it; 0: until deleted."""
+    orphaned_at: float = 0.0
+    """Unix time it last became an orphan; 0 while a session holds it (or where the daemon does not know)."""
+    expires_at: float = 0.0
+    """Unix time the daemon frees it, an orphan still; 0: never."""
+    last_holder: tuple[str, int] = ("", 0)
+    """The client name and pid of the session that last held it, once an orphan (``("", 0)``: not known)."""
 
     def __post_init__(self) -> None:
         self.segment_offsets = prefix_offsets(self.segment_capacities)
@@ -302,4 +310,9 @@ class Buffer(Generic[A, C]):
             pending_bytes=self.pending_bytes,
             held_elsewhere=self.held_elsewhere,
             tier=self.tier,
+            keep_orphan_s=self.keep_orphan_s,
+            orphaned_at=self.orphaned_at,
+            expires_at=self.expires_at,
+            last_holder=self.last_holder[0],
+            last_holder_pid=self.last_holder[1],
         )

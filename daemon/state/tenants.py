@@ -203,6 +203,30 @@ class Tenants:
                 held=held,
             )
 
+    def admit_transfer(self, source: Tenant, target: Tenant, moved: int, purpose: str) -> None:
+        """Check that ``moved`` committed bytes charged to ``source`` may be charged to ``target`` instead (a graft):
+        within ``target``'s maximum, and without taking the room of a guarantee, as a commit of them would not. The
+        budget's total does not change. Raises ``OutOfBudget`` saying which limit it met."""
+        if source is target or not moved:
+            return
+        if target.max_bytes is not None and target.used_bytes + moved > target.max_bytes:
+            raise OutOfBudget(
+                f"{purpose} of {format_bytes(moved)} exceeds the budget of tenant {target.name!r}: "
+                f"max {format_bytes(target.max_bytes)}, used {format_bytes(target.used_bytes)}, "
+                f"requested {format_bytes(moved)}",
+                tenant=target.name, budget=target.max_bytes, used=target.used_bytes, requested=moved,
+            )
+        # The source may fall below its guarantee, which the budget must then hold room for.
+        unmet = (self.unmet_guarantees - source.unmet_guarantee - target.unmet_guarantee
+                 + max(0, source.guaranteed_bytes - source.used_bytes + moved)
+                 + max(0, target.guaranteed_bytes - target.used_bytes - moved))
+        if unmet > self.unmet_guarantees and self.committed_bytes + self.leased_bytes + unmet > self.budget_bytes:
+            raise OutOfBudget(
+                f"{purpose} of {format_bytes(moved)} would leave the budget no room for tenant {source.name!r}'s "
+                f"guaranteed minimum of {format_bytes(source.guaranteed_bytes)}",
+                tenant=source.name, budget=self.budget_bytes, requested=moved,
+            )
+
     def lease_room(self, tenant: Tenant) -> int:
         """Bytes that may be leased to a session of ``tenant`` now.
 

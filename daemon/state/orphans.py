@@ -1,0 +1,182 @@
+"""Orphans: persistent buffers no session holds, and what becomes of them besides an attach or a delete.
+
+A *graft* gives an orphan's chunks, with their data, to a session's own
+empty buffer of the same layout, at the same offsets: how a restarted engine
+adopts what its predecessor left, at the address its own buffer already has.
+A *grace period* (``keep_orphan_s``, chosen at the buffer's creation) frees
+an orphan nobody attached or grafted within it.
+
+Deadlines are Unix times, journaled as they are (``daemon/persist.py``):
+the time the daemon was down counts, as the orphan held its memory then
+too, and a daemon that restarts over and over still frees it. A deadline
+kept as seconds left would start over at every restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, Generic
+
+from hbmd.proto.errors import InvalidRequest
+from hbmd.proto.units import format_bytes
+
+from ..backends import A, C
+from .records import Buffer, Session
+from .tenants import Tenants
+
+if TYPE_CHECKING:
+    from .buffers import Buffers
+
+log = logging.getLogger("hbmd.state")
+
+MAX_KEEP_ORPHAN_S = 366 * 86400.0
+"""The longest grace period: a year. Longer is what 0 (kept until deleted) says."""
+
+
+def check_keep(keep_orphan_s: float, persistent: bool) -> None:
+    """Refuse a grace period that is not a number of seconds in ``[0, MAX_KEEP_ORPHAN_S]``, or one given to a buffer
+    that never becomes an orphan (an anonymous one ends with its session)."""
+    if not (math.isfinite(keep_orphan_s) and 0 <= keep_orphan_s <= MAX_KEEP_ORPHAN_S):
+        raise InvalidRequest(f"keep_orphan_s {keep_orphan_s} is out of range [0, {MAX_KEEP_ORPHAN_S:.0f}]",
+                             field="keep_orphan_s")
+    if keep_orphan_s and not persistent:
+        raise InvalidRequest("keep_orphan_s is for a persistent buffer: an anonymous one ends with its session",
+                             field="keep_orphan_s")
+
+
+def left_by(buffer: Buffer[Any, Any], session: Session, now: float) -> None:
+    """``session`` let go of the buffer, an orphan from Unix time ``now``: its grace period starts."""
+    buffer.last_holder = (session.client_name, session.pid)
+    buffer.orphaned_at = now
+    buffer.expires_at = now + buffer.keep_orphan_s if buffer.keep_orphan_s else 0.0
+
+
+def taken(buffer: Buffer[Any, Any]) -> None:
+    """A session holds the buffer again: it is no orphan, and nothing is due."""
+    buffer.orphaned_at = buffer.expires_at = 0.0
+
+
+def _when(unix_time: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))
+
+
+class Orphans(Generic[A, C]):
+    """Grafts and grace periods, over the instance's :class:`~.buffers.Buffers` and the budget."""
+
+    def __init__(self, buffers: Buffers[A, C], tenants: Tenants) -> None:
+        self.buffers = buffers
+        self.tenants = tenants
+
+    def graft(self, session: Session, buffer_id: int, name: str) -> Buffer[A, C]:
+        """Give every chunk of orphan ``name`` of the session's user to its buffer ``buffer_id``; returns that buffer.
+
+        See :class:`hbmd.proto.Graft` for what is refused. Nothing is made,
+        copied or freed: the chunks change buffers, their ids, FD-store names
+        and data with them, and the orphan's record goes. Raises with nothing
+        changed.
+        """
+        target = self.buffers.changeable(session, buffer_id)
+        if target.chunks:
+            raise InvalidRequest(
+                f"buffer {buffer_id} has {format_bytes(target.physical_bytes)} committed: a graft fills a buffer with "
+                "nothing committed; release it first",
+                buffer_id=buffer_id,
+            )
+        donor = self.buffers.orphan(session.uid, name)
+        _check_graftable(donor)
+        self.buffers.check_handed_out(donor)
+        _check_same_layout(target, donor)
+        moved = donor.physical_bytes
+        self.tenants.admit_transfer(donor.tenant, target.tenant, moved, f"grafting orphan {name!r}")
+        self.buffers.account(donor, mapped=-moved)
+        self.buffers.account(target, mapped=moved)
+        target.chunks, donor.chunks = donor.chunks, []
+        target.segment_sizes, donor.segment_sizes = donor.segment_sizes, [0] * donor.num_segments
+        # A chunk is made in its buffer's arena and exported and released through it (the Backend interface), so the
+        # chunks go with the arena they were made in; the target's own holds no chunk and goes with the orphan's
+        # record. Neither backend keeps memory in an arena (a host chunk is a memfd of its own, a CUDA chunk an
+        # allocation of its own); the CUDA arena says whether new chunks are RDMA-capable, which the orphan's says
+        # of the chunks it made, so the buffer grows on in the kind of chunks it has.
+        target.arena, donor.arena = donor.arena, target.arena
+        self.buffers.drop(donor)
+        return target
+
+    def expire(self) -> int:
+        """Free each orphan whose grace period is over, logging it at WARNING; returns how many.
+
+        One that sessions still read (a sealed one) waits for them to let go:
+        their mappings would keep its pages alive outside the budget.
+        """
+        deadlines = self.buffers.deadlines
+        if not deadlines:
+            return 0
+        now = self.buffers.clock()
+        if now < min(deadlines.values()):
+            return 0
+        expired = 0
+        for buffer_id, due in sorted(deadlines.items()):
+            buffer = self.buffers.by_id.get(buffer_id)
+            if buffer is None or buffer.owner is not None or buffer.expires_at != due:
+                del deadlines[buffer_id]  # attached, grafted or deleted meanwhile
+            elif due <= now and not buffer.readers:
+                del deadlines[buffer_id]
+                self._free(buffer)
+                expired += 1
+        return expired
+
+    def _free(self, buffer: Buffer[A, C]) -> None:
+        holder, pid = buffer.last_holder
+        by = f"{holder or 'a client'} (pid {pid})" if pid else "a session the daemon does not know"
+        freed = self.buffers.drop(buffer)
+        log.warning(
+            "orphan %r of uid %d freed (%s): an orphan since %s, last held by %s, nobody attached or grafted it "
+            "within its %gs grace period (keep_orphan_s)",
+            buffer.name, buffer.owner_uid, format_bytes(freed), _when(buffer.orphaned_at), by, buffer.keep_orphan_s,
+        )
+
+    def restored(self, buffer: Buffer[A, C], keep_orphan_s: float, orphaned_at: float, expires_at: float,
+                 last_holder: tuple[str, int]) -> None:
+        """A buffer brought back after a restart, with its grace period as journaled.
+
+        An orphan keeps its deadline; one journaled while held, whose session
+        did not come back, is an orphan from now. A deadline further off than
+        the grace period (the wall clock was set back since) is brought in to
+        it.
+        """
+        buffer.keep_orphan_s, buffer.last_holder = keep_orphan_s, last_holder
+        if buffer.owner is not None:
+            return
+        now = self.buffers.clock()
+        buffer.orphaned_at = orphaned_at or now
+        if keep_orphan_s:
+            buffer.expires_at = min(expires_at or math.inf, now + keep_orphan_s)
+            self.buffers.deadlines[buffer.buffer_id] = buffer.expires_at
+
+
+def _check_graftable(donor: Buffer[Any, Any]) -> None:
+    """Refuse an orphan whose chunks cannot change buffers: sealed (read by others, or to be), demoted, or with a
+    defragment's chunks beside its own."""
+    why = ("it is sealed: its chunks are for reading beside others, attach it read-only" if donor.sealed
+           else "it is demoted to the host tier: attach and promote it first" if donor.demoted
+           else "it is being defragmented or moved" if donor.pending else "")
+    if why:
+        raise InvalidRequest(f"orphan {donor.name!r} cannot be grafted: {why}", buffer_id=donor.buffer_id)
+
+
+def _layout(buffer: Buffer[Any, Any]) -> str:
+    shown = ", ".join(map(str, buffer.segment_capacities[:8])) + (", ..." if buffer.num_segments > 8 else "")
+    return (f"{buffer.capacity} bytes in {buffer.num_segments} segments of [{shown}] bytes"
+            f"{', shareable' if buffer.shareable else ''}")
+
+
+def _check_same_layout(target: Buffer[Any, Any], donor: Buffer[Any, Any]) -> None:
+    """Refuse buffers whose chunks would not lie at the same offsets of the same segments in both."""
+    if (target.capacity, target.segment_capacities, target.shareable) != (
+            donor.capacity, donor.segment_capacities, donor.shareable):
+        raise InvalidRequest(
+            f"orphan {donor.name!r} has another layout than buffer {target.buffer_id}: {_layout(donor)}, not "
+            f"{_layout(target)}",
+            buffer_id=target.buffer_id, field="layout",
+        )
