@@ -78,12 +78,12 @@ def test_an_anonymous_buffer_or_a_negative_grace_period_is_refused(client):
     assert client.buffers() == []
 
 
-def test_a_daemon_older_than_1_10_is_asked_for_neither_a_graft_nor_a_grace_period(client):
+def test_a_daemon_older_than_1_11_is_asked_for_neither_a_graft_nor_a_grace_period(client):
     own = ExtensibleTensor(8 * MiB, "cpu", client=client, name="own", persistent=True)
-    client.welcome = dataclasses.replace(client.welcome, version=[1, 9])
-    with pytest.raises(VersionMismatch, match=r"grafts need an hbmd daemon of protocol 1\.10 or later"):
+    client.welcome = dataclasses.replace(client.welcome, version=[1, 10])
+    with pytest.raises(VersionMismatch, match=r"grafts need an hbmd daemon of protocol 1\.11 or later"):
         own.graft("kv")
-    with pytest.raises(VersionMismatch, match=r"grace periods need an hbmd daemon of protocol 1\.10"):
+    with pytest.raises(VersionMismatch, match=r"grace periods need an hbmd daemon of protocol 1\.11"):
         ExtensibleTensor(8 * MiB, "cpu", client=client, name="kv", persistent=True, keep_orphan_s=5)
 
 
