@@ -23,7 +23,7 @@ import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 9)
+PROTOCOL_VERSION = (1, 10)
 """1.1 added uneven segments (``segment_capacities``, ``CommitSegments``), ``Detach``, ``Remap``, the
 ``session_lost`` error code and the status figures ``admissible_bytes`` and ``held_back_bytes``; 1.2 an
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
@@ -39,7 +39,8 @@ with its FDs on the handle socket (``Hello.replies_with_fds``, ``FdBatch.reply``
 the client makes itself (``Welcome.credit_bytes``, the ``CreditGrant``/``CreditRevoke``/``OwnChunks``/
 ``CreditReturn`` datagrams); 1.9 the tenant charged in the welcome (``Welcome.tenant``/``tenant_note``), and in status
 the bytes held for other tenants' guarantees and the credit (``StatusReply.held_for_guarantees_bytes``/
-``credit_bytes``). A 1.0 peer ignores what it does not know."""
+``credit_bytes``); 1.10 starting a session over after a cold restart on the credential that resumed it
+(``Hello.start_over``, ``Welcome.started_over``). A 1.0 peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request a daemon reads: the longest a client sends, a buffer's 65,536 segment sizes, takes under

@@ -1,15 +1,21 @@
 """A daemon in a pid namespace of its own, as the DaemonSet runs it: the kernel reports pid 0 for every client, and
-peers are told apart all the same, by their control connections.
+peers are told apart all the same, by their control connections and their sessions' credentials.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import pytest
 import zmq
 from hbmd import proto
-from helpers import wait_until
+from hbmd.client.transport import HandleChannel
+from hbmd.proto import PROTOCOL_VERSION, ChunkInfo, Hello, Redeclare
+from hbmd.proto.errors import PermissionDenied, SessionLost
+from hbmd.proto.instance import InstancePaths
+from helpers import MiB, wait_until
 
 pytestmark = pytest.mark.ipc
 
@@ -27,6 +33,18 @@ for _ in range(200):
         refused += 1
 print(refused, flush=True)
 """
+
+VICTIM = """
+from hbmd.client import ExtensibleTensor, connect
+client = connect(client_name="victim", lease=False)
+kv = ExtensibleTensor(8 << 20, "cpu", client=client, name="kv", persistent=True)
+kv.resize_(4 << 20)
+kv.full_view()[: 4 << 20] = 7
+print(client.session_id, flush=True)
+input()
+print(client._recovery.started_over, int(kv.full_view()[: 4 << 20].float().mean()), flush=True)
+"""
+
 
 def in_namespace(start_daemon, *args: str):
     daemon = start_daemon("--budget", "64MiB", *args, pid_namespace=True)
@@ -95,3 +113,34 @@ def test_two_processes_of_one_uid_have_queues_of_their_own(start_daemon, spawn_w
     warnings = [line for line in daemon.log().splitlines() if "control requests waiting" in line]
     assert warnings and "a connection whose process the daemon cannot see" in warnings[0]
 
+
+def test_after_a_cold_restart_only_the_process_that_held_a_session_declares_what_it_maps(start_daemon, spawn_worker):
+    """Another process of the uid, which can read pid 0 as well as any, can neither start the victim's session over
+    nor make itself eligible by asking for a session it never held; the victim declares its buffer and goes on."""
+    daemon = in_namespace(start_daemon)
+    victim = spawn_worker(daemon, VICTIM)
+    session_id = int(victim.readline())
+    os.kill(victim.proc.pid, signal.SIGSTOP)  # the squatter goes first
+    try:
+        daemon.kill()
+        daemon = in_namespace(start_daemon)
+        paths = InstancePaths.of(daemon.run_dir, daemon.instance)
+        for credential in ("ab" * 40, "0" * 32):
+            asking = HandleChannel(paths, 5)
+            with pytest.raises(SessionLost):
+                asking.handshake(Hello(list(PROTOCOL_VERSION), os.getpid(), resume_session=session_id,
+                                       resume_credential=credential, start_over=True))
+            asking.close()
+        with daemon.connect(lease=False) as squatter:
+            with pytest.raises(PermissionDenied, match="declared again only by a session whose process"):
+                squatter.call(Redeclare(
+                    capacity=8 * MiB, segment_capacities=[8 * MiB], segment_sizes=[4 * MiB],
+                    chunks=[ChunkInfo(0, 0, 2 * MiB), ChunkInfo(0, 2 * MiB, 2 * MiB)], name="kv", persistent=True,
+                ))
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    with daemon.connect(observer=True) as look:
+        wait_until(lambda: [(b.name, b.held_elsewhere, b.physical_bytes) for b in look.buffers()]
+                   == [("kv", True, 4 * MiB)])
+    victim.send("go")
+    assert victim.readline() == "1 7"  # started over once, its bytes where it wrote them

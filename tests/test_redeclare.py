@@ -10,14 +10,16 @@ daemon's budget counts memory still in use. Every daemon here runs with
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 
 import pytest
 from hbmd.client import ExtensibleTensor, connect
-from hbmd.client.transport import HandleChannel
-from hbmd.proto import PROTOCOL_VERSION, ChunkInfo, Hello, Redeclare
+from hbmd.daemon.rundir import RESUME_KEY
+from hbmd.daemon.state.credentials import Credentials
+from hbmd.proto import ChunkInfo, Hello, Redeclare
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -26,7 +28,6 @@ from hbmd.proto.errors import (
     SessionLost,
     TensorUnusable,
 )
-from hbmd.proto.instance import InstancePaths
 from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
@@ -157,13 +158,17 @@ def declaration(**fields) -> Redeclare:
 
 
 def started_over(daemon, **kwargs):
-    """A session of this process as its client opens one after the daemon refused to resume its old one: it may
-    declare what the process maps, before anything else."""
-    gone = HandleChannel(InstancePaths.of(daemon.run_dir, daemon.instance), 5)
-    with pytest.raises(SessionLost):
-        gone.handshake(Hello(list(PROTOCOL_VERSION), os.getpid(), resume_session=999, resume_credential="0" * 32))
-    gone.close()
-    return daemon.connect(lease=False, **kwargs)
+    """A session this process opens in place of one that an earlier run of the daemon gave it, with that session's
+    credential (made here under the instance's key, as that run made it): it may declare what the process maps,
+    before anything else."""
+    earlier = Credentials((daemon.run_dir / daemon.instance / RESUME_KEY).read_bytes())
+    hello = functools.partial(Hello, resume_session=999, resume_credential=earlier.issue(os.getuid(), 999),
+                              start_over=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("hbmd.client.session.Hello", hello)
+        client = daemon.connect(lease=False, **kwargs)
+    assert client.welcome.started_over
+    return client
 
 
 @pytest.mark.parametrize("fields, refusal", [
