@@ -24,7 +24,8 @@ def test_only_a_credential_issued_to_that_session_of_that_uid_starts_it_over_and
     assert not later.start_over(1000, 7, "0" * 32)  # what a 1.9 daemon issued, or anything made up
     assert not Credentials(b"k" * 32).start_over(1000, 7, credential)  # a key made anew
     assert later.start_over(1000, 7, credential)
-    assert not later.start_over(1000, 7, credential)  # spent
+    later.spend(credential)  # a session was opened on it
+    assert not later.start_over(1000, 7, credential)
 
 
 def test_the_key_outlasts_the_daemon_and_one_others_could_read_is_made_anew(tmp_path):

@@ -503,7 +503,7 @@ class HandlePlane(Generic[A, C]):
                             hello.resume_session, conn.uid, hello.resume_credential)):
                         raise
                     resumed = False
-                    session = self._new_session(conn, hello, starting_over=True)
+                    session = self._new_session(conn, hello, starting_over=hello.resume_credential)
             else:
                 session = self._new_session(conn, hello)
         except HbmdError as exc:
@@ -534,7 +534,7 @@ class HandlePlane(Generic[A, C]):
             f" ({session.client_name})" if session.client_name else "",
         )
 
-    def _new_session(self, conn: HandleConnection[A, C], hello: Hello, starting_over: bool = False) -> Session:
+    def _new_session(self, conn: HandleConnection[A, C], hello: Hello, starting_over: str = "") -> Session:
         access = self.state.config.access
         return self.state.open_session(
             conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant, admin=conn.uid in access.admin_uids,

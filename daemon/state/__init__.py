@@ -196,7 +196,7 @@ class State(Generic[A, C]):
 
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False,
-        lease: bool = False, credit: bool = False, starting_over: bool = False,
+        lease: bool = False, credit: bool = False, starting_over: str = "",
     ) -> Session:
         """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
         ``PermissionDenied`` for a tenant it may not declare. ``starting_over``: see :meth:`Sessions.open`."""

@@ -48,18 +48,19 @@ class Credentials:
 
     def start_over(self, uid: int, session_id: int, credential: str) -> bool:
         """Whether ``credential`` lets a process of ``uid`` start session ``session_id`` over: one a daemon of this
-        instance issued to that session, not spent on a start-over already. Spends it."""
+        instance issued to that session, not :meth:`spent <spend>` on a start-over already."""
         if len(credential) != CREDENTIAL_HEX or not all(c in "0123456789abcdef" for c in credential):
             return False
         run, nonce, mac = credential[:RUN_HEX], credential[RUN_HEX:-MAC_HEX], credential[-MAC_HEX:]
         if credential in self._spent:
             return False
-        if not hmac.compare_digest(mac, self._mac(run, nonce, uid, session_id)):
-            return False
+        return hmac.compare_digest(mac, self._mac(run, nonce, uid, session_id))
+
+    def spend(self, credential: str) -> None:
+        """A session was started over on ``credential``: it starts no other."""
         while len(self._spent) >= MAX_STARTED_OVER:
             self._spent.popitem(last=False)
         self._spent[credential] = None
-        return True
 
     def _mac(self, run: str, nonce: str, uid: int, session_id: int) -> str:
         message = f"{run}:{nonce}:{uid}:{session_id}".encode()

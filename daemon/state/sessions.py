@@ -46,10 +46,11 @@ class Sessions:
 
     def open(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: Tenant, admin: bool, observer: bool, lease: bool,
-        starting_over: bool = False,
+        starting_over: str = "",
     ) -> Session:
-        """A new session charged to ``tenant`` (the caller holds it for the session); ``starting_over``: in place of
-        one this daemon does not keep (:meth:`may_start_over`), so that it may declare what its process maps.
+        """A new session charged to ``tenant`` (the caller holds it for the session); ``starting_over``: the credential
+        of a session this daemon does not keep that it replaces (:meth:`may_start_over`), spent once it opens, so that
+        it may declare what its process maps.
 
         Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
         ``InvalidRequest`` for a ``client_name`` longer than ``MAX_NAME`` or not printable.
@@ -69,9 +70,11 @@ class Sessions:
             self._next_id, secrets.token_hex(16), pid, uid, gid, client_name, tenant, admin, observer,
             wants_lease=lease,
         )
-        session.declaring = starting_over and not observer
+        session.declaring = bool(starting_over) and not observer
         self._next_id += 1
         self._add(session)
+        if starting_over:
+            self.credentials.spend(starting_over)
         return session
 
     def _add(self, session: Session) -> None:
@@ -84,7 +87,7 @@ class Sessions:
     def may_start_over(self, session_id: int, uid: int, credential: str) -> bool:
         """Whether a process of ``uid`` may open a session in place of ``session_id``, which this daemon does not
         keep for it: the process proves with ``credential`` that it held that session (its client library keeps the
-        credential of the last welcome; no other process has it), and spends it. A pid would not do: in a pid
+        credential of the last welcome; no other process has it). A pid would not do: in a pid
         namespace of the daemon's own every peer's reads 0."""
         if session_id in self.by_id and self.credentials.issued_here(credential):
             return False  # one this daemon knows, open: it is resumed, not started over
