@@ -34,7 +34,6 @@ from ..backends import A, Backend, C
 from ..config import Config
 from .buffers import Buffers
 from .chunks import Chunks
-from .credentials import Credentials
 from .invariants import check_invariants
 from .leases import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
 from .records import (
@@ -229,7 +228,7 @@ class State(Generic[A, C]):
     def use_resume_key(self, key: bytes) -> None:
         """Issue and check resume credentials under the instance's ``key`` (``rundir.resume_key``), kept across runs;
         until then under one of this run's own, whose credentials start no session over after a restart."""
-        self.session_table.credentials = Credentials(key)
+        self.session_table.credentials.use_key(key)
 
     def may_start_over(self, session_id: int, uid: int, credential: str) -> bool:
         """See :meth:`Sessions.may_start_over`."""

@@ -37,6 +37,11 @@ class Credentials:
         id alone does not say whether the session is one this run knows."""
         self._spent: collections.OrderedDict[str, None] = collections.OrderedDict()
 
+    def use_key(self, key: bytes) -> None:
+        """Issue and check credentials under ``key`` from now on; the run stays this one (a daemon that binds again,
+        its successor having failed, still knows its sessions)."""
+        self._key = key
+
     def issue(self, uid: int, session_id: int) -> str:
         """A new credential for session ``session_id`` of ``uid``."""
         nonce = secrets.token_hex(NONCE_HEX // 2)
