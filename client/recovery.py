@@ -18,7 +18,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Protocol
 
-from hbmd.proto import PROTOCOL_VERSION, BufferInfo, Hello, LeasePlace, OwnChunks, Redeclare, Request, Welcome
+from hbmd.proto import BufferInfo, LeasePlace, OwnChunks, Redeclare, Request, Welcome
 from hbmd.proto.errors import DaemonUnavailable, HbmdError, PermissionDenied, SessionLost, TensorUnusable
 from hbmd.proto.undo import Undo
 
@@ -164,8 +164,12 @@ class Recovery:
         (the daemon kept nothing); waits for it until ``deadline``."""
         client = self._client
         paths = client.paths
-        hello = Hello(list(PROTOCOL_VERSION), client._pid, resume_session=client.session_id,
-                      resume_credential=self.credential, replies_with_fds=True)
+        # Its own hello's fields describe the session should the daemon start it over: this process declares what
+        # it maps there, proving with the credential that it held the session (a pid would not: in a container the
+        # daemon sees every process as pid 0).
+        hello = dataclasses.replace(client._hello, resume_session=client.session_id,
+                                    resume_credential=self.credential, start_over=bool(self.holders),
+                                    replies_with_fds=True)
         waiting = False
         while True:
             try:
@@ -174,11 +178,13 @@ class Recovery:
                     undo.push(handles.close)
                     welcome = handles.handshake(hello)
                 handles.timeout = client.timeout  # what is left of the wait was for the handshake only
-                return handles, welcome, hello.resume_session == 0
+                return handles, welcome, hello.resume_session == 0 or welcome.started_over
             except SessionLost as exc:
                 if hello.resume_session == 0 or not self.holders:
                     raise self._lose(f"came back without this session ({exc.message}): connect again") from exc
-                # It restarted with nothing kept: a new session, on which this process declares what it still maps.
+                # It restarted with nothing kept and would not start the session over (its key is new, or it is older
+                # than 1.12): a new session all the same; a daemon that cannot tell this process held the session
+                # refuses its declarations, and the tensors say so.
                 hello = client._hello
             except PermissionDenied as exc:
                 raise self._lose(f"came back without this session ({exc.message}): connect again") from exc

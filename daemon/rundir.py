@@ -18,12 +18,16 @@ there must therefore land in a directory only it can change:
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
 
 from hbmd.proto.undo import Undo
 
+from .state.credentials import KEY_BYTES
+
 DIRECTORY_MODE = 0o750
+RESUME_KEY = "resume.key"
 
 
 class RunDirectoryError(OSError):
@@ -138,6 +142,31 @@ def _own(fd: int, mode: int, group: int | None) -> int:
             os.fchown(fd, -1, group)
         os.fchmod(fd, mode)
     return fd
+
+
+def resume_key(dir_fd: int, name: str = RESUME_KEY) -> bytes:
+    """The instance's key for resume credentials (``state/credentials.py``), kept in file ``name`` of the instance
+    directory across runs: mode 0600, this daemon's own. Made anew where it is missing or is not a plain file of ours
+    of :data:`KEY_BYTES` bytes, and then credentials of earlier runs start no session over."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        try:
+            st, key = os.fstat(fd), os.read(fd, KEY_BYTES + 1)
+        finally:
+            os.close(fd)
+        ours = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+        if ours and not st.st_mode & 0o077 and len(key) == KEY_BYTES:
+            return key
+    key = secrets.token_bytes(KEY_BYTES)
+    fd = create_file(dir_fd, name, 0o600, None)
+    try:
+        os.write(fd, key)
+    finally:
+        os.close(fd)
+    return key
 
 
 def open_lock(dir_fd: int, name: str) -> int:

@@ -32,7 +32,9 @@ starting together: the one that creates the buffer first stores, from a
 session named ``vllm-weights-store:<digest>``, and the other waits for the
 seal and maps; an unsealed buffer whose storer died is deleted by the next
 engine, which stores again; one held by any other live session (a process
-of the same user that took the name) is not waited for. A storer whose
+of the same user that took the name), or by a storer's session older than
+``wait_s`` (one that could be such a process under a storer's name), is not
+waited for. A storer whose
 weight files change while it reads them keeps its copy and stores nothing.
 Anything that keeps the weights from coming from hbmd (no daemon, a key
 that differs, a name held by something that is not storing it, a
@@ -261,15 +263,18 @@ class HbmdModelLoader(IpcModelLoader):
                 holder = _session(client, info.session_id)
                 # No holder: its session ended since the buffer was listed, leaving it sealed or abandoned.
                 if holder is not None:
-                    reason = not_a_store(name, holder)
+                    reason = not_a_store(name, holder, self.wait_s)
                     if reason:
                         raise WeightsNameHeld(reason)
                     if not waited:
-                        log.info("weights %s: waiting for session %d (pid %d) to store them", name,
-                                 holder.session_id, holder.pid)
+                        # At WARNING: a process of the same user could hold the name under a storer's session name.
+                        log.warning("weights %s: waiting up to %.0f s for session %d (pid %d, uid %d, client %r) to "
+                                    "store them", name, max(0.0, deadline - time.monotonic()), holder.session_id,
+                                    holder.pid, holder.uid, holder.client_name)
                         waited = True
             if time.monotonic() >= deadline:
-                raise WeightsNotReady(f"{name} was still being stored after {self.wait_s:g} s")
+                raise WeightsNotReady(f"{name} was still being stored after {self.wait_s:g} s, held unsealed by "
+                                      f"session {info.session_id}")
             time.sleep(POLL_S)
 
     def _store(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: dict[str, Any], name: str,

@@ -73,16 +73,25 @@ def storer_name(weights_name: str) -> str:
     return f"{STORER_PREFIX}:{weights_name.rsplit(':', 1)[-1]}"
 
 
-def not_a_store(weights_name: str, holder: SessionInfo) -> str:
+def not_a_store(weights_name: str, holder: SessionInfo, wait_s: float) -> str:
     """Why the live session ``holder``, which holds the unsealed buffer ``weights_name``, is no engine storing these
-    weights, so that waiting for the seal would wait for nothing; "" when it is one.
+    weights whose seal is worth waiting for, so that an engine loads from disk at once; "" when it is one.
 
     A process of the same user can take the name first (by mistake, or to
-    keep engines waiting); an engine then loads from disk at once.
+    keep engines waiting), under any session name, a storer's too: nothing
+    a process of that user can show tells it from an engine. What bounds it
+    is time: an engine waits ``wait_s`` at most for a store, so a holder
+    whose session is older than that has been storing longer than any
+    engine waits, and none waits for it again. Once it holds the name, a
+    squatter delays engines ``wait_s`` in all, not each engine by as much.
     """
+    who = f"session {holder.session_id} (pid {holder.pid}, uid {holder.uid}, client {holder.client_name!r})"
     expected = storer_name(weights_name)
-    if holder.client_name == expected:
-        return ""
-    return (f"{weights_name} is held unsealed by session {holder.session_id} (pid {holder.pid}, client "
-            f"{holder.client_name!r}), not by an engine storing these weights (client {expected!r}); "
-            f"not waiting for it to be sealed")
+    if holder.client_name != expected:
+        return (f"{weights_name} is held unsealed by {who}, not by an engine storing these weights (client "
+                f"{expected!r}); not waiting for it to be sealed")
+    if holder.connected_s > wait_s:
+        return (f"{weights_name} is held unsealed by {who} for {holder.connected_s:.0f} s, longer than an engine "
+                f"waits for a store ({wait_s:g} s, wait_s); not waiting for it to be sealed (end that process to let "
+                "an engine store them)")
+    return ""

@@ -32,6 +32,14 @@ class Hello(Message):
     where the daemon does not know the session (it restarted with nothing to
     keep it, or its window to resume had passed).
 
+    ``start_over`` (1.12): where the daemon does not know ``resume_session``,
+    open a new session in its place, on which this process declares again
+    what it still maps (:class:`~hbmd.proto.Redeclare`), instead of the
+    ``session_lost`` refusal; the hello's other fields describe the new
+    session. Only a credential that a daemon of this instance issued, in
+    an earlier run, to that session of the peer's uid starts one over, once:
+    the client library keeps it, and nobody else has it.
+
     ``replies_with_fds`` (1.7): this connection reads its handle socket for
     replies too; a :class:`Committed` reply then rides in the first
     :class:`FdBatch` of its request (see there) instead of on the control
@@ -47,6 +55,7 @@ class Hello(Message):
     resume_session: int = 0
     resume_credential: str = ""
     replies_with_fds: bool = False
+    start_over: bool = False
 
 
 @message("session.welcome")
@@ -83,6 +92,9 @@ class Welcome(Message):
     tenant_note: str = ""
     """Why ``tenant`` may not be what the client meant (1.9): a declared name the daemon's config does not have (a
     typo is charged elsewhere, or is a tenant of no limits); empty where nothing is amiss."""
+    started_over: bool = False
+    """A new session in place of the one the hello asked to resume (1.12, :attr:`Hello.start_over`): its process may
+    declare what it still maps, before any other request."""
 
 
 @message("session.refused")

@@ -41,9 +41,11 @@ class DaemonProcess:
 
     ``args`` are the daemon's options (``--run-dir`` is added); ``command``
     replaces ``python -m hbmd.daemon`` (a wrapper such as a stand-in service
-    manager). :meth:`start` returns once ``instance.json`` names the process
-    (the daemon's ready signal); :meth:`stop` sends SIGTERM and kills after a
-    hard timeout. As a context manager it starts and stops.
+    manager). ``pid_namespace``: the daemon runs in a pid namespace of its own
+    (``unshare --pid``), as in a container, where it sees every client as pid
+    0 and itself as pid 1. :meth:`start` returns once ``instance.json`` names
+    the process (the daemon's ready signal); :meth:`stop` sends SIGTERM and
+    kills after a hard timeout. As a context manager it starts and stops.
     """
 
     def __init__(
@@ -54,9 +56,13 @@ class DaemonProcess:
         env: dict[str, str] | None = None,
         pass_fds: tuple[int, ...] = (),
         log_path: str | os.PathLike | None = None,
+        pid_namespace: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.command = [*(command or [sys.executable, "-m", "hbmd.daemon"]), "--run-dir", str(self.run_dir), *args]
+        if pid_namespace:
+            self.command = ["unshare", "--pid", "--fork", "--kill-child", *self.command]
+        self.pid_namespace = pid_namespace
         self.env = {**os.environ, **(env or {})}
         self.pass_fds = pass_fds
         self.log_path = Path(log_path) if log_path else self.run_dir / f"hbmd-{time.monotonic_ns()}.log"
@@ -65,6 +71,7 @@ class DaemonProcess:
 
     def start(self, timeout: float = START_TIMEOUT_S) -> DaemonProcess:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        started = time.time_ns()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, pass_fds=self.pass_fds
@@ -73,13 +80,23 @@ class DaemonProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"hbmd exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            instance = instance_published_by(self.run_dir, self.proc.pid)
+            instance = self._published(started)
             if instance is not None:
                 self.instance = instance
                 return self
             time.sleep(0.02)
         self.kill()
         raise RuntimeError(f"hbmd did not publish its instance within {timeout:.0f}s:\n{self.log()[-4000:]}")
+
+    def _published(self, started: int) -> str | None:
+        """The instance this daemon published, once it has; ``started``: when it was started (``time.time_ns``)."""
+        if not self.pid_namespace:
+            return instance_published_by(self.run_dir, self.proc.pid if self.proc else 0)
+        # Every daemon in a namespace of its own is its pid 1: only a file written since this one started is its.
+        instance = instance_published_by(self.run_dir, 1)
+        if instance is None or (self.run_dir / instance / "instance.json").stat().st_mtime_ns < started:
+            return None
+        return instance
 
     @property
     def pid(self) -> int:
@@ -104,7 +121,12 @@ class DaemonProcess:
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            if self.pid_namespace:  # unshare passes no signal on: the daemon is its child
+                children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+                for child in children:
+                    os.kill(int(child), signal.SIGTERM)
+            else:
+                self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -126,3 +126,11 @@ def test_a_process_with_too_many_requests_waiting_has_the_next_refused_and_every
     warnings = [line for line in daemon.log().splitlines() if "control requests waiting" in line]
     assert len(warnings) == 1 and f"pid {os.getpid()} (uid {os.getuid()})" in warnings[0]
     assert client.status().num_sessions == 1  # its own calls go on once its queue has room
+
+
+@pytest.mark.unit
+def test_peers_whose_pid_reads_0_are_told_apart_by_their_connections():
+    flood, other = Peer(1000, 0, b"flood"), Peer(1000, 0, b"other")
+    queue = queue_of(*[(flood, b"flood")] * MAX_QUEUED_PER_PEER)
+    assert (queue.waiting(flood), queue.waiting(other), queue.peers) == (MAX_QUEUED_PER_PEER, 0, 1)
+    assert str(other) == "a connection whose process the daemon cannot see" and str(Peer(1000, 7)) == "pid 7"

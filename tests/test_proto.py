@@ -72,12 +72,12 @@ def test_golden_bytes_of_a_commit():
 
 def test_golden_bytes_of_a_hello():
     # 1.4 appended resume_session and resume_credential (the body's map grew from 6 to 8 fields), 1.7 replies_with_fds
-    # (9 fields); the rest is 1.3's.
+    # (9 fields), 1.10 start_over (10 fields); the rest is 1.3's.
     assert proto.encode_datagram(proto.Hello([1, 0], 4242, "w", "")) == bytes.fromhex(
-        "82a46b696e64ad73657373696f6e2e68656c6c6fa4626f647989a776657273696f6e920100a3706964cd1092"
+        "82a46b696e64ad73657373696f6e2e68656c6c6fa4626f64798aa776657273696f6e920100a3706964cd1092"
         "ab636c69656e745f6e616d65a177a674656e616e74a0a86f62736572766572c2a56c65617365c2"
         "ae726573756d655f73657373696f6e00b1726573756d655f63726564656e7469616ca0"
-        "b07265706c6965735f776974685f666473c2"
+        "b07265706c6965735f776974685f666473c2aa73746172745f6f766572c2"
     )
 
 

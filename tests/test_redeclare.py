@@ -10,14 +10,16 @@ daemon's budget counts memory still in use. Every daemon here runs with
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 
 import pytest
 from hbmd.client import ExtensibleTensor, connect
-from hbmd.client.transport import HandleChannel
-from hbmd.proto import PROTOCOL_VERSION, ChunkInfo, Hello, Redeclare
+from hbmd.daemon.rundir import RESUME_KEY
+from hbmd.daemon.state.credentials import Credentials
+from hbmd.proto import ChunkInfo, Hello, Redeclare
 from hbmd.proto.errors import (
     Conflict,
     InvalidRequest,
@@ -26,7 +28,6 @@ from hbmd.proto.errors import (
     SessionLost,
     TensorUnusable,
 )
-from hbmd.proto.instance import InstancePaths
 from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, filled, hbmctl, wait_until
 
 torch = pytest.importorskip("torch")
@@ -156,14 +157,22 @@ def declaration(**fields) -> Redeclare:
     return Redeclare(**{**base, **fields})
 
 
-def started_over(daemon, **kwargs):
-    """A session of this process as its client opens one after the daemon refused to resume its old one: it may
-    declare what the process maps, before anything else."""
-    gone = HandleChannel(InstancePaths.of(daemon.run_dir, daemon.instance), 5)
-    with pytest.raises(SessionLost):
-        gone.handshake(Hello(list(PROTOCOL_VERSION), os.getpid(), resume_session=999, resume_credential="0" * 32))
-    gone.close()
-    return daemon.connect(lease=False, **kwargs)
+def earlier_credential(daemon, session_id: int = 999) -> str:
+    """The credential an earlier run of ``daemon`` gave this process's session ``session_id``: made here under the
+    instance's key, as that run made it."""
+    return Credentials((daemon.run_dir / daemon.instance / RESUME_KEY).read_bytes()).issue(os.getuid(), session_id)
+
+
+def started_over(daemon, credential: str = "", **kwargs):
+    """A session this process opens in place of session 999, which an earlier run of the daemon gave it, with that
+    session's credential: it may declare what the process maps, before anything else."""
+    hello = functools.partial(Hello, resume_session=999, start_over=True,
+                              resume_credential=credential or earlier_credential(daemon))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("hbmd.client.session.Hello", hello)
+        client = daemon.connect(lease=False, **kwargs)
+    assert client.welcome.started_over
+    return client
 
 
 @pytest.mark.parametrize("fields, refusal", [
@@ -215,6 +224,18 @@ def test_only_a_session_started_over_declares_and_only_before_anything_else(star
     with daemon.connect(lease=False) as client:  # a mark is good for one session only
         with pytest.raises(PermissionDenied):
             client.call(declaration())
+
+
+def test_a_start_over_refused_for_want_of_room_spends_nothing_and_a_credential_starts_one_session_only(
+        start_daemon):
+    daemon = start_daemon("--budget", "64MiB", "--max-sessions-per-uid", "1")
+    credential = earlier_credential(daemon)
+    with daemon.connect(lease=False), pytest.raises(Conflict, match="sessions, the most allowed"):
+        started_over(daemon, credential)
+    with started_over(daemon, credential) as client:  # the room it waited for
+        client.call(declaration())
+    with pytest.raises(SessionLost):
+        started_over(daemon, credential)
 
 
 def test_a_declaration_does_not_pass_another_tenants_guarantee(start_daemon, tmp_path):

@@ -262,7 +262,8 @@ def test_a_weights_name_another_process_holds_unsealed_is_not_waited_for(engine,
     result = blocked.wait()
     assert result["source"] == "disk" and result["digest"] == disk["digest"]
     assert result["load_s"] < 20, "the engine waited for a name nobody was storing"
-    assert f"{name} is held unsealed by session {client.session_id} (pid {os.getpid()}, client 'test')" in blocked.log
+    holder = f"session {client.session_id} (pid {os.getpid()}, uid {os.getuid()}, client 'test')"
+    assert f"{name} is held unsealed by {holder}" in blocked.log
     assert "loading them from disk" in blocked.log
     assert [b.session_id for b in weights_buffers(client)] == [client.session_id]
     squatter.free()

@@ -104,20 +104,29 @@ def test_changes_say_which_file_is_new_gone_or_rewritten(tmp_path):
     assert files_changes([{"size": 1}, {"name": ["a.safetensors"]}, 7], [entry]) == ["a.safetensors is new"]
 
 
-def session(client_name: str) -> SessionInfo:
+def session(client_name: str, connected_s: float = 1.0) -> SessionInfo:
     return SessionInfo(session_id=7, pid=4242, uid=1000, gid=1000, client_name=client_name, tenant="",
-                       committed_bytes=0, reserved_bytes=0, num_buffers=1, num_chunks=0, connected_s=1.0)
+                       committed_bytes=0, reserved_bytes=0, num_buffers=1, num_chunks=0, connected_s=connected_s)
 
 
 def test_an_engine_storing_these_weights_is_waited_for():
     assert storer_name(NAME) == "vllm-weights-store:0123456789abcdef"
-    assert not_a_store(NAME, session(storer_name(NAME))) == ""
+    assert not_a_store(NAME, session(storer_name(NAME)), 600) == ""
+
+
+def test_a_storer_older_than_an_engine_waits_is_not_waited_for_and_the_reason_names_it():
+    """A process of the same user can take the name under a storer's session name and never seal: once it has held
+    it for longer than an engine waits, no engine waits for it again, each loading from disk at once."""
+    reason = not_a_store(NAME, session(storer_name(NAME), connected_s=601.0), 600)
+    assert reason.startswith(f"{NAME} is held unsealed by session 7 (pid 4242, uid 1000, client "
+                             "'vllm-weights-store:0123456789abcdef') for 601 s, longer than an engine waits")
+    assert not_a_store(NAME, session(storer_name(NAME), connected_s=59.0), 60) == ""
 
 
 @pytest.mark.parametrize("client_name", ["python", "vllm-weights-store:fedcba9876543210", ""])
 def test_a_name_held_by_anything_else_is_not_waited_for_and_the_reason_names_the_holder(client_name):
-    reason = not_a_store(NAME, session(client_name))
-    assert reason.startswith(f"{NAME} is held unsealed by session 7 (pid 4242, client {client_name!r})")
+    reason = not_a_store(NAME, session(client_name), 600)
+    assert reason.startswith(f"{NAME} is held unsealed by session 7 (pid 4242, uid 1000, client {client_name!r})")
     assert "not by an engine storing these weights (client 'vllm-weights-store:0123456789abcdef')" in reason
 
 

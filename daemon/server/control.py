@@ -12,6 +12,15 @@ turns, and within a uid its processes; a process that had none waiting goes
 first. However many connections, sessions or tokens a process uses, it has
 one request answered per round of turns; however many processes a uid runs,
 they share one turn among other uids.
+
+A pid is a name only where the daemon sees the process: in its own pid
+namespace (a container's daemon, clients outside it) the kernel reports pid
+0 for every peer, and a queue per pid would be one queue per uid, 32
+requests for all its processes. Such a peer is its connection instead,
+which the kernel keeps apart in every namespace: its processes are told
+apart, and one of them opening many connections has as many turns within
+its uid's (other uids' turns are untouched). ``tests/test_pid_namespace.py``
+runs a daemon under ``unshare --pid``.
 """
 
 from __future__ import annotations
@@ -51,23 +60,34 @@ Requests = collections.deque[tuple[bytes, list[bytes]]]
 
 
 class Peer(NamedTuple):
-    """Who sent a control request, as the kernel names the process that opened its connection."""
+    """Who sent a control request, as the kernel names the process that opened its connection; where it names none
+    (pid 0: a process outside the daemon's pid namespace), the connection itself."""
 
     uid: int
     pid: int
+    connection: bytes = b""
+    """The connection's routing identity where ``pid`` names no process; empty where it does."""
 
+    @property
+    def process(self) -> tuple[int, bytes]:
+        """What tells the peer from the others of its uid: its pid, or its connection where the pid is not one."""
+        return self.pid, self.connection
 
-UNKNOWN = Peer(-1, -1)
-"""A connection whose credentials libzmq did not pass on (not an ``ipc://`` one): such peers share one queue."""
+    def __str__(self) -> str:
+        if self.connection:
+            return "a connection whose process the daemon cannot see"
+        return f"pid {self.pid}"
 
 
 def peer_of(identity: zmq.Frame) -> Peer:
-    """The process at the other end of the connection a message came on, from its first frame's ``Peer-Address``."""
+    """The process at the other end of the connection a message came on, from its first frame's ``Peer-Address``;
+    its connection where the kernel names no process (another pid namespace, or not an ``ipc://`` connection)."""
     try:
         _, uid, _, pid = str(identity.get("Peer-Address")).rsplit(":", 3)
-        return Peer(int(uid), int(pid))
+        peer = Peer(int(uid), int(pid))
     except (zmq.ZMQError, ValueError):
-        return UNKNOWN
+        peer = Peer(-1, -1)
+    return peer if peer.pid > 0 else peer._replace(connection=identity.bytes)
 
 
 def leading_request_id(payload: bytes) -> int:
@@ -94,8 +114,10 @@ class ControlQueue:
     """Control requests read from the ROUTER and waiting for their turn, by uid and, within it, by process."""
 
     def __init__(self) -> None:
-        self._uids: collections.OrderedDict[int, collections.OrderedDict[int, Requests]] = collections.OrderedDict()
-        """The requests waiting, by uid and pid: each in the order of the turns, the next first."""
+        self._uids: collections.OrderedDict[int, collections.OrderedDict[tuple[int, bytes], Requests]] = (
+            collections.OrderedDict()
+        )
+        """The requests waiting, by uid and :attr:`Peer.process`: each in the order of the turns, the next first."""
         self._count = 0
         self.peers = 0
         """How many processes have requests waiting."""
@@ -139,7 +161,7 @@ class ControlQueue:
     def waiting(self, peer: Peer) -> int:
         """How many requests of ``peer`` wait."""
         processes = self._uids.get(peer.uid)
-        return len(processes.get(peer.pid, ())) if processes else 0
+        return len(processes.get(peer.process, ())) if processes else 0
 
     def add(self, peer: Peer, identity: bytes, body: list[bytes]) -> None:
         """Queue a request of ``peer`` (``identity``: its connection's) behind its others.
@@ -154,10 +176,10 @@ class ControlQueue:
         if processes is None:
             processes = self._uids[peer.uid] = collections.OrderedDict()
             self._uids.move_to_end(peer.uid, last=False)
-        waiting = processes.get(peer.pid)
+        waiting = processes.get(peer.process)
         if waiting is None:
-            waiting = processes[peer.pid] = collections.deque()
-            processes.move_to_end(peer.pid, last=False)
+            waiting = processes[peer.process] = collections.deque()
+            processes.move_to_end(peer.process, last=False)
             self.peers += 1
         waiting.append((identity, body))
         self._count += 1
@@ -168,11 +190,11 @@ class ControlQueue:
         if not self._count:
             raise IndexError("no control request waits")
         uid, processes = self._uids.popitem(last=False)
-        pid, waiting = processes.popitem(last=False)
+        process, waiting = processes.popitem(last=False)
         request = waiting.popleft()
         self._count -= 1
         if waiting:
-            processes[pid] = waiting
+            processes[process] = waiting
         else:
             self.peers -= 1
         if processes:
@@ -186,11 +208,11 @@ class ControlQueue:
 
     def _refuse(self, router: zmq.Socket, peer: Peer, identity: bytes, body: list[bytes]) -> None:
         self._warnings.warning(
-            f"queued-{peer.uid}", "pid %d (uid %d) has %d control requests waiting, the most one process may: "
-            "refusing more until they are answered", peer.pid, peer.uid, MAX_QUEUED_PER_PEER,
+            f"queued-{peer.uid}", "%s (uid %d) has %d control requests waiting, the most one process may: "
+            "refusing more until they are answered", peer, peer.uid, MAX_QUEUED_PER_PEER,
         )
         refusal = Conflict(
-            f"pid {peer.pid} has {MAX_QUEUED_PER_PEER} control requests waiting already, the most one process may "
+            f"{peer} has {MAX_QUEUED_PER_PEER} control requests waiting already, the most one process may "
             "have: retry once they are answered", pid=peer.pid, waiting=MAX_QUEUED_PER_PEER,
         )
         request_id = leading_request_id(body[1]) if len(body) == 2 else 0

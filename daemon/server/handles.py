@@ -62,6 +62,7 @@ from hbmd.proto.errors import (
     InternalError,
     PermissionDenied,
     ProtocolError,
+    SessionLost,
     VersionMismatch,
 )
 from hbmd.proto.fdpass import receive_with_fds
@@ -493,7 +494,16 @@ class HandlePlane(Generic[A, C]):
             hello = self._check_hello(conn, data)
             resumed = hello.resume_session != 0
             if resumed:
-                session = self.state.resume_session(hello.resume_session, conn.uid, conn.pid, hello.resume_credential)
+                try:
+                    session = self.state.resume_session(
+                        hello.resume_session, conn.uid, conn.pid, hello.resume_credential
+                    )
+                except SessionLost:
+                    if not (hello.start_over and self.state.may_start_over(
+                            hello.resume_session, conn.uid, hello.resume_credential)):
+                        raise
+                    resumed = False
+                    session = self._new_session(conn, hello, starting_over=hello.resume_credential)
             else:
                 session = self._new_session(conn, hello)
         except HbmdError as exc:
@@ -510,7 +520,7 @@ class HandlePlane(Generic[A, C]):
         if note:
             # A peer can declare names at will: a line per uid per interval.
             self._warnings.warning(f"tenant-{conn.uid}", "session %d (pid %d): %s", session.session_id, conn.pid, note)
-        welcome = dataclasses.replace(self._welcome(session, resumed), tenant_note=note)
+        welcome = dataclasses.replace(self._welcome(session, resumed), tenant_note=note, started_over=session.declaring)
         self._journal()  # the session and its new credential, before the client holds them
         conn.send_quietly(welcome)
         # Observers (hbmctl, probes) connect every few seconds: at INFO they would bury the workers.
@@ -518,18 +528,18 @@ class HandlePlane(Generic[A, C]):
             logging.DEBUG if session.observer else logging.INFO,
             "session %d %s: pid %d uid %d%s",
             session.session_id,
-            "resumed" if resumed else "opened",
+            "resumed" if resumed else "started over" if session.declaring else "opened",
             conn.pid,
             conn.uid,
             f" ({session.client_name})" if session.client_name else "",
         )
 
-    def _new_session(self, conn: HandleConnection[A, C], hello: Hello) -> Session:
+    def _new_session(self, conn: HandleConnection[A, C], hello: Hello, starting_over: str = "") -> Session:
         access = self.state.config.access
         return self.state.open_session(
             conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant, admin=conn.uid in access.admin_uids,
             observer=hello.observer, lease=hello.lease and hello.version[1] >= 3,
-            credit=hello.lease and hello.version[1] >= 8,
+            credit=hello.lease and hello.version[1] >= 8, starting_over=starting_over,
         )
 
     def _check_hello(self, conn: HandleConnection[A, C], data: bytes) -> Hello:

@@ -57,7 +57,7 @@ from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 from ..backends import A, C
 from ..notify import SystemdNotifier
 from ..persist import RESUME_WINDOW_S, Persistence, chunk_fds, image_of, pack_image
-from ..rundir import create_file, open_instance_directory, open_lock
+from ..rundir import create_file, open_instance_directory, open_lock, resume_key
 from ..state import Answer, Session, State
 from ..takeover import TakeoverError, TakeoverListener
 from .admin import AdminRequests
@@ -195,6 +195,7 @@ class Server(Generic[A, C]):
             self._lock_fd = self._dir_fd = -1
             instance_held = f"another hbmd is already serving {self.paths.directory}"
             raise AlreadyRunning(str(exc) if isinstance(exc, DeviceTaken) else instance_held) from None
+        self.state.use_resume_key(resume_key(self._dir_fd))
         for stale in (self.paths.control, self.paths.handles, self.paths.info, self._info_tmp):
             try:
                 os.unlink(stale.name, dir_fd=self._dir_fd)

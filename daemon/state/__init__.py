@@ -199,17 +199,19 @@ class State(Generic[A, C]):
 
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False,
-        lease: bool = False, credit: bool = False,
+        lease: bool = False, credit: bool = False, starting_over: str = "",
     ) -> Session:
         """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
-        ``PermissionDenied`` for a tenant it may not declare."""
+        ``PermissionDenied`` for a tenant it may not declare. ``starting_over``: see :meth:`Sessions.open`."""
         charged = self.tenant_table.resolve(uid, tenant)
         wants_lease = lease and not observer and self.leases.granules > 0
         with Undo() as undo:
             # Held first, so that a hello refused below lets go of a tenant it named and nothing else held.
             self.tenant_table.hold(charged)
             undo.push(self.tenant_table.let_go, charged)
-            session = self.session_table.open(pid, uid, gid, client_name, charged, admin, observer, wants_lease)
+            session = self.session_table.open(
+                pid, uid, gid, client_name, charged, admin, observer, wants_lease, starting_over
+            )
         session.grown_at = self.clock()
         session.wants_credit = credit and not observer and self.leases.credit_max > 0
         return session
@@ -226,6 +228,15 @@ class State(Generic[A, C]):
     def resume_session(self, session_id: int, uid: int, pid: int, credential: str) -> Session:
         """A restored session back with its client; see :meth:`Sessions.resume`."""
         return self.session_table.resume(session_id, uid, pid, credential)
+
+    def use_resume_key(self, key: bytes) -> None:
+        """Issue and check resume credentials under the instance's ``key`` (``rundir.resume_key``), kept across runs;
+        until then under one of this run's own, whose credentials start no session over after a restart."""
+        self.session_table.credentials.use_key(key)
+
+    def may_start_over(self, session_id: int, uid: int, credential: str) -> bool:
+        """See :meth:`Sessions.may_start_over`."""
+        return self.session_table.may_start_over(session_id, uid, credential)
 
     def suspend_session(self, session: Session, resume_by: float) -> None:
         self.session_table.suspend(session, resume_by)

@@ -18,17 +18,11 @@ from hbmd.proto.errors import (
     SessionLost,
 )
 
+from .credentials import KEY_BYTES, Credentials
 from .records import MAX_CAPACITY, Limits, Reclaim, Session, Tenant, check_int
 
 RECLAIM_PATIENCE_S = 30.0
 """By default a reclaim request unanswered this long is reported as ignored (the session is never killed for it)."""
-
-
-STARTING_OVER_S = 30.0
-"""How long after its resume was refused a process's new session may still declare what it maps (its client opens
-one at once)."""
-MAX_STARTING_OVER = 4096
-"""Most processes remembered at once as starting over: any peer can be refused a resume, at will."""
 
 
 class Sessions:
@@ -36,6 +30,8 @@ class Sessions:
 
     def __init__(self, limits: Limits, reclaim_patience_s: float = RECLAIM_PATIENCE_S) -> None:
         self.limits = limits
+        self.credentials = Credentials(secrets.token_bytes(KEY_BYTES))
+        """Issues and checks resume credentials: under a key of this run's own until the instance's is given."""
         self.reclaim_patience_s = reclaim_patience_s
         self.by_id: dict[int, Session] = {}
         self._by_token: dict[str, Session] = {}
@@ -43,18 +39,18 @@ class Sessions:
         """Every session by its uid, then by id: what a hello and a status count without walking every session."""
         self.workers_of: dict[str, int] = {}
         """How many worker sessions (not observers) are charged to each tenant, by its name."""
-        self._started_over: dict[tuple[int, int], tuple[float, int]] = {}
-        """``(uid, pid)`` of each process refused a resume of a session this daemon does not keep for it: the monotonic
-        time by which its next sessions may declare again what it maps, and how many may."""
         self._next_id = 1
         self._next_reclaim = 1
         self.reclaims_due: list[tuple[Session, Reclaim]] = []
         """Reclaim requests made, for the server to send."""
 
     def open(
-        self, pid: int, uid: int, gid: int, client_name: str, tenant: Tenant, admin: bool, observer: bool, lease: bool
+        self, pid: int, uid: int, gid: int, client_name: str, tenant: Tenant, admin: bool, observer: bool, lease: bool,
+        starting_over: str = "",
     ) -> Session:
-        """A new session charged to ``tenant`` (the caller holds it for the session).
+        """A new session charged to ``tenant`` (the caller holds it for the session); ``starting_over``: the credential
+        of a session this daemon does not keep that it replaces (:meth:`may_start_over`), spent once it opens, so that
+        it may declare what its process maps.
 
         Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
         ``InvalidRequest`` for a ``client_name`` longer than ``MAX_NAME`` or not printable.
@@ -74,9 +70,11 @@ class Sessions:
             self._next_id, secrets.token_hex(16), pid, uid, gid, client_name, tenant, admin, observer,
             wants_lease=lease,
         )
-        session.declaring = not observer and self._take_start_over(uid, pid)
+        session.declaring = bool(starting_over) and not observer
         self._next_id += 1
         self._add(session)
+        if starting_over:
+            self.credentials.spend(starting_over)
         return session
 
     def _add(self, session: Session) -> None:
@@ -86,30 +84,19 @@ class Sessions:
         if not session.observer:
             self.workers_of[session.tenant.name] = self.workers_of.get(session.tenant.name, 0) + 1
 
-    def _starting_over(self, uid: int, pid: int) -> None:
-        """Process ``pid`` of ``uid`` asked to resume a session this daemon does not keep for it: one more of its next
-        sessions, opened within :data:`STARTING_OVER_S`, may declare what the process still maps (a process may hold
-        several clients). Bounded: the oldest marks go first, and a process has no more than its sessions' limit."""
-        _, count = self._started_over.pop((uid, pid), (0.0, 0))
-        while len(self._started_over) >= MAX_STARTING_OVER:
-            del self._started_over[next(iter(self._started_over))]
-        self._started_over[(uid, pid)] = (
-            time.monotonic() + STARTING_OVER_S, min(count + 1, self.limits.sessions_per_uid)
-        )
-
-    def _take_start_over(self, uid: int, pid: int) -> bool:
-        """Whether a session opened now by process ``pid`` of ``uid`` starts over (see :meth:`_starting_over`)."""
-        until, count = self._started_over.pop((uid, pid), (0.0, 0))
-        if until < time.monotonic():
-            return False
-        if count > 1:
-            self._started_over[(uid, pid)] = (until, count - 1)
-        return True
+    def may_start_over(self, session_id: int, uid: int, credential: str) -> bool:
+        """Whether a process of ``uid`` may open a session in place of ``session_id``, which this daemon does not
+        keep for it: the process proves with ``credential`` that it held that session (its client library keeps the
+        credential of the last welcome; no other process has it). A pid would not do: in a pid
+        namespace of the daemon's own every peer's reads 0."""
+        if session_id in self.by_id and self.credentials.issued_here(credential):
+            return False  # one this daemon knows, open: it is resumed, not started over
+        return self.credentials.start_over(uid, session_id, credential)
 
     def issue_credential(self, session: Session) -> str:
         """A new credential that resumes ``session`` after a restart; the one before it is void. Only its hash is
         kept."""
-        credential = secrets.token_hex(16)
+        credential = self.credentials.issue(session.uid, session.session_id)
         session.previous_credential_hash, session.credential_hash = session.credential_hash, _digest(credential)
         return credential
 
@@ -137,7 +124,6 @@ class Sessions:
         """
         session = self.by_id.get(session_id)
         if session is None or session.resume_by is None:
-            self._starting_over(uid, pid)
             raise SessionLost(f"hbmd has no session {session_id} to resume: connect anew", session_id=session_id)
         offered = _digest(credential)
         known = [h for h in (session.credential_hash, session.previous_credential_hash) if h]
