@@ -30,9 +30,9 @@ sealed buffer, mapped by every later engine.
 Buffers are named ``vllm-<engine>-rank<R>`` (``HBMD_VLLM_ENGINE``, default
 the pid; the rank from ``RANK``/``LOCAL_RANK``), so ``hbmctl buffers`` shows
 which engine holds what; ``HBMD_TENANT`` charges them to a tenant of the
-daemon's ``--config``. The KV cache is not persistent: a restarted vLLM
-rebuilds its prefix index from nothing, so a cache that outlived the worker
-would be unreadable to it.
+daemon's ``--config``. The KV cache is not persistent unless
+``HBMD_VLLM_KEEP_KV`` is on: then a restarted engine of the same name adopts
+its predecessor's cache and prefix index (:mod:`hbmd.integrations.vllm_keep`).
 
 vLLM loads general plugins only where ``VLLM_PLUGINS`` is unset or names
 them: with a list that leaves ``hbmd`` out, none of this runs, whatever
@@ -48,10 +48,14 @@ import threading
 import time
 from typing import Any
 
+from hbmd.client.opening import default_client
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.proto import TIER_HOST
 from hbmd.proto.errors import DaemonUnavailable, NotFound, OutOfBudget, OutOfDeviceMemory
 from hbmd.proto.units import format_bytes
+
+from . import vllm_keep
+from .settings import seconds, switch
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
 log = logging.getLogger("vllm.hbmd")
@@ -63,10 +67,6 @@ SUPPORTED = ((0, 34),)
 """vLLM releases whose ``extensible_kv_cache`` module this plugin was checked against (major, minor)."""
 
 
-ON = ("1", "true", "yes", "on")
-OFF = ("", "0", "false", "no", "off")
-
-
 class UnsupportedVllm(RuntimeError):
     """The installed vLLM is not one this plugin knows: refusing beats silently allocating the wrong way."""
 
@@ -74,12 +74,7 @@ class UnsupportedVllm(RuntimeError):
 def enabled() -> bool:
     """Whether ``HBMD_VLLM`` opts in; ``ValueError`` for a value that is neither on nor off, which an operator meant
     as something: running vLLM without hbmd (or with it) against their word would go unnoticed."""
-    value = os.environ.get(OPT_IN, "")
-    if value.strip().lower() in ON:
-        return True
-    if value.strip().lower() in OFF:
-        return False
-    raise ValueError(f"{OPT_IN}={value!r}: expected one of {', '.join(ON)} (on) or {', '.join(OFF[1:])} or unset (off)")
+    return switch(OPT_IN)
 
 
 def check_version(version: str) -> None:
@@ -103,10 +98,13 @@ def sleep_keeps() -> bool:
     return value == "keep"
 
 
+def worker_rank() -> int:
+    return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0")
+
+
 def buffer_name() -> str:
     engine = os.environ.get("HBMD_VLLM_ENGINE") or str(os.getpid())
-    rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0"
-    return f"vllm-{engine}-rank{rank}"
+    return f"vllm-{engine}-rank{worker_rank()}"
 
 
 class VllmExtensibleTensor(ExtensibleTensor):
@@ -126,9 +124,12 @@ class VllmExtensibleTensor(ExtensibleTensor):
         segment_capacities: Any = None,
         export_handle_types: int = 0,
     ) -> None:
-        super().__init__(
-            max_num_bytes, device, num_segments, segment_capacities, export_handle_types, name=buffer_name()
-        )
+        options: dict[str, Any] = {"name": buffer_name()}
+        if vllm_keep.keeps():
+            options = vllm_keep.kept_tensor_options(default_client(device), buffer_name(), worker_rank())
+        super().__init__(max_num_bytes, device, num_segments, segment_capacities, export_handle_types, **options)
+        if vllm_keep.keeps():
+            vllm_keep.note_created(self.buffer_id)
         # The worker exists by now (it built the model runner that builds this cache).
         patch_worker()
 
@@ -179,6 +180,8 @@ def patch_worker() -> None:
     if not hasattr(worker.Worker.sleep, "__wrapped__"):
         worker.Worker.sleep = sleeping(worker.Worker.sleep)
     patch_sizing(worker)
+    if vllm_keep.keeps():
+        vllm_keep.patch_worker(worker)
 
 
 def keeping_release(original):
@@ -309,16 +312,7 @@ WAKE_POLL_S = 0.25
 
 def wake_wait_s() -> float:
     """``HBMD_VLLM_WAKE_WAIT_S``: how long a wake waits for its blocks (0 to a day); ``ValueError`` otherwise."""
-    value = os.environ.get(WAKE_WAIT, "").strip()
-    if not value:
-        return DEFAULT_WAKE_WAIT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= 86400:
-        raise ValueError(f"{WAKE_WAIT}={value!r}: expected seconds from 0 to 86400")
-    return seconds
+    return seconds(WAKE_WAIT, DEFAULT_WAKE_WAIT_S, 86400)
 
 
 def patch_sizing(module: Any) -> None:
@@ -326,7 +320,11 @@ def patch_sizing(module: Any) -> None:
     function by name, so the name there is patched as well as the one it comes from)."""
     measure = getattr(module, "measure_kv_cache_blocks", None)
     if measure is not None and not hasattr(measure, "__wrapped__"):
-        module.measure_kv_cache_blocks = capped_by_daemon(measure, "measured after warm-up")
+        measure = capped_by_daemon(measure, "measured after warm-up")
+        if vllm_keep.keeps():
+            # Outside the cap: the predecessor's blocks are charged to its orphan, not to the room the cap reads.
+            measure = vllm_keep.counting_kept_blocks(measure)
+        module.measure_kv_cache_blocks = measure
 
 
 def register() -> None:
@@ -339,6 +337,7 @@ def register() -> None:
         return
     sleep_keeps()
     wake_wait_s()
+    vllm_keep.check_settings()
     import vllm
     from vllm.v1.worker import extensible_kv_cache
 
@@ -352,6 +351,8 @@ def register() -> None:
     cache.release_physical = keeping_release(cache.release_physical)
     cache.recommit = waking(cache.recommit)
     patch_sizing(extensible_kv_cache)
+    if vllm_keep.keeps():
+        vllm_keep.patch(extensible_kv_cache)
     patch_worker()
     from vllm.model_executor.model_loader import register_model_loader
 

@@ -1,0 +1,145 @@
+"""The index of a kept KV cache: which block holds which prefix, written as vLLM computes it, read by its successor.
+
+An engine that keeps its KV cache in hbmd (``HBMD_VLLM_KEEP_KV``, see
+:mod:`hbmd.integrations.vllm_keep`) appends to one file per engine what its
+block pool may serve again: a block is *published* only once the step that
+computed it has finished, and *withdrawn* before the step that reuses it is
+sent to the GPU. A successor reads the file back and puts every published
+block into its own pool; what it cannot read (a torn last record, a header of
+another engine) it does not trust.
+
+The file lives beside the engine, not in the daemon: an append is one
+``write(2)``, which the kernel keeps whatever happens to the process after it
+returns, and the GPU memory the index describes does not outlive the machine
+either. No vLLM here, so that CI tests it without vLLM (tests/test_kv_index.py).
+
+Format: a first line ``hbmd-kv-index 1``, a second line of JSON (the header:
+what the cache is bound to), then records::
+
+    P  block_id:u32  num_tokens:u32  hash_len:u16  hash      published
+    W  block_id:u32                                          withdrawn
+    C                                                        every block withdrawn
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+MAGIC = b"hbmd-kv-index 1\n"
+MAX_HEADER_BYTES = 1 << 20
+"""A header longer than this is not one this module wrote."""
+MAX_HASH_BYTES = 1024
+"""vLLM's block hashes (with their group id) are tens of bytes; a longer one is damage."""
+_PUBLISHED = struct.Struct("<cIIH")
+_WITHDRAWN = struct.Struct("<cI")
+
+
+@dataclasses.dataclass
+class Published:
+    block_hash: bytes
+    num_tokens: int
+
+
+@dataclasses.dataclass
+class IndexContents:
+    header: dict[str, Any]
+    blocks: dict[int, Published]
+    """The blocks published and not withdrawn since, by block id."""
+    torn: bool = False
+    """The file ended inside a record (the writer died mid-append, or the file was cut): the records before it
+    stand, the torn one is ignored."""
+
+
+class NotAnIndex(ValueError):
+    """The file is not a kept KV cache's index (or its header is damaged): nothing of it may be trusted."""
+
+
+def read_index(path: str | os.PathLike[str]) -> IndexContents:
+    """The index at ``path``; :class:`NotAnIndex` where its magic line or header cannot be read,
+    ``FileNotFoundError`` where there is none."""
+    data = Path(path).read_bytes()
+    if not data.startswith(MAGIC):
+        raise NotAnIndex(f"{path}: not an hbmd KV index")
+    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
+    if end < 0:
+        raise NotAnIndex(f"{path}: its header is damaged")
+    try:
+        header = json.loads(data[len(MAGIC) : end])
+    except ValueError as exc:
+        raise NotAnIndex(f"{path}: its header is damaged ({exc})") from exc
+    if not isinstance(header, dict):
+        raise NotAnIndex(f"{path}: its header is damaged")
+    contents = IndexContents(header, {})
+    at = end + 1
+    while at < len(data):
+        kind = data[at : at + 1]
+        if kind == b"P" and at + _PUBLISHED.size <= len(data):
+            _, block_id, num_tokens, hash_len = _PUBLISHED.unpack_from(data, at)
+            start = at + _PUBLISHED.size
+            if hash_len > MAX_HASH_BYTES or start + hash_len > len(data):
+                contents.torn = True
+                break
+            contents.blocks[block_id] = Published(data[start : start + hash_len], num_tokens)
+            at = start + hash_len
+        elif kind == b"W" and at + _WITHDRAWN.size <= len(data):
+            contents.blocks.pop(_WITHDRAWN.unpack_from(data, at)[1], None)
+            at += _WITHDRAWN.size
+        elif kind == b"C":
+            contents.blocks.clear()
+            at += 1
+        else:
+            contents.torn = True
+            break
+    return contents
+
+
+class IndexWriter:
+    """Appends to an engine's index. Records wait in memory until :meth:`flush`, which writes them with one
+    ``write(2)``: the caller flushes withdrawals before the GPU may overwrite the blocks, publications whenever."""
+
+    def __init__(self, path: str | os.PathLike[str], header: dict[str, Any],
+                 published: dict[int, Published] | None = None) -> None:
+        """Start a new index at ``path`` with ``header`` and the ``published`` blocks, replacing any there in one
+        rename: a reader sees the old index or the new one, never a mix."""
+        self.path = Path(path)
+        self.pending = bytearray()
+        body = bytearray(MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n")
+        for block_id, block in (published or {}).items():
+            body += _publish_record(block_id, block)
+        staging = self.path.with_name(self.path.name + f".new-{os.getpid()}")
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, body)
+        finally:
+            os.close(fd)
+        os.replace(staging, self.path)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def publish(self, block_id: int, block_hash: bytes, num_tokens: int) -> None:
+        self.pending += _publish_record(block_id, Published(block_hash, num_tokens))
+
+    def withdraw(self, block_id: int) -> None:
+        self.pending += _WITHDRAWN.pack(b"W", block_id)
+
+    def clear(self) -> None:
+        self.pending += b"C"
+
+    def flush(self) -> None:
+        """Write what is pending; an error (a full disk) propagates, with nothing pending lost from memory."""
+        if self.pending:
+            written = os.write(self.fd, self.pending)
+            del self.pending[:written]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _publish_record(block_id: int, block: Published) -> bytes:
+    if len(block.block_hash) > MAX_HASH_BYTES:
+        raise ValueError(f"a block hash of {len(block.block_hash)} bytes is longer than {MAX_HASH_BYTES}")
+    return _PUBLISHED.pack(b"P", block_id, block.num_tokens, len(block.block_hash)) + block.block_hash
