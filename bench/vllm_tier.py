@@ -49,6 +49,7 @@ MAX_TOKENS = 32
 PROMPT_LEN = 48
 NUM_PROMPTS = 8
 KV_DIGEST_BLOCKS = 32
+LONG_PROMPT_LEN = 1000
 ENGINE_TIMEOUT_S = 300
 
 
@@ -206,6 +207,15 @@ def engine_main(spec: dict[str, Any]) -> None:
         elif step == "pause":
             say("paused")
             wait_for_line("go")
+        elif step == "long":
+            # One long prompt, one token: the time to first token, which a prefix served from cache shortens.
+            from vllm import SamplingParams, TokensPrompt
+
+            began = time.monotonic()
+            output = llm.generate([TokensPrompt(prompt_token_ids=prompts(n=1, length=LONG_PROMPT_LEN, seed=11)[0])],
+                                  SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
+            say("long", seconds=time.monotonic() - began, cached=output.num_cached_tokens,
+                token=output.outputs[0].token_ids[0])
         elif step == "stress":
             # Long prompts, many at once, then again: the block pool hands out every block it counts and reuses them.
             long_prompts = prompts(n=spec.get("stress_prompts", 160), length=spec.get("stress_len", 900), seed=7)
@@ -580,8 +590,47 @@ def group_big(tier: Tier, model: str) -> None:
     tier.stop_daemon()
 
 
+def group_keep(tier: Tier, model: str) -> None:
+    """``HBMD_VLLM_KEEP_KV``: an engine SIGKILLed, the daemon taken over while its cache is kept, a successor that
+    adopts it and serves its known prompts from cached blocks, stopped cleanly, and a third that adopts again."""
+    tier.start_daemon("--budget", "40GiB")
+    env = {"HBMD_VLLM_KEEP_KV": "1", "HBMD_VLLM_ENGINE": "keep", "HBMD_VLLM_KV_INDEX_DIR": str(tier.work / "kv-index")}
+    first = tier.engine("keep-1", {"model": model, "steps": ["generate", "long", "pause"]}, True, env)
+    cold = first.until("generate")["outputs"]
+    cold_long = first.until("long")
+    first.until("paused")
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.wait()
+    kept = [b for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith("vllm-keep-rank0")]
+    tier.check("a SIGKILLed keeping engine leaves its KV cache in hbmd, held by no session",
+               len(kept) == 1 and kept[0]["physical_bytes"] > 0 and kept[0]["session_id"] == 0, kept=kept)
+    from hbmd.testing.spawn import DaemonProcess
+
+    old = tier.daemon
+    tier.daemon = DaemonProcess(tier.run_dir, "--backend", "cuda", "--device", "0", "--budget", "40GiB",
+                                "--takeover", log_path=tier.out / "hbmd.log").start(timeout=60)
+    old.proc.wait(30)
+    runs = []
+    for label in ("keep-2", "keep-3"):
+        engine = tier.run(label, {"model": model, "steps": ["generate", "long"]}, True, env)
+        runs.append(engine)
+        outputs = engine.event("generate")["outputs"]
+        tier.check(f"{label}: adopts its predecessor's cache and agrees with the cold engine",
+                   agree(cold, outputs)["ok"] and all(o["cached"] >= 32 for o in outputs),
+                   cached=[o["cached"] for o in outputs], **agree(cold, outputs))
+        tier.check(f"{label}: the long prompt is served from the cache, its token the cold engine's",
+                   engine.event("long")["cached"] >= LONG_PROMPT_LEN - 16
+                   and engine.event("long")["token"] == cold_long["token"],
+                   cached=engine.event("long")["cached"], seconds=round(engine.event("long")["seconds"], 4))
+    tier.figures["keep_long_prompt_first_token_s"] = {
+        "cold": round(cold_long["seconds"], 4), **{e.label: round(e.event("long")["seconds"], 4) for e in runs}}
+    left = [b["name"] for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith("vllm-keep-rank0")]
+    tier.check("one kept cache is left, the last engine's", len(left) == 1, buffers=left)
+    tier.stop_daemon()
+
+
 GROUPS = {"core": group_core, "sleep": group_sleep, "budget": group_budget, "faults": group_faults,
-          "serve": group_serve, "big": group_big}
+          "serve": group_serve, "big": group_big, "keep": group_keep}
 
 
 def tier_main(args: argparse.Namespace) -> int:
