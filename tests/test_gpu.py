@@ -732,8 +732,8 @@ def test_a_second_daemon_of_the_gpu_is_refused_whatever_its_run_directory(start_
     first = start_daemon("--device", "0", "--budget", "1GiB", "--device-lock-dir", locks, backend="cuda")
     uuid = driver.device_uuid(0)
     assert uuid.startswith("GPU-")
-    second = DaemonProcess(run_dir / "other", "--device", "0", "--budget", "1GiB", "--device-lock-dir", locks,
-                           backend="cuda")
+    second = DaemonProcess(run_dir / "other", "--backend", "cuda", "--device", "0", "--budget", "1GiB",
+                           "--device-lock-dir", locks)
     with pytest.raises(RuntimeError, match=f"(?s)hbmd exited with 1:.*GPU {uuid} is already served by hbmd pid "
                                            f"{first.pid}"):
         second.start()

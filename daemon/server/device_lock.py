@@ -52,6 +52,9 @@ class DeviceLock:
         where the lock file cannot be opened (the caller decides whether to
         serve without it).
         """
+        # The lock directory is shared by every daemon of the node, whatever its run directory; /run is a tmpfs, so
+        # the first daemon since boot makes it.
+        os.makedirs(self.path.parent, mode=0o755, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         try:
             try:
