@@ -177,6 +177,7 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenant_and_room_br
     batch = connect("cuda:0", run_dir=daemon.run_dir, client_name="batch", tenant="batch", lease=False)
     online = connect("cuda:0", run_dir=daemon.run_dir, client_name="online", lease=False)
     sleeping, data = kv_cache(batch)  # 768 MiB committed
+    sleeping.set_idle()  # its engine leaves it alone: only then may its client move it
     growing = ExtensibleTensor(2 * GiB, "cuda", client=online)
     growing.resize_(1536 * MiB)  # does not fit beside it: its client demotes it, the commit goes through
     assert sleeping.tier == "host" and intact(sleeping, data)
