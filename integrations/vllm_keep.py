@@ -198,19 +198,32 @@ def settle_donor(client: Any) -> Donor | None:
 
 def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
     """Wrap vLLM's measure of the KV cache after warm-up so that it counts the predecessor's blocks as this
-    engine's: they are, once grafted, and until then the daemon charges them to the orphan, so free memory
-    (what vLLM measures) and the daemon's room (what hbmd's cap reads) both leave them out."""
+    engine's (they are, once grafted; until then the daemon charges them to the orphan, so free memory, what vLLM
+    measures, and the daemon's room, what hbmd's cap reads, both leave them out), less the room a successor's
+    warm-up will need beside this engine's kept cache (:func:`warm_up_room`)."""
 
     def measured(kv_cache: Any, *args: Any, **kwargs: Any) -> int:
         blocks = original(kv_cache, *args, **kwargs)
         client = getattr(kv_cache.buffer, "client", None)
         donor = settle_donor(client) if client is not None else None
-        if donor is None:
-            return blocks
-        return min(kv_cache.capacity_blocks, blocks + donor_blocks(kv_cache, donor))
+        if donor is not None:
+            blocks = min(kv_cache.capacity_blocks, blocks + donor_blocks(kv_cache, donor))
+        room = warm_up_room(kv_cache)
+        if blocks > room:
+            log.info("hbmd keeps %d KV blocks free of this engine's cache for its successor's warm-up", room)
+        return max(1, blocks - room)
 
     measured.__wrapped__ = original  # type: ignore[attr-defined]
     return measured
+
+
+def warm_up_room(kv_cache: Any) -> int:
+    """The blocks a successor's warm-up commits before it can graft this cache: what this engine's warm-up
+    committed (the same model and settings warm up alike), and a tenth more. Left out of a kept cache, so that a
+    successor finds them free beside it even where the cache had the whole budget (on an H100 a successor could
+    not commit its first block otherwise)."""
+    committed = kv_cache.num_committed_blocks
+    return committed + max(1, committed // 10)
 
 
 def grafting(original: Callable[..., Any]) -> Callable[..., Any]:
