@@ -87,3 +87,12 @@ def test_a_successor_takes_the_gpu_over_from_its_predecessor(gpu_daemons, run_di
     assert first.proc.wait(10) == 0 and "took over from pid" in second.log()
     with pytest.raises(RuntimeError, match=f"already served by hbmd pid {second.pid} "):
         gpu_daemons(run_dir / "elsewhere")
+
+
+@pytest.mark.unit
+def test_the_lock_directory_is_made_where_it_is_missing(tmp_path):
+    """/run/hbmd does not outlive a boot: the first daemon since makes it (seen missing on a GPU machine)."""
+    lock = DeviceLock(tmp_path / "run" / "hbmd", UUID)
+    lock.acquire("/run/one")
+    assert (tmp_path / "run" / "hbmd" / f"gpu-{UUID}.lock").read_text() == f"{os.getpid()} /run/one\n"
+    lock.release()
