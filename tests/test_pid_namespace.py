@@ -114,6 +114,7 @@ def test_two_processes_of_one_uid_have_queues_of_their_own(start_daemon, spawn_w
     assert warnings and "a connection whose process the daemon cannot see" in warnings[0]
 
 
+@pytest.mark.torch
 def test_after_a_cold_restart_only_the_process_that_held_a_session_declares_what_it_maps(start_daemon, spawn_worker):
     """Another process of the uid, which can read pid 0 as well as any, can neither start the victim's session over
     nor make itself eligible by asking for a session it never held; the victim declares its buffer and goes on."""
