@@ -109,7 +109,10 @@ class Keeper:
         if adopted:
             log.info("hbmd: adopted %d cached KV blocks from the predecessor's prefix cache", len(adopted))
         header = {"key": key, "buffers": [note["buffer_id"] if note else None for note in notes]}
-        self.writer = IndexWriter(index_path(), header, adopted)
+        try:
+            self.writer = IndexWriter(index_path(), header, adopted)
+        except OSError as exc:
+            self.abandon(exc)
 
     def read_note(self, rank: int) -> dict[str, Any] | None:
         try:
@@ -170,7 +173,8 @@ class Keeper:
 
     def computed(self, output: Any) -> None:
         """Before ``update_from_output``: the step of ``output`` has finished; publish what it completed."""
-        assert self.writer is not None
+        if self.writer is None:
+            return
         for block_id, epoch, block_hash, num_tokens in self.waiting.pop(id(output), ()):
             block = self.pool.blocks[block_id]
             if self.epochs[block_id] == epoch and block.block_hash == block_hash and \
@@ -185,19 +189,37 @@ class Keeper:
         if block.block_hash is None:
             return
         self.epochs[block.block_id] += 1
-        if self.published.pop(block.block_id, None) is not None:
-            assert self.writer is not None
+        if self.published.pop(block.block_id, None) is not None and self.writer is not None:
             self.writer.withdraw(block.block_id)
 
     def cleared(self) -> None:
-        assert self.writer is not None
         self.epochs = [epoch + 1 for epoch in self.epochs]
         self.published.clear()
-        self.writer.clear()
+        if self.writer is not None:
+            self.writer.clear()
 
     def flush(self) -> None:
-        if self.writer is not None:
+        if self.writer is None:
+            return
+        try:
             self.writer.flush()
+        except OSError as exc:
+            self.abandon(exc)
+
+    def abandon(self, exc: OSError) -> None:
+        """The index cannot be written (its folder full or gone): the engine serves on without keeping its prefix
+        cache, and the index goes, so that no successor trusts what the withdrawals it lost would have changed."""
+        log.warning("hbmd cannot write the prefix index %s (%s): this engine's prefix cache will not be kept",
+                    index_path(), exc)
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.published.clear()
+        try:
+            index_path().unlink(missing_ok=True)
+        except OSError as gone:
+            log.error("the prefix index %s could not be removed (%s): delete it before the next start", index_path(),
+                      gone)
 
 
 def keeping_scheduler(scheduler_cls: Any) -> None:

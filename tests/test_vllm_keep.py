@@ -272,3 +272,22 @@ def test_a_successor_grafts_its_predecessors_blocks_in_place_of_its_warm_ups_and
     assert note["adopted_from"] == donor_id and note["adopted_blocks"] == 300 and note["buffer_id"] == mine.buffer_id
     assert mine.keep_orphan_s == vllm_keep.DEFAULT_GRACE_S
     kv.free()
+
+
+def test_an_index_that_cannot_be_written_goes_and_the_engine_serves_on(kept, model_folder, monkeypatch):
+    note(kept, 1, None)
+    engine = scheduler(model_folder)
+    engine.add_request(request("first", list(range(1, 70)), 3))
+    output = engine.schedule()
+    engine.update_from_output(output, outputs_for(output))
+    assert read_index(kept / "e.index").blocks  # published
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hbmd.integrations.kv_index.os.write", full)
+    for step in range(3):  # the engine goes on scheduling; its index is gone, not left stale
+        engine.add_request(request(f"more{step}", list(range(100 * step + 100, 100 * step + 140)), 2))
+        output = engine.schedule()
+        engine.update_from_output(output, outputs_for(output))
+    assert not (kept / "e.index").exists()
