@@ -22,7 +22,7 @@ A successor of the same ``HBMD_VLLM_ENGINE`` name adopts both:
 What makes this safe (ARCHITECTURE.md, "A prefix cache that survives the
 engine"): a block is published only after the step that computed it finished,
 and withdrawn, on disk, before the step that reuses it runs; the index is bound
-to everything the KV bytes depend on (:func:`compatibility`), and a successor
+to everything the KV bytes depend on (:func:`~hbmd.integrations.vllm_prefix.compatibility`), and a successor
 adopts only where every field agrees and every rank grafted the very buffers the
 index names, else it starts cold and says why; the daemon refuses to graft a
 buffer a live session holds, so a predecessor still running is waited for
@@ -111,10 +111,16 @@ class Donor:
 
     name: str
     buffer_id: int
+    segment_capacities: list[int]
     segment_sizes: list[int]
     physical_bytes: int
     held: bool
     """A live session holds it: the predecessor runs on."""
+
+    @classmethod
+    def listed(cls, info: Any) -> Donor:
+        return cls(info.name, info.buffer_id, list(info.segment_capacities), list(info.segment_sizes),
+                   info.physical_bytes, info.session_id > 0)
 
 
 @dataclasses.dataclass
@@ -153,8 +159,7 @@ def choose_names(client: Any, base: str, rank: int) -> KeptRank:
     other = names[1] if free[0] == names[0] else names[0]
     donor = None
     if other in listed:
-        b = listed[other]
-        donor = Donor(b.name, b.buffer_id, list(b.segment_sizes), b.physical_bytes, b.session_id > 0)
+        donor = Donor.listed(listed[other])
     return KeptRank(rank, free[0], donor)
 
 
@@ -170,14 +175,21 @@ def kept_tensor_options(client: Any, base: str, rank: int) -> dict[str, Any]:
 
 def donor_blocks(kv_cache: Any, donor: Donor) -> int:
     """The predecessor's blocks its buffer backs, in every segment."""
-    return min(size // stride for size, stride in zip(donor.segment_sizes, kv_cache.segment_strides, strict=True))
+    return min(size // stride for size, stride in zip(donor.segment_sizes, kv_cache.segment_strides))
 
 
-def settle_donor(client: Any) -> Donor | None:
+def settle_donor(client: Any, capacities: list[int]) -> Donor | None:
     """This rank's donor once no live session holds it (waiting up to ``HBMD_VLLM_KEEP_KV_WAIT_S``), None where
-    there is none or the predecessor runs on."""
+    there is none, the predecessor runs on, or its layout is not this engine's (``capacities``, per segment: another
+    model under this engine's name, which the daemon would refuse to graft)."""
     rank = _rank
     if rank is None or rank.donor is None:
+        return None
+    if rank.donor.segment_capacities != capacities:
+        log.warning("the kept KV cache %s is laid out for another model (%d segments, where this engine has %d): this "
+                    "engine starts with a cold cache; the daemon frees that one at its grace period's end",
+                    rank.donor.name, len(rank.donor.segment_capacities), len(capacities))
+        rank.donor = None
         return None
     deadline = time.monotonic() + seconds(WAIT, DEFAULT_WAIT_S, MOST_S)
     while rank.donor.held:
@@ -191,8 +203,7 @@ def settle_donor(client: Any) -> Donor | None:
         if not listed:
             rank.donor = None
             return None
-        b = listed[0]
-        rank.donor = Donor(b.name, b.buffer_id, list(b.segment_sizes), b.physical_bytes, b.session_id > 0)
+        rank.donor = Donor.listed(listed[0])
     return rank.donor
 
 
@@ -205,7 +216,7 @@ def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
     def measured(kv_cache: Any, *args: Any, **kwargs: Any) -> int:
         blocks = original(kv_cache, *args, **kwargs)
         client = getattr(kv_cache.buffer, "client", None)
-        donor = settle_donor(client) if client is not None else None
+        donor = settle_donor(client, list(kv_cache.buffer.segment_capacities)) if client is not None else None
         if donor is not None:
             blocks = min(kv_cache.capacity_blocks, blocks + donor_blocks(kv_cache, donor))
         room = warm_up_room(kv_cache)

@@ -291,3 +291,10 @@ def test_an_index_that_cannot_be_written_goes_and_the_engine_serves_on(kept, mod
         output = engine.schedule()
         engine.update_from_output(output, outputs_for(output))
     assert not (kept / "e.index").exists()
+
+
+def test_a_kept_cache_of_another_layout_is_left_alone_and_the_engine_starts_cold(kept, monkeypatch):
+    donor = vllm_keep.Donor("vllm-e-rank0", 7, [4 << 20] * 12, [2 << 20] * 12, 24 << 20, held=False)
+    monkeypatch.setattr(vllm_keep, "_rank", vllm_keep.KeptRank(0, "vllm-e-rank0.b", donor))
+    assert vllm_keep.settle_donor(None, [8 << 20] * 4) is None  # another model under the engine's name: no graft
+    assert vllm_keep._rank.donor is None
