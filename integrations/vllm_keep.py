@@ -191,11 +191,12 @@ def settle_donor(client: Any, capacities: list[int]) -> Donor | None:
                     rank.donor.name, len(rank.donor.segment_capacities), len(capacities))
         rank.donor = None
         return None
-    deadline = time.monotonic() + seconds(WAIT, DEFAULT_WAIT_S, MOST_S)
+    wait = seconds(WAIT, DEFAULT_WAIT_S, MOST_S)
+    deadline = time.monotonic() + wait
     while rank.donor.held:
         if time.monotonic() >= deadline:
             log.warning("the predecessor still holds %s after %g s: this engine starts with a cold cache",
-                        rank.donor.name, seconds(WAIT, DEFAULT_WAIT_S, MOST_S))
+                        rank.donor.name, wait)
             rank.donor = None
             return None
         time.sleep(WAIT_POLL_S)

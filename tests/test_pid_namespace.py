@@ -42,7 +42,7 @@ kv.resize_(4 << 20)
 kv.full_view()[: 4 << 20] = 7
 print(client.session_id, flush=True)
 input()
-print(client._recovery.started_over, int(kv.full_view()[: 4 << 20].float().mean()), flush=True)
+print(client._recovery.started_over, kv.full_view()[: 4 << 20].unique().tolist(), flush=True)
 """
 
 
@@ -144,4 +144,4 @@ def test_after_a_cold_restart_only_the_process_that_held_a_session_declares_what
         wait_until(lambda: [(b.name, b.held_elsewhere, b.physical_bytes) for b in look.buffers()]
                    == [("kv", True, 4 * MiB)])
     victim.send("go")
-    assert victim.readline() == "1 7"  # started over once, its bytes where it wrote them
+    assert victim.readline() == "1 [7]"  # started over once, its bytes where it wrote them

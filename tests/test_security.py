@@ -553,6 +553,18 @@ def test_buffers_and_their_segments_per_uid_are_capped(start_daemon):
 # 4. A full state directory; persistent buffers without end.
 
 
+def fill(filler) -> None:
+    """Write ``filler`` until its filesystem is full."""
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass  # full
+    finally:
+        os.close(fd)
+
+
 @pytest.fixture
 def full_state_dir(run_dir):
     """A 64 KiB tmpfs as the state directory, filled up by a file the test can remove."""
@@ -563,27 +575,9 @@ def full_state_dir(run_dir):
     if subprocess.run(mount, capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     filler = state_dir / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass  # full
-    finally:
-        os.close(fd)
+    fill(filler)
     yield state_dir, filler
     subprocess.run(["umount", "-l", str(state_dir)], check=False)
-
-
-def fill(filler) -> None:
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass  # full
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.torch
