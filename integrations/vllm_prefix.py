@@ -158,15 +158,19 @@ class Keeper:
             if looked > len(blocks) or (looked and blocks[looked - 1].block_id != last):
                 looked = 0  # preempted and scheduled again: its blocks are new
             full = min(len(blocks), request.num_computed_tokens // self.block_size)
-            for index in range(looked, full):
+            index = looked
+            while index < full:
                 block = blocks[index]
-                if block.is_null or block.block_hash is None or block.block_hash_num_tokens != (index + 1) * \
-                        self.block_size:
-                    continue
-                completes.append((block.block_id, self.epochs[block.block_id], bytes(block.block_hash),
-                                  block.block_hash_num_tokens))
-            if full > looked:
-                self.cursors[req_id] = (full, blocks[full - 1].block_id)
+                if block.block_hash is None and not block.is_null:
+                    # Its last token is not known yet (an asynchronous scheduler samples it in the step before):
+                    # looked at again in a later step, once it is.
+                    break
+                if block.block_hash is not None and block.block_hash_num_tokens == (index + 1) * self.block_size:
+                    completes.append((block.block_id, self.epochs[block.block_id], bytes(block.block_hash),
+                                      block.block_hash_num_tokens))
+                index += 1
+            if index > looked:
+                self.cursors[req_id] = (index, blocks[index - 1].block_id)
         if completes:
             self.waiting[id(output)] = completes
         self.flush()

@@ -30,6 +30,7 @@ from vllm.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, Sche
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
@@ -65,7 +66,7 @@ def kept(monkeypatch, tmp_path):
     return tmp_path / "index"
 
 
-def scheduler(folder, salt: str = "") -> Scheduler:
+def scheduler(folder, salt: str = "", kind: type[Scheduler] = Scheduler) -> Scheduler:
     model = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=1024)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.num_gpu_blocks = NUM_BLOCKS
@@ -78,8 +79,8 @@ def scheduler(folder, salt: str = "") -> Scheduler:
                        kv_cache_tensors=[KVCacheTensor(size=size, layers=["l0"], layer_stride=size,
                                                        block_stride=SPEC.page_size_bytes)])
     init_none_hash(get_hash_fn_by_name("sha256"))
-    return Scheduler(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
-                     block_size=BLOCK, log_stats=False)
+    return kind(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
+                block_size=BLOCK, log_stats=False)
 
 
 def note(folder, buffer_id: int, adopted_from: int | None) -> None:
@@ -104,13 +105,14 @@ class Gpu:
         self.prefixes: dict[bytes, tuple[int, ...]] = {}
         """Every block hash seen, and the prefix it stands for."""
 
-    def run(self, s: Scheduler, output) -> None:
+    def run(self, output, placed: dict[str, tuple[Request, int, list]]) -> None:
+        """Write what the step of ``output`` computes, each request's tokens where :func:`where_placed` saw them
+        placed when the step was scheduled (an asynchronous scheduler has scheduled the next step since, and may
+        have finished the request)."""
         for req_id, count in output.num_scheduled_tokens.items():
-            req = s.requests[req_id]
+            req, start, blocks = placed[req_id]
             tokens = req.all_token_ids
-            blocks = s.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks[req_id]
-            end = req.num_computed_tokens
-            for position in range(end - count, end):
+            for position in range(start, start + count):
                 self.slots[(blocks[position // BLOCK].block_id, position % BLOCK)] = tuple(tokens[: position + 1])
             for index, block_hash in enumerate(req.block_hashes):
                 self.prefixes[bytes(block_hash)] = tuple(tokens[: (index + 1) * BLOCK])
@@ -126,30 +128,50 @@ def outputs_for(output) -> ModelRunnerOutput:
     return ModelRunnerOutput(req_ids=ids, sampled_token_ids=[[7] for _ in ids])
 
 
+def where_placed(s: Scheduler, output) -> dict[str, tuple[Request, int, list]]:
+    """Per request of the step just scheduled: the request, where its tokens of the step begin, its blocks."""
+    blocks_of = s.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
+    return {r: (s.requests[r], s.requests[r].num_computed_tokens - n, list(blocks_of[r]))
+            for r, n in output.num_scheduled_tokens.items()}
+
+
 def drive(s: Scheduler, gpu: Gpu, rng: random.Random, steps: int, stop_at: str) -> None:
-    """Random requests over a few shared prefixes through ``steps`` steps, stopping the last one at ``stop_at``."""
+    """Random requests over a few shared prefixes through ``steps`` steps, stopping the last one at ``stop_at``.
+
+    An asynchronous scheduler schedules a step before the previous one's output is processed, as vLLM's engine
+    does with ``async_scheduling``: the step runs on the GPU behind the one before, and its output is processed
+    after the next step was scheduled."""
     prefixes = [[rng.randrange(1, 1000) for _ in range(rng.choice((20, 40, 70)))] for _ in range(3)]
+    ahead = isinstance(s, AsyncScheduler)
+    pending = None
     for step in range(steps):
         if rng.random() < 0.5 or not s.requests:
             tokens = rng.choice(prefixes) + [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 40))]
             s.add_request(request(f"r{step}", tokens, rng.randrange(1, 30)))
         output = s.schedule()
+        placed = where_placed(s, output)
         if step == steps - 1 and stop_at == "scheduled":
             return
-        gpu.run(s, output)
+        if not ahead:
+            pending = (output, placed)
+        if pending is not None:
+            gpu.run(*pending)
         if step == steps - 1 and stop_at == "ran":
             return
-        s.update_from_output(output, outputs_for(output))
+        if pending is not None:
+            s.update_from_output(pending[0], outputs_for(pending[0]))
+        pending = (output, placed) if ahead else None
 
 
+@pytest.mark.parametrize("kind", [Scheduler, AsyncScheduler], ids=["sync", "async"])
 def test_a_successor_adopts_only_blocks_that_hold_the_prefix_their_hash_names_wherever_the_engine_died(
-        kept, model_folder):
+        kept, model_folder, kind):
     rng = random.Random(1234)
     adopted_total = 0
     for trial in range(40):
         note(kept, 100 + trial, None)
         gpu = Gpu()
-        predecessor = scheduler(model_folder)
+        predecessor = scheduler(model_folder, kind=kind)
         drive(predecessor, gpu, rng, rng.randrange(2, 60), rng.choice(("scheduled", "ran", "processed")))
         note(kept, 200 + trial, 100 + trial)
         successor = scheduler(model_folder)
@@ -169,7 +191,7 @@ def test_the_first_request_of_a_known_prefix_after_a_restart_is_served_from_the_
     predecessor.add_request(request("first", prompt, 3))
     for _ in range(4):
         output = predecessor.schedule()
-        gpu.run(predecessor, output)
+        gpu.run(output, where_placed(predecessor, output))
         predecessor.update_from_output(output, outputs_for(output))
     assert len(read_index(kept / "e.index").blocks) == 4  # 69 tokens: four full blocks
     note(kept, 2, 1)
