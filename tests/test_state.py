@@ -482,7 +482,7 @@ def test_the_host_pool_waits_while_a_move_is_in_flight_and_releases_what_it_is_g
         made.append(size)
         return bytearray(size)
 
-    pool = HostPool(1024, 2048, make, released.append)
+    pool = HostPool(1024, 2048, make, released.append, quiet_s=0.5, retry_s=0.1)
     given = bytearray(4096)
     pool.give_back(given, 4096)  # no thread yet: released at once
     assert released == [given]
@@ -490,7 +490,7 @@ def test_the_host_pool_waits_while_a_move_is_in_flight_and_releases_what_it_is_g
     time.sleep(0.3)
     assert pool.bytes == 0 and made == []  # a move is in flight: nothing is pinned beside it
     pool.idle(4096, moving=False)
-    wait_until(lambda: pool.bytes == 2048)  # 2 s after the move (QUIET_S), and a pause after the failure
+    wait_until(lambda: pool.bytes == 2048)  # quiet_s after the move, and a pause after the failure
     assert made == [1024, 1024, 1024]
     assert len(pool.take(512)) == 512 and pool.bytes == 2048  # a piece of another size is made, not taken
     pool.idle(4096, moving=True)

@@ -53,8 +53,12 @@ class HostPool(Generic[C]):
     """Host-tier pieces of ``piece`` bytes made ahead, up to ``target`` bytes, and host-tier chunks released late, by
     a thread started at the first :meth:`idle`."""
 
-    def __init__(self, piece: int, target: int, make: Callable[[int], C], release: Callable[[C], None]) -> None:
+    def __init__(self, piece: int, target: int, make: Callable[[int], C], release: Callable[[C], None],
+                 quiet_s: float = QUIET_S, retry_s: float = RETRY_S) -> None:
+        """``quiet_s``, ``retry_s``: see :data:`QUIET_S` and :data:`RETRY_S` (a test's are short)."""
         self.piece = piece
+        self.quiet_s = quiet_s
+        self.retry_s = retry_s
         self.target = target
         self._make = make
         self._release = release
@@ -64,7 +68,7 @@ class HostPool(Generic[C]):
         self._unwanted_bytes = 0
         self._room = 0
         self._moving = False
-        self._moved_at = -QUIET_S
+        self._moved_at = -quiet_s
         """When the thread was last told of a move in flight (``time.monotonic``)."""
         self._closing = False
         self._changed = threading.Condition()
@@ -119,7 +123,7 @@ class HostPool(Generic[C]):
             while not self._closing:
                 if self._unwanted_bytes > self.target:
                     return self._pop_unwanted()
-                quiet_in = self._moved_at + QUIET_S - time.monotonic()
+                quiet_in = self._moved_at + self.quiet_s - time.monotonic()
                 if quiet_in > 0 or self._moving:
                     self._changed.wait(quiet_in if quiet_in > 0 else None)
                     continue
@@ -153,7 +157,7 @@ class HostPool(Generic[C]):
                 # Out of memory or descriptors: demotes still make their chunks themselves.
                 log.debug("host pool paused: %s", exc)
                 with self._changed:
-                    self._changed.wait(RETRY_S)
+                    self._changed.wait(self.retry_s)
                 continue
             with self._changed:
                 self._pieces.append(made)

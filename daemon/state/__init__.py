@@ -94,15 +94,15 @@ class State(Generic[A, C]):
         self.limits = limits
         self.tenant_table = Tenants(budget_bytes, config or Config(), host_budget_bytes)
         self.chunks: Chunks[A, C] = Chunks(backend)
-        self.session_table = Sessions(limits, reclaim_patience_s)
+        self.session_table = Sessions(limits, reclaim_patience_s, clock)
         self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self, wall_clock)
         self.orphan_table: Orphans[A, C] = Orphans(self.buffer_table, self.tenant_table)
         self.leases: Leases[A, C] = Leases(
-            backend, self.chunks, self.tenant_table, lease_bytes, lease_idle_s, credit_bytes
+            backend, self.chunks, self.tenant_table, lease_bytes, lease_idle_s, credit_bytes, clock
         )
         self.demote_idle_s = demote_idle_s
         self.clock = clock
-        self.started_at = time.monotonic()
+        self.started_at = clock()
         self.refused_at = float("-inf")
         """When the budget last refused a commit (monotonic)."""
         self.config_load = ConfigLoad()
@@ -519,7 +519,7 @@ class State(Generic[A, C]):
             self.leases.hold_off(requester)
 
     def withheld_bytes(self) -> int:
-        return self.leases.withheld_bytes(list(self.sessions.values()), time.monotonic())
+        return self.leases.withheld_bytes(list(self.sessions.values()), self.clock())
 
     def demote_for(self, tenant: Tenant, needed: int) -> int:
         """Ask idle sessions of demotable tenants (the config's ``demote``, in its order; never ``tenant``'s own, never

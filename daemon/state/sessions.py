@@ -28,8 +28,11 @@ RECLAIM_PATIENCE_S = 30.0
 class Sessions:
     """The instance's open sessions; a session's token is its only credential on the control plane."""
 
-    def __init__(self, limits: Limits, reclaim_patience_s: float = RECLAIM_PATIENCE_S) -> None:
+    def __init__(self, limits: Limits, reclaim_patience_s: float = RECLAIM_PATIENCE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the monotonic time sessions are stamped with and reclaims judged by (the state's)."""
         self.limits = limits
+        self.clock = clock
         self.credentials = Credentials(secrets.token_bytes(KEY_BYTES))
         """Issues and checks resume credentials: under a key of this run's own until the instance's is given."""
         self.reclaim_patience_s = reclaim_patience_s
@@ -135,7 +138,7 @@ class Sessions:
         session.token = secrets.token_hex(16)
         self._by_token[session.token] = session
         session.resume_by = None
-        session.connected_at = time.monotonic()
+        session.connected_at = self.clock()
         return session
 
     def unresumed(self, now: float, gone: Callable[[int], bool]) -> list[Session]:
@@ -186,10 +189,10 @@ class Sessions:
             reserved_bytes=sum(b.reserved for b in buffers),
             num_buffers=len(session.buffers),
             num_chunks=sum(len(b.chunks) for b in buffers),
-            connected_s=time.monotonic() - session.connected_at,
+            connected_s=self.clock() - session.connected_at,
             reclaim_requested_bytes=reclaim.requested_bytes if reclaim else 0,
             reclaim_released_bytes=reclaim.released_bytes if reclaim and reclaim.released_bytes is not None else -1,
-            reclaim_state=reclaim.outcome(time.monotonic(), self.reclaim_patience_s) if reclaim else "",
+            reclaim_state=reclaim.outcome(self.clock(), self.reclaim_patience_s) if reclaim else "",
             leased_bytes=session.leased_bytes,
             resuming=session.resume_by is not None,
         )
