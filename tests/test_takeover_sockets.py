@@ -206,7 +206,7 @@ def test_a_daemon_started_with_its_sockets_serves_on_them_and_leaves_them_to_the
 
 @pytest.mark.parametrize("wrong", ["swapped", "elsewhere", "one only"])
 def test_sockets_passed_that_are_not_the_instances_are_refused(start_daemon, run_dir, wrong):
-    paths, (control, handles) = activated(run_dir)
+    _, (control, handles) = activated(run_dir)
     if wrong == "swapped":
         named = {CONTROL: handles, HANDLES: control}
     elif wrong == "elsewhere":
