@@ -15,7 +15,9 @@ Two figures, each measured in one run against its baseline:
   again (the client declares again what its tensor maps): the longest wait
   between two of its calls' answers (how long its engine would stand), how
   many calls failed (none may), and how long the new daemon took from its
-  launch to serving.
+  launch to serving; and, of that pause, the client's own reconnect: how many
+  connects to the handle socket the kernel refused (nothing listening there),
+  how long it polled them, and how long it then waited for its welcome.
 
 ``python bench/restart_bench.py --backend cuda`` on a GPU node; the host
 backend needs 2 MiB of RAM per chunk (10,000 chunks: 20 GiB), so
@@ -38,7 +40,9 @@ import time
 from pathlib import Path
 
 from common import RESULTS_DIR, metadata, today_utc, write_json
-from hbmd.client import connect
+from hbmd.client import connect, recovery
+from hbmd.client.transport import HandleChannel
+from hbmd.proto.errors import DaemonUnavailable
 from hbmd.testing.spawn import DaemonProcess, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -188,6 +192,59 @@ class CallsInALoop:
         return [b - a for a, b in zip(self._answered, self._answered[1:])]
 
 
+class Reconnects:
+    """The client's reconnects to the handle socket while it resumes, counted from its side: the connects the kernel
+    refused (no socket file, or nobody listening behind it), the seconds from the first refused one to the next that
+    got through, and the seconds it then waited for the welcome. Installed in place of the ``HandleChannel`` its
+    recovery opens."""
+
+    def __init__(self) -> None:
+        self.refused = 0
+        self.refused_s = 0.0
+        self.welcome_wait_s = 0.0
+        self._first_refused: float | None = None
+
+    def __enter__(self) -> Reconnects:
+        counts = self
+
+        class CountedHandleChannel(HandleChannel):
+            def __init__(self, paths, timeout: float) -> None:
+                try:
+                    super().__init__(paths, timeout)
+                except DaemonUnavailable as exc:
+                    if exc.details.get("not_running"):
+                        counts.refused_one()
+                    raise
+                counts.got_through()
+
+            def handshake(self, hello):
+                started = time.monotonic()
+                try:
+                    return super().handshake(hello)
+                finally:
+                    counts.welcome_wait_s += time.monotonic() - started
+
+        recovery.HandleChannel = CountedHandleChannel
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        recovery.HandleChannel = HandleChannel
+
+    def refused_one(self) -> None:
+        self.refused += 1
+        if self._first_refused is None:
+            self._first_refused = time.monotonic()
+
+    def got_through(self) -> None:
+        if self._first_refused is not None:
+            self.refused_s += time.monotonic() - self._first_refused
+            self._first_refused = None
+
+    def figures(self) -> dict:
+        return {"refused_connects": self.refused, "refused_connects_s": round(self.refused_s, 3),
+                "welcome_wait_s": round(self.welcome_wait_s, 3)}
+
+
 HOWS = ("crash", "takeover", "cold")
 
 
@@ -205,12 +262,13 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         kv = ExtensibleTensor(chunks * 2 * GRANULE, "cpu" if backend == "host" else "cuda:0", num_segments=chunks,
                               client=client)
         kv.resize_per_segment_(GRANULE)
-        calls = CallsInALoop(client)
-        started = time.monotonic()
-        daemon = instance.take_over() if how == "takeover" else instance.crash()
-        serving = time.monotonic() - started
-        time.sleep(0.5)
-        gaps = calls.stop()
+        with Reconnects() as reconnects:
+            calls = CallsInALoop(client)
+            started = time.monotonic()
+            daemon = instance.take_over() if how == "takeover" else instance.crash()
+            serving = time.monotonic() - started
+            time.sleep(0.5)
+            gaps = calls.stop()
         restored = [line for line in daemon.log().splitlines()
                     if "restored:" in line or "took over from" in line or "declared again" in line]
         try:
@@ -226,6 +284,7 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         return {"chunks": chunks, "how": how, "benchmark_fds_before": fds_before,
                 "new_daemon_serving_s": round(serving, 3),
                 "client_pause_s": round(max(gaps), 3), "calls": len(gaps), "failed_calls": calls.failures,
+                **reconnects.figures(),
                 "log": restored[-1] if restored else ""}
     finally:
         instance.close()

@@ -15,28 +15,26 @@ import sys
 import textwrap
 import threading
 import time
-from pathlib import Path
 from typing import Any, Generic, NoReturn
 
-from hbmd.proto import PROTOCOL_VERSION
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
 
-from . import logs
+from . import inherit, logs
 from .backends import A, Backend, C
 from .backends.host import GRANULE, HostBackend, host_memory_bytes
 from .backends.pool import HOST_PIECE
 from .config import FORMAT as CONFIG_FORMAT
 from .config import Config, ConfigError, load_config
+from .inherit import Refusal, inherited_sockets, passed_sockets, take_over_from_predecessor
 from .notify import SystemdNotifier, listen_fds
-from .persist import RESUME_WINDOW_S, Persistence, unpack_image
+from .persist import RESUME_WINDOW_S
 from .reload import ConfigReloader
-from .restore import NewerState, restore
 from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
 from .server.device_lock import DeviceLock
 from .server.loop import HANDOVER_TIMEOUT_S
 from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, DEMOTE_IDLE_S, Limits, State
-from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
+from .takeover import Handover
 
 log = logging.getLogger("hbmd.daemon")
 
@@ -289,14 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Refusal(Exception):
-    """The daemon must not start: ``message`` says why, ``exit_code`` is 1 (cannot serve) or 2 (usage)."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 @dataclasses.dataclass
 class Daemon(Generic[A, C]):
     """Everything one instance is made of, built and checked before anything is bound."""
@@ -444,8 +434,12 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
         state.config_load.path = os.path.abspath(args.config)
         state.config_load.loaded()
     lock = threading.Lock()
-    handover = _take_over(args, state, paths) if args.takeover else None
-    persistence = _persistence(args, state, notifier, taken_over=handover is not None)
+    passed = listen_fds()
+    from_manager = passed_sockets(passed, paths)
+    taken = take_over_from_predecessor(args, state, paths) if args.takeover else None
+    handover, from_predecessor = taken if taken is not None else (None, None)
+    listening = inherited_sockets(from_predecessor, from_manager)
+    persistence = inherit.persistence(args, state, notifier, passed, taken_over=handover is not None)
     metrics = None
     if args.metrics_addr:
         from .metrics import Metrics
@@ -456,6 +450,7 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
             state, paths, lock=lock, notifier=notifier, group=settings.group, metrics=metrics, persistence=persistence,
             check_invariants=args.check_invariants, resume_window_s=args.resume_timeout,
             device_lock=DeviceLock(args.device_lock_dir, backend.device_uuid) if backend.device_uuid else None,
+            listening=listening,
         )
     except HandlerTableError as exc:
         raise Refusal(f"this hbmd build is inconsistent: {exc}", 1) from None
@@ -518,61 +513,6 @@ def _limits(args: argparse.Namespace) -> Limits:
     )
 
 
-def _persistence(
-    args: argparse.Namespace, state: State[A, C], notifier: SystemdNotifier, taken_over: bool
-) -> Persistence | None:
-    """Journal the state and park every chunk with systemd, restoring what an earlier run parked (``taken_over``:
-    the state came from the daemon taken over, and is parked and journaled afresh); None without a state directory
-    or a service manager, and then the FDs passed in are closed."""
-    passed = listen_fds()
-    if not (args.state_dir and notifier.enabled):
-        if args.state_dir:
-            log.warning("--state-dir %s: no service manager to keep the chunks (NOTIFY_SOCKET is not set), so nothing "
-                        "is journaled: a stop or a crash loses every buffer. Run under systemd (deploy/hbmd@.service), "
-                        "or upgrade with --takeover", args.state_dir)
-        for fd in (fd for fds in passed.values() for fd in fds):
-            os.close(fd)
-        return None
-    persistence = Persistence(
-        state, notifier, Path(args.state_dir) / f"{state.backend.instance}.journal", args.resume_timeout
-    )
-    if taken_over:
-        persistence.start_afresh(passed)
-        return persistence
-    try:
-        sessions, buffers = persistence.restore(passed)
-    except NewerState as exc:
-        raise Refusal(f"the journal {persistence.journal.path} cannot be restored: {exc}", 1) from None
-    log.info("every chunk is parked with the service manager; restored: %d sessions (resuming within %gs), %d buffers",
-             sessions, args.resume_timeout, buffers)
-    return persistence
-
-
-def _take_over(args: argparse.Namespace, state: State[A, C], paths: InstancePaths) -> Handover | None:
-    """Take the state and chunks of the daemon serving the instance into ``state``; None where none serves. Raises
-    :class:`Refusal` where it refuses or fails: it then serves on, and this daemon must not start."""
-    # Ready before the old daemon stops: what this one still has to start (NVML's first query) would be the clients'
-    # pause otherwise.
-    state.backend.free_bytes()
-    try:
-        handover = take_over(paths.takeover, PROTOCOL_VERSION[0], HANDOVER_TIMEOUT_S)
-    except NothingToTakeOver as exc:
-        log.info("--takeover: %s; starting afresh", exc)
-        return None
-    except TakeoverError as exc:
-        raise Refusal(f"--takeover: {exc}", 1) from None
-    try:
-        image = unpack_image(bytes(handover.state))
-        sessions, buffers = restore(state, image, handover.fds, args.resume_timeout)
-    except Exception as exc:  # the old daemon serves on: whatever went wrong here must not end both
-        handover.abandon()
-        raise Refusal(f"--takeover: the state handed over cannot be read ({exc}); pid {handover.peer_pid} serves on",
-                      1) from None
-    log.info("took over from pid %d: %d sessions (resuming within %gs), %d buffers", handover.peer_pid, sessions,
-             args.resume_timeout, buffers)
-    return handover
-
-
 def run(daemon: Daemon[A, C]) -> int:
     """Bind, publish, serve until SIGTERM, and clean up; returns the exit code.
 
@@ -589,8 +529,10 @@ def run(daemon: Daemon[A, C]) -> int:
     ConfigReloader(args.config, server.state, server.lock, notifier).install()
     _announce(daemon, metrics_url)
     server.publish()
-    if daemon.handover is not None and not daemon.handover.serving():
-        log.warning("the daemon taken over from exited before it heard this one serves")
+    if daemon.handover is not None:
+        if not daemon.handover.serving():
+            log.warning("the daemon taken over from exited before it heard this one serves")
+        server.took_over()
     notifier.ready(f"serving {backend.instance}: {backend.name} backend, budget {format_bytes(daemon.budget)}")
     try:
         server.run()

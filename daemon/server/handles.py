@@ -38,7 +38,6 @@ import select
 import socket
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Generic, TypeVar
 
 from hbmd.proto import (
@@ -133,18 +132,14 @@ class HandlePlane(Generic[A, C]):
         """The connection of each open session, by session id."""
         return self._by_session
 
-    def listen(self, path: Path, share: Callable[[Path], None]) -> None:
-        """Bind the handle socket at ``path``, let ``share`` set who may connect to it, and listen."""
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self._listener.bind(os.fspath(path))
-        share(path)
-        self._listener.listen(socket.SOMAXCONN)  # a burst of connections must not turn honest clients away
-        self._listener.setblocking(False)
+    def listen(self, listener: socket.socket) -> None:
+        """Accept clients on ``listener``, the handle socket, listening and non-blocking; it stays the caller's."""
+        self._listener = listener
         self._reserve_fd = self._open_reserve()
         self.descriptors.register(self._listener.fileno(), select.EPOLLIN)
 
     def close(self) -> None:
-        """Hang up on every session and close the handle socket, ending no session.
+        """Hang up on every session and stop accepting, ending no session.
 
         The daemon is stopping, not its clients: what they map stays theirs.
         Ending their sessions would release their chunks, and on the host
@@ -159,8 +154,9 @@ class HandlePlane(Generic[A, C]):
         if sessions:
             log.info("stopping with %d session(s) connected: their memory stays mapped in their processes", sessions)
         if self._listener is not None:
+            # Its owner keeps it open: a connect made meanwhile waits in its backlog for whoever accepts next.
             self.descriptors.unregister(self._listener.fileno())
-            self._listener.close()
+            self._listener = None
         if self._reserve_fd >= 0:
             os.close(self._reserve_fd)
             self._reserve_fd = -1

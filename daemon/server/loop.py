@@ -24,6 +24,7 @@ back again what the client has already mapped and written.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -36,7 +37,6 @@ from typing import TYPE_CHECKING, Generic
 
 import zmq
 from hbmd.proto import (
-    MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
     MAX_SEGMENTS,
     PROTOCOL_VERSION,
@@ -63,9 +63,10 @@ from ..takeover import TakeoverError, TakeoverListener
 from .admin import AdminRequests
 from .buffers import BufferRequests
 from .connection import HandleConnection
-from .control import UNREAD_PER_CONNECTION, ControlQueue
+from .control import ControlQueue
 from .device_lock import DeviceLock, DeviceTaken
-from .handles import HELLO_TIMEOUT_S, HandlePlane
+from .handles import HandlePlane
+from .listening import ListeningSockets
 from .outbox import DRAIN_CHECK_S
 from .ratelimit import RateLimitedLog
 from .registry import RequestHandlers, handler_table
@@ -123,6 +124,7 @@ class Server(Generic[A, C]):
         check_invariants: bool = False,
         resume_window_s: float = RESUME_WINDOW_S,
         device_lock: DeviceLock | None = None,
+        listening: ListeningSockets | None = None,
     ) -> None:
         """Raises :class:`HandlerTableError` when a request of the protocol has no handler here.
 
@@ -131,7 +133,8 @@ class Server(Generic[A, C]):
         check the state's invariants after every batch of events, and stop with
         :class:`InvariantViolated` where one does not hold (tests). ``resume_window_s``: how long sessions
         handed over to a successor wait for their clients (here too, should it fail). ``device_lock``: the GPU's
-        lock (one daemon per GPU), taken and let go with the instance's own.
+        lock (one daemon per GPU), taken and let go with the instance's own. ``listening``: the listening sockets
+        handed over or passed in, served on instead of binding new ones.
         """
         table = handler_table(self.HANDLER_CLASSES, requests())
         self.state = state
@@ -153,6 +156,7 @@ class Server(Generic[A, C]):
         self._dir_fd = -1
         self._context: zmq.Context = zmq.Context.instance()
         self._router: zmq.Socket | None = None
+        self._listening = listening
         self._requests = ControlQueue()
         """Control requests read from the router, waiting for their peer's turn."""
         self._waiting: dict[int, tuple[bytes, list[bytes]]] = {}
@@ -196,22 +200,13 @@ class Server(Generic[A, C]):
             instance_held = f"another hbmd is already serving {self.paths.directory}"
             raise AlreadyRunning(str(exc) if isinstance(exc, DeviceTaken) else instance_held) from None
         self.state.use_resume_key(resume_key(self._dir_fd))
-        for stale in (self.paths.control, self.paths.handles, self.paths.info, self._info_tmp):
-            try:
+        for stale in (self.paths.info, self._info_tmp):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale.name, dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                pass
-
-        self._router = self._context.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
-        self._router.setsockopt(zmq.RCVHWM, UNREAD_PER_CONNECTION)
-        # A control connection that never completes the ZeroMQ greeting is dropped as a hello-less one is.
-        self._router.setsockopt(zmq.HANDSHAKE_IVL, int(HELLO_TIMEOUT_S * 1000))
-        self._router.bind(self.paths.endpoint)
-        self._share(self.paths.control)
+        self._listening = ListeningSockets.serve(self._listening, self.paths, self._dir_fd, self.group)
+        self._router = self._listening.router(self._context)
         self._poller.register(self._router, zmq.POLLIN)
-        self._plane.listen(self.paths.handles, self._share)
+        self._plane.listen(self._listening.handles)
         self._successors = TakeoverListener(PROTOCOL_VERSION[0])
         self._successors.bind(self.paths.takeover)
         self._poller.register(self._successors.fileno(), zmq.POLLIN)
@@ -232,16 +227,6 @@ class Server(Generic[A, C]):
                         "directory, would not be refused", self.device_lock.device_uuid, self.device_lock.path.parent,
                         exc.strerror or exc)
             self.device_lock = None
-
-    def _share(self, path: Path) -> None:
-        """Let the ``--group`` connect to the socket at ``path`` (mode 0660, its group).
-
-        Only for the sockets, just bound in the daemon's own directory: nobody
-        else could have put a link in their place.
-        """
-        os.chmod(path, 0o660)
-        if self.group is not None:
-            os.chown(path, -1, self.group)
 
     @property
     def _info_tmp(self) -> Path:
@@ -307,9 +292,14 @@ class Server(Generic[A, C]):
             # Fed here only, once per turn, and every turn is bounded: a loop that stops turning stops feeding it.
             self._notifier.watchdog()
 
+    def took_over(self) -> None:
+        """The daemon taken over from was told this one serves: the sockets it gave are this one's to remove."""
+        if self._listening is not None:
+            self._listening.owned = True
+
     def close(self) -> None:
         """Hang up on every session, drop the sockets, files and lock."""
-        self._unbind()
+        self._unbind(for_good=True)
         self._plane.close_watches()
         if self._signals_installed:
             # The pipe closes below: a signal after that (a lingering daemon's SIGTERM) must not be written to it.
@@ -320,9 +310,14 @@ class Server(Generic[A, C]):
                 os.close(fd)
         self._wake_r = self._wake_w = -1
 
-    def _unbind(self) -> None:
-        """Hang up on every session (ending none) and close the sockets; remove their files while the lock is held,
-        and let it go."""
+    def _unbind(self, for_good: bool) -> None:
+        """Hang up on every session (ending none), stop accepting and let the lock go.
+
+        ``for_good``: close the listening sockets too, and remove the files
+        (theirs where they are this daemon's) while the lock is held. Else (a
+        handover) they stay open and in place, and connects wait in their
+        backlog for the successor, or for this daemon should it fail.
+        """
         self._plane.close()
         self._waiting.clear()  # their clients send them again once they have resumed
         self._requests.clear()
@@ -339,11 +334,12 @@ class Server(Generic[A, C]):
             self.device_lock.release()
         if self._lock_fd >= 0:
             # Only the daemon holding the lock may remove what it made: another one may be serving.
-            for path in (self.paths.control, self.paths.handles, self.paths.info, self.paths.takeover):
-                try:
+            for path in (self.paths.info, self.paths.takeover) if for_good else (self.paths.takeover,):
+                with contextlib.suppress(FileNotFoundError):
                     os.unlink(path.name, dir_fd=self._dir_fd)
-                except FileNotFoundError:
-                    pass
+        if for_good and self._listening is not None:
+            self._listening.close(self._dir_fd if self._lock_fd >= 0 else -1)
+            self._listening = None
         for fd in (self._lock_fd, self._dir_fd):
             if fd >= 0:
                 os.close(fd)
@@ -378,9 +374,10 @@ class Server(Generic[A, C]):
         serves.
 
         The sessions are hung up on (not ended) and marked resuming, and the
-        sockets and the lock let go, so that the successor can bind them; its
-        clients reconnect to it and resume. Where it fails before it serves,
-        this daemon binds again and serves on: its clients resume here.
+        lock let go; the listening sockets go to the successor with the chunks,
+        and their connects wait in the backlog meanwhile. Its clients reconnect
+        to it and resume. Where it fails before it serves, this daemon takes
+        the lock again and serves on: its clients resume here.
         """
         pending = successors.accept()
         if pending is None:
@@ -394,11 +391,12 @@ class Server(Generic[A, C]):
         fds = list(chunk_fds(self.state))
         log.info("handing over to pid %d: %d sessions, %d buffers, %d chunks, state of %d bytes", pending.peer_pid,
                  len(self.state.sessions), len(self.state.buffers), len(fds), len(image))
-        self._unbind()
+        self._unbind(for_good=False)
         for session in self.state.sessions.values():
             self.state.suspend_session(session, resume_by)
+        listening = self._listening.named_fds() if self._listening is not None else []
         try:
-            pending.hand_over(image, fds, HANDOVER_TIMEOUT_S)
+            pending.hand_over(image, fds + listening, HANDOVER_TIMEOUT_S)
             served = pending.wait_serving(HANDOVER_TIMEOUT_S)
         except (TakeoverError, OSError) as exc:
             log.error("handing over to pid %d failed: %s", pending.peer_pid, exc)
