@@ -6,6 +6,7 @@ import importlib.util
 import shutil
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,65 @@ from hbmd.testing import spawn
 TORCH_MISSING = importlib.util.find_spec("torch") is None
 
 
+SYSTEM_LANE = ("system", "cli", "flood", "vllm", "gpu")
+"""Markers of the second lane: tests of a second or more, which run after every test of the fast lane passed."""
+
+
+def in_system_lane(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) is not None for name in SYSTEM_LANE)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--lane", choices=("fast", "system"),
+                     help="run one lane: fast (unit and quick ipc tests, about two minutes) or system (the rest)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without torch, the tests that go through tensor views skip, saying so; the others run as ever."""
+    """The fast lane first (unit tests and quick ipc tests, about two minutes), then the system lane (``--lane``
+    picks one); without torch, the tests that go through tensor views skip, saying so."""
+    lane = config.getoption("--lane")
+    if lane is not None:
+        left = [item for item in items if in_system_lane(item) != (lane == "system")]
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if in_system_lane(item) == (lane == "system")]
+    items.sort(key=in_system_lane)  # stable: each lane keeps the files' order
+    fast = sum(not in_system_lane(item) for item in items)
+    if items and 0 < fast < len(items):
+        config.pluginmanager.register(Lanes(items[0].session, fast), "hbmd-lanes")
     if not TORCH_MISSING:
         return
     skip = pytest.mark.skip(reason="needs torch for tensor views: pip install torch==2.13.0 numpy")
     for item in items:
         if item.get_closest_marker("torch") is not None:
             item.add_marker(skip)
+
+
+class Lanes:
+    """Says when the fast lane has run, and stops there where it failed: the system lane takes ten minutes more, and
+    a broken fast test seldom leaves it worth waiting for (``--lane system`` runs it alone)."""
+
+    def __init__(self, session: pytest.Session, fast: int) -> None:
+        self.session = session
+        self.left = fast
+        self.failed = 0
+        self.began = time.monotonic()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.left <= 0:
+            return
+        self.failed += report.failed
+        if report.when == "teardown":
+            self.left -= 1
+            if self.left == 0:
+                self.fast_lane_ran()
+
+    def fast_lane_ran(self) -> None:
+        reporter = self.session.config.pluginmanager.get_plugin("terminalreporter")
+        verdict = f"{self.failed} failed" if self.failed else "passed"
+        if reporter is not None:
+            reporter.write_line(f"\nfast lane {verdict} in {time.monotonic() - self.began:.0f} s", bold=True)
+        if self.failed:
+            self.session.shouldstop = "the fast lane failed: the system lane did not run (--lane system runs it)"
 
 
 class DaemonProcess(spawn.DaemonProcess):

@@ -38,6 +38,7 @@ sys.stdin.readline()
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_four_racing_engines_never_exceed_the_budget_and_use_all_of_it(daemon, client, spawn_worker):
     racers = [spawn_worker(daemon, RACER) for _ in range(4)]
     for racer in racers:
@@ -147,6 +148,7 @@ def test_a_reclaim_request_reaches_the_engines_callback(quota_daemon):
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_an_ignored_reclaim_is_reported_and_the_session_lives_on(quota_daemon):
     idle = quota_daemon.connect(client_name="idle")
     t = ExtensibleTensor(16 * MiB, "cpu", client=idle)
@@ -256,6 +258,7 @@ def test_another_user_outside_the_group_cannot_connect(nobody_can_run_python, da
     assert result["connect"] == "DaemonUnavailable" and "permission denied" in result["message"]
 
 
+@pytest.mark.system
 def test_another_user_sees_and_touches_only_its_own_buffers(nobody_can_run_python, start_daemon):
     daemon = start_daemon("--budget", "256MiB", "--group", "nogroup")
     root = daemon.connect()

@@ -76,6 +76,7 @@ gained with ``fill``; what it does next is added after."""
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_chunks_made_on_credit_outlive_their_maker(start_daemon, spawn_worker):
     """The bind and its FDs are in the daemon's socket before the commit returns: a SIGKILL right after loses none."""
     daemon = start_daemon("--budget", "1GiB")
@@ -90,6 +91,7 @@ def test_chunks_made_on_credit_outlive_their_maker(start_daemon, spawn_worker):
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_chunks_made_on_credit_are_parked_across_a_restart(start_daemon, spawn_worker, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -142,6 +144,7 @@ ONE_DATAGRAM_PER_TURN = (
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_request_waits_for_the_binds_its_client_sent_before_it(start_daemon):
     """Binds queue up while the daemon is stopped, and a commit the credit cannot cover follows them. The daemon
     reads one datagram per turn, so the commit arrives with binds still unread: it waits for them, and neither the
@@ -173,6 +176,7 @@ def test_a_request_waits_for_the_binds_its_client_sent_before_it(start_daemon):
 
 @pytest.mark.torch
 @pytest.mark.parametrize("attach_at_once", [False, True], ids=["after-the-session-ends", "at-once"])
+@pytest.mark.system
 def test_a_worker_killed_with_binds_unread_keeps_what_it_committed(start_daemon, spawn_worker, attach_at_once):
     """A worker grows a persistent buffer in 24 binds while the daemon is stopped, and is killed. The daemon, reading
     one datagram per turn, sees the worker's exit with binds still unread: it reads them all before the session ends,
@@ -284,6 +288,7 @@ class TracingMapper(HostMapper):
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_the_listener_makes_the_next_chunk_ahead_and_a_commit_of_its_size_takes_it(start_daemon):
     daemon = start_daemon("--budget", "2GiB")
     mapper = TracingMapper()

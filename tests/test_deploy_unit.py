@@ -86,6 +86,7 @@ def allowed_syscalls(group: str) -> set[str]:
 @pytest.mark.ipc
 @needs_analyze
 @pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+@pytest.mark.system
 def test_every_system_call_of_the_daemon_passes_the_units_filter(run_dir):
     (allowed,) = unit_values("SystemCallFilter")
     config = run_dir / "tenants.toml"

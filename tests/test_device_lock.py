@@ -69,6 +69,7 @@ def gpu_daemons(tmp_path_factory):
 
 
 @pytest.mark.ipc
+@pytest.mark.system
 def test_a_second_daemon_of_one_gpu_in_another_run_directory_is_refused_naming_the_first(gpu_daemons, run_dir):
     first = gpu_daemons(run_dir / "a")
     with pytest.raises(RuntimeError, match=f"(?s)hbmd exited with 1:.*GPU {UUID} is already served by hbmd pid "

@@ -295,6 +295,7 @@ def outcomes(request) -> dict[Command, Outcome]:
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[c.id for c in COMMANDS])
+@pytest.mark.system
 def test_the_documented_command_runs_as_written(command, request):
     if command.key in NOT_RUN:
         pytest.skip(f"{command.id}: {NOT_RUN[command.key]}")

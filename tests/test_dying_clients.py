@@ -136,6 +136,7 @@ def wait_for_only_this_session(client, what: str) -> None:
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_workers_killed_at_any_point_leave_nothing_behind(start_daemon, spawn_worker):
     """Thirty workers SIGKILLed mid-commit, mid-batch, mid-free, mid-defragment or just connected:
     every byte and FD comes back, and the whole budget can be committed again."""

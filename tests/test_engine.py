@@ -58,6 +58,7 @@ def start_creator(daemon, spawn_worker):
     return worker, pid, chunks
 
 
+@pytest.mark.system
 def test_a_sigkilled_workers_persistent_buffer_is_attached_with_its_data(daemon, client, spawn_worker):
     worker, pid, chunks = start_creator(daemon, spawn_worker)
     assert chunks == 10
@@ -75,6 +76,7 @@ def test_a_sigkilled_workers_persistent_buffer_is_attached_with_its_data(daemon,
     assert client.status().committed_bytes == 20 * MiB
 
 
+@pytest.mark.system
 def test_a_name_attached_by_a_live_session_is_refused(daemon, client, spawn_worker):
     start_creator(daemon, spawn_worker)
     with pytest.raises(Conflict, match="attached by session"):
@@ -102,6 +104,7 @@ def test_session_end_frees_anonymous_buffers_and_keeps_persistent_ones(daemon, c
     assert [b.name for b in client.buffers()] == ["keep"]
 
 
+@pytest.mark.system
 def test_hbmctl_deletes_an_orphan_but_not_a_live_buffer(daemon, client, spawn_worker):
     worker, pid, _ = start_creator(daemon, spawn_worker)
     rd = str(daemon.run_dir)
@@ -123,6 +126,7 @@ def grown_in_steps(client, steps=8, **kwargs):
     return t
 
 
+@pytest.mark.system
 def test_defragment_preserving_keeps_data_and_makes_one_chunk_per_segment(daemon, client):
     t = grown_in_steps(client)
     assert t.num_chunks == 16
@@ -143,6 +147,7 @@ def test_defragment_preserving_keeps_data_and_makes_one_chunk_per_segment(daemon
     assert t.segment_sizes == [20 * MiB] * 2 and torch.equal(view[: 16 * MiB], data[: 16 * MiB])
 
 
+@pytest.mark.system
 def test_defragment_preserving_needs_budget_for_both_copies(client):
     t = ExtensibleTensor(256 * MiB, "cpu", client=client)
     for step in range(1, 81):
@@ -156,6 +161,7 @@ def test_defragment_preserving_needs_budget_for_both_copies(client):
     assert t.num_chunks == 1 and client.status().committed_bytes == 160 * MiB
 
 
+@pytest.mark.system
 def test_kv_commit_grows_and_defragments_in_one_step(client):
     k = ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=client)
     kv = ExtensibleKVCacheBuffers([(k, 2 * MiB)], num_blocks_capacity=16)
@@ -190,6 +196,7 @@ t.defragment(preserve=True)
 """
 
 
+@pytest.mark.system
 def test_a_worker_killed_mid_defragment_loses_nothing(daemon, client, spawn_worker):
     worker = spawn_worker(daemon, MID_DEFRAGMENT)
     pid = int(worker.readline())
@@ -219,6 +226,7 @@ def test_device_memory_and_kv_sizing(client):
         kv_blocks_that_fit(client, 0)
 
 
+@pytest.mark.system
 def test_sizing_an_engine_after_warm_up(client):
     # The engine flow: a small prefix for warm-up, then the final size from what is left.
     layers = [ExtensibleTensor(128 * MiB, "cpu", num_segments=2, client=client) for _ in range(2)]
@@ -248,6 +256,7 @@ def test_kv_views_keep_base_pointers_and_strides(client):
         kv_view(t, (2, blocks + 1, block_size, heads, head_dim), (0, 1, 2, 3, 4), torch.float16)
 
 
+@pytest.mark.system
 def test_kv_buffers_over_attached_tensors_start_at_their_committed_blocks(daemon, client):
     creator = daemon.connect()
     kv = ExtensibleKVCacheBuffers(

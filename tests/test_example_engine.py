@@ -55,6 +55,7 @@ def small_daemon(start_daemon):
     return start_daemon("--budget", "64MiB")
 
 
+@pytest.mark.system
 def test_an_engine_sizes_its_kv_cache_to_its_requests_and_finds_the_daemon_as_hbmctl_does(start_daemon, tmp_path):
     daemon = start_daemon("--budget", "4GiB")
     # No --run-dir: $HBMD_RUN_DIR says where the daemon is.
@@ -81,6 +82,7 @@ def test_with_no_daemon_it_says_where_it_looked_and_exits_1(run_dir):
     assert f"no hbmd is serving {run_dir}" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.system
 def test_a_worker_killed_halfway_resumes_on_its_kv_cache_with_identical_tokens(small_daemon):
     result = run_example(small_daemon, "crash-resume", "--new-tokens", "17", "--kill-after", "8")
     assert result["tokens_identical"] and result["ok"]
@@ -97,6 +99,7 @@ def test_a_worker_killed_halfway_resumes_on_its_kv_cache_with_identical_tokens(s
     client.close()
 
 
+@pytest.mark.system
 def test_a_released_kv_cache_commits_nothing_asleep_and_serves_correctly_after_waking(small_daemon):
     result = run_example(small_daemon, "sleep-wake")
     assert result["ok"]
@@ -110,6 +113,7 @@ def test_a_released_kv_cache_commits_nothing_asleep_and_serves_correctly_after_w
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)])]
 )
+@pytest.mark.system
 def test_asleep_mid_request_with_the_kv_cache_kept_it_wakes_and_finishes_with_undisturbed_tokens(start_daemon, device):
     backend, config, budget = ("host", "tiny", "64MiB") if device == "cpu" else ("cuda", "gpu-small", "16GiB")
     daemon = start_daemon("--budget", budget, "--host-budget", budget, backend=backend)
@@ -126,6 +130,7 @@ def test_asleep_mid_request_with_the_kv_cache_kept_it_wakes_and_finishes_with_un
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)])]
 )
+@pytest.mark.system
 def test_an_idle_engines_cache_is_demoted_to_make_room_and_comes_back_with_identical_tokens(
         start_daemon, tmp_path, device):
     backend, config, budget = ("host", "tiny", "256MiB") if device == "cpu" else ("cuda", "gpu-small", "16GiB")
@@ -146,6 +151,7 @@ def test_an_idle_engines_cache_is_demoted_to_make_room_and_comes_back_with_ident
     client.close()
 
 
+@pytest.mark.system
 def test_two_engines_size_from_what_is_left_and_both_show_in_the_sessions(small_daemon):
     result = run_example(small_daemon, "two-engines", "--tenants", "llama-a,llama-b", "--kv-share", "0.5")
     assert result["ok"]
@@ -162,6 +168,7 @@ def test_two_engines_size_from_what_is_left_and_both_show_in_the_sessions(small_
     assert first["committed_bytes"] >= first["available_at_sizing"] // 2 > 8 * MiB
 
 
+@pytest.mark.system
 def test_two_engines_stay_within_their_tenants_quotas(start_daemon, tmp_path):
     quotas = tmp_path / "tenants.toml"
     quotas.write_text(
@@ -177,6 +184,7 @@ def test_two_engines_stay_within_their_tenants_quotas(start_daemon, tmp_path):
     assert tenants["llama-a"]["max_bytes"] == 24 * MiB and tenants["llama-b"]["guaranteed_bytes"] == 32 * MiB
 
 
+@pytest.mark.system
 def test_a_restarted_worker_gets_the_same_tokens_from_weights_in_hbmd_as_from_a_checkpoint(small_daemon):
     result = run_example(small_daemon, "restart", "--new-tokens", "9")
     assert result["ok"] and result["tokens_identical"]
@@ -189,6 +197,7 @@ def test_a_restarted_worker_gets_the_same_tokens_from_weights_in_hbmd_as_from_a_
     assert not list(small_daemon.run_dir.glob("*.weights.pt"))
 
 
+@pytest.mark.system
 def test_two_engines_share_one_copy_of_the_weights(small_daemon):
     result = run_example(small_daemon, "share-weights")
     assert result["ok"] and result["tokens_identical"] and result["readers"] == 2
@@ -201,6 +210,7 @@ def test_two_engines_share_one_copy_of_the_weights(small_daemon):
     "device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not GPU_OK, reason=GPU_REASON)])]
 )
 @pytest.mark.parametrize("how", ["kill", "takeover", "kill cold"])
+@pytest.mark.system
 def test_an_engine_decoding_while_the_daemon_restarts_gets_the_tokens_of_an_undisturbed_run(
     start_daemon, run_dir, systemd, how, device
 ):

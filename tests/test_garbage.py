@@ -675,6 +675,7 @@ class Barrage:
         self.attacker.close()
 
 
+@pytest.mark.system
 def test_a_barrage_of_garbage_on_every_socket_changes_nothing(daemon):
     """Thousands of bad messages on both sockets: the daemon stays up, answers each bad request with a
     clean error, closes every FD it was sent, and a legitimate session's bytes and budget are untouched.

@@ -65,6 +65,7 @@ def orphan_left(daemon, spawn_worker) -> None:
         wait_until(lambda: [b.session_id for b in look.buffers()] == [0])
 
 
+@pytest.mark.system
 def test_a_graft_maps_the_orphans_bytes_at_the_buffers_own_address(daemon, spawn_worker):
     orphan_left(daemon, spawn_worker)
     client = daemon.connect(client_name="successor")
@@ -111,6 +112,7 @@ def refused(look, own: ExtensibleTensor, name: str, error: type, match: str) -> 
     assert (own.segment_sizes, own.num_physical_chunks, own.full_view().data_ptr()) == mapped
 
 
+@pytest.mark.system
 def test_each_refused_graft_changes_nothing(daemon, spawn_worker):
     orphan_left(daemon, spawn_worker)
     client = daemon.connect(client_name="successor", lease=False)  # no lease topped up meanwhile
@@ -190,6 +192,7 @@ def journaled_buffers(state_dir) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("how", ["fd-store", "takeover"])
+@pytest.mark.system
 def test_a_restart_right_after_a_graft_brings_back_the_grafted_buffer_and_no_orphan(
         start_daemon, spawn_worker, run_dir, systemd, how):
     state_dir = run_dir / "state"

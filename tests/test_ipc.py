@@ -252,6 +252,7 @@ print(t.full_view()[:1 << 20].unique().tolist(), flush=True)
 """
 
 
+@pytest.mark.system
 def test_several_worker_processes_share_one_daemon(daemon, client, spawn_worker):
     workers = [spawn_worker(daemon, WORKER) for _ in range(3)]
     held = [int(w.readline().split()[1]) for w in workers]
@@ -265,6 +266,7 @@ def test_several_worker_processes_share_one_daemon(daemon, client, spawn_worker)
     wait_until(lambda: client.status().committed_bytes == 0)
 
 
+@pytest.mark.system
 def test_a_sigkilled_worker_returns_its_memory_at_once(daemon, client, spawn_worker):
     client.status()  # our own control connection is accepted asynchronously: settle it first
     fds_before = daemon.open_fds()
@@ -281,6 +283,7 @@ def test_a_sigkilled_worker_returns_its_memory_at_once(daemon, client, spawn_wor
     assert daemon.alive()
 
 
+@pytest.mark.system
 def test_many_chunks_cost_the_daemon_one_file_descriptor_each_and_no_more(start_daemon):
     # 1,500 chunks in one commit: more than the default soft RLIMIT_NOFILE of 1,024 and six FD batches.
     daemon = start_daemon("--budget", "4GiB")
@@ -313,6 +316,7 @@ def status_while_stopped(daemon, client, match: str) -> tuple[float, float]:
         os.kill(daemon.pid, signal.SIGCONT)
 
 
+@pytest.mark.system
 def test_a_call_on_a_stopped_daemon_fails_within_its_timeout_naming_the_socket(daemon):
     client = daemon.connect(timeout=1.0)
     wall, _ = status_while_stopped(daemon, client, "control.sock")
@@ -320,6 +324,7 @@ def test_a_call_on_a_stopped_daemon_fails_within_its_timeout_naming_the_socket(d
     assert client.status().num_sessions == 1  # the rebuilt socket works again
 
 
+@pytest.mark.system
 def test_a_call_polls_for_its_reply_then_sleeps_within_its_timeout(daemon, monkeypatch):
     monkeypatch.setenv("HBMD_SPIN_US", "50000")
     client = daemon.connect(timeout=1.0)
@@ -331,6 +336,7 @@ def test_a_call_polls_for_its_reply_then_sleeps_within_its_timeout(daemon, monke
     assert client.status().num_sessions == 1
 
 
+@pytest.mark.system
 def test_a_call_polling_longer_than_its_timeout_still_ends_at_the_timeout(daemon, monkeypatch):
     monkeypatch.setenv("HBMD_SPIN_US", str(60 * 10**6))
     client = daemon.connect(timeout=0.5)
@@ -352,6 +358,7 @@ def test_connecting_where_no_daemon_runs_names_the_socket(run_dir):
         connect("cpu", run_dir=run_dir, timeout=1.0)
 
 
+@pytest.mark.system
 def test_a_dead_daemon_is_reported_not_hung(daemon):
     client = daemon.connect(timeout=1.0, resume_timeout=1.0)
     daemon.kill()
@@ -416,6 +423,7 @@ def test_a_different_major_version_is_refused(daemon):
     assert daemon.alive()
 
 
+@pytest.mark.system
 def test_a_session_that_never_says_hello_is_dropped(daemon):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.settimeout(10)

@@ -227,12 +227,14 @@ def check(journaled: Journaled, what: str, restored: set[tuple[str, int]], log: 
     return ""
 
 
+@pytest.mark.system
 def test_the_untouched_journal_restores_everything(journaled, tmp_path):
     restored, _ = restart_over(journaled, journaled.bytes, tmp_path)
     assert restored == {("s", i) for i in journaled.sessions} | {("b", i) for i in journaled.buffers}
     assert len(journaled.sessions) == 3 and len(journaled.buffers) == 4
 
 
+@pytest.mark.system
 def test_one_damaged_record_loses_that_record_alone(journaled, tmp_path):
     runs: list[tuple[str, bytes, set[tuple[str, int]] | None]] = [
         (what, data, None) for what, data in byte_mutations(journaled.bytes)

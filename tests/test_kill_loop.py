@@ -111,6 +111,7 @@ def confirm(kv: ExtensibleTensor, confirmed: list[int]) -> list[int]:
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, client):
     rng = random.Random(20261202)
     env = dict(os.environ, HBMD_RUN_DIR=str(daemon.run_dir))

@@ -113,6 +113,7 @@ def test_a_run_of_several_granules_is_one_chunk_from_the_daemon_as_without_a_lea
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_leased_bytes_are_charged_at_grant_shown_apart_and_returned_when_the_session_ends(daemon, client):
     worker = daemon.connect(client_name="engine")
     t = ExtensibleTensor(64 * MiB, "cpu", client=worker)
@@ -163,6 +164,7 @@ def test_a_lease_made_one_granule_a_turn_fills_without_the_loop_waiting_between(
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_worker_that_only_grows_from_its_lease_keeps_a_bounded_record(daemon, client, monkeypatch):
     """Placements are kept to send again after a restart until an answer confirms them; a worker that sends no
     request asks for one past MAX_UNCONFIRMED, so what it keeps stays bounded, however long it runs."""
@@ -243,6 +245,7 @@ def test_hbmctl_reclaim_takes_the_lease_back_first(daemon, client):
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_lease_its_session_does_not_give_back_is_not_promised_to_a_retry(daemon, spawn_worker):
     deaf = spawn_worker(
         daemon,
@@ -323,6 +326,7 @@ def test_a_buffer_of_more_segments_than_a_placement_carries_grows_through_the_da
     assert daemon_view(client, wide).physical_bytes == wide.physical_bytes == GRANULE
 
 
+@pytest.mark.system
 def test_a_session_that_dies_with_placements_unread_keeps_them(daemon, client, spawn_worker):
     """The worker's placements reach the daemon's socket before its commits return, and the daemon reads them
     before it ends the session, however fast the death."""
@@ -352,6 +356,7 @@ def test_a_session_that_dies_with_placements_unread_keeps_them(daemon, client, s
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_leased_granules_are_parked_across_a_restart(start_daemon, spawn_worker, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -387,6 +392,7 @@ def test_leased_granules_are_parked_across_a_restart(start_daemon, spawn_worker,
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_client_dropped_without_close_ends_its_session(daemon, client):
     dropped = daemon.connect(client_name="dropped")
     ExtensibleTensor(16 * MiB, "cpu", client=dropped, name="kept", persistent=True).resize_(GRANULE)
@@ -420,6 +426,7 @@ def test_a_placement_claiming_a_petabyte_is_refused_without_the_daemon_counting_
     assert time.monotonic() - started < 5 and daemon.alive()
 
 
+@pytest.mark.system
 def test_a_session_flooding_its_socket_does_not_hold_the_daemon(daemon, client, spawn_worker):
     worker = spawn_worker(
         daemon,
@@ -444,6 +451,7 @@ def test_a_session_flooding_its_socket_does_not_hold_the_daemon(daemon, client, 
     worker.kill()
 
 
+@pytest.mark.system
 def test_a_closed_client_leaves_no_descriptor_behind(daemon, spawn_worker):
     # Counted in a process of its own: in this one, threads that earlier tests left running open and close
     # descriptors of their own meanwhile.

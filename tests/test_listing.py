@@ -60,6 +60,7 @@ def hostile(start_daemon, spawn_worker, run_dir):
     client.close()
 
 
+@pytest.mark.system
 def test_another_uids_buffers_never_break_roots_listing(hostile):
     daemon, client, weights_id, _ = hostile
     listed = client.buffers()
@@ -73,6 +74,7 @@ def test_another_uids_buffers_never_break_roots_listing(hostile):
     assert [w["buffer_id"] for w in json.loads(weights.stdout)["weights"]] == [weights_id]
 
 
+@pytest.mark.system
 def test_every_page_stays_far_below_the_frame_limit(hostile):
     _, client, _, _ = hostile
     after, pages = 0, 0
@@ -86,6 +88,7 @@ def test_every_page_stays_far_below_the_frame_limit(hostile):
     assert pages > 1
 
 
+@pytest.mark.system
 def test_a_lookup_by_name_is_one_small_answer(hostile):
     """How an engine finds its weights: by name and owner, never by reading every user's buffers."""
     _, client, weights_id, _ = hostile
@@ -95,6 +98,7 @@ def test_a_lookup_by_name_is_one_small_answer(hostile):
     assert len(client.buffers(name=WEIGHTS, owner_uid=NOBODY)) == 1024
 
 
+@pytest.mark.system
 def test_sessions_are_listed_in_pages_and_asked_for_one_by_one(hostile):
     _, client, _, hostile_session = hostile
     assert {s.session_id for s in client.sessions()} == {client.session_id, hostile_session}
@@ -104,6 +108,7 @@ def test_sessions_are_listed_in_pages_and_asked_for_one_by_one(hostile):
     assert client.session_id not in [s.session_id for s in page.sessions] and not page.more
 
 
+@pytest.mark.system
 def test_a_page_holds_at_most_its_bound_of_buffers(daemon, client):
     made = [client.create_buffer(2 * MiB, 1).buffer_id for _ in range(proto.MAX_LISTED + 5)]
     first = client.call(proto.ListBuffers())

@@ -236,6 +236,7 @@ def test_orphaned_persistent_buffers_are_counted_until_attached_again(start_daem
         assert value(samples, "hbmd_orphaned_bytes") == 0 and value(samples, "hbmd_committed_bytes") == 6 * MiB
 
 
+@pytest.mark.system
 def test_config_reloads_show_in_metrics_and_in_hbmctl_status(start_daemon, run_dir):
     port = free_port()
     config = run_dir / "tenants.toml"
@@ -266,6 +267,7 @@ def test_config_reloads_show_in_metrics_and_in_hbmctl_status(start_daemon, run_d
     assert "refused" not in line
 
 
+@pytest.mark.system
 def test_without_a_config_there_is_no_reload_to_report(start_daemon, run_dir):
     port = free_port()
     start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
@@ -273,6 +275,7 @@ def test_without_a_config_there_is_no_reload_to_report(start_daemon, run_dir):
     assert "config:" not in hbmctl("--run-dir", str(run_dir), "status").stdout
 
 
+@pytest.mark.system
 def test_a_takeover_keeps_the_metrics_address_and_the_lingering_predecessor_reports_nothing(start_daemon):
     port = free_port()
     args = ("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
@@ -289,6 +292,7 @@ def test_a_takeover_keeps_the_metrics_address_and_the_lingering_predecessor_repo
     assert all(line.startswith("{") for line in lines), [line for line in lines if not line.startswith("{")][:5]
 
 
+@pytest.mark.system
 def test_idle_connections_to_the_metrics_port_take_neither_the_daemons_descriptors_nor_its_requests(start_daemon):
     port = free_port()
     daemon = start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")

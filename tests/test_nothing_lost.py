@@ -51,6 +51,7 @@ sys.stdin.readline()
 """
 
 
+@pytest.mark.system
 def test_a_detached_buffer_is_attached_by_another_process_with_its_data(daemon, client, spawn_worker):
     client.status()  # our own handle connection is accepted asynchronously: settle it first
     fds_before = daemon.open_fds()
@@ -176,6 +177,7 @@ def test_a_session_ends_with_its_worker_even_while_a_child_lives(daemon, client,
     assert daemon.alive()
 
 
+@pytest.mark.system
 def test_an_attach_right_after_a_sigkill_never_meets_conflict(daemon, client, spawn_worker):
     """On even rounds the daemon is paused across the kill, so the attach reaches it with the death unnoticed."""
     client.status()
@@ -216,6 +218,7 @@ def test_a_stopped_daemon_that_does_not_come_back_is_a_lost_session_once_the_cli
     client.close()
 
 
+@pytest.mark.system
 def test_a_call_in_flight_when_the_daemon_dies_waits_for_it_no_longer_than_the_resume_timeout(daemon):
     client = daemon.connect(timeout=10.0, resume_timeout=0.5)
     client.status()
@@ -266,6 +269,7 @@ print(kept.buffer_id, lost.buffer_id, flush=True)
 """
 
 
+@pytest.mark.system
 def test_a_restart_skips_a_buffer_whose_parked_fd_did_not_come_back(start_daemon, spawn_worker, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()

@@ -36,6 +36,7 @@ def listed(daemon) -> list[dict]:
     return json.loads(hbmctl("--run-dir", str(daemon.run_dir), "buffers", "--json").stdout)["buffers"]
 
 
+@pytest.mark.system
 def test_an_orphan_nobody_takes_is_freed_at_its_deadline_and_said_so(daemon):
     client = daemon.connect(client_name="engine-a")
     left(client, keep_s=2.5)
@@ -56,6 +57,7 @@ def test_an_orphan_nobody_takes_is_freed_at_its_deadline_and_said_so(daemon):
             in daemon.log())
 
 
+@pytest.mark.system
 def test_an_attach_before_the_deadline_keeps_the_orphan_and_a_detach_starts_it_over(daemon):
     client = daemon.connect(client_name="engine-a")
     left(client, keep_s=1.0)
@@ -87,6 +89,7 @@ def test_a_daemon_older_than_1_11_is_asked_for_neither_a_graft_nor_a_grace_perio
         ExtensibleTensor(8 * MiB, "cpu", client=client, name="kv", persistent=True, keep_orphan_s=5)
 
 
+@pytest.mark.system
 def test_a_restart_keeps_the_deadline(start_daemon, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()

@@ -98,6 +98,7 @@ class Flood:
                 self._send(dealer)
 
 
+@pytest.mark.system
 def test_two_processes_of_one_uid_have_queues_of_their_own(start_daemon, spawn_worker):
     """Every peer reads as pid 0: a queue per pid would be one per uid, whose 32 requests a flood of another process
     of the uid keeps full, and the honest process's calls would be refused (``conflict``)."""
@@ -115,6 +116,7 @@ def test_two_processes_of_one_uid_have_queues_of_their_own(start_daemon, spawn_w
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_after_a_cold_restart_only_the_process_that_held_a_session_declares_what_it_maps(start_daemon, spawn_worker):
     """Another process of the uid, which can read pid 0 as well as any, can neither start the victim's session over
     nor make itself eligible by asking for a session it never held; the victim declares its buffer and goes on."""

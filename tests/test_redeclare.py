@@ -51,6 +51,7 @@ def committed(daemon) -> int:
 
 @pytest.mark.parametrize("how", ["kill", "term"])
 @pytest.mark.parametrize("lease", [False, True])
+@pytest.mark.system
 def test_after_a_cold_restart_the_new_daemon_counts_what_the_clients_map(start_daemon, how, lease):
     daemon = start_daemon("--budget", "256MiB")
     client = daemon.connect(client_name="engine", lease=lease)
@@ -97,6 +98,7 @@ def test_the_call_in_flight_goes_to_the_new_session_under_the_new_buffer_id(star
     assert committed(daemon) == 8 * MiB
 
 
+@pytest.mark.system
 def test_a_sealed_buffer_its_readers_map_is_counted_once_and_goes_with_the_last_of_them(start_daemon):
     daemon = start_daemon("--budget", "64MiB")
     with daemon.connect() as loader:
@@ -368,6 +370,7 @@ def test_a_gpu_kv_cache_goes_on_after_a_cold_restart_and_its_memory_is_freed_at_
     client.close()
 
 
+@pytest.mark.system
 def test_a_call_that_waits_for_the_daemon_says_so_once_and_again_when_it_goes_on(start_daemon, caplog):
     daemon = start_daemon("--budget", "64MiB")
     client = daemon.connect(lease=False)

@@ -33,6 +33,7 @@ print(kv.buffer_id, flush=True)
 """
 
 
+@pytest.mark.system
 def test_a_restart_keeps_persistent_buffers_and_their_data(start_daemon, spawn_worker, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -172,6 +173,7 @@ def test_a_journal_of_a_newer_daemon_is_left_alone_and_the_older_one_does_not_st
 
 
 @pytest.mark.parametrize("lost", ["every chunk", "the anonymous buffer's"])
+@pytest.mark.system
 def test_a_journal_back_without_its_chunks_never_leaves_memory_uncounted(start_daemon, run_dir, systemd, lost):
     """``systemctl stop`` then ``start`` within the resume window: the journal is there, the FD store is not (or only
     part of it). The session whose buffers cannot come back is not resumed: its client starts over and declares what
@@ -245,6 +247,7 @@ def test_a_reader_of_sealed_weights_lost_with_the_store_declares_them_again(star
     reader.close()
 
 
+@pytest.mark.system
 def test_weights_held_by_a_reader_alone_leave_no_orphan_when_the_store_is_lost_twice(start_daemon, run_dir, systemd):
     """Issue #51: the FD store lost at two restarts in a row. After the first, a reader declares the sealed weights
     it maps, held by it alone, beside its KV cache, which then grows on chunks the daemon parks. After the second its

@@ -127,6 +127,7 @@ def hellos_refused(daemon, round_: int) -> int:
 
 
 @pytest.mark.parametrize("fd_store", [True, False], ids=["kept", "cold"])
+@pytest.mark.system
 def test_restarts_under_load_lose_nothing_and_no_engine_notices(start_daemon, spawn_worker, run_dir, systemd, fd_store):
     state_dir = run_dir / "state"
     state_dir.mkdir()

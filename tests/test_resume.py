@@ -59,6 +59,7 @@ def accounts(client):
 
 @pytest.mark.parametrize("how", ["kill", "term"])
 @pytest.mark.parametrize("lease", [False, True])
+@pytest.mark.system
 def test_a_restart_keeps_every_session_and_buffer_and_the_next_call_goes_on(restartable, how, lease):
     client = restartable.daemon.connect(client_name="engine", lease=lease)
     engine = HostEngine(client)
@@ -80,6 +81,7 @@ def test_a_restart_keeps_every_session_and_buffer_and_the_next_call_goes_on(rest
     wait_until(lambda: "session 1 ended" in daemon.log())
 
 
+@pytest.mark.system
 def test_a_session_whose_client_does_not_come_back_ends_as_a_dead_one(restartable, spawn_worker):
     worker = spawn_worker(restartable.daemon, """
         from hbmd.client import ExtensibleTensor, connect
@@ -116,6 +118,7 @@ def test_a_client_gives_up_once_the_daemon_is_not_back_within_its_resume_timeout
         kv.resize_(4 * MiB)
 
 
+@pytest.mark.system
 def test_only_the_process_that_opened_a_session_may_resume_it(restartable, spawn_worker):
     worker = spawn_worker(restartable.daemon, """
         from hbmd.client import ExtensibleTensor, connect

@@ -71,6 +71,7 @@ def info(client, buffer_id):
     return next(b for b in client.buffers() if b.buffer_id == buffer_id)
 
 
+@pytest.mark.system
 def test_two_processes_read_a_sealed_buffer_at_once_and_see_the_same_bytes(daemon, client, spawn_worker):
     _writer, buffer_id, _ = sealed_writer(daemon, spawn_worker)
     readers = [spawn_worker(daemon, READER) for _ in range(2)]
@@ -99,6 +100,7 @@ def test_two_processes_read_a_sealed_buffer_at_once_and_see_the_same_bytes(daemo
     assert info(client, buffer_id).readers == 1
 
 
+@pytest.mark.system
 def test_a_write_through_a_read_only_mapping_faults_and_hurts_nobody_else(daemon, client, spawn_worker):
     _writer, buffer_id, _ = sealed_writer(daemon, spawn_worker)
     vandal = spawn_worker(daemon, READER)
@@ -165,6 +167,7 @@ def test_only_a_sealed_persistent_buffer_is_read_only_attached_or_sealed(daemon,
     assert client.status().num_buffers == 2 and not any(b.sealed or b.readers for b in client.buffers())
 
 
+@pytest.mark.system
 def test_deleting_a_sealed_buffer_waits_for_its_readers(daemon, client, spawn_worker):
     writer, _buffer_id, _ = sealed_writer(daemon, spawn_worker)
     writer.send("done")
@@ -229,6 +232,7 @@ def test_a_release_the_daemon_refuses_maps_the_tensor_back(daemon, client, monke
     assert filled(kv.tensor, 5) and kv.physical_bytes == 2 * MiB
 
 
+@pytest.mark.system
 def test_the_budget_counts_a_sealed_buffer_once_to_its_writers_tenant(start_daemon, spawn_worker):
     daemon = start_daemon("--budget", "10MiB")
     _writer, _buffer_id, writer_session = sealed_writer(daemon, spawn_worker)
@@ -248,6 +252,7 @@ def test_the_budget_counts_a_sealed_buffer_once_to_its_writers_tenant(start_daem
         assert client.status().committed_bytes == 10 * MiB
 
 
+@pytest.mark.system
 def test_the_writers_end_leaves_the_sealed_buffer_to_its_readers(daemon, client, spawn_worker):
     writer, buffer_id, _writer_session = sealed_writer(daemon, spawn_worker)
     w = ExtensibleTensor.attach("weights", "cpu", client=client, readonly=True)
@@ -270,6 +275,7 @@ def test_the_writers_end_leaves_the_sealed_buffer_to_its_readers(daemon, client,
             taken.free()
 
 
+@pytest.mark.system
 def test_a_restart_keeps_a_buffer_sealed(start_daemon, spawn_worker, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -310,6 +316,7 @@ print("wrote", flush=True)
 
 
 @pytest.mark.parametrize("how", ["seal", "attach"])
+@pytest.mark.system
 def test_the_owners_own_mapping_of_a_sealed_buffer_is_read_only(daemon, client, spawn_worker, how):
     if how == "attach":
         # The owner who takes over a sealed orphan maps it read-only too.

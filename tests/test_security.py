@@ -261,6 +261,7 @@ print(json.dumps(out), flush=True)
 """
 
 
+@pytest.mark.system
 def test_a_declared_tenant_name_does_not_lift_the_uids_max(nobody_can_run_python, start_daemon, run_dir):
     config = run_dir / "tenants.toml"
     config.write_text(f'[[tenants]]\nuid = {NOBODY}\nmax = "8MiB"\n\n[[tenants]]\nname = "open"\nmax = "128MiB"\n')
@@ -300,6 +301,7 @@ class NeverReads:
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_session_that_never_reads_its_fds_is_held_and_refused_more_while_others_are_served(daemon, client):
     fds_before = settled_fds(daemon, client)
     honest = ExtensibleTensor(64 * MiB, "cpu", client=client)
@@ -419,6 +421,7 @@ print(t.num_chunks, sorted({v for i in range(8) for v in t.segment_view(i).uniqu
 """
 
 
+@pytest.mark.system
 def test_sessions_that_never_read_cannot_starve_another_uid_of_fds_in_flight(
     nobody_can_run_python, start_daemon, run_dir
 ):
@@ -475,6 +478,7 @@ def test_chunks_past_the_fd_limit_are_refused_whole_and_retryably(start_daemon):
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_hello_less_connections_are_bounded_and_timed_out_without_starving_anyone(daemon, client):
     fds_before = settled_fds(daemon, client)
     paths = InstancePaths.of(daemon.run_dir, "host")
@@ -499,6 +503,7 @@ def test_hello_less_connections_are_bounded_and_timed_out_without_starving_anyon
     assert_intact(daemon, client, fds_before)
 
 
+@pytest.mark.system
 def test_out_of_descriptors_a_newcomer_is_refused_clearly_and_the_loop_does_not_spin(start_daemon):
     daemon = start_daemon("--max-sessions-per-uid", "1000", command=limited_fds(128))
     client = daemon.connect()
@@ -686,6 +691,7 @@ def run_as_nobody(run_dir: Path, code: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.system
 def test_an_admin_deletes_another_users_orphan_and_a_user_cannot(nobody_can_run_python, start_daemon, run_dir):
     daemon = start_daemon("--budget", "256MiB", "--group", "nogroup")
     with daemon.connect() as root:
@@ -717,6 +723,7 @@ def raw_session(paths: InstancePaths, tenant: str) -> socket.socket:
     return sock
 
 
+@pytest.mark.system
 def test_a_flood_of_tenant_names_is_listed_within_bounds_and_forgotten(start_daemon):
     daemon = start_daemon("--max-sessions-per-uid", "2000")
     client = daemon.connect()
@@ -753,6 +760,7 @@ print(json.dumps(out), flush=True)
 """
 
 
+@pytest.mark.system
 def test_a_user_sees_only_its_own_tenants_and_cannot_tell_others_buffer_ids(
     nobody_can_run_python, start_daemon, run_dir
 ):

@@ -148,6 +148,7 @@ def many_tenants(count: int, max_size: str) -> str:
 
 @pytest.mark.torch
 @pytest.mark.ipc
+@pytest.mark.system
 def test_a_daemon_with_ten_thousand_tenants_answers_status_through_reloads_and_stops_promptly(start_daemon, run_dir):
     config = run_dir / "tenants.toml"
     config.write_text(many_tenants(10_000, "1GiB"))

@@ -59,6 +59,7 @@ def intact(t: ExtensibleTensor, data: list[torch.Tensor]) -> bool:
     return all(torch.equal(t.segment_view(i), values) for i, values in enumerate(data))
 
 
+@pytest.mark.system
 def test_demote_and_promote_keep_bytes_address_and_views_and_move_the_charge(tiered):
     client = tiered.connect(client_name="sleeper", tenant="team-a", lease=False)
     t, data = written(client)
@@ -92,6 +93,7 @@ def test_demote_and_promote_keep_bytes_address_and_views_and_move_the_charge(tie
 
 
 @pytest.mark.parametrize("lease", [False, True])
+@pytest.mark.system
 def test_a_demoted_buffer_is_refused_growth_and_defragment_until_promoted(tiered, lease):
     client = tiered.connect(lease=lease)
     t, data = written(client)
@@ -135,6 +137,7 @@ def test_a_demote_past_the_host_budget_is_refused_and_changes_nothing(start_daem
     assert client.status().host_bytes == 16 * MiB and intact(small, small_data)
 
 
+@pytest.mark.system
 def test_demoting_an_idle_buffer_makes_room_for_another_and_promote_waits_for_room(tiered):
     idle = tiered.connect(client_name="idle", lease=False)
     busy = tiered.connect(client_name="busy", lease=False)
@@ -172,6 +175,7 @@ def test_kv_cache_buffers_sleep_keeping_their_blocks(tiered):
     assert filled(v.full_view()[16 * MiB : 26 * MiB], 4)
 
 
+@pytest.mark.system
 def test_a_persistent_buffer_stays_attachable_in_the_host_tier(tiered):
     owner = tiered.connect(lease=False)
     t, data = written(owner, name="kv", persistent=True)
@@ -199,6 +203,7 @@ def test_a_sealed_buffer_does_not_move_and_says_why(tiered):
     assert t.tier == "device" and intact(reader, data)
 
 
+@pytest.mark.system
 def test_the_host_pool_is_made_while_idle_within_the_host_budget(tiered):
     client = tiered.connect(lease=False)
     wait_until(lambda: client.status().host_pool_bytes == 16 * MiB)
@@ -211,6 +216,7 @@ def test_the_host_pool_is_made_while_idle_within_the_host_budget(tiered):
     wait_until(lambda: client.status().host_pool_bytes == 8 * MiB)
 
 
+@pytest.mark.system
 def test_moves_leave_no_fd_behind_and_an_unknown_tier_changes_nothing(tiered):
     client = tiered.connect(lease=False)
     t, data = written(client)
@@ -256,6 +262,7 @@ def test_a_demote_that_fails_midway_maps_the_old_chunks_back_and_the_daemon_keep
     assert t.tier == "host" and intact(t, data)
 
 
+@pytest.mark.system
 def test_hbmctl_shows_bytes_per_tier_per_tenant(tiered):
     client = tiered.connect(tenant="team-a", lease=False)
     t, _ = written(client)
@@ -271,6 +278,7 @@ def test_hbmctl_shows_bytes_per_tier_per_tenant(tiered):
     assert [b["tier"] for b in json.loads(listing.stdout)["buffers"]] == ["host"]
 
 
+@pytest.mark.system
 def test_metrics_show_bytes_per_tier_per_tenant(start_daemon):
     from test_metrics import free_port, scrape
 
@@ -291,6 +299,7 @@ def test_metrics_show_bytes_per_tier_per_tenant(start_daemon):
                       "hbmd_host_pool_bytes": totals["hbmd_host_pool_bytes"]}
 
 
+@pytest.mark.system
 def test_a_restart_keeps_each_buffers_tier(start_daemon, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -332,6 +341,7 @@ MOVER = textwrap.dedent(
 )
 
 
+@pytest.mark.system
 def test_workers_killed_mid_demote_and_promote_lose_no_byte_and_leak_nothing(tiered):
     client = tiered.connect(client_name="checker", lease=False)
     t, data = written(client, name="kv", persistent=True)
@@ -421,6 +431,7 @@ def test_a_cold_restart_between_a_moves_remap_and_its_finish_declares_the_new_ti
 
 
 @pytest.mark.parametrize("demote, lease", [(True, False), (True, True), (False, False)])
+@pytest.mark.system
 def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_instead(start_daemon, tmp_path, demote,
                                                                                        lease):
     config = tmp_path / "hbmd.toml"
@@ -454,6 +465,7 @@ def test_a_commit_that_does_not_fit_demotes_an_idle_demotable_tenants_buffers_in
     assert intact(sleeping, data) and online.status().host_bytes == 0
 
 
+@pytest.mark.system
 def test_a_buffer_its_engine_writes_is_never_moved_under_it_and_one_declared_idle_comes_back_on_taking_it_back(
         start_daemon, tmp_path):
     """A demotable tenant's engine writes its buffer without growing it (idle, as the daemon counts idleness): its
@@ -511,6 +523,7 @@ def test_a_demotable_tenant_that_grew_within_the_demote_idle_time_is_busy_and_no
     assert busy.tier == "device" and intact(busy, data) and online.status().host_bytes == 0
 
 
+@pytest.mark.system
 def test_a_buffer_demoted_under_pressure_is_promoted_back_by_a_restarted_daemon(start_daemon, run_dir, tmp_path,
                                                                                  systemd):
     config = tmp_path / "hbmd.toml"

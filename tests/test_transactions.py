@@ -154,6 +154,7 @@ def test_a_view_that_outlives_free_keeps_its_range_from_being_reused(client):
     assert not reserved(base)
 
 
+@pytest.mark.system
 def test_touching_a_view_after_free_faults_rather_than_reading_other_memory(daemon):
     code = textwrap.dedent(
         """

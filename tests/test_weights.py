@@ -157,6 +157,7 @@ def test_unsealed_weights_are_not_loaded(client):
         load_weights("half-written", "cpu", client=client)
 
 
+@pytest.mark.system
 def test_two_engines_load_the_same_bytes_and_the_loaders_death_leaves_them(daemon, client, spawn_worker, request):
     loader, buffer_id = stored_by_a_worker(daemon, spawn_worker, request)
     engines = [spawn_worker(daemon, LOAD) for _ in range(2)]
@@ -176,6 +177,7 @@ def test_two_engines_load_the_same_bytes_and_the_loaders_death_leaves_them(daemo
         assert torch.equal(weights[name], tensor), name
 
 
+@pytest.mark.system
 def test_a_write_through_loaded_weights_faults(daemon, client, spawn_worker, request):
     stored_by_a_worker(daemon, spawn_worker, request)
     vandal = spawn_worker(daemon, LOAD)
