@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 from hbmd.proto import Hello, Message, Welcome
 from hbmd.proto.errors import HbmdError
@@ -78,6 +79,7 @@ class SessionCore:
         self._mapper = mapper
         self._mapper_lock = threading.Lock()
         self._closer: FdCloser | None = None
+        _cores.add(self)
 
     @property
     def session_id(self) -> int:
@@ -153,3 +155,15 @@ class SessionCore:
         """
         self.closed = True
         self.handles.close()
+
+
+_cores: weakref.WeakSet[SessionCore] = weakref.WeakSet()
+"""Every session core of this process, for the fork hook."""
+
+
+def _let_go_after_fork() -> None:
+    for core in list(_cores):
+        core.let_go_after_fork()
+
+
+os.register_at_fork(after_in_child=_let_go_after_fork)

@@ -156,7 +156,6 @@ class Client:
         if self.leasing.on or self._recovery.credential:
             # The listener takes the session back as soon as the daemon is, idle engine or not.
             self._listener.start()
-        _clients.add(self)
 
     # identity
 
@@ -479,18 +478,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_clients: weakref.WeakSet[Client] = weakref.WeakSet()
-"""Every client of this process, for the fork hook."""
-
-
-def _let_go_after_fork() -> None:
-    for client in list(_clients):
-        client._core.let_go_after_fork()
-
-
-os.register_at_fork(after_in_child=_let_go_after_fork)
 
 
 def _program_name() -> str:
