@@ -2,7 +2,9 @@
 
 Every call of the session goes through :meth:`Recovery.call_with_id`: where
 the daemon went away, the session is taken back and the call sent again
-under its request id. When the daemon that served a session goes away, what this process maps
+under its request id.
+
+When the daemon that served a session goes away, what this process maps
 stays mapped. :class:`Recovery` takes the session back from the daemon that
 serves next (with the credential of the last welcome), sends again the
 placements and binds that daemon may never have read, and agrees with it on
