@@ -19,6 +19,7 @@ from hbmd.proto.errors import (
 from hbmd.proto.instance import VERSION
 
 from .budget import DeviceMemory
+from .core import ForkedClient
 from .kv import ExtensibleKVCacheBuffers
 from .kv_layout import (
     bytes_per_block_per_segment,
@@ -28,7 +29,7 @@ from .kv_layout import (
     num_segments,
 )
 from .opening import connect, default_client
-from .session import Client, ForkedClient
+from .session import Client
 from .tensor import ExtensibleTensor
 
 __version__ = VERSION

@@ -13,47 +13,37 @@ thread serves what the daemon sends for it.
 from __future__ import annotations
 
 import time
-import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hbmd.proto import MAX_PLACED_GRANULES, LeasePlace, Message, OwnChunks
+from hbmd.proto import MAX_PLACED_GRANULES, LeasePlace, OwnChunks
 from hbmd.proto.errors import SessionLost
 
+from .core import SessionCore
 from .lease import Credit, Lease, LeasedGranule, Spare
+from .recovery import Recovery
 
-if TYPE_CHECKING:
-    from .session import Client
+
+def granted(core: SessionCore) -> tuple[Lease | None, Credit | None]:
+    """The lease and the credit the session's welcome grants, None for either it does not; they send on the
+    session's handle channel, whichever it is when they do, and map with its mapper."""
+    welcome = core.welcome
+    lease = Lease(core.granularity, lambda: core.mapper, core.send) if welcome.lease_bytes > 0 else None
+    credit = Credit(core.send, lambda: core.mapper) if welcome.credit_bytes > 0 else None
+    return lease, credit
 
 
 class Leasing:
     """The session's lease and credit, as commits use them; either may be off (None).
 
-    It holds its client weakly, as the lease and the credit do: a client
-    dropped unclosed is collected, and its session ends with its socket.
+    A placement or a bind goes into ``recovery``'s unconfirmed log, and one
+    that finds the daemon gone takes the session back through it.
     """
 
-    def __init__(self, client: Client) -> None:
-        self._client = weakref.proxy(client)
-        me = weakref.ref(client)
-
-        def alive() -> Client:
-            found = me()
-            if found is None:
-                raise ReferenceError("the hbmd client is gone")
-            return found
-
-        def send(msg: Message) -> None:
-            alive()._handles.send(msg)
-
-        welcome = client.welcome
-        self.lease: Lease | None = None
-        if welcome.lease_bytes > 0:
-            self.lease = Lease(client.granularity, lambda: alive().mapper, send)
-            weakref.finalize(client, self.lease.close)
-        self.credit: Credit | None = None
-        if welcome.credit_bytes > 0:
-            self.credit = Credit(send, lambda: alive().mapper)
-            weakref.finalize(client, self.credit.close)
+    def __init__(self, core: SessionCore, recovery: Recovery, lease: Lease | None, credit: Credit | None) -> None:
+        self._core = core
+        self._recovery = recovery
+        self.lease = lease
+        self.credit = credit
 
     @property
     def on(self) -> bool:
@@ -70,14 +60,14 @@ class Leasing:
         commit is one the daemon serves faster (more than :data:`MAX_PLACED_GRANULES`). Raises
         :class:`~hbmd.client.ForkedClient` in a forked child: the lease is the parent's, its handle socket closed
         there."""
-        client = self._client
-        client._check_not_forked()
-        if self.lease is None or count > min(MAX_PLACED_GRANULES, client.welcome.lease_bytes // client.granularity):
+        core = self._core
+        core.check_not_forked()
+        if self.lease is None or count > min(MAX_PLACED_GRANULES, core.welcome.lease_bytes // core.granularity):
             return None
         taken = self.lease.take(count)
         if taken is None:
             # Grants the listener has not read yet may be waiting.
-            inbox = client._handles.inbox
+            inbox = core.handles.inbox
             inbox.drain()
             self.lease.serve(inbox.grants, inbox.revokes)
             taken = self.lease.take(count)
@@ -94,32 +84,31 @@ class Leasing:
         granules are back in the lease.
         """
         assert self.lease is not None, "granules are placed only once taken from the lease"
-        client = self._client
         placement = LeasePlace(buffer_id, list(sizes), [g.chunk_id for g in taken], list(offsets))
         try:
-            client._handles.send(placement)
+            self._core.handles.send(placement)
         except SessionLost:
             self.lease.put_back(taken)
-            client._recovery.resume(time.monotonic() + client.resume_timeout)
+            self._recovery.resume(time.monotonic() + self._core.resume_timeout)
             return False
         except BaseException:
             self.lease.put_back(taken)
             raise
         self.lease.placed(taken)
-        client._recovery.unconfirmed_sent(placement, [])
+        self._recovery.unconfirmed_sent(placement, [])
         return True
 
     def discard(self, taken: list[LeasedGranule]) -> None:
         """Let go of placed granules' imports: the mappings made from them hold the memory."""
         for granule in taken:
-            self._client.mapper.discard(granule.prepared)
+            self._core.mapper.discard(granule.prepared)
 
     def credit_covers(self, amount: int) -> bool:
         """Whether the credit holds ``amount`` bytes now (grants that came are read first)."""
         if self.credit is None:
             return False
         if self.credit.bytes < amount:
-            inbox = self._client._handles.inbox
+            inbox = self._core.handles.inbox
             inbox.drain()
             self.credit.serve(inbox.credits)
         return self.credit.bytes >= amount
@@ -144,28 +133,28 @@ class Leasing:
         and commit through the daemon instead).
         """
         assert self.credit is not None, "chunks are bound only where the credit covered them"
-        client = self._client
+        core = self._core
         for i, prepared in enumerate(made):
             if fds[i] < 0:
-                fds[i] = client.mapper.export(prepared)
+                fds[i] = core.mapper.export(prepared)
         bind = OwnChunks(buffer_id, list(sizes), [offset for offset, _ in runs], [size for _, size in runs])
         ahead = bind.chunk_sizes[0] if len(runs) == 1 else 0
-        handles = client._handles
+        handles = core.handles
         try:
             sent = self.credit.spend(sum(bind.chunk_sizes), lambda: handles.send(bind, fds), ahead)
         except SessionLost:
-            client._recovery.resume(time.monotonic() + client.resume_timeout)
+            self._recovery.resume(time.monotonic() + core.resume_timeout)
             return False
         if sent:
             # Kept until the daemon is known to have read the bind: a daemon that went before may need it again.
-            client._recovery.unconfirmed_sent(bind, fds)
+            self._recovery.unconfirmed_sent(bind, fds)
         return sent
 
     # the listener's side
 
     def serve(self) -> None:
         """Take in the grants, revokes and credit that came, and make the next chunk on credit ahead."""
-        inbox = self._client._handles.inbox
+        inbox = self._core.handles.inbox
         if self.lease is not None:
             self.lease.serve(inbox.grants, inbox.revokes)
         if self.credit is not None:
@@ -182,7 +171,7 @@ class Leasing:
         back, and stay leased to a session that was just refused for want of
         room.
         """
-        inbox = self._client._handles.inbox
+        inbox = self._core.handles.inbox
         inbox.drain()
         given = False
         if self.lease is not None:
@@ -192,15 +181,6 @@ class Leasing:
             self.credit.serve(inbox.credits)
             given = self.credit.give_back() > 0 or given
         return given
-
-    def resumed(self, still_leased: set[int]) -> None:
-        """The session was taken back: keep the granules the daemon still records as leased (``still_leased``), and
-        give all the credit back."""
-        if self.lease is not None:
-            self.lease.resumed(still_leased)
-        if self.credit is not None:
-            self._client._handles.inbox.credits.clear()
-            self.credit.give_back()
 
     def close(self) -> None:
         if self.lease is not None:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING
 
+from .core import SessionCore
+from .leasing import Leasing
+from .pressure import Pressure
+from .recovery import Recovery
 from .transport import HandleChannel
-
-if TYPE_CHECKING:
-    from .session import Client
 
 log = logging.getLogger("hbmd.client")
 
@@ -26,11 +26,19 @@ POLL_S = 0.2
 
 
 class Listener:
-    """One listener thread per handle channel of a client, started on demand; it holds its client only while serving
-    what arrived."""
+    """One listener thread per handle channel of a session, started on demand: it serves ``leasing`` and
+    ``pressure`` what arrived, and takes the session back through ``recovery`` when the daemon hangs up.
 
-    def __init__(self, client: Client) -> None:
-        self._client = weakref.ref(client)
+    The thread holds the listener weakly, and strongly only while serving
+    what arrived: a client dropped unclosed drops its listener, and the
+    thread ends.
+    """
+
+    def __init__(self, core: SessionCore, recovery: Recovery, leasing: Leasing, pressure: Pressure) -> None:
+        self._core = core
+        self._recovery = recovery
+        self._leasing = leasing
+        self._pressure = pressure
         self._thread: threading.Thread | None = None
 
     @property
@@ -39,42 +47,50 @@ class Listener:
         return self._thread is not None
 
     def start(self) -> None:
-        """Listen on the client's handle channel, where no thread does yet."""
-        client = self._client()
-        if self._thread is None and client is not None:
-            self._thread = threading.Thread(target=_listen, args=(self._client, client._handles), name="hbmd-listener",
-                                            daemon=True)
+        """Listen on the session's handle channel, where no thread does yet."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=_listen, args=(weakref.ref(self), self._core.handles),
+                                            name="hbmd-listener", daemon=True)
             self._thread.start()
 
     def moved(self) -> None:
-        """The client speaks on a new handle channel (the session was taken back): listen there. The old thread ends
-        with its channel."""
+        """The session speaks on a new handle channel (it was taken back): listen there. The old thread ends with its
+        channel."""
         self._thread = None
         self.start()
 
-    def stop(self, handles: HandleChannel) -> None:
-        """End the thread (its client is closing ``handles``), waiting for what it serves; nothing from itself."""
+    def stop(self) -> None:
+        """End the thread (its client is closing the session's handle channel), waiting for what it serves; nothing
+        from itself."""
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            handles.shut()  # wakes the thread at once: its socket reads EOF
+            self._core.handles.shut()  # wakes the thread at once: its socket reads EOF
             thread.join()
 
-
-def _listen(client_ref: weakref.ref[Client], handles: HandleChannel) -> None:
-    while handles.inbox.poll(POLL_S):
-        client = client_ref()
-        if client is None or client.closed:
-            return
+    def _serve(self) -> None:
+        """What arrived: grants, revokes and credit, then the daemon's requests for room."""
         try:
-            client.leasing.serve()
-            client._pressure.serve()
+            self._leasing.serve()
+            self._pressure.serve()
         except Exception:
-            if not client.closed:
+            if not self._core.closed:
                 log.exception("the hbmd listener thread failed on a datagram")
-        del client
-    client = client_ref()
-    if client is None:
-        return
-    gone = not client.closed and client._handles is handles and client._recovery.credential
-    if gone and not client.resumed() and not client.closed:
-        log.warning("%s", client._recovery.lost)
+
+    def _hung_up(self, handles: HandleChannel) -> None:
+        """The daemon closed ``handles``: take the session back, where it is still this session's channel."""
+        core = self._core
+        gone = not core.closed and core.handles is handles and self._recovery.credential
+        if gone and not self._recovery.resumed() and not core.closed:
+            log.warning("%s", self._recovery.lost)
+
+
+def _listen(listener_ref: weakref.ref[Listener], handles: HandleChannel) -> None:
+    while handles.inbox.poll(POLL_S):
+        listener = listener_ref()
+        if listener is None or listener._core.closed:
+            return
+        listener._serve()
+        del listener
+    listener = listener_ref()
+    if listener is not None:
+        listener._hung_up(handles)

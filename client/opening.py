@@ -70,8 +70,8 @@ def default_client(device: Any) -> Client:
     instance = instance_for(device, None)
     key = (os.fspath(resolve_run_dir(None)), instance)
     client = _defaults.get(key)
-    if client is None or client.closed or client._pid != os.getpid() or (client.lost and not client.resumed()):
-        if client is not None and not client.closed and client._pid == os.getpid():
+    if client is None or client.closed or client.forked or (client.lost and not client.resumed()):
+        if client is not None and not client.closed and not client.forked:
             client.close()
         client = _defaults[key] = connect(instance=instance)
     return client

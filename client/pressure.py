@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from hbmd.proto import Committed, PromoteRequest, ReclaimDone, ReclaimRequest, Request
 from hbmd.proto.errors import HbmdError, NotFound, OutOfBudget
 
-if TYPE_CHECKING:
-    from .session import Client
+from .core import SessionCore
+from .leasing import Leasing
+from .recovery import Recovery
 
 log = logging.getLogger("hbmd.client")
 
@@ -33,21 +32,22 @@ DEMOTE_RETRY_S = 0.02
 
 
 class Pressure:
-    """A client's side of the daemon's requests for room; it holds its client weakly."""
+    """A client's side of the daemon's requests for room: it answers them through ``recovery``'s calls, moves the
+    buffers ``recovery`` holds, and gives ``leasing``'s lease back for a refused commit."""
 
-    def __init__(self, client: Client) -> None:
-        self._client = weakref.proxy(client)
+    def __init__(self, core: SessionCore, recovery: Recovery, leasing: Leasing) -> None:
+        self._core = core
+        self._recovery = recovery
+        self._leasing = leasing
         self.callback: Callable[[ReclaimRequest], int] | None = None
         """The engine's answer to reclaim requests (:meth:`Client.on_reclaim`), run on the listener thread."""
 
     # reclaim requests, answered by the engine
 
     def pending(self) -> list[ReclaimRequest]:
-        """Reclaim requests received and not yet answered (see :meth:`Client.pending_reclaims`)."""
-        client = self._client
-        inbox = client._handles.inbox
-        if not client._listener.running:
-            inbox.poll(0)
+        """Reclaim requests filed and not yet answered (see :meth:`Client.pending_reclaims`, which reads the socket
+        first where no listener does)."""
+        inbox = self._core.handles.inbox
         requests: list[ReclaimRequest] = []
         while True:
             try:
@@ -57,7 +57,7 @@ class Pressure:
                 return requests
 
     def answer(self, request: ReclaimRequest, released_bytes: int) -> None:
-        self._client.call(ReclaimDone(request.reclaim_id, released_bytes))
+        self._recovery.call(ReclaimDone(request.reclaim_id, released_bytes))
 
     def serve(self) -> None:
         """On the listener thread: answer the reclaim requests that came (where the engine gave a callback), then
@@ -78,16 +78,15 @@ class Pressure:
         this process maps go to the host tier, oldest first, until the bytes asked for have moved; and promote them
         back when the daemon says the device has room again. The daemon asks only clients of tenants configured to be
         demoted, when idle."""
-        client = self._client
-        demotes = client._handles.inbox.demotes
+        demotes = self._core.handles.inbox.demotes
         while True:
             try:
                 request = demotes.popleft()
             except IndexError:
                 return
             moved = 0
-            with client.exclusive:  # the engine's own calls wait; its kernels keep running on the same addresses
-                for holder in sorted(client._recovery.holders, key=lambda h: h.buffer_id):
+            with self._core.lock:  # the engine's own calls wait; its kernels keep running on the same addresses
+                for holder in sorted(self._recovery.holders, key=lambda h: h.buffer_id):
                     if isinstance(request, ReclaimRequest) and moved >= request.bytes:
                         break
                     try:
@@ -113,10 +112,9 @@ class Pressure:
     def call_after_refusal(self, msg: Request[Committed], refusal: OutOfBudget) -> tuple[Committed, int]:
         """Send ``msg`` again after the budget refused it: once with the lease given back (its granules and credit count
         against this session), then while idle tenants' buffers are being demoted for it; raises the last refusal."""
-        client = self._client
-        if client.leasing.on and client.leasing.give_back():
+        if self._leasing.on and self._leasing.give_back():
             try:
-                return client._call_with_id(msg)
+                return self._recovery.call_with_id(msg)
             except OutOfBudget as exc:
                 refusal = exc
         if not refusal.details.get("demoting"):
@@ -125,7 +123,7 @@ class Pressure:
         while True:
             time.sleep(DEMOTE_RETRY_S)
             try:
-                return client._call_with_id(msg)
+                return self._recovery.call_with_id(msg)
             except OutOfBudget as exc:
                 if not exc.details.get("demoting") or time.monotonic() > deadline:
                     raise

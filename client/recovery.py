@@ -1,4 +1,8 @@
-"""A session going on across a daemon restart: resume, reconnect, declare again, and the unconfirmed log.
+"""A session going on across a daemon restart: its calls, resume, reconnect, declare again, and the unconfirmed log.
+
+Every call of the session goes through :meth:`Recovery.call_with_id`: where
+the daemon went away, the session is taken back and the call sent again
+under its request id.
 
 When the daemon that served a session goes away, what this process maps
 stays mapped. :class:`Recovery` takes the session back from the daemon that
@@ -16,16 +20,17 @@ import dataclasses
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol, TypeVar
 
-from hbmd.proto import BufferInfo, LeasePlace, OwnChunks, Redeclare, Request, Welcome
+from hbmd.proto import BufferInfo, LeasePlace, Message, OwnChunks, Redeclare, Request, Status, Welcome
 from hbmd.proto.errors import DaemonUnavailable, HbmdError, PermissionDenied, SessionLost, TensorUnusable
 from hbmd.proto.undo import Undo
 
+from .core import SessionCore
+from .lease import Credit, Lease
 from .transport import HandleChannel
 
-if TYPE_CHECKING:
-    from .session import Client
+R = TypeVar("R", bound=Message)
 
 log = logging.getLogger("hbmd.client")
 
@@ -58,16 +63,29 @@ class Holder(Protocol):
         """Promote the buffer back where :meth:`_demote_under_pressure` demoted it; returns the bytes promoted."""
 
 
-class Recovery:
-    """What a client keeps to go on after its daemon restarts, and the steps that take the session back.
+class Listening(Protocol):
+    """What reads the session's handle channel beside the calls: the client's
+    :class:`~hbmd.client.listener.Listener`."""
 
-    It holds its client weakly: a client dropped unclosed is collected, and
-    its session ends with its socket.
+    def moved(self) -> None:
+        """The session speaks on a new handle channel: listen there."""
+
+
+class Recovery:
+    """The session's calls, what a client keeps to go on after its daemon restarts, and the steps that take the
+    session back.
+
+    ``lease`` and ``credit`` (None where the daemon grants none) are
+    agreed on with a daemon that took the session back. Every part of the
+    client calls through :meth:`call_with_id`, under the core's call lock.
     """
 
-    def __init__(self, client: Client, credential: str) -> None:
-        self._client = weakref.proxy(client)
-        self.credential = credential
+    def __init__(self, core: SessionCore, lease: Lease | None, credit: Credit | None) -> None:
+        self._core = core
+        self._lease = lease
+        self._credit = credit
+        self._listener: weakref.ref[Listening] | None = None
+        self.credential = core.welcome.resume_credential
         """The resume credential of the last welcome."""
         self.lost: SessionLost | None = None
         """Why the session cannot be resumed, once that is known."""
@@ -86,6 +104,47 @@ class Recovery:
         self._refused: dict[int, HbmdError] = {}
         """Why the daemon refused to count each buffer again when the session last started over, by its id: a request
         built for it before fails as its tensor does, rather than with the new daemon's ``not_found``."""
+
+    def followed_by(self, listener: Listening) -> None:
+        """Move ``listener`` to the new handle channel whenever the session is taken back.
+
+        The listener is made after this recovery (what it serves calls
+        through it), so it is told here; held weakly, since it holds this
+        recovery: a client dropped unclosed is collected at once, and its
+        listener thread ends.
+        """
+        self._listener = weakref.ref(listener)
+
+    # calls
+
+    def call(self, msg: Request[R], timeout: float | None = None) -> R:
+        """Send a request and return its reply (see :meth:`call_with_id`)."""
+        return self.call_with_id(msg, timeout)[0]
+
+    def call_with_id(self, msg: Request[R], timeout: float | None = None) -> tuple[R, int]:
+        """Send a request and return its reply and the id it went under; the daemon's refusal is raised. Where the
+        daemon went away, the session is taken back (:meth:`resume`) and the request sent again under the same id."""
+        core = self._core
+        core.check_not_forked()
+        if core.closed:
+            raise HbmdError("this hbmd client is closed")
+        with core.lock:
+            request_id = core.control.next_request_id()
+            deadline = None
+            while True:
+                msg = self.addressed(msg)
+                unconfirmed = len(self.unconfirmed)
+                try:
+                    answer = core.control.call_with_id(msg, timeout, request_id)
+                except (SessionLost, PermissionDenied) as exc:
+                    # The daemon issued the token: if it no longer knows it, the daemon restarted or ended the session.
+                    if isinstance(exc, PermissionDenied) and exc.details.get("token") != "unknown":
+                        raise
+                    deadline = deadline or time.monotonic() + core.resume_timeout
+                    self.resume(deadline)
+                    continue  # the same request, under the same id (and the buffer's new one, if it moved)
+                self.confirmed(unconfirmed)  # the daemon read them before it answered
+                return answer
 
     # requests built before the session started over
 
@@ -109,7 +168,7 @@ class Recovery:
         """The daemon read the first ``count`` placements and binds: the FDs kept to send a bind again are closed."""
         for _, fds in self.unconfirmed[:count]:
             for fd in fds:
-                self._client._fd_closer().close_later(fd)
+                self._core.fd_closer().close_later(fd)
             self.kept_fds -= len(fds)
         del self.unconfirmed[:count]
 
@@ -120,64 +179,81 @@ class Recovery:
         self.kept_fds += len(fds)
         if self.kept_fds > MAX_KEPT_FDS or len(self.unconfirmed) > MAX_UNCONFIRMED:
             try:
-                self._client.status()  # any answer says the daemon read every placement and bind before it
+                self.call(Status())  # any answer says the daemon read every placement and bind before it
             except HbmdError as exc:
                 log.debug("confirming %d placements and binds failed: %s", len(self.unconfirmed), exc)
 
     # taking the session back
 
+    def resumed(self) -> bool:
+        """Take the session back now if the daemon went away (waiting up to the core's ``resume_timeout``); False
+        where it cannot be (:attr:`lost`)."""
+        core = self._core
+        with core.lock:
+            if core.closed or core.forked:
+                return False
+            if not core.handles.lost():
+                return self.lost is None
+            try:
+                self.resume(time.monotonic() + core.resume_timeout)
+            except SessionLost:
+                return False
+            return True
+
     def resume(self, deadline: float) -> None:
         """Take the session back from the daemon that replaced the one that went away, by ``deadline``, or start it
-        over where that daemon kept nothing; the client's lock held. Raises :class:`SessionLost` where it cannot
+        over where that daemon kept nothing; the call lock held. Raises :class:`SessionLost` where it cannot
         (and every later call does too)."""
-        client = self._client
+        core = self._core
+        paths = core.paths
         if self.lost is not None:
             raise self.lost
         if not self.credential:
             self.lost = SessionLost(
-                f"hbmd at {client.paths.endpoint} no longer knows this session: connect again",
-                path=client.paths.endpoint,
+                f"hbmd at {paths.endpoint} no longer knows this session: connect again", path=paths.endpoint
             )
             raise self.lost
         started = time.monotonic()
         handles, welcome, anew = self._reconnect(deadline)
-        old = client._handles
-        client._go_on(handles, welcome)
+        old = core.handles
+        core.go_on(handles, welcome)
         self.credential = welcome.resume_credential
         old.inbox.drain()  # grants that came before the daemon went, with their FDs
-        if client.leasing.lease is not None:
-            client.leasing.lease.serve(old.inbox.grants, old.inbox.revokes)
+        if self._lease is not None:
+            self._lease.serve(old.inbox.grants, old.inbox.revokes)
         self._reconcile_lease(welcome.lease_chunk_ids, anew)
         old.close()
-        client._listener.moved()
+        listener = self._listener() if self._listener is not None else None
+        if listener is not None:
+            listener.moved()
         if not anew:
-            log.warning("hbmd at %s went away and came back: session %d resumed after %.2fs", client.paths.directory,
-                        client.session_id, time.monotonic() - started)
+            log.warning("hbmd at %s went away and came back: session %d resumed after %.2fs", paths.directory,
+                        core.session_id, time.monotonic() - started)
             return
         self.started_over += 1
         declared = self._declare_again()
         log.warning("hbmd at %s restarted with nothing kept: session %d started over after %.2fs, %d buffers declared "
-                    "again", client.paths.directory, client.session_id, time.monotonic() - started, declared)
+                    "again", paths.directory, core.session_id, time.monotonic() - started, declared)
 
     def _reconnect(self, deadline: float) -> tuple[HandleChannel, Welcome, bool]:
         """A handle channel to the daemon serving again, its welcome back, and whether that welcomes a new session
         (the daemon kept nothing); waits for it until ``deadline``."""
-        client = self._client
-        paths = client.paths
+        core = self._core
+        paths = core.paths
         # Its own hello's fields describe the session should the daemon start it over: this process declares what
         # it maps there, proving with the credential that it held the session (a pid would not: in a container the
         # daemon sees every process as pid 0).
-        hello = dataclasses.replace(client._hello, resume_session=client.session_id,
+        hello = dataclasses.replace(core.hello, resume_session=core.session_id,
                                     resume_credential=self.credential, start_over=bool(self.holders),
                                     replies_with_fds=True)
         waiting = False
         while True:
             try:
-                handles = HandleChannel(paths, max(0.1, min(client.timeout, deadline - time.monotonic())))
+                handles = HandleChannel(paths, max(0.1, min(core.timeout, deadline - time.monotonic())))
                 with Undo() as undo:
                     undo.push(handles.close)
                     welcome = handles.handshake(hello)
-                handles.timeout = client.timeout  # what is left of the wait was for the handshake only
+                handles.timeout = core.timeout  # what is left of the wait was for the handshake only
                 return handles, welcome, hello.resume_session == 0 or welcome.started_over
             except SessionLost as exc:
                 if hello.resume_session == 0 or not self.holders:
@@ -185,26 +261,26 @@ class Recovery:
                 # It restarted with nothing kept and would not start the session over (its key is new, or it is older
                 # than 1.12): a new session all the same; a daemon that cannot tell this process held the session
                 # refuses its declarations, and the tensors say so.
-                hello = client._hello
+                hello = core.hello
             except PermissionDenied as exc:
                 raise self._lose(f"came back without this session ({exc.message}): connect again") from exc
             except DaemonUnavailable as exc:
-                if client.closed:  # closed meanwhile (its close waits for the listener, which may be here)
+                if core.closed:  # closed meanwhile (its close waits for the listener, which may be here)
                     raise SessionLost("this hbmd client was closed while its daemon was away") from exc
                 if not waiting:
                     # The engine's call pauses here: once, say why and for how long, not on every poll.
                     log.warning("hbmd at %s is away (%s): session %d waits up to %.0fs for it to come back "
-                                "(HBMD_RESUME_TIMEOUT)", paths.directory, exc.message, client.session_id,
+                                "(HBMD_RESUME_TIMEOUT)", paths.directory, exc.message, core.session_id,
                                 max(0.0, deadline - time.monotonic()))
                     waiting = True
                 if time.monotonic() > deadline:
-                    raise self._lose(f"did not come back within {client.resume_timeout:g}s (HBMD_RESUME_TIMEOUT): "
+                    raise self._lose(f"did not come back within {core.resume_timeout:g}s (HBMD_RESUME_TIMEOUT): "
                                      f"{exc.message}") from exc
                 time.sleep(RESUME_POLL_S)
 
     def _lose(self, why: str) -> SessionLost:
         """The session is lost for good: every later call raises the error returned."""
-        paths = self._client.paths
+        paths = self._core.paths
         self.lost = SessionLost(f"hbmd at {paths.directory} {why}", path=paths.endpoint)
         return self.lost
 
@@ -216,21 +292,26 @@ class Recovery:
         On a session started over (``anew``) nothing is sent again: what
         this process maps is declared instead.
         """
-        client = self._client
+        handles = self._core.handles
         still_leased = set(leased)
         for placement, fds in [] if anew else self.unconfirmed:
             if isinstance(placement, OwnChunks):
-                client._handles.send(placement, fds)
+                handles.send(placement, fds)
             elif still_leased.issuperset(placement.chunk_ids):
-                client._handles.send(placement)
+                handles.send(placement)
                 still_leased.difference_update(placement.chunk_ids)
         self.confirmed(len(self.unconfirmed))
-        client.leasing.resumed(still_leased)
+        if self._lease is not None:
+            # Kept where the daemon still records them as leased; the credit all goes back.
+            self._lease.resumed(still_leased)
+        if self._credit is not None:
+            handles.inbox.credits.clear()
+            self._credit.give_back()
 
     def _declare_again(self) -> int:
         """Declare every buffer this process maps on the session started over, highest id first (see
         :attr:`Redeclare.buffer_id`); returns how many the daemon counts."""
-        control = self._client._control
+        control = self._core.control
         self._moved, self._refused = {}, {}
         declared = 0
         for holder in sorted(self.holders, key=lambda h: h.buffer_id, reverse=True):

@@ -1,10 +1,13 @@
 """``Client``: one session with one daemon instance, request by request.
 
-What goes on around the requests lives in modules of its own: the handle socket's
-two readers (:mod:`~hbmd.client.inbox`), commits served from the lease and
-the credit (:mod:`~hbmd.client.leasing`), the session going on across a
-daemon restart (:mod:`~hbmd.client.recovery`), and the daemon's requests
-for room (:mod:`~hbmd.client.pressure`).
+The client composes parts that live in modules of their own, each given the
+session's core (:mod:`~hbmd.client.core`: channels, call lock, facts) and
+the parts it uses: the calls and the session going on across a daemon
+restart (:mod:`~hbmd.client.recovery`), commits served from the lease and
+the credit (:mod:`~hbmd.client.leasing`), the daemon's requests for room
+(:mod:`~hbmd.client.pressure`) and the thread that serves what the daemon
+sends unasked (:mod:`~hbmd.client.listener`). The handle socket's two
+readers share it through :mod:`~hbmd.client.inbox`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
@@ -53,36 +55,25 @@ from hbmd.proto import (
     StatusReply,
     Welcome,
 )
-from hbmd.proto.errors import (
-    HbmdError,
-    InvalidRequest,
-    OutOfBudget,
-    PermissionDenied,
-    SessionLost,
-    VersionMismatch,
-)
+from hbmd.proto.errors import InvalidRequest, OutOfBudget, VersionMismatch
 from hbmd.proto.instance import InstancePaths
 from hbmd.proto.undo import Undo
 
 from .budget import DeviceMemory
+from .core import SessionCore
 from .delivery import Delivery
 from .env import resume_timeout_from_env, spin_from_env, tenant_from_env
-from .leasing import Leasing
+from .leasing import Leasing, granted
 from .listener import Listener
 from .mapper import Mapper
 from .pressure import Pressure
 from .recovery import Holder, Recovery
-from .transport import ControlChannel, FdCloser, HandleChannel
 
 DEFAULT_TIMEOUT_S = 10.0
 
 log = logging.getLogger("hbmd.client")
 
 R = TypeVar("R", bound=Message)
-
-
-class ForkedClient(HbmdError):
-    """A client was used in a child process after ``fork()``; connect anew there."""
 
 
 class Client:
@@ -142,42 +133,63 @@ class Client:
     ) -> None:
         """``mapper`` replaces the backend's own (a test's mapper that fails on demand, say); ``resume_timeout``:
         seconds to wait for a daemon that went away (None: ``HBMD_RESUME_TIMEOUT``, else 30)."""
-        self.paths = paths
-        self.timeout = timeout
-        self.resume_timeout = resume_timeout_from_env() if resume_timeout is None else resume_timeout
-        spin = spin_from_env()
         if tenant is None:
             tenant = tenant_from_env()
-        self._pid = os.getpid()
-        self._hello = Hello(list(PROTOCOL_VERSION), self._pid, client_name or _program_name(), tenant, observer,
-                            lease and not observer, replies_with_fds=True)
-        """The hello of a new session: sent again where the session must start over."""
-        with Undo() as undo:
-            self._handles = HandleChannel(paths, timeout)
-            undo.push(self._handles.close)
-            self.welcome = self._handles.handshake(self._hello)
-            self._control = ControlChannel(paths, self.welcome.token, timeout, session=self._handles,
-                                           replies_with_fds=_replies_with_fds(self._hello, self.welcome),
-                                           spin=spin)
-        if self.welcome.tenant_note:
-            log.warning("hbmd at %s: %s", paths.directory, self.welcome.tenant_note)
-        self._mapper = mapper
-        self._mapper_lock = threading.Lock()
-        self.closed = False
-        # One call at a time: the reclaim listener's callback may call in while the engine does.
-        self._lock = threading.RLock()
-        self._listener = Listener(self)
-        self._closer: FdCloser | None = None
-        # None of these holds the client: one dropped unclosed is collected, and its session ends with its socket.
-        self._recovery = Recovery(self, self.welcome.resume_credential)
-        self.leasing = Leasing(self)
-        self._pressure = Pressure(self)
+        hello = Hello(list(PROTOCOL_VERSION), os.getpid(), client_name or _program_name(), tenant, observer,
+                      lease and not observer, replies_with_fds=True)
+        self._core = core = SessionCore(
+            paths, hello, timeout=timeout, spin=spin_from_env(), mapper=mapper,
+            resume_timeout=resume_timeout_from_env() if resume_timeout is None else resume_timeout,
+        )
+        if core.welcome.tenant_note:
+            log.warning("hbmd at %s: %s", paths.directory, core.welcome.tenant_note)
+        # None of the parts holds the client: one dropped unclosed is collected, and its session ends with its socket.
+        leased, credit = granted(core)
+        for held in (leased, credit):
+            if held is not None:
+                weakref.finalize(self, held.close)
+        self._recovery = Recovery(core, leased, credit)
+        self.leasing = Leasing(core, self._recovery, leased, credit)
+        self._pressure = Pressure(core, self._recovery, self.leasing)
+        self._listener = Listener(core, self._recovery, self.leasing, self._pressure)
+        self._recovery.followed_by(self._listener)
         if self.leasing.on or self._recovery.credential:
             # The listener takes the session back as soon as the daemon is, idle engine or not.
             self._listener.start()
-        _clients.add(self)
 
     # identity
+
+    @property
+    def paths(self) -> InstancePaths:
+        return self._core.paths
+
+    @property
+    def timeout(self) -> float:
+        return self._core.timeout
+
+    @property
+    def resume_timeout(self) -> float:
+        """Seconds a call waits for a daemon that went away to come back (see :class:`Client`)."""
+        return self._core.resume_timeout
+
+    @property
+    def welcome(self) -> Welcome:
+        """The daemon's welcome of this session (the last one, where it was taken back since)."""
+        return self._core.welcome
+
+    @welcome.setter
+    def welcome(self, welcome: Welcome) -> None:
+        self._core.welcome = welcome
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    @property
+    def forked(self) -> bool:
+        """Whether this process is a child forked from the one that opened the session (every call raises
+        :class:`ForkedClient` here)."""
+        return self._core.forked
 
     @property
     def instance(self) -> str:
@@ -198,7 +210,7 @@ class Client:
     @property
     def requests_sent(self) -> int:
         """Requests this client has sent the daemon so far: round trips (a commit from the lease makes none)."""
-        return self._control.requests_sent
+        return self._core.control.requests_sent
 
     @property
     def leased_granules(self) -> int:
@@ -213,24 +225,13 @@ class Client:
     @property
     def mapper(self) -> Mapper:
         """Maps this instance's chunks into the process: host ``mmap`` or CUDA VMM."""
-        if self._mapper is None:
-            with self._mapper_lock:  # the listener imports leased granules with it too
-                if self._mapper is not None:
-                    return self._mapper
-                if self.backend == "host":
-                    from .host import HostMapper
-
-                    self._mapper = HostMapper(self.granularity)
-                else:
-                    from .cuda import CudaMapper
-
-                    self._mapper = CudaMapper(self.welcome.device_uuid, self.granularity)
-        return self._mapper
+        return self._core.mapper
 
     @property
     def exclusive(self) -> threading.RLock:
-        """Held by every call; hold it across steps that must not interleave with another thread's calls."""
-        return self._lock
+        """Held by every call; hold it across steps that must not interleave with another thread's calls (the lock
+        order is :class:`~hbmd.client.core.SessionCore`'s)."""
+        return self._core.lock
 
     # requests
 
@@ -241,31 +242,7 @@ class Client:
         :meth:`commit`, :meth:`attach`, :meth:`defragment` or :meth:`remap`
         instead, which deliver them.
         """
-        return self._call_with_id(msg, timeout)[0]
-
-    def _call_with_id(self, msg: Request[R], timeout: float | None = None) -> tuple[R, int]:
-        """:meth:`call`, and the id the request went under. Where the daemon went away, the session is taken back
-        (:meth:`Recovery.resume`) and the request sent again under the same id."""
-        self._check_not_forked()
-        if self.closed:
-            raise HbmdError("this hbmd client is closed")
-        with self._lock:
-            request_id = self._control.next_request_id()
-            deadline = None
-            while True:
-                msg = self._recovery.addressed(msg)
-                unconfirmed = len(self._recovery.unconfirmed)
-                try:
-                    answer = self._control.call_with_id(msg, timeout, request_id)
-                except (SessionLost, PermissionDenied) as exc:
-                    # The daemon issued the token: if it no longer knows it, the daemon restarted or ended the session.
-                    if isinstance(exc, PermissionDenied) and exc.details.get("token") != "unknown":
-                        raise
-                    deadline = deadline or time.monotonic() + self.resume_timeout
-                    self._recovery.resume(deadline)
-                    continue  # the same request, under the same id (and the buffer's new one, if it moved)
-                self._recovery.confirmed(unconfirmed)  # the daemon read them before it answered
-                return answer
+        return self._recovery.call(msg, timeout)
 
     def status(self) -> StatusReply:
         return self.call(Status())
@@ -405,14 +382,15 @@ class Client:
         :meth:`Pressure.call_after_refusal` says: with the lease given back,
         then while other tenants' idle buffers are being demoted for it.
         """
-        self._lock.acquire()  # the delivery releases it once its batches are in
+        core = self._core
+        core.lock.acquire()  # the delivery releases it once its batches are in
         with Undo() as undo:
-            undo.push(self._lock.release)
+            undo.push(core.lock.release)
             try:
-                reply, request_id = self._call_with_id(msg)
+                reply, request_id = self._recovery.call_with_id(msg)
             except OutOfBudget as exc:
                 reply, request_id = self._pressure.call_after_refusal(msg, exc)
-            return Delivery(reply, request_id, self._handles.inbox, self._fd_closer(), self.timeout, self._lock)
+            return Delivery(reply, request_id, core.handles.inbox, core.fd_closer(), core.timeout, core.lock)
 
     def release(self, buffer_id: int) -> Released:
         return self.call(Release(buffer_id))
@@ -454,6 +432,8 @@ class Client:
 
         Answer each with :meth:`answer_reclaim`.
         """
+        if not self._listener.running:
+            self._core.handles.inbox.poll(0)
         return self._pressure.pending()
 
     def answer_reclaim(self, request: ReclaimRequest, released_bytes: int) -> None:
@@ -474,86 +454,30 @@ class Client:
     def resumed(self) -> bool:
         """Take the session back now if the daemon went away (waiting up to :attr:`resume_timeout`); False where it
         cannot be (see :attr:`lost`)."""
-        with self._lock:
-            if self.closed or os.getpid() != self._pid:
-                return False
-            if not self._handles.lost():
-                return self._recovery.lost is None
-            try:
-                self._recovery.resume(time.monotonic() + self.resume_timeout)
-            except SessionLost:
-                return False
-            return True
+        return self._recovery.resumed()
 
     @property
     def lost(self) -> bool:
         """Whether the daemon went away: it may come back and the session resume (:meth:`resumed`), or not, and every
         call then raises ``SessionLost``."""
-        return not self.closed and (self._recovery.lost is not None or self._handles.lost())
-
-    def _go_on(self, handles: HandleChannel, welcome: Welcome) -> None:
-        """Speak to the daemon that took the session back (or started it over) through ``handles``, as ``welcome``
-        says."""
-        self._handles = handles
-        self._control.resume(welcome.token, handles, _replies_with_fds(self._hello, welcome))
-        self.welcome = welcome
-
-    def _fd_closer(self) -> FdCloser:
-        if self._closer is None:
-            self._closer = FdCloser()
-        return self._closer
-
-    def _check_not_forked(self) -> None:
-        """Raise :class:`ForkedClient` in a process forked from this client's: the session is the parent's."""
-        if os.getpid() != self._pid:
-            raise ForkedClient(
-                "this hbmd client belongs to the parent process; call hbmd.client.connect() in the child"
-            )
+        core = self._core
+        return not core.closed and (self._recovery.lost is not None or core.handles.lost())
 
     def close(self) -> None:
         """End the session: the daemon frees its anonymous buffers."""
-        if not self.closed:
-            self.closed = True
-            self._listener.stop(self._handles)
-            with self._lock:
-                self._control.close()
-                self._handles.close()
-                if self._closer is not None:
-                    self._closer.stop()
+        core = self._core
+        if not core.closed:
+            core.closed = True
+            self._listener.stop()
+            with core.lock:
+                core.close()
                 self.leasing.close()
-
-    def _let_go_after_fork(self) -> None:
-        """In a forked child: close the inherited handle socket, so the child never keeps the parent's session.
-
-        Only the raw socket: the ZeroMQ one belongs to a context that must
-        not be touched after fork. The client counts as closed here.
-        """
-        self.closed = True
-        self._handles.close()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _replies_with_fds(hello: Hello, welcome: Welcome) -> bool:
-    """Whether a commit's reply rides with its FDs: the client's hellos ask for it, and the daemon of this welcome
-    knows to (1.7)."""
-    return hello.replies_with_fds and tuple(welcome.version) >= (1, 7)
-
-
-_clients: weakref.WeakSet[Client] = weakref.WeakSet()
-"""Every client of this process, for the fork hook."""
-
-
-def _let_go_after_fork() -> None:
-    for client in list(_clients):
-        client._let_go_after_fork()
-
-
-os.register_at_fork(after_in_child=_let_go_after_fork)
 
 
 def _program_name() -> str:

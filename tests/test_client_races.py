@@ -155,7 +155,7 @@ class ListenerFilesDuringTheRead(collections.deque):
 @pytest.mark.ipc
 def test_a_reclaim_request_filed_while_the_pending_ones_are_read_is_not_lost(client) -> None:
     first, late = proto.ReclaimRequest(1, GRANULE, "first"), proto.ReclaimRequest(2, GRANULE, "late")
-    client._handles.inbox.reclaims = ListenerFilesDuringTheRead(first, late)
+    client._core.handles.inbox.reclaims = ListenerFilesDuringTheRead(first, late)
     pending = client.pending_reclaims() + client.pending_reclaims()
     assert pending == [first, late]
 
@@ -163,7 +163,7 @@ def test_a_reclaim_request_filed_while_the_pending_ones_are_read_is_not_lost(cli
 @pytest.mark.ipc
 def test_a_thread_waiting_for_chunk_fds_does_not_hold_up_the_other_threads_sends(daemon) -> None:
     client = daemon.connect(lease=False)  # nothing comes on the socket unasked
-    handles = client._handles
+    handles = client._core.handles
     waited: list[BaseException] = []
 
     def wait_for_a_batch_that_never_comes() -> None:

@@ -94,12 +94,12 @@ def test_a_refusal_finds_the_request_id_in_the_first_bytes_only():
 def test_a_process_with_too_many_requests_waiting_has_the_next_refused_and_every_one_answered(daemon, client):
     """8 connections of one process send 16 requests each at once: the daemon reads one of each connection a turn and
     answers one a turn for the process, so its queue fills and the rest are refused, each answered all the same."""
-    token = client._control.token
+    token = client._core.control.token
     dealers = []
     for _ in range(8):
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(client._control.endpoint)
+        dealer.connect(client._core.control.endpoint)
         dealers.append(dealer)
     try:
         for request_id in range(1, 129):

@@ -391,7 +391,7 @@ class Forger:
 
     def send(self, offsets: list[int], chunk_sizes: list[int], fds: list[int], grow_to: int) -> None:
         msg = proto.OwnChunks(self.tensor.buffer_id, [grow_to], offsets, chunk_sizes)
-        socket.send_fds(self.client._handles.sock, [proto.encode_datagram(msg)], fds)
+        socket.send_fds(self.client._core.handles.sock, [proto.encode_datagram(msg)], fds)
 
     def accounts(self) -> tuple:
         status = self.client.status()

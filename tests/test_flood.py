@@ -77,7 +77,7 @@ if plane == "hellos":
 elif plane == "handles":
     # Every segment grows by one byte: the growth needs every granule of the buffer, two are placed.
     placement = encode_datagram(LeasePlace(wide.buffer_id, [1] * SEGMENTS, leased, [0, 2 << 20]))
-    sock = client._handles.sock
+    sock = client._core.handles.sock
     sock.settimeout(None)
     print("flooding", len(placement), flush=True)
     while True:
@@ -85,13 +85,13 @@ elif plane == "handles":
 else:
     # Every segment full: the whole buffer is worked out, then refused for want of budget. Each connection keeps
     # requests in flight, sent as soon as it can take them, its replies read and dropped.
-    frames = encode_frames(CommitSegments(wide.buffer_id, [4096] * SEGMENTS), 1, client._control.token)
+    frames = encode_frames(CommitSegments(wide.buffer_id, [4096] * SEGMENTS), 1, client._core.control.token)
     poller = zmq.Poller()
     for _ in range(connections):
         dealer = zmq.Context.instance().socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.SNDHWM, 16)
-        dealer.connect(client._control.endpoint)
+        dealer.connect(client._core.control.endpoint)
         poller.register(dealer, zmq.POLLIN | zmq.POLLOUT)
     print("flooding", len(frames[1]), flush=True)
     while True:

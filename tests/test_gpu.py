@@ -714,7 +714,7 @@ def test_a_chunk_that_is_not_what_it_claims_is_refused(gpu_daemon, gpu_client, k
     fd = forged(kind, granule)
     try:
         msg = proto.OwnChunks(t.buffer_id, [32 * MiB + granule], [32 * MiB], [granule])
-        socket.send_fds(client._handles.sock, [proto.encode_datagram(msg)], [fd])
+        socket.send_fds(client._core.handles.sock, [proto.encode_datagram(msg)], [fd])
     finally:
         os.close(fd)
     status = client.status()

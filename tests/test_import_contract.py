@@ -1,7 +1,9 @@
 """Which part of hbmd may import which: the layering ARCHITECTURE.md draws, checked on every file's imports.
 
-Read from the source (every ``import`` statement, relative ones resolved, those inside functions included), so a
-layer crossed by a lazy import inside a function fails here as surely as one at the top of a module.
+Read from the source (every ``import`` statement, relative ones resolved, those inside functions and under
+``if TYPE_CHECKING:`` included), so a layer crossed by a lazy import inside a function fails here as surely as one at
+the top of a module. The client's modules import one another without a cycle: each part gets what it uses, it does
+not reach back into what composes it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,39 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
+def cycles(folder: str) -> list[str]:
+    """Each cycle of imports among the modules of ``folder``, as ``a -> b -> a`` (the first module of each is the
+    lowest named; one cycle per set of modules that import one another round)."""
+    modules = {module_name(path): path for path in (ROOT / folder).rglob("*.py")}
+
+    def module_of(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {m: sorted({t for n in imports_of(p) if (t := module_of(n)) and t != m}) for m, p in modules.items()}
+    found: list[str] = []
+    seen: set[str] = set()
+    for start in sorted(modules):
+        if start in seen:
+            continue
+        # A path back to start through modules not yet reported, found depth first.
+        path, stack = [start], [iter(edges[start])]
+        while stack:
+            step = next(stack[-1], None)
+            if step is None:
+                stack.pop()
+                path.pop()
+            elif step == start:
+                found.append(" -> ".join([*path, start]))
+                seen.update(path)
+                break
+            elif step not in path and step not in seen and step > start:
+                path.append(step)
+                stack.append(iter(edges[step]))
+    return found
+
+
 def crossings(folder: str, forbidden: tuple[str, ...]) -> list[str]:
     return [f"{path.relative_to(ROOT)} imports {name}"
             for path in sorted((ROOT / folder).rglob("*.py"))
@@ -70,3 +105,20 @@ def test_the_check_sees_relative_and_nested_imports(tmp_path, monkeypatch):
     (tmp_path / "client" / "late.py").write_text("def f():\n    from ..daemon.state import State\n")
     assert crossings("client", ("hbmd.daemon",)) == [
         "client/late.py imports hbmd.daemon.state", "client/late.py imports hbmd.daemon.state.State"]
+
+
+@pytest.mark.unit
+def test_no_client_module_imports_one_that_imports_it_back():
+    assert cycles("client") == [], "a client part gets the core and the parts it uses; it never imports its composer"
+
+
+@pytest.mark.unit
+def test_the_cycle_check_sees_a_cycle_through_a_type_checking_import(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    (tmp_path / "client").mkdir()
+    (tmp_path / "client" / "__init__.py").write_text("")
+    (tmp_path / "client" / "part.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .whole import Whole\n")
+    (tmp_path / "client" / "whole.py").write_text("from hbmd.client.part import Part\n")
+    (tmp_path / "client" / "leaf.py").write_text("from . import part\n")
+    assert cycles("client") == ["hbmd.client.part -> hbmd.client.whole -> hbmd.client.part"]

@@ -287,7 +287,7 @@ def test_placements_a_client_was_not_leased_change_nothing(daemon, client):
     other = daemon.connect(client_name="other")
     theirs = ExtensibleTensor(16 * MiB, "cpu", client=other)
     before = (daemon_view(client, t), client.status().leased_bytes)
-    sock = client._handles.sock
+    sock = client._core.handles.sock
     bad = [
         proto.LeasePlace(t.buffer_id, [2 * GRANULE] * 2, [10**9, 10**9 + 1], [GRANULE, 5 * GRANULE]),  # not leased
         proto.LeasePlace(t.buffer_id, [2 * GRANULE] * 2, [1], [GRANULE]),  # too few granules
@@ -409,7 +409,7 @@ def test_a_reader_that_finds_its_datagram_taken_does_not_hold_the_socket(daemon,
     client = daemon.connect(lease=False)  # no listener thread of its own
     monkeypatch.setattr(select, "select", lambda r, w, x, timeout: (r, [], []))  # "readable", yet nothing waits
     started = time.monotonic()
-    assert client._handles.inbox.poll(0.2)
+    assert client._core.handles.inbox.poll(0.2)
     assert time.monotonic() - started < 1
     monkeypatch.undo()
     client.close()
@@ -419,7 +419,7 @@ def test_a_placement_claiming_a_petabyte_is_refused_without_the_daemon_counting_
     buffer = client.create_buffer(1 << 50)  # a petabyte of address space costs the daemon nothing
     client.commit(buffer.buffer_id, GRANULE).close()
     leased_at_least(client, 1)
-    client._handles.sock.send(proto.encode_datagram(proto.LeasePlace(buffer.buffer_id, [1 << 50], [1], [GRANULE])))
+    client._core.handles.sock.send(proto.encode_datagram(proto.LeasePlace(buffer.buffer_id, [1 << 50], [1], [GRANULE])))
     started = time.monotonic()
     (info,) = [b for b in client.buffers() if b.buffer_id == buffer.buffer_id]
     assert info.segment_sizes == [GRANULE] and info.physical_bytes == GRANULE
@@ -437,9 +437,9 @@ def test_a_session_flooding_its_socket_does_not_hold_the_daemon(daemon, client, 
         c = connect("cpu", client_name="flood")
         junk = proto.encode_datagram(proto.LeaseReturn([10**9]))
         print("ready", flush=True)
-        c._handles.sock.settimeout(None)
+        c._core.handles.sock.settimeout(None)
         while True:
-            c._handles.sock.send(junk)
+            c._core.handles.sock.send(junk)
         """,
     )
     assert worker.readline() == "ready"

@@ -48,7 +48,8 @@ def test_a_long_placement_is_refused_from_its_header(daemon, client):
     """On the handle plane the refusal is the daemon's to log: a datagram has no reply."""
     wide = client.create_buffer(MAX_SEGMENTS * GRANULE, MAX_SEGMENTS)
     before = state_of(client)
-    client._handles.sock.send(proto.encode_datagram(proto.LeasePlace(wide.buffer_id, [1] * (MAX_SEGMENTS + 1), [], [])))
+    too_long = proto.LeasePlace(wide.buffer_id, [1] * (MAX_SEGMENTS + 1), [], [])
+    client._core.handles.sock.send(proto.encode_datagram(too_long))
     wait_until(lambda: TOO_LONG in daemon.log())
     assert state_of(client) == before
 

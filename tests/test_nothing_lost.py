@@ -117,7 +117,7 @@ if helper == "fork":
         os._exit(0)
 elif helper == "inherit":
     # A helper holding the handle socket itself, as a forked child would without the client's fork hook.
-    child = subprocess.Popen(["sleep", "30"], pass_fds=[c._handles.sock.fileno()]).pid
+    child = subprocess.Popen(["sleep", "30"], pass_fds=[c._core.handles.sock.fileno()]).pid
 else:
     child = 0
 print(os.getpid(), child, c.session_id, info.buffer_id, flush=True)

@@ -58,7 +58,7 @@ class Flood:
     stopped; counts the refusals."""
 
     def __init__(self, client, connections: int = 2, depth: int = 64) -> None:
-        self._token, self._endpoint, self._depth = client._control.token, client._control.endpoint, depth
+        self._token, self._endpoint, self._depth = client._core.control.token, client._core.control.endpoint, depth
         self._dealers = []
         for _ in range(connections):
             dealer = zmq.Context.instance().socket(zmq.DEALER)

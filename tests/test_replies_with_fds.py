@@ -98,5 +98,5 @@ def test_a_client_commits_through_replies_with_fds_and_keeps_its_bytes(client):
         tensor.resize_(step * 4 * MiB, zero_new=True)  # two granules a step: through the daemon, never the lease
         tensor.full_view()[(step - 1) * 4 * MiB : step * 4 * MiB] = step
     assert [int(tensor.full_view()[i * 4 * MiB]) for i in range(8)] == list(range(1, 9))
-    assert client._control.replies_with_fds
+    assert client._core.control.replies_with_fds
     tensor.free()

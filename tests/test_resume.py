@@ -147,7 +147,7 @@ def test_only_the_process_that_opened_a_session_may_resume_it(restartable, spawn
 
 def test_a_request_sent_again_after_a_restart_is_answered_again_not_done_twice(restartable):
     client = restartable.daemon.connect(lease=False)
-    control = client._control
+    control = client._core.control
     client.status()
     # Done and journaled by the daemon that then died: its reply lost, the client sends it again under its id.
     request_id = control.next_request_id()
@@ -279,8 +279,8 @@ def test_a_request_that_only_reads_costs_the_journal_nothing(restartable, run_di
 def test_a_request_sent_again_and_again_is_answered_each_time_and_logged_once(daemon):
     with daemon.connect(lease=False) as client:
         buffer = client.create_buffer(8 * MiB, 1)
-        request_id = client._control.next_request_id()
-        answers = [client._control.call_with_id(Release(buffer.buffer_id), 5, request_id)[0] for _ in range(30)]
+        request_id = client._core.control.next_request_id()
+        answers = [client._core.control.call_with_id(Release(buffer.buffer_id), 5, request_id)[0] for _ in range(30)]
         assert all(answer == answers[0] for answer in answers)  # the one answer, given again
     wait_until(lambda: "again after a restart: answered as before" in daemon.log())
     assert daemon.log().count("again after a restart: answered as before") == 1  # a peer cannot flood the log

@@ -564,7 +564,7 @@ def test_a_demote_answer_the_restarted_daemon_does_not_know_does_not_hold_up_the
     """The daemon that asked for a demote was replaced before the answer reached it; the promote its successor sends
     next is served all the same (it waited behind the refused answer, unserved, until the next datagram)."""
     with daemon.connect(lease=False) as client:
-        client._handles.inbox.demotes.extend([ReclaimRequest(999, 0, "asked by a daemon since restarted", demote=True),
-                                        PromoteRequest(0)])
+        demotes = client._core.handles.inbox.demotes
+        demotes.extend([ReclaimRequest(999, 0, "asked by a daemon since restarted", demote=True), PromoteRequest(0)])
         client._pressure.serve_demotes()
-        assert not client._handles.inbox.demotes
+        assert not demotes
