@@ -20,6 +20,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 
 from hbmd.proto import (
     MAX_FDS_PER_DATAGRAM,
@@ -76,6 +77,8 @@ class Inbox:
         self.filed = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         """Written when an FD batch goes to the backlog: a caller that waits on other sockets too (the control socket)
         watches it."""
+        self._close_filed = weakref.finalize(self, os.close, self.filed)
+        """Closes it once, at :meth:`close` or when a client dropped unclosed lets go of this inbox."""
 
     # the caller's side
 
@@ -201,9 +204,8 @@ class Inbox:
 
     def close(self) -> None:
         """Close the eventfd and the FDs that came and were never taken (the socket is its channel's)."""
-        if self.filed >= 0:
-            os.close(self.filed)
-            self.filed = -1
+        self._close_filed()
+        self.filed = -1
         for _, fds in (*self._backlog, *self.grants):
             _close_all(fds)
         self._backlog.clear()

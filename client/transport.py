@@ -19,6 +19,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 from typing import TypeVar
 
 import zmq
@@ -167,12 +168,10 @@ class FdCloser:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="hbmd-fd-closer", daemon=True)
+        # The thread holds the queue, not this object: a client dropped unclosed lets go of it, and it ends.
+        self._thread = threading.Thread(target=_close_queued, args=(self._queue,), name="hbmd-fd-closer", daemon=True)
         self._thread.start()
-
-    def _run(self) -> None:
-        while (fd := self._queue.get()) is not None:
-            os.close(fd)
+        weakref.finalize(self, self._queue.put, None)
 
     def close_later(self, fd: int) -> None:
         self._queue.put(fd)
@@ -181,6 +180,11 @@ class FdCloser:
         """Close what is queued, then end the thread."""
         self._queue.put(None)
         self._thread.join()
+
+
+def _close_queued(fds: queue.SimpleQueue[int | None]) -> None:
+    while (fd := fds.get()) is not None:
+        os.close(fd)
 
 
 def poll_spinning(poller: zmq.Poller, deadline: float, spin_until: float) -> dict:

@@ -8,11 +8,13 @@ leases and re-attached after a SIGKILL holds every granule whose commit returned
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import select
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -401,6 +403,19 @@ def test_a_client_dropped_without_close_ends_its_session(daemon, client):
     wait_until(lambda: client.status().num_sessions == 1 and client.status().leased_bytes == 0)
     assert [b.session_id for b in client.buffers()] == [0]  # the persistent buffer outlived it, an orphan
 
+
+
+def test_a_client_dropped_without_close_leaves_no_descriptor_or_thread_behind(daemon, client):
+    client.status()  # the process's ZeroMQ context is made: what is counted is the dropped client's alone
+    closers = lambda: sum(t.name == "hbmd-fd-closer" for t in threading.enumerate())  # noqa: E731
+    before = (len(os.listdir("/proc/self/fd")), closers())
+    dropped = daemon.connect(client_name="dropped", lease=False)
+    tensor = ExtensibleTensor(16 * MiB, "cpu", client=dropped, name="plain")
+    tensor.resize_(4 * GRANULE)  # chunks delivered: the FD closer runs
+    assert closers() == before[1] + 1
+    del tensor, dropped
+    gc.collect()
+    wait_until(lambda: (len(os.listdir("/proc/self/fd")), closers()) == before)
 
 
 def test_a_reader_that_finds_its_datagram_taken_does_not_hold_the_socket(daemon, monkeypatch):
