@@ -2,7 +2,7 @@
 
 The daemon asks a session to give memory back (``hbmctl reclaim``, or a
 tenant over its share): the engine answers through a callback or by polling
-(:meth:`Pressure.on_reclaim`, :meth:`Pressure.pending`). Clients of tenants
+(:meth:`Client.on_reclaim`, :meth:`Client.pending_reclaims`). Clients of tenants
 configured to be demoted are asked, when idle, to move their buffers to the
 host tier for another tenant's commit, and told when the device has room
 again: the client does both itself, its engine need do nothing. A commit the
