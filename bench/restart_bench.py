@@ -35,14 +35,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from common import RESULTS_DIR, metadata, today_utc, write_json
-from hbmd.client import connect, recovery
-from hbmd.client.transport import HandleChannel
-from hbmd.proto.errors import DaemonUnavailable
+from hbmd.client import connect
+from hbmd.testing.restarts import CallsInALoop, Reconnects
 from hbmd.testing.spawn import DaemonProcess, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -165,86 +163,6 @@ def commits(backend: str, rounds: int, steps: int) -> dict:
         kept.close()
 
 
-class CallsInALoop:
-    """``status()`` over and over on a thread, as an engine's calls would come: the longest gap between two answers is
-    the pause it sees."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-        self.failures = 0
-        self._answered = [time.monotonic()]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.client.status()
-            except Exception:
-                self.failures += 1
-            self._answered.append(time.monotonic())
-
-    def stop(self) -> list[float]:
-        """The gaps between answers, in seconds."""
-        self._stop.set()
-        self._thread.join()
-        return [b - a for a, b in zip(self._answered, self._answered[1:])]
-
-
-class Reconnects:
-    """The client's reconnects to the handle socket while it resumes, counted from its side: the connects the kernel
-    refused (no socket file, or nobody listening behind it), the seconds from the first refused one to the next that
-    got through, and the seconds it then waited for the welcome. Installed in place of the ``HandleChannel`` its
-    recovery opens."""
-
-    def __init__(self) -> None:
-        self.refused = 0
-        self.refused_s = 0.0
-        self.welcome_wait_s = 0.0
-        self._first_refused: float | None = None
-
-    def __enter__(self) -> Reconnects:
-        counts = self
-
-        class CountedHandleChannel(HandleChannel):
-            def __init__(self, paths, timeout: float) -> None:
-                try:
-                    super().__init__(paths, timeout)
-                except DaemonUnavailable as exc:
-                    if exc.details.get("not_running"):
-                        counts.refused_one()
-                    raise
-                counts.got_through()
-
-            def handshake(self, hello):
-                started = time.monotonic()
-                try:
-                    return super().handshake(hello)
-                finally:
-                    counts.welcome_wait_s += time.monotonic() - started
-
-        recovery.HandleChannel = CountedHandleChannel
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        recovery.HandleChannel = HandleChannel
-
-    def refused_one(self) -> None:
-        self.refused += 1
-        if self._first_refused is None:
-            self._first_refused = time.monotonic()
-
-    def got_through(self) -> None:
-        if self._first_refused is not None:
-            self.refused_s += time.monotonic() - self._first_refused
-            self._first_refused = None
-
-    def figures(self) -> dict:
-        return {"refused_connects": self.refused, "refused_connects_s": round(self.refused_s, 3),
-                "welcome_wait_s": round(self.welcome_wait_s, 3)}
-
-
 HOWS = ("crash", "takeover", "cold")
 
 
@@ -283,7 +201,7 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         client.close()
         return {"chunks": chunks, "how": how, "benchmark_fds_before": fds_before,
                 "new_daemon_serving_s": round(serving, 3),
-                "client_pause_s": round(max(gaps), 3), "calls": len(gaps), "failed_calls": calls.failures,
+                "client_pause_s": round(max(gaps), 3), "calls": len(gaps), "failed_calls": len(calls.failures),
                 **reconnects.figures(),
                 "log": restored[-1] if restored else ""}
     finally:

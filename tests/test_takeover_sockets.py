@@ -13,18 +13,16 @@ import json
 import os
 import socket
 import sys
-import threading
 import time
 
 import pytest
 from fake_systemd import LAUNCHER
-from hbmd.client import recovery
 from hbmd.client.transport import HandleChannel
 from hbmd.daemon.server.listening import CONTROL, HANDLES
 from hbmd.daemon.takeover import take_over
 from hbmd.proto import PROTOCOL_VERSION, Hello, Welcome
-from hbmd.proto.errors import DaemonUnavailable
 from hbmd.proto.instance import InstancePaths
+from hbmd.testing.restarts import CallsInALoop, Reconnects
 from helpers import MiB, wait_until
 
 pytestmark = pytest.mark.ipc
@@ -59,68 +57,26 @@ def settled_fds(daemon, timeout: float = 5.0) -> int:
     raise TimeoutError(f"the daemon's descriptors did not settle within {timeout}s")
 
 
-class RefusedConnects:
-    """Counts the connects to the handle socket that the kernel refused while the client resumed its session."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        counts = self
-
-        class Counted(HandleChannel):
-            def __init__(self, paths, timeout: float) -> None:
-                try:
-                    super().__init__(paths, timeout)
-                except DaemonUnavailable as exc:
-                    counts.count += bool(exc.details.get("not_running"))
-                    raise
-
-        monkeypatch.setattr(recovery, "HandleChannel", Counted)
-
-
-class CallsInALoop:
-    """``status()`` over and over on a thread, as an engine's calls come."""
-
-    def __init__(self, client) -> None:
-        self.client = client
-        self.answered = 0
-        self.failures: list[Exception] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.client.status()
-                self.answered += 1
-            except Exception as exc:
-                self.failures.append(exc)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-
 def test_a_client_calling_through_a_takeover_is_never_refused_a_connect(start_daemon, monkeypatch):
     first = start_daemon("--budget", "64MiB")
     files = socket_files(paths_of(first))
-    refused = RefusedConnects(monkeypatch)
     client = first.connect(lease=False)
     buffer = client.create_buffer(8 * MiB)
     with client.commit(buffer.buffer_id, 4 * MiB):
         pass
-    calls = CallsInALoop(client)
-    try:
-        wait_until(lambda: calls.answered > 10)
-        second = start_daemon("--budget", "64MiB", "--takeover")
-        assert first.proc.wait(10) == 0
-        wait_until(lambda: "session 1 resumed" in second.log())
-        answered = calls.answered
-        wait_until(lambda: calls.answered > answered + 10)
-    finally:
-        calls.stop()
+    with Reconnects() as reconnects:
+        calls = CallsInALoop(client)
+        try:
+            wait_until(lambda: len(calls.answered_at) > 10)
+            second = start_daemon("--budget", "64MiB", "--takeover")
+            assert first.proc.wait(10) == 0
+            wait_until(lambda: "session 1 resumed" in second.log())
+            answered = len(calls.answered_at)
+            wait_until(lambda: len(calls.answered_at) > answered + 10)
+        finally:
+            calls.stop()
     assert calls.failures == []
-    assert refused.count == 0  # it waited in the backlog instead
+    assert reconnects.refused == 0  # it waited in the backlog instead
     assert "its listening sockets" in second.log()
     assert socket_files(paths_of(second)) == files  # the very sockets, not new ones at the same paths
     assert client.status().committed_bytes == 4 * MiB
