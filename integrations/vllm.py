@@ -51,7 +51,7 @@ from typing import Any
 from hbmd.client.opening import default_client
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.proto import TIER_HOST
-from hbmd.proto.errors import DaemonUnavailable, NotFound, OutOfBudget, OutOfDeviceMemory
+from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound, OutOfBudget, OutOfDeviceMemory
 from hbmd.proto.units import format_bytes
 
 from . import vllm_keep
@@ -132,6 +132,20 @@ class VllmExtensibleTensor(ExtensibleTensor):
             vllm_keep.note_created(self.buffer_id)
         # The worker exists by now (it built the model runner that builds this cache).
         patch_worker()
+
+    def free(self) -> None:
+        """vLLM frees its KV cache when the engine shuts down (its model runner's ``shutdown``): a keeping engine's
+        is let go of instead, left in the daemon for its successor as a killed engine's is (an orphan, freed at its
+        grace period's end unless adopted). Where the daemon refuses that, it is freed."""
+        if self.persistent and vllm_keep.keeps() and not self._freed:
+            try:
+                self.detach()
+                log.info("hbmd keeps this engine's KV cache %s (%s) for its successor", self.name,
+                         format_bytes(self.physical_bytes))
+                return
+            except HbmdError as exc:
+                log.warning("hbmd could not keep this engine's KV cache %s (%s): it is freed", self.name, exc)
+        super().free()
 
 
 def hbmd_or_own(own):

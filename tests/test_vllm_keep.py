@@ -293,7 +293,12 @@ def test_a_successor_grafts_its_predecessors_blocks_in_place_of_its_warm_ups_and
     note = json.loads((kept / "e.rank0.json").read_text())
     assert note["adopted_from"] == donor_id and note["adopted_blocks"] == 300 and note["buffer_id"] == mine.buffer_id
     assert mine.keep_orphan_s == vllm_keep.DEFAULT_GRACE_S
-    kv.free()
+    kv.free()  # as vLLM's model runner frees it when the engine stops: a keeping engine's cache stays, for the next
+    wait_until(lambda: [(b.session_id, b.physical_bytes) for b in observer.buffers(name="vllm-e-rank0.b")]
+               == [(0, mine.physical_bytes)])
+    with daemon.connect() as following:
+        rank = vllm_keep.choose_names(following, "vllm-e-rank0", 0)
+    assert rank.name == "vllm-e-rank0" and rank.donor is not None and rank.donor.name == "vllm-e-rank0.b"
 
 
 def test_an_index_that_cannot_be_written_goes_and_the_engine_serves_on(kept, model_folder, monkeypatch):
