@@ -20,8 +20,8 @@ import pytest
 from fake_systemd import LAUNCHER
 from hbmd.client import recovery
 from hbmd.client.transport import HandleChannel
+from hbmd.daemon.restart.takeover import take_over
 from hbmd.daemon.server.listening import CONTROL, HANDLES
-from hbmd.daemon.takeover import take_over
 from hbmd.proto import PROTOCOL_VERSION, Hello, Welcome
 from hbmd.proto.errors import DaemonUnavailable
 from hbmd.proto.instance import InstancePaths

@@ -21,10 +21,10 @@ from typing import Any
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes, round_up
 
-from .backends import parkable
+from ..backends import parkable
+from ..state import Chunk, Session, State, Tenant
 from .journal import Image
 from .journaled import JournaledBuffer, JournaledSession, buffer_of, session_of
-from .state import Chunk, Session, State, Tenant
 
 log = logging.getLogger("hbmd.persist")
 

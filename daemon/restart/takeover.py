@@ -52,8 +52,8 @@ from hbmd.proto.codec import packb, unpackb
 from hbmd.proto.errors import ProtocolError
 from hbmd.proto.undo import Undo
 
-from .fds import open_count, usable
-from .notify import MAX_FDNAME_CHARS, MAX_FDS_PER_MESSAGE, check_fdname
+from ..fds import open_count, usable
+from ..notify import MAX_FDNAME_CHARS, MAX_FDS_PER_MESSAGE, check_fdname
 
 log = logging.getLogger("hbmd.takeover")
 

@@ -47,11 +47,11 @@ import msgpack
 from hbmd.proto import TIER_HOST
 from hbmd.proto.errors import HbmdError
 
-from .backends import parkable
+from ..backends import parkable
+from ..notify import SystemdNotifier
+from ..state import Buffer, Chunk, Session, State
 from .journal import Image, Journal
-from .notify import SystemdNotifier
 from .restore import JOURNAL_VERSION, NewerState, chunk_name, restore
-from .state import Buffer, Chunk, Session, State
 
 log = logging.getLogger("hbmd.persist")
 
