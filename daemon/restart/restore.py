@@ -228,8 +228,7 @@ def _restore_buffer(state: State[Any, Any], record: JournaledBuffer, fds: dict[s
     if record.owner and owner is None and not record.persistent:
         # As when a session ends: its anonymous buffers go with it, its persistent ones stay, orphans.
         raise ValueError(f"its session {record.owner} did not come back")
-    readers = {s: n for s, n in record.readers.items() if s in state.sessions}
-    if owner is None and not readers and record.held:
+    if owner is None and not record.readers.keys() & state.sessions.keys() and record.held:
         raise ValueError("no session that maps it came back, and only they hold its memory")
     if record.persistent and (record.uid, record.name) in state.persistent:
         raise ValueError("a persistent buffer of its name is restored already")
@@ -249,10 +248,6 @@ def _restore_buffer(state: State[Any, Any], record: JournaledBuffer, fds: dict[s
                     # thousands. Should a later chunk fail, the name is unparked with those of buffers not restored.
                     os.close(fds.pop(name))
                 adopted[part].append(Chunk(chunk.chunk_id, chunk.offset, chunk.size, handle, tier=chunk.tier))
-        state.restore_buffer(
-            record.buffer_id, record.name, record.persistent, owner, record.uid, record.tenant, record.capacity,
-            record.capacities, record.sizes, record.shareable, arena, adopted["chunks"], adopted["pending"],
-            record.sealed, readers, record.orphan,
-        )
+        state.restore_buffer(record, owner, arena, adopted["chunks"], adopted["pending"])
     log.info("restored buffer %d %r: %s in %d chunks", record.buffer_id, record.name, _size(record),
              len(adopted["chunks"]))
