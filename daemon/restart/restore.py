@@ -32,9 +32,10 @@ JOURNAL_VERSION = 7
 """7: records framed one by one and checksummed, a session's record naming the buffers it holds, a growth how many
 chunks it follows; 6: a buffer's chunks in the host tier (``host``: their ids), which an older daemon would count as
 device memory; 5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack
-records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset, size]``, 2 added a fourth field, always
-0, and each segment's capacity and size; version 1's equal segments are read too. A buffer's grace period as an
-orphan (``orphan``) needs no new version: a daemon that does not know it keeps the orphan until deleted."""
+records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset, size]``; 2, each segment's capacity and
+size, and a fourth field of a chunk, always 0; 1, equal segments, that fourth field 0 on CUDA (the host backend's
+offsets into an arena parked whole are refused: no later daemon adopts an arena). A buffer's grace period as an orphan
+(``orphan``) needs no new version: a daemon that does not know it keeps the orphan until deleted."""
 
 
 class NewerState(ValueError):
