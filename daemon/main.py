@@ -20,21 +20,22 @@ from typing import Any, Generic, NoReturn
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION, InstancePaths
 from hbmd.proto.units import format_bytes, parse_size
 
-from . import inherit, logs
+from . import logs
 from .backends import A, Backend, C
 from .backends.host import GRANULE, HostBackend, host_memory_bytes
 from .backends.pool import HOST_PIECE
 from .config import FORMAT as CONFIG_FORMAT
 from .config import Config, ConfigError, load_config
-from .inherit import Refusal, inherited_sockets, passed_sockets, take_over_from_predecessor
 from .notify import SystemdNotifier, listen_fds
-from .persist import RESUME_WINDOW_S
 from .reload import ConfigReloader
+from .restart import inherit
+from .restart.inherit import Refusal, inherited_sockets, passed_sockets, take_over_from_predecessor
+from .restart.persist import RESUME_WINDOW_S
+from .restart.takeover import Handover
 from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
 from .server.device_lock import DeviceLock
 from .server.loop import HANDOVER_TIMEOUT_S
 from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, DEMOTE_IDLE_S, Limits, State
-from .takeover import Handover
 
 log = logging.getLogger("hbmd.daemon")
 

@@ -73,7 +73,7 @@ def chunks_held() -> int:
 
 def parked_names(state_dir, buffer_name: str, instance: str = "host") -> set[str]:
     """The FD-store names of the chunks of the buffer named ``buffer_name``, as its daemon journaled them."""
-    from hbmd.daemon.persist import Journal, chunk_name
+    from hbmd.daemon.restart.persist import Journal, chunk_name
 
     journal = Journal(state_dir / f"{instance}.journal")
     if not journal.path.exists():

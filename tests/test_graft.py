@@ -15,7 +15,7 @@ import json
 
 import pytest
 from hbmd.client import ExtensibleTensor
-from hbmd.daemon.persist import Journal
+from hbmd.daemon.restart.persist import Journal
 from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, OutOfBudget
 from helpers import MiB, filled, hbmctl, wait_until
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import DaemonProcess
 from fake_systemd import FakeSystemd
-from hbmd.daemon.persist import Journal
+from hbmd.daemon.restart.persist import Journal
 from helpers import MiB, wait_until
 
 pytest.importorskip("torch")

@@ -6,7 +6,7 @@ import logging
 
 import msgpack
 import pytest
-from hbmd.daemon.journal import Journal, frame
+from hbmd.daemon.restart.journal import Journal, frame
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from hbmd.daemon.backends.host import HostBackend
-from hbmd.daemon.persist import Persistence, chunk_name, every_chunk
+from hbmd.daemon.restart.persist import Persistence, chunk_name, every_chunk
 from hbmd.daemon.state import Answer, Chunk, Session, State
 from hbmd.proto.errors import HbmdError, InternalError
 from hbmd.proto.runs import new_runs

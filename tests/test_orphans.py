@@ -7,6 +7,7 @@ import logging
 import pytest
 from hbmd.daemon.backends.host import HostBackend
 from hbmd.daemon.config import parse_config
+from hbmd.daemon.restart.journaled import JournaledBuffer
 from hbmd.daemon.state import State
 from hbmd.proto.errors import InvalidRequest, NotFound, OutOfBudget
 from helpers import MiB
@@ -151,18 +152,23 @@ def test_a_grace_period_out_of_range_or_for_an_anonymous_buffer_is_refused(keep_
     assert state.buffers == {}
 
 
+def orphan_record(buffer_id: int, name: str, orphan: tuple[float, float, float, tuple[str, int]]) -> JournaledBuffer:
+    """An empty persistent buffer of 8 MiB as journaled, an orphan with the grace period ``orphan``."""
+    return JournaledBuffer(
+        buffer_id=buffer_id, name=name, persistent=True, shareable=False, owner=0, uid=1000, tenant="uid:1000",
+        capacity=8 * MiB, capacities=[8 * MiB], sizes=[0], sealed=False, readers={}, chunks=[], pending=[],
+        held=frozenset(), orphan=orphan,
+    )
+
+
 def test_a_restored_orphan_keeps_its_deadline_brought_in_where_the_clock_went_back():
     clock = WallClock()
     state = new_state(clock=clock)
     restored = state.restore_buffer(
-        7, "kv", True, None, 1000, "uid:1000", 8 * MiB, [8 * MiB], [0], False, None, [], [], False, {},
-        (60.0, clock.now - 10, clock.now + 50, ("engine-a", 10)),
-    )
+        orphan_record(7, "kv", (60.0, clock.now - 10, clock.now + 50, ("engine-a", 10))), None, None, [], [])
     assert (restored.expires_at, restored.last_holder) == (clock.now + 50, ("engine-a", 10))
     set_back = state.restore_buffer(
-        8, "kv-2", True, None, 1000, "uid:1000", 8 * MiB, [8 * MiB], [0], False, None, [], [], False, {},
-        (60.0, clock.now + 3000, clock.now + 3060, ("engine-a", 10)),
-    )
+        orphan_record(8, "kv-2", (60.0, clock.now + 3000, clock.now + 3060, ("engine-a", 10))), None, None, [], [])
     assert set_back.expires_at == clock.now + 60
     state.check_invariants()
     clock.advance(50)

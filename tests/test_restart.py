@@ -8,7 +8,7 @@ import re
 import msgpack
 import pytest
 from hbmd.client import ExtensibleTensor, OutOfBudget
-from hbmd.daemon.persist import JOURNAL_VERSION, Journal
+from hbmd.daemon.restart.persist import JOURNAL_VERSION, Journal
 from hbmd.testing.spawn import DaemonProcess
 from helpers import MiB, filled, parked_names, wait_until
 

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 from fake_systemd import FakeSystemd
 from hbmd.daemon.notify import SystemdNotifier
-from hbmd.daemon.persist import MAX_NAMES_CHARS, MAX_PARKED, Journal, Persistence, buffer_record, chunk_name
+from hbmd.daemon.restart.persist import MAX_NAMES_CHARS, MAX_PARKED, Journal, Persistence, buffer_record, chunk_name
 from hbmd.daemon.state import State
 from helpers import GRANULE, descriptors_where, wait_until
 

@@ -16,7 +16,7 @@ import time
 import pytest
 from hbmd.client import ExtensibleTensor, connect
 from hbmd.client.transport import HandleChannel
-from hbmd.daemon.takeover import take_over
+from hbmd.daemon.restart.takeover import take_over
 from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello, Release
 from hbmd.proto.errors import PermissionDenied, SessionLost
 from hbmd.proto.instance import InstancePaths

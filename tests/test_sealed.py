@@ -16,7 +16,7 @@ import signal
 
 import pytest
 from hbmd.client import Conflict, ExtensibleTensor, InvalidRequest, NotFound
-from hbmd.daemon.persist import Journal
+from hbmd.daemon.restart.persist import Journal
 from helpers import MiB, filled, hbmctl, parked_names, wait_until
 
 torch = pytest.importorskip("torch")

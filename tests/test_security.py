@@ -24,7 +24,7 @@ from hbmd import proto
 from hbmd.client import ExtensibleTensor, HbmdError, InvalidRequest
 from hbmd.client.transport import ControlChannel, HandleChannel
 from hbmd.daemon.logs import formatter
-from hbmd.daemon.persist import Journal
+from hbmd.daemon.restart.persist import Journal
 from hbmd.daemon.server import (
     HELLO_TIMEOUT_S,
     MAX_FDS_IN_FLIGHT,

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from hbmd.daemon import takeover
 from hbmd.daemon.fds import open_count
-from hbmd.daemon.takeover import (
+from hbmd.daemon.restart import takeover
+from hbmd.daemon.restart.takeover import (
     MAX_STATE_BYTES,
     TAKEOVER_SOCKET,
     NothingToTakeOver,

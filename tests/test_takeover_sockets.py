@@ -18,8 +18,8 @@ import time
 import pytest
 from fake_systemd import LAUNCHER
 from hbmd.client.transport import HandleChannel
+from hbmd.daemon.restart.takeover import take_over
 from hbmd.daemon.server.listening import CONTROL, HANDLES
-from hbmd.daemon.takeover import take_over
 from hbmd.proto import PROTOCOL_VERSION, Hello, Welcome
 from hbmd.proto.instance import InstancePaths
 from hbmd.testing.restarts import CallsInALoop, Reconnects

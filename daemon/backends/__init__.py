@@ -87,7 +87,7 @@ class Backend(Protocol[A, C]):
 
 
 class ParkableBackend(Backend[A, C], Protocol[A, C]):
-    """A backend whose memory can be parked with the service manager across restarts (see ``daemon/persist.py``)."""
+    """A backend whose memory can be parked with the service manager across restarts (``daemon/restart/persist.py``)."""
 
     def parked_fd(self, arena: A, chunk: C) -> int:
         """A new FD keeping ``chunk`` alive (each chunk is parked on its own); the caller closes it."""

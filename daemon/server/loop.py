@@ -56,10 +56,10 @@ from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 
 from ..backends import A, C
 from ..notify import SystemdNotifier
-from ..persist import RESUME_WINDOW_S, Persistence, chunk_fds, image_of, pack_image
+from ..restart.persist import RESUME_WINDOW_S, Persistence, chunk_fds, image_of, pack_image
+from ..restart.takeover import TakeoverError, TakeoverListener
 from ..rundir import create_file, open_instance_directory, open_lock, resume_key
 from ..state import Answer, Session, State
-from ..takeover import TakeoverError, TakeoverListener
 from .admin import AdminRequests
 from .buffers import BufferRequests
 from .connection import HandleConnection

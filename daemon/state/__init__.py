@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import Generic
+from typing import TYPE_CHECKING, Generic
 
 from hbmd.proto import TIER_DEVICE, TIER_HOST, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
@@ -51,6 +51,9 @@ from .records import (
 )
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
+
+if TYPE_CHECKING:  # a journaled buffer is read by the restart package, which builds on the state
+    from ..restart.journaled import JournaledBuffer
 
 DEMOTE_IDLE_S = 2.0
 """By default (``--demote-idle``), a session that grew a buffer within this many seconds is busy: it is not asked to
@@ -272,29 +275,28 @@ class State(Generic[A, C]):
         )
 
     def restore_buffer(
-        self, buffer_id: int, name: str, persistent: bool, owner: Session | None, owner_uid: int, tenant: str,
-        capacity: int, capacities: list[int], sizes: list[int], shareable: bool, arena: A, chunks: list[Chunk[C]],
-        pending: list[Chunk[C]], sealed: bool, readers: dict[int, int],
-        orphan: tuple[float, float, float, tuple[str, int]] = (0.0, 0.0, 0.0, ("", 0)),
+        self, record: JournaledBuffer, owner: Session | None, arena: A, chunks: list[Chunk[C]],
+        pending: list[Chunk[C]],
     ) -> Buffer[A, C]:
-        """Bring back a buffer journaled before a restart, with its owner (None: an orphan) and read claims; its memory
-        counts whatever the budget: it is there already. ``orphan``: its grace period, when it became an orphan, when
-        it is due to be freed and who held it last (see :meth:`Orphans.restored`)."""
+        """Bring back a buffer journaled before a restart, as ``record`` holds it, with what its restore resolved: its
+        ``owner`` (None: an orphan), the ``arena`` its chunks were adopted into and those chunks, handles and all. Its
+        read claims come back for the sessions restored; its memory counts whatever the budget: it is there already.
+        Its grace period as an orphan is taken up as :meth:`Orphans.restored` says."""
         buffer = Buffer(
-            buffer_id=buffer_id, name=name, persistent=persistent, shareable=shareable, owner=owner,
-            owner_uid=owner_uid, tenant=self.tenant_table.named(tenant), capacity=capacity,
-            reserved=round_up(capacity, self.backend.granularity), segment_capacities=capacities, arena=arena,
-            segment_sizes=sizes, chunks=chunks, pending=pending, sealed=sealed,
+            buffer_id=record.buffer_id, name=record.name, persistent=record.persistent, shareable=record.shareable,
+            owner=owner, owner_uid=record.uid, tenant=self.tenant_table.named(record.tenant), capacity=record.capacity,
+            reserved=round_up(record.capacity, self.backend.granularity), segment_capacities=record.capacities,
+            arena=arena, segment_sizes=record.sizes, chunks=chunks, pending=pending, sealed=record.sealed,
         )
         self.buffer_table.adopt(buffer)
         if owner is not None:
-            owner.buffers[buffer_id] = buffer
-        for session_id, claims in readers.items():
+            owner.buffers[buffer.buffer_id] = buffer
+        for session_id, claims in record.readers.items():
             reader = self.sessions.get(session_id)
             if reader is not None:
                 buffer.readers[session_id] = claims
-                reader.reading[buffer_id] = buffer
-        self.orphan_table.restored(buffer, *orphan)
+                reader.reading[buffer.buffer_id] = buffer
+        self.orphan_table.restored(buffer, *record.orphan)
         return buffer
 
     def redeclare(

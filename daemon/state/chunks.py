@@ -21,7 +21,7 @@ log = logging.getLogger("hbmd.state")
 
 class FdStore(Protocol):
     """The service manager's file-descriptor store, which keeps chunks alive across a restart of the daemon
-    (``daemon/persist.py``): told of each chunk made and released."""
+    (``daemon/restart/persist.py``): told of each chunk made and released."""
 
     def made(self, chunk: Chunk[Any], arena: Any) -> None: ...
 

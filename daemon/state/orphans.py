@@ -6,7 +6,7 @@ adopts what its predecessor left, at the address its own buffer already has.
 A *grace period* (``keep_orphan_s``, chosen at the buffer's creation) frees
 an orphan nobody attached or grafted within it.
 
-Deadlines are Unix times, journaled as they are (``daemon/persist.py``):
+Deadlines are Unix times, journaled as they are (``daemon/restart/persist.py``):
 the time the daemon was down counts, as the orphan held its memory then
 too, and a daemon that restarts over and over still frees it. A deadline
 kept as seconds left would start over at every restart.

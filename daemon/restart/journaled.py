@@ -18,9 +18,9 @@ from hbmd.proto.buffers import MAX_NAME
 from hbmd.proto.runs import backed_runs, merge_runs, prefix_offsets
 from hbmd.proto.units import round_up
 
-from .state import Answer, Chunk
-from .state.invariants import check_chunk_layout
-from .state.records import MAX_CAPACITY
+from ..state import Answer, Chunk
+from ..state.invariants import check_chunk_layout
+from ..state.records import MAX_CAPACITY
 
 MAX_ID = (1 << 63) - 1
 MAX_UID = (1 << 32) - 1
@@ -171,7 +171,9 @@ def buffer_of(record: Any, granule: int) -> JournaledBuffer:
     parts: dict[str, list[Chunk[Any]]] = {}
     for part in ("chunks", "pending"):
         journaled = rows(record, part, (3, 4), [] if part == "pending" else REQUIRED)
-        if any(row[3:] not in ((), (0,)) for row in journaled):  # version 2 wrote a fourth field, always 0
+        # Versions 1 and 2 wrote a fourth field, 0 but where version 1's host backend parked the whole arena
+        # (``tests/data/journals/v1``): no later daemon adopts that.
+        if any(row[3:] not in ((), (0,)) for row in journaled):
             raise ValueError(f"its {part} are not [id, offset, size] each")
         parts[part] = [Chunk(row[0], row[1], row[2], None, tier=TIER_HOST if row[0] in host else TIER_DEVICE)
                        for row in journaled]

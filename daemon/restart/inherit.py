@@ -11,13 +11,13 @@ from pathlib import Path
 from hbmd.proto import PROTOCOL_VERSION
 from hbmd.proto.instance import InstancePaths
 
-from .backends import A, C
-from .notify import SystemdNotifier
+from ..backends import A, C
+from ..notify import SystemdNotifier
+from ..server.listening import ListeningSocketError, ListeningSockets, named
+from ..server.loop import HANDOVER_TIMEOUT_S
+from ..state import State
 from .persist import Persistence, unpack_image
 from .restore import NewerState, restore
-from .server.listening import ListeningSocketError, ListeningSockets, named
-from .server.loop import HANDOVER_TIMEOUT_S
-from .state import State
 from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
 
 log = logging.getLogger("hbmd.daemon")

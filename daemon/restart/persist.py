@@ -47,11 +47,11 @@ import msgpack
 from hbmd.proto import TIER_HOST
 from hbmd.proto.errors import HbmdError
 
-from .backends import parkable
+from ..backends import parkable
+from ..notify import SystemdNotifier
+from ..state import Buffer, Chunk, Session, State
 from .journal import Image, Journal
-from .notify import SystemdNotifier
 from .restore import JOURNAL_VERSION, NewerState, chunk_name, restore
-from .state import Buffer, Chunk, Session, State
 
 log = logging.getLogger("hbmd.persist")
 
@@ -74,12 +74,25 @@ environment variable, ``LISTEN_FDNAMES``, and the kernel refuses an ``execve`` w
 
 
 def session_record(session: Session) -> dict[str, Any]:
-    answer = session.answer
+    """A session's record (read back by :func:`.journaled.session_of`): what its hello fixed, then what may change."""
+    return {**_at_hello(session), **_since_hello(session)}
+
+
+def _at_hello(session: Session) -> dict[str, Any]:
+    """What of a session's record its hello fixes for good: a change to it would never be journaled (see
+    :meth:`Persistence.sync`), so whatever may change goes in :func:`_since_hello`."""
     return {
         "id": session.session_id, "pid": session.pid, "uid": session.uid, "gid": session.gid,
-        "name": session.client_name, "tenant": session.tenant.name, "admin": session.admin,
-        "wants_lease": session.wants_lease, "wants_credit": session.wants_credit,
-        "credential": session.credential_hash,
+        "name": session.client_name, "admin": session.admin, "wants_lease": session.wants_lease,
+        "wants_credit": session.wants_credit,
+    }
+
+
+def _since_hello(session: Session) -> dict[str, Any]:
+    """What of a session's record may change: a session is journaled again whenever this does."""
+    answer = session.answer
+    return {
+        "tenant": session.tenant.name, "credential": session.credential_hash,
         "previous_credential": session.previous_credential_hash,
         "lease": [[c.chunk_id, c.size] for c in session.lease.values()],
         "credit": session.credit,
@@ -95,26 +108,33 @@ def _holds(session: Session) -> list[int]:
 
 
 def buffer_record(buffer: Buffer[Any, Any]) -> dict[str, Any]:
+    """A buffer's record (read back by :func:`.journaled.buffer_of`): its head, then its sizes and every chunk."""
+    every = (*buffer.chunks, *buffer.pending)
+    return {
+        **_head(buffer), "sizes": buffer.segment_sizes,
+        "chunks": [[c.chunk_id, c.offset, c.size] for c in buffer.chunks],
+        "held": [c.chunk_id for c in every if c.handle is None],
+        "host": [c.chunk_id for c in every if c.tier == TIER_HOST],
+    }
+
+
+def _head(buffer: Buffer[Any, Any]) -> dict[str, Any]:
+    """A buffer's record but for what a growth record (:func:`_growth_record`) carries: a buffer whose head changed
+    is journaled whole."""
     return {
         "id": buffer.buffer_id, "name": buffer.name, "persistent": buffer.persistent, "shareable": buffer.shareable,
         "owner": buffer.owner.session_id if buffer.owner is not None else 0, "uid": buffer.owner_uid,
         "tenant": buffer.tenant.name, "capacity": buffer.capacity, "capacities": buffer.segment_capacities,
-        "sizes": buffer.segment_sizes, "sealed": buffer.sealed, "readers": [[s, n] for s, n in buffer.readers.items()],
-        "chunks": [[c.chunk_id, c.offset, c.size] for c in buffer.chunks],
+        "sealed": buffer.sealed, "readers": [[s, n] for s, n in buffer.readers.items()],
         "pending": [[c.chunk_id, c.offset, c.size] for c in buffer.pending],
-        "held": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.handle is None],
-        "host": [c.chunk_id for c in (*buffer.chunks, *buffer.pending) if c.tier == TIER_HOST],
         "orphan": [buffer.keep_orphan_s, buffer.orphaned_at, buffer.expires_at, *buffer.last_holder],
     }
 
 
-def _shape(buffer: Buffer[Any, Any]) -> tuple[tuple[Any, ...], int, int]:
-    """What a buffer's record was journaled from: what of it may change besides its chunks and sizes (its layout,
-    name and user are fixed at its creation), then how many chunks and the last one's id. Chunk ids are never
-    reused, so a buffer whose first chunks are still these only gained chunks."""
-    head = (buffer.owner.session_id if buffer.owner else 0, buffer.tenant.name, buffer.sealed,
-            tuple(sorted(buffer.readers.items())), tuple(c.chunk_id for c in buffer.pending), buffer.expires_at)
-    return head, len(buffer.chunks), buffer.chunks[-1].chunk_id if buffer.chunks else 0
+def _shape(buffer: Buffer[Any, Any]) -> tuple[dict[str, Any], int, int]:
+    """What a buffer's record was journaled from: its head, then how many chunks and the last one's id. Chunk ids are
+    never reused, so a buffer whose head is the same and whose first chunks are still these only gained chunks."""
+    return _head(buffer), len(buffer.chunks), buffer.chunks[-1].chunk_id if buffer.chunks else 0
 
 
 def _growth_record(buffer: Buffer[Any, Any], since: int) -> dict[str, Any]:
@@ -129,14 +149,6 @@ def _growth_record(buffer: Buffer[Any, Any], since: int) -> dict[str, Any]:
 def _only_grew(buffer: Buffer[Any, Any], count: int, last_id: int) -> bool:
     """Whether the buffer's first ``count`` chunks, the last of them ``last_id``, are still its first ones."""
     return count <= len(buffer.chunks) and (count == 0 or buffer.chunks[count - 1].chunk_id == last_id)
-
-
-def _journaled_as(session: Session) -> tuple[Any, ...]:
-    """What of a session changes its record (the rest is fixed at its hello)."""
-    answer = session.answer
-    return (answer.request_id if answer else 0, session.credential_hash, session.previous_credential_hash,
-            tuple(session.lease), session.credit, session.tenant.name, session.demoted_under_pressure,
-            tuple(_holds(session)))
 
 
 def _kept(session: Session) -> bool:
@@ -204,9 +216,9 @@ class Persistence:
         """What their names take in ``LISTEN_FDNAMES``."""
         self._unparking: list[str] = []
         """Names of chunks released since the last sync, unparked once it has journaled their release."""
-        self._sessions: dict[int, tuple[Any, ...]] = {}
-        """What each kept session's record was last journaled from."""
-        self._buffers: dict[int, tuple[tuple[Any, ...], int, int]] = {}
+        self._sessions: dict[int, dict[str, Any]] = {}
+        """What of each kept session's record may change, as last journaled (:func:`_since_hello`)."""
+        self._buffers: dict[int, tuple[dict[str, Any], int, int]] = {}
         """What each buffer's record was last journaled from (:func:`_shape`)."""
         self.degraded = False
         """The last journal write failed (the state directory is full, say)."""
@@ -307,7 +319,7 @@ class Persistence:
             del self._sessions[session_id]
             records.append(["-s", session_id])
         for session_id, session in kept.items():
-            seen = _journaled_as(session)
+            seen = _since_hello(session)
             if self._sessions.get(session_id) != seen:
                 self._sessions[session_id] = seen
                 records.append(["s", session_record(session)])
@@ -388,7 +400,7 @@ class Persistence:
         """Take the state as it is now as journaled, and write it whole; from here on each change is a record."""
         assert self.state.changed is not None  # tracked since __init__
         self.state.changed.clear()
-        self._sessions = {s.session_id: _journaled_as(s) for s in self.state.sessions.values() if _kept(s)}
+        self._sessions = {s.session_id: _since_hello(s) for s in self.state.sessions.values() if _kept(s)}
         self._buffers = {b.buffer_id: _shape(b) for b in self.state.buffers.values()}
         try:
             self._rewrite()

@@ -21,13 +21,13 @@ New daemon::
     fd = handover.fds.pop(name)                      # popping an FD makes it the caller's
     handover.serving()                               # or handover.abandon(): the old daemon goes on
 
-Wire format (Unix ``SOCK_SEQPACKET``: one message per datagram, maps in msgpack):
+Wire format (Unix ``SOCK_SEQPACKET``: one message per datagram, the types of :mod:`.handshake`):
 
-1. new → old: ``{"takeover": WIRE_VERSION, "protocol": major}``.
-2. old → new: ``{"refused": why}`` and the end, or ``{"state_bytes": n, "fds": m}``.
+1. new → old: a ``TakeoverRequest`` (``{"takeover": WIRE_VERSION, "protocol": major}``).
+2. old → new: ``Refused`` (``{"refused": why}``) and the end, or an ``Offer`` (``{"state_bytes": n, "fds": m}``).
 3. old → new: the state in datagrams of at most :data:`STATE_PIECE_BYTES` raw bytes, no FDs.
-4. old → new: msgpack lists of FD names, each with as many FDs attached (at most 253), in order.
-5. new → old: ``{"serving": true}`` once it serves; closing without it abandons the takeover.
+4. old → new: ``FdNames`` (a list of names), each with as many FDs attached (at most 253), in order.
+5. new → old: ``Serving`` (``{"serving": true}``) once it serves; closing without it abandons the takeover.
 
 The two daemons trust each other only as far as the kernel vouches: each
 checks that the other runs as its own uid (``SO_PEERCRED``), and the taker
@@ -48,12 +48,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hbmd.proto.codec import packb, unpackb
+from hbmd.proto.codec import unpackb
 from hbmd.proto.errors import ProtocolError
 from hbmd.proto.undo import Undo
 
-from .fds import open_count, usable
-from .notify import MAX_FDNAME_CHARS, MAX_FDS_PER_MESSAGE, check_fdname
+from ..fds import open_count, usable
+from ..notify import MAX_FDNAME_CHARS, MAX_FDS_PER_MESSAGE, check_fdname
+from .handshake import FdNames, Offer, Refused, Serving, TakeoverRequest, answer_to_request
 
 log = logging.getLogger("hbmd.takeover")
 
@@ -73,8 +74,6 @@ MAX_MESSAGE_BYTES = 4096
 """A request, an offer, a refusal or the word that the new daemon serves."""
 MAX_NAMES_BYTES = MAX_FDS_PER_MESSAGE * (MAX_FDNAME_CHARS + 2) + 5
 """A full batch's names as msgpack: each at most a 2-byte header and 255 characters, in a list of 5 header bytes."""
-MAX_REASON_CHARS = 1000
-"""A refusal's reason is cut to this on either side: it ends up in a log line."""
 LISTEN_BACKLOG = 4
 """Takers queued at once: one is the rule; a second while one is pending is refused as busy."""
 
@@ -142,12 +141,12 @@ class _Link:
         except OSError as exc:
             raise self._failed(exc, waiting_for) from None
 
-    def send_now(self, message: dict[str, Any]) -> bool:
+    def send_now(self, message: Refused | Serving) -> bool:
         """Send a message without waiting (the peer reads or is gone); whether it went out."""
         try:
-            self.sock.send(packb(message), socket.MSG_DONTWAIT)
+            self.sock.send(message.encode(), socket.MSG_DONTWAIT)
         except OSError as exc:
-            log.debug("%s missed %s: %s", self.peer, list(message), exc)
+            log.debug("%s missed %s: %s", self.peer, type(message).__name__, exc)
             return False
         return True
 
@@ -240,7 +239,7 @@ class PendingTakeover:
         _check_names([name for name, _ in fds])
         self._link.allow(timeout)
         try:
-            self._link.send(packb({"state_bytes": len(view), "fds": len(fds)}), "the offer to be read")
+            self._link.send(Offer(len(view), len(fds)).encode(), "the offer to be read")
             for start in range(0, len(view), STATE_PIECE_BYTES):
                 self._link.send(view[start : start + STATE_PIECE_BYTES], "the state to be read")
             for start in range(0, len(fds), MAX_FDS_PER_MESSAGE):
@@ -251,7 +250,7 @@ class PendingTakeover:
             raise
 
     def _send_batch(self, names: list[str], fds: list[int]) -> None:
-        self._link.send(packb(names), "the file descriptors to be read", fds)
+        self._link.send(FdNames(tuple(names)).encode(), "the file descriptors to be read", fds)
 
     def wait_serving(self, timeout: float) -> bool:
         """Whether the new daemon says it serves within ``timeout`` seconds: True, and the old one may exit; False
@@ -259,16 +258,19 @@ class PendingTakeover:
         connection either way."""
         self._link.allow(timeout)
         try:
-            serving = self._link.receive_map("the word that it serves").get("serving") is True
+            Serving.decode(self._link.receive_map("the word that it serves"))
+            serving = True
         except TakeoverError as exc:
             log.warning("takeover abandoned: %s", exc)
+            serving = False
+        except ValueError:  # it said something else: it failed
             serving = False
         self._close()
         return serving
 
     def refuse(self, why: str) -> None:
         """Turn the new daemon away (it raises :class:`TakeoverRefused` with ``why``) and close."""
-        self._link.send_now({"refused": why[:MAX_REASON_CHARS]})
+        self._link.send_now(Refused(why))
         self._close()
 
     def _close(self) -> None:
@@ -339,16 +341,18 @@ class TakeoverListener:
             why = f"busy: another takeover (by pid {self._pending.peer_pid}) is under way"
         if why is not None:
             log.warning("refused a takeover by pid %d: %s", pid, why)
-            link.send_now({"refused": why[:MAX_REASON_CHARS]})
+            link.send_now(Refused(why))
             link.close()
             return None
         self._pending = PendingTakeover(link, pid)
         return self._pending
 
-    def _refusal_for_request(self, request: dict[Any, Any]) -> str | None:
-        version, major = request.get("takeover"), request.get("protocol")
-        if type(version) is not int or type(major) is not int:
-            return "malformed request: 'takeover' and 'protocol' must be integers"
+    def _refusal_for_request(self, message: dict[Any, Any]) -> str | None:
+        try:
+            request = TakeoverRequest.decode(message)
+        except ValueError as exc:
+            return str(exc)
+        version, major = request.wire_version, request.protocol_major
         if version != WIRE_VERSION:
             return f"takeover wire version {version}; this daemon speaks {WIRE_VERSION}"
         if major != self.protocol_major:
@@ -391,7 +395,7 @@ class Handover:
         """Tell the old daemon the new one serves, so it may exit; whether it heard (False: it is gone already)."""
         if self.fds:
             log.warning("closing %d handed-over FD(s) nobody took: %s", len(self.fds), ", ".join(sorted(self.fds)[:8]))
-        told = self._link.send_now({"serving": True})
+        told = self._link.send_now(Serving())
         self._close()
         return told
 
@@ -437,31 +441,31 @@ def take_over(path: str | os.PathLike[str], protocol_major: int, timeout: float)
             raise TakeoverError(f"the daemon at {where} (pid {pid}) may not hand over: {why}")
         link = _Link(sock, f"the daemon at {where} (pid {pid})")
         link.deadline = deadline
-        link.send(packb({"takeover": WIRE_VERSION, "protocol": protocol_major}), "the request to be read")
-        offer = link.receive_map("its offer")
-        if "refused" in offer:
-            reason = offer["refused"]
-            raise TakeoverRefused(where, reason[:MAX_REASON_CHARS] if type(reason) is str else repr(reason)[:80])
-        state_bytes, fd_count = _check_offer(link, offer)
-        state = _receive_state(link, state_bytes)
-        fds = _receive_fds(link, fd_count, received)
+        link.send(TakeoverRequest(WIRE_VERSION, protocol_major).encode(), "the request to be read")
+        try:
+            answer = answer_to_request(link.receive_map("its offer"))
+        except ValueError as exc:
+            raise TakeoverError(f"{link.peer} sent a {exc}") from None
+        if isinstance(answer, Refused):
+            raise TakeoverRefused(where, answer.reason)
+        _check_offer(link, answer)
+        state = _receive_state(link, answer.state_bytes)
+        fds = _receive_fds(link, answer.fd_count, received)
     return Handover(link, pid, state, fds)
 
 
-def _check_offer(link: _Link, offer: dict[Any, Any]) -> tuple[int, int]:
-    """The offer's state size and FD count, once both fit what this process may take."""
-    state_bytes, fd_count = offer.get("state_bytes"), offer.get("fds")
-    if type(state_bytes) is not int or type(fd_count) is not int or state_bytes < 0 or fd_count < 0:
-        raise TakeoverError(f"{link.peer} sent a malformed offer: {sorted(map(str, offer))[:8]}")
-    if state_bytes > MAX_STATE_BYTES:
-        raise TakeoverError(f"{link.peer} offers a state of {state_bytes} bytes, over the {MAX_STATE_BYTES} allowed")
-    room = usable() - open_count()
-    if fd_count > room:
+def _check_offer(link: _Link, offer: Offer) -> None:
+    """Raise :class:`TakeoverError` unless the offer's state size and FD count fit what this process may take."""
+    if offer.state_bytes > MAX_STATE_BYTES:
         raise TakeoverError(
-            f"{link.peer} hands over {fd_count} file descriptors; this process may open only {room} more "
+            f"{link.peer} offers a state of {offer.state_bytes} bytes, over the {MAX_STATE_BYTES} allowed"
+        )
+    room = usable() - open_count()
+    if offer.fd_count > room:
+        raise TakeoverError(
+            f"{link.peer} hands over {offer.fd_count} file descriptors; this process may open only {room} more "
             "(raise LimitNOFILE)"
         )
-    return state_bytes, fd_count
 
 
 def _receive_state(link: _Link, state_bytes: int) -> bytearray:
@@ -479,20 +483,16 @@ def _receive_fds(link: _Link, fd_count: int, received: list[int]) -> dict[str, i
     while len(fds) < fd_count:
         data, batch = link.receive_fds(received, "the file descriptors")
         try:
-            names = unpackb(data)
+            names = FdNames.decode(unpackb(data)).names
         except ProtocolError as exc:
             raise TakeoverError(f"{link.peer} sent {exc} instead of FD names") from None
-        if not isinstance(names, list) or not all(type(name) is str for name in names):
-            raise TakeoverError(f"{link.peer} sent FD names that are not a list of strings")
+        except ValueError as exc:
+            raise TakeoverError(f"{link.peer} sent {exc}") from None
         if len(names) != len(batch) or len(fds) + len(batch) > fd_count:
             raise TakeoverError(
                 f"{link.peer} sent {len(batch)} FDs with {len(names)} names, {len(fds)} of {fd_count} received before"
             )
         for name, fd in zip(names, batch):
-            try:
-                check_fdname(name)
-            except ValueError as exc:
-                raise TakeoverError(f"{link.peer}: {exc}") from None
             if name in fds:
                 raise TakeoverError(f"{link.peer} sent two file descriptors named {name!r}")
             fds[name] = fd

@@ -21,10 +21,10 @@ from typing import Any
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes, round_up
 
-from .backends import parkable
+from ..backends import parkable
+from ..state import Chunk, Session, State, Tenant
 from .journal import Image
 from .journaled import JournaledBuffer, JournaledSession, buffer_of, session_of
-from .state import Chunk, Session, State, Tenant
 
 log = logging.getLogger("hbmd.persist")
 
@@ -32,9 +32,10 @@ JOURNAL_VERSION = 7
 """7: records framed one by one and checksummed, a session's record naming the buffers it holds, a growth how many
 chunks it follows; 6: a buffer's chunks in the host tier (``host``: their ids), which an older daemon would count as
 device memory; 5: a buffer that only grew is journaled by its new chunks (``b+``); 4: every session and buffer, msgpack
-records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset, size]``, 2 added a fourth field, always
-0, and each segment's capacity and size; version 1's equal segments are read too. A buffer's grace period as an
-orphan (``orphan``) needs no new version: a daemon that does not know it keeps the orphan until deleted."""
+records; 3 (JSON, persistent buffers only) recorded a chunk as ``[id, offset, size]``; 2, each segment's capacity and
+size, and a fourth field of a chunk, always 0; 1, equal segments, that fourth field 0 on CUDA (the host backend's
+offsets into an arena parked whole are refused: no later daemon adopts an arena). A buffer's grace period as an orphan
+(``orphan``) needs no new version: a daemon that does not know it keeps the orphan until deleted."""
 
 
 class NewerState(ValueError):
@@ -228,8 +229,7 @@ def _restore_buffer(state: State[Any, Any], record: JournaledBuffer, fds: dict[s
     if record.owner and owner is None and not record.persistent:
         # As when a session ends: its anonymous buffers go with it, its persistent ones stay, orphans.
         raise ValueError(f"its session {record.owner} did not come back")
-    readers = {s: n for s, n in record.readers.items() if s in state.sessions}
-    if owner is None and not readers and record.held:
+    if owner is None and not record.readers.keys() & state.sessions.keys() and record.held:
         raise ValueError("no session that maps it came back, and only they hold its memory")
     if record.persistent and (record.uid, record.name) in state.persistent:
         raise ValueError("a persistent buffer of its name is restored already")
@@ -249,10 +249,6 @@ def _restore_buffer(state: State[Any, Any], record: JournaledBuffer, fds: dict[s
                     # thousands. Should a later chunk fail, the name is unparked with those of buffers not restored.
                     os.close(fds.pop(name))
                 adopted[part].append(Chunk(chunk.chunk_id, chunk.offset, chunk.size, handle, tier=chunk.tier))
-        state.restore_buffer(
-            record.buffer_id, record.name, record.persistent, owner, record.uid, record.tenant, record.capacity,
-            record.capacities, record.sizes, record.shareable, arena, adopted["chunks"], adopted["pending"],
-            record.sealed, readers, record.orphan,
-        )
+        state.restore_buffer(record, owner, arena, adopted["chunks"], adopted["pending"])
     log.info("restored buffer %d %r: %s in %d chunks", record.buffer_id, record.name, _size(record),
              len(adopted["chunks"]))
