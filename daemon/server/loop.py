@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING, Generic
 
 import zmq
 from hbmd.proto import (
-    MAX_FRAME_BYTES,
     MAX_REQUEST_BYTES,
     MAX_SEGMENTS,
     PROTOCOL_VERSION,
@@ -63,9 +62,10 @@ from ..takeover import TakeoverError, TakeoverListener
 from .admin import AdminRequests
 from .buffers import BufferRequests
 from .connection import HandleConnection
-from .control import UNREAD_PER_CONNECTION, ControlQueue
+from .control import ControlQueue
+from .control_socket import ControlSocket
 from .device_lock import DeviceLock, DeviceTaken
-from .handles import HELLO_TIMEOUT_S, HandlePlane
+from .handles import HandlePlane
 from .outbox import DRAIN_CHECK_S
 from .ratelimit import RateLimitedLog
 from .registry import RequestHandlers, handler_table
@@ -151,10 +151,9 @@ class Server(Generic[A, C]):
         """A successor serves in this daemon's place: it stopped for that."""
         self._lock_fd = -1
         self._dir_fd = -1
-        self._context: zmq.Context = zmq.Context.instance()
-        self._router: zmq.Socket | None = None
+        self._router: ControlSocket | None = None
         self._requests = ControlQueue()
-        """Control requests read from the router, waiting for their peer's turn."""
+        """Control requests read from the control socket, waiting for their peer's turn."""
         self._waiting: dict[int, tuple[bytes, list[bytes]]] = {}
         """Requests waiting for their session's datagrams (:class:`_Behind`), by session id: one each at most."""
         self._successors: TakeoverListener | None = None
@@ -202,15 +201,10 @@ class Server(Generic[A, C]):
             except FileNotFoundError:
                 pass
 
-        self._router = self._context.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
-        self._router.setsockopt(zmq.RCVHWM, UNREAD_PER_CONNECTION)
-        # A control connection that never completes the ZeroMQ greeting is dropped as a hello-less one is.
-        self._router.setsockopt(zmq.HANDSHAKE_IVL, int(HELLO_TIMEOUT_S * 1000))
+        self._router = ControlSocket()
         self._router.bind(self.paths.endpoint)
         self._share(self.paths.control)
-        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._router.fileno(), zmq.POLLIN)
         self._plane.listen(self.paths.handles, self._share)
         self._successors = TakeoverListener(PROTOCOL_VERSION[0])
         self._successors.bind(self.paths.takeover)
@@ -327,8 +321,8 @@ class Server(Generic[A, C]):
         self._waiting.clear()  # their clients send them again once they have resumed
         self._requests.clear()
         if self._router is not None:
-            self._poller.unregister(self._router)
-            self._router.close(linger=0)
+            self._poller.unregister(self._router.fileno())
+            self._router.close()
             self._router = None
         if self._successors is not None:
             self._poller.unregister(self._successors.fileno())
@@ -364,7 +358,7 @@ class Server(Generic[A, C]):
         return ready
 
     def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
-        if self._router is not None and fd_or_socket is self._router:
+        if self._router is not None and fd_or_socket == self._router.fileno():
             self._requests.read(self._router)
         elif fd_or_socket == self._wake_r:
             self._drain_wake()
@@ -427,6 +421,8 @@ class Server(Generic[A, C]):
             self._timers_at = now
             self.state.ask_back_idle_leases(now)
             self._plane.expire_hellos(now)
+            if self._router is not None:
+                self._router.look_after(now)
             self._plane.end_unresumed(now)
             self.state.expire_orphans()
             self._notices.report_ignored_reclaims(now)
@@ -465,6 +461,8 @@ class Server(Generic[A, C]):
         meanwhile beside a flood's is read, and answered before the flood's next.
         """
         ends = time.perf_counter() + CONTROL_WORK_PER_TURN_S
+        if self._router is not None:
+            self._requests.admit(self._router)
         for _ in range(self._requests.peers):
             if self._router is None or self._stopping:
                 return
@@ -477,18 +475,15 @@ class Server(Generic[A, C]):
             if time.perf_counter() >= ends:
                 return
 
-    def _answer(self, router: zmq.Socket, identity: bytes, body: list[bytes]) -> None:
+    def _answer(self, router: ControlSocket, identity: bytes, body: list[bytes]) -> None:
         """Answer one request of the peer ``identity``, or keep it in :attr:`_waiting` while its session is behind."""
         try:
             reply = self._dispatch(body)
         except _Behind as behind:
             self._waiting[behind.args[0]] = (identity, body)
             return
-        try:
-            if reply is not None:
-                router.send_multipart([identity, *reply], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("reply dropped: %s", exc)
+        if reply is not None:
+            router.send(identity, reply)
 
     def _answer_waiting(self) -> None:
         """Answer the waiting requests whose sessions' datagrams have all been read since."""
