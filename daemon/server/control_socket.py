@@ -5,7 +5,7 @@ bound (``zmtp.py`` says how). A ``ZMQ_STREAM`` socket, libzmq handing over
 raw bytes, would bound what it reads ahead, but cannot let go of a
 connection whose peer hung up while that read-ahead was full: libzmq ends a
 connection only on a read error, and once asked to close it reads it no more
-(``tests/test_control_framing.py`` shows a descriptor kept for good). So the
+(``bench/stream_close_probe.py``: a descriptor kept for good, libzmq 4.3.5). So the
 daemon accepts, reads and writes the connections itself, one epoll for all
 (its descriptor is what the loop polls): it reads a connection only while it
 has a turn, and what it leaves unread waits in the kernel, the sender with it.
