@@ -147,8 +147,8 @@ class ControlQueue:
             size = sum(map(len, body))
             _, ahead = self._ahead.get(identity) or (peer, collections.deque())
             if len(ahead) >= UNREAD_PER_CONNECTION:
-                self._refuse(control, peer, identity, body, "ahead", f"sent {UNREAD_PER_CONNECTION} control requests "
-                             "on one connection ahead of their answers, the most one connection may",
+                self._refuse(control, peer, identity, body, "ahead", f"has {UNREAD_PER_CONNECTION} control requests "
+                             "waiting on one connection already, the most one connection may have",
                              waiting=UNREAD_PER_CONNECTION)
             elif self._bytes.get(peer.uid, 0) + size > MAX_WAITING_BYTES_PER_UID:
                 self._refuse(control, peer, identity, body, "bytes", f"takes its uid's control requests waiting past "

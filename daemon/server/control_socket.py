@@ -152,16 +152,8 @@ class ControlSocket:
         """Send ``frames`` as one message on the connection ``identity``, never waiting: dropped, as a ROUTER drops
         it, where the connection is gone or holds too much unsent."""
         connection = self._by_identity.get(identity)
-        if connection is None:
-            return
-        data = encode_message(frames)
-        uid = connection.peer.uid
-        if connection.unsent and (connection.unsent_bytes + len(data) > MAX_UNSENT_BYTES_PER_CONNECTION
-                                  or self._unsent_bytes[uid] + len(data) > MAX_UNSENT_BYTES_PER_UID):
-            self._warnings.warning(f"unsent-{uid}", "%s (uid %d) reads none of its control replies: one dropped",
-                                   connection.peer, uid)
-            return
-        self._send(connection, data)
+        if connection is not None:
+            self._send(connection, encode_message(frames))
 
     def look_after(self, now: float) -> None:
         """Every :data:`SWEEP_EVERY_S`: close handshakes older than ``HELLO_TIMEOUT_S``; listen again where
@@ -248,7 +240,14 @@ class ControlSocket:
                 return
 
     def _send(self, connection: _Connection, data: bytes) -> None:
-        """Send ``data`` after what waits unsent, keeping what the kernel does not take."""
+        """Send ``data`` after what waits unsent, keeping what the kernel does not take; drop it whole where that
+        would pass :data:`MAX_UNSENT_BYTES_PER_CONNECTION` or its uid's :data:`MAX_UNSENT_BYTES_PER_UID`."""
+        uid = connection.peer.uid
+        if connection.unsent and (connection.unsent_bytes + len(data) > MAX_UNSENT_BYTES_PER_CONNECTION
+                                  or self._unsent_bytes[uid] + len(data) > MAX_UNSENT_BYTES_PER_UID):
+            self._warnings.warning(f"unsent-{uid}", "%s (uid %d) reads none of what the control socket sends it: "
+                                   "a reply dropped", connection.peer, uid)
+            return
         if not connection.unsent:
             try:
                 sent = connection.sock.send(data)
@@ -263,7 +262,7 @@ class ControlSocket:
             data = data[sent:]
         connection.unsent.append(memoryview(data))
         connection.unsent_bytes += len(data)
-        self._unsent_bytes[connection.peer.uid] += len(data)
+        self._unsent_bytes[uid] += len(data)
 
     def _flush(self, connection: _Connection) -> None:
         """Send what waits unsent, as far as the kernel takes it."""

@@ -120,11 +120,6 @@ class ZmtpPeer:
     def held(self) -> int:
         return len(self._buffer) + self._part_bytes
 
-    @property
-    def within_message(self) -> bool:
-        """Whether the peer is in the middle of a message (it sent a part with MORE set, or part of a frame)."""
-        return bool(self._parts or self._buffer) and self.ready
-
     def feed(self, data: bytes) -> tuple[list[list[bytes]], bytes]:
         """``(messages, reply)``: the messages ``data`` completes and what to send the peer; raises
         :class:`ZmtpViolation` at the first thing wrong, before the body of a frame that breaks a bound is read."""
