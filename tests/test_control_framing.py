@@ -23,7 +23,9 @@ import time
 import pytest
 import zmq
 from hbmd import proto
-from hbmd.daemon.server.control import Peer
+from hbmd.daemon.server import control as control_module
+from hbmd.daemon.server import control_socket
+from hbmd.daemon.server.control import UNREAD_PER_CONNECTION, ControlQueue, Peer
 from hbmd.daemon.server.control_socket import ControlSocket
 from hbmd.daemon.server.zmtp import MAX_COMMAND_BYTES, MAX_MESSAGE_BYTES, MAX_PARTS, ZmtpPeer, ZmtpViolation
 from hbmd.proto.instance import InstancePaths
@@ -224,6 +226,113 @@ def test_the_kernel_names_the_process_behind_a_control_connection():
         finally:
             dealer.close(linger=0)
             control.close()
+
+
+@pytest.fixture
+def control():
+    """A control socket in this process, on a short path, and the path."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
+        control = ControlSocket()
+        control.bind(f"ipc://{directory}/control")
+        yield control, f"{directory}/control"
+        control.close()
+
+
+def handshaken(control: ControlSocket, path: str) -> socket.socket:
+    """A raw peer past the greeting and READY, the daemon's read."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    sock.sendall(HANDSHAKE)
+    pump(control, 0.05)
+    answer = GREETING + READY_OF_A_ROUTER
+    assert sock.recv(len(answer), socket.MSG_WAITALL) == answer
+    return sock
+
+
+@pytest.mark.unit
+def test_a_uids_unfinished_messages_are_bounded_and_the_connection_passing_the_bound_is_closed(control, monkeypatch):
+    control, path = control
+    monkeypatch.setattr(control_socket, "MAX_PARTIAL_BYTES_PER_UID", 96 << 10)
+    first, second = handshaken(control, path), handshaken(control, path)
+    begun = b"\x03" + struct.pack(">Q", 4096) + b"p" * 4096
+    first.sendall(begun * 12)
+    pump(control, 0.05)
+    assert control.partial_bytes(os.getuid()) >= 48 << 10 and len(control) == 2
+    second.sendall(begun * 13)  # 13 parts of 4 KiB: 100 KiB held in all, past 96
+    pump(control, 0.05)
+    assert len(control) == 1 and closed_by_daemon(second, 0.5) and not closed_by_daemon(first, 0.1)
+    assert control.partial_bytes(os.getuid()) == 12 * 4096
+    first.close()
+    pump(control, 0.05)
+    assert len(control) == 0 and control.partial_bytes(os.getuid()) == 0
+
+
+@pytest.mark.unit
+def test_a_uids_connections_are_capped(control, monkeypatch):
+    control, path = control
+    monkeypatch.setattr(control_socket, "MAX_CONNECTIONS_PER_UID", 2)
+    peers = [handshaken(control, path) for _ in range(2)]
+    third = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    third.connect(path)
+    pump(control, 0.05)
+    assert len(control) == 2 and closed_by_daemon(third, 0.5)
+    peers.pop().close()
+    pump(control, 0.05)
+    assert handshaken(control, path) and len(control) == 2
+
+
+@pytest.mark.unit
+def test_replies_a_peer_does_not_read_are_dropped_whole_past_the_bound(control, monkeypatch):
+    control, path = control
+    monkeypatch.setattr(control_socket, "MAX_UNSENT_BYTES_PER_CONNECTION", 1 << 20)
+    sock = handshaken(control, path)
+    sock.sendall(frame(b"admin.status", more=True) + frame(b""))
+    ((_, identity, _),) = pump(control, 0.05)
+    reply = [b"reply", b"r" * 100_000]
+    for _ in range(100):  # 10 MB: the kernel takes some, the daemon keeps at most the bound
+        control.send(identity, reply)
+    kept = control.unsent_bytes(os.getuid())
+    assert 0 < kept <= (1 << 20) + len(reply[1])
+    received = b""
+    sock.settimeout(1)
+    with contextlib.suppress(TimeoutError):
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+            pump(control, 0.01)
+    whole = frame(b"reply", more=True) + frame(b"r" * 100_000)
+    assert received and len(received) % len(whole) == 0 and received == whole * (len(received) // len(whole))
+    assert control.unsent_bytes(os.getuid()) == 0
+
+
+@pytest.mark.unit
+def test_requests_read_ahead_on_one_connection_and_a_uids_bytes_waiting_are_bounded(monkeypatch):
+    """Past 32 requests read ahead on a connection, or a uid's bytes waiting, the next is refused, retryably."""
+    sent: list[tuple[bytes, list[bytes]]] = []
+
+    class Connections:
+        def __init__(self, requests):
+            self.requests = requests
+
+        def read(self, until):
+            return self.requests
+
+        def send(self, identity, frames):
+            sent.append((identity, frames))
+
+    peer = Peer(1000, 7)
+    request = proto.encode_frames(proto.Status(), 5, "t")
+    queue = ControlQueue()
+    queue.read(Connections([(peer, b"a", request)] * (UNREAD_PER_CONNECTION + 2)))
+    assert len(queue) == UNREAD_PER_CONNECTION and len(sent) == 2
+    reply = proto.decode_frames(sent[0][1]).body
+    assert (reply.code, reply.retryable, reply.details["waiting"]) == ("conflict", True, UNREAD_PER_CONNECTION)
+    queue.admit(Connections([]))
+    assert queue.peers == 1 and queue.take()[0] == b"a"
+    monkeypatch.setattr(control_module, "MAX_WAITING_BYTES_PER_UID", 3 * sum(map(len, request)))
+    sent.clear()
+    queue.clear()
+    queue.read(Connections([(peer, bytes([i]), request) for i in range(5)]))
+    assert len(queue) == 3 and len(sent) == 2 and "MiB" in proto.decode_frames(sent[0][1]).body.message
 
 
 # A real daemon.

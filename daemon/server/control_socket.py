@@ -127,7 +127,12 @@ class ControlSocket:
         return len(self._by_fd)
 
     def partial_bytes(self, uid: int) -> int:
+        """Bytes the unfinished messages of ``uid``'s connections hold."""
         return self._partial_bytes.get(uid, 0)
+
+    def unsent_bytes(self, uid: int) -> int:
+        """Bytes of replies to ``uid``'s connections the kernel has not taken yet."""
+        return self._unsent_bytes.get(uid, 0)
 
     def read(self, until: float) -> Completed:
         """Accept who waits, send what waits, and read each connection ready, each until it completes a request or
