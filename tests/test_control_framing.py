@@ -311,13 +311,8 @@ def test_requests_read_ahead_on_one_connection_and_a_uids_bytes_waiting_are_boun
 
     class Connections:
         def __init__(self, requests):
-            self.requests = requests
-
-        def read(self, until):
-            return self.requests
-
-        def send(self, identity, frames):
-            sent.append((identity, frames))
+            self.read = lambda until: requests
+            self.send = lambda identity, frames: sent.append((identity, frames))
 
     peer = Peer(1000, 7)
     request = proto.encode_frames(proto.Status(), 5, "t")
