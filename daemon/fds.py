@@ -2,10 +2,10 @@
 
 Every chunk on the host backend, every session's handle socket and every
 control-plane connection costs the daemon a descriptor. Running out is worse
-than refusing a request: libzmq aborts the whole process when its ``ipc://``
-listener meets ``EMFILE``. So the daemon refuses new chunks and new sessions
-while fewer than :func:`headroom` descriptors are left, and keeps that room
-for the connections libzmq accepts on its own.
+than refusing a request: nothing more can be accepted or created. So the
+daemon refuses new chunks and new sessions while fewer than :func:`headroom`
+descriptors are left, and keeps that room for the control connections, which
+it accepts as they come (out of descriptors, it pauses accepting them).
 """
 
 from __future__ import annotations

@@ -7,12 +7,11 @@ The timing promise under a flood of 64 connections is in test_flood.py.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import zmq
 from hbmd import proto
-from hbmd.daemon.server.control import MAX_QUEUED_PER_PEER, ControlQueue, Peer, leading_request_id, peer_of
+from hbmd.daemon.server.control import MAX_QUEUED_PER_PEER, ControlQueue, Peer, leading_request_id
 
 
 def queue_of(*requests: tuple[Peer, bytes]) -> ControlQueue:
@@ -61,24 +60,6 @@ def test_a_queue_counts_each_peers_requests_and_forgets_them_all_at_once():
     assert not queue and queue.peers == 0
     with pytest.raises(IndexError):
         queue.take()
-
-
-@pytest.mark.unit
-def test_the_kernel_names_the_process_behind_a_control_connection():
-    context = zmq.Context.instance()
-    with tempfile.TemporaryDirectory(dir="/tmp") as directory:
-        endpoint = f"ipc://{directory}/control"
-        router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
-        try:
-            router.bind(endpoint)
-            dealer.connect(endpoint)
-            dealer.send_multipart([b"status", b""])
-            assert router.poll(5000)
-            identity = router.recv_multipart(copy=False)[0]
-            assert peer_of(identity) == Peer(os.getuid(), os.getpid())
-        finally:
-            router.close(linger=0)
-            dealer.close(linger=0)
 
 
 @pytest.mark.unit

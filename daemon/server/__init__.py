@@ -13,8 +13,11 @@
   the end of a session.
 - ``outbox.py``: FDs on their way to sessions: deliveries, flow control and
   draining.
-- ``control.py``: control requests between the ROUTER and their answers:
-  queued by the process that sent them, uids and processes in turn.
+- ``control_socket.py``: the control endpoint's listener and connections,
+  speaking ZMTP to the clients' DEALERs (``zmtp.py``, bytes in and frames
+  out, within bounds); ``control.py``: control requests between it and
+  their answers: queued by the process that sent them, uids and processes
+  in turn.
 - ``connection.py``: one handle-plane connection; ``ratelimit.py``: warnings
   a peer can provoke.
 """

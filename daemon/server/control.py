@@ -1,13 +1,13 @@
-"""The control requests between the ROUTER and their answers: read, queued by the peer that sent them, taken in turns.
+"""The control requests between the control socket and their answers: read, queued by the peer that sent them, taken
+in turns.
 
-A ROUTER hands over its connections' requests in turn, one per connection:
+A ROUTER handed over its connections' requests in turn, one per connection:
 a process that opened 64 control connections and kept costly requests in
 flight on each had 63 of them answered before a peer with one connection
 had its next (``tests/test_flood.py``, "commits on 64 connections", times an
-engine's calls meanwhile; SECURITY.md has the figures). So the loop reads what waits on the ROUTER into a queue per
-peer, the process at the other end of the connection as the kernel names it
-(``SO_PEERCRED``, which libzmq hands on as a message's ``Peer-Address``,
-``…:uid:gid:pid``), and answers in turns: the uids with requests waiting take
+engine's calls meanwhile; SECURITY.md has the figures). So the loop reads a request of each connection a turn, as the
+ROUTER did, into a queue per peer, the process at the other end of the connection as the kernel names it
+(``SO_PEERCRED``), and answers in turns: the uids with requests waiting take
 turns, and within a uid its processes; a process that had none waiting goes
 first. However many connections, sessions or tokens a process uses, it has
 one request answered per round of turns; however many processes a uid runs,
@@ -28,10 +28,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol
 
 import msgpack
-import zmq
 from hbmd.proto import ErrorReply, encode_frames
 from hbmd.proto.errors import Conflict
 
@@ -43,15 +42,18 @@ MAX_QUEUED_PER_PEER = 32
 """Control requests one process may have read and waiting for their turn; more are refused at once with a retryable
 ``conflict``. A client has one request in flight, so a process reaches it only with 32 clients of one daemon calling
 at once: a flood's requests are refused, and cost the daemon no more memory than this many."""
-UNREAD_PER_CONNECTION = 8
-"""Requests ZeroMQ reads ahead on one control connection (the ROUTER's ``RCVHWM``; libzmq's default is 1000): past
-them it leaves the connection's socket unread and the sender waits. A flood of 60,000-segment commits on 64
-connections takes the daemon's RSS to gigabytes with the default, not with this (``tests/test_flood.py`` prints
-its peak)."""
+UNREAD_PER_CONNECTION = 32
+"""Requests read ahead on one control connection, waiting to join their process's queue, one a turn (a ROUTER read
+one request of each connection a turn); more are refused at once with a retryable ``conflict``. The ROUTER's libzmq
+read 8 ahead and left the rest unread; a read of a connection's bytes completes as many requests as they hold."""
+MAX_WAITING_BYTES_PER_UID = 64 << 20
+"""Bytes of the control requests of one uid read and waiting (read ahead, or queued for their turn); a request that
+would take its uid past it is refused with a retryable ``conflict``. Honest requests are under 1 MiB, one in flight
+per client."""
 READ_PER_TURN_S = 0.02
-"""Seconds spent reading the ROUTER in one turn of the loop at most (one request at least). A turn reads a request of
-each connection that has one, as the ROUTER hands them over, and stops when a connection comes round again: a turn
-over a 64-connection flood of the largest commits stays well within it, so this bounds only floods of some hundreds of
+"""Seconds spent reading the control connections in one turn of the loop at most (one read at least). A turn reads
+each connection that has bytes waiting until it completes a request or has nothing more, once: a turn over a
+64-connection flood of the largest commits stays well within it, so this bounds only floods of some hundreds of
 connections."""
 
 
@@ -79,17 +81,6 @@ class Peer(NamedTuple):
         return f"pid {self.pid}"
 
 
-def peer_of(identity: zmq.Frame) -> Peer:
-    """The process at the other end of the connection a message came on, from its first frame's ``Peer-Address``;
-    its connection where the kernel names no process (another pid namespace, or not an ``ipc://`` connection)."""
-    try:
-        _, uid, _, pid = str(identity.get("Peer-Address")).rsplit(":", 3)
-        peer = Peer(int(uid), int(pid))
-    except (zmq.ZMQError, ValueError):
-        peer = Peer(-1, -1)
-    return peer if peer.pid > 0 else peer._replace(connection=identity.bytes)
-
-
 def leading_request_id(payload: bytes) -> int:
     """The id of a request refused unread, where the client's codec writes it: the payload map's first entry; 0 where
     it is not there.
@@ -110,53 +101,85 @@ def leading_request_id(payload: bytes) -> int:
     return request_id if type(request_id) is int and 0 <= request_id < 2**63 else 0
 
 
+class Connections(Protocol):
+    """What the queue needs of the control socket (``control_socket.ControlSocket``): the requests its connections
+    completed, and a way to answer."""
+
+    def read(self, until: float) -> list[tuple[Peer, bytes, list[bytes]]]:
+        """``(peer, identity of its connection, frames)`` of each request completed by ``until``
+        (``time.perf_counter``)."""
+        ...
+
+    def send(self, identity: bytes, frames: list[bytes]) -> None:
+        """Send ``frames`` on the connection ``identity``, never waiting."""
+        ...
+
+
 class ControlQueue:
-    """Control requests read from the ROUTER and waiting for their turn, by uid and, within it, by process."""
+    """Control requests read from the control socket and waiting for their turn, by uid and, within it, by process;
+    before that, read ahead by connection."""
 
     def __init__(self) -> None:
         self._uids: collections.OrderedDict[int, collections.OrderedDict[tuple[int, bytes], Requests]] = (
             collections.OrderedDict()
         )
         """The requests waiting, by uid and :attr:`Peer.process`: each in the order of the turns, the next first."""
+        self._ahead: dict[bytes, tuple[Peer, Requests]] = {}
+        """The requests read ahead, by the identity of their connection, the oldest first: one a turn joins the queue
+        of its process."""
+        self._bytes: dict[int, int] = {}
+        """The bytes of each uid's requests read ahead or waiting."""
         self._count = 0
+        self._count_ahead = 0
         self.peers = 0
         """How many processes have requests waiting."""
         self._warnings = RateLimitedLog(log)
 
     def __len__(self) -> int:
-        return self._count
+        """How many requests wait, read ahead or queued."""
+        return self._count + self._count_ahead
 
-    def read(self, router: zmq.Socket) -> None:
-        """Move a request of each connection that has one on ``router`` into its peer's queue, for
-        :data:`READ_PER_TURN_S` at most; one whose peer has :data:`MAX_QUEUED_PER_PEER` waiting already is refused
-        instead.
+    def read(self, control: Connections) -> None:
+        """Read what waits on ``control``, for :data:`READ_PER_TURN_S` at most, and keep the requests it completes
+        ahead by connection: :data:`UNREAD_PER_CONNECTION` each at most, and :data:`MAX_WAITING_BYTES_PER_UID` for
+        a uid; more are refused."""
+        for peer, identity, body in control.read(time.perf_counter() + READ_PER_TURN_S):
+            size = sum(map(len, body))
+            _, ahead = self._ahead.get(identity) or (peer, collections.deque())
+            if len(ahead) >= UNREAD_PER_CONNECTION:
+                self._refuse(control, peer, identity, body, "ahead", f"has {UNREAD_PER_CONNECTION} control requests "
+                             "waiting on one connection already, the most one connection may have",
+                             waiting=UNREAD_PER_CONNECTION)
+            elif self._bytes.get(peer.uid, 0) + size > MAX_WAITING_BYTES_PER_UID:
+                self._refuse(control, peer, identity, body, "bytes", f"takes its uid's control requests waiting past "
+                             f"{MAX_WAITING_BYTES_PER_UID >> 20} MiB, the most one uid may have",
+                             waiting_bytes=MAX_WAITING_BYTES_PER_UID)
+            else:
+                ahead.append((identity, body))
+                self._ahead[identity] = (peer, ahead)
+                self._count_ahead += 1
+                self._bytes[peer.uid] = self._bytes.get(peer.uid, 0) + size
 
-        The ROUTER hands over a request of each connection in turn: once a
-        connection comes round again, every other has had one read, a request
-        just sent beside a flood's among them.
+    def admit(self, control: Connections) -> None:
+        """Move the oldest request read ahead on each connection into its peer's queue; one whose peer has
+        :data:`MAX_QUEUED_PER_PEER` waiting already is refused instead.
+
+        Once a turn, before the turn's answers: as a ROUTER handed over a
+        request of each connection in turn, a request just sent beside a
+        flood's joins its queue before the flood's next.
         """
-        ends = time.perf_counter() + READ_PER_TURN_S
-        seen: set[bytes] = set()
-        # The poll saw a request: the first is read at once. After each the socket is asked whether another waits
-        # rather than read: a read of an empty socket raises zmq.Again, dearer than asking.
-        while True:
-            try:
-                # The first frame uncopied, for its peer's credentials; the rest of a message comes with it.
-                first = router.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            identity: bytes = first.bytes
-            body = router.recv_multipart(zmq.NOBLOCK)
-            peer = peer_of(first)
+        for identity in list(self._ahead):
+            peer, ahead = self._ahead[identity]
+            _, body = ahead.popleft()
+            if not ahead:
+                del self._ahead[identity]
+            self._count_ahead -= 1
+            self._forget_bytes(peer.uid, body)
             if self.waiting(peer) < MAX_QUEUED_PER_PEER:
                 self.add(peer, identity, body)
             else:
-                self._refuse(router, peer, identity, body)
-            # pyzmq types every option's value int | bytes; ZMQ_EVENTS is an int.
-            if (identity in seen or time.perf_counter() >= ends
-                    or not cast(int, router.get(zmq.EVENTS)) & zmq.POLLIN):
-                return
-            seen.add(identity)
+                self._refuse(control, peer, identity, body, "queued", f"has {MAX_QUEUED_PER_PEER} control requests "
+                             "waiting already, the most one process may have", waiting=MAX_QUEUED_PER_PEER)
 
     def waiting(self, peer: Peer) -> int:
         """How many requests of ``peer`` wait."""
@@ -193,6 +216,7 @@ class ControlQueue:
         process, waiting = processes.popitem(last=False)
         request = waiting.popleft()
         self._count -= 1
+        self._forget_bytes(uid, request[1])
         if waiting:
             processes[process] = waiting
         else:
@@ -204,19 +228,23 @@ class ControlQueue:
     def clear(self) -> None:
         """Forget every request waiting (the sockets are let go: their clients send them again once resumed)."""
         self._uids.clear()
-        self._count = self.peers = 0
+        self._ahead.clear()
+        self._bytes.clear()
+        self._count = self._count_ahead = self.peers = 0
 
-    def _refuse(self, router: zmq.Socket, peer: Peer, identity: bytes, body: list[bytes]) -> None:
-        self._warnings.warning(
-            f"queued-{peer.uid}", "%s (uid %d) has %d control requests waiting, the most one process may: "
-            "refusing more until they are answered", peer, peer.uid, MAX_QUEUED_PER_PEER,
-        )
-        refusal = Conflict(
-            f"{peer} has {MAX_QUEUED_PER_PEER} control requests waiting already, the most one process may "
-            "have: retry once they are answered", pid=peer.pid, waiting=MAX_QUEUED_PER_PEER,
-        )
+    def _forget_bytes(self, uid: int, body: list[bytes]) -> None:
+        left = self._bytes.get(uid, 0) - sum(map(len, body))
+        if left > 0:
+            self._bytes[uid] = left
+        else:
+            self._bytes.pop(uid, None)
+
+    def _refuse(self, control: Connections, peer: Peer, identity: bytes, body: list[bytes], kind: str, what: str,
+                **details: int) -> None:
+        """Answer a request of ``peer`` with a retryable ``conflict``: it ``what``; logged once per ``kind`` and uid
+        per interval."""
+        self._warnings.warning(f"{kind}-{peer.uid}", "%s (uid %d) %s: refusing more until they are answered", peer,
+                               peer.uid, what)
+        refusal = Conflict(f"{peer} {what}: retry once they are answered", pid=peer.pid, **details)
         request_id = leading_request_id(body[1]) if len(body) == 2 else 0
-        try:
-            router.send_multipart([identity, *encode_frames(ErrorReply.of(refusal), request_id)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("refusal dropped: %s", exc)
+        control.send(identity, encode_frames(ErrorReply.of(refusal), request_id))

@@ -284,7 +284,7 @@ class HandlePlane(Generic[A, C]):
                     self._warnings.warning("accept", "accepting a handle connection failed: %s", exc)
                 return
             if open_fds() > usable_fds():
-                # Keep the headroom libzmq needs (it aborts on EMFILE): a session would cost two more.
+                # Keep the headroom the control connections need: a session would cost two more.
                 self._warnings.warning("fds", "refusing handle connections: %s", self._out_of_fds_message())
                 self._refuse(sock, self._out_of_fds_message())
                 continue

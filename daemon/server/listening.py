@@ -1,14 +1,14 @@
 """The instance's two listening sockets, held by the daemon so that they outlive the daemon that listens on them.
 
-The control socket (``control.sock``, which ZeroMQ serves as ``ipc://``) and
-the handle socket (``handles.sock``) are bound here, not by libzmq, so the
-daemon holds both listening descriptors. It hands them to a successor
-(``hbmd --takeover``) or is given them by the service manager (socket
-activation, ``LISTEN_FDNAMES`` ``control`` and ``handles``), and ZeroMQ serves
-on a duplicate (``ZMQ_USE_FD``): closing the router closes only that. While no
-daemon accepts, a client's connect waits in the socket's backlog instead of
-being refused, as with HAProxy's ``-x``, nginx's binary upgrade and Envoy's
-hot restart.
+The control socket (``control.sock``, where clients' ZeroMQ DEALERs connect
+as ``ipc://`` and the daemon speaks ZMTP itself, :mod:`.control_socket`) and
+the handle socket (``handles.sock``) are bound here, so the daemon holds both
+listening descriptors. It hands them to a successor (``hbmd --takeover``) or
+is given them by the service manager (socket activation, ``LISTEN_FDNAMES``
+``control.sock`` and ``handles.sock``); the planes accept on them and stopping
+closes only their connections. While no daemon accepts, a client's connect
+waits in the socket's backlog instead of being refused, as with HAProxy's
+``-x``, nginx's binary upgrade and Envoy's hot restart.
 
 What is handed over or passed in is checked before it is served on: a
 listening Unix socket of the right type, bound at this instance's path.
@@ -23,13 +23,8 @@ import stat
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
-import zmq
-from hbmd.proto import MAX_FRAME_BYTES
 from hbmd.proto.instance import InstancePaths
 from hbmd.proto.undo import Undo
-
-from .control import UNREAD_PER_CONNECTION
-from .handles import HELLO_TIMEOUT_S
 
 log = logging.getLogger("hbmd.server")
 
@@ -127,22 +122,6 @@ class ListeningSockets:
     def named_fds(self) -> list[tuple[str, int]]:
         """Both listening FDs by name, for a successor; they stay this object's."""
         return [(CONTROL, self.control.fileno()), (HANDLES, self.handles.fileno())]
-
-    def router(self, context: zmq.Context) -> zmq.Socket:
-        """A ZeroMQ ROUTER serving on the control socket (a duplicate of its FD, which the router closes with it)."""
-        router = context.socket(zmq.ROUTER)
-        with Undo() as undo:
-            undo.push(router.close, 0)
-            router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
-            router.setsockopt(zmq.RCVHWM, UNREAD_PER_CONNECTION)
-            # A control connection that never completes the ZeroMQ greeting is dropped as a hello-less one is.
-            router.setsockopt(zmq.HANDSHAKE_IVL, int(HELLO_TIMEOUT_S * 1000))
-            duplicate = os.dup(self.control.fileno())
-            undo.push(os.close, duplicate)
-            router.setsockopt(zmq.USE_FD, duplicate)
-            router.bind(self.paths.endpoint)
-        return router
 
     def close(self, directory_fd: int = -1) -> None:
         """Close both; with ``directory_fd`` (the instance directory's, its lock held), remove their files too where

@@ -64,6 +64,7 @@ from .admin import AdminRequests
 from .buffers import BufferRequests
 from .connection import HandleConnection
 from .control import ControlQueue
+from .control_socket import ControlSocket
 from .device_lock import DeviceLock, DeviceTaken
 from .handles import HandlePlane
 from .listening import ListeningSockets
@@ -154,11 +155,10 @@ class Server(Generic[A, C]):
         """A successor serves in this daemon's place: it stopped for that."""
         self._lock_fd = -1
         self._dir_fd = -1
-        self._context: zmq.Context = zmq.Context.instance()
-        self._router: zmq.Socket | None = None
+        self._router: ControlSocket | None = None
         self._listening = listening
         self._requests = ControlQueue()
-        """Control requests read from the router, waiting for their peer's turn."""
+        """Control requests read from the control socket, waiting for their peer's turn."""
         self._waiting: dict[int, tuple[bytes, list[bytes]]] = {}
         """Requests waiting for their session's datagrams (:class:`_Behind`), by session id: one each at most."""
         self._successors: TakeoverListener | None = None
@@ -204,8 +204,9 @@ class Server(Generic[A, C]):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale.name, dir_fd=self._dir_fd)
         self._listening = ListeningSockets.serve(self._listening, self.paths, self._dir_fd, self.group)
-        self._router = self._listening.router(self._context)
-        self._poller.register(self._router, zmq.POLLIN)
+        self._router = ControlSocket()
+        self._router.listen(self._listening.control)
+        self._poller.register(self._router.fileno(), zmq.POLLIN)
         self._plane.listen(self._listening.handles)
         self._successors = TakeoverListener(PROTOCOL_VERSION[0])
         self._successors.bind(self.paths.takeover)
@@ -322,8 +323,8 @@ class Server(Generic[A, C]):
         self._waiting.clear()  # their clients send them again once they have resumed
         self._requests.clear()
         if self._router is not None:
-            self._poller.unregister(self._router)
-            self._router.close(linger=0)
+            self._poller.unregister(self._router.fileno())
+            self._router.close()
             self._router = None
         if self._successors is not None:
             self._poller.unregister(self._successors.fileno())
@@ -360,7 +361,7 @@ class Server(Generic[A, C]):
         return ready
 
     def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
-        if self._router is not None and fd_or_socket is self._router:
+        if self._router is not None and fd_or_socket == self._router.fileno():
             self._requests.read(self._router)
         elif fd_or_socket == self._wake_r:
             self._drain_wake()
@@ -425,6 +426,8 @@ class Server(Generic[A, C]):
             self._timers_at = now
             self.state.ask_back_idle_leases(now)
             self._plane.expire_hellos(now)
+            if self._router is not None:
+                self._router.look_after(now)
             self._plane.end_unresumed(now)
             self.state.expire_orphans()
             self._notices.report_ignored_reclaims(now)
@@ -463,6 +466,8 @@ class Server(Generic[A, C]):
         meanwhile beside a flood's is read, and answered before the flood's next.
         """
         ends = time.perf_counter() + CONTROL_WORK_PER_TURN_S
+        if self._router is not None:
+            self._requests.admit(self._router)
         for _ in range(self._requests.peers):
             if self._router is None or self._stopping:
                 return
@@ -475,18 +480,15 @@ class Server(Generic[A, C]):
             if time.perf_counter() >= ends:
                 return
 
-    def _answer(self, router: zmq.Socket, identity: bytes, body: list[bytes]) -> None:
+    def _answer(self, router: ControlSocket, identity: bytes, body: list[bytes]) -> None:
         """Answer one request of the peer ``identity``, or keep it in :attr:`_waiting` while its session is behind."""
         try:
             reply = self._dispatch(body)
         except _Behind as behind:
             self._waiting[behind.args[0]] = (identity, body)
             return
-        try:
-            if reply is not None:
-                router.send_multipart([identity, *reply], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.debug("reply dropped: %s", exc)
+        if reply is not None:
+            router.send(identity, reply)
 
     def _answer_waiting(self) -> None:
         """Answer the waiting requests whose sessions' datagrams have all been read since."""

@@ -1,0 +1,307 @@
+"""The control socket: the daemon's own Unix listener on the control endpoint, speaking ZMTP to the clients' DEALERs.
+
+A ROUTER let a peer that speaks ZMTP by hand make the daemon hold without
+bound (``zmtp.py`` says how). A ``ZMQ_STREAM`` socket, libzmq handing over
+raw bytes, would bound what it reads ahead, but cannot let go of a
+connection whose peer hung up while that read-ahead was full: libzmq ends a
+connection only on a read error, and once asked to close it reads it no more
+(``bench/stream_close_probe.py``: a descriptor kept for good, libzmq 4.3.5). So the
+daemon accepts, reads and writes the connections itself, one epoll for all
+(its descriptor is what the loop polls): it reads a connection only while it
+has a turn, and what it leaves unread waits in the kernel, the sender with it.
+
+Per connection it parses ZMTP (:class:`~.zmtp.ZmtpPeer`) within a message's
+bounds; for all the connections of a uid it keeps at most
+:data:`MAX_PARTIAL_BYTES_PER_UID` of unfinished messages,
+:data:`MAX_UNSENT_BYTES_PER_UID` of replies not yet taken by the kernel
+(:data:`MAX_UNSENT_BYTES_PER_CONNECTION` per connection), and
+:data:`MAX_CONNECTIONS_PER_UID` connections. A connection that breaks ZMTP
+or takes its uid past the first bound is closed, logged once per uid per
+interval; one that has not finished its greeting and READY within
+``HELLO_TIMEOUT_S`` too; a reply past the unsent bounds is dropped whole.
+The loop sees what the ROUTER gave it: a connection's identity, the frames
+of a request and the peer the kernel names (``SO_PEERCRED``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import itertools
+import logging
+import os
+import select
+import socket
+import time
+
+from .connection import Descriptors, peer_credentials
+from .control import Peer
+from .handles import HELLO_TIMEOUT_S, MAX_ACCEPTS_PER_TURN
+from .ratelimit import RateLimitedLog
+from .zmtp import GREETING, ZmtpPeer, ZmtpViolation, encode_message
+
+log = logging.getLogger("hbmd.server")
+
+RECEIVE_BYTES = 16 << 10
+"""Bytes one read of a connection takes: a turn reads a connection until it completes a request or has nothing more."""
+MAX_PARTIAL_BYTES_PER_UID = 64 << 20
+"""Bytes of unfinished messages the daemon keeps for all the control connections of one uid; a connection taking its
+uid past it is closed. An honest client's request is under 1 MiB and whole within a turn."""
+MAX_UNSENT_BYTES_PER_CONNECTION = 8 << 20
+"""Bytes of replies the kernel has not taken yet that the daemon keeps for one connection (its peer reads none);
+past them a reply is dropped, whole. A client has one request in flight, and the largest reply is a listing page
+(about 2 MiB)."""
+MAX_UNSENT_BYTES_PER_UID = 64 << 20
+"""The same for all the connections of one uid."""
+MAX_CONNECTIONS_PER_UID = 1024
+"""Control connections of one uid; a newer one is closed at once. A uid has 128 sessions at most, one each."""
+SWEEP_EVERY_S = 1.0
+"""How often unfinished handshakes are ended and a listener paused for want of descriptors is resumed."""
+
+Completed = list[tuple[Peer, bytes, list[bytes]]]
+"""Requests read: ``(peer, identity of its connection, frames)`` each."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    identity: bytes
+    peer: Peer
+    opened: float
+    zmtp: ZmtpPeer = dataclasses.field(default_factory=ZmtpPeer)
+    unsent: collections.deque[memoryview] = dataclasses.field(default_factory=collections.deque)
+    """Replies, or what is left of them, that the kernel has not taken yet, the oldest first."""
+    unsent_bytes: int = 0
+
+
+class ControlSocket:
+    """The control endpoint's listener and its connections, each with its ZMTP parser and its replies unsent."""
+
+    def __init__(self) -> None:
+        self._listener: socket.socket | None = None
+        self._descriptors = Descriptors()
+        self._by_fd: dict[int, _Connection] = {}
+        self._by_identity: dict[bytes, _Connection] = {}
+        self._serials = itertools.count(1)
+        self._per_uid: dict[int, int] = collections.Counter()
+        """Connections of each uid."""
+        self._partial_bytes: dict[int, int] = collections.Counter()
+        """Bytes the unfinished messages of each uid's connections hold (:attr:`ZmtpPeer.held`)."""
+        self._unsent_bytes: dict[int, int] = collections.Counter()
+        self._swept_at = time.monotonic()
+        self._paused = False
+        """The listener is out of the epoll, for want of descriptors, until the next sweep."""
+        self._warnings = RateLimitedLog(log)
+
+    def fileno(self) -> int:
+        """The epoll the loop polls: readable while a connection or the listener is ready."""
+        return self._descriptors.fileno()
+
+    def listen(self, listener: socket.socket) -> None:
+        """Accept connections on ``listener``, the control socket, listening and non-blocking. It stays its owner's
+        (:class:`~hbmd.daemon.server.listening.ListeningSockets`), which hands it to a successor: a connect made while
+        nobody accepts waits in its backlog."""
+        self._listener = listener
+        self._descriptors.register(listener.fileno(), select.EPOLLIN)
+
+    def close(self) -> None:
+        """Close every connection and the epoll, and stop accepting (the listener stays open: its owner's)."""
+        for connection in list(self._by_fd.values()):
+            self._close(connection)
+        if self._listener is not None:
+            self._descriptors.unregister(self._listener.fileno())
+            self._listener = None
+        self._descriptors.close()
+
+    def __len__(self) -> int:
+        """How many connections are open."""
+        return len(self._by_fd)
+
+    def partial_bytes(self, uid: int) -> int:
+        """Bytes the unfinished messages of ``uid``'s connections hold."""
+        return self._partial_bytes.get(uid, 0)
+
+    def unsent_bytes(self, uid: int) -> int:
+        """Bytes of replies to ``uid``'s connections the kernel has not taken yet."""
+        return self._unsent_bytes.get(uid, 0)
+
+    def read(self, until: float) -> Completed:
+        """Accept who waits, send what waits, and read each connection ready, each until it completes a request or
+        has nothing more, for one pass at most and until ``until`` (``time.perf_counter``); the requests completed."""
+        completed: Completed = []
+        for fd, events in self._descriptors.ready():
+            if self._listener is not None and fd == self._listener.fileno():
+                self._accept(self._listener)
+                continue
+            connection = self._by_fd.get(fd)
+            if connection is None:
+                continue
+            if events & select.EPOLLOUT:
+                self._flush(connection)
+            if events & ~select.EPOLLOUT and connection.sock.fileno() >= 0:
+                self._receive(connection, completed)
+            if time.perf_counter() >= until:
+                break
+        return completed
+
+    def send(self, identity: bytes, frames: list[bytes]) -> None:
+        """Send ``frames`` as one message on the connection ``identity``, never waiting: dropped, as a ROUTER drops
+        it, where the connection is gone or holds too much unsent."""
+        connection = self._by_identity.get(identity)
+        if connection is not None:
+            self._send(connection, encode_message(frames))
+
+    def look_after(self, now: float) -> None:
+        """Every :data:`SWEEP_EVERY_S`: close handshakes older than ``HELLO_TIMEOUT_S``; listen again where
+        accepting was paused for want of descriptors."""
+        if now - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = now
+        for connection in list(self._by_fd.values()):
+            if not connection.zmtp.ready and now - connection.opened >= HELLO_TIMEOUT_S:
+                self._cut(connection, logging.INFO, f"no ZMTP greeting and READY within {HELLO_TIMEOUT_S:g} s")
+        if self._paused and self._listener is not None:
+            self._paused = False
+            self._descriptors.register(self._listener.fileno(), select.EPOLLIN)
+
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(MAX_ACCEPTS_PER_TURN):
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Ready again at once, the listener would spin the loop: it rests until the next sweep.
+                    self._warnings.warning("control-fds", "not accepting control connections for %g s: %s",
+                                           SWEEP_EVERY_S, os.strerror(exc.errno))
+                    self._paused = True
+                    self._descriptors.unregister(listener.fileno())
+                else:
+                    self._warnings.warning("control-accept", "accepting a control connection failed: %s", exc)
+                return
+            self._admit(sock)
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        try:
+            pid, uid, _, _ = peer_credentials(sock)
+        except OSError as exc:
+            self._warnings.warning("control-peercred", "reading a control peer's credentials failed: %s", exc)
+            sock.close()
+            return
+        identity = next(self._serials).to_bytes(8, "big")
+        peer = Peer(uid, pid) if pid > 0 else Peer(uid, pid, identity)
+        if self._per_uid[uid] >= MAX_CONNECTIONS_PER_UID:
+            self._warnings.warning(f"control-connections-{uid}", "closed a control connection of %s (uid %d): its "
+                                   "uid has %d open, the most one uid may", peer, uid, MAX_CONNECTIONS_PER_UID)
+            sock.close()
+            return
+        connection = _Connection(sock, identity, peer, time.monotonic())
+        self._by_fd[sock.fileno()] = connection
+        self._by_identity[identity] = connection
+        self._per_uid[uid] += 1
+        self._descriptors.register(sock.fileno(), select.EPOLLIN)
+        self._send(connection, GREETING)
+
+    def _receive(self, connection: _Connection, completed: Completed) -> None:
+        """Read ``connection`` until it completes a request, has nothing more or is closed."""
+        uid = connection.peer.uid
+        while True:
+            try:
+                data = connection.sock.recv(RECEIVE_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._close(connection)
+                return
+            held = connection.zmtp.held
+            violation = ""
+            try:
+                messages, reply = connection.zmtp.feed(data)
+            except ZmtpViolation as exc:
+                violation = str(exc)
+            self._partial_bytes[uid] += connection.zmtp.held - held
+            if not violation and self._partial_bytes[uid] > MAX_PARTIAL_BYTES_PER_UID:
+                violation = f"its uid's unfinished control requests past {MAX_PARTIAL_BYTES_PER_UID >> 20} MiB"
+            if violation:
+                self._cut(connection, logging.WARNING, violation)
+                return
+            if reply:
+                self._send(connection, reply)
+            if messages:
+                completed.extend((connection.peer, connection.identity, frames) for frames in messages)
+                return
+
+    def _send(self, connection: _Connection, data: bytes) -> None:
+        """Send ``data`` after what waits unsent, keeping what the kernel does not take; drop it whole where that
+        would pass :data:`MAX_UNSENT_BYTES_PER_CONNECTION` or its uid's :data:`MAX_UNSENT_BYTES_PER_UID`."""
+        uid = connection.peer.uid
+        if connection.unsent and (connection.unsent_bytes + len(data) > MAX_UNSENT_BYTES_PER_CONNECTION
+                                  or self._unsent_bytes[uid] + len(data) > MAX_UNSENT_BYTES_PER_UID):
+            self._warnings.warning(f"unsent-{uid}", "%s (uid %d) reads none of what the control socket sends it: "
+                                   "a reply dropped", connection.peer, uid)
+            return
+        if not connection.unsent:
+            try:
+                sent = connection.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._close(connection)
+                return
+            if sent == len(data):
+                return
+            self._descriptors.register(connection.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
+            data = data[sent:]
+        connection.unsent.append(memoryview(data))
+        connection.unsent_bytes += len(data)
+        self._unsent_bytes[uid] += len(data)
+
+    def _flush(self, connection: _Connection) -> None:
+        """Send what waits unsent, as far as the kernel takes it."""
+        uid = connection.peer.uid
+        while connection.unsent:
+            head = connection.unsent[0]
+            try:
+                sent = connection.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._close(connection)
+                return
+            connection.unsent_bytes -= sent
+            self._unsent_bytes[uid] -= sent
+            if sent < len(head):
+                connection.unsent[0] = head[sent:]
+                return
+            connection.unsent.popleft()
+        self._descriptors.register(connection.sock.fileno(), select.EPOLLIN)
+
+    def _cut(self, connection: _Connection, level: int, why: str) -> None:
+        """Close ``connection`` for ``why``, logged at ``level`` once per uid per interval."""
+        peer = connection.peer
+        self._warnings.log(level, f"zmtp-{peer.uid}", "closed a control connection of %s (uid %d): %s", peer,
+                           peer.uid, why)
+        self._close(connection)
+
+    def _close(self, connection: _Connection) -> None:
+        """Close ``connection`` and let go of all it held."""
+        uid = connection.peer.uid
+        fd = connection.sock.fileno()
+        if fd < 0:
+            return
+        self._descriptors.unregister(fd)
+        connection.sock.close()
+        del self._by_fd[fd]
+        del self._by_identity[connection.identity]
+        for counts, held in ((self._per_uid, 1), (self._partial_bytes, connection.zmtp.held),
+                             (self._unsent_bytes, connection.unsent_bytes)):
+            counts[uid] -= held
+            if counts[uid] <= 0:
+                del counts[uid]
+        connection.zmtp = ZmtpPeer()
+        connection.unsent.clear()

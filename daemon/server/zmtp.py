@@ -1,0 +1,193 @@
+"""The daemon's end of a control connection in ZMTP 3.0 and 3.1 with the NULL mechanism (RFC 23 and 37): bytes in,
+messages out, under hard bounds. No sockets: :mod:`.control_socket` feeds it what it reads.
+
+libzmq bounds one frame (``ZMQ_MAXMSGSIZE``) and counts whole messages
+(``RCVHWM``), not the parts of one: a peer sending the parts of one message
+forever, its MORE flag always set, made a ROUTER hold them (empty parts of
+2 bytes, 64 of libzmq each: 32 MiB sent took the daemon to 1,065 MiB of RSS,
+542 MiB kept after the peer left; SECURITY.md, "Measured"), and libzmq has
+no option against it (its issues #1045 and #4526). Here one message has at
+most :data:`MAX_PARTS` parts and :data:`MAX_MESSAGE_BYTES` bytes in all, a
+command :data:`MAX_COMMAND_BYTES`, and each bound is checked from the
+frame's header, before its body is read. A connection breaking one, or the
+protocol, is a :class:`ZmtpViolation`: its owner closes it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from hbmd.proto import MAX_FRAME_BYTES
+
+MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 4096
+"""Bytes of one message, all its parts together: a request is its kind and a payload of at most
+``MAX_FRAME_BYTES`` (``ZMQ_MAXMSGSIZE`` bounded each frame so before; a larger payload up to it is answered with a
+refusal, as it was)."""
+MAX_PARTS = 16
+"""Parts of one message. A request has two; a message of up to this many is answered with a refusal, as before,
+a longer one closes the connection."""
+MAX_COMMAND_BYTES = 4096
+"""Bytes of one command frame: a client's READY (its socket type and routing id, some 40 bytes) or a heartbeat."""
+
+GREETING_BYTES = 64
+SOCKET_TYPES = frozenset({b"DEALER", b"REQ", b"ROUTER"})
+"""The peers' socket types a ROUTER speaks with (RFC 28)."""
+
+_MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
+_NULL_MECHANISM = b"NULL".ljust(20, b"\x00")
+GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + _NULL_MECHANISM + b"\x00" + bytes(31)
+"""What the daemon sends first: ZMTP 3.1, the NULL mechanism, not as a server (NULL has no roles)."""
+
+
+class ZmtpViolation(Exception):
+    """A peer broke ZMTP or a bound: its connection is closed. The message names what it did, for the log."""
+
+
+def encode_frame(data: bytes, flags: int = 0) -> bytes:
+    """One frame: its flags, its length (one byte up to 255, else eight) and ``data``."""
+    if len(data) < 256:
+        return bytes((flags, len(data))) + data
+    return struct.pack(">BQ", flags | _LONG, len(data)) + data
+
+
+def encode_message(frames: list[bytes]) -> bytes:
+    """A message of one or more frames, as one run of bytes."""
+    last = len(frames) - 1
+    return b"".join(encode_frame(frame, _MORE if i < last else 0) for i, frame in enumerate(frames))
+
+
+def encode_command(name: bytes, data: bytes) -> bytes:
+    return encode_frame(bytes((len(name),)) + name + data, _COMMAND)
+
+
+READY = encode_command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER")
+"""The daemon's READY: a ROUTER, as its clients' DEALERs expect."""
+
+
+def properties(data: bytes) -> dict[bytes, bytes]:
+    """A READY's metadata: ``name-length name value-length(4) value`` each, to the last byte."""
+    found: dict[bytes, bytes] = {}
+    at = 0
+    while at < len(data):
+        name_length = data[at]
+        name = data[at + 1 : at + 1 + name_length]
+        at += 1 + name_length
+        if not name or len(name) < name_length or at + 4 > len(data):
+            raise ZmtpViolation("a READY whose metadata is cut short")
+        (value_length,) = struct.unpack_from(">I", data, at)
+        at += 4
+        if at + value_length > len(data):
+            raise ZmtpViolation("a READY whose metadata is cut short")
+        found[name] = data[at : at + value_length]
+        at += value_length
+    return found
+
+
+def check_greeting(greeting: bytes | bytearray) -> None:
+    """Raise :class:`ZmtpViolation` for what is wrong with the first ``len(greeting)`` bytes of a peer's greeting."""
+    if greeting[:1] not in (b"", b"\xff") or greeting[9:10] not in (b"", b"\x7f"):
+        raise ZmtpViolation("bytes that are not a ZMTP greeting")
+    if len(greeting) > 10 and greeting[10] < 3:
+        raise ZmtpViolation(f"ZMTP {greeting[10]}: 3.0 or later is spoken here")
+    mechanism = bytes(greeting[12:32])
+    if mechanism != _NULL_MECHANISM[: len(mechanism)]:
+        raise ZmtpViolation(f"the mechanism {mechanism.rstrip(bytes(1))!r}: only NULL is spoken here")
+
+
+class ZmtpPeer:
+    """One connection's incoming bytes, parsed as they come: the greeting, the READY, then messages and heartbeats.
+
+    :meth:`feed` returns the messages completed and the bytes to send back;
+    :attr:`held` is what it keeps meanwhile (the bytes of a frame not yet
+    whole and the parts of a message not yet ended), never more than
+    :data:`MAX_MESSAGE_BYTES` and a frame header.
+    """
+
+    __slots__ = ("_buffer", "_part_bytes", "_parts", "greeted", "ready")
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        """Bytes received and not yet parsed: the rest of the greeting, or one frame's header and body so far."""
+        self._parts: list[bytes] = []
+        """The parts of the message under way."""
+        self._part_bytes = 0
+        self.greeted = False
+        """The peer's greeting has come, and the daemon's READY gone back."""
+        self.ready = False
+        """The peer's READY has come: messages may follow."""
+
+    @property
+    def held(self) -> int:
+        return len(self._buffer) + self._part_bytes
+
+    def feed(self, data: bytes) -> tuple[list[list[bytes]], bytes]:
+        """``(messages, reply)``: the messages ``data`` completes and what to send the peer; raises
+        :class:`ZmtpViolation` at the first thing wrong, before the body of a frame that breaks a bound is read."""
+        buffer = self._buffer
+        buffer += data
+        messages: list[list[bytes]] = []
+        reply = b""
+        if not self.greeted:
+            check_greeting(buffer[:GREETING_BYTES])
+            if len(buffer) < GREETING_BYTES:
+                return messages, reply
+            del buffer[:GREETING_BYTES]
+            self.greeted = True
+            reply = READY
+        while buffer:
+            flags = buffer[0]
+            if flags & ~(_MORE | _LONG | _COMMAND):
+                raise ZmtpViolation(f"a frame with the reserved flags {flags:#04x}")
+            header = 9 if flags & _LONG else 2
+            if len(buffer) < header:
+                break
+            size = struct.unpack_from(">Q", buffer, 1)[0] if flags & _LONG else buffer[1]
+            self._check_frame(flags, size)
+            if len(buffer) < header + size:
+                break
+            body = bytes(buffer[header : header + size])
+            del buffer[: header + size]
+            if flags & _COMMAND:
+                reply += self._command(body)
+                continue
+            self._parts.append(body)
+            self._part_bytes += size
+            if not flags & _MORE:
+                messages.append(self._parts)
+                self._parts = []
+                self._part_bytes = 0
+        return messages, reply
+
+    def _check_frame(self, flags: int, size: int) -> None:
+        if flags & _COMMAND:
+            if flags & _MORE:
+                raise ZmtpViolation("a command frame with MORE set")
+            if size > MAX_COMMAND_BYTES:
+                raise ZmtpViolation(f"a command of {size} bytes (at most {MAX_COMMAND_BYTES})")
+            return
+        if not self.ready:
+            raise ZmtpViolation("a message before the READY command")
+        if len(self._parts) >= MAX_PARTS:
+            raise ZmtpViolation(f"a message of more than {MAX_PARTS} parts")
+        if self._part_bytes + size > MAX_MESSAGE_BYTES:
+            raise ZmtpViolation(f"a message of more than {MAX_MESSAGE_BYTES} bytes (a part of {size})")
+
+    def _command(self, body: bytes) -> bytes:
+        """What a command asks of the daemon: the peer's READY once, then heartbeats; anything else is a violation."""
+        name = body[1 : 1 + body[0]] if body else b""
+        data = body[1 + len(name) :]
+        if not body or len(name) < body[0]:
+            raise ZmtpViolation("a command frame without a whole name")
+        if not self.ready:
+            if name != b"READY":
+                raise ZmtpViolation(f"the command {name[:32]!r} in place of READY")
+            socket_type = properties(data).get(b"Socket-Type")
+            if socket_type not in SOCKET_TYPES:
+                raise ZmtpViolation(f"a READY from a socket of type {socket_type!r}, which a ROUTER does not serve")
+            self.ready = True
+            return b""
+        if name == b"PING" and 2 <= len(data) <= 18:
+            return encode_command(b"PONG", data[2:])
+        if name == b"PONG" and len(data) <= 16:
+            return b""
+        raise ZmtpViolation(f"the command {name[:32]!r} ({len(data)} bytes) after READY")
