@@ -88,6 +88,7 @@ def quota_daemon(start_daemon, run_dir):
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_quotas_are_enforced_and_shown(quota_daemon):
     small = quota_daemon.connect(tenant="small")
     other = quota_daemon.connect()
@@ -122,6 +123,7 @@ def test_quotas_are_enforced_and_shown(quota_daemon):
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_reclaim_request_reaches_the_engines_callback(quota_daemon):
     engine = quota_daemon.connect(client_name="engine")
     kv = ExtensibleTensor(64 * MiB, "cpu", client=engine)
@@ -284,6 +286,7 @@ def test_a_uid_not_in_the_allow_list_is_refused_at_the_handshake(nobody_can_run_
         assert admin.status().num_sessions == 1
 
 
+@pytest.mark.system
 def test_hbmctl_outside_the_daemons_group_says_permission_denied_and_how_to_let_it_in(nobody_can_run_python, daemon):
     ctl = (f"import site, sys; [site.addsitedir(p) for p in {site.getsitepackages()!r}]; "
            "from hbmd.client.ctl import main; sys.exit(main())")

@@ -287,6 +287,7 @@ def test_a_uids_connections_are_capped(control, monkeypatch):
 
 
 @pytest.mark.unit
+@pytest.mark.system
 def test_replies_a_peer_does_not_read_are_dropped_whole_past_the_bound(control, monkeypatch):
     control, path = control
     monkeypatch.setattr(control_socket, "MAX_UNSENT_BYTES_PER_CONNECTION", 1 << 20)
@@ -438,6 +439,7 @@ def fuzz_cases(rng: random.Random) -> list[tuple[str, bytes]]:
 
 
 @pytest.mark.ipc
+@pytest.mark.system
 def test_malformed_zmtp_is_cut_off_and_changes_nothing(daemon, client):
     paths = InstancePaths.of(daemon.run_dir, "host")
     before = client.status()
@@ -473,6 +475,7 @@ def test_malformed_zmtp_is_cut_off_and_changes_nothing(daemon, client):
 
 
 @pytest.mark.ipc
+@pytest.mark.system
 def test_heartbeats_are_answered_and_a_dealer_that_sends_them_is_served(daemon, client):
     """libzmq's heartbeats (``ZMQ_HEARTBEAT_IVL``) and a raw PING: a PONG with the ping's context, nothing more."""
     paths = InstancePaths.of(daemon.run_dir, "host")

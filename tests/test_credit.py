@@ -25,6 +25,7 @@ pytestmark = pytest.mark.ipc
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_commit_on_credit_costs_no_round_trip_and_the_daemon_records_it(start_daemon):
     daemon = start_daemon("--budget", "2GiB")
     with daemon.connect() as client:
@@ -110,6 +111,7 @@ def test_chunks_made_on_credit_are_parked_across_a_restart(start_daemon, spawn_w
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_bind_the_daemon_never_read_is_sent_again_to_its_successor(start_daemon, run_dir, systemd):
     """The daemon is stopped while the client grows on credit, then killed: the bind and its FDs die unread in its
     socket. The successor restores the journaled credit, and the resumed client sends the bind again."""
@@ -319,6 +321,7 @@ def test_the_listener_makes_the_next_chunk_ahead_and_a_commit_of_its_size_takes_
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_chunk_made_ahead_goes_before_its_credit_is_given_back(start_daemon):
     daemon = start_daemon("--budget", "1GiB")
     mapper = TracingMapper()

@@ -82,6 +82,7 @@ def test_a_second_daemon_of_one_gpu_in_another_run_directory_is_refused_naming_t
 
 
 @pytest.mark.ipc
+@pytest.mark.system
 def test_a_successor_takes_the_gpu_over_from_its_predecessor(gpu_daemons, run_dir):
     first = gpu_daemons(run_dir)
     second = gpu_daemons(run_dir, "--takeover")

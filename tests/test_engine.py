@@ -238,6 +238,7 @@ def test_sizing_an_engine_after_warm_up(client):
     assert client.status().committed_bytes == 4 * MiB * 60
 
 
+@pytest.mark.system
 def test_kv_views_keep_base_pointers_and_strides(client):
     blocks, block_size, heads, head_dim = 8, 16, 4, 32
     shape = (2, blocks, block_size, heads, head_dim)

@@ -194,6 +194,7 @@ def test_a_tensor_recommits_the_sizes_it_held_before_its_release_zeroed(client):
     assert t.segment_sizes == [4 * MiB, 6 * MiB]
 
 
+@pytest.mark.system
 def test_a_recommit_refused_for_budget_can_be_tried_again(client):
     t = ExtensibleTensor(192 * MiB, "cpu", client=client)
     t.resize_(128 * MiB)
@@ -345,6 +346,7 @@ def test_a_call_polling_longer_than_its_timeout_still_ends_at_the_timeout(daemon
 
 
 @pytest.mark.parametrize("value", ["soon", "-1", "inf"])
+@pytest.mark.system
 def test_a_bad_hbmd_spin_us_is_a_value_error_naming_it(daemon, monkeypatch, value):
     monkeypatch.setenv("HBMD_SPIN_US", value)
     with pytest.raises(ValueError, match=rf"HBMD_SPIN_US='{value}' is not a number of microseconds, 0 or more"):

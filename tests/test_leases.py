@@ -63,6 +63,7 @@ def test_once_leased_small_commits_take_no_round_trip_and_the_daemon_records_the
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_credit_stands_behind_the_granules_of_a_session_that_outruns_its_lease(start_daemon):
     """A session stepping one granule at a time is granted credit as well as granules: with the daemon stopped, so
     that nothing is refilled, the steps past its two granules are made in the client, with no round trip."""
@@ -86,6 +87,7 @@ def test_credit_stands_behind_the_granules_of_a_session_that_outruns_its_lease(s
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_growth_inside_backed_granules_and_uneven_segments_place_exactly_what_is_needed(daemon, client):
     # Segments of 3 MiB: the granule at 2-4 MiB straddles both, so growing segment 0 past 2 MiB backs part of 1.
     t = ExtensibleTensor(6 * MiB, "cpu", segment_capacities=[3 * MiB, 3 * MiB], client=client)
@@ -138,6 +140,7 @@ def test_leased_bytes_are_charged_at_grant_shown_apart_and_returned_when_the_ses
 
 @pytest.mark.torch
 @pytest.mark.parametrize("lease_option, lease", [("0", True), ("64MiB", False)])
+@pytest.mark.system
 def test_a_daemon_with_leases_off_or_a_client_without_commits_through_the_daemon(start_daemon, lease_option, lease):
     daemon = start_daemon("--budget", "256MiB", "--lease", lease_option, "--credit", "0")
     with daemon.connect(lease=lease) as client:
@@ -235,6 +238,7 @@ def test_a_sessions_own_lease_makes_room_for_its_own_commit(daemon, client):
     assert "refused buffer.commit" in daemon.log()
 
 
+@pytest.mark.system
 def test_hbmctl_reclaim_takes_the_lease_back_first(daemon, client):
     worker = daemon.connect(client_name="engine")
     ExtensibleTensor(64 * MiB, "cpu", num_segments=2, client=worker).resize_per_segment_(GRANULE)

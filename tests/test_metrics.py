@@ -164,6 +164,7 @@ def test_the_page_passes_promtool(start_daemon, run_dir):
     [("9464", "not HOST:PORT"), ("localhost", "not HOST:PORT"), (":9464", "not HOST:PORT"),
      ("localhost:http", "port must be"), ("127.0.0.1:70000", "port must be"), ("::1:9464", "brackets")],
 )
+@pytest.mark.system
 def test_metrics_addr_must_be_host_and_port(run_dir, address, complaint):
     out = subprocess.run(
         [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir),

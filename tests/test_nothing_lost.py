@@ -204,6 +204,7 @@ def test_an_attach_right_after_a_sigkill_never_meets_conflict(daemon, client, sp
     assert daemon.alive()
 
 
+@pytest.mark.system
 def test_a_stopped_daemon_that_does_not_come_back_is_a_lost_session_once_the_client_stops_waiting(daemon):
     client = daemon.connect(timeout=10.0, resume_timeout=0.5)
     client.status()

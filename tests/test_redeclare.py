@@ -81,6 +81,7 @@ def test_after_a_cold_restart_the_new_daemon_counts_what_the_clients_map(start_d
     client.close()
 
 
+@pytest.mark.system
 def test_the_call_in_flight_goes_to_the_new_session_under_the_new_buffer_id(start_daemon):
     daemon = start_daemon("--budget", "64MiB")
     client = daemon.connect(lease=False)
@@ -295,6 +296,7 @@ def test_a_persistent_buffer_only_its_process_holds_is_not_lost_to_a_detach(star
 
 
 @pytest.mark.parametrize("call", ["defragment", "resize_"])
+@pytest.mark.system
 def test_the_call_in_flight_on_a_buffer_refused_again_raises_tensor_unusable_not_not_found(start_daemon, call):
     daemon = start_daemon("--budget", "64MiB")
     client = daemon.connect(lease=False)
@@ -324,6 +326,7 @@ def mapped_bytes() -> int:
     return total
 
 
+@pytest.mark.system
 def test_what_was_declared_again_is_handed_over_to_a_successor_and_goes_on_there(start_daemon):
     daemon = start_daemon("--budget", "64MiB")
     client = daemon.connect(lease=False)

@@ -90,6 +90,7 @@ def test_unclaimed_fds_are_closed_and_unparked(start_daemon, run_dir, systemd):
     assert stray not in held
 
 
+@pytest.mark.system
 def test_a_persistent_buffer_freed_before_any_commit_does_not_come_back(start_daemon, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()
@@ -113,6 +114,7 @@ def test_a_persistent_buffer_freed_before_any_commit_does_not_come_back(start_da
 
 
 @pytest.mark.parametrize("lease", [False, True])
+@pytest.mark.system
 def test_a_daemon_that_stops_leaves_its_live_clients_pages_alone(start_daemon, lease):
     daemon = start_daemon("--budget", "128MiB")
     client = daemon.connect(lease=lease, resume_timeout=0.5)  # no successor comes: the session is lost
@@ -136,6 +138,7 @@ def test_a_daemon_that_stops_leaves_its_live_clients_pages_alone(start_daemon, l
         kv.full_view()
 
 
+@pytest.mark.system
 def test_the_default_client_goes_on_once_the_daemon_came_back(start_daemon, run_dir, monkeypatch):
     monkeypatch.setenv("HBMD_RUN_DIR", str(run_dir))
     first = start_daemon("--budget", "64MiB")
@@ -230,6 +233,7 @@ def read_weights(daemon):
     return reader, ExtensibleTensor.attach("weights", "cpu", client=reader, readonly=True)
 
 
+@pytest.mark.system
 def test_a_reader_of_sealed_weights_lost_with_the_store_declares_them_again(start_daemon, run_dir, systemd):
     state_dir = run_dir / "state"
     state_dir.mkdir()

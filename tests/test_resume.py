@@ -107,6 +107,7 @@ def test_a_session_whose_client_does_not_come_back_ends_as_a_dead_one(restartabl
     assert "was not resumed after the restart: ended, freed 8.0 MiB" in daemon.log()
 
 
+@pytest.mark.system
 def test_a_client_gives_up_once_the_daemon_is_not_back_within_its_resume_timeout(start_daemon, monkeypatch):
     monkeypatch.setenv("HBMD_RESUME_TIMEOUT", "0.5")
     daemon = start_daemon("--budget", "64MiB")
@@ -160,6 +161,7 @@ def test_a_request_sent_again_after_a_restart_is_answered_again_not_done_twice(r
     client.close()
 
 
+@pytest.mark.system
 def test_a_daemon_taken_over_hands_every_session_and_buffer_to_its_successor(start_daemon):
     first = start_daemon("--budget", "256MiB")
     client = first.connect(client_name="engine")

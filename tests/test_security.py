@@ -586,6 +586,7 @@ def full_state_dir(run_dir):
 
 
 @pytest.mark.torch
+@pytest.mark.system
 def test_a_restart_after_the_journal_could_not_be_written_is_cold_and_loses_nothing_mapped(start_daemon, run_dir,
                                                                                           full_state_dir):
     """The state directory fills after a buffer was journaled; one made since is not. A restart that keeps the FD
@@ -792,6 +793,7 @@ def test_a_user_sees_only_its_own_tenants_and_cannot_tell_others_buffer_ids(
         (["--lease", "lots"], None, "--lease: bad size"),
     ],
 )
+@pytest.mark.system
 def test_bad_options_are_one_line_usage_errors(run_dir, args, config, message):
     if config is not None:
         (run_dir / "bad.toml").write_bytes(config)

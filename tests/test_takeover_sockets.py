@@ -57,6 +57,7 @@ def settled_fds(daemon, timeout: float = 5.0) -> int:
     raise TimeoutError(f"the daemon's descriptors did not settle within {timeout}s")
 
 
+@pytest.mark.system
 def test_a_client_calling_through_a_takeover_is_never_refused_a_connect(start_daemon, monkeypatch):
     first = start_daemon("--budget", "64MiB")
     files = socket_files(paths_of(first))
@@ -83,6 +84,7 @@ def test_a_client_calling_through_a_takeover_is_never_refused_a_connect(start_da
     client.close()
 
 
+@pytest.mark.system
 def test_a_connect_while_nobody_accepts_waits_and_is_served_next(start_daemon):
     daemon = start_daemon("--budget", "64MiB")
     paths = paths_of(daemon)
@@ -110,6 +112,7 @@ def test_a_connect_while_nobody_accepts_waits_and_is_served_next(start_daemon):
     wait_until(lambda: daemon.open_fds() == fds_before, timeout=5)
 
 
+@pytest.mark.system
 def test_the_successor_holds_no_descriptor_more_than_the_daemon_it_took_over_from(start_daemon):
     first = start_daemon("--budget", "64MiB")
     client = first.connect(lease=False)

@@ -123,6 +123,7 @@ def test_without_a_host_tier_a_demote_is_refused_naming_the_flag(start_daemon):
     assert status.committed_bytes == t.physical_bytes and status.host_bytes == 0 and status.host_budget_bytes == 0
 
 
+@pytest.mark.system
 def test_a_demote_past_the_host_budget_is_refused_and_changes_nothing(start_daemon):
     daemon = start_daemon("--budget", "64MiB", "--host-budget", "16MiB", "--host-pool", "0")
     client = daemon.connect(lease=False)
@@ -191,6 +192,7 @@ def test_a_persistent_buffer_stays_attachable_in_the_host_tier(tiered):
     again.free()
 
 
+@pytest.mark.system
 def test_a_sealed_buffer_does_not_move_and_says_why(tiered):
     client = tiered.connect(lease=False)
     t, data = written(client, name="weights", persistent=True)
@@ -382,6 +384,7 @@ def test_workers_killed_mid_demote_and_promote_lose_no_byte_and_leak_nothing(tie
     print(f"\ntier kill loop: rounds={KILL_ROUNDS}, {physical >> 20} MiB checked each round, bytes lost=0")
 
 
+@pytest.mark.system
 def test_a_cold_restart_declares_a_demoted_buffer_in_the_host_tier(start_daemon):
     flags = ("--budget", "64MiB", *TIER)
     daemon = start_daemon(*flags)
@@ -401,6 +404,7 @@ def test_a_cold_restart_declares_a_demoted_buffer_in_the_host_tier(start_daemon)
 
 
 @pytest.mark.parametrize("to_tier", ["host", "device"])
+@pytest.mark.system
 def test_a_cold_restart_between_a_moves_remap_and_its_finish_declares_the_new_tier(start_daemon, to_tier,
                                                                                              monkeypatch):
     flags = ("--budget", "64MiB", *TIER)
