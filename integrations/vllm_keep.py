@@ -1,8 +1,9 @@
 """A prefix cache that outlives the vLLM engine: ``HBMD_VLLM_KEEP_KV=1``.
 
 An engine that keeps its KV cache leaves it in hbmd when it exits, however it
-exits: its buffer is persistent, an orphan once the engine's session ends,
-and the daemon frees it after ``HBMD_VLLM_KEEP_KV_GRACE_S`` seconds unless a
+exits: its buffer is persistent, an orphan once the engine's session ends
+(a clean stop, where vLLM frees its cache, lets go of it instead:
+``VllmExtensibleTensor.free``), and the daemon frees it after ``HBMD_VLLM_KEEP_KV_GRACE_S`` seconds unless a
 successor adopts it. Beside it the engine keeps an index of which block holds
 which prefix (:mod:`hbmd.integrations.kv_index`), in ``HBMD_VLLM_KV_INDEX_DIR``.
 A successor of the same ``HBMD_VLLM_ENGINE`` name adopts both:
