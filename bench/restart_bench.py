@@ -180,7 +180,7 @@ def pause(backend: str, chunks: int, how: str) -> dict:
         kv = ExtensibleTensor(chunks * 2 * GRANULE, "cpu" if backend == "host" else "cuda:0", num_segments=chunks,
                               client=client)
         kv.resize_per_segment_(GRANULE)
-        with Reconnects() as reconnects:
+        with Reconnects(client.paths) as reconnects:
             calls = CallsInALoop(client)
             started = time.monotonic()
             daemon = instance.take_over() if how == "takeover" else instance.crash()

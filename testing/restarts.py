@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 from hbmd.client import Client, recovery
 from hbmd.client.transport import HandleChannel
 from hbmd.proto.errors import DaemonUnavailable
+from hbmd.proto.instance import InstancePaths
 
 
 class CallsInALoop:
@@ -41,9 +43,10 @@ class Reconnects:
     """The client's reconnects to the handle socket while it resumes, counted from its side: the connects the kernel
     refused (no socket file, or nobody listening behind it), the seconds from the first refused one to the next that
     got through, and the seconds it then waited for the welcome. Installed in place of the ``HandleChannel`` its
-    recovery opens."""
+    recovery opens; only the connects to ``paths`` (an instance's) count, not another client's of the process."""
 
-    def __init__(self) -> None:
+    def __init__(self, paths: InstancePaths) -> None:
+        self.paths = paths
         self.refused = 0
         self.refused_s = 0.0
         self.welcome_wait_s = 0.0
@@ -54,20 +57,23 @@ class Reconnects:
 
         class CountedHandleChannel(HandleChannel):
             def __init__(self, paths, timeout: float) -> None:
+                counted = paths == counts.paths
                 try:
                     super().__init__(paths, timeout)
                 except DaemonUnavailable as exc:
-                    if exc.details.get("not_running"):
+                    if counted and exc.details.get("not_running"):
                         counts.refused_one()
                     raise
-                counts.got_through()
+                if counted:
+                    counts.got_through()
 
             def handshake(self, hello):
                 started = time.monotonic()
                 try:
                     return super().handshake(hello)
                 finally:
-                    counts.welcome_wait_s += time.monotonic() - started
+                    if self.path == os.fspath(counts.paths.handles):
+                        counts.welcome_wait_s += time.monotonic() - started
 
         recovery.HandleChannel = CountedHandleChannel
         return self

@@ -65,7 +65,7 @@ def test_a_client_calling_through_a_takeover_is_never_refused_a_connect(start_da
     buffer = client.create_buffer(8 * MiB)
     with client.commit(buffer.buffer_id, 4 * MiB):
         pass
-    with Reconnects() as reconnects:
+    with Reconnects(client.paths) as reconnects:
         calls = CallsInALoop(client)
         try:
             wait_until(lambda: len(calls.answered_at) > 10)
