@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import os
 import select
 import socket
 import struct
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Generic
 
 from hbmd.proto import Message, encode_datagram
 
 from ..backends import A, C
 from ..state import Session
+from .ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:  # the outbox module describes what a connection queues, and sends it
     from .outbox import Delivery
@@ -72,6 +75,42 @@ class HandleConnection(Generic[A, C]):
             return False
         except OSError:
             return True
+
+
+MAX_ACCEPTS_PER_TURN = 64
+"""Connections a plane accepts in one turn of the loop; more wait for the next, so a burst of connects cannot hold
+it."""
+
+
+def accepting(listener: socket.socket, warnings: RateLimitedLog, plane: str,
+              out_of_fds: Callable[[OSError], None]) -> Iterator[socket.socket]:
+    """The connections waiting on ``listener`` (non-blocking), at most :data:`MAX_ACCEPTS_PER_TURN`; where the
+    process is out of descriptors, ``out_of_fds`` decides what becomes of them (left waiting, the listener would wake
+    the loop at once, forever), and another failure is logged."""
+    for _ in range(MAX_ACCEPTS_PER_TURN):
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                out_of_fds(exc)
+            else:
+                warnings.warning(f"{plane}-accept", "accepting a %s connection failed: %s", plane, exc)
+            return
+        yield sock
+
+
+def accepted(sock: socket.socket, warnings: RateLimitedLog, plane: str) -> tuple[int, int, int, set[int]] | None:
+    """An accepted connection of ``plane`` made non-blocking, and its peer's credentials (:func:`peer_credentials`);
+    None, the connection closed and the failure logged, where the kernel cannot say who it is."""
+    sock.setblocking(False)
+    try:
+        return peer_credentials(sock)
+    except OSError as exc:
+        warnings.warning(f"{plane}-peercred", "reading a %s peer's credentials failed: %s", plane, exc)
+        sock.close()
+        return None
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int, set[int]]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import itertools
 import logging
 import os
@@ -35,9 +34,9 @@ import select
 import socket
 import time
 
-from .connection import Descriptors, peer_credentials
+from .connection import Descriptors, accepted, accepting
 from .control import Peer
-from .handles import HELLO_TIMEOUT_S, MAX_ACCEPTS_PER_TURN
+from .handles import HELLO_TIMEOUT_S
 from .ratelimit import RateLimitedLog
 from .zmtp import GREETING, ZmtpPeer, ZmtpViolation, encode_message
 
@@ -166,31 +165,22 @@ class ControlSocket:
             self._descriptors.register(self._listener.fileno(), select.EPOLLIN)
 
     def _accept(self, listener: socket.socket) -> None:
-        for _ in range(MAX_ACCEPTS_PER_TURN):
-            try:
-                sock, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    # Ready again at once, the listener would spin the loop: it rests until the next sweep.
-                    self._warnings.warning("control-fds", "not accepting control connections for %g s: %s",
-                                           SWEEP_EVERY_S, os.strerror(exc.errno))
-                    self._paused = True
-                    self._descriptors.unregister(listener.fileno())
-                else:
-                    self._warnings.warning("control-accept", "accepting a control connection failed: %s", exc)
-                return
+        for sock in accepting(listener, self._warnings, "control", self._rest):
             self._admit(sock)
 
+    def _rest(self, exc: OSError) -> None:
+        """Out of descriptors: the listener rests until the next sweep (ready again at once, it would spin the loop)."""
+        assert self._listener is not None
+        self._warnings.warning("control-fds", "not accepting control connections for %g s: %s", SWEEP_EVERY_S,
+                               os.strerror(exc.errno or 0))
+        self._paused = True
+        self._descriptors.unregister(self._listener.fileno())
+
     def _admit(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        try:
-            pid, uid, _, _ = peer_credentials(sock)
-        except OSError as exc:
-            self._warnings.warning("control-peercred", "reading a control peer's credentials failed: %s", exc)
-            sock.close()
+        credentials = accepted(sock, self._warnings, "control")
+        if credentials is None:
             return
+        pid, uid, _, _ = credentials
         identity = next(self._serials).to_bytes(8, "big")
         peer = Peer(uid, pid) if pid > 0 else Peer(uid, pid, identity)
         if self._per_uid[uid] >= MAX_CONNECTIONS_PER_UID:

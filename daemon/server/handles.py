@@ -31,7 +31,6 @@ holder that is gone.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import select
@@ -73,7 +72,7 @@ from ..fds import limit as fd_limit
 from ..fds import open_count as open_fds
 from ..fds import usable as usable_fds
 from ..state import Session, State
-from .connection import Descriptors, HandleConnection, open_pidfd, peer_credentials, readable_now
+from .connection import Descriptors, HandleConnection, accepted, accepting, open_pidfd, readable_now
 from .outbox import Outbox
 from .ratelimit import RateLimitedLog
 
@@ -92,8 +91,6 @@ EXITED_READ_S = 2.0
 """How long the datagrams a session's process sent before it exited are read on, a turn's share at a time, before its
 session ends: each is a commit that returned, and a persistent buffer must keep it. What a forked helper sends past
 that is cut."""
-MAX_ACCEPTS_PER_TURN = 64
-"""Connections accepted in one turn of the loop; more wait for the next, so a burst of connects cannot hold it."""
 MAX_PENDING_HELLOS_PER_UID = 64
 """Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
 
@@ -272,17 +269,7 @@ class HandlePlane(Generic[A, C]):
     # accept
 
     def _accept(self, listener: socket.socket) -> None:
-        for _ in range(MAX_ACCEPTS_PER_TURN):
-            try:
-                sock, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    self._refuse_without_fds(listener, exc)
-                else:
-                    self._warnings.warning("accept", "accepting a handle connection failed: %s", exc)
-                return
+        for sock in accepting(listener, self._warnings, "handle", lambda exc: self._refuse_without_fds(listener, exc)):
             if open_fds() > usable_fds():
                 # Keep the headroom the control connections need: a session would cost two more.
                 self._warnings.warning("fds", "refusing handle connections: %s", self._out_of_fds_message())
@@ -292,13 +279,10 @@ class HandlePlane(Generic[A, C]):
 
     def _admit(self, sock: socket.socket) -> None:
         """Take in an accepted peer to wait for its hello, knowing who it is."""
-        sock.setblocking(False)
-        try:
-            pid, uid, gid, groups = peer_credentials(sock)
-        except OSError as exc:
-            self._warnings.warning("peercred", "reading peer credentials failed: %s", exc)
-            sock.close()
+        credentials = accepted(sock, self._warnings, "handle")
+        if credentials is None:
             return
+        pid, uid, gid, groups = credentials
         pending = [c for c in self._connections.values() if c.session is None and c.uid == uid]
         if len(pending) >= MAX_PENDING_HELLOS_PER_UID:
             # The oldest goes, not the newcomer: an honest client says hello at once, a flood's do not.
