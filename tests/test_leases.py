@@ -414,11 +414,15 @@ def test_a_client_dropped_without_close_leaves_no_descriptor_or_thread_behind(da
         return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]" for fd in os.listdir("/proc/self/fd")
                    if os.path.exists(f"/proc/self/fd/{fd}"))
 
+    def closers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "hbmd-fd-closer"}
+
     before = (len(os.listdir("/proc/self/fd")), eventfds())
+    others = closers()  # those of clients other tests left to the collector
     dropped = daemon.connect(client_name="dropped", lease=False)
     with dropped.commit(dropped.create_buffer(16 * MiB).buffer_id, 4 * GRANULE):
         pass  # chunks delivered and let go: the FD closer runs
-    closer = next(t for t in threading.enumerate() if t.name == "hbmd-fd-closer" and t.is_alive())
+    (closer,) = closers() - others
     del dropped
     gc.collect()
     wait_until(lambda: not closer.is_alive())
