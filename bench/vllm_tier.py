@@ -362,6 +362,16 @@ class Tier:
                                     log_path=self.out / "hbmd.log").start()
         return self.daemon
 
+    def take_over(self, *args: str) -> Any:
+        """A successor started with ``--takeover`` (and ``args``) in place of the daemon serving now, which exits."""
+        from hbmd.testing.spawn import DaemonProcess
+
+        old = self.daemon
+        self.daemon = DaemonProcess(self.run_dir, "--backend", "cuda", "--device", "0", *args, "--takeover",
+                                    log_path=self.out / "hbmd.log").start(timeout=60)
+        old.proc.wait(30)
+        return self.daemon
+
     def stop_daemon(self) -> None:
         if self.daemon is not None:
             self.daemon.stop()
@@ -527,12 +537,7 @@ def group_faults(tier: Tier, model: str) -> None:
         engine.until("paused")
         began = time.monotonic()
         if how == "takeover":
-            from hbmd.testing.spawn import DaemonProcess
-
-            old = tier.daemon
-            tier.daemon = DaemonProcess(tier.run_dir, "--backend", "cuda", "--device", "0", "--budget", "40GiB",
-                                        "--takeover", log_path=tier.out / "hbmd.log").start(timeout=60)
-            old.proc.wait(30)
+            tier.take_over("--budget", "40GiB")
         else:
             tier.daemon.kill()
             tier.daemon = None
@@ -607,6 +612,13 @@ def group_big(tier: Tier, model: str) -> None:
     tier.stop_daemon()
 
 
+def cacheable_prefix(engine: Engine) -> int:
+    """The tokens of the keep group's long prompt an engine can serve from cache: its full blocks, the last token
+    left to compute."""
+    block = engine.event("started")["block_size"]
+    return (KEEP_PREFIX_LEN - 1) // block * block
+
+
 def group_keep(tier: Tier, model: str) -> None:
     """``HBMD_VLLM_KEEP_KV``: an engine SIGKILLed, the daemon taken over while its cache is kept, a successor that
     adopts it and serves its known prompts from cached blocks, stopped cleanly, and a third that adopts again. Each
@@ -628,12 +640,7 @@ def group_keep(tier: Tier, model: str) -> None:
     kept = [b for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith("vllm-keep-rank0")]
     tier.check("a SIGKILLed keeping engine leaves its KV cache in hbmd, held by no session",
                len(kept) == 1 and kept[0]["physical_bytes"] > 0 and kept[0]["session_id"] == 0, kept=kept)
-    from hbmd.testing.spawn import DaemonProcess
-
-    old = tier.daemon
-    tier.daemon = DaemonProcess(tier.run_dir, "--backend", "cuda", "--device", "0", "--budget", "40GiB",
-                                "--takeover", log_path=tier.out / "hbmd.log").start(timeout=60)
-    old.proc.wait(30)
+    tier.take_over("--budget", "40GiB")
     runs = []
     for label in ("keep-2", "keep-3"):
         # keep-2 follows an engine SIGKILLed (and a daemon taken over since), keep-3 one stopped cleanly.
@@ -646,8 +653,7 @@ def group_keep(tier: Tier, model: str) -> None:
         outputs = engine.event("generate")["outputs"]
         tier.check(f"{label}: serving from the adopted cache, it agrees with the cold engine",
                    **agree(cold, outputs))
-        long, block = engine.event("long"), engine.event("started")["block_size"]
-        cacheable = (KEEP_PREFIX_LEN - 1) // block * block  # full blocks, the last token left to compute
+        long, cacheable = engine.event("long"), cacheable_prefix(engine)
         tier.check(f"{label}: its first request's 8k prefix is served from the cache, its token the cold engine's",
                    long["cached"] == cacheable and long["token"] == cold_long["token"], cached=long["cached"],
                    cacheable=cacheable, seconds=round(long["seconds"], 4))
@@ -655,9 +661,8 @@ def group_keep(tier: Tier, model: str) -> None:
         e.label: {"since_start_s": round(e.event("long")["since_start"], 2),
                   "request_s": round(e.event("long")["seconds"], 4), "cached_tokens": e.event("long")["cached"]}
         for e in [plain, first, *runs]}
-    block = runs[0].event("started")["block_size"]
     tier.figures["keep_prefix_hit_rate_after_restart"] = round(
-        sum(e.event("long")["cached"] for e in runs) / (len(runs) * ((KEEP_PREFIX_LEN - 1) // block * block)), 4)
+        sum(e.event("long")["cached"] for e in runs) / sum(cacheable_prefix(e) for e in runs), 4)
     tier.figures["keep_decode_tokens_per_s"] = {"index kept": round(runs[1].event("decode")["tokens_per_s"], 1),
                                                 "no index": round(off.event("decode")["tokens_per_s"], 1)}
     left = [b["name"] for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith("vllm-keep-rank0")]
