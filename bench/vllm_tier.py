@@ -619,36 +619,37 @@ def cacheable_prefix(engine: Engine) -> int:
     return (KEEP_PREFIX_LEN - 1) // block * block
 
 
-def group_keep(tier: Tier, model: str) -> None:
+def group_keep(tier: Tier, model: str, tag: str = "keep") -> None:
     """``HBMD_VLLM_KEEP_KV``: an engine SIGKILLed, the daemon taken over while its cache is kept, a successor that
     adopts it and serves its known prompts from cached blocks, stopped cleanly, and a third that adopts again. Each
-    engine's first request after its start has an 8k-token prefix: cold, adopted, and vLLM without hbmd."""
+    engine's first request after its start has an 8k-token prefix: cold, adopted, and vLLM without hbmd. ``tag``
+    names the engines, their kept buffers and the figures (the same group with the big model is ``keep-big``)."""
     tier.start_daemon("--budget", "40GiB")
-    env = {"HBMD_VLLM_KEEP_KV": "1", "HBMD_VLLM_ENGINE": "keep", "HBMD_VLLM_KV_INDEX_DIR": str(tier.work / "kv-index")}
+    env = {"HBMD_VLLM_KEEP_KV": "1", "HBMD_VLLM_ENGINE": tag, "HBMD_VLLM_KV_INDEX_DIR": str(tier.work / "kv-index")}
     shape = {"model": model, "first_output": False, "long_len": KEEP_PREFIX_LEN,
              "options": {"max_model_len": KEEP_PREFIX_LEN + 256}}
-    plain = tier.run("keep-plain", {**shape, "steps": ["long"]}, False)
-    # hbmd without the index, before any kept cache holds the budget: the decode baseline for keep-3's.
-    off = tier.run("keep-off", {**shape, "steps": ["decode"]}, True)
-    first = tier.engine("keep-1", {**shape, "steps": ["long", "generate", "kv_digest", "pause"]}, True, env)
+    plain = tier.run(f"{tag}-plain", {**shape, "steps": ["long"]}, False)
+    # hbmd without the index, before any kept cache holds the budget: the decode baseline for the third's.
+    off = tier.run(f"{tag}-off", {**shape, "steps": ["decode"]}, True)
+    first = tier.engine(f"{tag}-1", {**shape, "steps": ["long", "generate", "kv_digest", "pause"]}, True, env)
     cold_long = first.until("long")
     cold = first.until("generate")["outputs"]
     left_digest = first.until("kv_digest")["digest"]
     first.until("paused")
     os.kill(first.proc.pid, signal.SIGKILL)
     first.wait()
-    kept = [b for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith("vllm-keep-rank0")]
+    kept = [b for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith(f"vllm-{tag}-rank0")]
     tier.check("a SIGKILLed keeping engine leaves its KV cache in hbmd, held by no session",
                len(kept) == 1 and kept[0]["physical_bytes"] > 0 and kept[0]["session_id"] == 0, kept=kept)
     tier.take_over("--budget", "40GiB")
     runs = []
-    for label in ("keep-2", "keep-3"):
-        # keep-2 follows an engine SIGKILLed (and a daemon taken over since), keep-3 one stopped cleanly.
-        steps = ["kv_digest", "long", "generate"] + (["decode"] if label == "keep-3" else [])
+    for label in (f"{tag}-2", f"{tag}-3"):
+        # The second follows an engine SIGKILLed (and a daemon taken over since), the third one stopped cleanly.
+        steps = ["kv_digest", "long", "generate"] + (["decode"] if label == f"{tag}-3" else [])
         engine = tier.run(label, {**shape, "steps": steps}, True, env)
         runs.append(engine)
-        if label == "keep-2":
-            tier.check("keep-2: the adopted cache's blocks are the killed engine's, byte for byte",
+        if label == f"{tag}-2":
+            tier.check(f"{label}: the adopted cache's blocks are the killed engine's, byte for byte",
                        engine.event("kv_digest")["digest"] == left_digest)
         outputs = engine.event("generate")["outputs"]
         tier.check(f"{label}: serving from the adopted cache, it agrees with the cold engine",
@@ -657,21 +658,28 @@ def group_keep(tier: Tier, model: str) -> None:
         tier.check(f"{label}: its first request's 8k prefix is served from the cache, its token the cold engine's",
                    long["cached"] == cacheable and long["token"] == cold_long["token"], cached=long["cached"],
                    cacheable=cacheable, seconds=round(long["seconds"], 4))
-    tier.figures["keep_8k_prefix_first_token"] = {
+    tier.figures[f"{tag}_8k_prefix_first_token"] = {
         e.label: {"since_start_s": round(e.event("long")["since_start"], 2),
                   "request_s": round(e.event("long")["seconds"], 4), "cached_tokens": e.event("long")["cached"]}
         for e in [plain, first, *runs]}
-    tier.figures["keep_prefix_hit_rate_after_restart"] = round(
+    tier.figures[f"{tag}_prefix_hit_rate_after_restart"] = round(
         sum(e.event("long")["cached"] for e in runs) / sum(cacheable_prefix(e) for e in runs), 4)
-    tier.figures["keep_decode_tokens_per_s"] = {"index kept": round(runs[1].event("decode")["tokens_per_s"], 1),
+    tier.figures[f"{tag}_decode_tokens_per_s"] = {"index kept": round(runs[1].event("decode")["tokens_per_s"], 1),
                                                 "no index": round(off.event("decode")["tokens_per_s"], 1)}
-    left = [b["name"] for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith("vllm-keep-rank0")]
+    left = [b["name"] for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith(f"vllm-{tag}-rank0")]
     tier.check("one kept cache is left, the last engine's", len(left) == 1, buffers=left)
     tier.stop_daemon()
 
 
+def group_keep_big(tier: Tier, model: str) -> None:
+    """The keep group with the big model, whose 8k-token prefill is long enough for adoption to show."""
+    group_keep(tier, model, tag="keep-big")
+
+
 GROUPS = {"core": group_core, "sleep": group_sleep, "budget": group_budget, "faults": group_faults,
-          "serve": group_serve, "big": group_big, "keep": group_keep}
+          "serve": group_serve, "big": group_big, "keep": group_keep,
+          "keep-big": group_keep_big}
+BIG_MODEL_GROUPS = {"big", "keep-big"}
 
 
 def tier_main(args: argparse.Namespace) -> int:
@@ -689,7 +697,7 @@ def tier_main(args: argparse.Namespace) -> int:
     for name in args.groups.split(","):
         began = time.monotonic()
         try:
-            if name == "big":
+            if name in BIG_MODEL_GROUPS:
                 GROUPS[name](tier, str(make_model(work / "model-big", big=True)))
             else:
                 GROUPS[name](tier, small)
