@@ -26,7 +26,15 @@ from hbmd.integrations import vllm_keep, vllm_prefix  # noqa: E402
 from hbmd.integrations.kv_index import read_index  # noqa: E402
 from hbmd.testing.spawn import LineProcess  # noqa: E402
 from helpers import filled, wait_until  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher, init_none_hash  # noqa: E402
@@ -66,12 +74,13 @@ def kept(monkeypatch, tmp_path):
     return tmp_path / "index"
 
 
-def scheduler(folder, salt: str = "", kind: type[Scheduler] = Scheduler) -> Scheduler:
+def scheduler(folder, salt: str = "", kind: type[Scheduler] = Scheduler, tensor_parallel: int = 1) -> Scheduler:
     model = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=1024)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     cache.num_gpu_blocks = NUM_BLOCKS
     config = VllmConfig(model_config=model, cache_config=cache, device_config=DeviceConfig(device="cpu"),
                         load_config=LoadConfig(load_format="auto"),
+                        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel),
                         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024,
                                                          is_encoder_decoder=False))
     size = NUM_BLOCKS * SPEC.page_size_bytes
@@ -83,9 +92,9 @@ def scheduler(folder, salt: str = "", kind: type[Scheduler] = Scheduler) -> Sche
                 block_size=BLOCK, log_stats=False)
 
 
-def note(folder, buffer_id: int, adopted_from: int | None) -> None:
+def note(folder, buffer_id: int, adopted_from: int | None, rank: int = 0) -> None:
     folder.mkdir(exist_ok=True)
-    (folder / "e.rank0.json").write_text(json.dumps({"buffer_id": buffer_id, "adopted_from": adopted_from,
+    (folder / f"e.rank{rank}.json").write_text(json.dumps({"buffer_id": buffer_id, "adopted_from": adopted_from,
                                                      "adopted_blocks": NUM_BLOCKS}))
 
 
@@ -225,6 +234,39 @@ def test_a_successor_of_another_model_or_another_buffer_starts_cold_and_says_why
         (model_folder / "extra.pt").unlink()
     assert not any(block.block_hash is not None for block in other.kv_cache_manager.block_pool.blocks)
     assert "the predecessor's cache differs in weights" in caplog.text
+
+
+def test_a_tensor_parallel_successor_adopts_when_every_rank_grafted_its_predecessors_buffer_and_else_none(
+        kept, model_folder, caplog, monkeypatch):
+    monkeypatch.setattr(vllm_keep.log, "handlers", [caplog.handler])
+    caplog.set_level(logging.INFO, logger=vllm_keep.log.name)
+    note(kept, 1, None, rank=0)
+    note(kept, 11, None, rank=1)
+    predecessor = scheduler(model_folder, tensor_parallel=2)
+    gpu = Gpu()
+    prompt = list(range(1, 70))
+    predecessor.add_request(request("first", prompt, 3))
+    for _ in range(4):
+        output = predecessor.schedule()
+        gpu.run(output, where_placed(predecessor, output))
+        predecessor.update_from_output(output, outputs_for(output))
+    index = read_index(kept / "e.index")
+    assert index.header["buffers"] == [1, 11] and len(index.blocks) == 4
+    left = (kept / "e.index").read_bytes()
+
+    def successor_cached(rank1_adopted_from: int | None) -> int:
+        note(kept, 2, 1, rank=0)
+        note(kept, 12, rank1_adopted_from, rank=1)
+        (kept / "e.index").write_bytes(left)  # each successor below finds what the predecessor left
+        successor = scheduler(model_folder, tensor_parallel=2)
+        successor.add_request(request("again", prompt, 3))
+        return successor.schedule().scheduled_new_reqs[0].num_computed_tokens
+
+    assert successor_cached(None) == 0  # rank 1 started on a buffer of its own
+    assert "not every rank adopted its predecessor's buffer" in caplog.text
+    assert successor_cached(13) == 0  # rank 1 grafted some other buffer
+    assert "the buffers grafted are not the ones the index describes" in caplog.text
+    assert successor_cached(11) == 4 * BLOCK  # every rank grafted its predecessor's buffer
 
 
 PREDECESSOR = """
