@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,7 +44,9 @@ class DaemonProcess:
     replaces ``python -m hbmd.daemon`` (a wrapper such as a stand-in service
     manager). ``pid_namespace``: the daemon runs in a pid namespace of its own
     (``unshare --pid``), as in a container, where it sees every client as pid
-    0 and itself as pid 1. :meth:`start` returns once ``instance.json`` names
+    0 and itself as pid 1. Where util-linux's ``setpriv`` is installed, the
+    daemon gets SIGTERM when the thread that started it dies, so a test
+    process that crashes leaves no daemon behind. :meth:`start` returns once ``instance.json`` names
     the process (the daemon's ready signal); :meth:`stop` sends SIGTERM and
     kills after a hard timeout. As a context manager it starts and stops.
     """
@@ -62,6 +65,8 @@ class DaemonProcess:
         self.command = [*(command or [sys.executable, "-m", "hbmd.daemon"]), "--run-dir", str(self.run_dir), *args]
         if pid_namespace:
             self.command = ["unshare", "--pid", "--fork", "--kill-child", *self.command]
+        if shutil.which("setpriv"):
+            self.command = ["setpriv", "--pdeathsig", "TERM", *self.command]
         self.pid_namespace = pid_namespace
         self.env = {**os.environ, **(env or {})}
         self.pass_fds = pass_fds
