@@ -58,7 +58,7 @@ from common import (
 from hbmd import driver
 from hbmd.client import Client, ExtensibleTensor, connect
 from hbmd.client.dlpack import KDL_CUDA, uint8_view
-from hbmd.daemon.main import DEFAULT_WARM_CHUNKS
+from hbmd.daemon.options import DEFAULT_WARM_CHUNKS
 from hbmd.proto.units import format_bytes
 from probe import breakdown, client_probe
 from workers import has_pattern, write_pattern

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hbmd.daemon.main import build_parser
+from hbmd.daemon.options import build_parser
 
 pytestmark = pytest.mark.unit
 
