@@ -192,20 +192,27 @@ def test_a_successor_adopts_only_blocks_that_hold_the_prefix_their_hash_names_wh
     assert adopted_total > 100  # the check above ran on many blocks, not on none
 
 
-def test_the_first_request_of_a_known_prefix_after_a_restart_is_served_from_the_adopted_cache(kept, model_folder):
-    note(kept, 1, None)
-    predecessor = scheduler(model_folder)
+PROMPT = list(range(1, 70))
+"""69 tokens: four full blocks."""
+
+
+def serve_one_prompt(predecessor: Scheduler) -> None:
+    """Run :data:`PROMPT` to its end on ``predecessor``, writing each step's blocks."""
     gpu = Gpu()
-    prompt = list(range(1, 70))
-    predecessor.add_request(request("first", prompt, 3))
+    predecessor.add_request(request("first", PROMPT, 3))
     for _ in range(4):
         output = predecessor.schedule()
         gpu.run(output, where_placed(predecessor, output))
         predecessor.update_from_output(output, outputs_for(output))
-    assert len(read_index(kept / "e.index").blocks) == 4  # 69 tokens: four full blocks
+
+
+def test_the_first_request_of_a_known_prefix_after_a_restart_is_served_from_the_adopted_cache(kept, model_folder):
+    note(kept, 1, None)
+    serve_one_prompt(scheduler(model_folder))
+    assert len(read_index(kept / "e.index").blocks) == 4
     note(kept, 2, 1)
     successor = scheduler(model_folder)
-    successor.add_request(request("again", prompt, 3))
+    successor.add_request(request("again", PROMPT, 3))
     scheduled = successor.schedule().scheduled_new_reqs
     assert [(r.req_id, r.num_computed_tokens) for r in scheduled] == [("again", 4 * BLOCK)]  # from the cache
 
@@ -242,14 +249,7 @@ def test_a_tensor_parallel_successor_adopts_when_every_rank_grafted_its_predeces
     caplog.set_level(logging.INFO, logger=vllm_keep.log.name)
     note(kept, 1, None, rank=0)
     note(kept, 11, None, rank=1)
-    predecessor = scheduler(model_folder, tensor_parallel=2)
-    gpu = Gpu()
-    prompt = list(range(1, 70))
-    predecessor.add_request(request("first", prompt, 3))
-    for _ in range(4):
-        output = predecessor.schedule()
-        gpu.run(output, where_placed(predecessor, output))
-        predecessor.update_from_output(output, outputs_for(output))
+    serve_one_prompt(scheduler(model_folder, tensor_parallel=2))
     index = read_index(kept / "e.index")
     assert index.header["buffers"] == [1, 11] and len(index.blocks) == 4
     left = (kept / "e.index").read_bytes()
@@ -259,7 +259,7 @@ def test_a_tensor_parallel_successor_adopts_when_every_rank_grafted_its_predeces
         note(kept, 12, rank1_adopted_from, rank=1)
         (kept / "e.index").write_bytes(left)  # each successor below finds what the predecessor left
         successor = scheduler(model_folder, tensor_parallel=2)
-        successor.add_request(request("again", prompt, 3))
+        successor.add_request(request("again", PROMPT, 3))
         return successor.schedule().scheduled_new_reqs[0].num_computed_tokens
 
     assert successor_cached(None) == 0  # rank 1 started on a buffer of its own
