@@ -693,14 +693,12 @@ def tier_main(args: argparse.Namespace) -> int:
     tier.figures["device"] = torch.cuda.get_device_name(0)
     tier.figures["vllm"] = vllm.__version__
     tier.figures["torch"] = torch.__version__
-    small = str(make_model(work / "model-156m", big=False))
     for name in args.groups.split(","):
         began = time.monotonic()
         try:
-            if name in BIG_MODEL_GROUPS:
-                GROUPS[name](tier, str(make_model(work / "model-big", big=True)))
-            else:
-                GROUPS[name](tier, small)
+            # Each model is made the first time a group needs it (made once per --work folder).
+            big = name in BIG_MODEL_GROUPS
+            GROUPS[name](tier, str(make_model(work / ("model-big" if big else "model-156m"), big=big)))
         except Exception as exc:  # one broken group must not hide the others' results
             tier.check(f"group {name} ran to its end", False, error=f"{type(exc).__name__}: {exc}")
             tier.stop_daemon()
