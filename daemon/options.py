@@ -12,7 +12,8 @@ import ipaddress
 import os
 import re
 import textwrap
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 from hbmd.proto.instance import DEFAULT_RUN_DIR, VERSION
 
@@ -21,6 +22,8 @@ from .backends.pool import HOST_PIECE
 from .config import FORMAT as CONFIG_FORMAT
 from .restart.persist import RESUME_WINDOW_S
 from .state import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, DEMOTE_IDLE_S, Limits
+
+T = TypeVar("T")
 
 HOST_POOL_DEFAULT = "4GiB"
 """Host-tier memory made ahead of demotes without ``--host-pool`` (within the host budget): creating pinned host
@@ -74,16 +77,17 @@ def instance_name(text: str) -> str:
     return text
 
 
-def _whole_number(text: str) -> int:
+def _parsed(convert: Callable[[str], T], text: str, what: str) -> T:
+    """``convert(text)``, or a usage error saying ``text`` is not ``what``."""
     try:
-        return int(text)
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
 
 
 def granule_count(text: str) -> int:
     """A number of granules, 0 or more; an argparse type."""
-    count = _whole_number(text)
+    count = _parsed(int, text, "a whole number")
     if count < 0:
         raise argparse.ArgumentTypeError(f"{count} is negative; give 0 or more granules")
     return count
@@ -91,22 +95,15 @@ def granule_count(text: str) -> int:
 
 def device_index(text: str) -> int:
     """A GPU index as nvidia-smi numbers it, 0 or more; an argparse type."""
-    index = _whole_number(text)
+    index = _parsed(int, text, "a whole number")
     if index < 0:
         raise argparse.ArgumentTypeError(f"{index} is negative; GPUs are numbered from 0, as nvidia-smi lists them")
     return index
 
 
-def _number_of_seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-
-
 def seconds(text: str) -> float:
     """A duration from :data:`MIN_SECONDS` to :data:`MAX_SECONDS`; an argparse type."""
-    value = _number_of_seconds(text)
+    value = _parsed(float, text, "a number of seconds")
     if not value > 0:  # nan too
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     if not MIN_SECONDS <= value <= MAX_SECONDS:
@@ -116,7 +113,7 @@ def seconds(text: str) -> float:
 
 def idle_seconds(text: str) -> float:
     """A duration from 0 (none: no wait at all) to :data:`MAX_SECONDS`; an argparse type."""
-    value = _number_of_seconds(text)
+    value = _parsed(float, text, "a number of seconds")
     if not 0 <= value <= MAX_SECONDS:  # nan too
         raise argparse.ArgumentTypeError(f"{text} seconds: give from 0 to {MAX_SECONDS:g} (a day)")
     return value
