@@ -46,9 +46,10 @@ class DaemonProcess:
     (``unshare --pid``), as in a container, where it sees every client as pid
     0 and itself as pid 1. Where util-linux's ``setpriv`` is installed, the
     daemon gets SIGTERM when the thread that started it dies, so a test
-    process that crashes leaves no daemon behind. :meth:`start` returns once ``instance.json`` names
-    the process (the daemon's ready signal); :meth:`stop` sends SIGTERM and
-    kills after a hard timeout. As a context manager it starts and stops.
+    process that crashes leaves no daemon behind. :meth:`start` returns once
+    ``instance.json`` names the process (the daemon's ready signal);
+    :meth:`stop` sends SIGTERM and kills after a hard timeout. As a context
+    manager it starts and stops.
     """
 
     def __init__(
