@@ -643,12 +643,13 @@ def group_keep(tier: Tier, model: str, tag: str = "keep") -> None:
                len(kept) == 1 and kept[0]["physical_bytes"] > 0 and kept[0]["session_id"] == 0, kept=kept)
     tier.take_over("--budget", "40GiB")
     runs = []
-    for label in (f"{tag}-2", f"{tag}-3"):
+    for number in (2, 3):
         # The second follows an engine SIGKILLed (and a daemon taken over since), the third one stopped cleanly.
-        steps = ["kv_digest", "long", "generate"] + (["decode"] if label == f"{tag}-3" else [])
+        label = f"{tag}-{number}"
+        steps = ["kv_digest", "long", "generate"] + (["decode"] if number == 3 else [])
         engine = tier.run(label, {**shape, "steps": steps}, True, env)
         runs.append(engine)
-        if label == f"{tag}-2":
+        if number == 2:
             tier.check(f"{label}: the adopted cache's blocks are the killed engine's, byte for byte",
                        engine.event("kv_digest")["digest"] == left_digest)
         outputs = engine.event("generate")["outputs"]

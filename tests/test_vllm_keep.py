@@ -217,10 +217,15 @@ def test_the_first_request_of_a_known_prefix_after_a_restart_is_served_from_the_
     assert [(r.req_id, r.num_computed_tokens) for r in scheduled] == [("again", 4 * BLOCK)]  # from the cache
 
 
-def test_a_successor_of_another_model_or_another_buffer_starts_cold_and_says_why(kept, model_folder, caplog,
-                                                                              monkeypatch):
-    monkeypatch.setattr(vllm_keep.log, "handlers", [caplog.handler])  # vLLM's loggers do not propagate to pytest's
+@pytest.fixture
+def keep_log(caplog, monkeypatch):
+    """What the keeper logs, in pytest's ``caplog`` (vLLM's loggers do not propagate to pytest's)."""
+    monkeypatch.setattr(vllm_keep.log, "handlers", [caplog.handler])
     caplog.set_level(logging.INFO, logger=vllm_keep.log.name)
+    return caplog
+
+
+def test_a_successor_of_another_model_or_another_buffer_starts_cold_and_says_why(kept, model_folder, keep_log):
     note(kept, 1, None)
     predecessor = scheduler(model_folder)
     predecessor.add_request(request("first", list(range(1, 70)), 2))
@@ -231,7 +236,7 @@ def test_a_successor_of_another_model_or_another_buffer_starts_cold_and_says_why
     cold = scheduler(model_folder)
     cold.schedule()
     assert not any(block.block_hash is not None for block in cold.kv_cache_manager.block_pool.blocks)
-    assert "the buffers grafted are not the ones the index describes" in caplog.text
+    assert "the buffers grafted are not the ones the index describes" in keep_log.text
     note(kept, 3, 2)
     (model_folder / "extra.pt").write_bytes(b"other weights")
     try:
@@ -240,13 +245,11 @@ def test_a_successor_of_another_model_or_another_buffer_starts_cold_and_says_why
     finally:
         (model_folder / "extra.pt").unlink()
     assert not any(block.block_hash is not None for block in other.kv_cache_manager.block_pool.blocks)
-    assert "the predecessor's cache differs in weights" in caplog.text
+    assert "the predecessor's cache differs in weights" in keep_log.text
 
 
 def test_a_tensor_parallel_successor_adopts_when_every_rank_grafted_its_predecessors_buffer_and_else_none(
-        kept, model_folder, caplog, monkeypatch):
-    monkeypatch.setattr(vllm_keep.log, "handlers", [caplog.handler])
-    caplog.set_level(logging.INFO, logger=vllm_keep.log.name)
+        kept, model_folder, keep_log):
     note(kept, 1, None, rank=0)
     note(kept, 11, None, rank=1)
     serve_one_prompt(scheduler(model_folder, tensor_parallel=2))
@@ -263,9 +266,9 @@ def test_a_tensor_parallel_successor_adopts_when_every_rank_grafted_its_predeces
         return successor.schedule().scheduled_new_reqs[0].num_computed_tokens
 
     assert successor_cached(None) == 0  # rank 1 started on a buffer of its own
-    assert "not every rank adopted its predecessor's buffer" in caplog.text
+    assert "not every rank adopted its predecessor's buffer" in keep_log.text
     assert successor_cached(13) == 0  # rank 1 grafted some other buffer
-    assert "the buffers grafted are not the ones the index describes" in caplog.text
+    assert "the buffers grafted are not the ones the index describes" in keep_log.text
     assert successor_cached(11) == 4 * BLOCK  # every rank grafted its predecessor's buffer
 
 
