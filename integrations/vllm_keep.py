@@ -213,18 +213,24 @@ def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
     """Wrap vLLM's measure of the KV cache after warm-up so that it counts the predecessor's blocks as this
     engine's (they are, once grafted; until then the daemon charges them to the orphan, so free memory, what vLLM
     measures, and the daemon's room, what hbmd's cap reads, both leave them out), less the room a successor's
-    warm-up will need beside this engine's kept cache (:func:`warm_up_room`)."""
+    warm-up will need beside this engine's kept cache (:func:`warm_up_room`).
+
+    Never fewer than the predecessor's blocks: their memory is held already, and a graft takes all of them or
+    none. The room left beside them may then fall short of the warm-up's and its tenth, by what the orphan's
+    rounding up to whole chunks took from the budget; the tenth covers that."""
 
     def measured(kv_cache: Any, *args: Any, **kwargs: Any) -> int:
         blocks = original(kv_cache, *args, **kwargs)
         client = getattr(kv_cache.buffer, "client", None)
         donor = settle_donor(client, list(kv_cache.buffer.segment_capacities)) if client is not None else None
+        adopted = 0
         if donor is not None:
-            blocks = min(kv_cache.capacity_blocks, blocks + donor_blocks(kv_cache, donor))
-        room = warm_up_room(kv_cache)
-        if blocks > room:
-            log.info("hbmd keeps %d KV blocks free of this engine's cache for its successor's warm-up", room)
-        return max(1, blocks - room)
+            adopted = donor_blocks(kv_cache, donor)
+            blocks = min(kv_cache.capacity_blocks, blocks + adopted)
+        sized = max(1, adopted, blocks - warm_up_room(kv_cache))
+        if blocks > sized:
+            log.info("hbmd keeps %d KV blocks free of this engine's cache for its successor's warm-up", blocks - sized)
+        return sized
 
     measured.__wrapped__ = original  # type: ignore[attr-defined]
     return measured

@@ -324,6 +324,9 @@ def test_a_successor_grafts_its_predecessors_blocks_in_place_of_its_warm_ups_and
     # What vLLM measured beside the orphan, and the orphan, which becomes this engine's, less room for the next
     # engine's warm-up: what this one's committed, and a tenth more.
     assert measured == 80 + 300 - (50 + 5)
+    # Short of room for the next warm-up beside the orphan (the budget's rounding to whole chunks): sized at the
+    # orphan, whose memory is held already, not below it, which would leave nothing adopted.
+    assert vllm_keep.counting_kept_blocks(lambda cache: 52)(kv) == 300
     runner = types.SimpleNamespace(extensible_kv_cache=kv, vllm_config=VllmConfig(device_config=DeviceConfig("cpu")))
     vllm_keep.grafting(lambda runner, config, blocks: runner.extensible_kv_cache.commit(blocks, shrink=True))(
         runner, config, measured)
