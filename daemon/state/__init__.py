@@ -49,6 +49,7 @@ from .records import (
     Tenant,
     check_int,
 )
+from .sealed import Sealed, check_unread
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
 
@@ -100,6 +101,7 @@ class State(Generic[A, C]):
         self.session_table = Sessions(limits, reclaim_patience_s, clock)
         self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self, wall_clock)
         self.orphan_table: Orphans[A, C] = Orphans(self.buffer_table, self.tenant_table)
+        self.sealed_table: Sealed[A, C] = Sealed(self.buffer_table)
         self.leases: Leases[A, C] = Leases(
             backend, self.chunks, self.tenant_table, lease_bytes, lease_idle_s, credit_bytes, clock
         )
@@ -365,11 +367,11 @@ class State(Generic[A, C]):
     def free(self, session: Session, buffer_id: int) -> int:
         """Drop the buffer (a sealed one only once nobody reads it). Returns the bytes freed."""
         buffer = self.buffer_table.of(session, buffer_id)
-        self.buffer_table.check_unread(buffer, self._pids())
+        check_unread(buffer, self._pids())
         return self.buffer_table.drop(buffer)
 
     def attach(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
-        return self.buffer_table.attach(session, name, uneven_ok)
+        return self.orphan_table.attach(session, name, uneven_ok)
 
     def graft(self, session: Session, buffer_id: int, name: str) -> Buffer[A, C]:
         """Give every chunk of the orphan ``name`` to the session's empty buffer ``buffer_id``; see
@@ -383,16 +385,16 @@ class State(Generic[A, C]):
         return self.orphan_table.expire()
 
     def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        return self.buffer_table.seal(session, buffer_id)
+        return self.sealed_table.seal(session, buffer_id)
 
     def attach_reader(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
-        return self.buffer_table.attach_reader(session, name, uneven_ok)
+        return self.sealed_table.attach_reader(session, name, uneven_ok)
 
     def detach_reader(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        return self.buffer_table.detach_reader(session, buffer_id)
+        return self.sealed_table.detach_reader(session, buffer_id)
 
     def detach(self, session: Session, buffer_id: int) -> int:
-        return self.buffer_table.detach(session, buffer_id)
+        return self.orphan_table.detach(session, buffer_id)
 
     def delete(self, session: Session, name: str, owner_uid: int = -1) -> tuple[int, int]:
         """Free an orphaned persistent buffer by name: the session's user's, or for an admin ``owner_uid``'s.
@@ -404,7 +406,7 @@ class State(Generic[A, C]):
         if uid != session.uid and not session.admin:
             raise PermissionDenied("only an admin may delete another user's persistent buffer")
         buffer = self.buffer_table.orphan(uid, name)
-        self.buffer_table.check_unread(buffer, self._pids())
+        check_unread(buffer, self._pids())
         return buffer.buffer_id, self.buffer_table.drop(buffer)
 
     def _pids(self) -> dict[int, int]:

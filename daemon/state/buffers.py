@@ -1,4 +1,5 @@
-"""Buffers: their layout, their chunks, persistent names, seals and readers.
+"""Buffers: their layout, their chunks and persistent names (orphans in ``orphans.py``, seals and readers in
+``sealed.py``).
 
 A commit or defragment asks :class:`~.tenants.Tenants` to admit its bytes
 first and makes all its chunks or none. When the budget refuses, or the
@@ -22,15 +23,13 @@ from hbmd.proto.errors import (
     NotFound,
     OutOfBudget,
     OutOfDeviceMemory,
-    PermissionDenied,
-    VersionMismatch,
 )
 from hbmd.proto.runs import merge_runs, new_runs
 from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
-from .orphans import check_keep, left_by, taken
+from .orphans import check_keep, give_to, left_by
 from .records import (
     MAX_CAPACITY,
     Buffer,
@@ -39,7 +38,9 @@ from .records import (
     Session,
     Tenant,
     check_int,
+    check_observer,
 )
+from .sealed import add_read_claim
 from .tenants import Tenants
 
 
@@ -77,11 +78,6 @@ def layout_segments(capacity: int, num_segments: int, capacities: list[int] | No
             f"capacity {capacity} is not divisible by num_segments {num_segments}", field="num_segments"
         )
     return [capacity // num_segments] * num_segments
-
-
-def check_observer(session: Session) -> None:
-    if session.observer:
-        raise PermissionDenied("an observer session holds no memory; connect without observer=True")
 
 
 class Buffers(Generic[A, C]):
@@ -270,7 +266,7 @@ class Buffers(Generic[A, C]):
         self._add(record)
         self.account(record, mapped=held, tier=tier)
         if readonly:
-            _add_read_claim(session, record)
+            add_read_claim(session, record)
         else:
             session.buffers[record.buffer_id] = record
         return record
@@ -308,9 +304,9 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer.buffer_id,
             )
         if readonly:
-            _add_read_claim(session, buffer)
+            add_read_claim(session, buffer)
         else:
-            _give_to(session, buffer)
+            give_to(session, buffer)
         self.mark_changed(buffer)
         return buffer
 
@@ -589,126 +585,6 @@ class Buffers(Generic[A, C]):
         self.account(buffer, pending=sum(c.size for c in buffer.pending), tier=tier)
         return buffer.pending
 
-    # persistent buffers: attach, seal, readers
-
-    def attach(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
-        """Give an orphaned persistent buffer of the session's user to the session.
-
-        Names are per user: another user's buffer of the same name is not found.
-        A client that cannot read uneven segments (``uneven_ok`` False) is
-        refused such a buffer rather than handed a layout it would misread.
-        """
-        check_observer(session)
-        buffer = self.orphan(session.uid, name)
-        _check_readable_layout(buffer, uneven_ok)
-        self.check_handed_out(buffer)
-        _give_to(session, buffer)
-        self.mark_changed(buffer)
-        return buffer
-
-    def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        """Make the session's persistent buffer immutable, so that any session of its user may read it at once.
-
-        Sealing a sealed buffer changes nothing. An anonymous buffer ends with
-        its session, so there is nothing for others to read: refused; so is a
-        buffer mid-defragment or mid-move, whose chunks are about to change,
-        and a demoted one, which would stay in the host tier for good.
-        """
-        buffer = self.of(session, buffer_id)
-        if buffer.sealed:
-            return buffer
-        if not buffer.persistent:
-            raise InvalidRequest(
-                f"buffer {buffer_id} is anonymous: only a persistent buffer can be sealed and read by others",
-                buffer_id=buffer_id,
-            )
-        if buffer.pending:
-            raise Conflict(f"buffer {buffer_id} is being defragmented or moved", buffer_id=buffer_id)
-        if buffer.demoted:
-            # A sealed buffer never moves (its readers map it too): sealed in the host tier, it would stay there.
-            raise Conflict(f"buffer {buffer_id} is demoted to the host tier: promote it before sealing it",
-                           buffer_id=buffer_id)
-        buffer.sealed = True
-        self.mark_changed(buffer)
-        return buffer
-
-    def attach_reader(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
-        """Add a read claim of the session on its user's sealed buffer ``name``, beside its owner and other readers.
-
-        An unsealed buffer can change under a reader: refused. The claim is
-        dropped by :meth:`detach_reader` or when the session ends; readers
-        are never charged for the buffer's memory.
-        """
-        check_observer(session)
-        buffer = self.named(session.uid, name)
-        if not buffer.sealed:
-            raise InvalidRequest(
-                f"persistent buffer {name!r} is not sealed: only a sealed buffer can be attached read-only",
-                buffer_id=buffer.buffer_id,
-            )
-        _check_readable_layout(buffer, uneven_ok)
-        self.check_handed_out(buffer)
-        _add_read_claim(session, buffer)
-        self.mark_changed(buffer)
-        return buffer
-
-    def detach_reader(self, session: Session, buffer_id: int) -> Buffer[A, C]:
-        """Drop one read claim of the session on sealed buffer ``buffer_id``."""
-        buffer = session.reading.get(buffer_id)
-        if buffer is None:
-            raise NotFound(f"this session does not read buffer {buffer_id}", buffer_id=buffer_id)
-        claims = buffer.readers[session.session_id] - 1
-        if claims:
-            buffer.readers[session.session_id] = claims
-        else:
-            del buffer.readers[session.session_id]
-            del session.reading[buffer_id]
-        self.mark_changed(buffer)
-        self.forget_unheld(buffer)
-        return buffer
-
-    def detach(self, session: Session, buffer_id: int) -> int:
-        """Let go of the session's persistent buffer: it stays, an orphan with its chunks, until attached by name.
-
-        Returns the bytes of an unfinished defragment's new chunks, dropped.
-        An anonymous buffer has no name to come back by: refused. So is one
-        declared again whose memory only this process holds: unmapped here it
-        would be gone, with nothing left to attach.
-        """
-        buffer = self.of(session, buffer_id)
-        if not buffer.persistent:
-            raise InvalidRequest(
-                f"buffer {buffer_id} is anonymous: only a persistent buffer can be detached and attached again",
-                buffer_id=buffer_id,
-            )
-        if buffer.held_elsewhere and not buffer.readers:
-            raise Conflict(
-                f"buffer {buffer_id} ({buffer.name!r}) was declared again after hbmd restarted with nothing to keep "
-                "its memory: only this process holds it, so a detach would lose it; keep it mapped, or copy it into a "
-                "new persistent buffer and detach that",
-                buffer_id=buffer_id,
-            )
-        return self.disown(buffer)
-
-    def check_unread(self, buffer: Buffer[A, C], pids: dict[int, int]) -> None:
-        """Refuse to drop a sealed buffer that sessions still read (``pids``: each session id's pid, to name them).
-
-        Their mappings would keep the pages alive outside the budget (and
-        the daemon's accounting), so the buffer goes only once its readers have
-        let go: they detach or end.
-        """
-        if not buffer.readers:
-            return
-        readers = sorted(buffer.readers)
-        named = ", ".join(f"{s} (pid {pids[s]})" if s in pids else str(s) for s in readers)
-        raise Conflict(
-            f"sealed buffer {buffer.name!r} is read by session{'s' if len(readers) > 1 else ''} {named}; "
-            "it can be deleted once they detach or end",
-            buffer_id=buffer.buffer_id,
-            session_id=readers[0],
-            readers=",".join(map(str, readers)),
-        )
-
 
 def _check_tier(tier: str) -> None:
     if tier not in TIERS:
@@ -718,23 +594,3 @@ def _check_tier(tier: str) -> None:
 def _check_name(name: str) -> None:
     if len(name) > MAX_NAME or not name.isprintable():
         raise InvalidRequest(f"buffer name must be at most {MAX_NAME} printable characters", field="name")
-
-
-def _give_to(session: Session, buffer: Buffer[Any, Any]) -> None:
-    """Make the session the owner of an orphan."""
-    taken(buffer)
-    buffer.owner = session
-    session.buffers[buffer.buffer_id] = buffer
-
-
-def _add_read_claim(session: Session, buffer: Buffer[Any, Any]) -> None:
-    buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
-    session.reading[buffer.buffer_id] = buffer
-
-
-def _check_readable_layout(buffer: Buffer[Any, Any], uneven_ok: bool) -> None:
-    if not (uneven_ok or buffer.uniform):
-        raise VersionMismatch(
-            f"persistent buffer {buffer.name!r} has uneven segments: attaching it needs an hbmd client of protocol "
-            "1.1 or later"
-        )

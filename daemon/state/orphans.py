@@ -1,5 +1,7 @@
-"""Orphans: persistent buffers no session holds, and what becomes of them besides an attach or a delete.
+"""Orphans: persistent buffers no session holds, how they come to be and what becomes of them besides a delete.
 
+A session's *detach* (or its end) makes its persistent buffer an orphan,
+and an *attach* by name gives the orphan to a session of the same user.
 A *graft* gives an orphan's chunks, with their data, to a session's own
 empty buffer of the same layout, at the same offsets: how a restarted engine
 adopts what its predecessor left, at the address its own buffer already has.
@@ -19,11 +21,12 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, Generic
 
-from hbmd.proto.errors import InvalidRequest
+from hbmd.proto.errors import Conflict, InvalidRequest
 from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
-from .records import Buffer, Session
+from .records import Buffer, Session, check_observer
+from .sealed import check_readable_layout
 from .tenants import Tenants
 
 if TYPE_CHECKING:
@@ -58,16 +61,62 @@ def taken(buffer: Buffer[Any, Any]) -> None:
     buffer.orphaned_at = buffer.expires_at = 0.0
 
 
+def give_to(session: Session, buffer: Buffer[Any, Any]) -> None:
+    """Make the session the owner of an orphan."""
+    taken(buffer)
+    buffer.owner = session
+    session.buffers[buffer.buffer_id] = buffer
+
+
 def _when(unix_time: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))
 
 
 class Orphans(Generic[A, C]):
-    """Grafts and grace periods, over the instance's :class:`~.buffers.Buffers` and the budget."""
+    """Attaches, detaches, grafts and grace periods, over the instance's :class:`~.buffers.Buffers` and the
+    budget."""
 
     def __init__(self, buffers: Buffers[A, C], tenants: Tenants) -> None:
         self.buffers = buffers
         self.tenants = tenants
+
+    def attach(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
+        """Give an orphaned persistent buffer of the session's user to the session.
+
+        Names are per user: another user's buffer of the same name is not found.
+        A client that cannot read uneven segments (``uneven_ok`` False) is
+        refused such a buffer rather than handed a layout it would misread.
+        """
+        check_observer(session)
+        buffer = self.buffers.orphan(session.uid, name)
+        check_readable_layout(buffer, uneven_ok)
+        self.buffers.check_handed_out(buffer)
+        give_to(session, buffer)
+        self.buffers.mark_changed(buffer)
+        return buffer
+
+    def detach(self, session: Session, buffer_id: int) -> int:
+        """Let go of the session's persistent buffer: it stays, an orphan with its chunks, until attached by name.
+
+        Returns the bytes of an unfinished defragment's new chunks, dropped.
+        An anonymous buffer has no name to come back by: refused. So is one
+        declared again whose memory only this process holds: unmapped here it
+        would be gone, with nothing left to attach.
+        """
+        buffer = self.buffers.of(session, buffer_id)
+        if not buffer.persistent:
+            raise InvalidRequest(
+                f"buffer {buffer_id} is anonymous: only a persistent buffer can be detached and attached again",
+                buffer_id=buffer_id,
+            )
+        if buffer.held_elsewhere and not buffer.readers:
+            raise Conflict(
+                f"buffer {buffer_id} ({buffer.name!r}) was declared again after hbmd restarted with nothing to keep "
+                "its memory: only this process holds it, so a detach would lose it; keep it mapped, or copy it into a "
+                "new persistent buffer and detach that",
+                buffer_id=buffer_id,
+            )
+        return self.buffers.disown(buffer)
 
     def graft(self, session: Session, buffer_id: int, name: str) -> Buffer[A, C]:
         """Give every chunk of orphan ``name`` of the session's user to its buffer ``buffer_id``; returns that buffer.

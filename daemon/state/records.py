@@ -12,7 +12,7 @@ import time
 from typing import Any, Generic
 
 from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo
-from hbmd.proto.errors import InvalidRequest
+from hbmd.proto.errors import InvalidRequest, PermissionDenied
 from hbmd.proto.runs import backed_runs, prefix_offsets
 
 from ..backends import A, C
@@ -195,6 +195,12 @@ class Session:
     def committed_bytes(self) -> int:
         """Device bytes its buffers map (a demoted buffer's are host memory, charged apart)."""
         return sum(b.physical_bytes for b in self.buffers.values() if not b.demoted)
+
+
+def check_observer(session: Session) -> None:
+    """Refuse an observer session anything that holds memory."""
+    if session.observer:
+        raise PermissionDenied("an observer session holds no memory; connect without observer=True")
 
 
 @dataclasses.dataclass
