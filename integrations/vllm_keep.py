@@ -217,7 +217,8 @@ def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
 
     Never fewer than the predecessor's blocks: their memory is held already, and a graft takes all of them or
     none. The room left beside them may then fall short of the warm-up's and its tenth, by what the orphan's
-    rounding up to whole chunks took from the budget; the tenth covers that."""
+    rounding up to whole chunks took from the budget, but never of what this engine's warm-up committed: that
+    warm-up fit in it, and the next engine's, of the same model and settings, commits as much."""
 
     def measured(kv_cache: Any, *args: Any, **kwargs: Any) -> int:
         blocks = original(kv_cache, *args, **kwargs)
