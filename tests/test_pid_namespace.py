@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 
 import pytest
 import zmq
 from hbmd import proto
 from hbmd.client.transport import HandleChannel
+from hbmd.daemon.server.connection import SO_PEERPIDFD
 from hbmd.proto import PROTOCOL_VERSION, ChunkInfo, Hello, Redeclare
 from hbmd.proto.errors import PermissionDenied, SessionLost
 from hbmd.proto.instance import InstancePaths
 from helpers import MiB, wait_until
+from test_nothing_lost import attach_within, spawn_holder
 
 pytestmark = pytest.mark.ipc
 
@@ -147,3 +150,34 @@ def test_after_a_cold_restart_only_the_process_that_held_a_session_declares_what
                    == [("kv", True, 4 * MiB)])
     victim.send("go")
     assert victim.readline() == "1 [7]"  # started over once, its bytes where it wrote them
+
+
+def kernel_names_peers() -> bool:
+    """Whether this kernel hands over a pidfd of the process that connected (``SO_PEERPIDFD``, Linux 6.5)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX)
+    with ours, theirs:
+        try:
+            os.close(ours.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.skipif(not kernel_names_peers(), reason="the kernel has no SO_PEERPIDFD (Linux 6.5 and later)")
+def test_a_session_ends_with_its_worker_though_its_pid_reads_0_and_a_child_holds_its_socket(
+        start_daemon, spawn_worker):
+    """The kernel names the process that connected, in whatever pid namespace: its exit ends its session and
+    orphans its buffer at once, not when the helper holding its socket (``inherit``: a forked child's would be closed
+    by the client's fork hook) ends, 30 s on."""
+    daemon = in_namespace(start_daemon)
+    with daemon.connect(lease=False) as client:
+        worker, pid, child, session_id, buffer_id = spawn_holder(spawn_worker, daemon, "inherit")
+        try:
+            os.kill(pid, signal.SIGKILL)
+            assert attach_within(client, 2.0) < 2.0
+            assert all(s.session_id != session_id for s in client.sessions())
+        finally:
+            os.kill(child, signal.SIGKILL)
+        worker.wait()
+        assert [b.buffer_id for b in client.buffers(client.session_id)] == [buffer_id]
+    assert daemon.alive()

@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # the outbox module describes what a connection queues, and s
 log = logging.getLogger("hbmd.server.handles")
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+"""Linux 6.5 and later: a pidfd of the process that connected, as the kernel recorded it at the connect."""
 
 
 @dataclasses.dataclass
@@ -126,8 +128,20 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int, set[int]]:
     return pid, uid, gid, groups
 
 
-def open_pidfd(pid: int) -> int:
-    """A pidfd for ``pid``, or -1 where pidfds are unavailable; ``ProcessLookupError`` when it has already exited."""
+def peer_pidfd(sock: socket.socket, pid: int) -> int:
+    """A pidfd of the process that connected ``sock`` (``pid`` by ``SO_PEERCRED``), or -1 where the kernel gives none;
+    ``ProcessLookupError`` when it has already exited.
+
+    The kernel's own (``SO_PEERPIDFD``) names the process that connected, whatever pid namespace it is in and
+    however soon its pid is used again; where the kernel has no such option, ``pidfd_open`` on the pid, a moment
+    after the connect, and not for a peer whose pid reads 0.
+    """
+    try:
+        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            raise ProcessLookupError(errno.ESRCH, "the peer has exited") from exc
+        log.debug("no SO_PEERPIDFD (%s): a pidfd from the peer's pid", exc)
     if pid <= 0 or not hasattr(os, "pidfd_open"):
         return -1
     try:

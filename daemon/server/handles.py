@@ -13,16 +13,18 @@ A session ends with its process, not with the last copy of its socket. A
 worker that forked a helper (which never speaks to hbmd) shares the socket
 with it, so the socket's EOF would wait for the helper too, and the
 worker's persistent buffers could not be attached by its replacement. So at
-accept the daemon opens a pidfd (``pidfd_open``) for the ``SO_PEERCRED``
-pid, the process that connected, and polls it with the sockets: when it
-turns readable that process has exited and the session ends, even while the
-socket is still open elsewhere, once the datagrams it sent before are read
-(over later turns where they are more than a turn's share, for
-:data:`EXITED_READ_S` at most): each is a commit that returned. The pidfd
-is taken at accept, moments after the connect, so the window in which the
-pid could pass to another process is that short. Where there is no pidfd (kernels before 5.3, or a
-peer in a pid namespace the daemon cannot see, whose pid reads 0) the
-socket's EOF alone ends the session. A request that meets a session whose
+accept the daemon takes a pidfd of the process that connected and polls it
+with the sockets: when it turns readable that process has exited and the
+session ends, even while the socket is still open elsewhere, once the
+datagrams it sent before are read (over later turns where they are more
+than a turn's share, for :data:`EXITED_READ_S` at most): each is a commit
+that returned. The kernel records that process at the connect and hands
+its pidfd over (``SO_PEERPIDFD``, Linux 6.5), in any pid namespace; older
+kernels get one from the ``SO_PEERCRED`` pid (``pidfd_open``), moments
+after the connect, so the window in which the pid could pass to another
+process is that short. Where there is no pidfd (kernels before 5.3, or
+before 6.5 a peer in a pid namespace the daemon cannot see, whose pid reads
+0) the socket's EOF alone ends the session. A request that meets a session whose
 process has died but whose exit the loop has not handled yet (an attach
 right after a SIGKILL) ends that session first, so it is not refused for a
 holder that is gone.
@@ -72,7 +74,7 @@ from ..fds import limit as fd_limit
 from ..fds import open_count as open_fds
 from ..fds import usable as usable_fds
 from ..state import Session, State
-from .connection import Descriptors, HandleConnection, accepted, accepting, open_pidfd, readable_now
+from .connection import Descriptors, HandleConnection, accepted, accepting, peer_pidfd, readable_now
 from .outbox import Outbox
 from .ratelimit import RateLimitedLog
 
@@ -297,7 +299,7 @@ class HandlePlane(Generic[A, C]):
             ))
             self.close_connection(oldest, "too many connections without a hello")
         try:
-            pidfd = open_pidfd(pid)
+            pidfd = peer_pidfd(sock, pid)
         except ProcessLookupError:
             sock.close()  # the peer is gone already
             return
