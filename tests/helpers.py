@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 
+from hbmd.proto.errors import Conflict
 from hbmd.testing.spawn import wait_until  # the tests' one polling helper
 
 MiB = 1 << 20
@@ -164,3 +166,50 @@ def daemon_view(client, tensor):
     """The daemon's record of ``tensor``'s buffer (:class:`~hbmd.proto.BufferInfo`)."""
     (info,) = [b for b in client.buffers() if b.buffer_id == tensor.buffer_id]
     return info
+
+
+HOLDER = """
+import os, subprocess, sys, time
+from hbmd.client import NotFound, connect
+
+c = connect("cpu", client_name="holder")
+try:
+    with c.attach("kv") as attached:
+        info = attached.reply.buffer
+except NotFound:
+    info = c.create_buffer(16 << 20, name="kv", persistent=True)
+    c.commit(info.buffer_id, 4 << 20).close()
+helper = sys.stdin.readline().strip()
+if helper == "fork":
+    child = os.fork()
+    if child == 0:
+        time.sleep(30)  # a helper that never speaks to hbmd
+        os._exit(0)
+elif helper == "inherit":
+    # A helper holding the handle socket itself, as a forked child would without the client's fork hook.
+    child = subprocess.Popen(["sleep", "30"], pass_fds=[c._core.handles.sock.fileno()]).pid
+else:
+    child = 0
+print(os.getpid(), child, c.session_id, info.buffer_id, flush=True)
+sys.stdin.readline()
+"""
+
+
+def spawn_holder(spawn_worker, daemon, helper: str = "none"):
+    worker = spawn_worker(daemon, HOLDER)
+    worker.send(helper)
+    pid, child, session_id, buffer_id = map(int, worker.readline().split())
+    return worker, pid, child, session_id, buffer_id
+
+
+def attach_within(client, seconds: float) -> float:
+    """Attach ``kv`` (without mapping it) as soon as the daemon lets go of it; the seconds that took."""
+    started = time.monotonic()
+    while True:
+        try:
+            client.attach("kv").close()
+            return time.monotonic() - started
+        except Conflict:
+            if time.monotonic() - started > seconds:
+                raise
+            time.sleep(0.01)

@@ -19,7 +19,6 @@ import time
 import pytest
 from hbmd import proto
 from hbmd.client import (
-    Conflict,
     DaemonUnavailable,
     ExtensibleTensor,
     InvalidRequest,
@@ -29,7 +28,7 @@ from hbmd.client import (
 )
 from hbmd.client.transport import ControlChannel
 from hbmd.proto.instance import InstancePaths
-from helpers import MiB, filled, hbmctl, parked_names, wait_until
+from helpers import MiB, attach_within, filled, hbmctl, parked_names, spawn_holder, wait_until
 
 torch = pytest.importorskip("torch")
 
@@ -96,53 +95,6 @@ def test_detach_refuses_an_anonymous_buffer_and_another_sessions_buffer(daemon, 
             named.buffer_id: other.session_id,
         }
     assert daemon.alive()
-
-
-HOLDER = """
-import os, subprocess, sys, time
-from hbmd.client import NotFound, connect
-
-c = connect("cpu", client_name="holder")
-try:
-    with c.attach("kv") as attached:
-        info = attached.reply.buffer
-except NotFound:
-    info = c.create_buffer(16 << 20, name="kv", persistent=True)
-    c.commit(info.buffer_id, 4 << 20).close()
-helper = sys.stdin.readline().strip()
-if helper == "fork":
-    child = os.fork()
-    if child == 0:
-        time.sleep(30)  # a helper that never speaks to hbmd
-        os._exit(0)
-elif helper == "inherit":
-    # A helper holding the handle socket itself, as a forked child would without the client's fork hook.
-    child = subprocess.Popen(["sleep", "30"], pass_fds=[c._core.handles.sock.fileno()]).pid
-else:
-    child = 0
-print(os.getpid(), child, c.session_id, info.buffer_id, flush=True)
-sys.stdin.readline()
-"""
-
-
-def spawn_holder(spawn_worker, daemon, helper: str = "none"):
-    worker = spawn_worker(daemon, HOLDER)
-    worker.send(helper)
-    pid, child, session_id, buffer_id = map(int, worker.readline().split())
-    return worker, pid, child, session_id, buffer_id
-
-
-def attach_within(client, seconds: float) -> float:
-    """Attach ``kv`` (without mapping it) as soon as the daemon lets go of it; the seconds that took."""
-    started = time.monotonic()
-    while True:
-        try:
-            client.attach("kv").close()
-            return time.monotonic() - started
-        except Conflict:
-            if time.monotonic() - started > seconds:
-                raise
-            time.sleep(0.01)
 
 
 def process_alive(pid: int) -> bool:

@@ -17,8 +17,7 @@ from hbmd.daemon.server.connection import SO_PEERPIDFD
 from hbmd.proto import PROTOCOL_VERSION, ChunkInfo, Hello, Redeclare
 from hbmd.proto.errors import PermissionDenied, SessionLost
 from hbmd.proto.instance import InstancePaths
-from helpers import MiB, wait_until
-from test_nothing_lost import attach_within, spawn_holder
+from helpers import MiB, attach_within, spawn_holder, wait_until
 
 pytestmark = pytest.mark.ipc
 
