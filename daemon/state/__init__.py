@@ -38,6 +38,7 @@ from .chunks import Chunks
 from .invariants import check_invariants
 from .leases import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
 from .orphans import Orphans
+from .pressure import DEMOTE_IDLE_S, Pressure
 from .records import (
     Answer,
     Buffer,
@@ -56,18 +57,9 @@ from .tenants import Tenants
 if TYPE_CHECKING:  # a journaled buffer is read by the restart package, which builds on the state
     from ..restart.journaled import JournaledBuffer
 
-DEMOTE_IDLE_S = 2.0
-"""By default (``--demote-idle``), a session that grew a buffer within this many seconds is busy: it is not asked to
-demote its buffers."""
-PROMOTE_ASK_EVERY_S = 1.0
-"""How often a client that demoted buffers when asked is told again that the device has room for them."""
-PROMOTE_QUIET_S = 2.0
-"""No buffer is promoted back within this many seconds of a commit the budget refused: the room a demote made is the
-refused commit's first, which its client is sending again."""
-
 __all__ = [
-    "DEFAULT_CREDIT_BYTES", "DEFAULT_LEASE_BYTES", "Answer", "Buffer", "Chunk", "ConfigLoad", "Limits", "Reclaim",
-    "Session", "State", "Tenant",
+    "DEFAULT_CREDIT_BYTES", "DEFAULT_LEASE_BYTES", "DEMOTE_IDLE_S", "Answer", "Buffer", "Chunk", "ConfigLoad",
+    "Limits", "Reclaim", "Session", "State", "Tenant",
 ]
 
 
@@ -99,17 +91,17 @@ class State(Generic[A, C]):
         self.tenant_table = Tenants(budget_bytes, config or Config(), host_budget_bytes)
         self.chunks: Chunks[A, C] = Chunks(backend)
         self.session_table = Sessions(limits, reclaim_patience_s, clock)
-        self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self, wall_clock)
-        self.orphan_table: Orphans[A, C] = Orphans(self.buffer_table, self.tenant_table)
-        self.sealed_table: Sealed[A, C] = Sealed(self.buffer_table)
         self.leases: Leases[A, C] = Leases(
             backend, self.chunks, self.tenant_table, lease_bytes, lease_idle_s, credit_bytes, clock
         )
-        self.demote_idle_s = demote_idle_s
+        self.pressure: Pressure[A, C] = Pressure(self.session_table, self.tenant_table, self.leases, demote_idle_s,
+                                                 clock)
+        self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self.pressure,
+                                                   wall_clock)
+        self.orphan_table: Orphans[A, C] = Orphans(self.buffer_table, self.tenant_table)
+        self.sealed_table: Sealed[A, C] = Sealed(self.buffer_table)
         self.clock = clock
         self.started_at = clock()
-        self.refused_at = float("-inf")
-        """When the budget last refused a commit (monotonic)."""
         self.config_load = ConfigLoad()
         """The ``--config`` file and its reloads (the daemon's command line and SIGHUP set it)."""
 
@@ -500,103 +492,18 @@ class State(Generic[A, C]):
         self.leases.ask_back(session)
 
     def ask_back_all_leases(self, but: Session | None = None) -> None:
-        """Ask every session but ``but`` for its unplaced granules, and lease them none until they commit again."""
-        for session in self.sessions.values():
-            if session is not but:
-                self.leases.ask_back(session)
+        self.pressure.ask_back_all_leases(but)
 
     def ask_back_idle_leases(self, now: float) -> None:
         self.leases.ask_back_idle(list(self.sessions.values()), now)
 
-    # pressure: what a commit that met a limit asks of other sessions
-
-    def refused(self, requester: Session | None) -> None:
-        """Budget pressure: ask every other session for its unplaced granules, and lease them none until they commit
-        again.
-
-        The requester gives its own lease back and asks again (the client
-        does so at once): it is leased nothing more meanwhile, or a top-up
-        would take the room its retry needs.
-        """
-        self.ask_back_all_leases(but=requester)
-        if requester is not None:
-            self.leases.hold_off(requester)
-
-    def withheld_bytes(self) -> int:
-        return self.leases.withheld_bytes(list(self.sessions.values()), self.clock())
-
-    def demote_for(self, tenant: Tenant, needed: int) -> int:
-        """Ask idle sessions of demotable tenants (the config's ``demote``, in its order; never ``tenant``'s own, never
-        a guaranteed one) to demote ``needed`` bytes of their buffers to the host tier; returns the bytes asked for, and
-        still being demoted from earlier asks, up to ``needed``.
-
-        As reclaim, through each session's client and with its patience as
-        deadline: nothing is taken by force. Not beyond the host tier's room,
-        and not of a session that grew a buffer in the last ``demote_idle_s``
-        (:data:`DEMOTE_IDLE_S`).
-        """
-        now = self.refused_at = self.clock()
-        needed = min(needed, self.tenant_table.host_room())
-        asked = 0
-        for other in self.tenant_table.demotable():
-            if other is tenant:
-                continue
-            for session in sorted(self.sessions.values(), key=lambda s: s.session_id):
-                held = session.committed_bytes
-                busy = now - session.grown_at < self.demote_idle_s
-                if asked >= needed or session.tenant is not other or held == 0 or busy:
-                    continue
-                reclaim = session.reclaim
-                if (reclaim is not None and reclaim.demote
-                        and reclaim.outcome(now, self.reclaim_patience_s) == "pending"):
-                    asked += reclaim.requested_bytes  # asked already: on its way
-                    continue
-                ask = min(held, needed - asked)
-                self.request_reclaim(session, ask, f"tenant {tenant.name!r} needs device memory", demote=True)
-                asked += ask
-        return min(asked, needed)
-
-    def short(self, tenant: Tenant, needed: int) -> None:
-        """Ask sessions of tenants above their guarantee for memory a guaranteed tenant could not get, leases first."""
-        self.refused(None)
-        for other, excess in self.tenant_table.over_guarantee():
-            if other is tenant:
-                continue
-            for session in self.sessions.values():
-                held = session.committed_bytes
-                if session.tenant is not other or held == 0 or needed <= 0:
-                    continue
-                ask = min(excess, held, needed)
-                self.request_reclaim(session, ask, f"tenant {tenant.name!r} needs its guaranteed minimum")
-                needed -= ask
-                excess -= ask
+    # pressure and reclaim
 
     def promotes_due(self, now: float) -> list[tuple[Session, int]]:
-        """Sessions whose clients demoted buffers when asked and whose tenant has device room for them again, with
-        their demoted bytes; each is named again after :data:`PROMOTE_ASK_EVERY_S` while they stay demoted, none
-        within :data:`PROMOTE_QUIET_S` of a refused commit."""
-        due: list[tuple[Session, int]] = []
-        if now - self.refused_at < PROMOTE_QUIET_S:
-            return due
-        for session in self.sessions.values():
-            if not session.demoted_under_pressure:
-                continue
-            demoted = sum(b.physical_bytes for b in session.buffers.values() if b.demoted)
-            if not demoted:
-                session.demoted_under_pressure = False
-            elif now - session.promote_asked_at >= PROMOTE_ASK_EVERY_S and self.admissible_for(session) >= demoted:
-                session.promote_asked_at = now
-                due.append((session, demoted))
-        return due
-
-    # reclaim
+        return self.pressure.promotes_due(now)
 
     def request_reclaim(self, session: Session, requested_bytes: int, reason: str, demote: bool = False) -> Reclaim:
-        """Record a request that ``session`` give ``requested_bytes`` back (its lease first; ``demote``: demote them to
-        the host tier); the server delivers it."""
-        reclaim = self.session_table.request_reclaim(session, requested_bytes, reason, self.clock(), demote)
-        self.leases.ask_back(session)
-        return reclaim
+        return self.pressure.request_reclaim(session, requested_bytes, reason, demote)
 
     def reclaim_answered(self, session: Session, reclaim_id: int, released_bytes: int) -> None:
         self.session_table.reclaim_answered(session, reclaim_id, released_bytes)
@@ -604,9 +511,7 @@ class State(Generic[A, C]):
     # the budget
 
     def admissible_for(self, session: Session) -> int:
-        """Budget left for ``session``: what a commit of it would be admitted for now; its own lease counts as room
-        (it is given up for it)."""
-        return self.tenant_table.admissible(session.tenant) + session.leased_bytes
+        return self.pressure.admissible_for(session)
 
     def reconfigure(self, config: Config) -> None:
         """Make ``config`` the daemon's (``ConfigError`` and nothing changed where it cannot be honoured); leases

@@ -4,7 +4,7 @@
 A commit or defragment asks :class:`~.tenants.Tenants` to admit its bytes
 first and makes all its chunks or none. When the budget refuses, or the
 device is short of memory a guaranteed tenant was promised, the buffers
-tell the :class:`Pressure` (the state), which asks other sessions for
+tell the :class:`~.pressure.Pressure`, which asks other sessions for
 memory back.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any, Generic, Protocol
+from typing import Any, Generic
 
 from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, TIERS
 from hbmd.proto.buffers import MAX_NAME
@@ -30,35 +30,18 @@ from hbmd.proto.units import exact_bytes, format_bytes, round_up
 from ..backends import A, Backend, C
 from .chunks import Chunks
 from .orphans import check_keep, give_to, left_by
+from .pressure import Pressure
 from .records import (
     MAX_CAPACITY,
     Buffer,
     Chunk,
     Limits,
     Session,
-    Tenant,
     check_int,
     check_observer,
 )
 from .sealed import add_read_claim
 from .tenants import Tenants
-
-
-class Pressure(Protocol):
-    """Who asks sessions for memory back when a commit meets a limit."""
-
-    def refused(self, requester: Session | None) -> None:
-        """The budget refused ``requester``'s commit: ask the other sessions for their leases."""
-
-    def short(self, tenant: Tenant, needed: int) -> None:
-        """The device is short of ``needed`` bytes that ``tenant`` was guaranteed: ask those above theirs."""
-
-    def withheld_bytes(self) -> int:
-        """Leased bytes asked back long ago and still not given back: a retry will not find them."""
-
-    def demote_for(self, tenant: Tenant, needed: int) -> int:
-        """The budget refused ``tenant`` ``needed`` bytes: ask idle sessions of demotable tenants to demote buffers;
-        returns the bytes being demoted for it."""
 
 
 def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
@@ -84,7 +67,7 @@ class Buffers(Generic[A, C]):
     """Every buffer of the instance, by id and (persistent ones) by owner uid and name."""
 
     def __init__(self, backend: Backend[A, C], chunks: Chunks[A, C], tenants: Tenants, limits: Limits,
-                 pressure: Pressure, clock: Callable[[], float] = time.time) -> None:
+                 pressure: Pressure[A, C], clock: Callable[[], float] = time.time) -> None:
         """``clock``: the Unix time orphans are stamped with and freed by (a test's own clock advances without
         waiting)."""
         self.backend = backend
