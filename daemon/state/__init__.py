@@ -491,9 +491,6 @@ class State(Generic[A, C]):
     def ask_back_lease(self, session: Session) -> None:
         self.leases.ask_back(session)
 
-    def ask_back_all_leases(self, but: Session | None = None) -> None:
-        self.pressure.ask_back_all_leases(but)
-
     def ask_back_idle_leases(self, now: float) -> None:
         self.leases.ask_back_idle(list(self.sessions.values()), now)
 
@@ -517,7 +514,7 @@ class State(Generic[A, C]):
         """Make ``config`` the daemon's (``ConfigError`` and nothing changed where it cannot be honoured); leases
         granted under the old limits are asked back."""
         self.tenant_table.reconfigure(config)
-        self.ask_back_all_leases()
+        self.pressure.ask_back_all_leases()
 
     # inspection
 
