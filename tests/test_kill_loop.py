@@ -2,7 +2,9 @@
 is lost, and no chunk, FD or session is left behind.
 
 Each round a worker attaches the persistent buffer ``kv`` (two segments),
-grows it by one granule a segment (mostly onto leased granules, placed without
+commits a granule of a scratch buffer of its own through the daemon (a lease
+follows such a commit) and says it is ready, then
+grows ``kv`` by one granule a segment (mostly onto leased granules, placed without
 a round trip) or two (mostly in chunks it makes itself on credit), writes
 a known pattern into what it committed and reports the size, defragments it
 keeping the data, and grows and discards-defragments a scratch buffer of its
@@ -52,23 +54,30 @@ WORKER = textwrap.dedent(
         kv = ExtensibleTensor.attach("kv", "cpu", client=client)
     except NotFound:
         kv = ExtensibleTensor(2 * SEGMENT, "cpu", num_segments=2, client=client, name="kv", persistent=True)
-    print("ready", flush=True)
+    def wait_for_lease():
+        deadline = time.monotonic() + 2.0  # however slow the machine
+        while client.leased_granules < 2 and time.monotonic() < deadline:
+            time.sleep(0.002)
+
     rng = random.Random(int(sys.argv[1]))
     scratch = ExtensibleTensor(16 << 20, "cpu", client=client)
+    scratch.resize_(2 << 20)  # a commit of one granule through the daemon: a lease follows it
+    wait_for_lease()
+    print("ready", flush=True)
     while True:
         choice = rng.random()
         if choice < 0.5 and kv.segment_sizes[0] < SEGMENT:
             old = kv.segment_sizes[0]
-            deadline = time.monotonic() + 0.05
-            while client.leased_granules < 2 and time.monotonic() < deadline and rng.random() < 0.9:
-                time.sleep(0.002)  # mostly let the lease catch up: most commits then place leased granules
+            if rng.random() < 0.8:
+                wait_for_lease()  # most commits then place leased granules
+            in_hand = client.leased_granules >= 2
             step = rng.choice((2 << 20, 4 << 20)) if old + (4 << 20) <= SEGMENT else 2 << 20
             sent = client.requests_sent
             kv.resize_per_segment_(old + step)
             for segment in (0, 1):
                 write(kv, segment, old, old + step)
             # Written and reported after the commit returned: the daemon must have it whatever comes next.
-            print("committed", kv.segment_sizes[0], int(client.requests_sent == sent), step, flush=True)
+            print("committed", kv.segment_sizes[0], int(client.requests_sent == sent), step, int(in_hand), flush=True)
         elif choice < 0.75:
             kv.defragment(preserve=True)
         elif scratch.num_bytes < (16 << 20):
@@ -118,7 +127,7 @@ def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, c
     confirmed = [0, 0]
     client.status()  # the daemon opens /proc/meminfo once, at the first status
     fds_before = daemon.open_fds()
-    pages_checked = pages_cut = commits = granule_steps = leased = on_credit = 0
+    pages_checked = pages_cut = commits = granule_steps = in_hand = missed = leased = on_credit = 0
     started = time.monotonic()
     for round_number in range(ROUNDS):
         worker = subprocess.Popen(
@@ -151,6 +160,8 @@ def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, c
             confirmed = [max(c, reported) for c in confirmed]
             commits += len(reports)
             granule_steps += sum(int(r[3]) == GRANULE for r in reports)
+            in_hand += sum(int(r[4]) for r in reports if int(r[3]) == GRANULE)
+            missed += sum(int(r[4]) and not int(r[2]) for r in reports if int(r[3]) == GRANULE)
             leased += sum(int(r[2]) for r in reports if int(r[3]) == GRANULE)
             on_credit += sum(int(r[2]) for r in reports if int(r[3]) != GRANULE)
         intact, cut = check(kv, confirmed)
@@ -171,10 +182,11 @@ def test_workers_killed_at_random_points_lose_no_byte_and_leak_nothing(daemon, c
     client.delete("kv")
     wait_until(lambda: daemon.open_fds() == fds_before, timeout=10)
     assert client.status().committed_bytes == 0
-    assert leased >= granule_steps // 3, f"only {leased} of {granule_steps} one-granule commits came from the lease"
+    assert in_hand > 0, f"none of {granule_steps} one-granule commits found two leased granules ready"
+    assert not missed, f"{missed} of {in_hand} one-granule commits went to the daemon with the lease in hand"
     print(
-        f"\nkill loop: rounds={ROUNDS}, commits reported={commits} ({leased} from the lease, {on_credit} on credit), "
-        f"pages checked="
+        f"\nkill loop: rounds={ROUNDS}, commits reported={commits} ({leased} from the lease, {in_hand} of "
+        f"{granule_steps} one-granule commits with it in hand, {on_credit} on credit), pages checked="
         f"{pages_checked}, pages cut short by the kill={pages_cut}, bytes lost=0, leaked sessions=0, leaked FDs=0, "
         f"{time.monotonic() - started:.1f}s"
     )
