@@ -7,6 +7,7 @@ import os
 import socket
 
 import pytest
+from hbmd.daemon import notify
 from hbmd.daemon.notify import (
     MAX_FDS_PER_MESSAGE,
     SystemdNotifier,
@@ -208,10 +209,16 @@ def test_without_notify_socket_nothing_is_sent(monkeypatch):
     assert not n.enabled
     assert n.watchdog_interval is None
 
-    def no_socket(*args, **kwargs):
-        raise AssertionError("a socket was opened without NOTIFY_SOCKET")
+    class NoSockets:
+        """The socket module as the notifier sees it, but opening none; other threads' sockets are not touched."""
 
-    monkeypatch.setattr(socket, "socket", no_socket)
+        def __getattr__(self, name):
+            return getattr(socket, name)
+
+        def socket(self, *args, **kwargs):
+            raise AssertionError("a socket was opened without NOTIFY_SOCKET")
+
+    monkeypatch.setattr(notify, "socket", NoSockets())
     n.ready()
     n.status("idle")
     n.watchdog()
