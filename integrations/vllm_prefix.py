@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from .kv_index import IndexWriter, NotAnIndex, Published, read_index
+from .kv_index import IndexWriter, NotAnIndex, Published, Superseded, read_index
 from .vllm_keep import engine_name, index_path, log, rank_note
 
 
@@ -207,6 +207,12 @@ class Keeper:
             return
         try:
             self.writer.flush()
+        except Superseded as exc:
+            log.warning("hbmd: %s (a successor started while this engine ran): this engine's prefix cache is no "
+                        "longer kept", exc)
+            self.writer.close()
+            self.writer = None
+            self.published.clear()
         except OSError as exc:
             self.abandon(exc)
 
@@ -215,12 +221,13 @@ class Keeper:
         cache, and the index goes, so that no successor trusts what the withdrawals it lost would have changed."""
         log.warning("hbmd cannot write the prefix index %s (%s): this engine's prefix cache will not be kept",
                     index_path(), exc)
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
         self.published.clear()
         try:
-            index_path().unlink(missing_ok=True)
+            if self.writer is not None:
+                writer, self.writer = self.writer, None
+                writer.remove()
+            else:
+                index_path().unlink(missing_ok=True)
         except OSError as gone:
             log.error("the prefix index %s could not be removed (%s): delete it before the next start", index_path(),
                       gone)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 
 import pytest
-from hbmd.integrations.kv_index import IndexWriter, NotAnIndex, Published, read_index
+from hbmd.integrations import kv_index
+from hbmd.integrations.kv_index import IndexWriter, NotAnIndex, Published, Superseded, read_index
 
 pytestmark = pytest.mark.unit
 
@@ -52,7 +55,7 @@ def test_a_new_index_replaces_the_old_in_one_step_with_what_it_adopted(tmp_path)
     old.flush()
     index = read_index(tmp_path / "e.index")
     assert index.header["buffers"] == [8] and index.blocks == {1: Published(b"h1", 16)}
-    assert [p.name for p in tmp_path.iterdir()] == ["e.index"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.index", "e.index.lock"]
     old.close()
     new.close()
 
@@ -88,3 +91,87 @@ def test_the_index_is_this_users_alone_and_no_link_planted_there_is_followed(tmp
     (tmp_path / "e.index").symlink_to(target)
     IndexWriter(tmp_path / "e.index", HEADER).close()  # replaced by rename: the link goes, its target stays
     assert target.read_text() == "keep" and not (tmp_path / "e.index").is_symlink()
+
+
+def test_an_index_that_grows_past_its_bound_is_rewritten_with_what_it_publishes_and_read_back_the_same(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_index, "COMPACT_AT_BYTES", 4096)
+    rng = random.Random(7)
+    path = tmp_path / "e.index"
+    writer = IndexWriter(path, HEADER, {1: Published(b"adopted", 16)})
+    model = {1: Published(b"adopted", 16)}
+    records = largest = 0
+    for step in range(3000):
+        block_id = rng.randrange(1, 17)
+        if rng.random() < 0.6:
+            model[block_id] = Published(rng.randbytes(rng.randrange(1, 40)), 16 * rng.randrange(1, 9))
+            writer.publish(block_id, model[block_id].block_hash, model[block_id].num_tokens)
+        elif rng.random() < 0.99:
+            model.pop(block_id, None)
+            writer.withdraw(block_id)
+        else:
+            model.clear()
+            writer.clear()
+        if rng.random() < 0.3:
+            records += len(writer.pending)
+            writer.flush()
+            assert read_index(path).blocks == model, step
+            largest = max(largest, path.stat().st_size)
+    writer.close()
+    # Sixteen blocks of short hashes publish well under a quarter of 4096 bytes: the file never grows past that.
+    assert largest <= 4096 and records > 10 * largest  # appended, it would be ten times the largest it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.index", "e.index.lock"]
+
+
+def test_a_writer_whose_index_a_successor_replaced_writes_no_more_and_leaves_the_successors_alone(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_index, "COMPACT_AT_BYTES", 1024)
+    path = tmp_path / "e.index"
+    old = IndexWriter(path, HEADER)
+    new = IndexWriter(path, {"key": {}, "buffers": [8]}, {3: Published(b"h3", 16)})
+    with pytest.raises(Superseded, match="another engine's index"):
+        for block_id in range(1000):
+            old.publish(block_id % 50, b"x" * 30, 16)
+            old.flush()
+    old.remove()  # a writer abandoning its index takes only its own
+    index = read_index(path)
+    assert index.header["buffers"] == [8] and index.blocks == {3: Published(b"h3", 16)}
+    new.remove()
+    assert not path.exists()
+
+
+def test_a_rewrite_the_disk_refuses_changes_nothing_and_the_next_flush_has_it_all(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_index, "COMPACT_AT_BYTES", 256)
+    path = tmp_path / "e.index"
+    writer = IndexWriter(path, HEADER)
+    for block_id in range(10):
+        writer.publish(block_id, b"h" * 20, 16)
+    writer.flush()
+    before = path.read_bytes()
+    for block_id in range(5):
+        writer.withdraw(block_id)
+    for _ in range(30):  # past four times what it publishes: the next flush rewrites
+        writer.publish(99, b"churn", 16)
+        writer.withdraw(99)
+    real_write = os.write
+
+    def full(fd, data):
+        if os.fstat(fd).st_ino != os.fstat(writer.fd).st_ino:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(kv_index.os, "write", full)
+    with pytest.raises(OSError, match="No space"):
+        writer.flush()
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["e.index", "e.index.lock"]
+    monkeypatch.setattr(kv_index.os, "write", real_write)
+    writer.flush()
+    assert read_index(path).blocks == {i: Published(b"h" * 20, 16) for i in range(5, 10)}
+    writer.close()
+
+
+def test_a_rewrite_left_half_done_by_a_killed_writer_is_cleared_by_the_next(tmp_path):
+    (tmp_path / "e.index.new-99999").write_bytes(b"hbmd-kv-index 1\n{}\nP")
+    (tmp_path / "f.index.new-99999").write_bytes(b"another engine's")
+    IndexWriter(tmp_path / "e.index", HEADER).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.index", "e.index.lock", "f.index.new-99999"]

@@ -22,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is not installed")
-from hbmd.integrations import vllm_keep, vllm_prefix  # noqa: E402
+from hbmd.integrations import kv_index, vllm_keep, vllm_prefix  # noqa: E402
 from hbmd.integrations.kv_index import read_index  # noqa: E402
 from hbmd.testing.spawn import LineProcess  # noqa: E402
 from helpers import filled, wait_until  # noqa: E402
@@ -172,9 +172,16 @@ def drive(s: Scheduler, gpu: Gpu, rng: random.Random, steps: int, stop_at: str) 
         pending = (output, placed) if ahead else None
 
 
+@pytest.mark.parametrize("rewrite", [False, True], ids=["appended", "rewritten"])
 @pytest.mark.parametrize("kind", [Scheduler, AsyncScheduler], ids=["sync", "async"])
 def test_a_successor_adopts_only_blocks_that_hold_the_prefix_their_hash_names_wherever_the_engine_died(
-        kept, model_folder, kind):
+        kept, model_folder, kind, rewrite, monkeypatch):
+    rewrites = []
+    if rewrite:  # the index is rewritten at every flush, as a long-serving engine's is now and then
+        monkeypatch.setattr(kv_index, "COMPACT_AT_BYTES", 0)
+        monkeypatch.setattr(kv_index, "COMPACT_FACTOR", 0)
+        compact = kv_index.IndexWriter.compact
+        monkeypatch.setattr(kv_index.IndexWriter, "compact", lambda self: rewrites.append(compact(self)))
     rng = random.Random(1234)
     adopted_total = 0
     for trial in range(40):
@@ -190,6 +197,7 @@ def test_a_successor_adopts_only_blocks_that_hold_the_prefix_their_hash_names_wh
         assert all(gpu.holds(block_id, block_hash) for block_id, block_hash in adopted.items()), trial
         adopted_total += len(adopted)
     assert adopted_total > 100  # the check above ran on many blocks, not on none
+    assert len(rewrites) > 20 if rewrite else not rewrites, len(rewrites)
 
 
 PROMPT = list(range(1, 70))
