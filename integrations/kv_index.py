@@ -39,6 +39,7 @@ import glob
 import json
 import os
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,9 @@ COMPACT_AT_BYTES = 8 << 20
 """An index is not rewritten before it is this large: a rewrite is a few milliseconds at most, paid this rarely."""
 COMPACT_FACTOR = 4
 """An index is rewritten once it holds this many times the bytes of what it publishes now."""
+LOCK_WAIT_S = 5.0
+"""The longest a writer waits for the index's lock (another's rewrite takes milliseconds) before it gives up
+keeping the index, rather than hold its scheduler behind a writer that hung in one."""
 _PUBLISHED = struct.Struct("<cIIH")
 _WITHDRAWN = struct.Struct("<cI")
 
@@ -202,10 +206,19 @@ class IndexWriter:
     def _locked(self) -> Iterator[None]:
         """Hold the index's lock: between this writer's look at whose the file is and its rename, no other writer
         of this index replaces it."""
-        fd = os.open(self.path.with_name(self.path.name + ".lock"),
-                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        lock = self.path.with_name(self.path.name + ".lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{lock} is held by another writer (a hung predecessor?) for over "
+                                           f"{LOCK_WAIT_S:g} s") from None
+                    time.sleep(0.01)
             yield
         finally:
             os.close(fd)

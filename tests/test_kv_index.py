@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import random
 
@@ -175,3 +176,22 @@ def test_a_rewrite_left_half_done_by_a_killed_writer_is_cleared_by_the_next(tmp_
     (tmp_path / "f.index.new-99999").write_bytes(b"another engine's")
     IndexWriter(tmp_path / "e.index", HEADER).close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.index", "e.index.lock", "f.index.new-99999"]
+
+
+def test_a_writer_hung_in_a_rewrite_holds_no_other_writer_past_the_lock_wait(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_index, "LOCK_WAIT_S", 0.2)
+    path = tmp_path / "e.index"
+    writer = IndexWriter(path, HEADER)
+    hung = os.open(tmp_path / "e.index.lock", os.O_RDWR)
+    fcntl.flock(hung, fcntl.LOCK_EX)  # another process's writer, stopped between its lock and its rename
+    try:
+        with pytest.raises(TimeoutError, match="held by another writer"):
+            IndexWriter(path, HEADER)
+        writer.publish(1, b"h1", 16)
+        with pytest.raises(TimeoutError):
+            writer.compact()
+    finally:
+        os.close(hung)
+    writer.compact()
+    assert read_index(path).blocks == {1: Published(b"h1", 16)}
+    writer.close()
