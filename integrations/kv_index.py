@@ -170,9 +170,10 @@ class IndexWriter:
                                                      COMPACT_FACTOR * (len(self.head) + self.live_bytes)):
             self.compact()
             return
-        written = os.write(self.fd, self.pending)
-        self.file_bytes += written
-        del self.pending[:written]
+        while self.pending:  # a short write is followed by the rest, or by the error that cut it short
+            written = os.write(self.fd, self.pending)
+            self.file_bytes += written
+            del self.pending[:written]
 
     def compact(self) -> None:
         """Put a file with only what is published now in the index's place (what is pending included)."""

@@ -195,3 +195,18 @@ def test_a_writer_hung_in_a_rewrite_holds_no_other_writer_past_the_lock_wait(tmp
     writer.compact()
     assert read_index(path).blocks == {1: Published(b"h1", 16)}
     writer.close()
+
+
+def test_a_flush_cut_short_writes_the_rest_before_it_returns(tmp_path, monkeypatch):
+    """A withdrawal must be on disk before its step runs, however few bytes one write(2) took."""
+    path = tmp_path / "e.index"
+    writer = IndexWriter(path, HEADER)
+    for block_id in range(1, 4):
+        writer.publish(block_id, b"h" * 20, 16)
+    writer.withdraw(2)
+    real_write = os.write
+    monkeypatch.setattr(kv_index.os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    writer.flush()
+    monkeypatch.setattr(kv_index.os, "write", real_write)
+    assert not writer.pending and read_index(path).blocks == {1: Published(b"h" * 20, 16), 3: Published(b"h" * 20, 16)}
+    writer.close()
