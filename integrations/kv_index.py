@@ -152,6 +152,11 @@ class IndexWriter:
         self.live[block_id] = record
         self.pending += record
 
+    def published(self, block_id: int) -> bytes | None:
+        """The hash ``block_id`` is published under now (pending records included); None where it is not published."""
+        record = self.live.get(block_id)
+        return None if record is None else record[_PUBLISHED.size:]
+
     def withdraw(self, block_id: int) -> None:
         self.live_bytes -= len(self.live.pop(block_id, b""))
         self.pending += _WITHDRAWN.pack(b"W", block_id)

@@ -82,7 +82,6 @@ class Keeper:
         self.blocks_of = manager.coordinator.single_type_managers[0].req_to_blocks
         self.block_size = scheduler.block_size
         self.world = scheduler.vllm_config.parallel_config.world_size
-        self.published: dict[int, bytes] = {}
         self.epochs = [0] * len(self.pool.blocks)
         """Per block, how often it was withdrawn: a block withdrawn between its step's scheduling and its output
         was reused, and what that step computed is not what the block holds."""
@@ -105,7 +104,6 @@ class Keeper:
             log.info("hbmd: no kept prefix cache adopted (%s)", why)
         for block_id, block in adopted.items():
             self.pool._insert_block_hash(block.block_hash, self.pool.blocks[block_id], num_tokens=block.num_tokens)
-            self.published[block_id] = block.block_hash
         if adopted:
             log.info("hbmd: adopted %d cached KV blocks from the predecessor's prefix cache", len(adopted))
         header = {"key": key, "buffers": [note["buffer_id"] if note else None for note in notes]}
@@ -182,9 +180,8 @@ class Keeper:
         for block_id, epoch, block_hash, num_tokens in self.waiting.pop(id(output), ()):
             block = self.pool.blocks[block_id]
             if self.epochs[block_id] == epoch and block.block_hash == block_hash and \
-                    self.published.get(block_id) != block_hash:
+                    self.writer.published(block_id) != block_hash:
                 self.writer.publish(block_id, block_hash, num_tokens)
-                self.published[block_id] = block_hash
         for req_id in [r for r in self.cursors if r not in self.scheduler.requests]:
             del self.cursors[req_id]
 
@@ -193,12 +190,11 @@ class Keeper:
         if block.block_hash is None:
             return
         self.epochs[block.block_id] += 1
-        if self.published.pop(block.block_id, None) is not None and self.writer is not None:
+        if self.writer is not None and self.writer.published(block.block_id) is not None:
             self.writer.withdraw(block.block_id)
 
     def cleared(self) -> None:
         self.epochs = [epoch + 1 for epoch in self.epochs]
-        self.published.clear()
         if self.writer is not None:
             self.writer.clear()
 
@@ -212,7 +208,6 @@ class Keeper:
                         "longer kept", exc)
             self.writer.close()
             self.writer = None
-            self.published.clear()
         except OSError as exc:
             self.abandon(exc)
 
@@ -221,7 +216,6 @@ class Keeper:
         cache, and the index goes, so that no successor trusts what the withdrawals it lost would have changed."""
         log.warning("hbmd cannot write the prefix index %s (%s): this engine's prefix cache will not be kept",
                     index_path(), exc)
-        self.published.clear()
         try:
             if self.writer is not None:
                 writer, self.writer = self.writer, None

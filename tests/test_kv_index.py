@@ -22,6 +22,7 @@ def test_what_is_published_and_not_withdrawn_is_read_back_with_its_header(tmp_pa
     writer.publish(2, b"h2", 32)
     writer.publish(3, b"h3", 48)
     writer.withdraw(2)
+    assert writer.published(1) == b"h1" and writer.published(2) is None and writer.published(9) is None
     assert read_index(tmp_path / "e.index").blocks == {}  # nothing reaches the file before a flush
     writer.flush()
     index = read_index(tmp_path / "e.index")
