@@ -5,10 +5,22 @@ An engine that keeps its KV cache in hbmd (``HBMD_VLLM_KEEP_KV``, see
 block pool may serve again: a block is *published* only once the step that
 computed it has finished, and *withdrawn* before the step that reuses it is
 sent to the GPU. A successor reads the file back and puts every published
-block into its own pool; what it cannot read (a torn last record, a header of
-another engine) it does not trust.
+block into its own pool.
 
-The file lives beside the engine, not in the daemon: an append is one
+A successor trusts the file whole or not at all: an index that lost a record
+(a withdrawal above all: the block it names holds other KV now) would make it
+serve wrong tokens with no error anywhere. So every record carries a CRC-32
+chained from the header's and from every record before it, and a *commit*
+slot near the file's start holds the length the writer last completed and the
+chain's value there, written after each flush and before the step it
+precedes can run. A file shorter than its commit (cut at a record boundary,
+or an older copy put back where the newer one was cut), a record whose check
+fails before the commit, a commit slot or header that does not check: all
+are :class:`NotAnIndex`, and the successor starts cold. Records after the
+commit that check are a flush the writer did not live to commit; its step
+never ran, so they stand (a torn one ends them).
+
+The file lives beside the engine, not in the daemon: a write is one
 ``write(2)``, which the kernel keeps whatever happens to the process after it
 returns, and the GPU memory the index describes does not outlive the machine
 either. No vLLM here, so that CI tests it without vLLM (tests/test_kv_index.py).
@@ -22,12 +34,15 @@ within a few times the largest index the pool can have. A writer whose file a
 successor replaced (a predecessor still running) finds out then, and writes
 no more (:class:`Superseded`).
 
-Format: a first line ``hbmd-kv-index 1``, a second line of JSON (the header:
-what the cache is bound to), then records::
+Format (integers little-endian)::
 
-    P  block_id:u32  num_tokens:u32  hash_len:u16  hash      published
-    W  block_id:u32                                          withdrawn
-    C                                                        every block withdrawn
+    magic    b"hbmd-kv-index 2\\n"
+    commit   length:u64  chain:u32  crc:u32        (crc of the 12 bytes before it)
+    header   length:u32  JSON  crc:u32             (the chain starts at this crc)
+    records, each followed by chain:u32 = CRC-32 of the record, seeded with the chain before it:
+      P  block_id:u32  num_tokens:u32  hash_len:u16  hash      published
+      W  block_id:u32                                          withdrawn
+      C                                                        every block withdrawn
 """
 
 from __future__ import annotations
@@ -40,11 +55,12 @@ import json
 import os
 import struct
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-MAGIC = b"hbmd-kv-index 1\n"
+MAGIC = b"hbmd-kv-index 2\n"
 MAX_HEADER_BYTES = 1 << 20
 """A header longer than this is not one this module wrote."""
 MAX_HASH_BYTES = 1024
@@ -56,8 +72,12 @@ COMPACT_FACTOR = 4
 LOCK_WAIT_S = 5.0
 """The longest a writer waits for the index's lock (another's rewrite takes milliseconds) before it gives up
 keeping the index, rather than hold its scheduler behind a writer that hung in one."""
+_COMMIT = struct.Struct("<QII")
+_LENGTH = struct.Struct("<I")
 _PUBLISHED = struct.Struct("<cIIH")
 _WITHDRAWN = struct.Struct("<cI")
+_CHAIN = _LENGTH
+_HEADER_AT = len(MAGIC) + _COMMIT.size
 
 
 @dataclasses.dataclass
@@ -72,12 +92,13 @@ class IndexContents:
     blocks: dict[int, Published]
     """The blocks published and not withdrawn since, by block id."""
     torn: bool = False
-    """The file ended inside a record (the writer died mid-append, or the file was cut): the records before it
-    stand, the torn one is ignored."""
+    """Records past the commit ended in one cut short or damaged (the writer died mid-flush, before its step ran):
+    those before it stand."""
 
 
 class NotAnIndex(ValueError):
-    """The file is not a kept KV cache's index (or its header is damaged): nothing of it may be trusted."""
+    """The file is not a kept KV cache's index, or not one whole as its writer committed it: nothing of it may be
+    trusted."""
 
 
 class Superseded(RuntimeError):
@@ -86,48 +107,101 @@ class Superseded(RuntimeError):
 
 
 def read_index(path: str | os.PathLike[str]) -> IndexContents:
-    """The index at ``path``; :class:`NotAnIndex` where its magic line or header cannot be read,
-    ``FileNotFoundError`` where there is none."""
-    data = Path(path).read_bytes()
+    """The index at ``path``; :class:`NotAnIndex` where it is not one whole, ``FileNotFoundError`` where there is
+    none. A link is not followed."""
+    data = _read(path)
+    header, at, chain = _header(path, data)
+    committed, committed_chain, _ = _COMMIT.unpack_from(data, len(MAGIC))
+    if committed > len(data):
+        raise NotAnIndex(f"{path}: {len(data)} bytes, cut short of the {committed} its writer committed")
+    contents = IndexContents(header, {})
+    reached = at == committed and chain == committed_chain
+    while at < len(data):
+        end = _record_end(data, at)
+        if end is None or end + _CHAIN.size > len(data):
+            break
+        (recorded,) = _CHAIN.unpack_from(data, end)
+        chain = zlib.crc32(data[at:end], chain)
+        if chain != recorded:
+            break
+        _apply(contents.blocks, data, at)
+        at = end + _CHAIN.size
+        if at == committed:
+            reached = chain == committed_chain
+    if not reached:
+        raise NotAnIndex(f"{path}: its records do not check up to the {committed} bytes its writer committed")
+    contents.torn = at < len(data)
+    return contents
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The header of the index at ``path``, checked, without reading its records (what the workers look at before
+    the scheduler reads the whole); errors as :func:`read_index`'s."""
+    return _header(path, _read(path))[0]
+
+
+def _read(path: str | os.PathLike[str]) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        return file.read()
+
+
+def _header(path: str | os.PathLike[str], data: bytes) -> tuple[dict[str, Any], int, int]:
+    """The header of the index ``data``, where its records start and the chain's value there; :class:`NotAnIndex`
+    where its magic, commit slot or header does not check."""
     if not data.startswith(MAGIC):
-        raise NotAnIndex(f"{path}: not an hbmd KV index")
-    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
-    if end < 0:
+        older = data.startswith(b"hbmd-kv-index ")
+        raise NotAnIndex(f"{path}: {'written by an older hbmd, without checks' if older else 'not an hbmd KV index'}")
+    if len(data) < _HEADER_AT + _LENGTH.size:
+        raise NotAnIndex(f"{path}: cut short inside its header")
+    if zlib.crc32(data[len(MAGIC) : len(MAGIC) + 12]) != _COMMIT.unpack_from(data, len(MAGIC))[2]:
+        raise NotAnIndex(f"{path}: its commit does not check")
+    (header_bytes,) = _LENGTH.unpack_from(data, _HEADER_AT)
+    body = _HEADER_AT + _LENGTH.size
+    if header_bytes > MAX_HEADER_BYTES or body + header_bytes + _CHAIN.size > len(data):
         raise NotAnIndex(f"{path}: its header is damaged")
+    raw = data[body : body + header_bytes]
+    (chain,) = _CHAIN.unpack_from(data, body + header_bytes)
+    if zlib.crc32(raw) != chain:
+        raise NotAnIndex(f"{path}: its header does not check")
     try:
-        header = json.loads(data[len(MAGIC) : end])
+        header = json.loads(raw)
     except ValueError as exc:
         raise NotAnIndex(f"{path}: its header is damaged ({exc})") from exc
     if not isinstance(header, dict):
         raise NotAnIndex(f"{path}: its header is damaged")
-    contents = IndexContents(header, {})
-    at = end + 1
-    while at < len(data):
-        kind = data[at : at + 1]
-        if kind == b"P" and at + _PUBLISHED.size <= len(data):
-            _, block_id, num_tokens, hash_len = _PUBLISHED.unpack_from(data, at)
-            start = at + _PUBLISHED.size
-            if hash_len > MAX_HASH_BYTES or start + hash_len > len(data):
-                contents.torn = True
-                break
-            contents.blocks[block_id] = Published(data[start : start + hash_len], num_tokens)
-            at = start + hash_len
-        elif kind == b"W" and at + _WITHDRAWN.size <= len(data):
-            contents.blocks.pop(_WITHDRAWN.unpack_from(data, at)[1], None)
-            at += _WITHDRAWN.size
-        elif kind == b"C":
-            contents.blocks.clear()
-            at += 1
-        else:
-            contents.torn = True
-            break
-    return contents
+    return header, body + header_bytes + _CHAIN.size, chain
+
+
+def _record_end(data: bytes, at: int) -> int | None:
+    """Where the record at ``at`` ends (its chain value follows), or None where it is cut short or unknown."""
+    kind = data[at : at + 1]
+    if kind == b"P" and at + _PUBLISHED.size <= len(data):
+        hash_len = _PUBLISHED.unpack_from(data, at)[3]
+        return at + _PUBLISHED.size + hash_len if hash_len <= MAX_HASH_BYTES else None
+    if kind == b"W":
+        return at + _WITHDRAWN.size
+    if kind == b"C":
+        return at + 1
+    return None
+
+
+def _apply(blocks: dict[int, Published], data: bytes, at: int) -> None:
+    kind = data[at : at + 1]
+    if kind == b"P":
+        _, block_id, num_tokens, hash_len = _PUBLISHED.unpack_from(data, at)
+        start = at + _PUBLISHED.size
+        blocks[block_id] = Published(data[start : start + hash_len], num_tokens)
+    elif kind == b"W":
+        blocks.pop(_WITHDRAWN.unpack_from(data, at)[1], None)
+    else:
+        blocks.clear()
 
 
 class IndexWriter:
-    """Appends to an engine's index. Records wait in memory until :meth:`flush`, which writes them with one
-    ``write(2)`` (or, where the file has grown too large, rewrites it): the caller flushes withdrawals before the GPU
-    may overwrite the blocks, publications whenever."""
+    """Appends to an engine's index. Records wait in memory until :meth:`flush`, which writes them and then the
+    commit (or, where the file has grown too large, rewrites it): the caller flushes withdrawals before the GPU may
+    overwrite the blocks, publications whenever."""
 
     def __init__(self, path: str | os.PathLike[str], header: dict[str, Any],
                  published: dict[int, Published] | None = None) -> None:
@@ -135,10 +209,16 @@ class IndexWriter:
         rename: a reader sees the old index or the new one, never a mix."""
         self.path = Path(path)
         self.pending = bytearray()
-        self.head = MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n"
+        header_json = json.dumps(header, sort_keys=True).encode()
+        if len(header_json) > MAX_HEADER_BYTES:
+            raise ValueError(f"an index header of {len(header_json)} bytes is longer than {MAX_HEADER_BYTES}")
+        self.head_crc = zlib.crc32(header_json)
+        self.head = _LENGTH.pack(len(header_json)) + header_json + _CHAIN.pack(self.head_crc)
         self.live = {block_id: _publish_record(block_id, block) for block_id, block in (published or {}).items()}
-        """What a reader of the file and :attr:`pending` would find published: each block's record."""
+        """What a reader of the file and :attr:`pending` would find published: each block's record, unchained."""
         self.live_bytes = sum(map(len, self.live.values()))
+        self.chain = self.head_crc
+        """The chain's value after the last record written or pending."""
         self.file_bytes = 0
         self.fd = -1
         with self._locked():
@@ -150,7 +230,7 @@ class IndexWriter:
         record = _publish_record(block_id, Published(block_hash, num_tokens))
         self.live_bytes += len(record) - len(self.live.get(block_id, b""))
         self.live[block_id] = record
-        self.pending += record
+        self._append(record)
 
     def published(self, block_id: int) -> bytes | None:
         """The hash ``block_id`` is published under now (pending records included); None where it is not published."""
@@ -159,32 +239,34 @@ class IndexWriter:
 
     def withdraw(self, block_id: int) -> None:
         self.live_bytes -= len(self.live.pop(block_id, b""))
-        self.pending += _WITHDRAWN.pack(b"W", block_id)
+        self._append(_WITHDRAWN.pack(b"W", block_id))
 
     def clear(self) -> None:
         self.live.clear()
         self.live_bytes = 0
-        self.pending += b"C"
+        self._append(b"C")
 
     def flush(self) -> None:
-        """Write what is pending; an error (a full disk) propagates, with nothing pending lost from memory.
-        :class:`Superseded` where the file had to be rewritten and is no longer this writer's."""
+        """Write what is pending, then the commit that makes it count; an error (a full disk) propagates, with
+        nothing pending lost from memory. :class:`Superseded` where the file had to be rewritten and is no longer
+        this writer's."""
         if not self.pending:
             return
         if self.file_bytes + len(self.pending) > max(COMPACT_AT_BYTES,
-                                                     COMPACT_FACTOR * (len(self.head) + self.live_bytes)):
+                                                     COMPACT_FACTOR * (_HEADER_AT + len(self.head) + self.live_bytes)):
             self.compact()
             return
         while self.pending:  # a short write is followed by the rest, or by the error that cut it short
-            written = os.write(self.fd, self.pending)
+            written = os.pwrite(self.fd, self.pending, self.file_bytes)
             self.file_bytes += written
             del self.pending[:written]
+        _write_all(self.fd, _commit(self.file_bytes, self.chain), len(MAGIC))
 
     def compact(self) -> None:
         """Put a file with only what is published now in the index's place (what is pending included)."""
         with self._locked():
             if not self.owns_path():
-                raise Superseded(f"{self.path} is another engine's index now")
+                raise Superseded(f"{self.path} is another engine's index now, or was withdrawn")
             self._replace()
 
     def owns_path(self) -> bool:
@@ -208,38 +290,31 @@ class IndexWriter:
     def close(self) -> None:
         os.close(self.fd)
 
+    def _append(self, record: bytes) -> None:
+        self.chain = zlib.crc32(record, self.chain)
+        self.pending += record + _CHAIN.pack(self.chain)
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Hold the index's lock: between this writer's look at whose the file is and its rename, no other writer
         of this index replaces it."""
-        lock = self.path.with_name(self.path.name + ".lock")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            deadline = time.monotonic() + LOCK_WAIT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{lock} is held by another writer (a hung predecessor?) for over "
-                                           f"{LOCK_WAIT_S:g} s") from None
-                    time.sleep(0.01)
+        with locked(self.path):
             yield
-        finally:
-            os.close(fd)
 
     def _replace(self) -> None:
-        """Write the header and the live records to a new file and rename it over :attr:`path` (the caller holds
-        the lock); where that fails the old file and what is pending stay as they were."""
+        """Write the header and the live records, chained anew, to a new file and rename it over :attr:`path` (the
+        caller holds the lock); where that fails the old file and what is pending stay as they were."""
+        chain = self.head_crc
+        records = bytearray()
+        for record in self.live.values():
+            chain = zlib.crc32(record, chain)
+            records += record + _CHAIN.pack(chain)
+        body = MAGIC + _commit(_HEADER_AT + len(self.head) + len(records), chain) + self.head + records
         staging = self.path.with_name(self.path.name + f".new-{os.getpid()}")
-        body = memoryview(self.head + b"".join(self.live.values()))
-        fd = os.open(staging, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
+        staging.unlink(missing_ok=True)  # one a process of this pid left, under the lock this writer holds
+        fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            at = 0
-            while at < len(body):
-                at += os.write(fd, body[at:])
+            _write_all(fd, body, 0)
             os.replace(staging, self.path)
         except BaseException:
             os.close(fd)
@@ -249,7 +324,48 @@ class IndexWriter:
             os.close(self.fd)
         self.fd = fd
         self.file_bytes = len(body)
+        self.chain = chain
         self.pending.clear()
+
+
+def withdraw_all(path: str | os.PathLike[str], why: str) -> None:
+    """Put an index that publishes nothing, and says ``why``, where the index at ``path`` was (a writer still
+    appending to the old one finds it replaced at its next rewrite, and stops): what the old one published must not
+    be adopted by anyone."""
+    IndexWriter(path, {"withdrawn": why}).close()
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold the lock of the index at ``path`` (``<index>.lock``), waiting :data:`LOCK_WAIT_S` at most."""
+    lock = path.with_name(path.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{lock} is held by another writer (a hung predecessor?) for over "
+                                       f"{LOCK_WAIT_S:g} s") from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _commit(length: int, chain: int) -> bytes:
+    slot = _COMMIT.pack(length, chain, 0)[:12]
+    return slot + _LENGTH.pack(zlib.crc32(slot))
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def _publish_record(block_id: int, block: Published) -> bytes:

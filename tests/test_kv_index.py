@@ -35,17 +35,87 @@ def test_what_is_published_and_not_withdrawn_is_read_back_with_its_header(tmp_pa
     writer.close()
 
 
-def test_a_record_cut_short_is_ignored_and_those_before_it_stand(tmp_path):
+def test_a_file_cut_anywhere_short_of_what_its_writer_committed_is_refused_whole(tmp_path):
+    """A cut at a record boundary is an index as an earlier moment wrote it: a block withdrawn since, and written
+    on, would read as published. So no cut of a committed index reads at all."""
     writer = IndexWriter(tmp_path / "e.index", HEADER)
-    writer.publish(1, b"h1" * 16, 16)
-    writer.publish(5, b"h5" * 16, 32)
+    for block_id in range(1, 6):
+        writer.publish(block_id, b"h" * 20, 16)
+    writer.flush()
+    writer.withdraw(2)
+    writer.withdraw(4)
     writer.flush()
     writer.close()
     data = (tmp_path / "e.index").read_bytes()
-    for cut in range(1, 43):
-        (tmp_path / "cut.index").write_bytes(data[:-cut])
-        index = read_index(tmp_path / "cut.index")
-        assert index.torn and index.blocks == {1: Published(b"h1" * 16, 16)}, cut
+    assert read_index(tmp_path / "e.index").blocks.keys() == {1, 3, 5}
+    for cut in range(1, len(data)):
+        (tmp_path / "cut.index").write_bytes(data[:cut])
+        with pytest.raises(NotAnIndex):
+            read_index(tmp_path / "cut.index")
+
+
+def test_no_single_byte_changed_anywhere_in_an_index_reads_as_an_index(tmp_path):
+    writer = IndexWriter(tmp_path / "e.index", HEADER, {7: Published(b"adopted", 32)})
+    for block_id in range(1, 5):
+        writer.publish(block_id, bytes([block_id]) * 36, 16 * block_id)
+    writer.withdraw(3)
+    writer.flush()
+    writer.clear()
+    writer.publish(9, b"after", 16)
+    writer.flush()
+    writer.close()
+    data = (tmp_path / "e.index").read_bytes()
+    rng = random.Random(3)
+    for at in range(len(data)):
+        damaged = bytearray(data)
+        damaged[at] ^= rng.randrange(1, 256)
+        (tmp_path / "damaged.index").write_bytes(damaged)
+        with pytest.raises(NotAnIndex):
+            read_index(tmp_path / "damaged.index")
+
+
+def test_a_flush_its_writer_did_not_live_to_commit_stands_up_to_a_record_cut_short(tmp_path, monkeypatch):
+    """Killed between its records and its commit, a writer's step never ran: what the records say is as true as
+    what the commit covers, and a record cut short ends them."""
+    writer = IndexWriter(tmp_path / "e.index", HEADER)
+    writer.publish(1, b"h1" * 16, 16)
+    writer.flush()
+    committed = (tmp_path / "e.index").read_bytes()
+    writer.withdraw(1)
+    writer.publish(5, b"h5" * 16, 32)
+    writer.publish(6, b"h6" * 16, 32)
+    real_write_all = kv_index._write_all
+    monkeypatch.setattr(kv_index, "_write_all", lambda fd, data, offset: None)  # the commit never written
+    writer.flush()
+    monkeypatch.setattr(kv_index, "_write_all", real_write_all)
+    writer.close()
+    data = (tmp_path / "e.index").read_bytes()
+    index = read_index(tmp_path / "e.index")
+    assert not index.torn and index.blocks == {5: Published(b"h5" * 16, 32), 6: Published(b"h6" * 16, 32)}
+    states = [{1}, set(), {5}, {5, 6}]  # what the writer published after each of its records, in order
+    for end in range(len(committed), len(data)):
+        (tmp_path / "torn.index").write_bytes(data[:end])
+        assert set(read_index(tmp_path / "torn.index").blocks) in states, end
+
+
+def test_an_index_of_an_older_hbmd_is_refused_saying_so(tmp_path):
+    (tmp_path / "e.index").write_bytes(b"hbmd-kv-index 1\n{}\n")
+    with pytest.raises(NotAnIndex, match="older hbmd"):
+        read_index(tmp_path / "e.index")
+
+
+def test_a_withdrawn_index_publishes_nothing_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_index, "COMPACT_AT_BYTES", 256)
+    writer = IndexWriter(tmp_path / "e.index", HEADER, {1: Published(b"h1", 16)})
+    kv_index.withdraw_all(tmp_path / "e.index", "the weights were updated in place")
+    index = read_index(tmp_path / "e.index")
+    assert index.header == {"withdrawn": "the weights were updated in place"} and index.blocks == {}
+    with pytest.raises(Superseded, match="withdrawn"):  # its writer finds out at its next rewrite, and stops
+        for step in range(100):
+            writer.publish(step % 3, b"x" * 30, 16)
+            writer.flush()
+    writer.close()
+    assert read_index(tmp_path / "e.index").blocks == {}
 
 
 def test_a_new_index_replaces_the_old_in_one_step_with_what_it_adopted(tmp_path):
@@ -62,8 +132,9 @@ def test_a_new_index_replaces_the_old_in_one_step_with_what_it_adopted(tmp_path)
     new.close()
 
 
-@pytest.mark.parametrize("damage", [b"", b"hbmd-kv-index 2\n{}\n", b"hbmd-kv-index 1\n{not json\n",
-                                    b"hbmd-kv-index 1\n[1, 2]\n", b"hbmd-kv-index 1\n{\"key\": 1}"])
+@pytest.mark.parametrize("damage", [b"", b"hbmd-kv-index 3\n{}\n", b"hbmd-kv-index 2\n",
+                                    b"hbmd-kv-index 2\n" + bytes(40),
+                                    b"not an index at all, but long enough to hold a header and a commit"])
 def test_a_file_that_is_not_an_index_is_refused_whole(tmp_path, damage):
     (tmp_path / "e.index").write_bytes(damage)
     with pytest.raises(NotAnIndex):
@@ -155,25 +226,25 @@ def test_a_rewrite_the_disk_refuses_changes_nothing_and_the_next_flush_has_it_al
     for _ in range(30):  # past four times what it publishes: the next flush rewrites
         writer.publish(99, b"churn", 16)
         writer.withdraw(99)
-    real_write = os.write
+    real_write = os.pwrite
 
-    def full(fd, data):
+    def full(fd, data, offset):
         if os.fstat(fd).st_ino != os.fstat(writer.fd).st_ino:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
+        return real_write(fd, data, offset)
 
-    monkeypatch.setattr(kv_index.os, "write", full)
+    monkeypatch.setattr(kv_index.os, "pwrite", full)
     with pytest.raises(OSError, match="No space"):
         writer.flush()
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["e.index", "e.index.lock"]
-    monkeypatch.setattr(kv_index.os, "write", real_write)
+    monkeypatch.setattr(kv_index.os, "pwrite", real_write)
     writer.flush()
     assert read_index(path).blocks == {i: Published(b"h" * 20, 16) for i in range(5, 10)}
     writer.close()
 
 
 def test_a_rewrite_left_half_done_by_a_killed_writer_is_cleared_by_the_next(tmp_path):
-    (tmp_path / "e.index.new-99999").write_bytes(b"hbmd-kv-index 1\n{}\nP")
+    (tmp_path / "e.index.new-99999").write_bytes(b"hbmd-kv-index 2\nP")
     (tmp_path / "f.index.new-99999").write_bytes(b"another engine's")
     IndexWriter(tmp_path / "e.index", HEADER).close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.index", "e.index.lock", "f.index.new-99999"]
@@ -205,9 +276,9 @@ def test_a_flush_cut_short_writes_the_rest_before_it_returns(tmp_path, monkeypat
     for block_id in range(1, 4):
         writer.publish(block_id, b"h" * 20, 16)
     writer.withdraw(2)
-    real_write = os.write
-    monkeypatch.setattr(kv_index.os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    real_write = os.pwrite
+    monkeypatch.setattr(kv_index.os, "pwrite", lambda fd, data, offset: real_write(fd, bytes(data[:7]), offset))
     writer.flush()
-    monkeypatch.setattr(kv_index.os, "write", real_write)
+    monkeypatch.setattr(kv_index.os, "pwrite", real_write)
     assert not writer.pending and read_index(path).blocks == {1: Published(b"h" * 20, 16), 3: Published(b"h" * 20, 16)}
     writer.close()
