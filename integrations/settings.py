@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+LOAD_FORMAT = "hbmd"
+"""The ``--load-format`` of hbmd's weight loader (:mod:`hbmd.integrations.vllm_weights`)."""
 ON = ("1", "true", "yes", "on")
 OFF = ("", "0", "false", "no", "off")
 

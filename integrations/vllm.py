@@ -55,7 +55,7 @@ from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound, OutOfBudge
 from hbmd.proto.units import format_bytes
 
 from . import vllm_keep
-from .settings import seconds, switch
+from .settings import LOAD_FORMAT, seconds, switch
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
 log = logging.getLogger("vllm.hbmd")
@@ -98,13 +98,14 @@ def sleep_keeps() -> bool:
     return value == "keep"
 
 
-def worker_rank() -> int:
-    return int(os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0")
+def engine() -> str:
+    return os.environ.get(vllm_keep.ENGINE) or str(os.getpid())
 
 
 def buffer_name() -> str:
-    engine = os.environ.get("HBMD_VLLM_ENGINE") or str(os.getpid())
-    return f"vllm-{engine}-rank{worker_rank()}"
+    """This worker's buffer name: ``vllm-<engine>-rank<R>`` (``-dp<D>`` after it in data-parallel replica D > 0),
+    the rank and replica as vLLM numbers them (:func:`~hbmd.integrations.vllm_keep.worker_place`)."""
+    return vllm_keep.buffer_base(engine(), *vllm_keep.worker_place())
 
 
 class VllmExtensibleTensor(ExtensibleTensor):
@@ -126,12 +127,26 @@ class VllmExtensibleTensor(ExtensibleTensor):
     ) -> None:
         options: dict[str, Any] = {"name": buffer_name()}
         if vllm_keep.keeps():
-            options = vllm_keep.kept_tensor_options(default_client(device), buffer_name(), worker_rank())
+            dp, rank = vllm_keep.worker_place()
+            try:
+                options = vllm_keep.kept_tensor_options(default_client(device), vllm_keep.Scope(engine(), dp), rank)
+            except vllm_keep.KeepingOff as exc:
+                log.warning("hbmd cannot keep this engine's KV cache (%s): it serves without keeping it", exc)
         super().__init__(max_num_bytes, device, num_segments, segment_capacities, export_handle_types, **options)
-        if vllm_keep.keeps():
-            vllm_keep.note_created(self.buffer_id)
+        if self.persistent:
+            try:
+                vllm_keep.note_created()
+            except OSError as exc:
+                log.warning("hbmd cannot write this rank's note in the index folder (%s): this engine's prefix cache "
+                            "will not be kept", exc)
         # The worker exists by now (it built the model runner that builds this cache).
         patch_worker()
+
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes on the device, as vLLM's own class counts them: none while a sleep keeps the cache in the daemon's
+        host tier (vLLM reads 0 as "released by sleep", and lends nothing of it to a weight update)."""
+        return 0 if self.tier == TIER_HOST else super().physical_bytes
 
     def free(self) -> None:
         """vLLM frees its KV cache when the engine shuts down (its model runner's ``shutdown``): a keeping engine's
@@ -259,23 +274,35 @@ class KvCacheRefused(RuntimeError):
     """hbmd refused the KV blocks vLLM already counts on: serving on would write where no memory is."""
 
 
+def refused(kv_cache: Any, num_blocks: int, refusal: OutOfBudget) -> KvCacheRefused:
+    return KvCacheRefused(
+        f"hbmd refused {num_blocks} KV blocks ({format_bytes(kv_cache.physical_bytes_for(num_blocks))}) that vLLM "
+        f"counts on: {refusal}. Another session committed since vLLM measured; start the engine again, or give "
+        "this tenant a guaranteed minimum in the daemon's --config"
+    )
+
+
 def refusal_explained(original):
     """Wrap ``ExtensibleKVCache.commit`` so that a commit hbmd refuses fails with what happened and what to do.
 
     No round trip before it: the count was sized to what hbmd admits
     (:func:`capped_by_daemon`), and a refusal means another engine took the
-    memory since.
+    memory since, or, before the final sizing, that the predecessor's kept
+    cache waiting to be grafted leaves too little for the warm-up: that one
+    is freed and the commit tried again (the engine starts cold, saying why).
     """
 
     def commit(self: Any, num_blocks: int, *args: Any, **kwargs: Any) -> Any:
         try:
             return original(self, num_blocks, *args, **kwargs)
         except OutOfBudget as exc:
-            raise KvCacheRefused(
-                f"hbmd refused {num_blocks} KV blocks ({format_bytes(self.physical_bytes_for(num_blocks))}) that vLLM "
-                f"counts on: {exc}. Another session committed since vLLM measured; start the engine again, or give "
-                "this tenant a guaranteed minimum in the daemon's --config"
-            ) from exc
+            if not (vllm_keep.keeps() and isinstance(self.buffer, ExtensibleTensor)
+                    and vllm_keep.make_room(self.buffer.client, exc)):
+                raise refused(self, num_blocks, exc) from exc
+        try:  # again, with the memory a kept cache held given back
+            return original(self, num_blocks, *args, **kwargs)
+        except OutOfBudget as exc:
+            raise refused(self, num_blocks, exc) from exc
 
     commit.__wrapped__ = original  # type: ignore[attr-defined]
     return commit
@@ -341,6 +368,17 @@ def patch_sizing(module: Any) -> None:
         module.measure_kv_cache_blocks = measure
 
 
+def asks_for_hbmd_loader(argv: list[str]) -> bool:
+    """Whether a command line (``vllm serve``'s) asks for ``--load-format hbmd``: with the plugin off, vLLM would
+    only say the format is not supported, after the engine started."""
+    for at, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        value = value or (argv[at + 1] if at + 1 < len(argv) else "")
+        if name.replace("_", "-") == "--load-format" and value.lower() == LOAD_FORMAT:
+            return True
+    return False
+
+
 def register() -> None:
     """The entry point: inert unless ``HBMD_VLLM`` is on; otherwise route vLLM's extensible KV cache to hbmd.
 
@@ -348,6 +386,9 @@ def register() -> None:
     engine at start, not at its first sleep.
     """
     if not enabled():
+        if asks_for_hbmd_loader(sys.argv):
+            raise ValueError(f"--load-format {LOAD_FORMAT} is hbmd's weight loader, and hbmd's vLLM plugin is off: set "
+                             f"{OPT_IN}=1 to use it")
         return
     sleep_keeps()
     wake_wait_s()
@@ -370,7 +411,7 @@ def register() -> None:
     patch_worker()
     from vllm.model_executor.model_loader import register_model_loader
 
-    from .vllm_weights import LOAD_FORMAT, HbmdModelLoader
+    from .vllm_weights import HbmdModelLoader
 
     register_model_loader(LOAD_FORMAT)(HbmdModelLoader)
     log.info("vLLM %s: the extensible KV cache allocates through hbmd, and --load-format %s maps weights from it",

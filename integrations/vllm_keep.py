@@ -22,16 +22,25 @@ A successor of the same ``HBMD_VLLM_ENGINE`` name adopts both:
 
 What makes this safe (ARCHITECTURE.md, "A prefix cache that survives the
 engine"): a block is published only after the step that computed it finished,
-and withdrawn, on disk, before the step that reuses it runs; the index is bound
-to everything the KV bytes depend on (:func:`~hbmd.integrations.vllm_prefix.compatibility`), and a successor
-adopts only where every field agrees and every rank grafted the very buffers the
-index names, else it starts cold and says why; the daemon refuses to graft a
-buffer a live session holds, so a predecessor still running is waited for
+and withdrawn, on disk, before the step that reuses it runs; the index checks
+itself whole; it is bound to everything the KV bytes depend on
+(:func:`~hbmd.integrations.vllm_prefix.compatibility`) and to the very buffers
+it describes, which carry a random generation in their names; a successor
+adopts only where all of that agrees and every rank grafted those buffers,
+else it starts cold and says why; a weight update in place withdraws the whole
+index (:func:`weights_changed`); the daemon refuses to graft a buffer a live
+session holds, so a predecessor still running is waited for
 (``HBMD_VLLM_KEEP_KV_WAIT_S``), never shared.
 
-Kept buffers alternate between two names per rank (``vllm-<engine>-rank<R>``
-and the same with ``.b``): the successor's own buffer takes the name the
-predecessor's is not using.
+Keeping never stops an engine from starting: where it cannot keep (the index
+folder is another user's, or unwritable) or cannot adopt, the engine starts
+without, saying why.
+
+A kept cache is scoped by the engine's name and its data-parallel replica as
+vLLM numbers it (``data_parallel_index``), and within that by each worker's
+rank as vLLM's parallel state knows it (``parallel_config.rank``): buffers are
+named ``vllm-<engine>-rank<R>.<generation>`` (``-dp<D>`` after the rank for
+replica D > 0), the index ``<engine>.index`` (``<engine>.dp<D>.index``).
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import secrets
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,11 +60,13 @@ from typing import Any
 from hbmd.proto.errors import HbmdError
 from hbmd.proto.units import format_bytes
 
+from .kv_index import NotAnIndex, read_header, withdraw_all
 from .settings import seconds, switch
 
 log = logging.getLogger("vllm.hbmd")
 
 KEEP = "HBMD_VLLM_KEEP_KV"
+ENGINE = "HBMD_VLLM_ENGINE"
 GRACE = "HBMD_VLLM_KEEP_KV_GRACE_S"
 DEFAULT_GRACE_S = 600.0
 """How long the daemon keeps a kept cache nobody adopts: a restart takes well under it, a retired engine's cache is
@@ -62,11 +76,18 @@ DEFAULT_WAIT_S = 30.0
 """How long a successor waits for a predecessor that still holds its cache (a rolling restart) before starting
 cold."""
 INDEX_DIR = "HBMD_VLLM_KV_INDEX_DIR"
-SECOND_NAME_SUFFIX = ".b"
 WAIT_POLL_S = 0.25
-
-
 MOST_S = 86400 * 7
+ENGINE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""What an engine name may be: it names files in the index folder and buffers in the daemon, and a successor finds
+its predecessor's by it."""
+GENERATION_HEX = 12
+"""The random generation after a kept buffer's name: two engines' buffers, or one engine's before and after the
+daemon lost its state, never share a name an index could mistake."""
+
+
+class KeepingOff(RuntimeError):
+    """Why this engine cannot keep its KV cache: it starts and serves without keeping it."""
 
 
 def keeps() -> bool:
@@ -79,28 +100,107 @@ def check_settings() -> None:
     if keeps():
         seconds(GRACE, DEFAULT_GRACE_S, MOST_S)
         seconds(WAIT, DEFAULT_WAIT_S, MOST_S)
-        if not os.environ.get("HBMD_VLLM_ENGINE"):
-            raise ValueError(f"{KEEP} needs HBMD_VLLM_ENGINE: the name a restarted engine finds its cache by")
+        engine = os.environ.get(ENGINE, "")
+        if not engine:
+            raise ValueError(f"{KEEP} needs {ENGINE}: the name a restarted engine finds its cache by")
+        if not ENGINE_NAME.fullmatch(engine):
+            raise ValueError(f"{ENGINE}={engine!r}: a kept engine's name is 1 to 64 letters, digits, '_' or '-'")
+
+
+def worker_place() -> tuple[int, int]:
+    """This worker's data-parallel replica and its rank within it, as vLLM numbers them (its multiprocess executor
+    sets neither ``RANK`` nor ``LOCAL_RANK``); (0, 0) outside a vLLM worker."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return 0, 0
+    return config.parallel_config.data_parallel_index, config.parallel_config.rank
+
+
+def buffer_base(engine: str, dp: int, rank: int) -> str:
+    """The name of a worker's KV buffer (a kept one adds its generation): ``vllm-<engine>-rank<R>``, and ``-dp<D>``
+    after it in data-parallel replica D > 0 (so that no engine name makes one replica's name another's)."""
+    return f"vllm-{engine}-rank{rank}" + (f"-dp{dp}" if dp else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """One kept cache: an engine's data-parallel replica."""
+
+    engine: str
+    dp: int
+
+    def files(self) -> str:
+        return self.engine if self.dp == 0 else f"{self.engine}.dp{self.dp}"
+
+    def index_path(self) -> Path:
+        return index_dir() / f"{self.files()}.index"
+
+    def note_path(self, rank: int) -> Path:
+        return index_dir() / f"{self.files()}.rank{rank}.json"
+
+    def kept_name(self, rank: int, name: str) -> bool:
+        """Whether ``name`` is one of this scope's kept buffers of ``rank`` (of any generation)."""
+        base = re.escape(buffer_base(self.engine, self.dp, rank))
+        return re.fullmatch(base + r"\.[0-9a-f]{" + str(GENERATION_HEX) + "}", name) is not None
+
+
+def engine_name() -> str:
+    return os.environ[ENGINE]
 
 
 def index_dir() -> Path:
     """Where the indexes and the ranks' notes live: ``HBMD_VLLM_KV_INDEX_DIR``, or a folder of this user's in
-    ``/dev/shm`` (memory, like what it describes; gone at reboot, as the GPU's memory is)."""
+    ``/dev/shm`` (memory, like what it describes; gone at reboot, as the GPU's memory is). :class:`KeepingOff` where
+    it is not a folder of this user's that no one else may write: an index another user could write could make this
+    engine's successor serve KV the user chose."""
     folder = Path(os.environ.get(INDEX_DIR) or f"/dev/shm/hbmd-vllm-{os.getuid()}")
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise KeepingOff(f"the index folder {folder} cannot be made ({exc}); set {INDEX_DIR}") from exc
+    try:
+        info = os.lstat(folder)
+    except OSError as exc:
+        raise KeepingOff(f"the index folder {folder} cannot be looked at ({exc})") from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise KeepingOff(f"the index folder {folder} is not a folder (a link or a file is refused); remove it, or set "
+                         f"{INDEX_DIR}")
+    if info.st_uid != os.getuid():
+        raise KeepingOff(f"the index folder {folder} belongs to uid {info.st_uid}, not to this engine's uid "
+                         f"{os.getuid()} (another user made it first); remove it, or set {INDEX_DIR}")
+    if info.st_mode & 0o022:
+        raise KeepingOff(f"the index folder {folder} may be written by others (mode {stat.S_IMODE(info.st_mode):o}); "
+                         f"chmod go-w it, or set {INDEX_DIR}")
     return folder
 
 
-def engine_name() -> str:
-    return os.environ["HBMD_VLLM_ENGINE"]
+def write_note(path: Path, note: dict[str, Any]) -> None:
+    """Put ``note`` at ``path`` in one rename, through no link, readable by this user alone."""
+    staging = path.with_name(f"{path.name}.new-{os.getpid()}")
+    staging.unlink(missing_ok=True)
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(json.dumps(note))
+        os.replace(staging, path)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
 
 
-def rank_note(rank: int) -> Path:
-    return index_dir() / f"{engine_name()}.rank{rank}.json"
-
-
-def index_path() -> Path:
-    return index_dir() / f"{engine_name()}.index"
+def read_note(path: Path) -> dict[str, Any] | None:
+    """The note at ``path``, or None where there is none that reads (a link is not followed)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as file:
+            note = json.loads(file.read())
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) else None
 
 
 # --- the worker's side: one kept buffer per rank, grafted from the predecessor's --------------------------------
@@ -111,7 +211,6 @@ class Donor:
     """The predecessor's kept buffer of this rank, as the daemon lists it."""
 
     name: str
-    buffer_id: int
     segment_capacities: list[int]
     segment_sizes: list[int]
     physical_bytes: int
@@ -120,58 +219,108 @@ class Donor:
 
     @classmethod
     def listed(cls, info: Any) -> Donor:
-        return cls(info.name, info.buffer_id, list(info.segment_capacities), list(info.segment_sizes),
-                   info.physical_bytes, info.session_id > 0)
+        return cls(info.name, list(info.segment_capacities), list(info.segment_sizes), info.physical_bytes,
+                   info.session_id > 0)
 
 
 @dataclasses.dataclass
 class KeptRank:
     """This worker's kept buffer and the predecessor's it may adopt."""
 
+    scope: Scope
     rank: int
     name: str
+    gpu: str
+    """The device's UUID (``host`` on the host backend): an index describes the buffers of given GPUs."""
     donor: Donor | None
+    why_cold: str = ""
+    """Why this rank adopts nothing, where it does not: said in the scheduler's log."""
     grafted_blocks: int = 0
+    adopted_from: str | None = None
+    weights_changed: str = ""
+    """What changed the weights in place, where something did: nothing this engine computes may be adopted."""
 
-    def write_note(self, buffer_id: int, adopted_from: int | None) -> None:
+    def write_note(self) -> None:
         """Tell the scheduler (another process under tensor parallelism) which buffer this rank holds and whose
         blocks it adopted."""
-        note = {"name": self.name, "buffer_id": buffer_id, "adopted_from": adopted_from,
-                "adopted_blocks": self.grafted_blocks, "pid": os.getpid()}
-        staging = rank_note(self.rank).with_suffix(f".new-{os.getpid()}")
-        staging.write_text(json.dumps(note))
-        os.replace(staging, rank_note(self.rank))
+        write_note(self.scope.note_path(self.rank), {
+            "buffer": self.name, "gpu": self.gpu, "adopted_from": self.adopted_from,
+            "adopted_blocks": self.grafted_blocks, "why_cold": self.why_cold, "weights_changed": self.weights_changed,
+            "pid": os.getpid()})
+
+    def cold(self, why: str) -> None:
+        """Adopt nothing, for ``why`` (logged here, and said by the scheduler)."""
+        log.warning("hbmd cannot adopt the predecessor's KV cache: %s; this engine starts cold", why)
+        self.donor, self.why_cold = None, why
 
 
 _rank: KeptRank | None = None
 """This worker process's kept buffer (one rank per process), from the KV tensor's creation on."""
 
 
-def choose_names(client: Any, base: str, rank: int) -> KeptRank:
-    """The name this rank's new buffer takes and the predecessor's buffer it may adopt; ``RuntimeError`` where both
-    names are held (two engines run under one name)."""
-    names = (base, base + SECOND_NAME_SUFFIX)
-    uid = os.getuid()
-    listed = {b.name: b for name in names for b in client.buffers(name=name, owner_uid=uid)}
-    free = [n for n in names if n not in listed]
-    if not free:
-        raise RuntimeError(f"both of engine {engine_name()}'s kept KV buffers ({', '.join(names)}) are held: another "
-                           "engine runs under this HBMD_VLLM_ENGINE; give each engine a name of its own")
-    other = names[1] if free[0] == names[0] else names[0]
-    donor = None
-    if other in listed:
-        donor = Donor.listed(listed[other])
-    return KeptRank(rank, free[0], donor)
+def expected_donor(scope: Scope, rank: int, gpu: str) -> tuple[str | None, str]:
+    """The buffer the index says this rank's predecessor kept, or None and why there is none."""
+    try:
+        header = read_header(scope.index_path())
+    except FileNotFoundError:
+        return None, f"engine {scope.engine} left no prefix index"
+    except (OSError, NotAnIndex) as exc:
+        return None, f"its prefix index cannot be trusted ({exc})"
+    if header.get("withdrawn"):
+        return None, f"the predecessor withdrew its prefix index: {header['withdrawn']}"
+    ranks = header.get("ranks")
+    if not isinstance(ranks, list) or rank >= len(ranks) or not isinstance(ranks[rank], dict):
+        return None, f"its prefix index describes no buffer of rank {rank}"
+    if ranks[rank].get("gpu") != gpu:
+        return None, f"its prefix index describes rank {rank}'s cache on another GPU ({ranks[rank].get('gpu')})"
+    name = ranks[rank].get("buffer")
+    return (name, "") if isinstance(name, str) else (None, f"its prefix index describes no buffer of rank {rank}")
 
 
-def kept_tensor_options(client: Any, base: str, rank: int) -> dict[str, Any]:
-    """What the KV tensor of a keeping engine is created with: its name, persistence and grace period."""
+def kept_tensor_options(client: Any, scope: Scope, rank: int) -> dict[str, Any]:
+    """What the KV tensor of a keeping engine is created with: a new name of its own, persistence and grace period.
+
+    The predecessor's buffer the index describes becomes this rank's donor; every other orphan of this rank's (a
+    start that failed, a generation no index describes any more) is freed: nothing could ever adopt it. Raises
+    :class:`KeepingOff` where the index folder cannot be used."""
     global _rank
-    _rank = choose_names(client, base, rank)
-    if _rank.donor is not None:
+    try:
+        # The note a predecessor left must not speak for this rank, even where this one's cannot be written.
+        scope.note_path(rank).unlink(missing_ok=True)
+    except OSError as exc:
+        raise KeepingOff(f"the note {scope.note_path(rank)} cannot be removed ({exc})") from exc
+    gpu = client.welcome.device_uuid or "host"
+    expected, why = expected_donor(scope, rank, gpu)
+    donor = None
+    for info in client.buffers(owner_uid=os.getuid()):
+        if not scope.kept_name(rank, info.name):
+            continue
+        if info.name == expected:
+            donor = Donor.listed(info)
+        elif info.session_id == 0:
+            try:
+                client.delete(info.name)
+                log.info("hbmd freed %s (%s), a kept KV buffer of engine %s that no prefix index describes (a start "
+                         "that failed, or an older generation)", info.name, format_bytes(info.physical_bytes),
+                         scope.engine)
+            except HbmdError as exc:
+                log.warning("hbmd could not free %s (%s): the daemon frees it at its grace period's end", info.name,
+                            exc)
+    if expected is not None and donor is None:
+        why = f"the buffer its prefix index describes, {expected}, is gone (freed at its grace period's end?)"
+    name = f"{buffer_base(scope.engine, scope.dp, rank)}.{secrets.token_hex(GENERATION_HEX // 2)}"
+    _rank = KeptRank(scope, rank, name, gpu, donor, why)
+    if donor is not None:
         log.info("hbmd keeps this engine's KV cache: the predecessor's (%s, %s) is adopted at the final sizing",
-                 _rank.donor.name, format_bytes(_rank.donor.physical_bytes))
-    return {"name": _rank.name, "persistent": True, "keep_orphan_s": seconds(GRACE, DEFAULT_GRACE_S, MOST_S)}
+                 donor.name, format_bytes(donor.physical_bytes))
+    return {"name": name, "persistent": True, "keep_orphan_s": seconds(GRACE, DEFAULT_GRACE_S, MOST_S)}
+
+
+def note_created() -> None:
+    """This rank's buffer exists: its note says so, and that nothing is adopted yet (a note a predecessor left must
+    not speak for this engine)."""
+    if _rank is not None:
+        _rank.write_note()
 
 
 def donor_blocks(kv_cache: Any, donor: Donor) -> int:
@@ -187,26 +336,40 @@ def settle_donor(client: Any, capacities: list[int]) -> Donor | None:
     if rank is None or rank.donor is None:
         return None
     if rank.donor.segment_capacities != capacities:
-        log.warning("the kept KV cache %s is laid out for another model (%d segments, where this engine has %d): this "
-                    "engine starts with a cold cache; the daemon frees that one at its grace period's end",
-                    rank.donor.name, len(rank.donor.segment_capacities), len(capacities))
-        rank.donor = None
+        rank.cold(f"the kept KV cache {rank.donor.name} is laid out for another model "
+                  f"({len(rank.donor.segment_capacities)} segments, where this engine has {len(capacities)}; the "
+                  "daemon frees it at its grace period's end)")
         return None
     wait = seconds(WAIT, DEFAULT_WAIT_S, MOST_S)
     deadline = time.monotonic() + wait
     while rank.donor.held:
         if time.monotonic() >= deadline:
-            log.warning("the predecessor still holds %s after %g s: this engine starts with a cold cache",
-                        rank.donor.name, wait)
-            rank.donor = None
+            rank.cold(f"the predecessor still holds {rank.donor.name} after {wait:g} s ({WAIT})")
             return None
         time.sleep(WAIT_POLL_S)
         listed = client.buffers(name=rank.donor.name, owner_uid=os.getuid())
         if not listed:
-            rank.donor = None
+            rank.cold(f"the predecessor's {rank.donor.name} went while this engine waited for it")
             return None
         rank.donor = Donor.listed(listed[0])
     return rank.donor
+
+
+def make_room(client: Any, refusal: Exception) -> bool:
+    """A commit before the final sizing was refused: where this rank's donor, not grafted yet, holds the memory the
+    commit needs, free it (this engine starts cold, saying why) and say the commit may be tried again."""
+    rank = _rank
+    if rank is None or rank.donor is None or rank.donor.held or rank.adopted_from is not None:
+        return False
+    donor = rank.donor
+    rank.cold(f"its kept cache {donor.name} ({format_bytes(donor.physical_bytes)}) leaves too little of the budget "
+              f"for this engine's warm-up ({refusal}); it is freed")
+    try:
+        client.delete(donor.name)
+    except HbmdError as exc:
+        log.warning("hbmd could not free %s (%s)", donor.name, exc)
+        return False
+    return True
 
 
 def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
@@ -218,7 +381,8 @@ def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
     Never fewer than the predecessor's blocks: their memory is held already, and a graft takes all of them or
     none. The room left beside them may then fall short of the warm-up's and its tenth, by what the orphan's
     rounding up to whole chunks took from the budget, but never of what this engine's warm-up committed: that
-    warm-up fit in it, and the next engine's, of the same model and settings, commits as much."""
+    warm-up fit in it, and the next engine's, of the same model and settings, commits as much. A successor that
+    finds too little room anyway frees the kept cache and starts cold (:func:`make_room`)."""
 
     def measured(kv_cache: Any, *args: Any, **kwargs: Any) -> int:
         blocks = original(kv_cache, *args, **kwargs)
@@ -228,9 +392,11 @@ def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
         if donor is not None:
             adopted = donor_blocks(kv_cache, donor)
             blocks = min(kv_cache.capacity_blocks, blocks + adopted)
-        sized = max(1, adopted, blocks - warm_up_room(kv_cache))
+        room = warm_up_room(kv_cache)
+        sized = max(1, adopted, kv_cache.blocks_within(kv_cache.physical_bytes_for(blocks) - room))
         if blocks > sized:
-            log.info("hbmd keeps %d KV blocks free of this engine's cache for its successor's warm-up", blocks - sized)
+            log.info("hbmd keeps %d KV blocks (%s) free of this engine's cache for its successor's warm-up",
+                     blocks - sized, format_bytes(room))
         return sized
 
     measured.__wrapped__ = original  # type: ignore[attr-defined]
@@ -238,17 +404,18 @@ def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
 
 
 def warm_up_room(kv_cache: Any) -> int:
-    """The blocks a successor's warm-up commits before it can graft this cache: what this engine's warm-up
-    committed (the same model and settings warm up alike), and a tenth more. Left out of a kept cache, so that a
-    successor finds them free beside it even where the cache had the whole budget (on an H100 a successor could
-    not commit its first block otherwise)."""
+    """The bytes a successor's warm-up commits before it can graft this cache: what this engine's warm-up committed
+    (the same model and settings warm up alike), and a tenth more, each segment rounded up to whole granules as the
+    daemon charges it. Left out of a kept cache, so that a successor finds them free beside it even where the cache
+    had the whole budget (on an H100 a successor could not commit its first block otherwise)."""
     committed = kv_cache.num_committed_blocks
-    return committed + max(1, committed // 10)
+    return int(kv_cache.physical_bytes_for(committed + max(1, committed // 10)))
 
 
 def grafting(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap vLLM's ``extend_kv_cache`` (the final sizing, after warm-up) so that a keeping engine first adopts its
-    predecessor's pages in place of the warm-up's, then lets vLLM grow the rest."""
+    predecessor's pages in place of the warm-up's, then lets vLLM grow the rest; and so that a weight update of the
+    model it serves withdraws what this engine keeps (:func:`watch_weights`)."""
 
     def extend(runner: Any, kv_cache_config: Any, num_blocks: int) -> Any:
         kv_cache = getattr(runner, "extensible_kv_cache", None)
@@ -256,47 +423,87 @@ def grafting(original: Callable[..., Any]) -> Callable[..., Any]:
         if rank is not None and kv_cache is not None and hasattr(kv_cache.buffer, "graft"):
             from vllm.v1.worker.extensible_kv_cache import registers_kv_cache_memory
 
-            adopted_from = graft_donor(rank, kv_cache, num_blocks, registers_kv_cache_memory(runner.vllm_config))
-            rank.write_note(kv_cache.buffer.buffer_id, adopted_from)
+            graft_donor(rank, kv_cache, num_blocks, registers_kv_cache_memory(runner.vllm_config))
+            rank.write_note()
+            watch_weights(runner.get_model())
         return original(runner, kv_cache_config, num_blocks)
 
     extend.__wrapped__ = original  # type: ignore[attr-defined]
     return extend
 
 
-def graft_donor(rank: KeptRank, kv_cache: Any, num_blocks: int, registers: bool) -> int | None:
-    """Graft the predecessor's buffer under ``kv_cache``; returns its buffer id, or None (cold, said why). A donor
-    that cannot be adopted is deleted: the block count vLLM is about to commit counted its memory."""
+def graft_donor(rank: KeptRank, kv_cache: Any, num_blocks: int, registers: bool) -> None:
+    """Graft the predecessor's buffer under ``kv_cache`` (``rank.adopted_from`` says so), or start cold, saying why.
+    A donor that cannot be adopted is deleted: the block count vLLM is about to commit counted its memory."""
     donor = rank.donor
     if donor is None:
-        return None
+        return
     buffer = kv_cache.buffer
     blocks = donor_blocks(kv_cache, donor)
     why = None
     if registers:
         why = "a KV connector registers the cache, which vLLM remaps as one allocation per segment"
     elif blocks > num_blocks:
-        why = f"it holds {blocks} blocks, more than the {num_blocks} this engine has"
+        why = f"{donor.name} holds {blocks} blocks, more than the {num_blocks} this engine has"
     if why is None:
         buffer.release_physical()  # the warm-up's pages: vLLM's own scratch
         kv_cache.num_committed_blocks = 0
         try:
             buffer.graft(donor.name)
         except HbmdError as exc:
-            why = f"the daemon refused the graft: {exc}"
+            why = f"the daemon refused to graft {donor.name}: {exc}"
     if why is not None:
-        log.warning("hbmd cannot adopt the predecessor's KV cache %s (%s): this engine starts cold", donor.name, why)
+        rank.cold(why)
         try:
             buffer.client.delete(donor.name)
         except HbmdError as exc:
             log.warning("deleting %s failed (%s): the daemon frees it at its grace period's end", donor.name, exc)
-        rank.donor = None
-        return None
+        return
     kv_cache.num_committed_blocks = blocks
-    rank.grafted_blocks = blocks
+    rank.grafted_blocks, rank.adopted_from = blocks, donor.name
     log.info("adopted the predecessor's KV cache: %d blocks (%s) of %s, no copy", blocks,
              format_bytes(buffer.physical_bytes), donor.name)
-    return donor.buffer_id
+
+
+def weights_changed(what: str) -> None:
+    """The weights this engine serves changed in place (``what``: the call): KV computed before no longer matches
+    them, nor KV computed after the weights a successor loads. This rank's note says so (the scheduler keeps no index
+    where it sees that at start) and the index is withdrawn whole (a scheduler writing it finds out, and stops)."""
+    rank = _rank
+    if rank is None or rank.weights_changed:
+        return
+    rank.weights_changed = f"the weights were changed in place ({what})"
+    log.warning("hbmd: %s; this engine's prefix cache will not be kept", rank.weights_changed)
+    try:
+        rank.write_note()
+        withdraw_all(rank.scope.index_path(), rank.weights_changed)
+    except (OSError, KeepingOff) as exc:
+        log.error("hbmd could not withdraw the prefix index %s (%s): delete it before the next start",
+                  rank.scope.files(), exc)
+
+
+def changing_weights(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """Wrap a call that changes a model's weights in place so that it withdraws this engine's kept prefix index
+    first: a successor loads the weights from disk, not these."""
+
+    def change(*args: Any, **kwargs: Any) -> Any:
+        weights_changed(what)
+        return original(*args, **kwargs)
+
+    change.__wrapped__ = original  # type: ignore[attr-defined]
+    return change
+
+
+WEIGHT_UPDATES = ("reload_weights", "start_weight_update", "start_draft_weight_update", "reset_weights")
+"""vLLM 0.34's worker calls that change the weights it serves in place (RL weight sync among them)."""
+
+
+def watch_weights(model: Any) -> None:
+    """Withdraw the kept index at any later ``load_weights`` of the loaded ``model`` (what vLLM's own updates and a
+    trainer's worker extension call)."""
+    load = getattr(model, "load_weights", None)
+    if load is not None and not hasattr(load, "__wrapped__"):
+        model.load_weights = changing_weights(load, f"{type(model).__name__}.load_weights")
 
 
 def patch(extensible_kv_cache: Any) -> None:
@@ -312,14 +519,12 @@ def patch(extensible_kv_cache: Any) -> None:
 
 
 def patch_worker(worker: Any) -> None:
-    """vLLM's GPU worker imports ``extend_kv_cache`` by name: point that name at the grafting one too."""
+    """vLLM's GPU worker imports ``extend_kv_cache`` by name: point that name at the grafting one too; and withdraw
+    the kept index at each of its weight updates."""
     extend = getattr(worker, "extend_kv_cache", None)
     if extend is not None and not hasattr(extend, "__wrapped__"):
         worker.extend_kv_cache = grafting(extend)
-
-
-def note_created(buffer_id: int) -> None:
-    """This rank's buffer exists: its note says so, and that nothing is adopted yet (a note a predecessor left must
-    not speak for this engine)."""
-    if _rank is not None:
-        _rank.write_note(buffer_id, None)
+    for method in WEIGHT_UPDATES:
+        update = getattr(worker.Worker, method, None)
+        if update is not None and not hasattr(update, "__wrapped__"):
+            setattr(worker.Worker, method, changing_weights(update, f"Worker.{method}"))

@@ -14,46 +14,87 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from .kv_index import IndexWriter, NotAnIndex, Published, Superseded, read_index
-from .vllm_keep import engine_name, index_path, log, rank_note
+from .vllm_keep import KeepingOff, Scope, engine_name, log, read_note
+from .weights_key import checkpoint_fields
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SHOWN_CHANGES = 6
+"""How many of the fields that differ a cold start names, the rest counted."""
 
 
-def compatibility(vllm_config: Any, block_size: int, kv_cache_config: Any) -> dict[str, Any]:
+def compatibility(vllm_config: Any, block_size: int, kv_cache_config: Any) -> dict[str, str]:
     """Everything the KV bytes of a block depend on besides its tokens (which its hash covers, with the cache
-    salt, the LoRA and multimodal inputs): the model's weights, how the KV is computed and laid out, how block
-    hashes are made. A successor adopts only where every field is equal."""
-    import vllm
+    salt, the LoRA and multimodal inputs), as field names and digests: a successor adopts only where every field
+    is equal, and names those that are not.
+
+    What vLLM itself hashes to decide its compiled graphs are valid (``VllmConfig.compile_factors``: the model's
+    resolved config with its overrides, revision, dtype and quantization, the cache's dtype and layout, the
+    attention backend, parallelism, compilation; and ``vllm.envs.compile_factors``: the environment, the KV layout
+    among it, and vLLM's version), what it hashes prefixes with, the KV cache's groups and layout as the engine
+    core resolved them, and the weights' bytes as their files identify them (:func:`weights_identity`).
+    :class:`KeepingOff` where one of those cannot be told."""
+    from vllm import envs
     from vllm.v1.core import kv_cache_utils
 
-    from .weights_key import checkpoint_fields
-
-    model = vllm_config.model_config
+    try:
+        factors = {"config": vllm_config.compile_factors(), "env": envs.compile_factors()}
+    except (TypeError, ValueError) as exc:
+        raise KeepingOff(f"vLLM's configuration cannot be fingerprinted ({exc})") from exc
+    fields: dict[str, str] = {}
+    for part, sections in factors.items():
+        for section, value in sections.items():
+            if isinstance(value, dict) and part == "config":
+                fields.update((f"{part}.{section}.{name}", _digest(inner)) for name, inner in value.items())
+            else:
+                fields[f"{part}.{section}"] = _digest(value)
     cache = vllm_config.cache_config
-    parallel = vllm_config.parallel_config
-    folder = model.model if os.path.isdir(model.model) else None
-    weights: Any = {"model": model.model, "revision": model.revision}
-    if folder is not None:
-        files = sorted(os.path.join(folder, name) for name in os.listdir(folder)
-                       if name.endswith((".safetensors", ".bin", ".pt")))
-        weights = checkpoint_fields(folder, files)
     none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
-    return {
-        "vllm": vllm.__version__,
-        "weights": weights,
-        "load_format": str(vllm_config.load_config.load_format),
-        "dtype": str(model.dtype),
-        "quantization": str(model.quantization),
-        "kv_cache_dtype": str(cache.cache_dtype),
-        "block_size": block_size,
-        "kv_cache_groups": repr(kv_cache_config.kv_cache_groups),
-        "hash_algo": str(cache.prefix_caching_hash_algo),
-        "none_hash": hashlib.sha256(bytes(none_hash)).hexdigest() if none_hash is not None else None,
-        "tensor_parallel": parallel.tensor_parallel_size,
-        "pipeline_parallel": parallel.pipeline_parallel_size,
-        "lora": vllm_config.lora_config is not None,
-    }
+    fields.update({
+        "prefix.block_size": str(block_size),
+        "prefix.hash_block_size": str(getattr(cache, "hash_block_size", None)),
+        "prefix.match_unit": str(getattr(cache, "prefix_match_unit", None)),
+        "prefix.hash_algo": str(cache.prefix_caching_hash_algo),
+        "prefix.none_hash": hashlib.sha256(bytes(none_hash)).hexdigest() if none_hash is not None else "",
+        "prefix.lookahead_tokens": str(getattr(vllm_config, "num_hash_lookahead_tokens", 0)),
+        "kv.groups": _digest(repr(kv_cache_config.kv_cache_groups)),
+        "kv.layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
+    })
+    identity = weights_identity(vllm_config.model_config)
+    fields["weights.folder"] = _digest(identity["weights_dir"])
+    fields.update((f"weights.{entry['name']}", _digest(entry)) for entry in identity["weights_files"])
+    return fields
+
+
+def weights_identity(model_config: Any) -> dict[str, Any]:
+    """The weight files an engine of ``model_config`` reads, as :func:`~hbmd.integrations.weights_key.checkpoint_fields`
+    identifies them (each file's resolved path, size, times, device and inode): a local folder or file, or the
+    snapshot a hub model resolves to in the local Hugging Face cache (its folder names the revision).
+    :class:`KeepingOff` for weights from anywhere else (a URI, a hub model not in the cache)."""
+    source = getattr(model_config, "model_weights", "") or model_config.model
+    if not os.path.exists(source):
+        if "://" in source:
+            raise KeepingOff(f"the weights come from {source}, whose files hbmd cannot tell from another version's")
+        try:
+            from huggingface_hub import snapshot_download
+
+            source = snapshot_download(source, revision=model_config.revision, local_files_only=True)
+        except Exception as exc:  # the hub raises a dozen kinds for a model it does not have: none may stop the engine
+            raise KeepingOff(f"the weights of {source} are not in the local Hugging Face cache ({exc})") from exc
+    try:
+        if os.path.isdir(source):
+            files = sorted(os.path.join(source, name) for name in os.listdir(source) if name.endswith(WEIGHT_SUFFIXES))
+            return checkpoint_fields(source, files)
+        return checkpoint_fields(os.path.dirname(source) or ".", [source])
+    except OSError as exc:
+        raise KeepingOff(f"the weights at {source} cannot be looked at ({exc})") from exc
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
 def why_not_kept(scheduler: Any) -> str | None:
@@ -72,6 +113,11 @@ def why_not_kept(scheduler: Any) -> str | None:
     return None
 
 
+def scope_of(vllm_config: Any) -> Scope:
+    """The kept cache of this engine core: its name's, its data-parallel replica's."""
+    return Scope(engine_name(), vllm_config.parallel_config.data_parallel_index)
+
+
 class Keeper:
     """A scheduler's index: publishes computed blocks, withdraws reused ones, and at start adopts a predecessor's."""
 
@@ -81,6 +127,7 @@ class Keeper:
         self.pool = manager.block_pool
         self.blocks_of = manager.coordinator.single_type_managers[0].req_to_blocks
         self.block_size = scheduler.block_size
+        self.scope = scope_of(scheduler.vllm_config)
         self.world = scheduler.vllm_config.parallel_config.world_size
         self.epochs = [0] * len(self.pool.blocks)
         """Per block, how often it was withdrawn: a block withdrawn between its step's scheduling and its output
@@ -90,53 +137,58 @@ class Keeper:
         self.waiting: dict[int, list[tuple[int, int, bytes, int]]] = {}
         """Per scheduler output (by id), the blocks its step completes: (block id, epoch, hash, tokens)."""
         self.writer: IndexWriter | None = None
+        self.path = Path()
+        """The index, once :meth:`start` found its folder fit."""
 
     def start(self) -> None:
-        """Adopt what the predecessor's index publishes where it may, and begin this engine's index."""
+        """Adopt what the predecessor's index publishes where it may, and begin this engine's index;
+        :class:`KeepingOff` (nothing adopted, no index begun) where this engine cannot keep one."""
+        self.path = self.scope.index_path()
+        notes = [read_note(self.scope.note_path(rank)) for rank in range(self.world)]
+        for rank, note in enumerate(notes):
+            if note is None or not isinstance(note.get("buffer"), str) or not isinstance(note.get("gpu"), str):
+                raise KeepingOff(f"rank {rank} of this engine left no note of its kept buffer: it keeps none")
+            if note.get("weights_changed"):
+                raise KeepingOff(f"rank {rank}: {note['weights_changed']}")
         key = compatibility(self.scheduler.vllm_config, self.block_size, self.scheduler.kv_cache_config)
-        notes = [self.read_note(rank) for rank in range(self.world)]
         adopted: dict[int, Published] = {}
         try:
-            adopted, why = self.adoptable(key, notes)
+            adopted, why = self.adoptable(key, notes)  # type: ignore[arg-type]
         except (OSError, NotAnIndex, ValueError, KeyError, TypeError) as exc:
-            why = f"its index cannot be read ({exc})"
+            why = f"its index cannot be used ({exc})"
         if why is not None:
             log.info("hbmd: no kept prefix cache adopted (%s)", why)
         for block_id, block in adopted.items():
             self.pool._insert_block_hash(block.block_hash, self.pool.blocks[block_id], num_tokens=block.num_tokens)
         if adopted:
             log.info("hbmd: adopted %d cached KV blocks from the predecessor's prefix cache", len(adopted))
-        header = {"key": key, "buffers": [note["buffer_id"] if note else None for note in notes]}
+        header = {"key": key, "ranks": [{"buffer": note["buffer"], "gpu": note["gpu"]} for note in notes if note]}
         try:
-            self.writer = IndexWriter(index_path(), header, adopted)
-        except OSError as exc:
+            self.writer = IndexWriter(self.path, header, adopted)
+        except (OSError, TimeoutError) as exc:
             self.abandon(exc)
 
-    def read_note(self, rank: int) -> dict[str, Any] | None:
-        try:
-            note = json.loads(rank_note(rank).read_text())
-        except (OSError, ValueError):
-            return None
-        return note if isinstance(note, dict) else None
-
-    def adoptable(self, key: dict[str, Any], notes: list[dict[str, Any] | None]) -> tuple[dict[int, Published],
-                                                                                             str | None]:
+    def adoptable(self, key: dict[str, str], notes: list[dict[str, Any]]) -> tuple[dict[int, Published], str | None]:
         """The blocks this engine may adopt and, where none, why."""
-        if all(note is not None and note.get("adopted_from") is None for note in notes):
-            return {}, f"engine {engine_name()} left no KV cache to adopt"
-        if any(note is None or note.get("adopted_from") is None for note in notes):
-            return {}, "not every rank adopted its predecessor's buffer"
+        cold = [(rank, note.get("why_cold") or "it adopted no buffer") for rank, note in enumerate(notes)
+                if note.get("adopted_from") is None]
+        if cold:
+            return {}, "; ".join(why if len(notes) == 1 else f"rank {rank}: {why}" for rank, why in cold)
         try:
-            index = read_index(index_path())
+            index = read_index(self.path)
         except FileNotFoundError:
             return {}, "the predecessor left no index"
-        changed = sorted(field for field in set(key) | set(index.header.get("key", {}))
-                         if key.get(field) != index.header.get("key", {}).get(field))
+        if index.header.get("withdrawn"):
+            return {}, f"the predecessor withdrew its index: {index.header['withdrawn']}"
+        theirs = index.header.get("key", {})
+        changed = sorted(field for field in set(key) | set(theirs) if key.get(field) != theirs.get(field))
         if changed:
-            return {}, f"the predecessor's cache differs in {', '.join(changed)}"
-        if [note["adopted_from"] for note in notes if note] != index.header.get("buffers"):
+            more = f" and {len(changed) - SHOWN_CHANGES} more" if len(changed) > SHOWN_CHANGES else ""
+            return {}, f"the predecessor's cache differs in {', '.join(changed[:SHOWN_CHANGES])}{more}"
+        grafted = [{"buffer": note["adopted_from"], "gpu": note["gpu"]} for note in notes]
+        if grafted != index.header.get("ranks"):
             return {}, "the buffers grafted are not the ones the index describes"
-        limit = min(min(int(note["adopted_blocks"]) for note in notes if note), len(self.pool.blocks))
+        limit = min(min(int(note["adopted_blocks"]) for note in notes), len(self.pool.blocks))
         blocks = {block_id: block for block_id, block in index.blocks.items()
                   if 0 < block_id < limit and block.num_tokens > 0}
         return blocks, None if blocks else "the predecessor's index publishes no block"
@@ -150,8 +202,8 @@ class Keeper:
         for req_id in output.num_scheduled_tokens:
             request = self.scheduler.requests.get(req_id)
             blocks = self.blocks_of.get(req_id)
-            if request is None or not blocks:
-                continue
+            if request is None or not blocks or request.lora_request is not None:
+                continue  # a LoRA's blocks are hashed with its name and path, not its bytes: not kept
             looked, last = self.cursors.get(req_id, (0, -1))
             if looked > len(blocks) or (looked and blocks[looked - 1].block_id != last):
                 looked = 0  # preempted and scheduled again: its blocks are new
@@ -214,17 +266,17 @@ class Keeper:
     def abandon(self, exc: OSError) -> None:
         """The index cannot be written (its folder full or gone): the engine serves on without keeping its prefix
         cache, and the index goes, so that no successor trusts what the withdrawals it lost would have changed."""
+        path = self.path
         log.warning("hbmd cannot write the prefix index %s (%s): this engine's prefix cache will not be kept",
-                    index_path(), exc)
+                    path, exc)
         try:
             if self.writer is not None:
                 writer, self.writer = self.writer, None
                 writer.remove()
             else:
-                index_path().unlink(missing_ok=True)
-        except OSError as gone:
-            log.error("the prefix index %s could not be removed (%s): delete it before the next start", index_path(),
-                      gone)
+                path.unlink(missing_ok=True)
+        except (OSError, TimeoutError) as gone:
+            log.error("the prefix index %s could not be removed (%s): delete it before the next start", path, gone)
 
 
 def keeping_scheduler(scheduler_cls: Any) -> None:
@@ -240,12 +292,15 @@ def keeping_scheduler(scheduler_cls: Any) -> None:
         if keeper is False:
             keeper = None
             why = why_not_kept(self)
+            if why is None:
+                keeper = Keeper(self)
+                try:
+                    keeper.start()
+                    hook_pool(self.kv_cache_manager.block_pool, keeper)
+                except KeepingOff as exc:
+                    keeper, why = None, str(exc)
             if why is not None:
                 log.warning("hbmd cannot keep this engine's prefix cache: %s", why)
-            else:
-                keeper = Keeper(self)
-                keeper.start()
-                hook_pool(self.kv_cache_manager.block_pool, keeper)
             self.__dict__["_hbmd_keeper"] = keeper
         return keeper
 

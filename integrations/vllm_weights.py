@@ -66,6 +66,7 @@ import torch
 from hbmd.client import Client, Conflict, NotFound, default_client
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.client.weights import Weights, open_weights, write_weights
+from hbmd.integrations.settings import LOAD_FORMAT
 from hbmd.integrations.weights_key import checkpoint_fields, files_changes, not_a_store, storer_name
 from hbmd.proto.admin import SessionInfo
 from hbmd.proto.buffers import MAX_NAME, BufferInfo
@@ -98,7 +99,6 @@ from vllm.model_executor.model_loader.weight_cache.utils import (
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
 log = logging.getLogger("vllm.hbmd")
 
-LOAD_FORMAT = "hbmd"
 NAME_PREFIX = "vllm-weights"
 FORMAT = "vllm-weights-1"
 """What the buffer's manifest says it holds: vLLM's processed tensors, their kinds, tied aliases and model flags."""

@@ -53,8 +53,9 @@ def test_hbmd_has_every_public_member_of_vllms_class_with_a_compatible_signature
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in got[len(expected) :])
 
 
-def run_with_plugins(env: dict[str, str]) -> subprocess.CompletedProcess:
+def run_with_plugins(env: dict[str, str], argv: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     code = (
+        f"import sys\nsys.argv = {['vllm', *argv]!r}\n"
         "from vllm.plugins import load_general_plugins\n"
         "load_general_plugins()\n"
         "from vllm.v1.worker import extensible_kv_cache as m\n"
@@ -68,6 +69,14 @@ def test_the_plugin_is_inert_unless_the_operator_opts_in():
     out = run_with_plugins({})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "vllm.utils.extensible_tensor.ExtensibleTensor"
+
+
+def test_hbmds_load_format_without_the_opt_in_stops_vllm_saying_how_to_turn_hbmd_on():
+    out = run_with_plugins({}, ("serve", "m", "--load-format", "hbmd"))
+    assert out.returncode != 0 and "hbmd's vLLM plugin is off: set HBMD_VLLM=1" in out.stderr, out.stderr
+    assert plugin.asks_for_hbmd_loader(["vllm", "serve", "m", "--load_format=HBMD"])
+    assert not plugin.asks_for_hbmd_loader(["vllm", "serve", "hbmd", "--load-format", "auto", "--model", "hbmd"])
+    assert run_with_plugins({}, ("serve", "m", "--load-format", "auto")).returncode == 0
 
 
 def test_with_the_opt_in_vllms_kv_cache_resolves_to_hbmd():
@@ -207,7 +216,11 @@ def test_with_sleep_keep_vllms_kv_cache_sleeps_in_host_memory_and_wakes_with_its
 
     worker_sleep(None)
     status = observer.status()
-    assert kv.buffer.tier == "host" and status.committed_bytes == 0 and status.host_bytes == kv.physical_bytes > 0
+    assert kv.buffer.tier == "host" and status.committed_bytes == 0 and status.host_bytes > 0
+    # As vLLM's own class says of a cache released by sleep: nothing on the device. So a weight update while the
+    # engine sleeps borrows nothing of it ("Released by sleep"), which would discard the kept blocks.
+    assert kv.physical_bytes == 0 and vllm_on_hbmd._release_for_weight_update(
+        kv, None, reclaimable=True, fail_if_short=True) is False
     kv.recommit()  # vLLM's wake
     assert kv.buffer.tier == "device" and kv.num_committed_blocks == 300
     assert observer.status().committed_bytes == kv.physical_bytes and observer.status().host_bytes == 0
