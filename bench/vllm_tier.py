@@ -208,6 +208,9 @@ def engine_main(spec: dict[str, Any]) -> None:
             if level == 2:  # level 2 discarded the weights: vLLM's own reload brings them back from the checkpoint
                 llm.collective_rpc("reload_weights")
             say("woke", seconds=time.monotonic() - began)
+        elif step == "reload":
+            llm.collective_rpc("reload_weights")  # in place, from the checkpoint: what an RL weight sync does
+            say("reloaded")
         elif step == "pause":
             say("paused")
             wait_for_line("go")
@@ -676,6 +679,65 @@ def group_keep(tier: Tier, model: str, tag: str = "keep") -> None:
     tier.stop_daemon()
 
 
+KEEP_CHANGES = [
+    # label, CUDA graphs, what its start must find (None: not checked; "adopted"; else a phrase its log must say),
+    # its env, its vLLM options, the rope_theta its config.json says (None: as made), steps after its long request.
+    ("graphs", True, None, {}, {}, None, []),
+    ("graphs-again", True, "adopted", {}, {}, None, []),
+    ("eager", False, None, {}, {}, None, []),
+    ("layout", False, "env.VLLM_KV_CACHE_LAYOUT", {"VLLM_KV_CACHE_LAYOUT": "HND"}, {}, None, []),
+    ("overrides", False, "config.model.hf_config", {},
+     {"hf_overrides": {"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}}}, None, []),
+    ("config-json", False, "config.model.hf_config", {}, {}, 40000.0, []),
+    ("config-json-again", False, "adopted", {}, {}, 40000.0, ["reload"]),
+    ("after-reload", False, "the weights were changed in place (Worker.reload_weights)", {}, {}, 40000.0, []),
+]
+"""The keep-changes group's engines, in order, each the successor of the one before."""
+
+
+def group_keep_changes(tier: Tier, model: str) -> None:
+    """``HBMD_VLLM_KEEP_KV`` with CUDA graphs on, and successors that differ from their predecessor in one thing
+    their KV depends on (the KV layout, an ``--hf-overrides``, config.json, weights reloaded in place): each of those
+    starts cold and says why, and one that differs in nothing adopts, its tokens the predecessor's."""
+    tier.start_daemon("--budget", "40GiB")
+    tag = "keep-changes"
+    env = {"HBMD_VLLM_KEEP_KV": "1", "HBMD_VLLM_ENGINE": tag, "HBMD_VLLM_KV_INDEX_DIR": str(tier.work / "kv-index")}
+    config_json = Path(model) / "config.json"
+    made = config_json.read_text()
+    previous: Engine | None = None
+    try:
+        for label, graphs, expect, extra_env, options, theta, steps in KEEP_CHANGES:
+            config = json.loads(made)
+            if theta is not None:
+                config["rope_parameters"]["rope_theta"] = theta
+            config_json.write_text(json.dumps(config))
+            spec = {"model": model, "first_output": False, "long_len": KEEP_PREFIX_LEN, "eager": not graphs,
+                    "options": {"max_model_len": KEEP_PREFIX_LEN + 256, **options},
+                    "steps": ["long", "generate", *steps]}
+            engine = tier.run(f"{tag}-{label}", spec, True, {**env, **extra_env})
+            long, cacheable = engine.event("long"), cacheable_prefix(engine)
+            tier.figures.setdefault(f"{tag}_8k_prefix", {})[label] = {
+                "cached_tokens": long["cached"], "request_s": round(long["seconds"], 4),
+                "since_start_s": round(long["since_start"], 2)}
+            if expect == "adopted":
+                assert previous is not None
+                tier.check(f"{tag}-{label}: unchanged, it serves the 8k prefix from the adopted cache, its tokens its "
+                           "predecessor's", long["cached"] == cacheable
+                           and long["token"] == previous.event("long")["token"]
+                           and agree(previous.event("generate")["outputs"], engine.event("generate")["outputs"])["ok"],
+                           cached=long["cached"], cacheable=cacheable, seconds=round(long["seconds"], 4))
+            elif expect is not None:
+                said = [line for line in engine.log_text().splitlines() if "no kept prefix cache adopted" in line]
+                tier.check(f"{tag}-{label}: it starts cold and says why", long["cached"] == 0
+                           and any(expect in line for line in said), cached=long["cached"], said=said[-1:])
+            previous = engine
+    finally:
+        config_json.write_text(made)
+    left = [b["name"] for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith(f"vllm-{tag}-rank0")]
+    tier.check(f"{tag}: one kept cache is left, the last engine's", len(left) == 1, buffers=left)
+    tier.stop_daemon()
+
+
 def group_keep_big(tier: Tier, model: str) -> None:
     """The keep group with the big model, whose 8k-token prefill is long enough for adoption to show."""
     group_keep(tier, model, tag="keep-big")
@@ -683,7 +745,7 @@ def group_keep_big(tier: Tier, model: str) -> None:
 
 GROUPS = {"core": group_core, "sleep": group_sleep, "budget": group_budget, "faults": group_faults,
           "serve": group_serve, "big": group_big, "keep": group_keep,
-          "keep-big": group_keep_big}
+          "keep-big": group_keep_big, "keep-changes": group_keep_changes}
 BIG_MODEL_GROUPS = {"big", "keep-big"}
 
 
