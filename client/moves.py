@@ -73,18 +73,21 @@ class Moves(Transactions):
         return self
 
     def graft(self, name: str) -> Moves:
-        """Take the memory of this user's orphaned persistent buffer ``name``, data and all, into this tensor, at the
-        same offsets and without a copy; its segments' committed sizes become the orphan's.
+        """Take the memory of this user's orphaned persistent buffer ``name``, data and all, into this tensor, each
+        chunk at the same offset of its segment and without a copy; its segments' committed sizes become the
+        orphan's.
 
         How a restarted engine adopts the KV cache its predecessor left: it
-        makes its own tensor of the same layout first (the address its CUDA
+        makes its own tensor of as many segments first (the address its CUDA
         graphs capture), lets go of every page (:meth:`release_physical`),
         then grafts. ``base_ptr``, views and captured graphs stay valid. The
         orphan's record and name are gone afterwards; its bytes are charged to
         this session's tenant, and the tensor grows on as any other.
 
         Raises, with this tensor as it was: ``InvalidRequest`` where the
-        layouts differ (capacity, segment capacities, ``shareable``), this
+        layouts differ (the number of segments, ``shareable``; where segment
+        capacities differ, an orphan's chunk that would not fit its segment
+        here, or segments not on granules), this
         tensor has bytes committed or is sealed, or the orphan is sealed,
         demoted or mid-defragment; ``NotFound`` for no orphan ``name`` of this
         user; ``Conflict`` while a live session holds it; ``OutOfBudget``

@@ -321,8 +321,8 @@ class Client:
 
     def graft(self, buffer_id: int, name: str) -> Delivery:
         """Take every chunk of this user's orphaned persistent buffer ``name`` into this session's empty buffer
-        ``buffer_id`` of the same layout, at the same offsets; the delivery brings them all (see
-        :class:`~hbmd.proto.Graft`)."""
+        ``buffer_id`` of as many segments, each chunk at the same offset of its segment; the delivery brings them all
+        (see :class:`~hbmd.proto.Graft`)."""
         self._need_minor(11, "grafts")
         return self._deliver(Graft(buffer_id, name))
 

@@ -255,13 +255,16 @@ class Attach(Request[Committed]):
 @message("buffer.graft")
 class Graft(Request[Committed]):
     """Take every chunk of this user's orphaned persistent buffer ``name``, with its data, into this session's buffer
-    ``buffer_id``, at the same offsets (1.11); every chunk comes back to map.
+    ``buffer_id``, each at the same offset of its segment (1.11); every chunk comes back to map.
 
     How a restarted engine adopts the memory its predecessor left: it made
     its own buffer first (the address its CUDA graphs captured), let go of
     every page of it, and maps the orphan's chunks in its place, without a
-    copy. The two buffers have the same layout (capacity, segment capacities,
-    ``shareable``); ``buffer_id`` has nothing committed and is not sealed;
+    copy. The two buffers have as many segments and the same ``shareable``;
+    where their segment capacities differ (a restarted vLLM's reservation is
+    a few blocks longer or shorter), each chunk must lie within its segment
+    in both and the segments start on granules (hbmd 0.3.0 and older refuse any
+    other capacities); ``buffer_id`` has nothing committed and is not sealed;
     the orphan is not sealed, on the device (not demoted) and not
     mid-defragment. Its bytes, charged already, are charged to this session's
     tenant from now on (its maximum and others' guarantees hold); its record

@@ -274,8 +274,12 @@ class StateMachine(RuleBasedStateMachine):
         if orphans and successor:
             orphan, session = data.draw(st.sampled_from(sorted(orphans, key=lambda p: (p[0].buffer_id,
                                                                                         p[1].session_id))))
-            self.attempt(self.state.create_buffer, session, orphan.capacity, 1, "", False, orphan.shareable,
-                         orphan.segment_capacities)
+            # As often a reservation a granule longer or shorter per segment (a restarted vLLM's, its profiled
+            # memory moved): each chunk moves with its segment, or the graft is refused whole.
+            grown = data.draw(st.sampled_from([0, 0, 1, -1])) * self.state.backend.granularity
+            capacities = [max(capacity + grown, 1) for capacity in orphan.segment_capacities]
+            self.attempt(self.state.create_buffer, session, sum(capacities), 1, "", False, orphan.shareable,
+                         capacities)
             target = max(session.buffers.values(), key=lambda b: b.buffer_id, default=None)
         else:
             target = self.owned(data) if any(b.owner for b in self.state.buffers.values()) else None

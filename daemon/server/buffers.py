@@ -95,7 +95,7 @@ class BufferRequests(RequestHandlers[A, C]):
 
     @handles(Graft)
     def graft(self, conn: HandleConnection[A, C], request_id: int, msg: Graft) -> Committed:
-        """Give an orphan's chunks to the session's empty buffer of the same layout; all of them come to map there."""
+        """Give an orphan's chunks to the session's empty buffer of as many segments; all of them come to map there."""
         self.plane.outbox.check_reading(conn)
         session = conn.opened_session
         buffer = self.plane.unless_holder_exited(lambda: self.state.graft(session, msg.buffer_id, msg.name))

@@ -3,8 +3,9 @@
 A session's *detach* (or its end) makes its persistent buffer an orphan,
 and an *attach* by name gives the orphan to a session of the same user.
 A *graft* gives an orphan's chunks, with their data, to a session's own
-empty buffer of the same layout, at the same offsets: how a restarted engine
-adopts what its predecessor left, at the address its own buffer already has.
+empty buffer of as many segments, each chunk at the same offset of its
+segment: how a restarted engine adopts what its predecessor left, at the
+address its own buffer already has.
 A *grace period* (``keep_orphan_s``, chosen at the buffer's creation) frees
 an orphan nobody attached or grafted within it.
 
@@ -16,6 +17,7 @@ kept as seconds left would start over at every restart.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -136,11 +138,13 @@ class Orphans(Generic[A, C]):
         donor = self.buffers.orphan(session.uid, name)
         _check_graftable(donor)
         self.buffers.check_handed_out(donor)
-        _check_same_layout(target, donor)
+        shifts = _segment_shifts(target, donor, self.buffers.backend.granularity)
         moved = donor.physical_bytes
         self.tenants.admit_transfer(donor.tenant, target.tenant, moved, f"grafting orphan {name!r}")
         self.buffers.account(donor, mapped=-moved)
         self.buffers.account(target, mapped=moved)
+        for chunk in donor.chunks:
+            chunk.offset += shifts[_segment_of(donor, chunk.offset)]
         target.chunks, donor.chunks = donor.chunks, []
         target.segment_sizes, donor.segment_sizes = donor.segment_sizes, [0] * donor.num_segments
         # A chunk is made in its buffer's arena and exported and released through it (the Backend interface), so the
@@ -220,12 +224,41 @@ def _layout(buffer: Buffer[Any, Any]) -> str:
             f"{', shareable' if buffer.shareable else ''}")
 
 
-def _check_same_layout(target: Buffer[Any, Any], donor: Buffer[Any, Any]) -> None:
-    """Refuse buffers whose chunks would not lie at the same offsets of the same segments in both."""
-    if (target.capacity, target.segment_capacities, target.shareable) != (
-            donor.capacity, donor.segment_capacities, donor.shareable):
+def _segment_of(buffer: Buffer[Any, Any], offset: int) -> int:
+    return bisect.bisect_right(buffer.segment_offsets, offset) - 1
+
+
+def _segment_shifts(target: Buffer[Any, Any], donor: Buffer[Any, Any], granule: int) -> list[int]:
+    """How far each segment's chunks move from ``donor`` to ``target``: each chunk keeps its offset within its
+    segment. Refuses buffers of other segment counts or chunk kinds, and, where the segments lie elsewhere, a chunk
+    that is not within its segment or a move that is not whole granules, and a segment whose committed bytes the
+    target's does not hold. Same capacities: nothing moves (a granule two segments share is grafted as it is).
+
+    Segments of other capacities are what a restarted vLLM has where its profiled memory moved a little (CUDA graphs
+    make it vary run to run): its reservation is a few blocks longer or shorter, its layers as they were."""
+    if (target.num_segments, target.shareable) != (donor.num_segments, donor.shareable):
         raise InvalidRequest(
             f"orphan {donor.name!r} has another layout than buffer {target.buffer_id}: {_layout(donor)}, not "
             f"{_layout(target)}",
             buffer_id=target.buffer_id, field="layout",
         )
+    if target.segment_capacities == donor.segment_capacities:
+        return [0] * donor.num_segments
+    shifts = [mine - theirs for mine, theirs in zip(target.segment_offsets, donor.segment_offsets)]
+    why = ""
+    if any(shift % granule for shift in shifts):
+        why = "its segments do not start on granules, so its chunks cannot move"
+    for chunk in donor.chunks:
+        segment = _segment_of(donor, chunk.offset)
+        end = chunk.offset - donor.segment_offsets[segment] + chunk.size
+        if end > min(donor.segment_capacities[segment], target.segment_capacities[segment]):
+            why = why or (f"its chunk at {chunk.offset} ends {end} bytes into segment {segment}, past the "
+                          f"{target.segment_capacities[segment]} bytes of buffer {target.buffer_id}'s, or straddles "
+                          "two segments")
+    if why:
+        raise InvalidRequest(
+            f"orphan {donor.name!r} cannot be grafted into buffer {target.buffer_id}: {why} ({_layout(donor)}, "
+            f"not {_layout(target)})",
+            buffer_id=target.buffer_id, field="layout",
+        )
+    return shifts
