@@ -685,12 +685,12 @@ KEEP_CHANGES = [
     ("graphs", True, None, {}, {}, None, []),
     ("graphs-again", True, "adopted", {}, {}, None, []),
     ("eager", False, None, {}, {}, None, []),
-    ("layout", False, "env.VLLM_KV_CACHE_LAYOUT", {"VLLM_KV_CACHE_LAYOUT": "HND"}, {}, None, []),
     ("overrides", False, "config.model.hf_config", {},
      {"hf_overrides": {"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}}}, None, []),
     ("config-json", False, "config.model.hf_config", {}, {}, 40000.0, []),
     ("config-json-again", False, "adopted", {}, {}, 40000.0, ["reload"]),
     ("after-reload", False, "the weights were changed in place (Worker.reload_weights)", {}, {}, 40000.0, []),
+    ("layout", False, "env.VLLM_KV_CACHE_LAYOUT", {"VLLM_KV_CACHE_LAYOUT": "HND"}, {}, 40000.0, []),
 ]
 """The keep-changes group's engines, in order, each the successor of the one before."""
 

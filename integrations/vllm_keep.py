@@ -297,15 +297,9 @@ def kept_tensor_options(client: Any, scope: Scope, rank: int) -> dict[str, Any]:
             continue
         if info.name == expected:
             donor = Donor.listed(info)
-        elif info.session_id == 0:
-            try:
-                client.delete(info.name)
-                log.info("hbmd freed %s (%s), a kept KV buffer of engine %s that no prefix index describes (a start "
-                         "that failed, or an older generation)", info.name, format_bytes(info.physical_bytes),
-                         scope.engine)
-            except HbmdError as exc:
-                log.warning("hbmd could not free %s (%s): the daemon frees it at its grace period's end", info.name,
-                            exc)
+        elif info.session_id == 0 and _free(client, info.name):
+            log.info("hbmd freed %s (%s), a kept KV buffer of engine %s that no prefix index describes (a start that "
+                     "failed, or an older generation)", info.name, format_bytes(info.physical_bytes), scope.engine)
     if expected is not None and donor is None:
         why = f"the buffer its prefix index describes, {expected}, is gone (freed at its grace period's end?)"
     name = f"{buffer_base(scope.engine, scope.dp, rank)}.{secrets.token_hex(GENERATION_HEX // 2)}"
@@ -330,15 +324,20 @@ def donor_blocks(kv_cache: Any, donor: Donor) -> int:
 
 def settle_donor(client: Any, capacities: list[int]) -> Donor | None:
     """This rank's donor once no live session holds it (waiting up to ``HBMD_VLLM_KEEP_KV_WAIT_S``), None where
-    there is none, the predecessor runs on, or its layout is not this engine's (``capacities``, per segment: another
-    model under this engine's name, which the daemon would refuse to graft)."""
+    there is none, the predecessor runs on, or its layout cannot be this engine's (``capacities``, per segment:
+    another model under this engine's name, which the daemon would refuse to graft; that one is freed now, before
+    vLLM measures what memory it has)."""
     rank = _rank
     if rank is None or rank.donor is None:
         return None
-    if rank.donor.segment_capacities != capacities:
-        rank.cold(f"the kept KV cache {rank.donor.name} is laid out for another model "
-                  f"({len(rank.donor.segment_capacities)} segments, where this engine has {len(capacities)}; the "
-                  "daemon frees it at its grace period's end)")
+    donor = rank.donor
+    if len(donor.segment_capacities) != len(capacities) or any(
+            size > capacity for size, capacity in zip(donor.segment_sizes, capacities)):
+        rank.cold(f"the kept KV cache {donor.name} is laid out for another model ({len(donor.segment_capacities)} "
+                  f"segments of up to {max(donor.segment_sizes, default=0)} bytes committed, where this engine has "
+                  f"{len(capacities)} of {min(capacities, default=0)} bytes or more)")
+        if not donor.held:
+            _free(client, donor.name)
         return None
     wait = seconds(WAIT, DEFAULT_WAIT_S, MOST_S)
     deadline = time.monotonic() + wait
@@ -355,6 +354,16 @@ def settle_donor(client: Any, capacities: list[int]) -> Donor | None:
     return rank.donor
 
 
+def _free(client: Any, name: str) -> bool:
+    """Delete the orphan ``name``; False (logged) where the daemon refuses."""
+    try:
+        client.delete(name)
+        return True
+    except HbmdError as exc:
+        log.warning("hbmd could not free %s (%s): the daemon frees it at its grace period's end", name, exc)
+        return False
+
+
 def make_room(client: Any, refusal: Exception) -> bool:
     """A commit before the final sizing was refused: where this rank's donor, not grafted yet, holds the memory the
     commit needs, free it (this engine starts cold, saying why) and say the commit may be tried again."""
@@ -364,12 +373,7 @@ def make_room(client: Any, refusal: Exception) -> bool:
     donor = rank.donor
     rank.cold(f"its kept cache {donor.name} ({format_bytes(donor.physical_bytes)}) leaves too little of the budget "
               f"for this engine's warm-up ({refusal}); it is freed")
-    try:
-        client.delete(donor.name)
-    except HbmdError as exc:
-        log.warning("hbmd could not free %s (%s)", donor.name, exc)
-        return False
-    return True
+    return _free(client, donor.name)
 
 
 def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
@@ -385,9 +389,9 @@ def counting_kept_blocks(original: Callable[..., int]) -> Callable[..., int]:
     finds too little room anyway frees the kept cache and starts cold (:func:`make_room`)."""
 
     def measured(kv_cache: Any, *args: Any, **kwargs: Any) -> int:
-        blocks = original(kv_cache, *args, **kwargs)
         client = getattr(kv_cache.buffer, "client", None)
         donor = settle_donor(client, list(kv_cache.buffer.segment_capacities)) if client is not None else None
+        blocks = original(kv_cache, *args, **kwargs)
         adopted = 0
         if donor is not None:
             adopted = donor_blocks(kv_cache, donor)
@@ -454,10 +458,7 @@ def graft_donor(rank: KeptRank, kv_cache: Any, num_blocks: int, registers: bool)
             why = f"the daemon refused to graft {donor.name}: {exc}"
     if why is not None:
         rank.cold(why)
-        try:
-            buffer.client.delete(donor.name)
-        except HbmdError as exc:
-            log.warning("deleting %s failed (%s): the daemon frees it at its grace period's end", donor.name, exc)
+        _free(buffer.client, donor.name)
         return
     kv_cache.num_committed_blocks = blocks
     rank.grafted_blocks, rank.adopted_from = blocks, donor.name

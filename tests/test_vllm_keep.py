@@ -499,12 +499,15 @@ def four_layers_of(vllm_cache, blocks: int = 600):
     return vllm_cache.ExtensibleKVCache(config, torch.device("cpu"), layout), config
 
 
+@pytest.mark.parametrize("capacity", [600, 800], ids=["same reservation", "a longer one"])
 def test_a_successor_grafts_its_predecessors_blocks_in_place_of_its_warm_ups_and_counts_them(
-        kept, daemon, keeping_cache, monkeypatch):
+        kept, daemon, keeping_cache, monkeypatch, capacity):
+    """``capacity``: the successor's reservation in blocks, the predecessor's 600 or (its profiled memory moved, as
+    CUDA graphs make it) 800, where each layer's segment is 8 MiB, not 6, and lies elsewhere."""
     monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
     donor = kill_a_predecessor(daemon, kept)
     observer = daemon.connect(observer=True)
-    kv, config = four_layers_of(keeping_cache)
+    kv, config = four_layers_of(keeping_cache, capacity)
     assert vllm_keep.Scope("e", 0).kept_name(0, kv.buffer.name) and kv.buffer.name != donor and kv.buffer.persistent
     base = kv.allocate(kv.size).data_ptr()
     kv.commit(50)  # warm-up: its garbage in the blocks the predecessor's cache holds
@@ -593,8 +596,11 @@ def test_an_index_folder_another_user_made_first_keeps_nothing_and_stops_nothing
     assert "belongs to uid 65534" in keep_log.text and list(kept.iterdir()) == []
 
 
-def test_a_kept_cache_of_another_layout_is_left_alone_and_the_engine_starts_cold(kept, monkeypatch):
+def test_a_kept_cache_of_another_layout_is_freed_before_vllm_measures_and_the_engine_starts_cold(kept, monkeypatch):
     donor = vllm_keep.Donor("vllm-e-rank0.00000000000a", [4 << 20] * 12, [2 << 20] * 12, 24 << 20, held=False)
     monkeypatch.setattr(vllm_keep, "_rank", vllm_keep.KeptRank(vllm_keep.Scope("e", 0), 0, "n", "host", donor))
-    assert vllm_keep.settle_donor(None, [8 << 20] * 4) is None  # another model under the engine's name: no graft
+    freed = []
+    daemon = types.SimpleNamespace(delete=freed.append)
+    assert vllm_keep.settle_donor(daemon, [8 << 20] * 4) is None  # another model under the engine's name: no graft
     assert vllm_keep._rank.donor is None and "laid out for another model" in vllm_keep._rank.why_cold
+    assert freed == [donor.name]  # its memory is free again when vLLM measures what it has
