@@ -322,6 +322,10 @@ class Metrics:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         if not beside_predecessor:
             with socket.socket(family, socket.SOCK_STREAM) as probe:
+                # As the server binds (allow_reuse_address): the connections of the last daemon's scrapes wait out
+                # their TIME_WAIT on this port for a minute, and must not keep a restart from it. Without
+                # SO_REUSEPORT the probe still fails on a port another socket listens on.
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind((host, port))
         server_class: type[_BoundedServer] = type("MetricsServer", (_BoundedServer,), {"address_family": family})
         self._httpd = make_server(host, port, self.app, server_class, _QuietHandler)

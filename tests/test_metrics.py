@@ -81,6 +81,22 @@ def test_metrics_match_what_clients_committed(start_daemon):
     a.close()
 
 
+def test_a_daemon_starts_again_on_its_metrics_port_right_after_a_scrape(start_daemon):
+    """Each scrape leaves its connection in TIME_WAIT on the daemon's side for a minute: a restart (systemd's 100 ms
+    RestartSec, a container's) must bind the port all the same."""
+    port = free_port()
+    first = start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as scraper:
+        scraper.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := scraper.recv(65536):  # to the daemon's hang-up: it closes first, and keeps the TIME_WAIT
+            answer += chunk
+    assert b"hbmd_budget_bytes" in answer
+    assert first.stop() == 0
+    again = start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    assert "hbmd_budget_bytes" in page(port) and again.alive()
+
+
 def test_a_busy_metrics_port_is_a_clear_startup_error(run_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
