@@ -237,12 +237,20 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
         server = Server(
             state, paths, lock=lock, notifier=notifier, group=settings.group, metrics=metrics, persistence=persistence,
             check_invariants=args.check_invariants, resume_window_s=args.resume_timeout,
-            device_lock=DeviceLock(args.device_lock_dir, backend.device_uuid) if backend.device_uuid else None,
+            device_lock=_device_lock(args, backend),
             listening=listening,
         )
     except HandlerTableError as exc:
         raise Refusal(f"this hbmd build is inconsistent: {exc}", 1) from None
     return Daemon(args, backend, why, budget, paths, notifier, server, handover)
+
+
+def _device_lock(args: argparse.Namespace, backend: Backend[Any, Any]) -> DeviceLock | None:
+    """The lock of what the daemon serves: its GPU, whatever the instance's name; host memory, unless an
+    ``--instance-name`` says that this is a second host pool, meant to serve beside the node's."""
+    if not backend.device_uuid and args.instance_name:
+        return None
+    return DeviceLock(args.device_lock_dir, backend.device_uuid)
 
 
 def _budget(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:

@@ -236,9 +236,10 @@ def run_after_quick_start(command: Command) -> Outcome:
     try:
         bin_dir = checkout_after_quick_start(home)
         run_dir = home / ".hbmd"
-        # The quick start's daemon (no --budget: half of the RAM), checking its invariants as the conftest's do.
+        # The quick start's daemon (no --budget: half of the RAM), checking its invariants as the conftest's do, and
+        # locking host memory in its own directory: two commands run at once, each beside its own.
         daemon = DaemonProcess(run_dir, "--backend", "host", "--log-level", "debug", "--check-invariants",
-                               log_path=home / "hbmd.log").start()
+                               "--device-lock-dir", str(home), log_path=home / "hbmd.log").start()
         try:
             env = {key: value for key, value in os.environ.items() if not key.startswith(("HBMD_", "XDG_"))}
             env.update(HOME=str(home), HBMD_RUN_DIR=str(run_dir), PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")

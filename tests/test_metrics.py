@@ -104,7 +104,7 @@ def test_a_busy_metrics_port_is_a_clear_startup_error(run_dir):
         port = taken.getsockname()[1]
         out = subprocess.run(
             [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir),
-             "--metrics-addr", f"127.0.0.1:{port}"],
+             "--device-lock-dir", str(run_dir), "--metrics-addr", f"127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=60,
         )
     assert out.returncode == 1 and "--metrics-addr" in out.stderr and "Traceback" not in out.stderr
