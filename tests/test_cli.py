@@ -251,6 +251,22 @@ def test_status_shows_every_instance_of_a_node(two_instances):
     assert out.returncode == 0 and "host2: not running" in out.stderr and "not running" in out.stdout
 
 
+def test_a_dead_instance_is_reported_alike_whether_it_is_the_only_one_or_one_of_several(daemon):
+    """As test_status_shows_every_instance_of_a_node reports one killed beside another: a row that says so, a line on
+    stderr, and exit 1 where no instance answered at all."""
+    rd = str(daemon.run_dir)
+    daemon.kill()  # killed, so its instance.json stays behind
+    out = hbmctl("--run-dir", rd, "--json", "status", "--timeout", "2")
+    [record] = json.loads(out.stdout)["instances"]
+    assert (record["instance"], record["state"], record["committed_bytes"]) == ("host", "not running", None)
+    assert out.returncode == 1 and "hbmctl: host: not running: no hbmd is serving" in out.stderr
+    assert "choose another" not in out.stderr  # the run directory is the right one: its daemon is gone
+    header, row = hbmctl("--run-dir", rd, "status", "--timeout", "2").stdout.splitlines()
+    assert header.split()[:2] == ["INSTANCE", "BACKEND"] and row.split()[:3] == ["host", "not", "running"]
+    out = hbmctl("--run-dir", rd, "--json", "sessions", "--timeout", "2")
+    assert out.returncode == 1 and out.stdout == "" and "hbmctl: host: not running: " in out.stderr
+
+
 def deaf_worker(daemon, spawn_worker):
     """A worker that never answers a reclaim, and its session id."""
     worker = spawn_worker(daemon, """
