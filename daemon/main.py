@@ -37,6 +37,7 @@ from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
 from .server.device_lock import DeviceLock
 from .server.loop import HANDOVER_TIMEOUT_S
 from .state import Limits, State
+from .state.records import Buffer
 
 log = logging.getLogger("hbmd.daemon")
 
@@ -350,15 +351,37 @@ def run(daemon: Daemon[A, C]) -> int:
 
 
 def _warn_of_what_is_lost(state: State[Any, Any]) -> None:
-    """Name the persistent buffers a stop destroys where nothing keeps them (no FD store, no successor): what an
-    operator stopping the daemon may not know it is giving up."""
-    kept = [buffer for buffer in state.buffers.values() if buffer.persistent]
-    if kept:
-        names = ", ".join(repr(buffer.name) for buffer in kept[:10]) + (" ..." if len(kept) > 10 else "")
-        log.warning("stopping with nothing to keep them (no service manager's FD store, no --takeover): %d persistent "
-                    "buffers (%s, %d sealed, %d held by no session) are destroyed: %s", len(kept),
-                    format_bytes(sum(b.physical_bytes for b in kept)), sum(b.sealed for b in kept),
-                    sum(b.owner is None for b in kept), names)
+    """Say what a stop gives up of the persistent buffers where nothing keeps the chunks (no FD store, no successor):
+    what an operator stopping the daemon may not know.
+
+    A buffer no process maps is lost. One a live session (or a sealed
+    buffer's reader) maps stays in that process, which declares it again to
+    the next daemon (a cold restart), data and all; but that daemon holds no
+    handle to it, so it cannot hand it to another process, and it goes with
+    the last process that maps it.
+    """
+    persistent = [buffer for buffer in state.buffers.values() if buffer.persistent]
+    lost = [buffer for buffer in persistent if buffer.owner is None and not buffer.readers]
+    mapped = [buffer for buffer in persistent if buffer.owner is not None or buffer.readers]
+    said = []
+    if lost:
+        said.append(f"{len(lost)} persistent buffers no process maps are lost ({_bytes_of(lost)}, "
+                    f"{sum(b.sealed for b in lost)} sealed): {_names_of(lost)}")
+    if mapped:
+        said.append(f"{len(mapped)} that live processes map stay mapped there ({_bytes_of(mapped)}), declared again "
+                    "to the next daemon, but persistent no more: no other process can attach them, and they go with "
+                    f"the last process that maps them: {_names_of(mapped)}")
+    if said:
+        log.warning("stopping with nothing to keep the chunks (no service manager's FD store, no --takeover): %s",
+                    "; ".join(said))
+
+
+def _bytes_of(buffers: list[Buffer[Any, Any]]) -> str:
+    return format_bytes(sum(b.physical_bytes for b in buffers))
+
+
+def _names_of(buffers: list[Buffer[Any, Any]]) -> str:
+    return ", ".join(repr(b.name) for b in buffers[:10]) + (" ..." if len(buffers) > 10 else "")
 
 
 def _linger() -> None:
