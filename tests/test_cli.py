@@ -298,6 +298,32 @@ def test_json_has_one_shape_whatever_the_node_and_null_for_what_does_not_exist(d
 
 
 @pytest.mark.torch
+def test_json_says_null_of_what_does_not_exist_where_it_said_0_or_nothing(daemon, spawn_worker):
+    rd = str(daemon.run_dir)
+    with daemon.connect() as engine:
+        kv = ExtensibleTensor(8 * MiB, "cpu", client=engine, name="kv", persistent=True)
+        kv.resize_(2 * MiB)
+        weights = ExtensibleTensor(8 * MiB, "cpu", client=engine, name="weights", persistent=True)
+        weights.resize_(2 * MiB)
+        weights.seal()
+        for orphan in (kv, weights):
+            orphan.detach()
+    buffers = json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]
+    assert [(b["name"], b["session_id"]) for b in buffers] == [("kv", None), ("weights", None)]  # orphans: no session
+    [sealed] = json.loads(hbmctl("--run-dir", rd, "--json", "weights").stdout)["weights"]
+    assert sealed["session_id"] is None
+    worker, session_id = deaf_worker(daemon, spawn_worker)
+    [session] = json.loads(hbmctl("--run-dir", rd, "--json", "sessions").stdout)["sessions"]
+    assert [session[key] for key in ("reclaim_state", "reclaim_requested_bytes", "reclaim_released_bytes")] == [
+        None, None, None]  # never asked
+    out = hbmctl("--run-dir", rd, "--json", "reclaim", "--session", str(session_id), "--bytes", "1MiB")
+    asked = json.loads(out.stdout)
+    assert out.returncode == 0 and (asked["state"], asked["released_bytes"]) == ("pending", None)  # not waited for
+    worker.send("done")
+    assert worker.wait() == 0
+
+
+@pytest.mark.torch
 def test_watch_writes_status_as_a_csv_time_series(daemon, client):
     ExtensibleTensor(16 * MiB, "cpu", client=client).resize_(6 * MiB)
     returncode, out, err = watch_for_a_while(daemon, "-o", "csv")
