@@ -468,10 +468,13 @@ class State(Generic[A, C]):
         grows to ``sizes``: what the client mapped, paid from its credit.
 
         One chunk per run the growth needs, each shown by the backend to be
-        what it claims; otherwise nothing changes.
+        what it claims; otherwise nothing changes. A bind taken already
+        (sent again after a restart) changes nothing either, and is no error.
         """
         buffer = self.buffer_table.growable(session, buffer_id)
         self.leases.check_segments(buffer_id, sizes)
+        if self.leases.bound_before(session, buffer, sizes, offsets, chunk_sizes):
+            return buffer
         runs = self.buffer_table.growth(buffer, sizes)
         self.buffer_table.grow(buffer, sizes, self.leases.bind(session, buffer, runs, offsets, chunk_sizes, fds))
         session.grown_at = self.clock()
