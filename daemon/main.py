@@ -51,11 +51,13 @@ def select_backend(
 ) -> tuple[Backend[Any, Any], str]:
     """The backend named by ``--backend`` and a note on why it was chosen.
 
-    ``auto`` takes CUDA where a driver and the device are usable, else host.
+    ``auto`` takes CUDA where a driver and the device are usable, else host:
+    as expected where no NVIDIA driver is loaded, and said plainly then; as
+    a fault to mend where one is.
     """
     if kind == "host":
         return HostBackend(host_pool_bytes, host_piece), "as asked"
-    from hbmd.driver import CudaUnavailable
+    from hbmd.driver import CudaUnavailable, driver_loaded
     from hbmd.proto.errors import HbmdError
 
     from .backends.cuda import CudaBackend
@@ -66,7 +68,8 @@ def select_backend(
     except (CudaUnavailable, HbmdError) as exc:
         if kind == "cuda":
             raise BackendUnavailable(f"CUDA backend unusable for GPU {device}: {exc}") from None
-        return HostBackend(host_pool_bytes, host_piece), f"auto: CUDA unusable ({exc})"
+        why = f"auto: CUDA unusable: {exc}" if driver_loaded() else "auto: no NVIDIA driver is loaded here"
+        return HostBackend(host_pool_bytes, host_piece), why
 
 
 def raise_fd_limit() -> None:
@@ -442,7 +445,7 @@ def _bind(daemon: Daemon[Any, Any]) -> str | None:
 def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
     """The first log line says what serves where; then what the warm pool holds back."""
     args, backend = daemon.args, daemon.backend
-    # Host memory where a GPU may have been expected deserves more than INFO.
+    # Host memory where a driver says a GPU may have been expected deserves more than INFO.
     log.log(
         logging.WARNING if daemon.why.startswith("auto: CUDA unusable") else logging.INFO,
         "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s%s",
