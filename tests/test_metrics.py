@@ -253,6 +253,37 @@ def test_orphaned_persistent_buffers_are_counted_until_attached_again(start_daem
         assert value(samples, "hbmd_orphaned_bytes") == 0 and value(samples, "hbmd_committed_bytes") == 6 * MiB
 
 
+def test_a_tenant_whose_guarantee_holds_memory_back_has_its_series_and_status_row_before_its_first_use(
+    start_daemon, run_dir
+):
+    """An alert on such a tenant had no series, and status no row, until a session was charged to it; a tenant with
+    no guarantee still shows once in use: a config may name tens of thousands (``bench/tenants_bench.py``)."""
+    config = run_dir / "tenants.toml"
+    config.write_text('[[tenants]]\nname = "idle"\nmax = "64MiB"\nguaranteed = "32MiB"\n\n'
+                      '[[tenants]]\nuid = 4242\nguaranteed = "16MiB"\n\n[[tenants]]\nname = "capped"\nmax = "8MiB"\n')
+    port = free_port()
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config), "--metrics-addr", f"127.0.0.1:{port}")
+    samples = scrape(port)
+    for name, value_of_it in [("hbmd_tenant_guaranteed_bytes", 32 * MiB), ("hbmd_tenant_max_bytes", 64 * MiB),
+                              ("hbmd_tenant_used_bytes", 0), ("hbmd_tenant_committed_bytes", 0),
+                              ("hbmd_tenant_sessions", 0)]:
+        assert value(samples, name, tenant="idle") == value_of_it, name
+    assert value(samples, "hbmd_tenant_tier_bytes", tenant="idle", tier="device") == 0
+    assert value(samples, "hbmd_tenant_guaranteed_bytes", tenant="uid:4242") == 16 * MiB
+    assert ("hbmd_tenant_max_bytes", (("hbmd_instance", "host"), ("tenant", "uid:4242"))) not in samples  # none
+    assert not any(dict(labels).get("tenant") == "capped" for _, labels in samples)
+    out = hbmctl("--run-dir", str(daemon.run_dir), "--json", "status")
+    [status] = json.loads(out.stdout)["instances"]
+    listed = {t["name"]: (t["used_bytes"], t["guaranteed_bytes"], t["max_bytes"]) for t in status["tenants"]}
+    assert listed["idle"] == (0, 32 * MiB, 64 * MiB) and listed["uid:4242"] == (0, 16 * MiB, None)
+    assert "capped" not in listed
+    rows = hbmctl("--run-dir", str(daemon.run_dir), "status").stdout.splitlines()
+    assert any(row.split()[:2] == ["idle", "0"] for row in rows), rows
+    with daemon.connect(tenant="capped") as worker:  # once in use, as before
+        assert value(scrape(port), "hbmd_tenant_max_bytes", tenant="capped") == 8 * MiB
+        assert "capped" in {t.name for t in worker.status().tenants}
+
+
 @pytest.mark.system
 def test_config_reloads_show_in_metrics_and_in_hbmctl_status(start_daemon, run_dir):
     port = free_port()
