@@ -278,6 +278,22 @@ def test_the_documents_have_the_commands_a_reader_needs():
     assert modes == {m for c in run for m in re.findall(r"engine\.py (\S+)", c.text)}
 
 
+README_MOST_LINES = 600
+"""How long the README may grow: what a reader takes in before deciding; the rest goes to ARCHITECTURE.md, SECURITY.md,
+deploy/README.md and bench/README.md."""
+
+
+def test_the_readme_is_short_and_its_quick_start_two_commands_that_say_where_the_second_terminal_finds_the_daemon():
+    """The snippets, hbmctl and the examples run in the quick start's second terminal, where they found the daemon only
+    if the reader knew to set HBMD_RUN_DIR there (they failed naming /run/hbmd)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MOST_LINES
+    start = lines.index("## Quick start")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    assert len([c for c in COMMANDS if c.path == "README.md" and start < c.line <= end]) == 2
+    assert "`export HBMD_RUN_DIR=~/.hbmd` in that second terminal" in "\n".join(lines[start:end])
+
+
 def test_every_command_left_out_is_still_documented():
     documented = {c.key for c in COMMANDS}
     stale = [key for key in NOT_RUN if key not in documented]
