@@ -646,7 +646,7 @@ def group_keep(tier: Tier, model: str, tag: str = "keep") -> None:
     first.wait()
     kept = [b for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith(f"vllm-{tag}-rank0")]
     tier.check("a SIGKILLed keeping engine leaves its KV cache in hbmd, held by no session",
-               len(kept) == 1 and kept[0]["physical_bytes"] > 0 and kept[0]["session_id"] == 0, kept=kept)
+               len(kept) == 1 and kept[0]["physical_bytes"] > 0 and kept[0]["session_id"] is None, kept=kept)
     tier.take_over("--budget", "40GiB")
     runs = []
     for number in (2, 3):

@@ -10,9 +10,11 @@ bytes and seconds. With several instances under the run directory and no
 ``--instance``, ``status``, ``sessions``, ``buffers``, ``weights`` and
 ``watch`` show every instance, as ``nvidia-smi`` shows every GPU: ``status``
 one row per instance, the listings each instance's rows after an
-``INSTANCE`` column. An instance that does not answer is named on stderr,
-the others are shown, and the exit code is 1: a partial listing never
-passes for a whole one.
+``INSTANCE`` column. An instance that does not answer is named on stderr
+and marked so in status, however many there are; the others are shown,
+and the exit code is 1: a partial listing never passes for a whole one.
+An instance nothing serves (its daemon killed) is no failure of the node,
+unless nothing serves any.
 
 JSON has one shape per command whatever the node: ``status`` is always
 ``{"instances": [...]}`` (one record each, ``error`` null where it
@@ -87,12 +89,14 @@ def ask_every_instance(
     for them all (None where none answered), a complaint for each instance that did not answer, and a note for each
     that nothing serves.
 
-    One instance's output is its own, and its error is raised. Of several,
-    status shows one row each, those that did not answer marked so, and a
+    One instance's output is its own, and an error other than its daemon
+    being unavailable is raised. Of several, status shows one row each, and a
     listing the rows of those that answered, after an INSTANCE column. An
-    instance nothing serves (a daemon killed leaves its directory, until
-    the next one of the instance clears it) is reported so, not as a
-    failure, unless nothing serves any of them.
+    instance that did not answer is reported alike whatever their number: a
+    status row that says so (``unreachable``, or ``not running`` where
+    nothing serves it: a daemon killed leaves its directory, until the next
+    one of the instance clears it), and a line on stderr. One nothing serves
+    is no failure of the node, unless nothing serves any of them.
     """
     answers: dict[str, list[Output]] = {command: [] for command in commands}
     failures: list[str] = []
@@ -102,7 +106,7 @@ def ask_every_instance(
             with open_client(args, name) as client:
                 outputs = ask(client, name, commands, args)
         except HbmdError as exc:
-            if len(names) == 1:
+            if len(names) == 1 and not isinstance(exc, DaemonUnavailable):
                 raise
             gone = bool(exc.details.get("not_running"))
             state = NOT_RUNNING if gone else UNREACHABLE_STATE
@@ -113,10 +117,10 @@ def ask_every_instance(
                 outputs["status"] = Output({"instances": [record]}, "", STATUS_COLUMNS, [record])
         for command, output in outputs.items():
             answers[command].append(output)
-    if len(names) == 1:
-        return {command: listed[0] for command, listed in answers.items()}, failures, notes
     if len(notes) == len(names):
         failures, notes = notes, []
+    if len(names) == 1:
+        return {command: listed[0] if listed else None for command, listed in answers.items()}, failures, notes
     return {command: _side_by_side(listed) for command, listed in answers.items()}, failures, notes
 
 

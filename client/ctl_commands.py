@@ -7,7 +7,7 @@ import dataclasses
 import time
 from typing import Any
 
-from hbmd.proto import StatusReply
+from hbmd.proto import SessionInfo, StatusReply
 from hbmd.proto.errors import NotFound
 from hbmd.proto.units import format_bytes
 
@@ -200,8 +200,16 @@ SESSION_COLUMNS = [
 
 
 def cmd_sessions(client: Client, args: argparse.Namespace) -> Output:
-    sessions = [none_for_negative(as_dict(s), "reclaim_released_bytes") for s in client.sessions()]
+    sessions = [_session_record(s) for s in client.sessions()]
     return Output({"sessions": sessions}, "", SESSION_COLUMNS, sessions, "no sessions")
+
+
+def _session_record(session: SessionInfo) -> dict[str, Any]:
+    """A session as JSON: a reclaim never asked has no state and no figures (null), not "" and 0."""
+    record = none_for_empty(as_dict(session), "reclaim_state")
+    if record["reclaim_state"] is None:
+        record["reclaim_requested_bytes"] = None
+    return none_for_negative(record, "reclaim_released_bytes")
 
 
 def _session_state(session: dict[str, Any]) -> str:
@@ -267,7 +275,8 @@ BUFFER_COLUMNS = [
 
 
 def cmd_buffers(client: Client, args: argparse.Namespace) -> Output:
-    buffers = [none_for_empty(as_dict(b), "orphaned_at", "expires_at", "last_holder", "last_holder_pid")
+    # An orphan is held by no session: null, where the wire says 0.
+    buffers = [none_for_empty(as_dict(b), "session_id", "orphaned_at", "expires_at", "last_holder", "last_holder_pid")
                for b in client.buffers(args.session)]
     return Output({"buffers": buffers}, "", BUFFER_COLUMNS, buffers, "no buffers")
 
@@ -285,7 +294,7 @@ WEIGHTS_COLUMNS = [
 
 def cmd_weights(client: Client, args: argparse.Namespace) -> Output:
     """Sealed buffers: the models resident on the device, each read by its engines from one copy."""
-    weights = [as_dict(b) for b in client.buffers() if b.sealed]
+    weights = [none_for_empty(as_dict(b), "session_id") for b in client.buffers() if b.sealed]
     return Output({"weights": weights}, "", WEIGHTS_COLUMNS, weights, "no sealed weights")
 
 
@@ -323,7 +332,9 @@ def cmd_reclaim(client: Client, args: argparse.Namespace) -> Output:
     """Ask a session for memory; with ``--wait``, wait for its answer, and exit 4 where none came."""
     size = args.bytes
     sent = client.reclaim(reclaim_target(client, args), size)
-    data = {"reclaim_id": sent.reclaim_id, "session_id": sent.session_id, "pid": sent.pid, "requested_bytes": size}
+    # Not waited for, the answer is not known: pending, as the daemon has it until the session answers.
+    data = {"reclaim_id": sent.reclaim_id, "session_id": sent.session_id, "pid": sent.pid, "requested_bytes": size,
+            "state": "pending", "released_bytes": None}
     text = f"asked session {sent.session_id} (pid {sent.pid}) to release {format_bytes(size)}"
     if args.wait == 0:
         return Output(data, text)

@@ -287,7 +287,7 @@ class Recovery:
     def _reconcile_lease(self, leased: list[int], anew: bool) -> None:
         """Agree with the resumed daemon on the lease: placements it never read are sent again, granules it does not
         record are let go of, those it records and this process lacks are given back; binds are sent again (one it
-        had read is refused, changing nothing) and the credit all given back.
+        had read it finds taken already, and changes nothing) and the credit all given back.
 
         On a session started over (``anew``) nothing is sent again: what
         this process maps is declared instead.

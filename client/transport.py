@@ -70,10 +70,18 @@ class HandleChannel:
         self.sock.settimeout(timeout)
         try:
             self._connect(time.monotonic() + timeout)
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
+        except FileNotFoundError as exc:
             self.sock.close()
             raise DaemonUnavailable(
                 f"no hbmd is serving {self.path}: {exc.strerror} ({paths.origin})", path=self.path, not_running=True
+            ) from None
+        except ConnectionRefusedError as exc:
+            # The socket is there and nothing listens: the daemon that bound it is gone (connects made while one
+            # hands over or restarts under systemd wait in the backlog instead). The run directory is the right one.
+            self.sock.close()
+            raise DaemonUnavailable(
+                f"no hbmd is serving {self.path}: {exc.strerror} (its daemon is gone: killed, or it crashed; the next "
+                "daemon of the instance replaces it)", path=self.path, not_running=True
             ) from None
         except PermissionError:
             self.sock.close()

@@ -85,12 +85,17 @@ class Config:
     """The uids with a ``[[tenants]] uid = N`` entry of their own."""
     guaranteed_bytes: int = dataclasses.field(init=False, repr=False, compare=False)
     """The guaranteed minimums of all tenants together."""
+    guaranteeing: tuple[TenantLimits, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    """The tenants with a guaranteed minimum, by name: what they are owed is held back from the others, in use or
+    not, so status and the metrics show them from the start."""
 
     def __post_init__(self) -> None:
         # Indexed once, as the file is read: a SIGHUP reload reads it outside the server's lock.
         object.__setattr__(self, "by_name", {t.name: t for t in self.tenants})
         object.__setattr__(self, "own_uids", frozenset(t.uid for t in self.tenants if t.uid is not None))
         object.__setattr__(self, "guaranteed_bytes", sum(t.guaranteed_bytes for t in self.tenants))
+        object.__setattr__(self, "guaranteeing",
+                           tuple(sorted((t for t in self.tenants if t.guaranteed_bytes), key=lambda t: t.name)))
 
 
 def _ids(where: str, value: Any) -> frozenset[int]:

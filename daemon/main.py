@@ -37,6 +37,7 @@ from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
 from .server.device_lock import DeviceLock
 from .server.loop import HANDOVER_TIMEOUT_S
 from .state import Limits, State
+from .state.records import Buffer
 
 log = logging.getLogger("hbmd.daemon")
 
@@ -50,11 +51,13 @@ def select_backend(
 ) -> tuple[Backend[Any, Any], str]:
     """The backend named by ``--backend`` and a note on why it was chosen.
 
-    ``auto`` takes CUDA where a driver and the device are usable, else host.
+    ``auto`` takes CUDA where a driver and the device are usable, else host:
+    as expected where no NVIDIA driver is loaded, and said plainly then; as
+    a fault to mend where one is.
     """
     if kind == "host":
         return HostBackend(host_pool_bytes, host_piece), "as asked"
-    from hbmd.driver import CudaUnavailable
+    from hbmd.driver import CudaUnavailable, driver_loaded
     from hbmd.proto.errors import HbmdError
 
     from .backends.cuda import CudaBackend
@@ -65,7 +68,8 @@ def select_backend(
     except (CudaUnavailable, HbmdError) as exc:
         if kind == "cuda":
             raise BackendUnavailable(f"CUDA backend unusable for GPU {device}: {exc}") from None
-        return HostBackend(host_pool_bytes, host_piece), f"auto: CUDA unusable ({exc})"
+        why = f"auto: CUDA unusable: {exc}" if driver_loaded() else "auto: no NVIDIA driver is loaded here"
+        return HostBackend(host_pool_bytes, host_piece), why
 
 
 def raise_fd_limit() -> None:
@@ -237,12 +241,20 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
         server = Server(
             state, paths, lock=lock, notifier=notifier, group=settings.group, metrics=metrics, persistence=persistence,
             check_invariants=args.check_invariants, resume_window_s=args.resume_timeout,
-            device_lock=DeviceLock(args.device_lock_dir, backend.device_uuid) if backend.device_uuid else None,
+            device_lock=_device_lock(args, backend),
             listening=listening,
         )
     except HandlerTableError as exc:
         raise Refusal(f"this hbmd build is inconsistent: {exc}", 1) from None
     return Daemon(args, backend, why, budget, paths, notifier, server, handover)
+
+
+def _device_lock(args: argparse.Namespace, backend: Backend[Any, Any]) -> DeviceLock | None:
+    """The lock of what the daemon serves: its GPU, whatever the instance's name; host memory, unless an
+    ``--instance-name`` says that this is a second host pool, meant to serve beside the node's."""
+    if not backend.device_uuid and args.instance_name:
+        return None
+    return DeviceLock(args.device_lock_dir, backend.device_uuid)
 
 
 def _budget(args: argparse.Namespace, backend: Backend[Any, Any]) -> int:
@@ -342,15 +354,37 @@ def run(daemon: Daemon[A, C]) -> int:
 
 
 def _warn_of_what_is_lost(state: State[Any, Any]) -> None:
-    """Name the persistent buffers a stop destroys where nothing keeps them (no FD store, no successor): what an
-    operator stopping the daemon may not know it is giving up."""
-    kept = [buffer for buffer in state.buffers.values() if buffer.persistent]
-    if kept:
-        names = ", ".join(repr(buffer.name) for buffer in kept[:10]) + (" ..." if len(kept) > 10 else "")
-        log.warning("stopping with nothing to keep them (no service manager's FD store, no --takeover): %d persistent "
-                    "buffers (%s, %d sealed, %d held by no session) are destroyed: %s", len(kept),
-                    format_bytes(sum(b.physical_bytes for b in kept)), sum(b.sealed for b in kept),
-                    sum(b.owner is None for b in kept), names)
+    """Say what a stop gives up of the persistent buffers where nothing keeps the chunks (no FD store, no successor):
+    what an operator stopping the daemon may not know.
+
+    A buffer no process maps is lost. One a live session (or a sealed
+    buffer's reader) maps stays in that process, which declares it again to
+    the next daemon (a cold restart), data and all; but that daemon holds no
+    handle to it, so it cannot hand it to another process, and it goes with
+    the last process that maps it.
+    """
+    persistent = [buffer for buffer in state.buffers.values() if buffer.persistent]
+    lost = [buffer for buffer in persistent if buffer.owner is None and not buffer.readers]
+    mapped = [buffer for buffer in persistent if buffer.owner is not None or buffer.readers]
+    said = []
+    if lost:
+        said.append(f"{len(lost)} persistent buffers no process maps are lost ({_bytes_of(lost)}, "
+                    f"{sum(b.sealed for b in lost)} sealed): {_names_of(lost)}")
+    if mapped:
+        said.append(f"{len(mapped)} that live processes map stay mapped there ({_bytes_of(mapped)}), declared again "
+                    "to the next daemon, but persistent no more: no other process can attach them, and they go with "
+                    f"the last process that maps them: {_names_of(mapped)}")
+    if said:
+        log.warning("stopping with nothing to keep the chunks (no service manager's FD store, no --takeover): %s",
+                    "; ".join(said))
+
+
+def _bytes_of(buffers: list[Buffer[Any, Any]]) -> str:
+    return format_bytes(sum(b.physical_bytes for b in buffers))
+
+
+def _names_of(buffers: list[Buffer[Any, Any]]) -> str:
+    return ", ".join(repr(b.name) for b in buffers[:10]) + (" ..." if len(buffers) > 10 else "")
 
 
 def _linger() -> None:
@@ -411,7 +445,7 @@ def _bind(daemon: Daemon[Any, Any]) -> str | None:
 def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
     """The first log line says what serves where; then what the warm pool holds back."""
     args, backend = daemon.args, daemon.backend
-    # Host memory where a GPU may have been expected deserves more than INFO.
+    # Host memory where a driver says a GPU may have been expected deserves more than INFO.
     log.log(
         logging.WARNING if daemon.why.startswith("auto: CUDA unusable") else logging.INFO,
         "hbmd %s serving instance %s: backend %s (%s)%s, granule %s, budget %s of %s; control %s, handles %s%s",

@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="size of the host-tier chunks a demote is cut into and the pool makes ahead, whole "
                              "granules (default: %(default)s)")
     parser.add_argument("--instance-name", type=instance_name, metavar="NAME",
-                        help="serve under <run-dir>/NAME instead of gpu<N> or host, e.g. a second host pool")
+                        help="serve under <run-dir>/NAME instead of gpu<N> or host, e.g. a second host pool (one "
+                             "named is not refused as a second host daemon of the node)")
     parser.add_argument("--warm-chunks", type=granule_count, default=None, metavar="N",
                         help="CUDA: keep N granules created and exported ahead of time, set aside from the budget, "
                              "so a one-granule commit through the daemon (a session without a lease, or one whose "
@@ -176,9 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "pressure, all sessions' leases within an 8th of the budget; 0 turns it off "
                              "(default: %(default)s)")
     parser.add_argument("--device-lock-dir", metavar="DIR", default=DEFAULT_RUN_DIR,
-                        help="where every daemon of this node locks the GPU it serves by UUID, so that a second one "
-                             "(another run directory, a container) is refused: one directory for the whole node, "
-                             "writable by the service's user only (default: %(default)s)")
+                        help="where every daemon of this node locks the GPU it serves by UUID, or host memory, so "
+                             "that a second one (another run directory, a container) is refused: one directory for "
+                             "the whole node, writable by the service's user only; a daemon that cannot write it locks "
+                             "by a name only the daemons of its network namespace see. A host daemon with an "
+                             "--instance-name takes no lock (default: %(default)s)")
     parser.add_argument("--takeover", action="store_true",
                         help="take over from the daemon serving this instance: it hands over its sessions, buffers "
                              "and memory and stops once this one serves, so clients resume here without a gap "

@@ -43,12 +43,18 @@ def _bindings() -> Any:
     return driver
 
 
-def bindings_to_install(version_file: str = DRIVER_VERSION_FILE) -> str:
+def driver_loaded() -> bool:
+    """Whether an NVIDIA kernel module is loaded on this node: without one, no CUDA is to be expected here."""
+    return os.path.exists(DRIVER_VERSION_FILE)
+
+
+def bindings_to_install(version_file: str | None = None) -> str:
     """The cuda-bindings this node's driver runs, as an install that works wherever hbmd came from: the bindings by
     their own name (13.x needs an R580 or newer driver, 12.x R525 or newer), or hbmd's extra of the same pin from a
-    checkout or a built wheel (pyproject's ``cuda13``/``cuda12``)."""
+    checkout or a built wheel (pyproject's ``cuda13``/``cuda12``). ``version_file``: the driver's, by default
+    :data:`DRIVER_VERSION_FILE`."""
     try:
-        with open(version_file, encoding="utf-8") as f:
+        with open(version_file or DRIVER_VERSION_FILE, encoding="utf-8") as f:
             found = re.search(r"\s(\d+)\.\d+(?:\.\d+)?\s", f.read())
     except OSError:
         found = None

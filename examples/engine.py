@@ -148,6 +148,10 @@ def daemon_for(args: argparse.Namespace) -> Iterator[str | None]:
     temporary = args.run_dir is None
     if temporary:
         args.run_dir = Path(tempfile.mkdtemp(prefix="hbmd-", dir="/tmp"))
+    if backend == "host":
+        # A small pool of the run's own, meant to serve beside any other host daemon (a quick start's): it locks host
+        # memory in its run directory, apart from theirs.
+        options += ["--device-lock-dir", str(args.run_dir)]
     try:
         start = time.perf_counter()
         daemon = DaemonProcess(args.run_dir, *options, log_path=args.work_dir / "hbmd.log").start()

@@ -82,10 +82,12 @@ class Lanes:
 class DaemonProcess(spawn.DaemonProcess):
     """An ``hbmd`` subprocess on the host backend (unless told otherwise), logging at debug and checking its
     invariants after every batch of requests (``--check-invariants``: it exits with ``EXIT_INVARIANT_VIOLATED``
-    where one does not hold); killed in teardown."""
+    where one does not hold); killed in teardown. It locks its device in its own run directory, so that it meets no
+    daemon of another test, another suite or the machine (one of a quick start)."""
 
     def __init__(self, run_dir: Path, *args: str, backend: str = "host", **launch) -> None:
-        super().__init__(run_dir, "--backend", backend, "--log-level", "debug", "--check-invariants", *args, **launch)
+        super().__init__(run_dir, "--backend", backend, "--log-level", "debug", "--check-invariants",
+                         "--device-lock-dir", str(run_dir), *args, **launch)
 
     def connect(self, **kwargs) -> Client:
         return connect(run_dir=self.run_dir, instance=self.instance, **kwargs)

@@ -251,6 +251,22 @@ def test_status_shows_every_instance_of_a_node(two_instances):
     assert out.returncode == 0 and "host2: not running" in out.stderr and "not running" in out.stdout
 
 
+def test_a_dead_instance_is_reported_alike_whether_it_is_the_only_one_or_one_of_several(daemon):
+    """As test_status_shows_every_instance_of_a_node reports one killed beside another: a row that says so, a line on
+    stderr, and exit 1 where no instance answered at all."""
+    rd = str(daemon.run_dir)
+    daemon.kill()  # killed, so its instance.json stays behind
+    out = hbmctl("--run-dir", rd, "--json", "status", "--timeout", "2")
+    [record] = json.loads(out.stdout)["instances"]
+    assert (record["instance"], record["state"], record["committed_bytes"]) == ("host", "not running", None)
+    assert out.returncode == 1 and "hbmctl: host: not running: no hbmd is serving" in out.stderr
+    assert "choose another" not in out.stderr  # the run directory is the right one: its daemon is gone
+    header, row = hbmctl("--run-dir", rd, "status", "--timeout", "2").stdout.splitlines()
+    assert header.split()[:2] == ["INSTANCE", "BACKEND"] and row.split()[:3] == ["host", "not", "running"]
+    out = hbmctl("--run-dir", rd, "--json", "sessions", "--timeout", "2")
+    assert out.returncode == 1 and out.stdout == "" and "hbmctl: host: not running: " in out.stderr
+
+
 def deaf_worker(daemon, spawn_worker):
     """A worker that never answers a reclaim, and its session id."""
     worker = spawn_worker(daemon, """
@@ -277,6 +293,32 @@ def test_json_has_one_shape_whatever_the_node_and_null_for_what_does_not_exist(d
                                     "config_reload_failed_at")] == [None] * 5
     [session] = json.loads(hbmctl("--run-dir", rd, "--json", "sessions").stdout)["sessions"]
     assert session["reclaim_state"] == "pending" and session["reclaim_released_bytes"] is None
+    worker.send("done")
+    assert worker.wait() == 0
+
+
+@pytest.mark.torch
+def test_json_says_null_of_what_does_not_exist_where_it_said_0_or_nothing(daemon, spawn_worker):
+    rd = str(daemon.run_dir)
+    with daemon.connect() as engine:
+        kv = ExtensibleTensor(8 * MiB, "cpu", client=engine, name="kv", persistent=True)
+        kv.resize_(2 * MiB)
+        weights = ExtensibleTensor(8 * MiB, "cpu", client=engine, name="weights", persistent=True)
+        weights.resize_(2 * MiB)
+        weights.seal()
+        for orphan in (kv, weights):
+            orphan.detach()
+    buffers = json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]
+    assert [(b["name"], b["session_id"]) for b in buffers] == [("kv", None), ("weights", None)]  # orphans: no session
+    [sealed] = json.loads(hbmctl("--run-dir", rd, "--json", "weights").stdout)["weights"]
+    assert sealed["session_id"] is None
+    worker, session_id = deaf_worker(daemon, spawn_worker)
+    [session] = json.loads(hbmctl("--run-dir", rd, "--json", "sessions").stdout)["sessions"]
+    assert [session[key] for key in ("reclaim_state", "reclaim_requested_bytes", "reclaim_released_bytes")] == [
+        None, None, None]  # never asked
+    out = hbmctl("--run-dir", rd, "--json", "reclaim", "--session", str(session_id), "--bytes", "1MiB")
+    asked = json.loads(out.stdout)
+    assert out.returncode == 0 and (asked["state"], asked["released_bytes"]) == ("pending", None)  # not waited for
     worker.send("done")
     assert worker.wait() == 0
 

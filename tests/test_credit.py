@@ -489,3 +489,25 @@ def test_a_sealed_chunk_is_told_apart_from_what_only_looks_like_one():
             assert not memfd.is_sealed_chunk(fd, GRANULE), make.__name__
         finally:
             os.close(fd)
+
+
+@pytest.mark.torch
+@pytest.mark.system
+def test_a_takeover_of_a_session_that_committed_on_credit_warns_of_nothing(start_daemon):
+    """The client sends its binds the daemon has not confirmed again to the successor, which has them from its
+    predecessor: it used to refuse each at WARNING ("the growth needs one chunk per run"), changing nothing."""
+    first = start_daemon("--budget", "256MiB")
+    client = first.connect()
+    t = ExtensibleTensor(64 * MiB, "cpu", client=client, name="kv", persistent=True)
+    credited(client, t, 8 * MiB, 16 * MiB)
+    sent = client.requests_sent
+    t.resize_(24 * MiB)  # on credit: the bind goes with no reply, so the client keeps it to send again
+    ctypes.memset(t.base_ptr + 8 * MiB, 4, 16 * MiB)
+    assert client.requests_sent == sent
+    second = start_daemon("--budget", "256MiB", "--takeover")
+    info = daemon_view(client, t)  # this call resumes the session, and the bind goes again first
+    assert info.segment_sizes == [24 * MiB] and info.physical_bytes == 24 * MiB and info.num_chunks == 2
+    assert set(ctypes.string_at(t.base_ptr + 8 * MiB, 16 * MiB)) == {4}
+    assert [line for line in second.log().splitlines() if " WARNING " in line] == []
+    assert client.status().committed_bytes == 24 * MiB
+    client.close()

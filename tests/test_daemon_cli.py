@@ -232,7 +232,8 @@ sys.exit(main.main(sys.argv[1:]))
 def test_a_daemon_checking_its_invariants_exits_at_the_first_that_does_not_hold(run_dir):
     launcher = [sys.executable, "-c", MISCOUNTING_DAEMON]
     with DaemonProcess(
-        run_dir, "--backend", "host", "--budget", "64MiB", "--check-invariants", command=launcher
+        run_dir, "--backend", "host", "--budget", "64MiB", "--check-invariants", "--device-lock-dir", str(run_dir),
+        command=launcher,
     ) as daemon:
         with connect(run_dir=run_dir, instance=daemon.instance, lease=False, resume_timeout=0.5) as client:
             buffer = client.create_buffer(8 * MiB)
@@ -243,7 +244,7 @@ def test_a_daemon_checking_its_invariants_exits_at_the_first_that_does_not_hold(
     assert f"an invariant does not hold: committed {4 * MiB} != {2 * MiB} in chunks" in daemon.log()
     assert "Traceback" not in daemon.log()
     # It left as a crashed daemon leaves: the next one takes over the instance directory.
-    with DaemonProcess(run_dir, "--backend", "host", "--budget", "64MiB") as again:
+    with DaemonProcess(run_dir, "--backend", "host", "--budget", "64MiB", "--device-lock-dir", str(run_dir)) as again:
         with connect(run_dir=run_dir, instance=again.instance) as client:
             assert client.status().committed_bytes == 0
 

@@ -97,8 +97,8 @@ def test_every_system_call_of_the_daemon_passes_the_units_filter(run_dir):
     with open(run_dir / "hbmd.log", "wb") as log:
         traced = subprocess.Popen(
             ["strace", "-f", "-qq", "-o", str(trace), sys.executable, "-m", "hbmd.daemon", "--backend", "host",
-             "--run-dir", str(run_dir), "--budget", "128MiB", "--config", str(config),
-             "--metrics-addr", f"127.0.0.1:{port}"],
+             "--run-dir", str(run_dir), "--device-lock-dir", str(run_dir), "--budget", "128MiB",
+             "--config", str(config), "--metrics-addr", f"127.0.0.1:{port}"],
             stdout=log, stderr=subprocess.STDOUT,
         )
     try:

@@ -236,9 +236,10 @@ def run_after_quick_start(command: Command) -> Outcome:
     try:
         bin_dir = checkout_after_quick_start(home)
         run_dir = home / ".hbmd"
-        # The quick start's daemon (no --budget: half of the RAM), checking its invariants as the conftest's do.
+        # The quick start's daemon (no --budget: half of the RAM), checking its invariants as the conftest's do, and
+        # locking host memory in its own directory: two commands run at once, each beside its own.
         daemon = DaemonProcess(run_dir, "--backend", "host", "--log-level", "debug", "--check-invariants",
-                               log_path=home / "hbmd.log").start()
+                               "--device-lock-dir", str(home), log_path=home / "hbmd.log").start()
         try:
             env = {key: value for key, value in os.environ.items() if not key.startswith(("HBMD_", "XDG_"))}
             env.update(HOME=str(home), HBMD_RUN_DIR=str(run_dir), PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
@@ -275,6 +276,22 @@ def test_the_documents_have_the_commands_a_reader_needs():
                            text=True, timeout=60, check=True).stdout
     modes = set(re.search(r"\{([a-z,-]+)\}", usage)[1].split(","))
     assert modes == {m for c in run for m in re.findall(r"engine\.py (\S+)", c.text)}
+
+
+README_MOST_LINES = 600
+"""How long the README may grow: what a reader takes in before deciding; the rest goes to ARCHITECTURE.md, SECURITY.md,
+deploy/README.md and bench/README.md."""
+
+
+def test_the_readme_is_short_and_its_quick_start_two_commands_that_say_where_the_second_terminal_finds_the_daemon():
+    """The snippets, hbmctl and the examples run in the quick start's second terminal, where they found the daemon only
+    if the reader knew to set HBMD_RUN_DIR there (they failed naming /run/hbmd)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MOST_LINES
+    start = lines.index("## Quick start")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    assert len([c for c in COMMANDS if c.path == "README.md" and start < c.line <= end]) == 2
+    assert "`export HBMD_RUN_DIR=~/.hbmd` in that second terminal" in "\n".join(lines[start:end])
 
 
 def test_every_command_left_out_is_still_documented():

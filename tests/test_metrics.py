@@ -81,6 +81,22 @@ def test_metrics_match_what_clients_committed(start_daemon):
     a.close()
 
 
+def test_a_daemon_starts_again_on_its_metrics_port_right_after_a_scrape(start_daemon):
+    """Each scrape leaves its connection in TIME_WAIT on the daemon's side for a minute: a restart (systemd's 100 ms
+    RestartSec, a container's) must bind the port all the same."""
+    port = free_port()
+    first = start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as scraper:
+        scraper.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := scraper.recv(65536):  # to the daemon's hang-up: it closes first, and keeps the TIME_WAIT
+            answer += chunk
+    assert b"hbmd_budget_bytes" in answer
+    assert first.stop() == 0
+    again = start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    assert "hbmd_budget_bytes" in page(port) and again.alive()
+
+
 def test_a_busy_metrics_port_is_a_clear_startup_error(run_dir):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -88,7 +104,7 @@ def test_a_busy_metrics_port_is_a_clear_startup_error(run_dir):
         port = taken.getsockname()[1]
         out = subprocess.run(
             [sys.executable, "-m", "hbmd.daemon", "--backend", "host", "--run-dir", str(run_dir),
-             "--metrics-addr", f"127.0.0.1:{port}"],
+             "--device-lock-dir", str(run_dir), "--metrics-addr", f"127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=60,
         )
     assert out.returncode == 1 and "--metrics-addr" in out.stderr and "Traceback" not in out.stderr
@@ -235,6 +251,37 @@ def test_orphaned_persistent_buffers_are_counted_until_attached_again(start_daem
         ExtensibleTensor.attach("kv", "cpu", client=engine)
         samples = scrape(port)
         assert value(samples, "hbmd_orphaned_bytes") == 0 and value(samples, "hbmd_committed_bytes") == 6 * MiB
+
+
+def test_a_tenant_whose_guarantee_holds_memory_back_has_its_series_and_status_row_before_its_first_use(
+    start_daemon, run_dir
+):
+    """An alert on such a tenant had no series, and status no row, until a session was charged to it; a tenant with
+    no guarantee still shows once in use: a config may name tens of thousands (``bench/tenants_bench.py``)."""
+    config = run_dir / "tenants.toml"
+    config.write_text('[[tenants]]\nname = "idle"\nmax = "64MiB"\nguaranteed = "32MiB"\n\n'
+                      '[[tenants]]\nuid = 4242\nguaranteed = "16MiB"\n\n[[tenants]]\nname = "capped"\nmax = "8MiB"\n')
+    port = free_port()
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config), "--metrics-addr", f"127.0.0.1:{port}")
+    samples = scrape(port)
+    for name, value_of_it in [("hbmd_tenant_guaranteed_bytes", 32 * MiB), ("hbmd_tenant_max_bytes", 64 * MiB),
+                              ("hbmd_tenant_used_bytes", 0), ("hbmd_tenant_committed_bytes", 0),
+                              ("hbmd_tenant_sessions", 0)]:
+        assert value(samples, name, tenant="idle") == value_of_it, name
+    assert value(samples, "hbmd_tenant_tier_bytes", tenant="idle", tier="device") == 0
+    assert value(samples, "hbmd_tenant_guaranteed_bytes", tenant="uid:4242") == 16 * MiB
+    assert ("hbmd_tenant_max_bytes", (("hbmd_instance", "host"), ("tenant", "uid:4242"))) not in samples  # none
+    assert not any(dict(labels).get("tenant") == "capped" for _, labels in samples)
+    out = hbmctl("--run-dir", str(daemon.run_dir), "--json", "status")
+    [status] = json.loads(out.stdout)["instances"]
+    listed = {t["name"]: (t["used_bytes"], t["guaranteed_bytes"], t["max_bytes"]) for t in status["tenants"]}
+    assert listed["idle"] == (0, 32 * MiB, 64 * MiB) and listed["uid:4242"] == (0, 16 * MiB, None)
+    assert "capped" not in listed
+    rows = hbmctl("--run-dir", str(daemon.run_dir), "status").stdout.splitlines()
+    assert any(row.split()[:2] == ["idle", "0"] for row in rows), rows
+    with daemon.connect(tenant="capped") as worker:  # once in use, as before
+        assert value(scrape(port), "hbmd_tenant_max_bytes", tenant="capped") == 8 * MiB
+        assert "capped" in {t.name for t in worker.status().tenants}
 
 
 @pytest.mark.system

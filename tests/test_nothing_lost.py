@@ -62,7 +62,7 @@ def test_a_detached_buffer_is_attached_by_another_process_with_its_data(daemon, 
     assert any(s.session_id == writer_session for s in client.sessions())
     rd = str(daemon.run_dir)
     listed = {b["buffer_id"]: b for b in json.loads(hbmctl("--run-dir", rd, "--json", "buffers").stdout)["buffers"]}
-    assert listed[buffer_id]["session_id"] == 0 and listed[buffer_id]["physical_bytes"] == 12 * MiB
+    assert listed[buffer_id]["session_id"] is None and listed[buffer_id]["physical_bytes"] == 12 * MiB
     row = next(line for line in hbmctl("--run-dir", rd, "buffers").stdout.splitlines() if " kv " in line)
     assert row.split()[:3] == [str(buffer_id), "orphan", "kv"]
 

@@ -101,3 +101,30 @@ def test_no_hint_or_document_tells_anyone_to_install_hbmd_by_a_name_nobody_here_
                  and p.relative_to(ROOT).parts[0] not in ("build", "dist") and p.name != "CHANGELOG.md"
                  for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if wrong.search(line)]
     assert offenders == []
+
+
+def test_from_a_clones_parent_directory_the_installed_hbmd_is_imported_not_the_clone(tmp_path):
+    """``git clone`` makes ``hbmd/``, whose root is the package itself: from the directory it sits in, Python finds
+    the clone before the installed package (the current directory leads ``sys.path`` for ``-m`` and ``-c``), so
+    ``python -m hbmd.deploy`` named the clone's files, and ``import hbmd`` ran the clone's code."""
+    installed = tmp_path / "site-packages"
+    with zipfile.ZipFile(_build(tmp_path, "wheel")) as wheel:
+        wheel.extractall(installed)
+    parent = tmp_path / "src"
+    parent.mkdir()
+    (parent / "hbmd").symlink_to(ROOT, target_is_directory=True)  # the clone
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+
+    def python(*args: str) -> str:
+        out = subprocess.run([sys.executable, *args], cwd=parent, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert Path(python("-m", "hbmd.deploy").strip()) == installed / "hbmd" / "deploy"
+    assert python("-c", "import hbmd, hbmd.proto; print(hbmd.__file__, hbmd.proto.__file__)").split() == [
+        str(installed / "hbmd" / "__init__.py"), str(installed / "hbmd" / "proto" / "__init__.py")]
+    # Nothing installed there: the clone is what there is, and it is imported.
+    env.pop("PYTHONPATH")
+    clone = subprocess.run([sys.executable, "-S", "-c", "import hbmd; print(hbmd.__file__)"], cwd=parent, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert clone.stdout.split() == [str(parent / "hbmd" / "__init__.py")], clone.stderr

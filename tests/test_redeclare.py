@@ -295,6 +295,31 @@ def test_a_persistent_buffer_only_its_process_holds_is_not_lost_to_a_detach(star
     client.close()
 
 
+def test_a_stop_says_lost_only_of_what_no_process_maps_and_what_becomes_of_the_rest(start_daemon):
+    """The stopping daemon's WARNING named every persistent buffer "destroyed", the one a live session maps too, which
+    its session declares again to the next daemon with its data."""
+    daemon = start_daemon("--budget", "64MiB")
+    client = daemon.connect(lease=False)
+    held = ExtensibleTensor(8 * MiB, "cpu", client=client, name="held", persistent=True)
+    held.resize_(4 * MiB)
+    held.full_view()[: 4 * MiB] = 3
+    left = ExtensibleTensor(8 * MiB, "cpu", client=client, name="left", persistent=True)
+    left.resize_(2 * MiB)
+    left.detach()  # an orphan: no process maps it
+    assert daemon.stop() == 0
+    (said,) = [line for line in daemon.log().splitlines() if " WARNING " in line]
+    assert "destroyed" not in said
+    assert "1 persistent buffers no process maps are lost (2.0 MiB, 0 sealed): 'left'" in said
+    assert ("1 that live processes map stay mapped there (4.0 MiB), declared again to the next daemon, but persistent "
+            "no more: no other process can attach them, and they go with the last process that maps them: "
+            "'held'") in said
+    daemon = start_daemon("--budget", "64MiB")
+    wait_until(lambda: committed(daemon) == 4 * MiB)
+    assert filled(held.full_view()[: 4 * MiB], 3)
+    held.free()
+    client.close()
+
+
 @pytest.mark.parametrize("call", ["defragment", "resize_"])
 @pytest.mark.system
 def test_the_call_in_flight_on_a_buffer_refused_again_raises_tensor_unusable_not_not_found(start_daemon, call):

@@ -15,7 +15,7 @@ STARTER = """
 import sys
 from hbmd.testing.spawn import DaemonProcess
 
-daemon = DaemonProcess(sys.argv[1], "--backend", "host").start()
+daemon = DaemonProcess(sys.argv[1], "--backend", "host", "--device-lock-dir", sys.argv[1]).start()
 print(daemon.pid, flush=True)
 sys.stdin.readline()
 """

@@ -15,6 +15,7 @@ import pytest
 from hbmd.client import ExtensibleTensor
 from hbmd.daemon.backends.host import HostBackend
 from hbmd.daemon.config import ConfigError, parse_config
+from hbmd.daemon.server import MAX_TENANTS_LISTED
 from hbmd.daemon.state import State
 from hbmd.proto.errors import OutOfBudget
 from helpers import GRANULE, MiB
@@ -142,6 +143,24 @@ def test_only_the_tenants_in_use_are_made_listed_and_demoted():
     state.check_invariants()
 
 
+@pytest.mark.unit
+def test_status_lists_the_tenants_owed_a_guarantee_in_use_or_not_and_walks_no_more_of_them_than_it_shows():
+    entries = [f'name = "owed-{i:05d}"\nguaranteed = "4KiB"' for i in range(3000)]
+    entries += [f'name = "capped-{i}"\nmax = "1GiB"' for i in range(10)]
+    state = State(HostBackend(), BUDGET, parse_config(config_of(*entries), total_bytes=1 << 40, budget_bytes=BUDGET))
+    state.open_session(1, 1000, 1000, "", "owed-00007")
+    state.open_session(2, 1001, 1001, "", "capped-3")
+    listed, left_out = state.tenants_listed(None, 1000)
+    names = [t.name for t in listed]
+    assert len(names) == 1000 and left_out == 3001 - 1000 and names == sorted(names)
+    assert names[0] == "capped-3" and names[-1] == "owed-00998" and "owed-00007" in names  # in use: listed once
+    idle = listed[1]
+    assert (idle.name, idle.used_bytes, idle.guaranteed_bytes, idle.max_bytes, idle.num_sessions) == (
+        "owed-00000", 0, 4096, -1, 0)
+    assert [t.name for t in state.tenant_infos()] == ["capped-3", "owed-00007"]  # made: only those in use
+    assert state.tenants_listed(1001, 1000) == ([state.tenant_infos(1001)[0]], 0)  # a user sees its own alone
+
+
 def many_tenants(count: int, max_size: str) -> str:
     return config_of(*(f'name = "team-{i:05d}"\nmax = "{max_size}"\nguaranteed = "4KiB"' for i in range(count)))
 
@@ -156,7 +175,9 @@ def test_a_daemon_with_ten_thousand_tenants_answers_status_through_reloads_and_s
     with daemon.connect(tenant="team-00001") as worker:
         ExtensibleTensor(8 * MiB, "cpu", client=worker).resize_(4 * MiB)
         status = worker.status()
-        assert [t.name for t in status.tenants] == ["team-00001"] and status.tenants_left_out == 0
+        # Every tenant is owed a guarantee, so listed in use or not: as many as a status carries, the one in use first.
+        assert len(status.tenants) == MAX_TENANTS_LISTED and status.tenants_left_out == 10_000 - MAX_TENANTS_LISTED
+        assert [t.used_bytes >= 4 * MiB for t in status.tenants if t.name == "team-00001"] == [True]
         # A reload must not hold the state for long: a status asked all through one answers within 2 s.
         config.write_text(many_tenants(10_000, "2GiB"))
         os.kill(daemon.pid, signal.SIGHUP)
@@ -164,7 +185,7 @@ def test_a_daemon_with_ten_thousand_tenants_answers_status_through_reloads_and_s
             deadline = time.monotonic() + 30
             while "SIGHUP: reloaded" not in daemon.log() and time.monotonic() < deadline:
                 admin.status()
-        assert [t.max_bytes for t in worker.status().tenants] == [2 << 30]
+        assert {t.max_bytes for t in worker.status().tenants} == {2 << 30}
 
     config.write_text(many_tenants(10_000, "1GiB"))
     os.kill(daemon.pid, signal.SIGHUP)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -22,16 +23,40 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """
 
 
-@pytest.mark.torch
-def test_auto_falls_back_to_host_memory_and_says_why(start_daemon, run_dir):
+# The same, on a node whose NVIDIA driver says the version given (none: no driver loaded), whatever this one's is.
+WITHOUT_CUDA_ON_A_NODE = """
+import runpy, sys
+import hbmd.driver
+sys.modules["cuda"] = None
+hbmd.driver.DRIVER_VERSION_FILE = sys.argv[1]
+sys.argv = sys.argv[3:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+R580 = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (dvs-builder@U16)\n"
+
+
+def auto_on_a_node(start_daemon, run_dir, driver_version: str | None):
+    """A daemon of ``--backend auto`` without cuda-bindings, on a node with that driver (None: no driver at all)."""
     launcher = run_dir / "without_cuda.py"
-    launcher.write_text(WITHOUT_CUDA)
-    daemon = start_daemon(
-        "--budget", "64MiB", backend="auto", command=[sys.executable, str(launcher), "-m", "hbmd.daemon"]
-    )
+    launcher.write_text(WITHOUT_CUDA_ON_A_NODE)
+    version_file = run_dir / "nvidia-version"
+    if driver_version is not None:
+        version_file.write_text(driver_version)
+    return start_daemon("--budget", "64MiB", backend="auto",
+                        command=[sys.executable, str(launcher), str(version_file), "-m", "hbmd.daemon"])
+
+
+@pytest.mark.torch
+def test_auto_without_a_driver_serves_host_memory_saying_so_in_one_plain_info_line(start_daemon, run_dir):
+    """As on any machine without a GPU: nothing is wrong, and nothing is to install."""
+    daemon = auto_on_a_node(start_daemon, run_dir, None)
     assert daemon.instance == "host"
     first = daemon.log().splitlines()[0]
-    assert "auto: CUDA unusable (cuda-bindings is not installed" in first and " WARNING " in first
+    assert " INFO " in first and "backend host (auto: no NVIDIA driver is loaded here)," in first
+    depths = itertools.accumulate({"(": 1, ")": -1}.get(c, 0) for c in first)
+    assert "cuda-bindings" not in first and max(depths) == 1  # it said why in parentheses three deep
+    launcher = run_dir / "plain_without_cuda.py"
+    launcher.write_text(WITHOUT_CUDA)
     with daemon.connect() as client:
         ExtensibleTensor(8 * MiB, "cpu", client=client).resize_(4 * MiB)
         status = subprocess.run(
@@ -40,6 +65,13 @@ def test_auto_falls_back_to_host_memory_and_says_why(start_daemon, run_dir):
         )
         assert status.returncode == 0, status.stderr
         assert json.loads(status.stdout)["instances"][0]["committed_bytes"] == 4 * MiB
+
+
+def test_auto_on_a_gpu_node_without_the_bindings_warns_naming_what_to_install(start_daemon, run_dir):
+    daemon = auto_on_a_node(start_daemon, run_dir, R580)
+    first = daemon.log().splitlines()[0]
+    assert " WARNING " in first and "auto: CUDA unusable: cuda-bindings is not installed" in first
+    assert "pip install 'cuda-bindings>=13,<14' (this node's driver is R580" in first
 
 
 def test_asking_for_cuda_without_the_bindings_is_a_clear_error(run_dir):

@@ -45,11 +45,7 @@ class AdminRequests(RequestHandlers[A, C]):
         """The instance, its budget and use, and the tenants the asking session may see."""
         state, backend = self.state, self.state.backend
         me = conn.opened_session
-        # Limited tenants first, then the largest: what a capped list must not lose.
-        tenants = sorted(
-            state.tenant_infos(None if me.admin else me.uid),
-            key=lambda t: (t.max_bytes < 0 and not t.guaranteed_bytes, -t.used_bytes, t.name),
-        )
+        tenants, tenants_left_out = state.tenants_listed(None if me.admin else me.uid, MAX_TENANTS_LISTED)
         return StatusReply(
             instance=backend.instance,
             backend=backend.name,
@@ -67,8 +63,8 @@ class AdminRequests(RequestHandlers[A, C]):
             num_chunks=state.num_chunks,
             uptime_s=time.monotonic() - state.started_at,
             device_free_bytes=backend.free_bytes(),
-            tenants=sorted(tenants[:MAX_TENANTS_LISTED], key=lambda t: t.name),
-            tenants_left_out=max(0, len(tenants) - MAX_TENANTS_LISTED),
+            tenants=tenants,
+            tenants_left_out=tenants_left_out,
             admissible_bytes=state.admissible_for(me),
             held_for_guarantees_bytes=state.tenant_table.held_for_others(me.tenant),
             credit_bytes=sum(s.credit for s in state.workers),

@@ -133,9 +133,9 @@ class Server(Generic[A, C]):
         or a config reload on another thread sees it whole. ``check_invariants``:
         check the state's invariants after every batch of events, and stop with
         :class:`InvariantViolated` where one does not hold (tests). ``resume_window_s``: how long sessions
-        handed over to a successor wait for their clients (here too, should it fail). ``device_lock``: the GPU's
-        lock (one daemon per GPU), taken and let go with the instance's own. ``listening``: the listening sockets
-        handed over or passed in, served on instead of binding new ones.
+        handed over to a successor wait for their clients (here too, should it fail). ``device_lock``: the lock of
+        the GPU or of host memory (one daemon of each), taken and let go with the instance's own. ``listening``: the
+        listening sockets handed over or passed in, served on instead of binding new ones.
         """
         table = handler_table(self.HANDLER_CLASSES, requests())
         self.state = state
@@ -191,14 +191,21 @@ class Server(Generic[A, C]):
         self._dir_fd = open_instance_directory(self.paths.directory, self.group)
         self._lock_fd = open_lock(self._dir_fd, self.paths.lock.name)
         try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise AlreadyRunning(self._instance_held()) from None
+            # Who holds the instance, for the refusal of the next daemon to try.
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
             self._lock_device()
-        except (BlockingIOError, DeviceTaken) as exc:
+        except (AlreadyRunning, DeviceTaken, OSError) as exc:
             os.close(self._lock_fd)
             os.close(self._dir_fd)
             self._lock_fd = self._dir_fd = -1
-            instance_held = f"another hbmd is already serving {self.paths.directory}"
-            raise AlreadyRunning(str(exc) if isinstance(exc, DeviceTaken) else instance_held) from None
+            if isinstance(exc, DeviceTaken):
+                raise AlreadyRunning(str(exc)) from None
+            raise
         self.state.use_resume_key(resume_key(self._dir_fd))
         for stale in (self.paths.info, self._info_tmp):
             with contextlib.suppress(FileNotFoundError):
@@ -216,18 +223,24 @@ class Server(Generic[A, C]):
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._poller.register(self._wake_r, zmq.POLLIN)
 
+    def _instance_held(self) -> str:
+        """The refusal of a daemon that finds the instance locked, naming the daemon that holds it where it says."""
+        pid = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip()
+        holder = f" (pid {pid})" if pid.isdigit() else ""
+        return (f"another hbmd{holder} is already serving {self.paths.directory}: stop it, or start this one with "
+                "--takeover to take its place")
+
     def _lock_device(self) -> None:
-        """Take the GPU's lock (:class:`DeviceTaken` where another daemon holds it); where its directory cannot be
-        used, serve without it, saying so once."""
+        """Take the lock of what this daemon serves (:class:`DeviceTaken` where another daemon holds it), and answer
+        those that ask who holds it from the loop."""
         if self.device_lock is None or self.device_lock.held:
             return
-        try:
-            self.device_lock.acquire(self.paths.directory.parent)
-        except OSError as exc:
-            log.warning("cannot take the lock of GPU %s in %s (%s): a second daemon of this GPU, in another run "
-                        "directory, would not be refused", self.device_lock.device_uuid, self.device_lock.path.parent,
-                        exc.strerror or exc)
-            self.device_lock = None
+        self.device_lock.acquire(self.paths.directory.parent)
+        if self.device_lock.unshared:
+            log.debug("locked %s by the name %s only, seen in this network namespace (%s)",
+                      self.device_lock.device_uuid or "host memory", self.device_lock.name,
+                      self.device_lock.unshared)
+        self._poller.register(self.device_lock.fileno(), zmq.POLLIN)
 
     @property
     def _info_tmp(self) -> Path:
@@ -332,6 +345,8 @@ class Server(Generic[A, C]):
             self._successors = None
         if self.device_lock is not None:
             # The GPU before the instance: a successor waiting for the instance finds the GPU free once it has it.
+            if self.device_lock.held:
+                self._poller.unregister(self.device_lock.fileno())
             self.device_lock.release()
         if self._lock_fd >= 0:
             # Only the daemon holding the lock may remove what it made: another one may be serving.
@@ -367,6 +382,8 @@ class Server(Generic[A, C]):
             self._drain_wake()
         elif self._successors is not None and fd_or_socket == self._successors.fileno():
             self._hand_over(self._successors)
+        elif self.device_lock is not None and self.device_lock.held and fd_or_socket == self.device_lock.fileno():
+            self.device_lock.answer()
         elif isinstance(fd_or_socket, int):
             self._plane.on_event(fd_or_socket)
 

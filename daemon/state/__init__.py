@@ -468,10 +468,13 @@ class State(Generic[A, C]):
         grows to ``sizes``: what the client mapped, paid from its credit.
 
         One chunk per run the growth needs, each shown by the backend to be
-        what it claims; otherwise nothing changes.
+        what it claims; otherwise nothing changes. A bind taken already
+        (sent again after a restart) changes nothing either, and is no error.
         """
         buffer = self.buffer_table.growable(session, buffer_id)
         self.leases.check_segments(buffer_id, sizes)
+        if self.leases.bound_before(session, buffer, sizes, offsets, chunk_sizes):
+            return buffer
         runs = self.buffer_table.growth(buffer, sizes)
         self.buffer_table.grow(buffer, sizes, self.leases.bind(session, buffer, runs, offsets, chunk_sizes, fds))
         session.grown_at = self.clock()
@@ -523,11 +526,20 @@ class State(Generic[A, C]):
 
     def tenant_infos(self, uid: int | None = None) -> list[TenantInfo]:
         """Every tenant in use by name, or with ``uid`` only those its sessions and buffers are charged to."""
-        names = None
-        if uid is not None:
-            names = {s.tenant.name for s in self.session_table.of_uid.get(uid, {}).values()}
-            names |= {b.tenant.name for b in self.buffer_table.of_uid.get(uid, {}).values()}
-        return self.tenant_table.infos(names, self.session_table.workers_of)
+        return self.tenant_table.infos(self._tenants_of(uid), self.session_table.workers_of)
+
+    def tenants_listed(self, uid: int | None, limit: int) -> tuple[list[TenantInfo], int]:
+        """The tenants status shows (:meth:`Tenants.listed`): to an admin (``uid`` None) those in use and those owed
+        a guaranteed minimum, to ``uid`` those its sessions and buffers are charged to; at most ``limit``, and how
+        many more there are."""
+        return self.tenant_table.listed(self._tenants_of(uid), self.session_table.workers_of, limit)
+
+    def _tenants_of(self, uid: int | None) -> set[str] | None:
+        """The names of the tenants ``uid``'s sessions and buffers are charged to; None (every one) without a uid."""
+        if uid is None:
+            return None
+        names = {s.tenant.name for s in self.session_table.of_uid.get(uid, {}).values()}
+        return names | {b.tenant.name for b in self.buffer_table.of_uid.get(uid, {}).values()}
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first count that does not agree with what it counts."""

@@ -213,6 +213,27 @@ class Leases(Generic[A, C]):
         self.due[session.session_id] = None
         return taken
 
+    def bound_before(self, session: Session, buffer: Buffer[A, C], sizes: list[int], offsets: list[int],
+                     chunk_sizes: list[int]) -> bool:
+        """Whether a bind is one the daemon has taken already: every chunk it names is the buffer's, at that offset
+        and of that size, and no segment is below the size it says.
+
+        A resumed client sends again every bind no reply confirmed, not
+        knowing which the daemon read before it restarted, or the daemon it
+        took over from before the handover (``client/recovery.py``).
+        """
+        if not offsets or len(sizes) != buffer.num_segments or len(offsets) != len(chunk_sizes):
+            return False
+        # A new bind grows some segment: it is told apart here, before the chunks are looked at.
+        if any(held < wanted for held, wanted in zip(buffer.segment_sizes, sizes)):
+            return False
+        held = {(chunk.offset, chunk.size) for chunk in buffer.chunks}
+        if not held.issuperset(zip(offsets, chunk_sizes)):
+            return False
+        log.debug("session %d sent again a bind of buffer %d it had taken: nothing to do", session.session_id,
+                  buffer.buffer_id)
+        return True
+
     def credit_returned(self, session: Session) -> int:
         """The client gave back all the credit it held: whatever the daemon records as unspent goes (the client's
         binds were read before its return). Returns the bytes."""

@@ -13,11 +13,14 @@ forgotten with the last: a config may name tens of thousands
 (``bench/tenants_bench.py``), and nothing here walks them. Admission reads
 a running total of the unmet guarantees, a reload walks the tenants in use
 (the config was read and indexed before, outside the server's lock), and
-status lists those.
+status lists those, and the configured tenants owed a guaranteed minimum
+(no more of them than it shows).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterable
 
 from hbmd.proto import TenantInfo
@@ -32,6 +35,17 @@ LEASE_TIGHT_DIVISOR = 16
 """No lease is granted that would leave a tenant less room than a 16th of the budget."""
 LEASE_TOTAL_DIVISOR = 8
 """All leases together stay within an 8th of the budget."""
+
+
+def unused_info(limits: TenantLimits) -> TenantInfo:
+    """A configured tenant nothing is charged to: its limits, and no use."""
+    return TenantInfo(limits.name, 0, limits.guaranteed_bytes, -1 if limits.max_bytes is None else limits.max_bytes, 0,
+                      0)
+
+
+def _listing_order(tenant: TenantInfo) -> tuple[bool, int, str]:
+    """Limited tenants first, then the most used: what a capped list must not lose."""
+    return tenant.max_bytes < 0 and not tenant.guaranteed_bytes, -tenant.used_bytes, tenant.name
 
 
 class Tenants:
@@ -298,3 +312,21 @@ class Tenants:
                        sessions_of.get(t.name, 0), t.host_bytes)
             for t in sorted(chosen, key=lambda t: t.name)
         ]
+
+    def listed(self, names: set[str] | None, sessions_of: dict[str, int], limit: int) -> tuple[list[TenantInfo], int]:
+        """What status lists, by name, and how many more there are: the tenants in use (or those in ``names``), and
+        where ``names`` is None the configured ones with a guaranteed minimum, in use or not, since what they are
+        owed is held back from every other; at most ``limit``, those with limits kept first, then the most used.
+
+        It walks the tenants in use, and of the configured ones no more than
+        it lists: a config may name tens of thousands.
+        """
+        in_use = sorted(self.infos(names, sessions_of), key=_listing_order)
+        owed: Iterable[TenantInfo] = ()
+        unused = 0
+        if names is None:
+            # Unused, each sorts as (False, 0, name): the config's order by name is the listing's.
+            owed = (unused_info(limits) for limits in self.config.guaranteeing if limits.name not in self.by_name)
+            unused = len(self.config.guaranteeing) - sum(1 for t in self.by_name.values() if t.guaranteed_bytes)
+        shown = list(itertools.islice(heapq.merge(in_use, owed, key=_listing_order), limit))
+        return sorted(shown, key=lambda t: t.name), len(in_use) + unused - len(shown)
