@@ -220,8 +220,9 @@ COMMANDS: dict[str, tuple[Callable[[Client, argparse.Namespace], Output] | None,
     "weights": (cmd_weights, "sealed weights resident on the device: size, readers and key (vLLM's in the name)",
                 "hbmctl weights"),
     "delete": (cmd_delete,
-               "delete an orphaned persistent buffer by name (yours; an admin names another user's with --uid)",
-               "hbmctl delete --uid 1000 kv-cache-layer0"),
+               "delete an orphaned persistent buffer by name (yours; an admin names another user's with --uid), or "
+               "with --engine every KV buffer a vLLM engine keeps for its successor",
+               "hbmctl delete --uid 1000 kv-cache-layer0; hbmctl delete --engine llama-a"),
     "reclaim": (cmd_reclaim, "ask a session to give memory back; its engine decides what to release",
                 "hbmctl reclaim --pid 4242 --bytes 8GiB --wait 10"),
     "watch": (None, "live view of status, sessions and buffers (Ctrl-C to leave); -o csv: status as a time series",
@@ -330,7 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("buffers", "watch"):
             p.add_argument("--session", type=whole_number, default=-1, metavar="ID", help="only this session's buffers")
         if name == "delete":
-            p.add_argument("name", metavar="NAME", help="the persistent buffer's name")
+            which = p.add_mutually_exclusive_group(required=True)
+            which.add_argument("name", nargs="?", metavar="NAME", help="the persistent buffer's name")
+            which.add_argument("--engine", metavar="ENGINE",
+                               help="every kept KV buffer of the vLLM engine of this HBMD_VLLM_ENGINE (all ranks, "
+                               "replicas and generations) that no running engine holds; its index needs no cleaning: "
+                               "its next start finds the buffers gone and starts cold")
             p.add_argument("--uid", type=whole_number, default=-1, metavar="N",
                            help="the buffer's owner, for admins (root, the daemon's user); default: you")
         if name == "reclaim":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -13,6 +14,7 @@ from hbmd.proto.units import format_bytes
 
 from .budget import budget_left
 from .ctl_output import (
+    EXIT_REFUSED,
     EXIT_UNANSWERED,
     Column,
     Output,
@@ -25,6 +27,7 @@ from .ctl_output import (
     plain_column,
     render_table,
 )
+from .kept_names import is_kept
 from .session import Client
 
 
@@ -299,6 +302,8 @@ def cmd_weights(client: Client, args: argparse.Namespace) -> Output:
 
 
 def cmd_delete(client: Client, args: argparse.Namespace) -> Output:
+    if args.engine is not None:
+        return delete_kept(client, args.engine, args.uid)
     freed = client.delete(args.name, args.uid)
     owner = f" of uid {args.uid}" if args.uid != -1 else ""
     return Output(
@@ -306,6 +311,29 @@ def cmd_delete(client: Client, args: argparse.Namespace) -> Output:
         f"deleted persistent buffer {args.name!r}{owner} (buffer {freed.buffer_id}), "
         f"freed {format_bytes(freed.freed_bytes)}",
     )
+
+
+def delete_kept(client: Client, engine: str, uid: int) -> Output:
+    """Free every KV buffer vLLM engine ``engine`` keeps for its successor (all ranks, replicas and generations) that no
+    running engine holds; refused (exit 3) for those one holds."""
+    owner = os.getuid() if uid == -1 else uid
+    kept = [b for b in client.buffers(owner_uid=owner) if is_kept(b.name, engine)]
+    if not kept:
+        raise NotFound(f"vLLM engine {engine!r} keeps no KV cache here (of uid {owner})")
+    held = [b for b in kept if b.session_id]
+    deleted = [(b, client.delete(b.name, uid)) for b in kept if not b.session_id]
+    freed = sum(f.freed_bytes for _, f in deleted)
+    text = "\n".join([f"deleted {b.name!r} (buffer {f.buffer_id}), freed {format_bytes(f.freed_bytes)}"
+                      for b, f in deleted] + [f"kept KV cache of engine {engine!r}: freed {format_bytes(freed)}"])
+    output = Output({"engine": engine, "freed_bytes": freed,
+                     "deleted": [{"name": b.name, "buffer_id": f.buffer_id, "freed_bytes": f.freed_bytes}
+                                 for b, f in deleted],
+                     "held": [{"name": b.name, "session_id": b.session_id} for b in held]}, text)
+    if held:
+        output.exit_code = EXIT_REFUSED
+        output.complaint = "; ".join(f"{b.name} is held by session {b.session_id}: a running engine {engine!r} holds "
+                                     "it; stop that engine first" for b in held)
+    return output
 
 
 def reclaim_target(client: Client, args: argparse.Namespace) -> int:

@@ -48,6 +48,7 @@ import threading
 import time
 from typing import Any
 
+from hbmd.client.kept_names import buffer_base
 from hbmd.client.opening import default_client
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.proto import TIER_HOST
@@ -105,7 +106,7 @@ def engine() -> str:
 def buffer_name() -> str:
     """This worker's buffer name: ``vllm-<engine>-rank<R>`` (``-dp<D>`` after it in data-parallel replica D > 0),
     the rank and replica as vLLM numbers them (:func:`~hbmd.integrations.vllm_keep.worker_place`)."""
-    return vllm_keep.buffer_base(engine(), *vllm_keep.worker_place())
+    return buffer_base(engine(), *vllm_keep.worker_place())
 
 
 class VllmExtensibleTensor(ExtensibleTensor):

@@ -57,6 +57,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hbmd.client.kept_names import GENERATION_HEX, buffer_base, is_kept
 from hbmd.proto.errors import HbmdError
 from hbmd.proto.units import format_bytes
 
@@ -81,9 +82,6 @@ MOST_S = 86400 * 7
 ENGINE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """What an engine name may be: it names files in the index folder and buffers in the daemon, and a successor finds
 its predecessor's by it."""
-GENERATION_HEX = 12
-"""The random generation after a kept buffer's name: two engines' buffers, or one engine's before and after the
-daemon lost its state, never share a name an index could mistake."""
 
 
 class KeepingOff(RuntimeError):
@@ -118,12 +116,6 @@ def worker_place() -> tuple[int, int]:
     return config.parallel_config.data_parallel_index, config.parallel_config.rank
 
 
-def buffer_base(engine: str, dp: int, rank: int) -> str:
-    """The name of a worker's KV buffer (a kept one adds its generation): ``vllm-<engine>-rank<R>``, and ``-dp<D>``
-    after it in data-parallel replica D > 0 (so that no engine name makes one replica's name another's)."""
-    return f"vllm-{engine}-rank{rank}" + (f"-dp{dp}" if dp else "")
-
-
 @dataclasses.dataclass(frozen=True)
 class Scope:
     """One kept cache: an engine's data-parallel replica."""
@@ -142,8 +134,7 @@ class Scope:
 
     def kept_name(self, rank: int, name: str) -> bool:
         """Whether ``name`` is one of this scope's kept buffers of ``rank`` (of any generation)."""
-        base = re.escape(buffer_base(self.engine, self.dp, rank))
-        return re.fullmatch(base + r"\.[0-9a-f]{" + str(GENERATION_HEX) + "}", name) is not None
+        return is_kept(name, self.engine, self.dp, rank)
 
 
 def engine_name() -> str:

@@ -13,9 +13,10 @@ import stat
 import types
 
 import pytest
+from hbmd.client.kept_names import buffer_base
 from hbmd.integrations import kv_index, vllm_keep
 from hbmd.integrations.kv_index import IndexWriter, read_header
-from hbmd.integrations.vllm_keep import KeepingOff, Scope, buffer_base
+from hbmd.integrations.vllm_keep import KeepingOff, Scope
 
 pytestmark = pytest.mark.ipc
 
@@ -178,3 +179,27 @@ def test_a_kept_cache_that_leaves_no_room_for_the_warm_up_is_freed_so_that_the_e
     assert vllm_keep.make_room(client, RuntimeError("refused"))
     assert vllm_keep._rank.donor is None and "leaves too little of the budget" in vllm_keep._rank.why_cold
     assert client.buffers() == [] and not vllm_keep.make_room(client, RuntimeError("refused"))
+
+
+@pytest.mark.cli
+def test_hbmctl_frees_every_kept_cache_of_an_engine_and_none_a_running_engine_holds(folder, daemon, client):
+    from helpers import hbmctl
+
+    for name in ("vllm-e-rank0.00000000000a", "vllm-e-rank1.00000000000b", "vllm-e-rank0-dp1.00000000000c",
+                 "vllm-e-rank0-rank0.00000000000d", "vllm-e-rank0"):
+        orphan(daemon, name)  # three of engine e's generations, engine e-rank0's, and a buffer e did not keep
+    client.create_buffer(4 * MiB, name="vllm-e-rank2.00000000000e", persistent=True)  # a running engine's
+
+    def delete(engine: str):
+        out = hbmctl("--run-dir", str(daemon.run_dir), "--json", "delete", "--engine", engine)
+        return out.returncode, json.loads(out.stdout) if out.stdout else None, out.stderr
+
+    code, freed, said = delete("e")
+    assert code == 3 and "vllm-e-rank2.00000000000e is held by session" in said
+    assert sorted(d["name"] for d in freed["deleted"]) == [
+        "vllm-e-rank0-dp1.00000000000c", "vllm-e-rank0.00000000000a", "vllm-e-rank1.00000000000b"]
+    assert freed["freed_bytes"] == 3 * 2 * MiB and [h["name"] for h in freed["held"]] == ["vllm-e-rank2.00000000000e"]
+    assert sorted(b.name for b in client.buffers()) == [
+        "vllm-e-rank0", "vllm-e-rank0-rank0.00000000000d", "vllm-e-rank2.00000000000e"]
+    code, _, said = delete("f")
+    assert code == 3 and "vLLM engine 'f' keeps no KV cache here" in said
