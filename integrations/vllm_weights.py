@@ -273,8 +273,9 @@ class HbmdModelLoader(IpcModelLoader):
                                     holder.pid, holder.uid, holder.client_name)
                         waited = True
             if time.monotonic() >= deadline:
-                raise WeightsNotReady(f"{name} was still being stored after {self.wait_s:g} s, held unsealed by "
-                                      f"session {info.session_id}")
+                # None: another engine claimed the name between this one's look and its claim.
+                by = "another engine" if info is None else f"session {info.session_id}"
+                raise WeightsNotReady(f"{name} was still being stored after {self.wait_s:g} s, held unsealed by {by}")
             time.sleep(POLL_S)
 
     def _store(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, key: dict[str, Any], name: str,
