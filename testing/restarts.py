@@ -75,11 +75,12 @@ class Reconnects:
                     if self.path == os.fspath(counts.paths.handles):
                         counts.welcome_wait_s += time.monotonic() - started
 
-        recovery.HandleChannel = CountedHandleChannel
+        # The name the client's restart path looks the channel up by, not one it exports: swapped for the count.
+        recovery.HandleChannel = CountedHandleChannel  # type: ignore[attr-defined]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        recovery.HandleChannel = HandleChannel
+        recovery.HandleChannel = HandleChannel  # type: ignore[attr-defined]
 
     def refused_one(self) -> None:
         self.refused += 1
