@@ -52,6 +52,7 @@ import os
 import re
 import secrets
 import stat
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,10 +108,10 @@ def check_settings() -> None:
 
 def worker_place() -> tuple[int, int]:
     """This worker's data-parallel replica and its rank within it, as vLLM numbers them (its multiprocess executor
-    sets neither ``RANK`` nor ``LOCAL_RANK``); (0, 0) outside a vLLM worker."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
+    sets neither ``RANK`` nor ``LOCAL_RANK``); (0, 0) outside a vLLM worker. Looked up, not imported: a process that
+    has not loaded vLLM's config runs no vLLM worker."""
+    config_module = sys.modules.get("vllm.config")
+    config = config_module.get_current_vllm_config_or_none() if config_module is not None else None
     if config is None:
         return 0, 0
     return config.parallel_config.data_parallel_index, config.parallel_config.rank
