@@ -685,12 +685,12 @@ KEEP_CHANGES = [
     ("graphs", True, None, {}, {}, None, []),
     ("graphs-again", True, "adopted", {}, {}, None, []),
     ("eager", False, None, {}, {}, None, []),
+    ("layout", False, "env.VLLM_KV_CACHE_LAYOUT", {"VLLM_KV_CACHE_LAYOUT": "HND"}, {}, None, []),
     ("overrides", False, "config.model.hf_config", {},
      {"hf_overrides": {"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}}}, None, []),
     ("config-json", False, "config.model.hf_config", {}, {}, 40000.0, []),
     ("config-json-again", False, "adopted", {}, {}, 40000.0, ["reload"]),
     ("after-reload", False, "the weights were changed in place (Worker.reload_weights)", {}, {}, 40000.0, []),
-    ("layout", False, "env.VLLM_KV_CACHE_LAYOUT", {"VLLM_KV_CACHE_LAYOUT": "HND"}, {}, 40000.0, []),
 ]
 """The keep-changes group's engines, in order, each the successor of the one before."""
 
@@ -714,13 +714,17 @@ def group_keep_changes(tier: Tier, model: str) -> None:
             spec = {"model": model, "first_output": False, "long_len": KEEP_PREFIX_LEN, "eager": not graphs,
                     "options": {"max_model_len": KEEP_PREFIX_LEN + 256, **options},
                     "steps": ["long", "generate", *steps]}
-            engine = tier.run(f"{tag}-{label}", spec, True, {**env, **extra_env})
+            try:
+                engine = tier.run(f"{tag}-{label}", spec, True, {**env, **extra_env})
+            except (RuntimeError, TimeoutError) as exc:  # the engines after it still say what they found
+                tier.check(f"{tag}-{label}: the engine ran", False, error=str(exc))
+                previous = None
+                continue
             long, cacheable = engine.event("long"), cacheable_prefix(engine)
             tier.figures.setdefault(f"{tag}_8k_prefix", {})[label] = {
                 "cached_tokens": long["cached"], "request_s": round(long["seconds"], 4),
                 "since_start_s": round(long["since_start"], 2)}
-            if expect == "adopted":
-                assert previous is not None
+            if expect == "adopted" and previous is not None:
                 tier.check(f"{tag}-{label}: unchanged, it serves the 8k prefix from the adopted cache, its tokens its "
                            "predecessor's", long["cached"] == cacheable
                            and long["token"] == previous.event("long")["token"]
