@@ -234,20 +234,26 @@ def test_a_successor_adopts_only_blocks_that_hold_the_prefix_their_hash_names_wh
     assert len(rewrites) > 20 if rewrite else not rewrites, len(rewrites)
 
 
-def test_data_parallel_replicas_of_one_engine_keep_and_adopt_each_its_own_cache(kept, model_folder):
+@pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["tp1", "tp2"])
+def test_data_parallel_replicas_of_one_engine_keep_and_adopt_each_its_own_cache_wherever_they_died(
+        kept, model_folder, tensor_parallel):
     """``--data-parallel-size 2`` gives both engine cores one HBMD_VLLM_ENGINE: each replica keeps its own index,
-    and a restarted replica adopts its own, never the other's."""
-    rng = random.Random(99)
+    and a restarted replica adopts its own, never the other's, wherever each was killed; with tensor parallelism,
+    each of its ranks grafted."""
+    rng = random.Random(99 + tensor_parallel)
     adopted_total = 0
-    for trial in range(12):
+    for trial in range(16):
         gpus = {}
         for dp in (0, 1):
-            note(kept, f"b{dp}-{trial}", None, dp=dp)
+            for rank in range(tensor_parallel):
+                note(kept, f"b{dp}-{rank}-{trial}", None, rank=rank, dp=dp)
             gpus[dp] = Gpu()
-            drive(scheduler(model_folder, dp=dp), gpus[dp], rng, rng.randrange(5, 40), "processed")
+            drive(scheduler(model_folder, dp=dp, tensor_parallel=tensor_parallel), gpus[dp], rng,
+                  rng.randrange(5, 40), rng.choice(("scheduled", "ran", "processed")))
         for dp in (1, 0):
-            note(kept, f"c{dp}-{trial}", f"b{dp}-{trial}", dp=dp)
-            successor = scheduler(model_folder, dp=dp)
+            for rank in range(tensor_parallel):
+                note(kept, f"c{dp}-{rank}-{trial}", f"b{dp}-{rank}-{trial}", rank=rank, dp=dp)
+            successor = scheduler(model_folder, dp=dp, tensor_parallel=tensor_parallel)
             successor.schedule()
             adopted = adopted_by(successor)
             assert all(gpus[dp].holds(block_id, block_hash) for block_id, block_hash in adopted.items()), (trial, dp)
@@ -336,6 +342,37 @@ def test_a_successor_of_an_engine_whose_kv_anything_else_decided_starts_cold_nam
     assert cached_after_restart(folder, kept, **options) == 0
     assert f"the predecessor's cache differs in {field}" in keep_log.text or \
         f", {field}" in keep_log.text.split("differs in", 1)[1], keep_log.text
+
+
+def test_a_hub_models_weights_are_the_snapshot_its_revision_resolves_to_and_weights_from_a_uri_are_not_kept(
+        tmp_path, monkeypatch):
+    """A hub model keyed by its id (revision None) moves when its main branch does: the files read are another
+    snapshot's. A GGUF file is its own identity; a URI has none hbmd can see."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    for revision, weights in (("a" * 40, b"old weights"), ("b" * 40, b"new weights")):
+        (repo / "snapshots" / revision).mkdir(parents=True)
+        (repo / "snapshots" / revision / "model.safetensors").write_bytes(weights)
+    (repo / "refs").mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub = types.SimpleNamespace(model="org/tiny", model_weights="", revision=None)
+    (repo / "refs" / "main").write_text("a" * 40)
+    before = vllm_prefix.weights_identity(hub)
+    assert before["weights_dir"].endswith("a" * 40)
+    (repo / "refs" / "main").write_text("b" * 40)  # the branch moved: a restart reads other files
+    assert vllm_prefix.weights_identity(hub) != before
+    with pytest.raises(vllm_keep.KeepingOff, match="not in the local Hugging Face cache"):
+        vllm_prefix.weights_identity(types.SimpleNamespace(model="org/absent", model_weights="", revision=None))
+    with pytest.raises(vllm_keep.KeepingOff, match="cannot tell from another version"):
+        vllm_prefix.weights_identity(types.SimpleNamespace(model="s3://bucket/model", model_weights="", revision=None))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"gguf")
+    identity = vllm_prefix.weights_identity(types.SimpleNamespace(model=str(gguf), model_weights="", revision=None))
+    assert [entry["name"] for entry in identity["weights_files"]] == ["model.gguf"]
+    gguf.write_bytes(b"gguf, requantized")
+    assert vllm_prefix.weights_identity(types.SimpleNamespace(model=str(gguf), model_weights="", revision=None)) \
+        != identity
 
 
 def compatibility_seeded(init_none_hash):
