@@ -372,24 +372,33 @@ class Envelope:
     body: Message
 
 
+PEEK_BYTES = 64 << 10
+"""Bytes of a payload :func:`peek_request_id` looks at, from its start."""
+PEEK_ENTRIES = 8
+"""Entries of a payload's map :func:`peek_request_id` looks at, from the first."""
+
+
 def peek_request_id(frames: list[bytes]) -> int:
     """Best-effort request id of a frame list, for error replies to garbage (0 if none).
 
     Only the payload map's ``id`` is decoded (the last one, as a decoded map
-    keeps it); every other value is skipped unbuilt, which is several times
-    cheaper than decoding it.
+    keeps it), among its first :data:`PEEK_ENTRIES` entries and within its
+    first :data:`PEEK_BYTES` bytes; every other value is skipped unbuilt. A
+    client writes the id first: an id after millions of entries, or after a
+    body longer than that, is not looked for (walking a 4 MiB map for it
+    took 150-240 ms of the daemon's loop, issue #61).
     """
     rid = None
     try:
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_FRAME_BYTES)
-        unpacker.feed(frames[1])
-        for _ in range(unpacker.read_map_header()):
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=PEEK_BYTES)
+        unpacker.feed(frames[1][:PEEK_BYTES])
+        for _ in range(min(unpacker.read_map_header(), PEEK_ENTRIES)):
             if unpacker.unpack() == "id":
                 rid = unpacker.unpack()
             else:
                 unpacker.skip()
-    except Exception:  # garbage, or no map: no id to answer with
-        return 0
+    except Exception:  # garbage, no map, or cut short at PEEK_BYTES: the id read before it, if any
+        pass
     return rid if type(rid) is int and 0 <= rid < 2**63 else 0
 
 

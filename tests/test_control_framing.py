@@ -26,9 +26,16 @@ import zmq
 from hbmd import proto
 from hbmd.daemon.server import control as control_module
 from hbmd.daemon.server import control_socket
-from hbmd.daemon.server.control import UNREAD_PER_CONNECTION, ControlQueue, Peer
-from hbmd.daemon.server.control_socket import ControlSocket
-from hbmd.daemon.server.zmtp import MAX_COMMAND_BYTES, MAX_MESSAGE_BYTES, MAX_PARTS, ZmtpPeer, ZmtpViolation
+from hbmd.daemon.server.control import MAX_QUEUED_PER_PEER, ControlQueue, Peer
+from hbmd.daemon.server.control_socket import READ_BYTES_PER_TURN, RECEIVE_BYTES, ControlSocket
+from hbmd.daemon.server.zmtp import (
+    MAX_COMMAND_BYTES,
+    MAX_COMMANDS_PER_FEED,
+    MAX_MESSAGE_BYTES,
+    MAX_PARTS,
+    ZmtpPeer,
+    ZmtpViolation,
+)
 from hbmd.proto.instance import InstancePaths
 from helpers import MiB, wait_until
 
@@ -171,7 +178,7 @@ def pump(control: ControlSocket, quiet_s: float = 0.3) -> list:
     completed = []
     quiet_since = time.monotonic()
     while time.monotonic() - quiet_since < quiet_s:
-        if select.select([control.fileno()], [], [], 0.01)[0]:
+        if control.pending or select.select([control.fileno()], [], [], 0.01)[0]:
             completed += control.read(time.perf_counter() + 1)
             quiet_since = time.monotonic()
     return completed
@@ -194,7 +201,7 @@ def test_a_peer_gone_with_bytes_unread_is_let_go_at_once_with_what_it_held():
             sent += sock.send(b"\x02" + struct.pack(">Q", 4 * MiB))
             for _ in range(64):
                 sent += sock.send(b"\x00" * 65536)
-        control.read(time.perf_counter() + 1)
+        list(control.read(time.perf_counter() + 1))
         assert 0 < control.partial_bytes(os.getuid()) <= sent
         sock.send(b"\x00" * 65536)  # left unread in the kernel as the peer hangs up
         sock.close()
@@ -311,8 +318,9 @@ def test_replies_a_peer_does_not_read_are_dropped_whole_past_the_bound(control, 
 
 
 @pytest.mark.unit
-def test_requests_read_ahead_on_one_connection_and_a_uids_bytes_waiting_are_bounded(monkeypatch):
-    """Past 32 requests read ahead on a connection, or a uid's bytes waiting, the next is refused, retryably."""
+def test_a_process_s_requests_waiting_and_a_uids_bytes_waiting_are_bounded(monkeypatch):
+    """Past 32 requests of a process waiting for their turn, or a uid's bytes waiting, the next is refused,
+    retryably."""
     sent: list[tuple[bytes, list[bytes]]] = []
 
     class Connections:
@@ -323,17 +331,77 @@ def test_requests_read_ahead_on_one_connection_and_a_uids_bytes_waiting_are_boun
     peer = Peer(1000, 7)
     request = proto.encode_frames(proto.Status(), 5, "t")
     queue = ControlQueue()
-    queue.read(Connections([(peer, b"a", request)] * (UNREAD_PER_CONNECTION + 2)))
-    assert len(queue) == UNREAD_PER_CONNECTION and len(sent) == 2
+    queue.read(Connections([(peer, bytes([i]), request) for i in range(MAX_QUEUED_PER_PEER + 2)]))
+    assert len(queue) == MAX_QUEUED_PER_PEER and len(sent) == 2
     reply = proto.decode_frames(sent[0][1]).body
-    assert (reply.code, reply.retryable, reply.details["waiting"]) == ("conflict", True, UNREAD_PER_CONNECTION)
-    queue.admit(Connections([]))
-    assert queue.peers == 1 and queue.take()[0] == b"a"
+    assert (reply.code, reply.retryable, reply.details["waiting"]) == ("conflict", True, MAX_QUEUED_PER_PEER)
+    assert queue.peers == 1 and queue.take()[0] == b"\x00"
     monkeypatch.setattr(control_module, "MAX_WAITING_BYTES_PER_UID", 3 * sum(map(len, request)))
     sent.clear()
     queue.clear()
-    queue.read(Connections([(peer, bytes([i]), request) for i in range(5)]))
+    queue.read(Connections([(Peer(1000, pid), b"c", request) for pid in range(5)]))
     assert len(queue) == 3 and len(sent) == 2 and "MiB" in proto.decode_frames(sent[0][1]).body.message
+
+
+@pytest.mark.unit
+def test_the_parser_stops_at_its_room_or_a_run_of_commands_and_goes_on_from_there():
+    """A run of bytes may hold thousands of empty messages or heartbeats: a feed parses what it was given room for,
+    or :data:`MAX_COMMANDS_PER_FEED` commands, and keeps the rest for a feed of no bytes."""
+    peer = ZmtpPeer()
+    peer.feed(HANDSHAKE)
+    messages, reply = peer.feed(frame(b"") * 100, room=1)
+    assert (messages, reply, peer.stopped_short, peer.held) == ([[b""]], b"", True, 99 * 2)
+    assert peer.feed(room=3) == ([[b""]] * 3, b"") and peer.held == 96 * 2
+    assert peer.feed()[0] == [[b""]] * 96 and not peer.stopped_short and peer.held == 0
+    pings = command(b"PING", b"\x00\x00ctx") * 1000
+    messages, reply = peer.feed(pings + frame(b"admin.status"))
+    assert messages == [] and reply == command(b"PONG", b"ctx") * MAX_COMMANDS_PER_FEED and peer.stopped_short
+    for _ in range((1000 - MAX_COMMANDS_PER_FEED) // MAX_COMMANDS_PER_FEED):
+        assert peer.feed()[0] == []
+    assert peer.feed() == ([[b"admin.status"]], command(b"PONG", b"ctx") * (1000 % MAX_COMMANDS_PER_FEED))
+    assert not peer.stopped_short
+
+
+@pytest.mark.unit
+def test_a_turn_reads_one_request_of_a_connection_and_leaves_the_rest(control):
+    """Empty messages, two bytes each: a read of 16 KiB held 8,192 of them, each refused inside that read (issue
+    #61). A turn completes one request of a connection; the rest waits, parsed at the next turns without the poll
+    finding the socket ready again."""
+    control, path = control
+    flood, other = handshaken(control, path), handshaken(control, path)
+    flood.sendall(frame(b"") * 8192)
+    other.sendall(frame(b"admin.status", more=True) + frame(b""))
+    wait_until(lambda: select.select([control.fileno()], [], [], 0)[0])
+    first = list(control.read(time.perf_counter() + 1))
+    assert sorted(frames for _, _, frames in first) == [[b""], [b"admin.status", b""]]
+    assert control.pending and not select.select([control.fileno()], [], [], 0.05)[0]
+    for turn in range(3):
+        assert [frames for _, _, frames in control.read(time.perf_counter() + 1)] == [[b""]], turn
+    assert control.partial_bytes(os.getuid()) <= RECEIVE_BYTES
+
+
+@pytest.mark.unit
+def test_a_turn_reads_a_connection_for_a_bounded_number_of_bytes_and_heartbeats(control):
+    """What completes no request, read on until one completed, held the loop for as long as the peer sent: PINGs
+    (issue #61), or the parts of one message. A turn reads :data:`READ_BYTES_PER_TURN` at most of a connection,
+    and answers :data:`MAX_COMMANDS_PER_FEED` heartbeats; the rest waits in the kernel."""
+    control, path = control
+    parts, pings = handshaken(control, path), handshaken(control, path)
+    pings.sendall(command(b"PING", b"\x00\x00") * 8192)
+    parts.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            parts.send(frame(b"p" * 4096, more=True) * 16)
+    wait_until(lambda: select.select([control.fileno()], [], [], 0)[0])
+    assert list(control.read(time.perf_counter() + 1)) == []
+    assert control.partial_bytes(os.getuid()) <= READ_BYTES_PER_TURN + 2 * RECEIVE_BYTES
+    pongs = command(b"PONG")
+    pings.settimeout(1)
+    received = pings.recv(65536)
+    with contextlib.suppress(TimeoutError):
+        while len(received) < (MAX_COMMANDS_PER_FEED + 1) * len(pongs):
+            received += pings.recv(65536)
+    assert received == pongs * MAX_COMMANDS_PER_FEED
 
 
 # A real daemon.

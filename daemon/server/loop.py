@@ -267,7 +267,8 @@ class Server(Generic[A, C]):
         """Serve until :meth:`stop`; raises :class:`InvariantViolated` as soon as ``check_invariants`` finds them so."""
         idle_work = True
         while not self._stopping:
-            busy = idle_work or self._waiting or self._requests or self.state.top_ups_due
+            unread = self._router is not None and self._router.pending
+            busy = idle_work or self._waiting or self._requests or unread or self.state.top_ups_due
             timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
             events = self._ready(timeout)
             with self.lock:
@@ -278,6 +279,9 @@ class Server(Generic[A, C]):
                     except Exception:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
+                if unread and not any(self._is_router(fd_or_socket) for fd_or_socket, _ in events):
+                    # What the last turn left unread is read whether or not the poll found the socket ready.
+                    self._read_control()
                 # Control requests last: a request sees every session the same turn of the loop ended (a worker that
                 # exited just before its peer asked for status is gone from the status).
                 if self._requests:
@@ -360,9 +364,16 @@ class Server(Generic[A, C]):
                 ready.append((fd_or_socket, events))
         return ready
 
-    def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
-        if self._router is not None and fd_or_socket == self._router.fileno():
+    def _is_router(self, fd_or_socket: zmq.Socket | int) -> bool:
+        return self._router is not None and fd_or_socket == self._router.fileno()
+
+    def _read_control(self) -> None:
+        if self._router is not None:
             self._requests.read(self._router)
+
+    def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
+        if self._is_router(fd_or_socket):
+            self._read_control()
         elif fd_or_socket == self._wake_r:
             self._drain_wake()
         elif self._successors is not None and fd_or_socket == self._successors.fileno():
@@ -466,8 +477,6 @@ class Server(Generic[A, C]):
         meanwhile beside a flood's is read, and answered before the flood's next.
         """
         ends = time.perf_counter() + CONTROL_WORK_PER_TURN_S
-        if self._router is not None:
-            self._requests.admit(self._router)
         for _ in range(self._requests.peers):
             if self._router is None or self._stopping:
                 return
