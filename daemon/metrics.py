@@ -260,7 +260,7 @@ class _QuietHandler(WSGIRequestHandler):
         super().setup()
         raw = _BeforeDeadline(self.connection, time.monotonic() + REQUEST_DEADLINE_S)
         self.rfile = io.BufferedReader(raw)
-        self.wfile = raw
+        self.wfile = io.BufferedWriter(raw)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would drown the daemon's log."""
