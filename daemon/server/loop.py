@@ -51,7 +51,7 @@ from hbmd.proto import (
     read_envelope,
     requests,
 )
-from hbmd.proto.errors import HbmdError, InternalError, OutOfBudget, ProtocolError
+from hbmd.proto.errors import HbmdError, InternalError, InvalidRequest, OutOfBudget, ProtocolError
 from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 
 from ..backends import A, C
@@ -534,12 +534,20 @@ class Server(Generic[A, C]):
             if self._plane.behind(conn):
                 raise _Behind(session.session_id)
             answered = session.answer
-            if answered is not None and request_id == answered.request_id:
+            if answered is not None and request_id == answered.request_id >= session.last_request_id:
                 reply = self._answer_again(conn, request_id, answered)
             else:
+                body = decode_body(kind, raw)
+                latest = max(session.last_request_id, answered.request_id if answered is not None else 0)
+                if kind.changes_state and request_id < latest:
+                    raise InvalidRequest(
+                        f"request {request_id} of session {session.session_id} came after request {latest}: not "
+                        "done (its client gave up on it)", request_id=request_id, latest=latest,
+                    )
+                session.last_request_id = max(session.last_request_id, request_id)
                 fresh = session if kind.changes_state else None
                 session.previous_credential_hash = ""  # the client speaks: it holds its last welcome's credential
-                reply = handler(conn, request_id, decode_body(kind, raw))
+                reply = handler(conn, request_id, body)
         except _Behind:
             raise  # nothing done yet: answered once the session's datagrams are read
         except OutOfBudget as exc:

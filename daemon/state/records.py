@@ -187,6 +187,11 @@ class Session:
     """Restored after a restart and not resumed yet: the monotonic time by which its client must come back, or the
     session ends as a dead one's does. None for a connected session."""
     answer: Answer | None = None
+    last_request_id: int = 0
+    """The id of the latest request of the session the daemon took up: an older one that changes state is never done.
+    Its client numbers them in order and has one in flight; one older came on a connection the client gave up on (its
+    call timed out), read by the daemon only after a later one (issue #61). Not journaled: a restored session starts
+    from its ``answer``'s."""
     declaring: bool = False
     """Its process found its session gone after a restart and started over: it may declare again the buffers it
     still maps (:class:`~hbmd.proto.Redeclare`) until it asks for anything else."""
