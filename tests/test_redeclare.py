@@ -163,7 +163,8 @@ def declaration(**fields) -> Redeclare:
 def earlier_credential(daemon, session_id: int = 999) -> str:
     """The credential an earlier run of ``daemon`` gave this process's session ``session_id``: made here under the
     instance's key, as that run made it."""
-    return Credentials((daemon.run_dir / daemon.instance / RESUME_KEY).read_bytes()).issue(os.getuid(), session_id)
+    return Credentials((daemon.run_dir / daemon.instance / RESUME_KEY).read_bytes()).issue(os.getuid(), session_id,
+                                                                                        os.getpid())
 
 
 def started_over(daemon, credential: str = "", **kwargs):

@@ -58,7 +58,7 @@ from ..backends import A, C
 from ..notify import SystemdNotifier
 from ..restart.persist import RESUME_WINDOW_S, Persistence, chunk_fds, image_of, pack_image
 from ..restart.takeover import TakeoverError, TakeoverListener
-from ..rundir import create_file, open_instance_directory, open_lock, resume_key
+from ..rundir import create_file, open_instance_directory, open_lock, pass_line, resume_key
 from ..state import Answer, Session, State
 from .admin import AdminRequests
 from .buffers import BufferRequests
@@ -199,7 +199,7 @@ class Server(Generic[A, C]):
             self._lock_fd = self._dir_fd = -1
             instance_held = f"another hbmd is already serving {self.paths.directory}"
             raise AlreadyRunning(str(exc) if isinstance(exc, DeviceTaken) else instance_held) from None
-        self.state.use_resume_key(resume_key(self._dir_fd))
+        self.state.use_resume_key(resume_key(self._dir_fd), pass_line(self._dir_fd, self.state.credentials.line))
         for stale in (self.paths.info, self._info_tmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale.name, dir_fd=self._dir_fd)

@@ -35,6 +35,7 @@ from ..backends import A, Backend, C
 from ..config import Config
 from .buffers import Buffers
 from .chunks import Chunks
+from .credentials import Credentials
 from .invariants import check_invariants
 from .leases import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
 from .orphans import Orphans
@@ -53,6 +54,7 @@ from .records import (
 from .sealed import Sealed, check_unread
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
+from .writers import Writer
 
 if TYPE_CHECKING:  # a journaled buffer is read by the restart package, which builds on the state
     from ..restart.journaled import JournaledBuffer
@@ -196,7 +198,7 @@ class State(Generic[A, C]):
 
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False,
-        lease: bool = False, credit: bool = False, starting_over: str = "",
+        lease: bool = False, credit: bool = False, starting_over: tuple[int, str] = (0, ""),
     ) -> Session:
         """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
         ``PermissionDenied`` for a tenant it may not declare. ``starting_over``: see :meth:`Sessions.open`."""
@@ -226,14 +228,21 @@ class State(Generic[A, C]):
         """A restored session back with its client; see :meth:`Sessions.resume`."""
         return self.session_table.resume(session_id, uid, pid, credential)
 
-    def use_resume_key(self, key: bytes) -> None:
+    def use_resume_key(self, key: bytes, last_line: str) -> None:
         """Issue and check resume credentials under the instance's ``key`` (``rundir.resume_key``), kept across runs;
-        until then under one of this run's own, whose credentials start no session over after a restart."""
-        self.session_table.credentials.use_key(key)
+        until then under one of this run's own, whose credentials start no session over after a restart.
+        ``last_line``: the line of daemons of the one that ran before (``rundir.pass_line``); see
+        :meth:`Credentials.use_key`."""
+        self.session_table.credentials.use_key(key, last_line)
 
-    def may_start_over(self, session_id: int, uid: int, credential: str) -> bool:
+    @property
+    def credentials(self) -> Credentials:
+        """The resume credentials of this line of daemons: what the journal keeps of them, and its line."""
+        return self.session_table.credentials
+
+    def may_start_over(self, session_id: int, uid: int, pid: int, credential: str) -> bool:
         """See :meth:`Sessions.may_start_over`."""
-        return self.session_table.may_start_over(session_id, uid, credential)
+        return self.session_table.may_start_over(session_id, uid, pid, credential)
 
     def suspend_session(self, session: Session, resume_by: float) -> None:
         self.session_table.suspend(session, resume_by)
@@ -247,11 +256,12 @@ class State(Generic[A, C]):
     def session_for(self, token: str) -> Session:
         return self.session_table.for_token(token)
 
-    def close_session(self, session: Session) -> int:
+    def close_session(self, session: Session, writer: Writer | None = None) -> int:
         """End a session: its lease and read claims go, its anonymous buffers are freed, its persistent ones
-        orphaned (mid-defragment keeping the old chunks, which hold the data). Returns the bytes freed."""
+        orphaned (mid-defragment keeping the old chunks, which hold the data), watched through copies of ``writer``
+        (the caller's), its process where that lives on. Returns the bytes freed."""
         self.leases.end_session(session)
-        freed = self.buffer_table.end_session(session)
+        freed = self.buffer_table.end_session(session, writer)
         self.session_table.forget(session)
         self.tenant_table.let_go(session.tenant)
         return freed

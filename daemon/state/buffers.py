@@ -29,7 +29,7 @@ from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
-from .orphans import check_keep, give_to, left_by
+from .orphans import check_keep, give_to, left_by, let_go_of_writer
 from .pressure import Pressure
 from .records import (
     MAX_CAPACITY,
@@ -42,6 +42,7 @@ from .records import (
 )
 from .sealed import add_read_claim
 from .tenants import Tenants
+from .writers import Writer
 
 
 def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
@@ -376,6 +377,7 @@ class Buffers(Generic[A, C]):
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         if buffer.persistent:
             self.persistent.pop((buffer.owner_uid, buffer.name), None)
+        let_go_of_writer(buffer)
         self.tenants.let_go(buffer.tenant)
         self.mark_changed(buffer)
         return freed
@@ -414,16 +416,23 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer.buffer_id,
             )
 
-    def end_session(self, session: Session) -> int:
-        """The session ended: its read claims go, its anonymous buffers are freed, its persistent ones orphaned."""
+    def end_session(self, session: Session, writer: Writer | None = None) -> int:
+        """The session ended: its read claims go, its anonymous buffers are freed, its persistent ones orphaned, each
+        watched for its process (a copy of ``writer``, the caller's) where that lives on and may still write them
+        (:mod:`.writers`)."""
         read = list(session.reading.values())
         for buffer in read:
             buffer.readers.pop(session.session_id, None)
             self.mark_changed(buffer)
         session.reading.clear()
-        freed = sum(
-            self.disown(buffer) if buffer.persistent else self.drop(buffer) for buffer in list(session.buffers.values())
-        )
+        freed = 0
+        for buffer in list(session.buffers.values()):
+            if not buffer.persistent:
+                freed += self.drop(buffer)
+                continue
+            freed += self.disown(buffer)
+            if writer is not None and buffer.buffer_id in self.by_id and not buffer.sealed:
+                buffer.writer = writer.copy()
         return freed + sum(self.forget_unheld(buffer) for buffer in read)
 
     # growth

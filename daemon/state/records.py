@@ -16,6 +16,7 @@ from hbmd.proto.errors import InvalidRequest, PermissionDenied
 from hbmd.proto.runs import backed_runs, prefix_offsets
 
 from ..backends import A, C
+from .writers import Writer
 
 MAX_CAPACITY = 1 << 50
 """1 PiB: more than any device, small enough that offsets never overflow."""
@@ -244,6 +245,9 @@ class Buffer(Generic[A, C]):
     """Unix time the daemon frees it, an orphan still; 0: never."""
     last_holder: tuple[str, int] = ("", 0)
     """The client name and pid of the session that last held it, once an orphan (``("", 0)``: not known)."""
+    writer: Writer | None = None
+    """The process of the session that last held it, an orphan, where it may still map and write it: its session
+    ended while it lived (:mod:`.writers`). Not journaled: the daemon's pidfd does not outlive it."""
 
     def __post_init__(self) -> None:
         self.segment_offsets = prefix_offsets(self.segment_capacities)
