@@ -28,6 +28,7 @@ from hbmd.daemon.server import control as control_module
 from hbmd.daemon.server import control_socket
 from hbmd.daemon.server.control import MAX_QUEUED_PER_PEER, ControlQueue, Peer
 from hbmd.daemon.server.control_socket import READ_BYTES_PER_TURN, RECEIVE_BYTES, ControlSocket
+from hbmd.daemon.server.shares import Shares
 from hbmd.daemon.server.zmtp import (
     MAX_COMMAND_BYTES,
     MAX_COMMANDS_PER_FEED,
@@ -262,9 +263,14 @@ def handshaken(control: ControlSocket, path: str) -> socket.socket:
 
 
 @pytest.mark.unit
-def test_a_uids_unfinished_messages_are_bounded_and_the_connection_passing_the_bound_is_closed(control, monkeypatch):
-    control, path = control
+def test_a_uids_unfinished_messages_are_bounded_and_the_connection_passing_the_bound_is_closed(monkeypatch):
     monkeypatch.setattr(control_socket, "MAX_PARTIAL_BYTES_PER_UID", 96 << 10)
+    monkeypatch.setattr(control_socket, "MIN_PARTIAL_BYTES_PER_UID", 16 << 10)
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory, serving(f"{directory}/control") as control:
+        uids_unfinished_messages_are_bounded(control, f"{directory}/control")
+
+
+def uids_unfinished_messages_are_bounded(control: ControlSocket, path: str) -> None:
     first, second = handshaken(control, path), handshaken(control, path)
     begun = b"\x03" + struct.pack(">Q", 4096) + b"p" * 4096
     first.sendall(begun * 12)
@@ -280,9 +286,14 @@ def test_a_uids_unfinished_messages_are_bounded_and_the_connection_passing_the_b
 
 
 @pytest.mark.unit
-def test_a_uids_connections_are_capped(control, monkeypatch):
-    control, path = control
+def test_a_uids_connections_are_capped(monkeypatch):
     monkeypatch.setattr(control_socket, "MAX_CONNECTIONS_PER_UID", 2)
+    monkeypatch.setattr(control_socket, "MIN_CONNECTIONS_PER_UID", 0)
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory, serving(f"{directory}/control") as control:
+        uids_connections_are_capped(control, f"{directory}/control")
+
+
+def uids_connections_are_capped(control: ControlSocket, path: str) -> None:
     peers = [handshaken(control, path) for _ in range(2)]
     third = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     third.connect(path)
@@ -337,8 +348,9 @@ def test_a_process_s_requests_waiting_and_a_uids_bytes_waiting_are_bounded(monke
     assert (reply.code, reply.retryable, reply.details["waiting"]) == ("conflict", True, MAX_QUEUED_PER_PEER)
     assert queue.peers == 1 and queue.take()[0] == b"\x00"
     monkeypatch.setattr(control_module, "MAX_WAITING_BYTES_PER_UID", 3 * sum(map(len, request)))
+    monkeypatch.setattr(control_module, "MIN_WAITING_BYTES_PER_UID", 0)
     sent.clear()
-    queue.clear()
+    queue = ControlQueue()
     queue.read(Connections([(Peer(1000, pid), b"c", request) for pid in range(5)]))
     assert len(queue) == 3 and len(sent) == 2 and "MiB" in proto.decode_frames(sent[0][1]).body.message
 
@@ -570,3 +582,23 @@ def test_heartbeats_are_answered_and_a_dealer_that_sends_them_is_served(daemon, 
     finally:
         dealer.close(linger=0)
     assert "closed a control connection" not in daemon.log()
+
+
+@pytest.mark.unit
+def test_uids_share_what_the_control_plane_holds_in_all_and_each_may_always_hold_a_message():
+    """Bounds per uid added up: four uids at theirs held 500 MiB (issue #61). Past its floor a uid takes at most
+    the bound in all split among the uids holding some and one more, while there is room; its floor it may always
+    hold."""
+    shares = Shares(per_uid=64, total=96, floor=4)
+    assert shares.share(1) == 48 and shares.fits(1, 48) and not shares.fits(1, 49)
+    shares.add(1, 48)
+    assert shares.share(2) == 32 and shares.fits(2, 32)
+    shares.add(2, 32)
+    assert shares.share(3) == 24 and not shares.fits(3, 17) and shares.fits(3, 16)  # room in all: 16
+    shares.add(3, 16)
+    assert shares.in_all == 96 and not shares.fits(4, 5) and shares.fits(4, 4)  # its floor, past the bound in all
+    shares.add(4, 4)
+    assert shares.over(1) and not shares.over(4)  # 1 holds more than its share now: it grows no more
+    for uid, held in ((1, 48), (2, 32), (3, 16), (4, 4)):
+        shares.add(uid, -held)
+    assert shares.in_all == 0 and shares.held(1) == 0

@@ -18,6 +18,7 @@ a second. The figures against the tree before are in SECURITY.md,
 from __future__ import annotations
 
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -124,3 +125,74 @@ def test_a_stream_on_the_control_socket_delays_only_its_sender(start_daemon, spa
     assert percentile(calls, 0.99) <= 0.25 and max(calls) <= 2.0
     assert max(gaps) < WATCHDOG_USEC / 1e6
     assert stopped_in <= 1.0
+
+
+HOLDER = """
+import socket, struct, sys, time
+
+path, connections = sys.argv[1], int(sys.argv[2])
+GREETING = b"\\xff" + bytes(8) + b"\\x7f" + b"\\x03\\x01" + b"NULL".ljust(20, b"\\x00") + b"\\x00" + bytes(31)
+READY_BODY = b"\\x05READY\\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+READY = b"\\x04" + bytes([len(READY_BODY)]) + READY_BODY
+PART = b"\\x03" + struct.pack(">Q", 1 << 20) + b"p" * (1 << 20)  # a part of 1 MiB, MORE set: never ended
+held = cut = 0
+socks = []
+for _ in range(connections):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(20)
+    try:
+        sock.connect(path)
+        sock.sendall(GREETING + READY + PART * 3)
+        held += 1
+    except OSError:
+        cut += 1
+    socks.append(sock)
+print(held, cut, flush=True)
+time.sleep(600)
+"""
+UIDS = (65534, 65533, 65532, 65531)
+
+
+def peak_growth(pid: int, before: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) * 1024
+    return peak - before
+
+
+def test_uids_holding_unfinished_messages_share_a_bound_in_all(start_daemon, run_dir):
+    """Four uids each hold unfinished messages of 3 MiB on 24 connections: past their bounds (64 MiB each) their
+    connections are cut, and past the bound in all (96 MiB, each uid a message more): 256 MiB held before, RSS
+    +250 MiB (issue #61). An engine's calls are answered meanwhile."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to attack as four uids")
+    from test_admission import nobody_python
+
+    os.chmod(run_dir, 0o755)
+    daemon = start_daemon("--budget", "64MiB", "--group", "nogroup")
+    engine = daemon.connect(client_name="engine", timeout=5)
+    engine.status()
+    with open(f"/proc/{daemon.pid}/status") as status:
+        before = next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) * 1024
+    path = str(InstancePaths.of(run_dir, "host").control)
+    holders = [subprocess.Popen([*nobody_python(), "-c", HOLDER, path, "24"], user=uid, group=65534, extra_groups=[],
+                                stdout=subprocess.PIPE, text=True) for uid in UIDS]
+    try:
+        calls: list[float] = []
+        counts: dict[int, list[str]] = {}
+        deadline = time.monotonic() + 60
+        while (len(counts) < len(holders) or len(calls) < 50) and time.monotonic() < deadline:
+            began = time.monotonic()
+            engine.status()
+            calls.append(time.monotonic() - began)
+            for ready in select.select([h.stdout for h in holders if h.pid not in counts], [], [], 0.02)[0]:
+                counts[next(h.pid for h in holders if h.stdout is ready)] = ready.readline().split()
+        grown = peak_growth(daemon.pid, before)
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait(10)
+    print(f"\nfour uids holding unfinished messages: connections held/cut {list(counts.values())}; the daemon's RSS "
+          f"peak +{grown >> 20} MiB; the engine's calls max {max(calls) * 1e3:.0f} ms")
+    assert len(counts) == len(holders) and sum(int(held) for held, _ in counts.values()) * 3 <= 96 + 4 * 5
+    assert grown <= 160 << 20
+    assert max(calls) <= 2.0

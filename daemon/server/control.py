@@ -32,10 +32,11 @@ from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import msgpack
-from hbmd.proto import ErrorReply, encode_frames
+from hbmd.proto import MAX_FRAME_BYTES, ErrorReply, encode_frames
 from hbmd.proto.errors import Conflict
 
 from .ratelimit import RateLimitedLog
+from .shares import Shares
 
 log = logging.getLogger("hbmd.server")
 
@@ -45,7 +46,12 @@ MAX_QUEUED_PER_PEER = 32
 at once: a flood's requests are refused, and cost the daemon no more memory than this many."""
 MAX_WAITING_BYTES_PER_UID = 64 << 20
 """Bytes of the control requests of one uid read and waiting for their turn; a request that would take its uid past
-it is refused with a retryable ``conflict``. Honest requests are under 1 MiB, one in flight per client."""
+it, or past its fair share of :data:`MAX_WAITING_BYTES` (:class:`~.shares.Shares`), is refused with a retryable
+``conflict``. Honest requests are under 1 MiB, one in flight per client."""
+MAX_WAITING_BYTES = 96 << 20
+"""The same for all uids together, shared fairly; a uid may always have :data:`MIN_WAITING_BYTES_PER_UID` waiting."""
+MIN_WAITING_BYTES_PER_UID = MAX_FRAME_BYTES + 4096
+"""One request of the largest a message carries."""
 READ_PER_TURN_S = 0.02
 """Seconds spent reading the control connections in one turn of the loop at most, refusals included (one
 connection at least). A turn reads one request at most of each connection, uids in turn, and leaves the rest
@@ -119,7 +125,7 @@ class ControlQueue:
             collections.OrderedDict()
         )
         """The requests waiting, by uid and :attr:`Peer.process`: each in the order of the turns, the next first."""
-        self._bytes: dict[int, int] = {}
+        self._bytes = Shares(MAX_WAITING_BYTES_PER_UID, MAX_WAITING_BYTES, MIN_WAITING_BYTES_PER_UID)
         """The bytes of each uid's requests waiting."""
         self._count = 0
         self.peers = 0
@@ -144,10 +150,11 @@ class ControlQueue:
             if self.waiting(peer) >= MAX_QUEUED_PER_PEER:
                 self._refuse(control, peer, identity, body, "queued", f"has {MAX_QUEUED_PER_PEER} control requests "
                              "waiting already, the most one process may have", waiting=MAX_QUEUED_PER_PEER)
-            elif self._bytes.get(peer.uid, 0) + size > MAX_WAITING_BYTES_PER_UID:
+            elif not self._bytes.fits(peer.uid, size):
+                share = self._bytes.share(peer.uid)
                 self._refuse(control, peer, identity, body, "bytes", f"takes its uid's control requests waiting past "
-                             f"{MAX_WAITING_BYTES_PER_UID >> 20} MiB, the most one uid may have",
-                             waiting_bytes=MAX_WAITING_BYTES_PER_UID)
+                             f"{share >> 20} MiB, the most one uid may have now ({MAX_WAITING_BYTES >> 20} MiB in all)",
+                             waiting_bytes=share)
             else:
                 self.add(peer, identity, body)
 
@@ -176,7 +183,7 @@ class ControlQueue:
             self.peers += 1
         waiting.append((identity, body))
         self._count += 1
-        self._bytes[peer.uid] = self._bytes.get(peer.uid, 0) + sum(map(len, body))
+        self._bytes.add(peer.uid, sum(map(len, body)))
 
     def take(self) -> tuple[bytes, list[bytes]]:
         """The next request to answer, ``(identity, frames)``: the first of the process whose turn it is in the uid
@@ -187,7 +194,7 @@ class ControlQueue:
         process, waiting = processes.popitem(last=False)
         request = waiting.popleft()
         self._count -= 1
-        self._forget_bytes(uid, request[1])
+        self._bytes.add(uid, -sum(map(len, request[1])))
         if waiting:
             processes[process] = waiting
         else:
@@ -201,13 +208,6 @@ class ControlQueue:
         self._uids.clear()
         self._bytes.clear()
         self._count = self.peers = 0
-
-    def _forget_bytes(self, uid: int, body: list[bytes]) -> None:
-        left = self._bytes.get(uid, 0) - sum(map(len, body))
-        if left > 0:
-            self._bytes[uid] = left
-        else:
-            self._bytes.pop(uid, None)
 
     def _refuse(self, control: Connections, peer: Peer, identity: bytes, body: list[bytes], kind: str, what: str,
                 **details: int) -> None:

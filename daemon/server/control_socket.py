@@ -44,7 +44,8 @@ from .connection import Descriptors, accepted, accepting
 from .control import Peer
 from .handles import HELLO_TIMEOUT_S
 from .ratelimit import RateLimitedLog
-from .zmtp import GREETING, ZmtpPeer, ZmtpViolation, encode_message
+from .shares import Shares
+from .zmtp import GREETING, MAX_MESSAGE_BYTES, ZmtpPeer, ZmtpViolation, encode_message
 
 log = logging.getLogger("hbmd.server")
 
@@ -58,15 +59,28 @@ message) leaves the rest in the kernel. A turn read a connection until it comple
 held the loop for as long as it lasted (issue #61, ``tests/test_control_streams.py``)."""
 MAX_PARTIAL_BYTES_PER_UID = 64 << 20
 """Bytes of unfinished messages the daemon keeps for all the control connections of one uid; a connection taking its
-uid past it is closed. An honest client's request is under 1 MiB and whole within a turn."""
+uid past it, or past its fair share of :data:`MAX_PARTIAL_BYTES` (:class:`~.shares.Shares`), is closed. An honest
+client's request is under 1 MiB, whole within four turns."""
+MAX_PARTIAL_BYTES = 96 << 20
+"""The same for all uids together, shared fairly; a uid may always hold :data:`MIN_PARTIAL_BYTES_PER_UID`."""
+MIN_PARTIAL_BYTES_PER_UID = MAX_MESSAGE_BYTES + RECEIVE_BYTES
+"""One message, and a read."""
 MAX_UNSENT_BYTES_PER_CONNECTION = 8 << 20
 """Bytes of replies the kernel has not taken yet that the daemon keeps for one connection (its peer reads none);
 past them a reply is dropped, whole. A client has one request in flight, and the largest reply is a listing page
 (about 2 MiB)."""
 MAX_UNSENT_BYTES_PER_UID = 64 << 20
 """The same for all the connections of one uid."""
+MAX_UNSENT_BYTES = 96 << 20
+"""The same for all uids together, shared fairly; a uid may always have :data:`MIN_UNSENT_BYTES_PER_UID` unsent."""
+MIN_UNSENT_BYTES_PER_UID = 4 << 20
+"""Two listing pages, the largest replies."""
 MAX_CONNECTIONS_PER_UID = 1024
 """Control connections of one uid; a newer one is closed at once. A uid has 128 sessions at most, one each."""
+MAX_CONNECTIONS = 4096
+"""Control connections of all uids together, shared fairly; a uid may always have :data:`MIN_CONNECTIONS_PER_UID`."""
+MIN_CONNECTIONS_PER_UID = 128
+"""A connection for each session a uid may have by default (``--max-sessions-per-uid``)."""
 SWEEP_EVERY_S = 1.0
 """How often unfinished handshakes are ended and a listener paused for want of descriptors is resumed."""
 
@@ -95,11 +109,11 @@ class ControlSocket:
         self._by_fd: dict[int, _Connection] = {}
         self._by_identity: dict[bytes, _Connection] = {}
         self._serials = itertools.count(1)
-        self._per_uid: dict[int, int] = collections.Counter()
+        self._connections = Shares(MAX_CONNECTIONS_PER_UID, MAX_CONNECTIONS, MIN_CONNECTIONS_PER_UID)
         """Connections of each uid."""
-        self._partial_bytes: dict[int, int] = collections.Counter()
+        self._partial_bytes = Shares(MAX_PARTIAL_BYTES_PER_UID, MAX_PARTIAL_BYTES, MIN_PARTIAL_BYTES_PER_UID)
         """Bytes the unfinished messages of each uid's connections hold (:attr:`ZmtpPeer.held`)."""
-        self._unsent_bytes: dict[int, int] = collections.Counter()
+        self._unsent_bytes = Shares(MAX_UNSENT_BYTES_PER_UID, MAX_UNSENT_BYTES, MIN_UNSENT_BYTES_PER_UID)
         self._turns: collections.OrderedDict[int, dict[int, int]] = collections.OrderedDict()
         """Connections to read and the events they had, by uid in the order of their turns, and by descriptor within
         a uid: those the poll found ready, and those holding bytes their parser left. A read takes one connection
@@ -136,11 +150,11 @@ class ControlSocket:
 
     def partial_bytes(self, uid: int) -> int:
         """Bytes the unfinished messages of ``uid``'s connections hold."""
-        return self._partial_bytes.get(uid, 0)
+        return self._partial_bytes.held(uid)
 
     def unsent_bytes(self, uid: int) -> int:
         """Bytes of replies to ``uid``'s connections the kernel has not taken yet."""
-        return self._unsent_bytes.get(uid, 0)
+        return self._unsent_bytes.held(uid)
 
     @property
     def pending(self) -> bool:
@@ -222,15 +236,16 @@ class ControlSocket:
         pid, uid, _, _ = credentials
         identity = next(self._serials).to_bytes(8, "big")
         peer = Peer(uid, pid) if pid > 0 else Peer(uid, pid, identity)
-        if self._per_uid[uid] >= MAX_CONNECTIONS_PER_UID:
+        if not self._connections.fits(uid, 1):
             self._warnings.warning(f"control-connections-{uid}", "closed a control connection of %s (uid %d): its "
-                                   "uid has %d open, the most one uid may", peer, uid, MAX_CONNECTIONS_PER_UID)
+                                   "uid has %d open, the most one uid may now of %d in all (%d open)", peer, uid,
+                                   self._connections.held(uid), MAX_CONNECTIONS, self._connections.in_all)
             sock.close()
             return
         connection = _Connection(sock, identity, peer, time.monotonic())
         self._by_fd[sock.fileno()] = connection
         self._by_identity[identity] = connection
-        self._per_uid[uid] += 1
+        self._connections.add(uid, 1)
         self._descriptors.register(sock.fileno(), select.EPOLLIN)
         self._send(connection, GREETING)
 
@@ -258,9 +273,11 @@ class ControlSocket:
                 messages, reply = connection.zmtp.feed(data, room=1)
             except ZmtpViolation as exc:
                 violation = str(exc)
-            self._partial_bytes[uid] += connection.zmtp.held - held
-            if not violation and self._partial_bytes[uid] > MAX_PARTIAL_BYTES_PER_UID:
-                violation = f"its uid's unfinished control requests past {MAX_PARTIAL_BYTES_PER_UID >> 20} MiB"
+            grown = connection.zmtp.held - held
+            self._partial_bytes.add(uid, grown)
+            if not violation and grown > 0 and self._partial_bytes.over(uid):
+                violation = (f"its uid's unfinished control requests past {self._partial_bytes.share(uid) >> 20} MiB, "
+                             f"its share now ({MAX_PARTIAL_BYTES >> 20} MiB in all)")
             if violation:
                 self._cut(connection, logging.WARNING, violation)
                 return None
@@ -284,10 +301,11 @@ class ControlSocket:
 
     def _send(self, connection: _Connection, data: bytes) -> None:
         """Send ``data`` after what waits unsent, keeping what the kernel does not take; drop it whole where that
-        would pass :data:`MAX_UNSENT_BYTES_PER_CONNECTION` or its uid's :data:`MAX_UNSENT_BYTES_PER_UID`."""
+        would pass :data:`MAX_UNSENT_BYTES_PER_CONNECTION` or its uid's share (:data:`MAX_UNSENT_BYTES_PER_UID`,
+        :data:`MAX_UNSENT_BYTES`)."""
         uid = connection.peer.uid
         if connection.unsent and (connection.unsent_bytes + len(data) > MAX_UNSENT_BYTES_PER_CONNECTION
-                                  or self._unsent_bytes[uid] + len(data) > MAX_UNSENT_BYTES_PER_UID):
+                                  or not self._unsent_bytes.fits(uid, len(data))):
             self._warnings.warning(f"unsent-{uid}", "%s (uid %d) reads none of what the control socket sends it: "
                                    "a reply dropped", connection.peer, uid)
             return
@@ -305,7 +323,7 @@ class ControlSocket:
             data = data[sent:]
         connection.unsent.append(memoryview(data))
         connection.unsent_bytes += len(data)
-        self._unsent_bytes[uid] += len(data)
+        self._unsent_bytes.add(uid, len(data))
 
     def _flush(self, connection: _Connection) -> None:
         """Send what waits unsent, as far as the kernel takes it."""
@@ -320,7 +338,7 @@ class ControlSocket:
                 self._close(connection)
                 return
             connection.unsent_bytes -= sent
-            self._unsent_bytes[uid] -= sent
+            self._unsent_bytes.add(uid, -sent)
             if sent < len(head):
                 connection.unsent[0] = head[sent:]
                 return
@@ -347,10 +365,8 @@ class ControlSocket:
         connection.sock.close()
         del self._by_fd[fd]
         del self._by_identity[connection.identity]
-        for counts, held in ((self._per_uid, 1), (self._partial_bytes, connection.zmtp.held),
-                             (self._unsent_bytes, connection.unsent_bytes)):
-            counts[uid] -= held
-            if counts[uid] <= 0:
-                del counts[uid]
+        self._connections.add(uid, -1)
+        self._partial_bytes.add(uid, -connection.zmtp.held)
+        self._unsent_bytes.add(uid, -connection.unsent_bytes)
         connection.zmtp = ZmtpPeer()
         connection.unsent.clear()
