@@ -110,6 +110,9 @@ class Reclaim:
     reason: str
     asked_at: float = dataclasses.field(default_factory=time.monotonic)
     released_bytes: int | None = None
+    told: bool = False
+    """A commit refused since its answer came was told it (a demote answered with less than asked: nothing more is
+    being demoted there)."""
     demote: bool = False
     """Asked to demote its buffers to the host tier rather than to release memory."""
     reported: bool = False
