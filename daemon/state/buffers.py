@@ -37,6 +37,7 @@ from .records import (
     Chunk,
     Limits,
     Session,
+    Tenant,
     check_int,
     check_observer,
 )
@@ -109,6 +110,22 @@ class Buffers(Generic[A, C]):
             self.tenants.charge(buffer.tenant, host=mapped + pending)
         else:
             self.tenants.charge(buffer.tenant, committed=mapped + pending)
+        self.mark_changed(buffer)
+
+    def recharge(self, buffer: Buffer[A, C], tenant: Tenant, purpose: str) -> None:
+        """Charge the buffer's bytes, and what it grows from now on, to ``tenant`` instead of its own: within
+        ``tenant``'s maximum and the others' guarantees (``OutOfBudget`` with nothing changed), the budget's total as
+        it was."""
+        old = buffer.tenant
+        if old is tenant:
+            return
+        device = buffer.physical_bytes + buffer.pending_bytes - buffer.host_bytes
+        self.tenants.admit_transfer(old, tenant, device, purpose)
+        self.tenants.charge(old, committed=-device, host=-buffer.host_bytes)
+        self.tenants.charge(tenant, committed=device, host=buffer.host_bytes)
+        self.tenants.hold(tenant)
+        buffer.tenant = tenant
+        self.tenants.let_go(old)
         self.mark_changed(buffer)
 
     def mark_changed(self, buffer: Buffer[A, C]) -> None:

@@ -120,6 +120,8 @@ class Orphans(Generic[A, C]):
         check_readable_layout(buffer, uneven_ok)
         self.buffers.check_handed_out(buffer)
         check_no_other_writer(buffer, session)
+        # Its holder's tenant pays for it, as a graft's does: the uid may have left the orphan's tenant since.
+        self.buffers.recharge(buffer, session.tenant, f"attaching orphan {name!r}")
         give_to(session, buffer)
         self.buffers.mark_changed(buffer)
         return buffer
