@@ -148,6 +148,10 @@ class Server(Generic[A, C]):
         self.resume_window_s = resume_window_s
         self.device_lock = device_lock
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
+        interval = self._notifier.watchdog_interval
+        self._idle_ms = 1000.0 if interval is None else min(1000.0, interval * 1000)
+        """How long an idle loop waits for an event: a second, or less where the watchdog wants keep-alives more
+        often (with ``WatchdogSec=1`` an idle loop fed it every second, at its limit)."""
         self._stopping = False
         self._timers_at = 0.0
         """When the loop last looked for what time makes due (``time.monotonic``; :data:`TIMERS_EVERY_S`)."""
@@ -269,7 +273,7 @@ class Server(Generic[A, C]):
         while not self._stopping:
             unread = self._router is not None and self._router.pending
             busy = idle_work or self._waiting or self._requests or unread or self.state.top_ups_due
-            timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
+            timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else self._idle_ms
             events = self._ready(timeout)
             with self.lock:
                 self._plane.new_turn()
