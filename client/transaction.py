@@ -45,6 +45,9 @@ class Transactions:
     _moved_to: str | None = None
     """The tier of what this process maps while a move's remap is done and its finish not heard yet: what a daemon
     that restarted meanwhile, with nothing kept, is told the buffer is in."""
+    _name_proof = ""
+    """The proof, from the daemon's last reply that carried one, that this session holds the buffer's name: what a
+    declaration of it after a cold restart shows (:attr:`Redeclare.name_proof`)."""
     _unsettled: Callable[[], None] | None = None
     """A change of the buffer timed out (:meth:`_gave_up`): how to settle it with the daemon's record before the next
     step. The daemon may still do it (it was stalled, not gone), but none of the session's requests older than one it
@@ -101,6 +104,7 @@ class Transactions:
     def _set_info(self, info: BufferInfo) -> None:
         """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
         self._info = info
+        self._name_proof = info.name_proof or self._name_proof
         self._physical_bytes = info.physical_bytes
         self._num_chunks = info.num_chunks
         self._capacities = list(info.segment_capacities) or [info.segment_capacity_bytes] * info.num_segments
@@ -302,6 +306,7 @@ class Transactions:
             sealed=self._info.sealed,
             readonly=self._readonly,
             tier=self._moved_to or self._info.tier,
+            name_proof=self._name_proof,
         )
 
     def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:

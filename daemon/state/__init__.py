@@ -21,12 +21,13 @@ new chunks leaves the buffer released (its data was already given up).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic
 
-from hbmd.proto import TIER_DEVICE, TIER_HOST, ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import round_up
@@ -306,18 +307,35 @@ class State(Generic[A, C]):
     def redeclare(
         self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
         chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool, readonly: bool,
-        tier: str = TIER_DEVICE,
+        tier: str = TIER_DEVICE, name_proof: str = "",
     ) -> Buffer[A, C]:
         """A buffer the session's process still maps, declared again after a cold restart; see
         :meth:`Buffers.redeclare`. Refused (``PermissionDenied``) but on a session whose process started over, before
-        it asks for anything else (:attr:`Session.declaring`)."""
+        it asks for anything else (:attr:`Session.declaring`), and, for a persistent buffer of its own, with the
+        proof that the session it replaces held its name (``name_proof``)."""
         if not session.declaring:
             raise PermissionDenied(
                 "buffers are declared again only by a session whose process found its own gone after a restart, "
                 "before any other request"
             )
+        if persistent and not readonly and not self.credentials.proves_name(
+                session.replaces, session.uid, session.pid, name, name_proof):
+            raise PermissionDenied(
+                f"persistent buffer {name!r} is declared again only with the proof that the session this process "
+                "started over held it (a client of protocol 1.13 keeps it): another process of the uid may hold it",
+                field="name_proof",
+            )
         return self.buffer_table.redeclare(session, previous_id, capacities, sizes, chunks, name, persistent,
                                            shareable, sealed, readonly, tier)
+
+    def info_for_holder(self, buffer: Buffer[A, C], session: Session) -> BufferInfo:
+        """``buffer``'s info as its holder ``session`` is told it: a persistent buffer's with the proof that the
+        session holds its name (:attr:`BufferInfo.name_proof`), which no one else is shown."""
+        info = buffer.info()
+        if buffer.persistent and buffer.owner is session:
+            info = dataclasses.replace(info, name_proof=self.credentials.name_proof(
+                session.uid, session.session_id, session.pid, buffer.name))
+        return info
 
     def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import json
 import secrets
 from typing import Any
 
@@ -132,8 +133,22 @@ class Credentials:
             if type(session_id) is int:
                 self._lost[session_id] = None
 
-    def _mac(self, line: str, nonce: str, uid: int, session_id: int, pid: int) -> str:
-        message = f"{line}:{nonce}:{uid}:{session_id}:{pid}".encode()
+    def name_proof(self, uid: int, session_id: int, pid: int, name: str) -> str:
+        """The proof that session ``session_id`` of ``uid``, whose process the daemon sees as ``pid``, holds the
+        persistent buffer ``name``: for it to declare the buffer again under that name after a cold restart."""
+        return self.line + self._mac(self.line, "name", uid, session_id, pid, name)
+
+    def proves_name(self, replaced: tuple[str, int], uid: int, pid: int, name: str, proof: str) -> bool:
+        """Whether ``proof`` shows that the session a start-over replaced (``replaced``: its line and id) held
+        ``name``, its process ``pid`` of ``uid``."""
+        line, session_id = replaced
+        if len(proof) != LINE_HEX + MAC_HEX or proof[:LINE_HEX] != line or not line:
+            return False
+        return hmac.compare_digest(proof[LINE_HEX:], self._mac(line, "name", uid, session_id, pid, name))
+
+    def _mac(self, line: str, nonce: str, uid: int, session_id: int, pid: int, name: str = "") -> str:
+        # A name is JSON-quoted: whatever it holds, it cannot pass for the fields before it.
+        message = f"{line}:{nonce}:{uid}:{session_id}:{pid}{':' + json.dumps(name) if name else ''}".encode()
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:MAC_HEX]
 
 

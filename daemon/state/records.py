@@ -196,6 +196,9 @@ class Session:
     Its client numbers them in order and has one in flight; one older came on a connection the client gave up on (its
     call timed out), read by the daemon only after a later one (issue #61). Not journaled: a restored session starts
     from its ``answer``'s."""
+    replaces: tuple[str, int] = ("", 0)
+    """The line of daemons and the id of the session this one started over in place of (``("", 0)``: none): whose
+    names its process may declare again (:meth:`Credentials.proves_name`)."""
     declaring: bool = False
     """Its process found its session gone after a restart and started over: it may declare again the buffers it
     still maps (:class:`~hbmd.proto.Redeclare`) until it asks for anything else."""

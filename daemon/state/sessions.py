@@ -18,7 +18,7 @@ from hbmd.proto.errors import (
     SessionLost,
 )
 
-from .credentials import KEY_BYTES, Credentials
+from .credentials import KEY_BYTES, LINE_HEX, Credentials
 from .records import MAX_CAPACITY, Limits, Reclaim, Session, Tenant, check_int
 
 RECLAIM_PATIENCE_S = 30.0
@@ -75,6 +75,7 @@ class Sessions:
         )
         replaced, credential = starting_over
         session.declaring = bool(credential) and not observer
+        session.replaces = (credential[:LINE_HEX], replaced) if credential else ("", 0)
         self._next_id += 1
         self._add(session)
         if credential:
