@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import io
 import json
+import unicodedata
 from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
@@ -37,7 +38,15 @@ def _shown_cell(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = shown(value)
-    return "'" + text if text.startswith(FORMULA_STARTS) else text
+    return "'" + text if _runs_as_formula(text) else text
+
+
+def _runs_as_formula(text: str) -> bool:
+    """Whether a spreadsheet may take ``text`` for a formula: it starts with one of :data:`FORMULA_STARTS`, after
+    spaces (which spreadsheets skip), or with a character that reads as one once its compatibility form is taken
+    (a fullwidth equals or at sign, U+FF1D or U+FF20, which some spreadsheets turn into ``=`` and ``@``)."""
+    stripped = text.lstrip()
+    return text.startswith(FORMULA_STARTS) or unicodedata.normalize("NFKC", stripped[:1]).startswith(FORMULA_STARTS)
 
 
 def render_table(headers: list[str], rows: list[list[Any]], with_headers: bool = True) -> str:

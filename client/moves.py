@@ -173,13 +173,26 @@ class Moves(Transactions):
         fresh: list[tuple[ChunkInfo, int]] = []
         started_over = self._client.started_over
         try:
-            with ask() as delivery:
+            try:
+                delivering = ask()
+            except BaseException as exc:
+                self._gave_up(exc, self._drop_pending)
+                raise
+            with delivering as delivery:
                 for chunk, fd in delivery:
                     fresh.append((chunk, os.dup(fd)))  # mapped once every new chunk is in
             if fresh:
                 self._move_into(fresh, started_over, to_tier)
         finally:
             _close_all(fresh)
+
+    def _drop_pending(self) -> None:
+        """Have the daemon drop the new chunks of a defragment or move given up on, where it made them: this process
+        maps the old ones. Where it did not, it never will now (the session has spoken since)."""
+        try:
+            self._set_info(self._client.finish_defragment(self._info.buffer_id, False).buffer)
+        except InvalidRequest:
+            pass  # nothing in progress
 
     def _move_into(self, fresh: list[tuple[ChunkInfo, int]], started_over: int, to_tier: str | None) -> None:
         """Copy the data into the new chunks, map them in place of the old, and confirm.

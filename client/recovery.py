@@ -141,7 +141,11 @@ class Recovery:
                     if isinstance(exc, PermissionDenied) and exc.details.get("token") != "unknown":
                         raise
                     deadline = deadline or time.monotonic() + core.resume_timeout
+                    started_over = self.started_over
                     self.resume(deadline)
+                    if self.started_over != started_over:
+                        # A new session, which declared again under ids of its own since: the request is a new one.
+                        request_id = core.control.next_request_id()
                     continue  # the same request, under the same id (and the buffer's new one, if it moved)
                 self.confirmed(unconfirmed)  # the daemon read them before it answered
                 return answer

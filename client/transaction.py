@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_SEGMENTS, TIER_HOST, BufferInfo, ChunkInfo, Redeclare
-from hbmd.proto.errors import HbmdError, InvalidRequest, TensorUnusable
+from hbmd.proto.errors import DaemonUnavailable, HbmdError, InvalidRequest, SessionLost, TensorUnusable
 from hbmd.proto.runs import new_runs, prefix_offsets
 
 from .delivery import Delivery
@@ -45,12 +45,48 @@ class Transactions:
     _moved_to: str | None = None
     """The tier of what this process maps while a move's remap is done and its finish not heard yet: what a daemon
     that restarted meanwhile, with nothing kept, is told the buffer is in."""
+    _name_proof = ""
+    """The proof, from the daemon's last reply that carried one, that this session holds the buffer's name: what a
+    declaration of it after a cold restart shows (:attr:`Redeclare.name_proof`)."""
+    _unsettled: Callable[[], None] | None = None
+    """A change of the buffer timed out (:meth:`_gave_up`): how to settle it with the daemon's record before the next
+    step. The daemon may still do it (it was stalled, not gone), but none of the session's requests older than one it
+    answered: the next answer settles it."""
 
     def _check_live(self) -> None:
         if self._freed:
             raise ValueError("this ExtensibleTensor was freed")
         if self._unusable is not None:
             raise self._unusable
+        if self._unsettled is not None:
+            self._settle()
+
+    def _gave_up(self, error: BaseException, settle: Callable[[], None]) -> bool:
+        """Whether ``error`` is a call of this buffer's given up on with the daemon still there (a timeout, not a
+        session lost): then ``settle`` is to run before the next step, and the tensor stays as it maps now.
+
+        Its next commit would grow from this process's record while the
+        daemon's answer grows from its own, which may hold the change given
+        up on: the tensor said 16 MiB with 6 of them unmapped, and a write
+        there faulted (issue #61, ``tests/test_timed_out_calls.py``).
+        """
+        if not isinstance(error, DaemonUnavailable) or isinstance(error, SessionLost):
+            return False
+        self._unsettled = settle
+        return True
+
+    def _settle(self) -> None:
+        """Settle the change given up on (:attr:`_unsettled`); one that times out again stays to settle, raising."""
+        settle = self._unsettled
+        assert settle is not None
+        settle()
+        self._unsettled = None
+
+    def _map_as_recorded(self) -> None:
+        """Map the buffer as the daemon records it now; raises with nothing changed where the daemon does not answer."""
+        if self._map_again():
+            log.warning("buffer %d: the daemon did a change this process had given up on; mapped again as it records "
+                        "it", self._info.buffer_id)
 
     def _check_writable(self, what: str) -> None:
         """Refuse a change here rather than at the daemon: release and defragment unmap before they ask."""
@@ -68,6 +104,7 @@ class Transactions:
     def _set_info(self, info: BufferInfo) -> None:
         """Take the daemon's view of the buffer (a daemon of protocol 1.0 sends no per-segment lists)."""
         self._info = info
+        self._name_proof = info.name_proof or self._name_proof
         self._physical_bytes = info.physical_bytes
         self._num_chunks = info.num_chunks
         self._capacities = list(info.segment_capacities) or [info.segment_capacity_bytes] * info.num_segments
@@ -206,6 +243,7 @@ class Transactions:
                 self._map_all(delivery)
         except BaseException as exc:
             if not answered and self._reservation.changes == changes_before:
+                self._gave_up(exc, self._map_as_recorded)
                 raise
             if not self._resync(exc):
                 raise
@@ -216,25 +254,37 @@ class Transactions:
         """Map the buffer as the daemon records it; True when the failed request had been done there."""
         if self._unusable is not None:
             raise self._unusable from error  # the daemon refused to count it again after a restart: nothing to map
+        changes_before = self._reservation.changes
         try:
-            self._reservation.unmap_all()
-            with self._client.remap(self._info.buffer_id) as delivery:
-                self._map_all(delivery)
-            reply = delivery.reply
+            done = self._map_again()
         except BaseException as exc:
+            # The daemon did not answer the remap, and what is mapped still holds every byte the tensor says it has
+            # (a map that failed midway maps more): the next step tries again.
+            covered = sum(size for _, size in self._reservation.mapped) >= self._physical_bytes
+            if self._reservation.changes == changes_before and covered and self._gave_up(exc, self._map_as_recorded):
+                raise
             self._unusable = TensorUnusable(
                 f"buffer {self._info.buffer_id}: {error} and mapping it again failed ({exc}); "
                 "free it and create or attach it anew",
                 buffer_id=self._info.buffer_id,
             )
             raise self._unusable from error
-        done = reply.buffer.segment_sizes != self._sizes or reply.buffer.num_chunks != self._num_chunks
-        self._set_info(reply.buffer)
         if done:
             log.warning(
                 "buffer %d: %s while mapping; mapped again as the daemon records it", self._info.buffer_id, error
             )
         return done and isinstance(error, (HbmdError, OSError))
+
+    def _map_again(self) -> bool:
+        """Unmap the buffer and map every chunk the daemon records, once they have come (so a daemon that does not
+        answer leaves the mapping as it was); whether its record differs from this process's."""
+        with self._client.remap(self._info.buffer_id) as delivery:
+            self._reservation.unmap_all()
+            self._map_all(delivery)
+        reply = delivery.reply
+        done = reply.buffer.segment_sizes != self._sizes or reply.buffer.num_chunks != self._num_chunks
+        self._set_info(reply.buffer)
+        return done
 
     # after a restart of the daemon that kept nothing
 
@@ -256,6 +306,7 @@ class Transactions:
             sealed=self._info.sealed,
             readonly=self._readonly,
             tier=self._moved_to or self._info.tier,
+            name_proof=self._name_proof,
         )
 
     def _declared(self, buffer: BufferInfo | None, refusal: HbmdError | None) -> None:

@@ -4,9 +4,10 @@ Gauges are read from the :class:`State` at scrape time by a collector, under
 the server's lock (the HTTP server runs on its own threads), which is let go
 before the page is written; operation counters and latency histograms are
 recorded by the server as it answers. The port serves
-:data:`MAX_CONNECTIONS` connections at once, each for at most
-:data:`CONNECTION_TIMEOUT_S` per read or write: what a peer that can reach
-it costs the daemon is bounded.
+:data:`MAX_CONNECTIONS` connections at once, :data:`MAX_CONNECTIONS_PER_ADDRESS`
+of one peer address, each for :data:`REQUEST_DEADLINE_S` in all: what a peer
+that can reach it costs the daemon is bounded, and one peer cannot hold the
+port from a scraper or a readiness probe at another address.
 
 Conventions, so the series sit beside dcgm-exporter's: every series, the
 process's own included, names its instance in ``hbmd_instance`` (``gpu0``,
@@ -26,11 +27,15 @@ Prometheus's exporters have one.
 
 from __future__ import annotations
 
+import collections
 import html
+import io
 import itertools
+import logging
 import platform
 import socket
 import socketserver
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -214,18 +219,67 @@ class StateCollector(Collector):
 MAX_CONNECTIONS = 16
 """Connections the metrics port serves at once; one beyond is closed at once, so that idle peers cannot take the
 daemon's descriptors (whose end aborts the control plane's libzmq) or its threads."""
+MAX_CONNECTIONS_PER_ADDRESS = 4
+"""Connections one peer address is served at once, of :data:`MAX_CONNECTIONS`; one beyond is closed at once. A
+scraper and a readiness probe each hold one at a time: 16 connections of one peer trickling requests held every slot,
+and no scrape or probe was answered (issue #61, ``tests/test_metrics.py``)."""
 CONNECTION_TIMEOUT_S = 5.0
-"""How long a connection may take to send its request or read its answer."""
+"""How long one read or write of a connection may wait."""
+REQUEST_DEADLINE_S = 10.0
+"""How long a connection may take in all to send its request and read its answer, whatever the pace of each read
+(Prometheus's default scrape timeout): a peer sending a byte every few seconds held its slot for as long as it
+liked, each read well within :data:`CONNECTION_TIMEOUT_S`."""
+
+log = logging.getLogger("hbmd.metrics")
+
+
+class _BeforeDeadline(io.RawIOBase):
+    """A connection's socket, each read and write of it given what is left of one deadline at most (and
+    :data:`CONNECTION_TIMEOUT_S`); past it, ``TimeoutError``."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request took more than {REQUEST_DEADLINE_S:g} s")
+        self._sock.settimeout(min(left, CONNECTION_TIMEOUT_S))
+
+    def readinto(self, buffer: Any) -> int:
+        self._arm()
+        return self._sock.recv_into(buffer)
+
+    def write(self, data: Any) -> int:
+        # sendall's timeout bounds the whole call (Python 3.5 and later), not each send in it.
+        self._arm()
+        self._sock.sendall(data)
+        return len(data)
+
+
 class _QuietHandler(WSGIRequestHandler):
-    timeout = CONNECTION_TIMEOUT_S
+    def setup(self) -> None:
+        super().setup()
+        raw = _BeforeDeadline(self.connection, time.monotonic() + REQUEST_DEADLINE_S)
+        self.rfile = io.BufferedReader(raw)
+        self.wfile = io.BufferedWriter(raw)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes every few seconds would drown the daemon's log."""
 
 
 class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
-    """A thread per connection, :data:`MAX_CONNECTIONS` at most; the address shared with a successor (``--takeover``
-    binds it beside this one, which lets go once it has handed over: ``SO_REUSEPORT`` takes only the same user's)."""
+    """A thread per connection, :data:`MAX_CONNECTIONS` at most and :data:`MAX_CONNECTIONS_PER_ADDRESS` of a peer
+    address; the address shared with a successor (``--takeover`` binds it beside this one, which lets go once it has
+    handed over: ``SO_REUSEPORT`` takes only the same user's)."""
 
     daemon_threads = True
     allow_reuse_port = True
@@ -233,22 +287,43 @@ class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
     def server_activate(self) -> None:
         super().server_activate()
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._addresses_lock = threading.Lock()
+        self._per_address: collections.Counter[str] = collections.Counter()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+        address = client_address[0]
+        with self._addresses_lock:
+            if self._per_address[address] >= MAX_CONNECTIONS_PER_ADDRESS or not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)
+                return
+            self._per_address[address] += 1
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self._let_go(address)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._let_go(client_address[0])
+
+    def _let_go(self, address: str) -> None:
+        with self._addresses_lock:
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
+        self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer gone or too slow is its own business: one line at DEBUG (socketserver printed a traceback on
+        stderr, the daemon's log, for every connection that timed out); anything else one record at ERROR."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError):
+            log.debug("metrics: the connection of %s ended: %s", client_address[0], exc)
+        else:
+            log.exception("metrics: answering %s failed", client_address[0])
 
 
 class Metrics:

@@ -17,6 +17,7 @@ there must therefore land in a directory only it can change:
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import stat
@@ -26,8 +27,11 @@ from hbmd.proto.undo import Undo
 
 from .state.credentials import KEY_BYTES
 
+log = logging.getLogger("hbmd.daemon")
+
 DIRECTORY_MODE = 0o750
 RESUME_KEY = "resume.key"
+RESUME_LINE = "resume.line"
 
 
 class RunDirectoryError(OSError):
@@ -167,6 +171,35 @@ def resume_key(dir_fd: int, name: str = RESUME_KEY) -> bytes:
     finally:
         os.close(fd)
     return key
+
+
+def pass_line(dir_fd: int, line: str, name: str = RESUME_LINE) -> str:
+    """The line of daemons (``state/credentials.py``) the daemon before this one belonged to, as file ``name`` of the
+    instance directory says (empty where it says nothing readable), and ``line`` written there in its place, for the
+    next: mode 0600, this daemon's own, replaced without following a link. Where it cannot be written, the next daemon
+    starts no session of this line over after a cold restart, which is the safe side."""
+    last = ""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        try:
+            st, data = os.fstat(fd), os.read(fd, 64)
+        finally:
+            os.close(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+            last = data.decode("ascii", "replace").strip()
+    try:
+        fd = create_file(dir_fd, name, 0o600, None)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.warning("cannot write %s in the instance directory (%s): after a cold restart, no session of this run "
+                    "starts over", name, exc.strerror or exc)
+    return last
 
 
 def open_lock(dir_fd: int, name: str) -> int:

@@ -92,6 +92,10 @@ class BufferInfo:
     """The client name of the session that last held it, an orphan (1.11); "" where the daemon does not know."""
     last_holder_pid: int = 0
     """That session's pid (1.11); 0 where the daemon does not know."""
+    name_proof: str = ""
+    """In a reply to the session that holds this persistent buffer, and only there (1.13): the proof that it held
+    ``name``, which its process gives should it declare the buffer again after a cold restart
+    (:attr:`Redeclare.name_proof`); empty elsewhere."""
 
 
 @message("buffer.created")
@@ -194,6 +198,10 @@ class Redeclare(Request[BufferCreated]):
     readonly: bool = False
     tier: str = TIER_DEVICE
     """Where the chunks are (1.6): a demoted buffer's are declared in the host tier, charged to the host budget."""
+    name_proof: str = ""
+    """The proof the buffer's last reply carried (:attr:`BufferInfo.name_proof`, 1.13) that the session this
+    process starts over held ``name``: a persistent buffer of its own is declared again under its name only with it
+    (a process that held a session of the uid could otherwise take the names of another's buffers first)."""
 
 
 @message("buffer.commit")

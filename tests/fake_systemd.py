@@ -45,6 +45,8 @@ class FakeSystemd:
         self.sock.settimeout(0.1)
         self.store: dict[str, list[int]] = {}
         self.states: list[str] = []
+        self.times: list[float] = []
+        """When each of :attr:`states` came (``time.monotonic``)."""
         self.lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -64,6 +66,7 @@ class FakeSystemd:
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             with self.lock:
                 self.states.append(data.decode())
+                self.times.append(time.monotonic())
                 name = fields.get("FDNAME", "stored")
                 if fields.get("FDSTORE") == "1":
                     self.store.setdefault(name, []).extend(fds)
@@ -81,6 +84,11 @@ class FakeSystemd:
     def saw(self, state: str) -> bool:
         with self.lock:
             return any(state in message.splitlines() for message in self.states)
+
+    def arrivals(self, state: str, since: float = 0.0) -> list[float]:
+        """When each message saying ``state`` came, from ``since`` on (``time.monotonic``)."""
+        with self.lock:
+            return [at for at, message in zip(self.times, self.states) if at >= since and state in message.splitlines()]
 
     def drop_store(self) -> None:
         """Close every stored FD, as systemd does when the service is stopped (``systemctl stop``) rather than

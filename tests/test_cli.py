@@ -588,7 +588,8 @@ def test_a_reclaim_wait_that_ends_unanswered_exits_4(daemon, spawn_worker):
     assert worker.wait() == 0
 
 
-@pytest.mark.parametrize("name", ["=HYPERLINK(\"http://x\",\"y\")", "+1+1", "-2+3", "@SUM(A1)"])
+@pytest.mark.parametrize("name", ["=HYPERLINK(\"http://x\",\"y\")", "+1+1", "-2+3", "@SUM(A1)", " =1+1", "  @A1",
+                                  "\uff1dHYPERLINK(\"http://x\")", "\uff20SUM(A1)", "\uff0b1"])
 def test_a_name_a_spreadsheet_would_run_as_a_formula_is_quoted_in_csv(daemon, name):
     with daemon.connect(client_name=name, lease=False):
         out = hbmctl("--run-dir", str(daemon.run_dir), "-o", "csv", "sessions")

@@ -26,9 +26,17 @@ import zmq
 from hbmd import proto
 from hbmd.daemon.server import control as control_module
 from hbmd.daemon.server import control_socket
-from hbmd.daemon.server.control import UNREAD_PER_CONNECTION, ControlQueue, Peer
-from hbmd.daemon.server.control_socket import ControlSocket
-from hbmd.daemon.server.zmtp import MAX_COMMAND_BYTES, MAX_MESSAGE_BYTES, MAX_PARTS, ZmtpPeer, ZmtpViolation
+from hbmd.daemon.server.control import MAX_QUEUED_PER_PEER, ControlQueue, Peer
+from hbmd.daemon.server.control_socket import READ_BYTES_PER_TURN, RECEIVE_BYTES, ControlSocket
+from hbmd.daemon.server.shares import Shares
+from hbmd.daemon.server.zmtp import (
+    MAX_COMMAND_BYTES,
+    MAX_COMMANDS_PER_FEED,
+    MAX_MESSAGE_BYTES,
+    MAX_PARTS,
+    ZmtpPeer,
+    ZmtpViolation,
+)
 from hbmd.proto.instance import InstancePaths
 from helpers import MiB, wait_until
 
@@ -171,7 +179,7 @@ def pump(control: ControlSocket, quiet_s: float = 0.3) -> list:
     completed = []
     quiet_since = time.monotonic()
     while time.monotonic() - quiet_since < quiet_s:
-        if select.select([control.fileno()], [], [], 0.01)[0]:
+        if control.pending or select.select([control.fileno()], [], [], 0.01)[0]:
             completed += control.read(time.perf_counter() + 1)
             quiet_since = time.monotonic()
     return completed
@@ -194,7 +202,7 @@ def test_a_peer_gone_with_bytes_unread_is_let_go_at_once_with_what_it_held():
             sent += sock.send(b"\x02" + struct.pack(">Q", 4 * MiB))
             for _ in range(64):
                 sent += sock.send(b"\x00" * 65536)
-        control.read(time.perf_counter() + 1)
+        list(control.read(time.perf_counter() + 1))
         assert 0 < control.partial_bytes(os.getuid()) <= sent
         sock.send(b"\x00" * 65536)  # left unread in the kernel as the peer hangs up
         sock.close()
@@ -255,9 +263,14 @@ def handshaken(control: ControlSocket, path: str) -> socket.socket:
 
 
 @pytest.mark.unit
-def test_a_uids_unfinished_messages_are_bounded_and_the_connection_passing_the_bound_is_closed(control, monkeypatch):
-    control, path = control
+def test_a_uids_unfinished_messages_are_bounded_and_the_connection_passing_the_bound_is_closed(monkeypatch):
     monkeypatch.setattr(control_socket, "MAX_PARTIAL_BYTES_PER_UID", 96 << 10)
+    monkeypatch.setattr(control_socket, "MIN_PARTIAL_BYTES_PER_UID", 16 << 10)
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory, serving(f"{directory}/control") as control:
+        uids_unfinished_messages_are_bounded(control, f"{directory}/control")
+
+
+def uids_unfinished_messages_are_bounded(control: ControlSocket, path: str) -> None:
     first, second = handshaken(control, path), handshaken(control, path)
     begun = b"\x03" + struct.pack(">Q", 4096) + b"p" * 4096
     first.sendall(begun * 12)
@@ -273,9 +286,14 @@ def test_a_uids_unfinished_messages_are_bounded_and_the_connection_passing_the_b
 
 
 @pytest.mark.unit
-def test_a_uids_connections_are_capped(control, monkeypatch):
-    control, path = control
+def test_a_uids_connections_are_capped(monkeypatch):
     monkeypatch.setattr(control_socket, "MAX_CONNECTIONS_PER_UID", 2)
+    monkeypatch.setattr(control_socket, "MIN_CONNECTIONS_PER_UID", 0)
+    with tempfile.TemporaryDirectory(dir="/tmp") as directory, serving(f"{directory}/control") as control:
+        uids_connections_are_capped(control, f"{directory}/control")
+
+
+def uids_connections_are_capped(control: ControlSocket, path: str) -> None:
     peers = [handshaken(control, path) for _ in range(2)]
     third = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     third.connect(path)
@@ -311,8 +329,9 @@ def test_replies_a_peer_does_not_read_are_dropped_whole_past_the_bound(control, 
 
 
 @pytest.mark.unit
-def test_requests_read_ahead_on_one_connection_and_a_uids_bytes_waiting_are_bounded(monkeypatch):
-    """Past 32 requests read ahead on a connection, or a uid's bytes waiting, the next is refused, retryably."""
+def test_a_process_s_requests_waiting_and_a_uids_bytes_waiting_are_bounded(monkeypatch):
+    """Past 32 requests of a process waiting for their turn, or a uid's bytes waiting, the next is refused,
+    retryably."""
     sent: list[tuple[bytes, list[bytes]]] = []
 
     class Connections:
@@ -323,17 +342,78 @@ def test_requests_read_ahead_on_one_connection_and_a_uids_bytes_waiting_are_boun
     peer = Peer(1000, 7)
     request = proto.encode_frames(proto.Status(), 5, "t")
     queue = ControlQueue()
-    queue.read(Connections([(peer, b"a", request)] * (UNREAD_PER_CONNECTION + 2)))
-    assert len(queue) == UNREAD_PER_CONNECTION and len(sent) == 2
+    queue.read(Connections([(peer, bytes([i]), request) for i in range(MAX_QUEUED_PER_PEER + 2)]))
+    assert len(queue) == MAX_QUEUED_PER_PEER and len(sent) == 2
     reply = proto.decode_frames(sent[0][1]).body
-    assert (reply.code, reply.retryable, reply.details["waiting"]) == ("conflict", True, UNREAD_PER_CONNECTION)
-    queue.admit(Connections([]))
-    assert queue.peers == 1 and queue.take()[0] == b"a"
+    assert (reply.code, reply.retryable, reply.details["waiting"]) == ("conflict", True, MAX_QUEUED_PER_PEER)
+    assert queue.peers == 1 and queue.take()[0] == b"\x00"
     monkeypatch.setattr(control_module, "MAX_WAITING_BYTES_PER_UID", 3 * sum(map(len, request)))
+    monkeypatch.setattr(control_module, "MIN_WAITING_BYTES_PER_UID", 0)
     sent.clear()
-    queue.clear()
-    queue.read(Connections([(peer, bytes([i]), request) for i in range(5)]))
+    queue = ControlQueue()
+    queue.read(Connections([(Peer(1000, pid), b"c", request) for pid in range(5)]))
     assert len(queue) == 3 and len(sent) == 2 and "MiB" in proto.decode_frames(sent[0][1]).body.message
+
+
+@pytest.mark.unit
+def test_the_parser_stops_at_its_room_or_a_run_of_commands_and_goes_on_from_there():
+    """A run of bytes may hold thousands of empty messages or heartbeats: a feed parses what it was given room for,
+    or :data:`MAX_COMMANDS_PER_FEED` commands, and keeps the rest for a feed of no bytes."""
+    peer = ZmtpPeer()
+    peer.feed(HANDSHAKE)
+    messages, reply = peer.feed(frame(b"") * 100, room=1)
+    assert (messages, reply, peer.stopped_short, peer.held) == ([[b""]], b"", True, 99 * 2)
+    assert peer.feed(room=3) == ([[b""]] * 3, b"") and peer.held == 96 * 2
+    assert peer.feed()[0] == [[b""]] * 96 and not peer.stopped_short and peer.held == 0
+    pings = command(b"PING", b"\x00\x00ctx") * 1000
+    messages, reply = peer.feed(pings + frame(b"admin.status"))
+    assert messages == [] and reply == command(b"PONG", b"ctx") * MAX_COMMANDS_PER_FEED and peer.stopped_short
+    for _ in range((1000 - MAX_COMMANDS_PER_FEED) // MAX_COMMANDS_PER_FEED):
+        assert peer.feed()[0] == []
+    assert peer.feed() == ([[b"admin.status"]], command(b"PONG", b"ctx") * (1000 % MAX_COMMANDS_PER_FEED))
+    assert not peer.stopped_short
+
+
+@pytest.mark.unit
+def test_a_turn_reads_one_request_of_a_connection_and_leaves_the_rest(control):
+    """Empty messages, two bytes each: a read of 16 KiB held 8,192 of them, each refused inside that read (issue
+    #61). A turn completes one request of a connection; the rest waits, parsed at the next turns without the poll
+    finding the socket ready again."""
+    control, path = control
+    flood, other = handshaken(control, path), handshaken(control, path)
+    flood.sendall(frame(b"") * 8192)
+    other.sendall(frame(b"admin.status", more=True) + frame(b""))
+    wait_until(lambda: select.select([control.fileno()], [], [], 0)[0])
+    first = list(control.read(time.perf_counter() + 1))
+    assert sorted(frames for _, _, frames in first) == [[b""], [b"admin.status", b""]]
+    assert control.pending and not select.select([control.fileno()], [], [], 0.05)[0]
+    for turn in range(3):
+        assert [frames for _, _, frames in control.read(time.perf_counter() + 1)] == [[b""]], turn
+    assert control.partial_bytes(os.getuid()) <= RECEIVE_BYTES
+
+
+@pytest.mark.unit
+def test_a_turn_reads_a_connection_for_a_bounded_number_of_bytes_and_heartbeats(control):
+    """What completes no request, read on until one completed, held the loop for as long as the peer sent: PINGs
+    (issue #61), or the parts of one message. A turn reads :data:`READ_BYTES_PER_TURN` at most of a connection,
+    and answers :data:`MAX_COMMANDS_PER_FEED` heartbeats; the rest waits in the kernel."""
+    control, path = control
+    parts, pings = handshaken(control, path), handshaken(control, path)
+    pings.sendall(command(b"PING", b"\x00\x00") * 8192)
+    parts.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            parts.send(frame(b"p" * 4096, more=True) * 16)
+    wait_until(lambda: select.select([control.fileno()], [], [], 0)[0])
+    assert list(control.read(time.perf_counter() + 1)) == []
+    assert control.partial_bytes(os.getuid()) <= READ_BYTES_PER_TURN + 2 * RECEIVE_BYTES
+    pongs = command(b"PONG")
+    pings.settimeout(1)
+    received = pings.recv(65536)
+    with contextlib.suppress(TimeoutError):
+        while len(received) < (MAX_COMMANDS_PER_FEED + 1) * len(pongs):
+            received += pings.recv(65536)
+    assert received == pongs * MAX_COMMANDS_PER_FEED
 
 
 # A real daemon.
@@ -502,3 +582,23 @@ def test_heartbeats_are_answered_and_a_dealer_that_sends_them_is_served(daemon, 
     finally:
         dealer.close(linger=0)
     assert "closed a control connection" not in daemon.log()
+
+
+@pytest.mark.unit
+def test_uids_share_what_the_control_plane_holds_in_all_and_each_may_always_hold_a_message():
+    """Bounds per uid added up: four uids at theirs held 500 MiB (issue #61). Past its floor a uid takes at most
+    the bound in all split among the uids holding some and one more, while there is room; its floor it may always
+    hold."""
+    shares = Shares(per_uid=64, total=96, floor=4)
+    assert shares.share(1) == 48 and shares.fits(1, 48) and not shares.fits(1, 49)
+    shares.add(1, 48)
+    assert shares.share(2) == 32 and shares.fits(2, 32)
+    shares.add(2, 32)
+    assert shares.share(3) == 24 and not shares.fits(3, 17) and shares.fits(3, 16)  # room in all: 16
+    shares.add(3, 16)
+    assert shares.in_all == 96 and not shares.fits(4, 5) and shares.fits(4, 4)  # its floor, past the bound in all
+    shares.add(4, 4)
+    assert shares.over(1) and not shares.over(4)  # 1 holds more than its share now: it grows no more
+    for uid, held in ((1, 48), (2, 32), (3, 16), (4, 4)):
+        shares.add(uid, -held)
+    assert shares.in_all == 0 and shares.held(1) == 0

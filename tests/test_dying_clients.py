@@ -44,7 +44,7 @@ def send_and_die(client, msg, wait_for_reply):
     # On a socket of our own, so that the reply and the FDs are never read.
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(client.paths.endpoint)
-    sock.send_multipart(proto.encode_frames(msg, 1, client.welcome.token))
+    sock.send_multipart(proto.encode_frames(msg, client._core.control.next_request_id(), client.welcome.token))
     if wait_for_reply:
         sock.poll(10000)
     else:

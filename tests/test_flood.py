@@ -85,7 +85,8 @@ elif plane == "handles":
 else:
     # Every segment full: the whole buffer is worked out, then refused for want of budget. Each connection keeps
     # requests in flight, sent as soon as it can take them, its replies read and dropped.
-    frames = encode_frames(CommitSegments(wide.buffer_id, [4096] * SEGMENTS), 1, client._core.control.token)
+    control = client._core.control
+    frames = encode_frames(CommitSegments(wide.buffer_id, [4096] * SEGMENTS), control.next_request_id(), control.token)
     poller = zmq.Poller()
     for _ in range(connections):
         dealer = zmq.Context.instance().socket(zmq.DEALER)

@@ -291,8 +291,15 @@ class Barrage:
             exit_code = self.daemon.proc.returncode
             fail_with_log(self.daemon, f"the daemon died during {phase} (exit {exit_code})", self.problems)
 
+    def request_id(self) -> int:
+        """A new id of the attacker's session, past its client's own and every one before, by a random step: the
+        daemon does no request that changes state older than one of the session it answered."""
+        control = self.attacker._core.control
+        control.requests_sent += self.rng.randrange(1, 2**40)
+        return control.requests_sent
+
     def request(self, msg: proto.Message, token: str | None = None) -> list[bytes]:
-        return proto.encode_frames(msg, self.rng.randrange(1, 2**63), self.token if token is None else token)
+        return proto.encode_frames(msg, self.request_id(), self.token if token is None else token)
 
     # control plane
 
@@ -336,7 +343,7 @@ class Barrage:
             kind = self.rng.choice(list(codec._KINDS))
             shape = self.rng.choice(["payload", "body", "field", "envelope field"])
             msg = random_request(self.rng, self.buffer_ids, self.session_ids)
-            payload: typing.Any = {"id": self.rng.randrange(2**63), "token": self.token, "body": codec.to_wire(msg)}
+            payload: typing.Any = {"id": self.request_id(), "token": self.token, "body": codec.to_wire(msg)}
             if shape == "payload":
                 payload = random_value(self.rng)
             elif shape == "body":
@@ -345,7 +352,14 @@ class Barrage:
                 payload["body"][self.rng.choice(list(payload["body"]))] = random_value(self.rng)
                 kind = msg.KIND
             else:
-                payload[self.rng.choice(["id", "token"])] = random_value(self.rng)
+                field = self.rng.choice(["id", "token"])
+                payload[field] = random_value(self.rng)
+                if field == "id" and type(payload["id"]) is int and 0 < payload["id"] < 2**63:
+                    # An id past the client's own moves the session on: the client's next is past it too, and
+                    # still an id.
+                    payload["id"] %= 2**62
+                    control = self.attacker._core.control
+                    control.requests_sent = max(control.requests_sent, payload["id"])
             self.control.ask([kind.encode(), msgpack.packb(payload)], f"wrong shape #{i} ({shape}, {kind})")
 
     def unknown_kinds(self) -> None:

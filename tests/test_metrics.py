@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -9,13 +11,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 from hbmd.client import ExtensibleTensor, OutOfBudget
-from hbmd.daemon.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS
+from hbmd.daemon.metrics import CONNECTION_TIMEOUT_S, MAX_CONNECTIONS, REQUEST_DEADLINE_S
 from helpers import MiB, hbmctl, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -358,3 +361,61 @@ def test_idle_connections_to_the_metrics_port_take_neither_the_daemons_descripto
             sock.close()
     wait_until(lambda: "hbmd_committed_bytes" in page(port), timeout=2 * CONNECTION_TIMEOUT_S + 5)
     assert daemon.alive()
+
+
+def trickle(address: str, port: int, stop: threading.Event, closed: dict[int, float]) -> list[socket.socket]:
+    """:data:`MAX_CONNECTIONS` connections from ``address`` to the port, each sending one byte of a request every
+    second until ``stop``, never finishing it; when the daemon closes one, ``closed`` gets its index and the time."""
+    socks = []
+    for _ in range(MAX_CONNECTIONS):
+        sock = socket.socket()
+        sock.bind((address, 0))
+        sock.connect(("127.0.0.1", port))
+        socks.append(sock)
+
+    def run() -> None:
+        while not stop.wait(1.0):
+            for i, sock in enumerate(socks):
+                if i in closed:
+                    continue
+                try:
+                    sock.send(b"G")
+                    if sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b"":
+                        closed[i] = time.monotonic()
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed[i] = time.monotonic()
+
+    threading.Thread(target=run, daemon=True).start()
+    return socks
+
+
+@pytest.mark.system
+def test_connections_trickling_a_request_hold_neither_every_slot_nor_one_for_long(start_daemon):
+    """16 connections from one address, each sending a byte a second and never a whole request, held every slot of
+    the port for as long as they trickled: no scrape, no readiness probe answered (issue #61). An address has 4
+    slots at most, and a connection has :data:`REQUEST_DEADLINE_S` to send its request and read its answer."""
+    port = free_port()
+    daemon = start_daemon("--budget", "64MiB", "--metrics-addr", f"127.0.0.1:{port}")
+    page(port)
+    stop = threading.Event()
+    closed: dict[int, float] = {}
+    began = time.monotonic()
+    socks = trickle("127.0.0.2", port, stop, closed)
+    try:
+        time.sleep(2)
+        answered = 0
+        for _ in range(30):
+            for path in ("/metrics", "/healthz"):
+                with contextlib.suppress(OSError, http.client.HTTPException):
+                    answered += bool(page(port, path))
+        assert answered == 60
+        wait_until(lambda: len(closed) == MAX_CONNECTIONS, timeout=REQUEST_DEADLINE_S + 5)
+        held = sorted(closed.values())[-1] - began
+        assert held <= REQUEST_DEADLINE_S + 3, f"a trickling connection held a slot {held:.0f} s"
+    finally:
+        stop.set()
+        for sock in socks:
+            sock.close()
+    assert daemon.alive() and "Traceback" not in daemon.log()

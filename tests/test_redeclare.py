@@ -18,7 +18,7 @@ import time
 import pytest
 from hbmd.client import ExtensibleTensor, connect
 from hbmd.daemon.rundir import RESUME_KEY
-from hbmd.daemon.state.credentials import Credentials
+from hbmd.daemon.state.credentials import LINE_HEX, Credentials
 from hbmd.proto import ChunkInfo, Hello, Redeclare
 from hbmd.proto.errors import (
     Conflict,
@@ -163,7 +163,16 @@ def declaration(**fields) -> Redeclare:
 def earlier_credential(daemon, session_id: int = 999) -> str:
     """The credential an earlier run of ``daemon`` gave this process's session ``session_id``: made here under the
     instance's key, as that run made it."""
-    return Credentials((daemon.run_dir / daemon.instance / RESUME_KEY).read_bytes()).issue(os.getuid(), session_id)
+    return Credentials((daemon.run_dir / daemon.instance / RESUME_KEY).read_bytes()).issue(os.getuid(), session_id,
+                                                                                        os.getpid())
+
+
+def name_proof(daemon, name: str, credential: str, session_id: int = 999) -> str:
+    """The proof that session ``session_id`` of the earlier run that issued ``credential`` held ``name``, as that run
+    gave it to its client."""
+    earlier = Credentials((daemon.run_dir / daemon.instance / RESUME_KEY).read_bytes())
+    earlier.line = credential[:LINE_HEX]
+    return earlier.name_proof(os.getuid(), session_id, os.getpid(), name)
 
 
 def started_over(daemon, credential: str = "", **kwargs):
@@ -199,7 +208,10 @@ def test_a_declaration_is_checked_as_a_commit_would_be_and_a_refusal_changes_not
         kept = ExtensibleTensor(4 * MiB, "cpu", client=owner, name="taken", persistent=True)
         kept.resize_(2 * MiB)
         kept.detach()
-    with started_over(daemon) as client:
+    credential = earlier_credential(daemon)
+    if fields.get("persistent") and not fields.get("readonly"):
+        fields = {**fields, "name_proof": name_proof(daemon, fields["name"], credential)}
+    with started_over(daemon, credential) as client:
         with pytest.raises(refusal):
             client.call(declaration(**fields))
         # What it could have committed, it may declare: counted, and held only by its own mappings.
@@ -259,6 +271,23 @@ def test_a_declaration_does_not_pass_another_tenants_guarantee(start_daemon, tmp
             guaranteed = ExtensibleTensor(128 * MiB, "cpu", client=a)
             guaranteed.resize_(128 * MiB)  # what was guaranteed to a is still there for it
             guaranteed.free()
+
+
+def test_a_persistent_name_is_declared_again_only_with_the_proof_its_session_held_it(start_daemon):
+    """A process that held a session of the uid starts over on its own credential: it may declare what it maps,
+    but another process's persistent names only with the proof that its session held them (issue #61: it took
+    another engine's names first, and that engine's declarations were refused)."""
+    daemon = start_daemon("--budget", "64MiB")
+    credential = earlier_credential(daemon)
+    own, theirs = name_proof(daemon, "mine", credential), name_proof(daemon, "theirs", credential, session_id=998)
+    with started_over(daemon, credential) as client:
+        for proof in ("", theirs, own, own[:-1] + ("0" if own[-1] != "0" else "1")):
+            with pytest.raises(PermissionDenied, match="held it"):
+                client.call(declaration(name="theirs", persistent=True, name_proof=proof))
+        declared = client.call(declaration(name="mine", persistent=True, name_proof=own)).buffer
+        assert declared.name == "mine" and declared.name_proof and declared.name_proof != own
+        assert [b.name for b in client.buffers()] == ["mine"]
+        assert client.buffers()[0].name_proof == ""  # a listing shows it to no one
 
 
 def test_a_refused_declaration_drops_the_pages_it_would_have_kept_uncounted(start_daemon):

@@ -194,3 +194,33 @@ def test_a_daemon_with_ten_thousand_tenants_answers_status_through_reloads_and_s
     assert daemon.stop(timeout=30) == 0
     # 0.17 s at 10,000 tenants and 30,000 on a 2-core machine; hbmd 0.2.0 took 0.9 s and 7 s (bench/tenants_bench.py).
     assert time.monotonic() - started < 5
+
+
+def reloaded(daemon, config, text: str) -> None:
+    config.write_text(text)
+    reloads = daemon.log().count("SIGHUP: reloaded")
+    os.kill(daemon.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while daemon.log().count("SIGHUP: reloaded") == reloads and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.mark.torch
+@pytest.mark.ipc
+def test_an_orphan_attached_again_is_charged_to_the_tenant_of_the_session_that_holds_it(start_daemon, run_dir):
+    """A uid that a reload took out of a tenant attached its orphan, still charged to that tenant, and grew it there
+    (a graft moved the charge; an attach kept it: issue #61). An attach moves the charge to the attaching session's
+    tenant, within its maximum, as a graft does."""
+    config = run_dir / "tenants.toml"
+    config.write_text(config_of(f'name = "team"\nuids = [{os.getuid()}]'))
+    daemon = start_daemon("--budget", "256MiB", "--config", str(config))
+    with daemon.connect(tenant="team", lease=False) as member:
+        kv = ExtensibleTensor(16 * MiB, "cpu", client=member, name="kv", persistent=True)
+        kv.resize_(4 * MiB)
+        kv.detach()
+    reloaded(daemon, config, config_of('name = "team"\nuids = [65534]'))
+    with daemon.connect(lease=False) as left:
+        kv = ExtensibleTensor.attach("kv", "cpu", client=left)
+        kv.resize_(8 * MiB)
+        used = {t.name: t.used_bytes for t in left.status().tenants}
+    assert used.get("team", 0) == 0 and used[f"uid:{os.getuid()}"] == 8 * MiB

@@ -22,6 +22,7 @@ import time
 
 import pytest
 from hbmd.client import Conflict, ExtensibleKVCacheBuffers, ExtensibleTensor, InvalidRequest, OutOfBudget
+from hbmd.client.pressure import DEMOTE_WAIT_S
 from hbmd.proto import Move, PromoteRequest, ReclaimRequest
 from helpers import DEMOTABLE, MiB, filled, hbmctl, wait_until
 
@@ -572,3 +573,23 @@ def test_a_demote_answer_the_restarted_daemon_does_not_know_does_not_hold_up_the
         demotes.extend([ReclaimRequest(999, 0, "asked by a daemon since restarted", demote=True), PromoteRequest(0)])
         client._pressure.serve_demotes()
         assert not demotes
+
+
+@pytest.mark.system
+def test_a_commit_is_refused_at_once_where_the_demotable_tenant_has_nothing_idle(start_daemon, tmp_path):
+    """The batch engine declared nothing idle: its client answers the demote with nothing. Its refused commit was
+    told room was being demoted, retried, and the daemon asked again, over and over, for the client's 10 s
+    (``DEMOTE_WAIT_S``, issue #61); the daemon asks a client that had nothing idle no more for a while, so the
+    refusal comes once it has answered."""
+    config = tmp_path / "hbmd.toml"
+    config.write_text(DEMOTABLE)
+    daemon = start_daemon("--budget", "64MiB", *TIER, "--config", str(config), "--demote-idle", "0")
+    batch = daemon.connect(client_name="batch", tenant="batch", lease=False)
+    busy, data = written(batch, sizes=(32 * MiB, 16 * MiB))
+    online = daemon.connect(client_name="online", tenant="online", lease=False)
+    growing = ExtensibleTensor(64 * MiB, "cpu", client=online)
+    started = time.monotonic()
+    with pytest.raises(OutOfBudget):
+        growing.resize_(32 * MiB)
+    assert time.monotonic() - started < DEMOTE_WAIT_S / 2
+    assert busy.tier == "device" and intact(busy, data)

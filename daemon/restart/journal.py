@@ -75,6 +75,8 @@ class Replay:
         self.image: Image = {"meta": {}, "sessions": {}, "buffers": {}}
         self.lost: dict[tuple[str, int], tuple[int, str, str | None]] = {}
         """The sessions and buffers lost so far, with where, why and, where known, the buffer's name."""
+        self.last_session = 0
+        """The highest session id a record named, gone since or not: no later session may have it again."""
 
     def apply(self, kind: str, key: int, value: Any, at: int) -> None:
         try:
@@ -84,6 +86,8 @@ class Replay:
 
     def _apply(self, kind: str, key: int, value: Any) -> None:
         image = self.image
+        if kind in ("s", "-s"):
+            self.last_session = max(self.last_session, key)
         if kind in ("s", "b", "-s", "-b"):
             self.lost.pop((WHAT[kind], key), None)  # whole again, or gone anyway: nothing is lost of it
         if kind == "meta":
@@ -134,10 +138,13 @@ class Replay:
             self.lost.setdefault((WHAT[kind], key), (at, why, name))
 
     def finish(self) -> Image:
-        """The image replayed, once what it lost is logged."""
+        """The image replayed, once what it lost is logged; the ids of the sessions lost are its ``lost_sessions``
+        (their clients start over), the highest session id it named its ``last_session``."""
         for (what, key), (at, why, name) in self.lost.items():
             named = "" if name is None else f" {name!r}"
             log.warning("journal %s, byte %d: %s %d%s is lost: %s", self.path, at, what, key, named, why)
+        self.image["lost_sessions"] = [key for what, key in self.lost if what == "session"]
+        self.image["last_session"] = self.last_session
         return self.image
 
 

@@ -159,10 +159,16 @@ def _kept(session: Session) -> bool:
 def image_of(state: State[Any, Any]) -> Image:
     """The whole state as records: what a journal is rewritten with, and what a live handover sends."""
     return {
-        "meta": {"version": JOURNAL_VERSION, "instance": state.backend.instance},
+        "meta": meta_of(state),
         "sessions": {s.session_id: session_record(s) for s in state.sessions.values() if _kept(s)},
         "buffers": {b.buffer_id: buffer_record(b) for b in state.buffers.values()},
     }
+
+
+def meta_of(state: State[Any, Any]) -> dict[str, Any]:
+    """The journal's header: its version, the instance, and the line of daemons its credentials belong to."""
+    return {"version": JOURNAL_VERSION, "instance": state.backend.instance,
+            "next_session": state.session_table.next_id, **state.credentials.record()}
 
 
 def every_chunk(state: State[Any, Any]) -> Iterable[tuple[Chunk[Any], Any]]:
@@ -267,6 +273,9 @@ class Persistence:
     def sync(self) -> None:
         """Journal what changed since the last sync, then unpark the chunks released meanwhile."""
         records = self._buffer_records() + self._session_records()
+        if self.state.credentials.changed:
+            # Before the sessions it opens: a start-over journaled as spent is never replayed by a later daemon.
+            records.insert(0, ["meta", meta_of(self.state)])
         if records:
             self._journal(records)
         for name in self._unparking:

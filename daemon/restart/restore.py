@@ -67,6 +67,12 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
     later version than this daemon's.
     """
     version = _version(image)
+    meta = image.get("meta")
+    if isinstance(meta, dict):
+        state.credentials.restored(meta)
+    for session_id in image.get("lost_sessions", ()):
+        state.credentials.lost(session_id)  # lost with its record: its client starts over
+    state.session_table.continue_from(_next_session(image))
     buffers, refused = _buffers_that_come_back(state, _table(image, "buffers"), fds, version)
     resume_by = time.monotonic() + resume_window_s
     taken = {c.chunk_id for b in buffers.values() for c in (*b.chunks, *b.pending)}
@@ -78,12 +84,15 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
                 raise ValueError(f"its id {session.session_id} is not its own")
         except ValueError as exc:
             log.warning("session %s is lost: %s; its client starts over", key, exc)
+            if type(key) is int:
+                state.credentials.lost(key)
             continue
         if key in refused or (session.holds is not None and not session.holds <= buffers.keys()):
             # Resumed, it would go on mapping memory the daemon no longer counts: refused its resume, its client starts
             # over and declares what it maps, as after a cold restart.
             log.warning("session %s is not restored: a buffer of it did not come back whole; its client starts over",
                         key)
+            state.credentials.lost(key)
             continue
         try:
             _restore_session(state, session, fds, taken, resume_by)
@@ -98,6 +107,16 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
         except Exception as exc:  # likewise
             log.warning("buffer %d %r (%s) is lost: %s", buffer.buffer_id, buffer.name, _size(buffer), exc)
     return sessions, restored
+
+
+def _next_session(image: Image) -> int:
+    """The id after every session id of the image's line of daemons: its sessions, those its journal lost or ended
+    since it was last rewritten (``last_session``), and those ended before (the meta's ``next_session``)."""
+    meta = image.get("meta")
+    named = [image.get("last_session"), *_table(image, "sessions"), *image.get("lost_sessions", ())]
+    after = meta.get("next_session", 1) if isinstance(meta, dict) else 1
+    ids = [n for n in named if type(n) is int]
+    return max(after if type(after) is int else 1, max(ids, default=0) + 1)
 
 
 def _version(image: Image) -> int:

@@ -54,7 +54,7 @@ class BufferRequests(RequestHandlers[A, C]):
             conn.opened_session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
             msg.segment_capacities, msg.keep_orphan_s,
         )
-        return BufferCreated(buffer.info())
+        return BufferCreated(self.state.info_for_holder(buffer, conn.opened_session))
 
     @handles(Commit, CommitSegments)
     def commit(self, conn: HandleConnection[A, C], request_id: int, msg: Commit | CommitSegments) -> Committed:
@@ -109,12 +109,12 @@ class BufferRequests(RequestHandlers[A, C]):
         buffer = self.state.redeclare(
             conn.opened_session, msg.buffer_id, msg.segment_capacities, msg.segment_sizes,
             [(c.offset, c.size) for c in msg.chunks],
-            msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly, msg.tier,
+            msg.name, msg.persistent, msg.shareable, msg.sealed, msg.readonly, msg.tier, msg.name_proof,
         )
         log.info("session %d declared again %s buffer %d%s: %d bytes its process still maps",
                  conn.opened_session.session_id, "a read claim on" if msg.readonly else "its",
                  buffer.buffer_id, f" {buffer.name!r}" if buffer.name else "", buffer.physical_bytes)
-        return BufferCreated(buffer.info())
+        return BufferCreated(self.state.info_for_holder(buffer, conn.opened_session))
 
     @handles(Defragment)
     def defragment(self, conn: HandleConnection[A, C], request_id: int, msg: Defragment) -> Committed:
@@ -201,4 +201,5 @@ class BufferRequests(RequestHandlers[A, C]):
     ) -> Committed:
         """Queue the chunks' FDs on the session's handle socket and describe them in the reply."""
         batches = self.plane.outbox.deliver(conn, request_id, buffer, chunks)
-        return Committed(buffer.info(), [self.state.chunk_info(c) for c in chunks], batches)
+        return Committed(self.state.info_for_holder(buffer, conn.opened_session),
+                         [self.state.chunk_info(c) for c in chunks], batches)

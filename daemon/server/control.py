@@ -28,13 +28,15 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 import msgpack
-from hbmd.proto import ErrorReply, encode_frames
+from hbmd.proto import MAX_FRAME_BYTES, ErrorReply, encode_frames
 from hbmd.proto.errors import Conflict
 
 from .ratelimit import RateLimitedLog
+from .shares import Shares
 
 log = logging.getLogger("hbmd.server")
 
@@ -42,19 +44,19 @@ MAX_QUEUED_PER_PEER = 32
 """Control requests one process may have read and waiting for their turn; more are refused at once with a retryable
 ``conflict``. A client has one request in flight, so a process reaches it only with 32 clients of one daemon calling
 at once: a flood's requests are refused, and cost the daemon no more memory than this many."""
-UNREAD_PER_CONNECTION = 32
-"""Requests read ahead on one control connection, waiting to join their process's queue, one a turn (a ROUTER read
-one request of each connection a turn); more are refused at once with a retryable ``conflict``. The ROUTER's libzmq
-read 8 ahead and left the rest unread; a read of a connection's bytes completes as many requests as they hold."""
 MAX_WAITING_BYTES_PER_UID = 64 << 20
-"""Bytes of the control requests of one uid read and waiting (read ahead, or queued for their turn); a request that
-would take its uid past it is refused with a retryable ``conflict``. Honest requests are under 1 MiB, one in flight
-per client."""
+"""Bytes of the control requests of one uid read and waiting for their turn; a request that would take its uid past
+it, or past its fair share of :data:`MAX_WAITING_BYTES` (:class:`~.shares.Shares`), is refused with a retryable
+``conflict``. Honest requests are under 1 MiB, one in flight per client."""
+MAX_WAITING_BYTES = 96 << 20
+"""The same for all uids together, shared fairly; a uid may always have :data:`MIN_WAITING_BYTES_PER_UID` waiting."""
+MIN_WAITING_BYTES_PER_UID = MAX_FRAME_BYTES + 4096
+"""One request of the largest a message carries."""
 READ_PER_TURN_S = 0.02
-"""Seconds spent reading the control connections in one turn of the loop at most (one read at least). A turn reads
-each connection that has bytes waiting until it completes a request or has nothing more, once: a turn over a
-64-connection flood of the largest commits stays well within it, so this bounds only floods of some hundreds of
-connections."""
+"""Seconds spent reading the control connections in one turn of the loop at most, refusals included (one
+connection at least). A turn reads one request at most of each connection, uids in turn, and leaves the rest
+unread: in the kernel, or unparsed. Before, a turn read on until it completed a request, refusing in the same read
+every request past 32 read ahead: one read of 16 KiB completed 8,192 empty messages (issue #61)."""
 
 
 Requests = collections.deque[tuple[bytes, list[bytes]]]
@@ -105,9 +107,9 @@ class Connections(Protocol):
     """What the queue needs of the control socket (``control_socket.ControlSocket``): the requests its connections
     completed, and a way to answer."""
 
-    def read(self, until: float) -> list[tuple[Peer, bytes, list[bytes]]]:
+    def read(self, until: float) -> Iterable[tuple[Peer, bytes, list[bytes]]]:
         """``(peer, identity of its connection, frames)`` of each request completed by ``until``
-        (``time.perf_counter``)."""
+        (``time.perf_counter``), one of a connection at most."""
         ...
 
     def send(self, identity: bytes, frames: list[bytes]) -> None:
@@ -116,70 +118,45 @@ class Connections(Protocol):
 
 
 class ControlQueue:
-    """Control requests read from the control socket and waiting for their turn, by uid and, within it, by process;
-    before that, read ahead by connection."""
+    """Control requests read from the control socket and waiting for their turn, by uid and, within it, by process."""
 
     def __init__(self) -> None:
         self._uids: collections.OrderedDict[int, collections.OrderedDict[tuple[int, bytes], Requests]] = (
             collections.OrderedDict()
         )
         """The requests waiting, by uid and :attr:`Peer.process`: each in the order of the turns, the next first."""
-        self._ahead: dict[bytes, tuple[Peer, Requests]] = {}
-        """The requests read ahead, by the identity of their connection, the oldest first: one a turn joins the queue
-        of its process."""
-        self._bytes: dict[int, int] = {}
-        """The bytes of each uid's requests read ahead or waiting."""
+        self._bytes = Shares(MAX_WAITING_BYTES_PER_UID, MAX_WAITING_BYTES, MIN_WAITING_BYTES_PER_UID)
+        """The bytes of each uid's requests waiting."""
         self._count = 0
-        self._count_ahead = 0
         self.peers = 0
         """How many processes have requests waiting."""
         self._warnings = RateLimitedLog(log)
 
     def __len__(self) -> int:
-        """How many requests wait, read ahead or queued."""
-        return self._count + self._count_ahead
+        """How many requests wait."""
+        return self._count
 
     def read(self, control: Connections) -> None:
-        """Read what waits on ``control``, for :data:`READ_PER_TURN_S` at most, and keep the requests it completes
-        ahead by connection: :data:`UNREAD_PER_CONNECTION` each at most, and :data:`MAX_WAITING_BYTES_PER_UID` for
-        a uid; more are refused."""
+        """Read what waits on ``control``, for :data:`READ_PER_TURN_S` at most, and queue each request completed for
+        its turn; one whose process has :data:`MAX_QUEUED_PER_PEER` waiting already, or that would take its uid past
+        :data:`MAX_WAITING_BYTES_PER_UID`, is refused.
+
+        ``control`` reads one request of each connection at most, connections of the uids in turn (a ROUTER handed
+        over one request of each connection in turn): a request just sent beside a flood's joins its queue before
+        the flood's next.
+        """
         for peer, identity, body in control.read(time.perf_counter() + READ_PER_TURN_S):
             size = sum(map(len, body))
-            _, ahead = self._ahead.get(identity) or (peer, collections.deque())
-            if len(ahead) >= UNREAD_PER_CONNECTION:
-                self._refuse(control, peer, identity, body, "ahead", f"has {UNREAD_PER_CONNECTION} control requests "
-                             "waiting on one connection already, the most one connection may have",
-                             waiting=UNREAD_PER_CONNECTION)
-            elif self._bytes.get(peer.uid, 0) + size > MAX_WAITING_BYTES_PER_UID:
-                self._refuse(control, peer, identity, body, "bytes", f"takes its uid's control requests waiting past "
-                             f"{MAX_WAITING_BYTES_PER_UID >> 20} MiB, the most one uid may have",
-                             waiting_bytes=MAX_WAITING_BYTES_PER_UID)
-            else:
-                ahead.append((identity, body))
-                self._ahead[identity] = (peer, ahead)
-                self._count_ahead += 1
-                self._bytes[peer.uid] = self._bytes.get(peer.uid, 0) + size
-
-    def admit(self, control: Connections) -> None:
-        """Move the oldest request read ahead on each connection into its peer's queue; one whose peer has
-        :data:`MAX_QUEUED_PER_PEER` waiting already is refused instead.
-
-        Once a turn, before the turn's answers: as a ROUTER handed over a
-        request of each connection in turn, a request just sent beside a
-        flood's joins its queue before the flood's next.
-        """
-        for identity in list(self._ahead):
-            peer, ahead = self._ahead[identity]
-            _, body = ahead.popleft()
-            if not ahead:
-                del self._ahead[identity]
-            self._count_ahead -= 1
-            self._forget_bytes(peer.uid, body)
-            if self.waiting(peer) < MAX_QUEUED_PER_PEER:
-                self.add(peer, identity, body)
-            else:
+            if self.waiting(peer) >= MAX_QUEUED_PER_PEER:
                 self._refuse(control, peer, identity, body, "queued", f"has {MAX_QUEUED_PER_PEER} control requests "
                              "waiting already, the most one process may have", waiting=MAX_QUEUED_PER_PEER)
+            elif not self._bytes.fits(peer.uid, size):
+                share = self._bytes.share(peer.uid)
+                self._refuse(control, peer, identity, body, "bytes", f"takes its uid's control requests waiting past "
+                             f"{share >> 20} MiB, the most one uid may have now ({MAX_WAITING_BYTES >> 20} MiB in all)",
+                             waiting_bytes=share)
+            else:
+                self.add(peer, identity, body)
 
     def waiting(self, peer: Peer) -> int:
         """How many requests of ``peer`` wait."""
@@ -206,6 +183,7 @@ class ControlQueue:
             self.peers += 1
         waiting.append((identity, body))
         self._count += 1
+        self._bytes.add(peer.uid, sum(map(len, body)))
 
     def take(self) -> tuple[bytes, list[bytes]]:
         """The next request to answer, ``(identity, frames)``: the first of the process whose turn it is in the uid
@@ -216,7 +194,7 @@ class ControlQueue:
         process, waiting = processes.popitem(last=False)
         request = waiting.popleft()
         self._count -= 1
-        self._forget_bytes(uid, request[1])
+        self._bytes.add(uid, -sum(map(len, request[1])))
         if waiting:
             processes[process] = waiting
         else:
@@ -228,16 +206,8 @@ class ControlQueue:
     def clear(self) -> None:
         """Forget every request waiting (the sockets are let go: their clients send them again once resumed)."""
         self._uids.clear()
-        self._ahead.clear()
         self._bytes.clear()
-        self._count = self._count_ahead = self.peers = 0
-
-    def _forget_bytes(self, uid: int, body: list[bytes]) -> None:
-        left = self._bytes.get(uid, 0) - sum(map(len, body))
-        if left > 0:
-            self._bytes[uid] = left
-        else:
-            self._bytes.pop(uid, None)
+        self._count = self.peers = 0
 
     def _refuse(self, control: Connections, peer: Peer, identity: bytes, body: list[bytes], kind: str, what: str,
                 **details: int) -> None:

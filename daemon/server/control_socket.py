@@ -9,6 +9,11 @@ connection only on a read error, and once asked to close it reads it no more
 daemon accepts, reads and writes the connections itself, one epoll for all
 (its descriptor is what the loop polls): it reads a connection only while it
 has a turn, and what it leaves unread waits in the kernel, the sender with it.
+A turn reads one connection of each uid in turn, each until one request is
+whole, :data:`READ_BYTES_PER_TURN` or the turn's time at most, and parses
+no further than that request or ``MAX_COMMANDS_PER_FEED`` heartbeats: what
+completes no request (PINGs, parts) or thousands of them at once (empty
+messages) costs a turn no more than a request does (issue #61).
 
 Per connection it parses ZMTP (:class:`~.zmtp.ZmtpPeer`) within a message's
 bounds; for all the connections of a uid it keeps at most
@@ -33,32 +38,53 @@ import os
 import select
 import socket
 import time
+from collections.abc import Iterator
 
 from .connection import Descriptors, accepted, accepting
 from .control import Peer
 from .handles import HELLO_TIMEOUT_S
 from .ratelimit import RateLimitedLog
-from .zmtp import GREETING, ZmtpPeer, ZmtpViolation, encode_message
+from .shares import Shares
+from .zmtp import GREETING, MAX_MESSAGE_BYTES, ZmtpPeer, ZmtpViolation, encode_message
 
 log = logging.getLogger("hbmd.server")
 
 RECEIVE_BYTES = 16 << 10
-"""Bytes one read of a connection takes: a turn reads a connection until it completes a request or has nothing more."""
+"""Bytes one read of a connection takes; what the parser leaves of them (``ZmtpPeer.stopped_short``) it holds until
+the next turn."""
+READ_BYTES_PER_TURN = 256 << 10
+"""Bytes one turn reads from one connection at most, whether or not they complete a request: the largest request
+the daemon decodes (1 MiB) takes four turns, and a peer streaming what completes none (heartbeats, the parts of a
+message) leaves the rest in the kernel. A turn read a connection until it completed a request, so a stream of PINGs
+held the loop for as long as it lasted (issue #61, ``tests/test_control_streams.py``)."""
 MAX_PARTIAL_BYTES_PER_UID = 64 << 20
 """Bytes of unfinished messages the daemon keeps for all the control connections of one uid; a connection taking its
-uid past it is closed. An honest client's request is under 1 MiB and whole within a turn."""
+uid past it, or past its fair share of :data:`MAX_PARTIAL_BYTES` (:class:`~.shares.Shares`), is closed. An honest
+client's request is under 1 MiB, whole within four turns."""
+MAX_PARTIAL_BYTES = 96 << 20
+"""The same for all uids together, shared fairly; a uid may always hold :data:`MIN_PARTIAL_BYTES_PER_UID`."""
+MIN_PARTIAL_BYTES_PER_UID = MAX_MESSAGE_BYTES + RECEIVE_BYTES
+"""One message, and a read."""
 MAX_UNSENT_BYTES_PER_CONNECTION = 8 << 20
 """Bytes of replies the kernel has not taken yet that the daemon keeps for one connection (its peer reads none);
 past them a reply is dropped, whole. A client has one request in flight, and the largest reply is a listing page
 (about 2 MiB)."""
 MAX_UNSENT_BYTES_PER_UID = 64 << 20
 """The same for all the connections of one uid."""
+MAX_UNSENT_BYTES = 96 << 20
+"""The same for all uids together, shared fairly; a uid may always have :data:`MIN_UNSENT_BYTES_PER_UID` unsent."""
+MIN_UNSENT_BYTES_PER_UID = 4 << 20
+"""Two listing pages, the largest replies."""
 MAX_CONNECTIONS_PER_UID = 1024
 """Control connections of one uid; a newer one is closed at once. A uid has 128 sessions at most, one each."""
+MAX_CONNECTIONS = 4096
+"""Control connections of all uids together, shared fairly; a uid may always have :data:`MIN_CONNECTIONS_PER_UID`."""
+MIN_CONNECTIONS_PER_UID = 128
+"""A connection for each session a uid may have by default (``--max-sessions-per-uid``)."""
 SWEEP_EVERY_S = 1.0
 """How often unfinished handshakes are ended and a listener paused for want of descriptors is resumed."""
 
-Completed = list[tuple[Peer, bytes, list[bytes]]]
+Completed = Iterator[tuple[Peer, bytes, list[bytes]]]
 """Requests read: ``(peer, identity of its connection, frames)`` each."""
 
 
@@ -83,11 +109,15 @@ class ControlSocket:
         self._by_fd: dict[int, _Connection] = {}
         self._by_identity: dict[bytes, _Connection] = {}
         self._serials = itertools.count(1)
-        self._per_uid: dict[int, int] = collections.Counter()
+        self._connections = Shares(MAX_CONNECTIONS_PER_UID, MAX_CONNECTIONS, MIN_CONNECTIONS_PER_UID)
         """Connections of each uid."""
-        self._partial_bytes: dict[int, int] = collections.Counter()
+        self._partial_bytes = Shares(MAX_PARTIAL_BYTES_PER_UID, MAX_PARTIAL_BYTES, MIN_PARTIAL_BYTES_PER_UID)
         """Bytes the unfinished messages of each uid's connections hold (:attr:`ZmtpPeer.held`)."""
-        self._unsent_bytes: dict[int, int] = collections.Counter()
+        self._unsent_bytes = Shares(MAX_UNSENT_BYTES_PER_UID, MAX_UNSENT_BYTES, MIN_UNSENT_BYTES_PER_UID)
+        self._turns: collections.OrderedDict[int, dict[int, int]] = collections.OrderedDict()
+        """Connections to read and the events they had, by uid in the order of their turns, and by descriptor within
+        a uid: those the poll found ready, and those holding bytes their parser left. A read takes one connection
+        of each uid in turn; those it did not reach before its time was out go first at the next."""
         self._swept_at = time.monotonic()
         self._paused = False
         """The listener is out of the epoll, for want of descriptors, until the next sweep."""
@@ -108,6 +138,7 @@ class ControlSocket:
         """Close every connection and the epoll, and stop accepting (the listener stays open: its owner's)."""
         for connection in list(self._by_fd.values()):
             self._close(connection)
+        self._turns.clear()
         if self._listener is not None:
             self._descriptors.unregister(self._listener.fileno())
             self._listener = None
@@ -119,30 +150,52 @@ class ControlSocket:
 
     def partial_bytes(self, uid: int) -> int:
         """Bytes the unfinished messages of ``uid``'s connections hold."""
-        return self._partial_bytes.get(uid, 0)
+        return self._partial_bytes.held(uid)
 
     def unsent_bytes(self, uid: int) -> int:
         """Bytes of replies to ``uid``'s connections the kernel has not taken yet."""
-        return self._unsent_bytes.get(uid, 0)
+        return self._unsent_bytes.held(uid)
+
+    @property
+    def pending(self) -> bool:
+        """Connections wait to be read that the poll need not find ready again: the last read did not reach them,
+        or left bytes they sent unparsed. The next turn reads them, without waiting."""
+        return bool(self._turns)
 
     def read(self, until: float) -> Completed:
-        """Accept who waits, send what waits, and read each connection ready, each until it completes a request or
-        has nothing more, for one pass at most and until ``until`` (``time.perf_counter``); the requests completed."""
-        completed: Completed = []
+        """Accept who waits, then take the connections to read in their uids' turns until ``until``
+        (``time.perf_counter``; one at least): send what waits for each, and read it until it completes one
+        request, for :data:`READ_BYTES_PER_TURN` at most. The requests completed, each yielded before the next
+        connection is read: the time their caller spends on them counts against ``until`` too."""
         for fd, events in self._descriptors.ready():
             if self._listener is not None and fd == self._listener.fileno():
                 self._accept(self._listener)
-                continue
-            connection = self._by_fd.get(fd)
-            if connection is None:
-                continue
-            if events & select.EPOLLOUT:
-                self._flush(connection)
-            if events & ~select.EPOLLOUT and connection.sock.fileno() >= 0:
-                self._receive(connection, completed)
-            if time.perf_counter() >= until:
-                break
-        return completed
+            elif (connection := self._by_fd.get(fd)) is not None:
+                self._to_read(connection, events)
+        stopped_short: list[_Connection] = []
+        first = True
+        try:
+            while self._turns and (first or time.perf_counter() < until):
+                first = False
+                uid, ready = self._turns.popitem(last=False)
+                fd, events = next(iter(ready.items()))
+                del ready[fd]
+                if ready:
+                    self._turns[uid] = ready
+                connection = self._by_fd[fd]
+                if events & select.EPOLLOUT:
+                    self._flush(connection)
+                if events & ~select.EPOLLOUT and connection.sock.fileno() >= 0:
+                    request = self._receive(connection, until)
+                    if connection.zmtp.stopped_short:
+                        stopped_short.append(connection)
+                    if request is not None:
+                        yield connection.peer, connection.identity, request
+        finally:
+            # Once a turn: what their parsers left waits for the next turn, behind the connections waiting now.
+            for connection in stopped_short:
+                if connection.sock.fileno() >= 0:
+                    self._to_read(connection, select.EPOLLIN)
 
     def send(self, identity: bytes, frames: list[bytes]) -> None:
         """Send ``frames`` as one message on the connection ``identity``, never waiting: dropped, as a ROUTER drops
@@ -183,55 +236,76 @@ class ControlSocket:
         pid, uid, _, _ = credentials
         identity = next(self._serials).to_bytes(8, "big")
         peer = Peer(uid, pid) if pid > 0 else Peer(uid, pid, identity)
-        if self._per_uid[uid] >= MAX_CONNECTIONS_PER_UID:
+        if not self._connections.fits(uid, 1):
             self._warnings.warning(f"control-connections-{uid}", "closed a control connection of %s (uid %d): its "
-                                   "uid has %d open, the most one uid may", peer, uid, MAX_CONNECTIONS_PER_UID)
+                                   "uid has %d open, the most one uid may now of %d in all (%d open)", peer, uid,
+                                   self._connections.held(uid), MAX_CONNECTIONS, self._connections.in_all)
             sock.close()
             return
         connection = _Connection(sock, identity, peer, time.monotonic())
         self._by_fd[sock.fileno()] = connection
         self._by_identity[identity] = connection
-        self._per_uid[uid] += 1
+        self._connections.add(uid, 1)
         self._descriptors.register(sock.fileno(), select.EPOLLIN)
         self._send(connection, GREETING)
 
-    def _receive(self, connection: _Connection, completed: Completed) -> None:
-        """Read ``connection`` until it completes a request, has nothing more or is closed."""
+    def _to_read(self, connection: _Connection, events: int) -> None:
+        """Read ``connection`` for ``events`` in its uid's next turns (where it waits already, in its place)."""
         uid = connection.peer.uid
+        ready = self._turns.get(uid)
+        if ready is None:
+            ready = self._turns[uid] = {}
+        fd = connection.sock.fileno()
+        ready[fd] = ready.get(fd, 0) | events
+
+    def _receive(self, connection: _Connection, until: float) -> list[bytes] | None:
+        """Parse what ``connection`` holds and read it until a request is whole (its frames), the parser stops short,
+        :data:`READ_BYTES_PER_TURN` are read, ``until`` is past (one read at least), it has nothing more or it is
+        closed (None)."""
+        uid = connection.peer.uid
+        data = b""
+        received = 0
         while True:
+            held = connection.zmtp.held
+            violation = ""
+            messages: list[list[bytes]] = []
+            try:
+                messages, reply = connection.zmtp.feed(data, room=1)
+            except ZmtpViolation as exc:
+                violation = str(exc)
+            grown = connection.zmtp.held - held
+            self._partial_bytes.add(uid, grown)
+            if not violation and grown > 0 and self._partial_bytes.over(uid):
+                violation = (f"its uid's unfinished control requests past {self._partial_bytes.share(uid) >> 20} MiB, "
+                             f"its share now ({MAX_PARTIAL_BYTES >> 20} MiB in all)")
+            if violation:
+                self._cut(connection, logging.WARNING, violation)
+                return None
+            if reply:
+                self._send(connection, reply)
+            if messages:
+                return messages[0]
+            if (connection.zmtp.stopped_short or received >= READ_BYTES_PER_TURN
+                    or (received and time.perf_counter() >= until) or connection.sock.fileno() < 0):
+                return None
             try:
                 data = connection.sock.recv(RECEIVE_BYTES)
             except (BlockingIOError, InterruptedError):
-                return
+                return None
             except OSError:
                 data = b""
             if not data:
                 self._close(connection)
-                return
-            held = connection.zmtp.held
-            violation = ""
-            try:
-                messages, reply = connection.zmtp.feed(data)
-            except ZmtpViolation as exc:
-                violation = str(exc)
-            self._partial_bytes[uid] += connection.zmtp.held - held
-            if not violation and self._partial_bytes[uid] > MAX_PARTIAL_BYTES_PER_UID:
-                violation = f"its uid's unfinished control requests past {MAX_PARTIAL_BYTES_PER_UID >> 20} MiB"
-            if violation:
-                self._cut(connection, logging.WARNING, violation)
-                return
-            if reply:
-                self._send(connection, reply)
-            if messages:
-                completed.extend((connection.peer, connection.identity, frames) for frames in messages)
-                return
+                return None
+            received += len(data)
 
     def _send(self, connection: _Connection, data: bytes) -> None:
         """Send ``data`` after what waits unsent, keeping what the kernel does not take; drop it whole where that
-        would pass :data:`MAX_UNSENT_BYTES_PER_CONNECTION` or its uid's :data:`MAX_UNSENT_BYTES_PER_UID`."""
+        would pass :data:`MAX_UNSENT_BYTES_PER_CONNECTION` or its uid's share (:data:`MAX_UNSENT_BYTES_PER_UID`,
+        :data:`MAX_UNSENT_BYTES`)."""
         uid = connection.peer.uid
         if connection.unsent and (connection.unsent_bytes + len(data) > MAX_UNSENT_BYTES_PER_CONNECTION
-                                  or self._unsent_bytes[uid] + len(data) > MAX_UNSENT_BYTES_PER_UID):
+                                  or not self._unsent_bytes.fits(uid, len(data))):
             self._warnings.warning(f"unsent-{uid}", "%s (uid %d) reads none of what the control socket sends it: "
                                    "a reply dropped", connection.peer, uid)
             return
@@ -249,7 +323,7 @@ class ControlSocket:
             data = data[sent:]
         connection.unsent.append(memoryview(data))
         connection.unsent_bytes += len(data)
-        self._unsent_bytes[uid] += len(data)
+        self._unsent_bytes.add(uid, len(data))
 
     def _flush(self, connection: _Connection) -> None:
         """Send what waits unsent, as far as the kernel takes it."""
@@ -264,7 +338,7 @@ class ControlSocket:
                 self._close(connection)
                 return
             connection.unsent_bytes -= sent
-            self._unsent_bytes[uid] -= sent
+            self._unsent_bytes.add(uid, -sent)
             if sent < len(head):
                 connection.unsent[0] = head[sent:]
                 return
@@ -285,13 +359,14 @@ class ControlSocket:
         if fd < 0:
             return
         self._descriptors.unregister(fd)
+        ready = self._turns.get(uid)
+        if ready is not None and ready.pop(fd, None) is not None and not ready:
+            del self._turns[uid]
         connection.sock.close()
         del self._by_fd[fd]
         del self._by_identity[connection.identity]
-        for counts, held in ((self._per_uid, 1), (self._partial_bytes, connection.zmtp.held),
-                             (self._unsent_bytes, connection.unsent_bytes)):
-            counts[uid] -= held
-            if counts[uid] <= 0:
-                del counts[uid]
+        self._connections.add(uid, -1)
+        self._partial_bytes.add(uid, -connection.zmtp.held)
+        self._unsent_bytes.add(uid, -connection.unsent_bytes)
         connection.zmtp = ZmtpPeer()
         connection.unsent.clear()

@@ -74,6 +74,7 @@ from ..fds import limit as fd_limit
 from ..fds import open_count as open_fds
 from ..fds import usable as usable_fds
 from ..state import Session, State
+from ..state.writers import Writer
 from .connection import Descriptors, HandleConnection, accepted, accepting, peer_pidfd, readable_now
 from .outbox import Outbox
 from .ratelimit import RateLimitedLog
@@ -241,12 +242,18 @@ class HandlePlane(Generic[A, C]):
 
     def close_connection(self, conn: HandleConnection[A, C], why: str) -> None:
         """Close the connection and its pidfd and end its session, freeing its anonymous buffers."""
-        self._hang_up(conn)
-        if conn.session is not None:
-            self._by_session.pop(conn.session.session_id, None)
-            freed = self._end_session(conn.session)
-            log.log(logging.DEBUG if conn.session.observer else logging.INFO,
-                    "session %d ended (%s): freed %s", conn.session.session_id, why, format_bytes(freed))
+        # The pidfd outlives the hang-up while the session ends: an orphan it leaves is watched through it.
+        pidfd = os.dup(conn.pidfd) if conn.pidfd >= 0 and conn.session is not None else -1
+        try:
+            self._hang_up(conn)
+            if conn.session is not None:
+                self._by_session.pop(conn.session.session_id, None)
+                freed = self._end_session(conn.session, pidfd)
+                log.log(logging.DEBUG if conn.session.observer else logging.INFO,
+                        "session %d ended (%s): freed %s", conn.session.session_id, why, format_bytes(freed))
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
 
     def _hang_up(self, conn: HandleConnection[A, C]) -> None:
         """Close the connection and its pidfd, its session's placements read first; the session is left as it is."""
@@ -482,10 +489,10 @@ class HandlePlane(Generic[A, C]):
                     )
                 except SessionLost:
                     if not (hello.start_over and self.state.may_start_over(
-                            hello.resume_session, conn.uid, hello.resume_credential)):
+                            hello.resume_session, conn.uid, conn.pid, hello.resume_credential)):
                         raise
                     resumed = False
-                    session = self._new_session(conn, hello, starting_over=hello.resume_credential)
+                    session = self._new_session(conn, hello, (hello.resume_session, hello.resume_credential))
             else:
                 session = self._new_session(conn, hello)
         except HbmdError as exc:
@@ -516,7 +523,8 @@ class HandlePlane(Generic[A, C]):
             f" ({session.client_name})" if session.client_name else "",
         )
 
-    def _new_session(self, conn: HandleConnection[A, C], hello: Hello, starting_over: str = "") -> Session:
+    def _new_session(self, conn: HandleConnection[A, C], hello: Hello,
+                     starting_over: tuple[int, str] = (0, "")) -> Session:
         access = self.state.config.access
         return self.state.open_session(
             conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant, admin=conn.uid in access.admin_uids,
@@ -561,11 +569,17 @@ class HandlePlane(Generic[A, C]):
             tenant=session.tenant.name,
         )
 
-    def _end_session(self, session: Session) -> int:
-        """End ``session`` (:meth:`State.close_session`), naming each persistent buffer its end leaves to nobody:
-        kept, and charged, until attached again or deleted. Returns the bytes freed."""
+    def _end_session(self, session: Session, pidfd: int = -1) -> int:
+        """End ``session`` (:meth:`State.close_session`, ``pidfd`` a pidfd of its process or -1), naming each
+        persistent buffer its end leaves to nobody: kept, and charged, until attached again or deleted. Returns the
+        bytes freed."""
         orphans = [buffer for buffer in session.buffers.values() if buffer.persistent]
-        freed = self.state.close_session(session)
+        writer = Writer.of(session.pid, pidfd) if orphans and not session.observer else None
+        try:
+            freed = self.state.close_session(session, writer)
+        finally:
+            if writer is not None:
+                writer.close()
         for buffer in orphans:
             until = f"for {buffer.keep_orphan_s:g}s" if buffer.expires_at else "until deleted (hbmctl delete)"
             log.info("buffer %d %r of session %d is an orphan: %s kept until attached again or grafted, or %s",

@@ -51,14 +51,14 @@ from hbmd.proto import (
     read_envelope,
     requests,
 )
-from hbmd.proto.errors import HbmdError, InternalError, OutOfBudget, ProtocolError
+from hbmd.proto.errors import HbmdError, InternalError, InvalidRequest, OutOfBudget, ProtocolError
 from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 
 from ..backends import A, C
 from ..notify import SystemdNotifier
 from ..restart.persist import RESUME_WINDOW_S, Persistence, chunk_fds, image_of, pack_image
 from ..restart.takeover import TakeoverError, TakeoverListener
-from ..rundir import create_file, open_instance_directory, open_lock, resume_key
+from ..rundir import create_file, open_instance_directory, open_lock, pass_line, resume_key
 from ..state import Answer, Session, State
 from .admin import AdminRequests
 from .buffers import BufferRequests
@@ -148,6 +148,10 @@ class Server(Generic[A, C]):
         self.resume_window_s = resume_window_s
         self.device_lock = device_lock
         self._notifier = notifier if notifier is not None else SystemdNotifier(None)
+        interval = self._notifier.watchdog_interval
+        self._idle_ms = 1000.0 if interval is None else min(1000.0, interval * 1000)
+        """How long an idle loop waits for an event: a second, or less where the watchdog wants keep-alives more
+        often (with ``WatchdogSec=1`` an idle loop fed it every second, at its limit)."""
         self._stopping = False
         self._timers_at = 0.0
         """When the loop last looked for what time makes due (``time.monotonic``; :data:`TIMERS_EVERY_S`)."""
@@ -206,7 +210,7 @@ class Server(Generic[A, C]):
             if isinstance(exc, DeviceTaken):
                 raise AlreadyRunning(str(exc)) from None
             raise
-        self.state.use_resume_key(resume_key(self._dir_fd))
+        self.state.use_resume_key(resume_key(self._dir_fd), pass_line(self._dir_fd, self.state.credentials.line))
         for stale in (self.paths.info, self._info_tmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale.name, dir_fd=self._dir_fd)
@@ -280,8 +284,9 @@ class Server(Generic[A, C]):
         """Serve until :meth:`stop`; raises :class:`InvariantViolated` as soon as ``check_invariants`` finds them so."""
         idle_work = True
         while not self._stopping:
-            busy = idle_work or self._waiting or self._requests or self.state.top_ups_due
-            timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else 1000
+            unread = self._router is not None and self._router.pending
+            busy = idle_work or self._waiting or self._requests or unread or self.state.top_ups_due
+            timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else self._idle_ms
             events = self._ready(timeout)
             with self.lock:
                 self._plane.new_turn()
@@ -291,6 +296,9 @@ class Server(Generic[A, C]):
                     except Exception:
                         # A bug met by one peer's input must not stop the daemon for every other.
                         log.exception("handling an event on %r failed", fd_or_socket)
+                if unread and not any(self._is_router(fd_or_socket) for fd_or_socket, _ in events):
+                    # What the last turn left unread is read whether or not the poll found the socket ready.
+                    self._read_control()
                 # Control requests last: a request sees every session the same turn of the loop ended (a worker that
                 # exited just before its peer asked for status is gone from the status).
                 if self._requests:
@@ -375,9 +383,16 @@ class Server(Generic[A, C]):
                 ready.append((fd_or_socket, events))
         return ready
 
-    def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
-        if self._router is not None and fd_or_socket == self._router.fileno():
+    def _is_router(self, fd_or_socket: zmq.Socket | int) -> bool:
+        return self._router is not None and fd_or_socket == self._router.fileno()
+
+    def _read_control(self) -> None:
+        if self._router is not None:
             self._requests.read(self._router)
+
+    def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
+        if self._is_router(fd_or_socket):
+            self._read_control()
         elif fd_or_socket == self._wake_r:
             self._drain_wake()
         elif self._successors is not None and fd_or_socket == self._successors.fileno():
@@ -483,8 +498,6 @@ class Server(Generic[A, C]):
         meanwhile beside a flood's is read, and answered before the flood's next.
         """
         ends = time.perf_counter() + CONTROL_WORK_PER_TURN_S
-        if self._router is not None:
-            self._requests.admit(self._router)
         for _ in range(self._requests.peers):
             if self._router is None or self._stopping:
                 return
@@ -542,12 +555,20 @@ class Server(Generic[A, C]):
             if self._plane.behind(conn):
                 raise _Behind(session.session_id)
             answered = session.answer
-            if answered is not None and request_id == answered.request_id:
+            if answered is not None and request_id == answered.request_id >= session.last_request_id:
                 reply = self._answer_again(conn, request_id, answered)
             else:
+                body = decode_body(kind, raw)
+                latest = max(session.last_request_id, answered.request_id if answered is not None else 0)
+                if kind.changes_state and request_id < latest:
+                    raise InvalidRequest(
+                        f"request {request_id} of session {session.session_id} came after request {latest}: not "
+                        "done (its client gave up on it)", request_id=request_id, latest=latest,
+                    )
+                session.last_request_id = max(session.last_request_id, request_id)
                 fresh = session if kind.changes_state else None
                 session.previous_credential_hash = ""  # the client speaks: it holds its last welcome's credential
-                reply = handler(conn, request_id, decode_body(kind, raw))
+                reply = handler(conn, request_id, body)
         except _Behind:
             raise  # nothing done yet: answered once the session's datagrams are read
         except OutOfBudget as exc:

@@ -16,6 +16,7 @@ protocol, is a :class:`ZmtpViolation`: its owner closes it.
 from __future__ import annotations
 
 import struct
+import sys
 
 from hbmd.proto import MAX_FRAME_BYTES
 
@@ -28,6 +29,10 @@ MAX_PARTS = 16
 a longer one closes the connection."""
 MAX_COMMAND_BYTES = 4096
 """Bytes of one command frame: a client's READY (its socket type and routing id, some 40 bytes) or a heartbeat."""
+MAX_COMMANDS_PER_FEED = 16
+"""Commands one :meth:`ZmtpPeer.feed` answers at most; the rest wait for the next. A DEALER sends a heartbeat every
+``ZMQ_HEARTBEAT_IVL`` (none by default); a peer streaming PINGs, which complete no request, made a turn that read
+its connection until a request was whole last as long as it sent (issue #61)."""
 
 GREETING_BYTES = 64
 SOCKET_TYPES = frozenset({b"DEALER", b"REQ", b"ROUTER"})
@@ -99,15 +104,16 @@ class ZmtpPeer:
 
     :meth:`feed` returns the messages completed and the bytes to send back;
     :attr:`held` is what it keeps meanwhile (the bytes of a frame not yet
-    whole and the parts of a message not yet ended), never more than
-    :data:`MAX_MESSAGE_BYTES` and a frame header.
+    whole, the parts of a message not yet ended, and bytes received but not
+    parsed yet), never more than :data:`MAX_MESSAGE_BYTES`, a frame header
+    and what the last feed that :attr:`stopped_short` was given.
     """
 
-    __slots__ = ("_buffer", "_part_bytes", "_parts", "greeted", "ready")
+    __slots__ = ("_buffer", "_part_bytes", "_parts", "greeted", "ready", "stopped_short")
 
     def __init__(self) -> None:
         self._buffer = bytearray()
-        """Bytes received and not yet parsed: the rest of the greeting, or one frame's header and body so far."""
+        """Bytes received and not yet parsed: the rest of the greeting, or frames, the last one perhaps not whole."""
         self._parts: list[bytes] = []
         """The parts of the message under way."""
         self._part_bytes = 0
@@ -115,26 +121,38 @@ class ZmtpPeer:
         """The peer's greeting has come, and the daemon's READY gone back."""
         self.ready = False
         """The peer's READY has come: messages may follow."""
+        self.stopped_short = False
+        """The last :meth:`feed` stopped at its ``room`` or at :data:`MAX_COMMANDS_PER_FEED` with bytes unparsed: a
+        feed of no bytes goes on with them."""
 
     @property
     def held(self) -> int:
         return len(self._buffer) + self._part_bytes
 
-    def feed(self, data: bytes) -> tuple[list[list[bytes]], bytes]:
+    def feed(self, data: bytes = b"", room: int = sys.maxsize) -> tuple[list[list[bytes]], bytes]:
         """``(messages, reply)``: the messages ``data`` completes and what to send the peer; raises
-        :class:`ZmtpViolation` at the first thing wrong, before the body of a frame that breaks a bound is read."""
+        :class:`ZmtpViolation` at the first thing wrong, before the body of a frame that breaks a bound is read.
+
+        It stops once ``room`` messages are complete or :data:`MAX_COMMANDS_PER_FEED` commands answered, keeping
+        the rest unparsed (:attr:`stopped_short`): a run of bytes may hold thousands of empty messages or
+        heartbeats, and what one turn of the loop does for a connection is bounded.
+        """
         buffer = self._buffer
         buffer += data
         messages: list[list[bytes]] = []
-        reply = b""
+        replies: list[bytes] = []
         if not self.greeted:
             check_greeting(buffer[:GREETING_BYTES])
             if len(buffer) < GREETING_BYTES:
-                return messages, reply
+                return messages, b""
             del buffer[:GREETING_BYTES]
             self.greeted = True
-            reply = READY
+            replies.append(READY)
+        commands = 0
         while buffer:
+            if len(messages) >= room or commands >= MAX_COMMANDS_PER_FEED:
+                self.stopped_short = True
+                return messages, b"".join(replies)
             flags = buffer[0]
             if flags & ~(_MORE | _LONG | _COMMAND):
                 raise ZmtpViolation(f"a frame with the reserved flags {flags:#04x}")
@@ -148,7 +166,8 @@ class ZmtpPeer:
             body = bytes(buffer[header : header + size])
             del buffer[: header + size]
             if flags & _COMMAND:
-                reply += self._command(body)
+                commands += 1
+                replies.append(self._command(body))
                 continue
             self._parts.append(body)
             self._part_bytes += size
@@ -156,7 +175,8 @@ class ZmtpPeer:
                 messages.append(self._parts)
                 self._parts = []
                 self._part_bytes = 0
-        return messages, reply
+        self.stopped_short = False
+        return messages, b"".join(replies)
 
     def _check_frame(self, flags: int, size: int) -> None:
         if flags & _COMMAND:

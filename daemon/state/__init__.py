@@ -21,12 +21,13 @@ new chunks leaves the buffer released (its data was already given up).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic
 
-from hbmd.proto import TIER_DEVICE, TIER_HOST, ChunkInfo, SessionInfo, TenantInfo
+from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo, ChunkInfo, SessionInfo, TenantInfo
 from hbmd.proto.errors import PermissionDenied
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import round_up
@@ -35,6 +36,7 @@ from ..backends import A, Backend, C
 from ..config import Config
 from .buffers import Buffers
 from .chunks import Chunks
+from .credentials import Credentials
 from .invariants import check_invariants
 from .leases import DEFAULT_CREDIT_BYTES, DEFAULT_LEASE_BYTES, LEASE_IDLE_S, Leases
 from .orphans import Orphans
@@ -53,6 +55,7 @@ from .records import (
 from .sealed import Sealed, check_unread
 from .sessions import RECLAIM_PATIENCE_S, Sessions
 from .tenants import Tenants
+from .writers import Writer
 
 if TYPE_CHECKING:  # a journaled buffer is read by the restart package, which builds on the state
     from ..restart.journaled import JournaledBuffer
@@ -196,7 +199,7 @@ class State(Generic[A, C]):
 
     def open_session(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: str, admin: bool = False, observer: bool = False,
-        lease: bool = False, credit: bool = False, starting_over: str = "",
+        lease: bool = False, credit: bool = False, starting_over: tuple[int, str] = (0, ""),
     ) -> Session:
         """Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
         ``PermissionDenied`` for a tenant it may not declare. ``starting_over``: see :meth:`Sessions.open`."""
@@ -226,14 +229,21 @@ class State(Generic[A, C]):
         """A restored session back with its client; see :meth:`Sessions.resume`."""
         return self.session_table.resume(session_id, uid, pid, credential)
 
-    def use_resume_key(self, key: bytes) -> None:
+    def use_resume_key(self, key: bytes, last_line: str) -> None:
         """Issue and check resume credentials under the instance's ``key`` (``rundir.resume_key``), kept across runs;
-        until then under one of this run's own, whose credentials start no session over after a restart."""
-        self.session_table.credentials.use_key(key)
+        until then under one of this run's own, whose credentials start no session over after a restart.
+        ``last_line``: the line of daemons of the one that ran before (``rundir.pass_line``); see
+        :meth:`Credentials.use_key`."""
+        self.session_table.credentials.use_key(key, last_line)
 
-    def may_start_over(self, session_id: int, uid: int, credential: str) -> bool:
+    @property
+    def credentials(self) -> Credentials:
+        """The resume credentials of this line of daemons: what the journal keeps of them, and its line."""
+        return self.session_table.credentials
+
+    def may_start_over(self, session_id: int, uid: int, pid: int, credential: str) -> bool:
         """See :meth:`Sessions.may_start_over`."""
-        return self.session_table.may_start_over(session_id, uid, credential)
+        return self.session_table.may_start_over(session_id, uid, pid, credential)
 
     def suspend_session(self, session: Session, resume_by: float) -> None:
         self.session_table.suspend(session, resume_by)
@@ -247,11 +257,12 @@ class State(Generic[A, C]):
     def session_for(self, token: str) -> Session:
         return self.session_table.for_token(token)
 
-    def close_session(self, session: Session) -> int:
+    def close_session(self, session: Session, writer: Writer | None = None) -> int:
         """End a session: its lease and read claims go, its anonymous buffers are freed, its persistent ones
-        orphaned (mid-defragment keeping the old chunks, which hold the data). Returns the bytes freed."""
+        orphaned (mid-defragment keeping the old chunks, which hold the data), watched through copies of ``writer``
+        (the caller's), its process where that lives on. Returns the bytes freed."""
         self.leases.end_session(session)
-        freed = self.buffer_table.end_session(session)
+        freed = self.buffer_table.end_session(session, writer)
         self.session_table.forget(session)
         self.tenant_table.let_go(session.tenant)
         return freed
@@ -296,18 +307,35 @@ class State(Generic[A, C]):
     def redeclare(
         self, session: Session, previous_id: int, capacities: list[int], sizes: list[int],
         chunks: list[tuple[int, int]], name: str, persistent: bool, shareable: bool, sealed: bool, readonly: bool,
-        tier: str = TIER_DEVICE,
+        tier: str = TIER_DEVICE, name_proof: str = "",
     ) -> Buffer[A, C]:
         """A buffer the session's process still maps, declared again after a cold restart; see
         :meth:`Buffers.redeclare`. Refused (``PermissionDenied``) but on a session whose process started over, before
-        it asks for anything else (:attr:`Session.declaring`)."""
+        it asks for anything else (:attr:`Session.declaring`), and, for a persistent buffer of its own, with the
+        proof that the session it replaces held its name (``name_proof``)."""
         if not session.declaring:
             raise PermissionDenied(
                 "buffers are declared again only by a session whose process found its own gone after a restart, "
                 "before any other request"
             )
+        if persistent and not readonly and not self.credentials.proves_name(
+                session.replaces, session.uid, session.pid, name, name_proof):
+            raise PermissionDenied(
+                f"persistent buffer {name!r} is declared again only with the proof that the session this process "
+                "started over held it (a client of protocol 1.13 keeps it): another process of the uid may hold it",
+                field="name_proof",
+            )
         return self.buffer_table.redeclare(session, previous_id, capacities, sizes, chunks, name, persistent,
                                            shareable, sealed, readonly, tier)
+
+    def info_for_holder(self, buffer: Buffer[A, C], session: Session) -> BufferInfo:
+        """``buffer``'s info as its holder ``session`` is told it: a persistent buffer's with the proof that the
+        session holds its name (:attr:`BufferInfo.name_proof`), which no one else is shown."""
+        info = buffer.info()
+        if buffer.persistent and buffer.owner is session:
+            info = dataclasses.replace(info, name_proof=self.credentials.name_proof(
+                session.uid, session.session_id, session.pid, buffer.name))
+        return info
 
     def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
         """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""

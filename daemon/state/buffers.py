@@ -29,7 +29,7 @@ from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
-from .orphans import check_keep, give_to, left_by
+from .orphans import check_keep, give_to, left_by, let_go_of_writer
 from .pressure import Pressure
 from .records import (
     MAX_CAPACITY,
@@ -37,11 +37,13 @@ from .records import (
     Chunk,
     Limits,
     Session,
+    Tenant,
     check_int,
     check_observer,
 )
 from .sealed import add_read_claim
 from .tenants import Tenants
+from .writers import Writer
 
 
 def layout_segments(capacity: int, num_segments: int, capacities: list[int] | None) -> list[int]:
@@ -108,6 +110,22 @@ class Buffers(Generic[A, C]):
             self.tenants.charge(buffer.tenant, host=mapped + pending)
         else:
             self.tenants.charge(buffer.tenant, committed=mapped + pending)
+        self.mark_changed(buffer)
+
+    def recharge(self, buffer: Buffer[A, C], tenant: Tenant, purpose: str) -> None:
+        """Charge the buffer's bytes, and what it grows from now on, to ``tenant`` instead of its own: within
+        ``tenant``'s maximum and the others' guarantees (``OutOfBudget`` with nothing changed), the budget's total as
+        it was."""
+        old = buffer.tenant
+        if old is tenant:
+            return
+        device = buffer.physical_bytes + buffer.pending_bytes - buffer.host_bytes
+        self.tenants.admit_transfer(old, tenant, device, purpose)
+        self.tenants.charge(old, committed=-device, host=-buffer.host_bytes)
+        self.tenants.charge(tenant, committed=device, host=buffer.host_bytes)
+        self.tenants.hold(tenant)
+        buffer.tenant = tenant
+        self.tenants.let_go(old)
         self.mark_changed(buffer)
 
     def mark_changed(self, buffer: Buffer[A, C]) -> None:
@@ -376,6 +394,7 @@ class Buffers(Generic[A, C]):
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         if buffer.persistent:
             self.persistent.pop((buffer.owner_uid, buffer.name), None)
+        let_go_of_writer(buffer)
         self.tenants.let_go(buffer.tenant)
         self.mark_changed(buffer)
         return freed
@@ -414,16 +433,23 @@ class Buffers(Generic[A, C]):
                 buffer_id=buffer.buffer_id,
             )
 
-    def end_session(self, session: Session) -> int:
-        """The session ended: its read claims go, its anonymous buffers are freed, its persistent ones orphaned."""
+    def end_session(self, session: Session, writer: Writer | None = None) -> int:
+        """The session ended: its read claims go, its anonymous buffers are freed, its persistent ones orphaned, each
+        watched for its process (a copy of ``writer``, the caller's) where that lives on and may still write them
+        (:mod:`.writers`)."""
         read = list(session.reading.values())
         for buffer in read:
             buffer.readers.pop(session.session_id, None)
             self.mark_changed(buffer)
         session.reading.clear()
-        freed = sum(
-            self.disown(buffer) if buffer.persistent else self.drop(buffer) for buffer in list(session.buffers.values())
-        )
+        freed = 0
+        for buffer in list(session.buffers.values()):
+            if not buffer.persistent:
+                freed += self.drop(buffer)
+                continue
+            freed += self.disown(buffer)
+            if writer is not None and buffer.buffer_id in self.by_id and not buffer.sealed:
+                buffer.writer = writer.copy()
         return freed + sum(self.forget_unheld(buffer) for buffer in read)
 
     # growth

@@ -66,8 +66,36 @@ def taken(buffer: Buffer[Any, Any]) -> None:
 def give_to(session: Session, buffer: Buffer[Any, Any]) -> None:
     """Make the session the owner of an orphan."""
     taken(buffer)
+    let_go_of_writer(buffer)
     buffer.owner = session
     session.buffers[buffer.buffer_id] = buffer
+
+
+def let_go_of_writer(buffer: Buffer[Any, Any]) -> None:
+    """Stop watching the process that may still write the buffer (:mod:`.writers`): it is taken, or gone."""
+    if buffer.writer is not None:
+        buffer.writer.close()
+        buffer.writer = None
+
+
+def check_no_other_writer(buffer: Buffer[Any, Any], session: Session) -> None:
+    """Refuse, retryably, to hand an orphan's pages to the process of ``session`` while its last holder, another
+    process whose session ended while it lived, may still map and write them (issue #61): two processes would write
+    the same pages."""
+    writer = buffer.writer
+    if writer is None:
+        return
+    if writer.gone():
+        let_go_of_writer(buffer)
+        return
+    if writer.pid and writer.pid == session.pid:
+        return  # its own process: what it maps there is its own business
+    holder = buffer.last_holder[0] or "a client"
+    raise Conflict(
+        f"orphan {buffer.name!r}: its last holder, {holder} (pid {writer.pid}), lives on and may still map and write "
+        "it (its session ended without a detach): retry once that process has exited",
+        buffer_id=buffer.buffer_id, pid=writer.pid,
+    )
 
 
 def _when(unix_time: float) -> str:
@@ -93,6 +121,9 @@ class Orphans(Generic[A, C]):
         buffer = self.buffers.orphan(session.uid, name)
         check_readable_layout(buffer, uneven_ok)
         self.buffers.check_handed_out(buffer)
+        check_no_other_writer(buffer, session)
+        # Its holder's tenant pays for it, as a graft's does: the uid may have left the orphan's tenant since.
+        self.buffers.recharge(buffer, session.tenant, f"attaching orphan {name!r}")
         give_to(session, buffer)
         self.buffers.mark_changed(buffer)
         return buffer
@@ -139,6 +170,7 @@ class Orphans(Generic[A, C]):
         _check_graftable(donor)
         self.buffers.check_handed_out(donor)
         shifts = _segment_shifts(target, donor, self.buffers.backend.granularity)
+        check_no_other_writer(donor, session)
         moved = donor.physical_bytes
         self.tenants.admit_transfer(donor.tenant, target.tenant, moved, f"grafting orphan {name!r}")
         self.buffers.account(donor, mapped=-moved)

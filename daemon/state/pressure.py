@@ -86,9 +86,16 @@ class Pressure(Generic[A, C]):
                 if asked >= needed or session.tenant is not other or held == 0 or busy:
                     continue
                 reclaim = session.reclaim
-                if (reclaim is not None and reclaim.demote
-                        and reclaim.outcome(now, self.sessions.reclaim_patience_s) == "pending"):
+                outcome = reclaim.outcome(now, self.sessions.reclaim_patience_s) if reclaim is not None else ""
+                if reclaim is not None and reclaim.demote and outcome == "pending":
                     asked += reclaim.requested_bytes  # asked already: on its way
+                    continue
+                if (reclaim is not None and reclaim.demote and outcome == "answered" and not reclaim.told
+                        and (reclaim.released_bytes or 0) < reclaim.requested_bytes):
+                    # Its engine declared nothing more idle: the refusal after that answer is told so, once, and its
+                    # client gives up rather than retry for its 10 s while a demote is asked for and answered with
+                    # nothing, over and over (issue #61). A commit after that asks again.
+                    reclaim.told = True
                     continue
                 ask = min(held, needed - asked)
                 self.request_reclaim(session, ask, f"tenant {tenant.name!r} needs device memory", demote=True)

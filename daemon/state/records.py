@@ -16,6 +16,7 @@ from hbmd.proto.errors import InvalidRequest, PermissionDenied
 from hbmd.proto.runs import backed_runs, prefix_offsets
 
 from ..backends import A, C
+from .writers import Writer
 
 MAX_CAPACITY = 1 << 50
 """1 PiB: more than any device, small enough that offsets never overflow."""
@@ -109,6 +110,9 @@ class Reclaim:
     reason: str
     asked_at: float = dataclasses.field(default_factory=time.monotonic)
     released_bytes: int | None = None
+    told: bool = False
+    """A commit refused since its answer came was told it (a demote answered with less than asked: nothing more is
+    being demoted there)."""
     demote: bool = False
     """Asked to demote its buffers to the host tier rather than to release memory."""
     reported: bool = False
@@ -187,6 +191,14 @@ class Session:
     """Restored after a restart and not resumed yet: the monotonic time by which its client must come back, or the
     session ends as a dead one's does. None for a connected session."""
     answer: Answer | None = None
+    last_request_id: int = 0
+    """The id of the latest request of the session the daemon took up: an older one that changes state is never done.
+    Its client numbers them in order and has one in flight; one older came on a connection the client gave up on (its
+    call timed out), read by the daemon only after a later one (issue #61). Not journaled: a restored session starts
+    from its ``answer``'s."""
+    replaces: tuple[str, int] = ("", 0)
+    """The line of daemons and the id of the session this one started over in place of (``("", 0)``: none): whose
+    names its process may declare again (:meth:`Credentials.proves_name`)."""
     declaring: bool = False
     """Its process found its session gone after a restart and started over: it may declare again the buffers it
     still maps (:class:`~hbmd.proto.Redeclare`) until it asks for anything else."""
@@ -239,6 +251,9 @@ class Buffer(Generic[A, C]):
     """Unix time the daemon frees it, an orphan still; 0: never."""
     last_holder: tuple[str, int] = ("", 0)
     """The client name and pid of the session that last held it, once an orphan (``("", 0)``: not known)."""
+    writer: Writer | None = None
+    """The process of the session that last held it, an orphan, where it may still map and write it: its session
+    ended while it lived (:mod:`.writers`). Not journaled: the daemon's pidfd does not outlive it."""
 
     def __post_init__(self) -> None:
         self.segment_offsets = prefix_offsets(self.segment_capacities)

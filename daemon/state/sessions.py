@@ -18,7 +18,7 @@ from hbmd.proto.errors import (
     SessionLost,
 )
 
-from .credentials import KEY_BYTES, Credentials
+from .credentials import KEY_BYTES, LINE_HEX, Credentials
 from .records import MAX_CAPACITY, Limits, Reclaim, Session, Tenant, check_int
 
 RECLAIM_PATIENCE_S = 30.0
@@ -49,11 +49,11 @@ class Sessions:
 
     def open(
         self, pid: int, uid: int, gid: int, client_name: str, tenant: Tenant, admin: bool, observer: bool, lease: bool,
-        starting_over: str = "",
+        starting_over: tuple[int, str] = (0, ""),
     ) -> Session:
-        """A new session charged to ``tenant`` (the caller holds it for the session); ``starting_over``: the credential
-        of a session this daemon does not keep that it replaces (:meth:`may_start_over`), spent once it opens, so that
-        it may declare what its process maps.
+        """A new session charged to ``tenant`` (the caller holds it for the session); ``starting_over``: the id and the
+        credential of a session this daemon does not keep that it replaces (:meth:`may_start_over`), spent once it
+        opens, so that it may declare what its process maps.
 
         Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
         ``InvalidRequest`` for a ``client_name`` longer than ``MAX_NAME`` or not printable.
@@ -73,11 +73,13 @@ class Sessions:
             self._next_id, secrets.token_hex(16), pid, uid, gid, client_name, tenant, admin, observer,
             wants_lease=lease,
         )
-        session.declaring = bool(starting_over) and not observer
+        replaced, credential = starting_over
+        session.declaring = bool(credential) and not observer
+        session.replaces = (credential[:LINE_HEX], replaced) if credential else ("", 0)
         self._next_id += 1
         self._add(session)
-        if starting_over:
-            self.credentials.spend(starting_over)
+        if credential:
+            self.credentials.spend(replaced, credential)
         return session
 
     def _add(self, session: Session) -> None:
@@ -87,21 +89,31 @@ class Sessions:
         if not session.observer:
             self.workers_of[session.tenant.name] = self.workers_of.get(session.tenant.name, 0) + 1
 
-    def may_start_over(self, session_id: int, uid: int, credential: str) -> bool:
-        """Whether a process of ``uid`` may open a session in place of ``session_id``, which this daemon does not
-        keep for it: the process proves with ``credential`` that it held that session (its client library keeps the
-        credential of the last welcome; no other process has it). A pid would not do: in a pid
-        namespace of the daemon's own every peer's reads 0."""
-        if session_id in self.by_id and self.credentials.issued_here(credential):
-            return False  # one this daemon knows, open: it is resumed, not started over
-        return self.credentials.start_over(uid, session_id, credential)
+    def may_start_over(self, session_id: int, uid: int, pid: int, credential: str) -> bool:
+        """Whether the process ``pid`` of ``uid`` may open a session in place of ``session_id``, which this daemon does
+        not keep for it: the process proves with ``credential`` that it held that session (its client library keeps
+        the credential of the last welcome; no other process has it), issued before the last cold start (a session
+        this line of daemons ended is not started over: :class:`~.credentials.Credentials`). A pid alone would not
+        do: in a pid namespace of the daemon's own every peer's reads 0."""
+        return self.credentials.start_over(uid, session_id, pid, credential)
 
     def issue_credential(self, session: Session) -> str:
         """A new credential that resumes ``session`` after a restart; the one before it is void. Only its hash is
         kept."""
-        credential = self.credentials.issue(session.uid, session.session_id)
+        credential = self.credentials.issue(session.uid, session.session_id, session.pid)
         session.previous_credential_hash, session.credential_hash = session.credential_hash, _digest(credential)
         return credential
+
+    @property
+    def next_id(self) -> int:
+        """The id the next session opened gets."""
+        return self._next_id
+
+    def continue_from(self, next_id: int) -> None:
+        """Give no session an id below ``next_id``: one a session of this line of daemons had (journaled, or lost
+        restoring the journal). A reused id would let the credential of the session that had it first start over as
+        the one that has it now."""
+        self._next_id = max(self._next_id, next_id)
 
     def restore(self, session: Session, resume_by: float) -> None:
         """Take back a session journaled before a restart; it waits for its client until ``resume_by``."""
