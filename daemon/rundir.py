@@ -152,18 +152,9 @@ def resume_key(dir_fd: int, name: str = RESUME_KEY) -> bytes:
     """The instance's key for resume credentials (``state/credentials.py``), kept in file ``name`` of the instance
     directory across runs: mode 0600, this daemon's own. Made anew where it is missing or is not a plain file of ours
     of :data:`KEY_BYTES` bytes, and then credentials of earlier runs start no session over."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        fd = -1
-    if fd >= 0:
-        try:
-            st, key = os.fstat(fd), os.read(fd, KEY_BYTES + 1)
-        finally:
-            os.close(fd)
-        ours = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
-        if ours and not st.st_mode & 0o077 and len(key) == KEY_BYTES:
-            return key
+    key = _read_own(dir_fd, name, KEY_BYTES + 1, private=True)
+    if key is not None and len(key) == KEY_BYTES:
+        return key
     key = secrets.token_bytes(KEY_BYTES)
     fd = create_file(dir_fd, name, 0o600, None)
     try:
@@ -178,18 +169,8 @@ def pass_line(dir_fd: int, line: str, name: str = RESUME_LINE) -> str:
     instance directory says (empty where it says nothing readable), and ``line`` written there in its place, for the
     next: mode 0600, this daemon's own, replaced without following a link. Where it cannot be written, the next daemon
     starts no session of this line over after a cold restart, which is the safe side."""
-    last = ""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        fd = -1
-    if fd >= 0:
-        try:
-            st, data = os.fstat(fd), os.read(fd, 64)
-        finally:
-            os.close(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
-            last = data.decode("ascii", "replace").strip()
+    data = _read_own(dir_fd, name, 64, private=False)
+    last = data.decode("ascii", "replace").strip() if data is not None else ""
     try:
         fd = create_file(dir_fd, name, 0o600, None)
         try:
@@ -200,6 +181,21 @@ def pass_line(dir_fd: int, line: str, name: str = RESUME_LINE) -> str:
         log.warning("cannot write %s in the instance directory (%s): after a cold restart, no session of this run "
                     "starts over", name, exc.strerror or exc)
     return last
+
+
+def _read_own(dir_fd: int, name: str, most: int, private: bool) -> bytes | None:
+    """Up to ``most`` bytes of file ``name`` of the instance directory, where it is a plain file of this daemon's own
+    (no link followed, no second name; ``private``: readable by nobody else), else None."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st, data = os.fstat(fd), os.read(fd, most)
+    finally:
+        os.close(fd)
+    ours = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+    return data if ours and not (private and st.st_mode & 0o077) else None
 
 
 def open_lock(dir_fd: int, name: str) -> int:

@@ -128,6 +128,27 @@ def start_daemon(run_dir):
 
 
 @pytest.fixture
+def restartable(start_daemon, run_dir, systemd):
+    """Start a daemon that parks its chunks with the systemd stand-in; ``restart(how)`` replaces it."""
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--budget", "256MiB", "--state-dir", str(state_dir))
+
+    class Restartable:
+        daemon = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
+
+        def restart(self, how: str, *more: str):
+            if how == "kill":
+                self.daemon.kill()
+            else:
+                assert self.daemon.stop() == 0
+            self.daemon = start_daemon(*args, *more, **systemd.relaunch())
+            return self.daemon
+
+    return Restartable()
+
+
+@pytest.fixture
 def daemon(start_daemon):
     """A host-backend daemon with a 256 MiB budget."""
     return start_daemon("--budget", "256MiB")

@@ -28,27 +28,6 @@ GPU_OK, GPU_REASON = cuda_vmm_status()
 pytestmark = pytest.mark.ipc
 
 
-@pytest.fixture
-def restartable(start_daemon, run_dir, systemd):
-    """Start a daemon that parks its chunks with the systemd stand-in; ``restart(how)`` replaces it."""
-    state_dir = run_dir / "state"
-    state_dir.mkdir()
-    args = ("--budget", "256MiB", "--state-dir", str(state_dir))
-
-    class Restartable:
-        daemon = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
-
-        def restart(self, how: str, *more: str):
-            if how == "kill":
-                self.daemon.kill()
-            else:
-                assert self.daemon.stop() == 0
-            self.daemon = start_daemon(*args, *more, **systemd.relaunch())
-            return self.daemon
-
-    return Restartable()
-
-
 def accounts(client):
     """What ``hbmctl status/buffers/sessions`` show, less what moves by itself (time, free memory)."""
     status = client.status()

@@ -46,30 +46,13 @@ input()
 """
 
 
-@pytest.fixture
-def restartable(start_daemon, run_dir, systemd):
-    state_dir = run_dir / "state"
-    state_dir.mkdir()
-    args = ("--budget", "256MiB", "--state-dir", str(state_dir))
-
-    class Restartable:
-        daemon = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
-
-        def restart(self, *more: str):
-            self.daemon.kill()
-            self.daemon = start_daemon(*args, *more, **systemd.relaunch())
-            return self.daemon
-
-    return Restartable()
-
-
 def ended_while_stopped(restartable, spawn_worker):
     """An engine whose session its daemon ended, after a restart that kept the state, while the engine was stopped;
     the engine (stopped still) and the daemon."""
     engine = spawn_worker(restartable.daemon, ENGINE)
     assert engine.readline() == "ready"
     os.kill(engine.proc.pid, signal.SIGSTOP)
-    daemon = restartable.restart("--resume-timeout", "1")
+    daemon = restartable.restart("kill", "--resume-timeout", "1")
     wait_until(lambda: "was not resumed after the restart: ended" in daemon.log())
     with daemon.connect(observer=True) as look:
         assert [(b.name, b.session_id, b.physical_bytes) for b in look.buffers()] == [("keep", 0, 8 * MiB)]

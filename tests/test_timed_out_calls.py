@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import zmq
 from hbmd import proto
 from hbmd.proto.errors import InvalidRequest
+from helpers import wait_until
 
 pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
@@ -49,20 +49,23 @@ print(kv.full_view()[: 16 << 20].eq(7).all().item(), kv.num_chunks, client.buffe
 """
 
 
-def test_a_commit_given_up_on_and_done_later_leaves_the_tensor_as_mapped(daemon, spawn_worker):
-    worker = spawn_worker(daemon, WORKER)
-    assert worker.readline() == "ready"
+def given_up_on_while_stalled(daemon, worker) -> None:
+    """Stall the daemon (SIGSTOP) while ``worker`` makes its call, until the worker gives up on it; then let it go
+    on, to do that call late."""
     os.kill(daemon.pid, signal.SIGSTOP)
     try:
         worker.send("")
         assert worker.readline() == "timed out"
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
+
+
+def test_a_commit_given_up_on_and_done_later_leaves_the_tensor_as_mapped(daemon, spawn_worker):
+    worker = spawn_worker(daemon, WORKER)
+    assert worker.readline() == "ready"
+    given_up_on_while_stalled(daemon, worker)
     with daemon.connect(observer=True) as look:
-        deadline = time.monotonic() + 10
-        while look.buffers()[0].physical_bytes < 8 << 20 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert look.buffers()[0].physical_bytes == 8 << 20  # the daemon did the commit the client gave up on
+        wait_until(lambda: look.buffers()[0].physical_bytes == 8 << 20)  # the daemon did the commit given up on
     worker.send("")
     assert worker.readline() == "16 16"  # it says 16 MiB, and maps all of it
     said, chunks, recorded = worker.readline().split()
@@ -96,17 +99,9 @@ def test_a_defragment_given_up_on_and_done_later_is_dropped(daemon, spawn_worker
     the old ones, refusing the buffer's growth until the end of the session: they are dropped at the next step."""
     worker = spawn_worker(daemon, DEFRAGMENT)
     assert worker.readline() == "3"
-    os.kill(daemon.pid, signal.SIGSTOP)
-    try:
-        worker.send("")
-        assert worker.readline() == "timed out"
-    finally:
-        os.kill(daemon.pid, signal.SIGCONT)
+    given_up_on_while_stalled(daemon, worker)
     with daemon.connect(observer=True) as look:
-        deadline = time.monotonic() + 10
-        while not look.buffers()[0].pending_bytes and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert look.buffers()[0].pending_bytes == 6 << 20
+        wait_until(lambda: look.buffers()[0].pending_bytes == 6 << 20)
     worker.send("")
     assert worker.readline() == "4 True 0"  # its 3 chunks and the growth's, its bytes kept, nothing pending
     assert worker.wait() == 0
