@@ -96,7 +96,7 @@ def orphan(daemon, name: str, size: int = 4 * MiB) -> None:
     from hbmd.client import ExtensibleTensor
 
     with daemon.connect() as gone:
-        ExtensibleTensor(size, "cpu", client=gone, name=name, persistent=True).resize_(2 * MiB)
+        ExtensibleTensor(size, "cpu", client=gone, name=name, persistent=True).resize_per_segment_(2 * MiB)
 
 
 def index_of(folder, *ranks: str, gpu: str = "host") -> None:
