@@ -26,6 +26,7 @@ import time
 
 import pytest
 from hbmd.proto.instance import InstancePaths
+from test_admission import nobody_can_run_python, nobody_python  # noqa: F401 - a fixture, and its interpreter
 
 pytestmark = [pytest.mark.ipc, pytest.mark.flood]
 
@@ -159,15 +160,11 @@ def peak_growth(pid: int, before: int) -> int:
     return peak - before
 
 
-def test_uids_holding_unfinished_messages_share_a_bound_in_all(start_daemon, run_dir):
+def test_uids_holding_unfinished_messages_share_a_bound_in_all(nobody_can_run_python, start_daemon, run_dir):
     """Four uids each hold unfinished messages of 3 MiB on 24 connections: past their bounds (64 MiB each) their
     connections are cut, and past the bound in all (96 MiB, each uid a message more): 256 MiB held before, RSS
-    +250 MiB (issue #61). An engine's calls are answered meanwhile."""
-    if os.getuid() != 0:
-        pytest.skip("needs root to attack as four uids")
-    from test_admission import nobody_python
-
-    os.chmod(run_dir, 0o755)
+    +250 MiB (issue #61). An engine's calls are answered meanwhile. Skipped where other uids cannot start a Python
+    (not root, or an interpreter under a folder closed to them, as a venv under /root is)."""
     daemon = start_daemon("--budget", "64MiB", "--group", "nogroup")
     engine = daemon.connect(client_name="engine", timeout=5)
     engine.status()
