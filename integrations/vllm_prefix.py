@@ -299,6 +299,10 @@ def keeping_scheduler(scheduler_cls: Any) -> None:
                     hook_pool(self.kv_cache_manager.block_pool, keeper)
                 except KeepingOff as exc:
                     keeper, why = None, str(exc)
+                except Exception:  # a fault of the keeper's must not stop the engine: it serves, keeping nothing
+                    log.exception("hbmd's prefix keeper could not start: this engine serves without keeping its "
+                                  "prefix cache")
+                    keeper = None
             if why is not None:
                 log.warning("hbmd cannot keep this engine's prefix cache: %s", why)
             self.__dict__["_hbmd_keeper"] = keeper

@@ -641,3 +641,15 @@ def test_a_kept_cache_of_another_layout_is_freed_before_vllm_measures_and_the_en
     assert vllm_keep.settle_donor(daemon, [8 << 20] * 4) is None  # another model under the engine's name: no graft
     assert vllm_keep._rank.donor is None and "laid out for another model" in vllm_keep._rank.why_cold
     assert freed == [donor.name]  # its memory is free again when vLLM measures what it has
+
+
+def test_a_fault_of_the_keeper_at_start_leaves_the_engine_serving_and_keeping_nothing(
+        kept, model_folder, keep_log, monkeypatch):
+    note(kept, "b1", None)
+
+    def broken(*args):
+        raise RuntimeError("a vLLM config hbmd did not foresee")
+
+    monkeypatch.setattr(vllm_prefix, "compatibility", broken)
+    serve_one_prompt(scheduler(model_folder))  # every step scheduled and processed
+    assert not (kept / "e.index").exists() and "prefix keeper could not start" in keep_log.text
