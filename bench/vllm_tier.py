@@ -223,7 +223,7 @@ def engine_main(spec: dict[str, Any]) -> None:
             output = llm.generate([TokensPrompt(prompt_token_ids=prompts(n=1, length=length, seed=11)[0])],
                                   SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)[0]
             now = time.monotonic()
-            say("long", seconds=now - began, since_start=now - started, length=length,
+            say("long", seconds=now - began, since_start=now - started, at=now, length=length,
                 cached=output.num_cached_tokens, token=output.outputs[0].token_ids[0])
         elif step == "decode":
             # Steady decoding, many sequences at once: the tokens per second a keeping engine's index may cost.
@@ -291,6 +291,21 @@ class Engine:
                     return event
         self.proc.kill()
         raise TimeoutError(f"{self.label}: no {kind} within {timeout:.0f}s: see {self.log_path}")
+
+    def until_said(self, phrase: str, timeout: float = ENGINE_TIMEOUT_S) -> None:
+        """Read the engine's output until a line of its log says ``phrase``; raise if it ends first."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.label} exited with {self.proc.wait(30)} before saying {phrase!r}")
+            self.log.write(line)
+            if line.startswith("TIER "):
+                self.events.append(json.loads(line[5:]))
+            elif phrase in line:
+                return
+        raise TimeoutError(f"{self.label}: did not say {phrase!r} within {timeout:.0f}s: see {self.log_path}")
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -747,10 +762,105 @@ def group_keep_big(tier: Tier, model: str) -> None:
     group_keep(tier, model, tag="keep-big")
 
 
+STANDBY_ROUNDS = 3
+"""Takeovers in a row in the standby group: active killed, its standby serves, a new standby starts beside it."""
+STANDING_BY = "standing by for"
+"""What a standby's log says once it waits, holding little."""
+
+
+def gpu_memory_of(pid: int) -> int:
+    """The GPU memory nvidia-smi counts for process ``pid`` (its context, PyTorch's allocations, CUDA graphs; not
+    hbmd's buffers, which the daemon allocated), in bytes."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    used = [int(row.split(",")[1]) for row in out.splitlines() if row.split(",")[0].strip() == str(pid)]
+    return sum(used) << 20
+
+
+def group_standby(tier: Tier, model: str, tag: str = "standby") -> None:
+    """``HBMD_VLLM_STANDBY``: an active engine with CUDA graphs and its kept cache, a standby beside it that waits
+    holding little, and :data:`STANDBY_ROUNDS` takeovers in a row (the active SIGKILLed, its standby serves the 8k
+    prefix from the adopted cache, a new standby starts beside the new active). Kill to first token beside a cold
+    restart of plain vLLM and a restart that adopts the kept cache (today's path); the standby's footprint; the
+    active engine's decode throughput with and without a standby beside it."""
+    tier.start_daemon("--budget", "40GiB")
+    env = {"HBMD_VLLM_KEEP_KV": "1", "HBMD_VLLM_ENGINE": tag, "HBMD_VLLM_KV_INDEX_DIR": str(tier.work / "kv-index")}
+    shape = {"model": model, "first_output": False, "long_len": KEEP_PREFIX_LEN, "eager": False,
+             "options": {"max_model_len": KEEP_PREFIX_LEN + 256}}
+    plain = tier.run(f"{tag}-plain", {**shape, "steps": ["long"]}, False)
+    shape["load_format"] = "hbmd"  # the weights sealed once, mapped by every engine: a standby holds no copy
+    active = tier.engine(f"{tag}-0", {**shape, "steps": ["long", "generate", "decode", "pause", "decode", "pause"]},
+                         True, env)
+    cold_long, cold = active.until("long"), active.until("generate")["outputs"]
+    alone = active.until("decode")["tokens_per_s"]
+    active.until("paused")
+    footprints, kills = [], []
+    standby_steps = ["long", "long", "generate", "pause"]
+    for number in range(1, STANDBY_ROUNDS + 1):
+        label = f"{tag}-{number}"
+        standby = tier.engine(label, {**shape, "steps": standby_steps}, True, {**env, "HBMD_VLLM_STANDBY": "1"})
+        standby.until_said(STANDING_BY)
+        buffers = {b["name"]: b for b in tier.hbmctl("buffers")["buffers"] if b["name"].startswith(f"vllm-{tag}-")}
+        held = [b for b in buffers.values() if b["session_id"] is not None]
+        footprints.append({"standby_gpu_bytes": gpu_memory_of(standby.proc.pid),
+                           "active_gpu_bytes": gpu_memory_of(active.proc.pid),
+                           "kv_bytes": sorted(b["physical_bytes"] for b in held)})
+        if number == 1:  # the active engine decodes again beside its waiting standby
+            active.send("go")
+            beside = active.until("decode")["tokens_per_s"]
+            active.until("paused")
+            tier.figures[f"{tag}_active_decode_tokens_per_s"] = {"alone": round(alone, 1),
+                                                                  "beside a standby": round(beside, 1)}
+        killed = time.monotonic()
+        os.kill(active.proc.pid, signal.SIGKILL)
+        active.wait()
+        long, cacheable = standby.until("long"), cacheable_prefix(standby)
+        kills.append({"kill_to_first_token_s": round(long["at"] - killed, 3), "request_s": round(long["seconds"], 4),
+                      "cached_tokens": long["cached"]})
+        outputs = standby.until("generate")["outputs"]
+        tier.check(f"{label}: the standby serves the 8k prefix from the killed engine's cache, its token and outputs "
+                   "the cold engine's", long["cached"] == cacheable and long["token"] == cold_long["token"]
+                   and agree(cold, outputs)["ok"], cached=long["cached"], cacheable=cacheable,
+                   kill_to_first_token_s=kills[-1]["kill_to_first_token_s"])
+        standby.until("paused")
+        active = standby
+    killed = time.monotonic()
+    os.kill(active.proc.pid, signal.SIGKILL)
+    active.wait()
+    restart = tier.engine(f"{tag}-restart", {**shape, "steps": ["long"]}, True, env)
+    restarted = restart.until("long")
+    restart.finish()
+    tier.check(f"{tag}-restart: a restart after the last kill adopts the cache as before",
+               restarted["cached"] == cacheable_prefix(restart), cached=restarted["cached"])
+    tier.figures[f"{tag}_kill_to_first_token_s"] = {
+        "plain vLLM, cold restart": round(plain.event("long")["since_start"], 3),
+        "hbmd, restart adopting the kept cache": round(restarted["at"] - killed, 3),
+        "hbmd, standby": [k["kill_to_first_token_s"] for k in kills]}
+    tier.figures[f"{tag}_takeovers"] = kills
+    tier.figures[f"{tag}_footprint_while_waiting"] = footprints
+    tier.check(f"{tag}: every standby served from cache after its takeover",
+               all(k["cached_tokens"] == cacheable_prefix(restart) for k in kills))
+    buffers = tier.hbmctl("buffers")["buffers"]
+    kept = [b["name"] for b in buffers if b["name"].startswith(f"vllm-{tag}-")]
+    committed = tier.status()["committed_bytes"]
+    tier.check(f"{tag}: nothing leaked: one kept cache is left, the last engine's, beside the sealed weights, and "
+               "the daemon commits what its buffers hold", len(kept) == 1 and all(
+                   b["sealed"] for b in buffers if b["name"] not in kept)
+               and committed == sum(b["physical_bytes"] for b in buffers),
+               buffers=[b["name"] for b in buffers], committed=committed)
+    tier.stop_daemon()
+
+
+def group_standby_big(tier: Tier, model: str) -> None:
+    """The standby group with the big model."""
+    group_standby(tier, model, tag="standby-big")
+
+
 GROUPS = {"core": group_core, "sleep": group_sleep, "budget": group_budget, "faults": group_faults,
           "serve": group_serve, "big": group_big, "keep": group_keep,
-          "keep-big": group_keep_big, "keep-changes": group_keep_changes}
-BIG_MODEL_GROUPS = {"big", "keep-big"}
+          "keep-big": group_keep_big, "keep-changes": group_keep_changes, "standby": group_standby,
+          "standby-big": group_standby_big}
+BIG_MODEL_GROUPS = {"big", "keep-big", "standby-big"}
 
 
 def tier_main(args: argparse.Namespace) -> int:

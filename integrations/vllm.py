@@ -55,7 +55,7 @@ from hbmd.proto import TIER_HOST
 from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound, OutOfBudget, OutOfDeviceMemory
 from hbmd.proto.units import format_bytes
 
-from . import vllm_keep
+from . import vllm_keep, vllm_standby
 from .settings import LOAD_FORMAT, seconds, switch
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
@@ -366,6 +366,9 @@ def patch_sizing(module: Any) -> None:
         if vllm_keep.keeps():
             # Outside the cap: the predecessor's blocks are charged to its orphan, not to the room the cap reads.
             measure = vllm_keep.counting_kept_blocks(measure)
+        if vllm_keep.standing_by():
+            # Before anything is measured: a standby measures what its takeover leaves.
+            measure = vllm_standby.waiting(measure)
         module.measure_kv_cache_blocks = measure
 
 
@@ -400,6 +403,8 @@ def register() -> None:
     check_version(vllm.__version__)
     if hasattr(extensible_kv_cache.ExtensibleTensor, "__wrapped__"):
         return  # vLLM may load general plugins more than once in a process
+    if vllm_keep.standing_by():
+        vllm_standby.patch_front_end()
     extensible_kv_cache.ExtensibleTensor = hbmd_or_own(extensible_kv_cache.ExtensibleTensor)
     cache = extensible_kv_cache.ExtensibleKVCache
     cache.commit = refusal_explained(cache.commit)

@@ -78,6 +78,8 @@ DEFAULT_WAIT_S = 30.0
 """How long a successor waits for a predecessor that still holds its cache (a rolling restart) before starting
 cold."""
 INDEX_DIR = "HBMD_VLLM_KV_INDEX_DIR"
+STANDBY = "HBMD_VLLM_STANDBY"
+"""On: this engine is a warm standby of the engine of its name (:mod:`hbmd.integrations.vllm_standby`)."""
 WAIT_POLL_S = 0.25
 MOST_S = 86400 * 7
 ENGINE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -94,8 +96,15 @@ def keeps() -> bool:
     return switch(KEEP)
 
 
+def standing_by() -> bool:
+    """Whether ``HBMD_VLLM_STANDBY`` is on; ``ValueError`` for a value that is neither on nor off."""
+    return switch(STANDBY)
+
+
 def check_settings() -> None:
     """Read every setting of this module, so that a misspelt one stops the engine at start."""
+    if standing_by() and not keeps():
+        raise ValueError(f"{STANDBY} needs {KEEP}=1: a standby takes over the kept cache of the engine it stands by")
     if keeps():
         seconds(GRACE, DEFAULT_GRACE_S, MOST_S)
         seconds(WAIT, DEFAULT_WAIT_S, MOST_S)
@@ -231,6 +240,10 @@ class KeptRank:
     adopted_from: str | None = None
     weights_changed: str = ""
     """What changed the weights in place, where something did: nothing this engine computes may be adopted."""
+    standing_by: bool = False
+    """A standby that has not taken over: it writes no note (the note is the active engine's) until it has."""
+    line: int | None = None
+    """The standbys' line this rank holds the head of (a locked file descriptor), until it has taken over."""
 
     def write_note(self) -> None:
         """Tell the scheduler (another process under tensor parallelism) which buffer this rank holds and whose
@@ -239,6 +252,13 @@ class KeptRank:
             "buffer": self.name, "gpu": self.gpu, "adopted_from": self.adopted_from,
             "adopted_blocks": self.grafted_blocks, "why_cold": self.why_cold, "weights_changed": self.weights_changed,
             "pid": os.getpid()})
+
+    def leave_line(self) -> None:
+        """This standby took over: the next in line may stand by for it."""
+        self.standing_by = False
+        if self.line is not None:
+            os.close(self.line)
+            self.line = None
 
     def cold(self, why: str) -> None:
         """Adopt nothing, for ``why`` (logged here, and said by the scheduler)."""
@@ -276,9 +296,11 @@ def kept_tensor_options(client: Any, scope: Scope, rank: int) -> dict[str, Any]:
     start that failed, a generation no index describes any more) is freed: nothing could ever adopt it. Raises
     :class:`KeepingOff` where the index folder cannot be used."""
     global _rank
+    standby = standing_by()
     try:
-        # The note a predecessor left must not speak for this rank, even where this one's cannot be written.
-        scope.note_path(rank).unlink(missing_ok=True)
+        if not standby:  # a standby's active engine speaks for this rank until the standby takes over
+            # The note a predecessor left must not speak for this rank, even where this one's cannot be written.
+            scope.note_path(rank).unlink(missing_ok=True)
     except OSError as exc:
         raise KeepingOff(f"the note {scope.note_path(rank)} cannot be removed ({exc})") from exc
     gpu = client.welcome.device_uuid or "host"
@@ -295,8 +317,8 @@ def kept_tensor_options(client: Any, scope: Scope, rank: int) -> dict[str, Any]:
     if expected is not None and donor is None:
         why = f"the buffer its prefix index describes, {expected}, is gone (freed at its grace period's end?)"
     name = f"{buffer_base(scope.engine, scope.dp, rank)}.{secrets.token_hex(GENERATION_HEX // 2)}"
-    _rank = KeptRank(scope, rank, name, gpu, donor, why)
-    if donor is not None:
+    _rank = KeptRank(scope, rank, name, gpu, donor, why, standing_by=standby)
+    if donor is not None and not standby:
         log.info("hbmd keeps this engine's KV cache: the predecessor's (%s, %s) is adopted at the final sizing",
                  donor.name, format_bytes(donor.physical_bytes))
     return {"name": name, "persistent": True, "keep_orphan_s": seconds(GRACE, DEFAULT_GRACE_S, MOST_S)}
@@ -305,7 +327,7 @@ def kept_tensor_options(client: Any, scope: Scope, rank: int) -> dict[str, Any]:
 def note_created() -> None:
     """This rank's buffer exists: its note says so, and that nothing is adopted yet (a note a predecessor left must
     not speak for this engine)."""
-    if _rank is not None:
+    if _rank is not None and not _rank.standing_by:
         _rank.write_note()
 
 
@@ -421,6 +443,7 @@ def grafting(original: Callable[..., Any]) -> Callable[..., Any]:
 
             graft_donor(rank, kv_cache, num_blocks, registers_kv_cache_memory(runner.vllm_config))
             rank.write_note()
+            rank.leave_line()
             watch_weights(runner.get_model())
         return original(runner, kv_cache_config, num_blocks)
 

@@ -37,20 +37,9 @@ def compatibility(vllm_config: Any, block_size: int, kv_cache_config: Any) -> di
     among it, and vLLM's version), what it hashes prefixes with, the KV cache's groups and layout as the engine
     core resolved them, and the weights' bytes as their files identify them (:func:`weights_identity`).
     :class:`KeepingOff` where one of those cannot be told."""
-    from vllm import envs
     from vllm.v1.core import kv_cache_utils
 
-    try:
-        factors = {"config": vllm_config.compile_factors(), "env": envs.compile_factors()}
-    except (TypeError, ValueError) as exc:
-        raise KeepingOff(f"vLLM's configuration cannot be fingerprinted ({exc})") from exc
-    fields: dict[str, str] = {}
-    for part, sections in factors.items():
-        for section, value in sections.items():
-            if isinstance(value, dict) and part == "config":
-                fields.update((f"{part}.{section}.{name}", _digest(inner)) for name, inner in value.items())
-            else:
-                fields[f"{part}.{section}"] = _digest(value)
+    fields = shared_fields(vllm_config)
     cache = vllm_config.cache_config
     none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
     fields.update({
@@ -63,6 +52,25 @@ def compatibility(vllm_config: Any, block_size: int, kv_cache_config: Any) -> di
         "kv.groups": _digest(repr(kv_cache_config.kv_cache_groups)),
         "kv.layout": str(getattr(kv_cache_config, "kv_cache_layout", None)),
     })
+    return fields
+
+
+def shared_fields(vllm_config: Any) -> dict[str, str]:
+    """The fields of :func:`compatibility` that every process of an engine can tell from its configuration alone:
+    vLLM's compile factors, its environment's, and the weights' identity."""
+    from vllm import envs
+
+    try:
+        factors = {"config": vllm_config.compile_factors(), "env": envs.compile_factors()}
+    except (TypeError, ValueError) as exc:
+        raise KeepingOff(f"vLLM's configuration cannot be fingerprinted ({exc})") from exc
+    fields: dict[str, str] = {}
+    for part, sections in factors.items():
+        for section, value in sections.items():
+            if isinstance(value, dict) and part == "config":
+                fields.update((f"{part}.{section}.{name}", _digest(inner)) for name, inner in value.items())
+            else:
+                fields[f"{part}.{section}"] = _digest(value)
     identity = weights_identity(vllm_config.model_config)
     fields["weights.folder"] = _digest(identity["weights_dir"])
     fields.update((f"weights.{entry['name']}", _digest(entry)) for entry in identity["weights_files"])
