@@ -11,7 +11,8 @@ after warm-up, the one point where the size of its cache is still open:
 - it takes the head of the engine's standby line (a lock in the index
   folder: of several standbys one waits at the head, the others behind it);
 - it waits for the active engine's session, the one whose buffer the rank's
-  note names, to end. The wait is woken by the kernel (a pidfd of the
+  note names, to end (where none runs, it does not wait: of a pair started
+  together, the first at the head of the line serves). The wait is woken by the kernel (a pidfd of the
   session's process as the daemon recorded it), not by polling, and
   rechecked with the daemon, which orphans the buffer when it reads the
   hang-up;
@@ -50,11 +51,12 @@ READY_TIMEOUT = "VLLM_ENGINE_READY_TIMEOUT_S"
 STANDBY_READY_TIMEOUT_S = 10 * 365 * 86400
 """How long vLLM's front end waits for a standby's engine core to be ready: a standby is not ready until it took
 over, which may be never."""
-APPEAR_POLL_S = 0.25
-"""How often a standby looks for an active engine that has not made its buffer yet."""
 SETTLE_S = (0.002, 0.25)
 """A session whose process ended is ended by the daemon as soon as it reads the hang-up: looked at again after the
 first, up to the second, doubling (a forked child may hold the session's socket on)."""
+LET_GO_S = 0.25
+"""How often a standby asks the daemon whether the active engine let go of its cache (a clean stop does, before its
+process ends; a death is told at once by the pidfd)."""
 SHARED_FIELDS = ("config.", "env.", "weights.")
 """The fields of a kept index's key a standby can tell at its start, before its scheduler exists."""
 
@@ -102,20 +104,16 @@ def stand_by(client: Any, kv_cache: Any, rank: KeptRank) -> None:
     rank.line = take_line(rank.scope)
     log.info("hbmd: this engine stands by for engine %s (at the head of its standby line), holding %s in hbmd",
              rank.scope.engine, format_bytes(kv_cache.buffer.physical_bytes))
-    while True:
-        active = active_buffer(client, rank)
-        if active is None:
-            time.sleep(APPEAR_POLL_S)  # no engine of this name serves yet: one will
-            continue
+    active = active_buffer(client, rank)
+    if config is not None:
+        refuse_unlike(config, rank.scope)
+    if active is not None and active[1] != 0:
         name, session = active
-        if config is not None:
-            refuse_unlike(config, rank.scope)
-        if session == 0:
-            break
         log.info("hbmd: standing by for %s (session %d)", name, session)
         until_ended(client, name, session)
         log.info("hbmd: the active engine's session %d ended: taking over its KV cache %s", session, name)
-        break
+    else:
+        log.info("hbmd: no engine %s runs: this standby takes over at once", rank.scope.engine)
     rank.donor = left_donor(client, rank)
 
 
@@ -146,7 +144,7 @@ def take_line(scope: Scope) -> int:
 
 def active_buffer(client: Any, rank: KeptRank) -> tuple[str, int] | None:
     """The buffer the rank's note names (the active engine's) and the session holding it (0: none, it is an
-    orphan), or None where there is no such buffer (no engine of this name has made its cache yet)."""
+    orphan), or None where there is no such buffer (no engine of this name ran, or its cache is gone)."""
     note = read_note(rank.scope.note_path(rank.rank))
     name = note.get("buffer") if note is not None else None
     if not isinstance(name, str) or not rank.scope.kept_name(rank.rank, name) or name == rank.name:
@@ -156,27 +154,25 @@ def active_buffer(client: Any, rank: KeptRank) -> tuple[str, int] | None:
 
 
 def until_ended(client: Any, name: str, session: int) -> None:
-    """Block until ``session`` no longer holds ``name``: asleep on a pidfd of the session's process, which the
-    kernel makes readable at the process's end, then rechecked with the daemon."""
+    """Block until ``session`` no longer holds ``name``: asleep on a pidfd of the session's process, which the kernel
+    makes readable the moment the process ends, and asking the daemon every :data:`LET_GO_S` meanwhile (a clean stop
+    lets go of the cache before its process ends; a pid reused before the pidfd was opened is never waited on)."""
+    pidfd = process_of(client, session)
     settle = SETTLE_S[0]
-    while True:
-        listed = client.buffers(name=name, owner_uid=os.getuid())
-        if not listed or listed[0].session_id != session:
-            return
-        pidfd = process_of(client, session)
-        try:
-            listed = client.buffers(name=name, owner_uid=os.getuid())
-            if not listed or listed[0].session_id != session:
-                return
-            # The session holds the buffer and, where pidfd is one, pidfd is the process it was opened by.
-            ready, _, _ = select.select([pidfd] if pidfd is not None else [], [], [],
-                                        None if pidfd is not None else SETTLE_S[1])
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-        if ready:
-            time.sleep(settle)
-            settle = min(settle * 2, SETTLE_S[1])
+    try:
+        while holds(client, name, session):
+            ready, _, _ = select.select([pidfd] if pidfd is not None else [], [], [], LET_GO_S)
+            if ready:  # the process ended: the daemon ends its session as soon as it reads the hang-up
+                time.sleep(settle)
+                settle = min(settle * 2, SETTLE_S[1])
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def holds(client: Any, name: str, session: int) -> bool:
+    listed = client.buffers(name=name, owner_uid=os.getuid())
+    return bool(listed) and listed[0].session_id == session
 
 
 def process_of(client: Any, session: int) -> int | None:

@@ -495,6 +495,7 @@ for segment in range(len(kv.segment_strides)):
         view[block * stride : (block + 1) * stride] = block % 250 + 1
 print(kv.buffer.name, flush=True)
 sys.stdin.readline()
+kv.free()  # a clean stop: vLLM frees its cache, which a keeping engine lets go of instead
 """
 
 

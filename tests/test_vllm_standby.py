@@ -107,8 +107,9 @@ def standby(kept, monkeypatch):
     return kept
 
 
-def test_a_standby_holds_nothing_while_its_active_engine_lives_hung_or_not_and_takes_over_its_cache_at_its_death(
-        standby, daemon, keeping_cache, monkeypatch):
+@pytest.mark.parametrize("end", ["SIGKILL", "clean stop"])
+def test_a_standby_holds_nothing_while_its_active_engine_lives_hung_or_not_and_takes_over_its_cache_at_its_end(
+        standby, daemon, keeping_cache, monkeypatch, end):
     monkeypatch.setenv("HBMD_RUN_DIR", str(daemon.run_dir))
     active, donor = start_active(daemon, standby)
     observer = daemon.connect(observer=True)
@@ -125,10 +126,15 @@ def test_a_standby_holds_nothing_while_its_active_engine_lives_hung_or_not_and_t
     waiter.join(1.5)  # the wait under test: the standby must not move while its active engine's process lives
     assert waiter.is_alive() and bytes_of(observer, donor)[0][0] and not line_is_free(standby)
     killed = time.monotonic()
-    active.kill()
+    if end == "SIGKILL":
+        active.kill()
+    else:
+        os.kill(active.proc.pid, signal.SIGCONT)
+        active.send("stop")
+        assert active.wait() == 0
     waiter.join(30)
     assert not waiter.is_alive() and result["blocks"] >= 300
-    print(f"the standby measured {result['at'] - killed:.3f} s after the active engine's SIGKILL")
+    print(f"the standby measured {result['at'] - killed:.3f} s after the active engine's {end}")
 
     runner = types.SimpleNamespace(extensible_kv_cache=kv, vllm_config=VllmConfig(device_config=DeviceConfig("cpu")),
                                    get_model=lambda: types.SimpleNamespace())
@@ -168,6 +174,17 @@ def test_of_two_standbys_exactly_one_takes_over_and_the_other_stands_by_for_it(k
     finally:
         for process in standbys:
             process.kill()
+
+
+def test_a_standby_that_finds_no_engine_running_serves_at_once_adopting_what_the_last_one_left(kept, daemon):
+    active, donor = start_active(daemon, kept)
+    active.kill()
+    standby = LineProcess(["-c", STANDBY], env=engine_env(daemon, kept, standby=True))
+    try:
+        name = standby.readline(timeout=120)
+        assert json.loads(standby.readline(timeout=60)) == {"took_over": name, "adopted_from": donor, "held": True}
+    finally:
+        standby.kill()
 
 
 def test_a_standby_that_dies_costs_the_active_engine_nothing(kept, daemon):
