@@ -83,18 +83,16 @@ def waiting(measure: Any) -> Any:
         rank = vllm_keep._rank
         client = getattr(kv_cache.buffer, "client", None)
         if rank is not None and rank.standing_by and client is not None:
-            stand_by(client, kv_cache, rank)
+            stand_by(client, kv_cache, rank, args[0] if args else kwargs.get("vllm_config"))
         return measure(kv_cache, *args, **kwargs)
 
     measured.__wrapped__ = measure  # type: ignore[attr-defined]
     return measured
 
 
-def stand_by(client: Any, kv_cache: Any, rank: KeptRank) -> None:
-    """Hold little, take the head of the line, wait for the active engine's end, and find the cache it left."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
+def stand_by(client: Any, kv_cache: Any, rank: KeptRank, config: Any) -> None:
+    """Hold little, take the head of the line, wait for the active engine's end, and find the cache it left.
+    ``config``: the engine's ``VllmConfig``, as vLLM's measure is given it (None: nothing is checked against it)."""
     if config is not None and config.parallel_config.world_size > 1:
         raise StandbyRefused("a standby serves one GPU: tensor and pipeline parallel engines cannot stand by "
                              f"({vllm_keep.STANDBY})")

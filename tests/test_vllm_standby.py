@@ -23,7 +23,7 @@ from hbmd.integrations import kv_index, vllm_keep, vllm_prefix, vllm_standby  # 
 from hbmd.testing.spawn import LineProcess  # noqa: E402
 from helpers import filled, wait_until  # noqa: E402
 from test_vllm_keep import PREDECESSOR, four_layers_of, keeping_cache, kept, model_folder, scheduler  # noqa: E402, F401
-from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
 
@@ -216,8 +216,8 @@ def test_a_standby_of_another_configuration_refuses_naming_what_differs(standby,
     config.parallel_config.world_size = 2
     rank = vllm_keep.KeptRank(scope, 0, "vllm-e-rank0.000000000002", "host", None, standing_by=True)
     kv = types.SimpleNamespace(buffer=types.SimpleNamespace(client=None))
-    with set_current_vllm_config(config), pytest.raises(vllm_standby.StandbyRefused, match="one GPU"):
-        vllm_standby.stand_by(None, kv, rank)
+    with pytest.raises(vllm_standby.StandbyRefused, match="one GPU"):
+        vllm_standby.stand_by(None, kv, rank, config)
 
 
 def test_a_standby_setting_needs_the_kept_cache(monkeypatch):
