@@ -366,6 +366,7 @@ class Tier:
         self.checks: list[dict[str, Any]] = []
         self.figures: dict[str, Any] = {}
         self.daemon: Any = None
+        self.standby_rounds = STANDBY_ROUNDS
 
     def check(self, name: str, ok: bool, **details: Any) -> bool:
         self.checks.append({"check": name, "ok": bool(ok), **details})
@@ -763,7 +764,8 @@ def group_keep_big(tier: Tier, model: str) -> None:
 
 
 STANDBY_ROUNDS = 3
-"""Takeovers in a row in the standby group: active killed, its standby serves, a new standby starts beside it."""
+"""Takeovers in a row in the standby group (``--standby-rounds``): the active engine killed, its standby serves, a
+new standby starts beside it."""
 STANDING_BY = "standing by for"
 """What a standby's log says once it waits, holding little."""
 
@@ -796,7 +798,7 @@ def group_standby(tier: Tier, model: str, tag: str = "standby") -> None:
     active.until("paused")
     footprints, kills = [], []
     standby_steps = ["long", "long", "generate", "pause"]
-    for number in range(1, STANDBY_ROUNDS + 1):
+    for number in range(1, tier.standby_rounds + 1):
         label = f"{tag}-{number}"
         standby = tier.engine(label, {**shape, "steps": standby_steps}, True, {**env, "HBMD_VLLM_STANDBY": "1"})
         standby.until_said(STANDING_BY)
@@ -871,6 +873,7 @@ def tier_main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="hbmd-vllm-"))
     tier = Tier(out, work)
+    tier.standby_rounds = args.standby_rounds
     tier.figures["device"] = torch.cuda.get_device_name(0)
     tier.figures["vllm"] = vllm.__version__
     tier.figures["torch"] = torch.__version__
@@ -900,6 +903,8 @@ def main() -> int:
     engine.add_argument("spec")
     parser.add_argument("--out", default="bench/results/vllm-tier")
     parser.add_argument("--work", help="folder for models and run directories (default: a new temporary one)")
+    parser.add_argument("--standby-rounds", type=int, default=STANDBY_ROUNDS,
+                        help=f"takeovers in a row in the standby groups (default {STANDBY_ROUNDS})")
     parser.add_argument("--groups", default="core,sleep,budget,faults,serve",
                         help=f"comma-separated, of {', '.join(GROUPS)}")
     args = parser.parse_args()
