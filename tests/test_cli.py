@@ -415,6 +415,25 @@ def test_watch_follows_its_instance_through_a_restart_saying_so(start_daemon, ru
     assert "waiting for hbmd to serve host again" in err and err.rstrip().endswith("hbmd serves host again")
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_watch_stops_on_a_signal_it_inherited_ignored(daemon, stop):
+    """A watch started where SIGINT is ignored (``cmd &`` in a script, ``nohup``) still leaves on Ctrl-C or SIGTERM."""
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "--json", "watch",
+         "--interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert json.loads(watch.stdout.readline())["instances"][0]["pid"] == daemon.pid  # it serves: watching began
+        watch.send_signal(stop)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0 and err == ""
+
+
 def test_watch_shows_the_sessions_of_every_instance(two_instances):
     first = two_instances[0]
     engines = [daemon.connect(client_name=f"engine-{daemon.instance}", lease=False) for daemon in two_instances]
