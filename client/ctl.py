@@ -138,8 +138,12 @@ def _side_by_side(outputs: list[Output]) -> Output | None:
 WATCHED = ["status", "sessions", "buffers"]
 
 
+def _leave(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def watch(args: argparse.Namespace, names: list[str]) -> int:
-    """Show status, sessions and buffers every ``--interval`` seconds until Ctrl-C.
+    """Show status, sessions and buffers every ``--interval`` seconds until Ctrl-C or SIGTERM.
 
     On a terminal each frame replaces the last; elsewhere frames follow one
     another. Several instances show side by side, as the commands show them,
@@ -150,8 +154,21 @@ def watch(args: argparse.Namespace, names: list[str]) -> int:
     "instances": [...], "sessions": [...], "buffers": [...]}``, each session
     and buffer naming its instance. ``-o csv`` writes the status columns,
     after a ``time`` column (Unix seconds), one row per instance and frame: a
-    time series, its header once.
+    time series, its header once. Either signal ends it with status 0, even
+    where it was inherited ignored (a job started with ``&`` in a script,
+    ``nohup``, a CI runner), which would otherwise leave it running.
     """
+    inherited = {signum: signal.signal(signum, _leave) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _watch(args, names)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        for signum, handler in inherited.items():
+            signal.signal(signum, handler)
+
+
+def _watch(args: argparse.Namespace, names: list[str]) -> int:
     fmt = "json" if args.json else args.output
     redraw = sys.stdout.isatty() and fmt not in ("json", "csv")
     # One instance: one connection while its daemon serves, opened again when it has gone (a restart, a successor),
@@ -203,8 +220,6 @@ def watch(args: argparse.Namespace, names: list[str]) -> int:
             sys.stdout.write(frame + "\n")
             sys.stdout.flush()
             time.sleep(args.interval)
-    except KeyboardInterrupt:
-        return EXIT_OK
     finally:
         if client is not None:
             client.close()

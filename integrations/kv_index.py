@@ -55,10 +55,12 @@ import json
 import os
 import struct
 import time
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from hbmd.proto.records import CHECK, checked, checksum, sealed
+from hbmd.proto.records import write_all as _write_all
 
 MAGIC = b"hbmd-kv-index 2\n"
 MAX_HEADER_BYTES = 1 << 20
@@ -76,7 +78,6 @@ _COMMIT = struct.Struct("<QII")
 _LENGTH = struct.Struct("<I")
 _PUBLISHED = struct.Struct("<cIIH")
 _WITHDRAWN = struct.Struct("<cI")
-_CHAIN = _LENGTH
 _HEADER_AT = len(MAGIC) + _COMMIT.size
 
 
@@ -118,14 +119,12 @@ def read_index(path: str | os.PathLike[str]) -> IndexContents:
     reached = at == committed and chain == committed_chain
     while at < len(data):
         end = _record_end(data, at)
-        if end is None or end + _CHAIN.size > len(data):
+        chained = None if end is None else checked(data, at, end, chain)
+        if end is None or chained is None:
             break
-        (recorded,) = _CHAIN.unpack_from(data, end)
-        chain = zlib.crc32(data[at:end], chain)
-        if chain != recorded:
-            break
+        chain = chained
         _apply(contents.blocks, data, at)
-        at = end + _CHAIN.size
+        at = end + CHECK.size
         if at == committed:
             reached = chain == committed_chain
     if not reached:
@@ -154,15 +153,15 @@ def _header(path: str | os.PathLike[str], data: bytes) -> tuple[dict[str, Any], 
         raise NotAnIndex(f"{path}: {'written by an older hbmd, without checks' if older else 'not an hbmd KV index'}")
     if len(data) < _HEADER_AT + _LENGTH.size:
         raise NotAnIndex(f"{path}: cut short inside its header")
-    if zlib.crc32(data[len(MAGIC) : len(MAGIC) + 12]) != _COMMIT.unpack_from(data, len(MAGIC))[2]:
+    if checked(data, len(MAGIC), len(MAGIC) + 12) is None:
         raise NotAnIndex(f"{path}: its commit does not check")
     (header_bytes,) = _LENGTH.unpack_from(data, _HEADER_AT)
     body = _HEADER_AT + _LENGTH.size
-    if header_bytes > MAX_HEADER_BYTES or body + header_bytes + _CHAIN.size > len(data):
+    if header_bytes > MAX_HEADER_BYTES or body + header_bytes + CHECK.size > len(data):
         raise NotAnIndex(f"{path}: its header is damaged")
     raw = data[body : body + header_bytes]
-    (chain,) = _CHAIN.unpack_from(data, body + header_bytes)
-    if zlib.crc32(raw) != chain:
+    chain = checked(data, body, body + header_bytes)
+    if chain is None:
         raise NotAnIndex(f"{path}: its header does not check")
     try:
         header = json.loads(raw)
@@ -170,7 +169,7 @@ def _header(path: str | os.PathLike[str], data: bytes) -> tuple[dict[str, Any], 
         raise NotAnIndex(f"{path}: its header is damaged ({exc})") from exc
     if not isinstance(header, dict):
         raise NotAnIndex(f"{path}: its header is damaged")
-    return header, body + header_bytes + _CHAIN.size, chain
+    return header, body + header_bytes + CHECK.size, chain
 
 
 def _record_end(data: bytes, at: int) -> int | None:
@@ -212,8 +211,8 @@ class IndexWriter:
         header_json = json.dumps(header, sort_keys=True).encode()
         if len(header_json) > MAX_HEADER_BYTES:
             raise ValueError(f"an index header of {len(header_json)} bytes is longer than {MAX_HEADER_BYTES}")
-        self.head_crc = zlib.crc32(header_json)
-        self.head = _LENGTH.pack(len(header_json)) + header_json + _CHAIN.pack(self.head_crc)
+        self.head_crc = checksum(header_json)
+        self.head = _LENGTH.pack(len(header_json)) + sealed(header_json)
         self.live = {block_id: _publish_record(block_id, block) for block_id, block in (published or {}).items()}
         """What a reader of the file and :attr:`pending` would find published: each block's record, unchained."""
         self.live_bytes = sum(map(len, self.live.values()))
@@ -291,8 +290,8 @@ class IndexWriter:
         os.close(self.fd)
 
     def _append(self, record: bytes) -> None:
-        self.chain = zlib.crc32(record, self.chain)
-        self.pending += record + _CHAIN.pack(self.chain)
+        self.chain = checksum(record, self.chain)
+        self.pending += record + CHECK.pack(self.chain)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -307,8 +306,8 @@ class IndexWriter:
         chain = self.head_crc
         records = bytearray()
         for record in self.live.values():
-            chain = zlib.crc32(record, chain)
-            records += record + _CHAIN.pack(chain)
+            chain = checksum(record, chain)
+            records += record + CHECK.pack(chain)
         body = MAGIC + _commit(_HEADER_AT + len(self.head) + len(records), chain) + self.head + records
         staging = self.path.with_name(self.path.name + f".new-{os.getpid()}")
         staging.unlink(missing_ok=True)  # one a process of this pid left, under the lock this writer holds
@@ -357,15 +356,7 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def _commit(length: int, chain: int) -> bytes:
-    slot = _COMMIT.pack(length, chain, 0)[:12]
-    return slot + _LENGTH.pack(zlib.crc32(slot))
-
-
-def _write_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+    return sealed(_COMMIT.pack(length, chain, 0)[:12])
 
 
 def _publish_record(block_id: int, block: Published) -> bytes:

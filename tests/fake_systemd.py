@@ -48,6 +48,11 @@ class FakeSystemd:
         self.times: list[float] = []
         """When each of :attr:`states` came (``time.monotonic``)."""
         self.lock = threading.Lock()
+        self._handled = threading.Condition(self.lock)
+        """Notified as each barrier is read: :meth:`barrier` waits on it."""
+        self._barriers = 0
+        """How many barriers were sent, and (below) the last one read: a barrier is numbered, never stored."""
+        self._barriers_handled = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -65,6 +70,10 @@ class FakeSystemd:
                     fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
             fields = dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
             with self.lock:
+                if "BARRIER" in fields:
+                    self._barriers_handled = int(fields["BARRIER"])
+                    self._handled.notify_all()
+                    continue
                 self.states.append(data.decode())
                 self.times.append(time.monotonic())
                 name = fields.get("FDNAME", "stored")
@@ -76,6 +85,19 @@ class FakeSystemd:
                         os.close(fd)
                 for fd in fds:
                     os.close(fd)
+
+    def barrier(self, timeout: float = 10.0) -> None:
+        """Return once every message sent to the stand-in before this call is handled: a datagram is queued when
+        its send returns, and the queue is read in order, so a message of our own sent last comes back last. A test
+        that checks what the stand-in did not receive waits for this, not for a guess at how long a message takes."""
+        with self.lock:
+            self._barriers += 1
+            barrier = self._barriers
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+            sender.sendto(f"BARRIER={barrier}".encode(), str(self.path))
+        with self.lock:
+            if not self._handled.wait_for(lambda: self._barriers_handled >= barrier, timeout):
+                raise TimeoutError(f"the systemd stand-in did not read its barrier within {timeout}s")
 
     def names(self) -> set[str]:
         with self.lock:

@@ -261,6 +261,7 @@ def test_another_user_outside_the_group_cannot_connect(nobody_can_run_python, da
 
 
 @pytest.mark.system
+@pytest.mark.torch  # the other uid's process writes through tensor views
 def test_another_user_sees_and_touches_only_its_own_buffers(nobody_can_run_python, start_daemon):
     daemon = start_daemon("--budget", "256MiB", "--group", "nogroup")
     root = daemon.connect()

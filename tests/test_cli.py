@@ -6,9 +6,11 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -163,21 +165,32 @@ def test_hbmctl_is_an_observer_it_is_neither_counted_nor_listed(daemon, client):
     observer.close()
 
 
+def starts_a_frame(line: str) -> bool:
+    """Whether ``line`` is the first of a frame of ``hbmctl watch``: a table's header, a JSON line, a csv row."""
+    return "Ctrl-C to leave" in line or line.startswith("{") or re.match(r"\d+(\.\d+)?,", line) is not None
+
+
 def watch_for_a_while(daemon, *args: str) -> tuple[int, str, str]:
-    """``hbmctl watch ARGS`` refreshing every 0.1 s, left with Ctrl-C after 3 s: its exit status, stdout and stderr."""
+    """``hbmctl watch ARGS`` refreshing every 0.1 s, left with Ctrl-C once two frames are whole (a third began):
+    its exit status, stdout and stderr."""
     watch = subprocess.Popen(
         [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "watch", *args,
          "--interval", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,  # unbuffered: communicate() reads on from here
     )
+    stuck = threading.Timer(60, watch.kill)  # a watch that stops writing ends the readline below
+    stuck.start()
     try:
-        time.sleep(3)  # start-up plus several 0.1 s refreshes, even on a loaded machine
+        lines: list[str] = []
+        while sum(map(starts_a_frame, lines)) < 3 and (line := watch.stdout.readline()):
+            lines.append(line.decode())
         watch.send_signal(signal.SIGINT)
         out, err = watch.communicate(timeout=30)
     finally:
+        stuck.cancel()
         if watch.poll() is None:
             watch.kill()
-    return watch.returncode, out, err
+    return watch.returncode, "".join(lines) + out.decode(), err.decode()
 
 
 @pytest.mark.torch
@@ -413,6 +426,25 @@ def test_watch_follows_its_instance_through_a_restart_saying_so(start_daemon, ru
             watch.kill()
     assert watch.returncode == 0
     assert "waiting for hbmd to serve host again" in err and err.rstrip().endswith("hbmd serves host again")
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_watch_stops_on_a_signal_it_inherited_ignored(daemon, stop):
+    """A watch started where SIGINT is ignored (``cmd &`` in a script, ``nohup``) still leaves on Ctrl-C or SIGTERM."""
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "hbmd.client.ctl", "--run-dir", str(daemon.run_dir), "--json", "watch",
+         "--interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert json.loads(watch.stdout.readline())["instances"][0]["pid"] == daemon.pid  # it serves: watching began
+        watch.send_signal(stop)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+    assert watch.returncode == 0 and err == ""
 
 
 def test_watch_shows_the_sessions_of_every_instance(two_instances):

@@ -10,11 +10,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import select
 import threading
 import time
+import types
 
 import pytest
 from hbmd import proto
+from hbmd.client import inbox as inbox_module
 from hbmd.client import lease as lease_module
 from hbmd.client.lease import Lease
 from hbmd.proto.errors import SessionLost
@@ -161,10 +164,18 @@ def test_a_reclaim_request_filed_while_the_pending_ones_are_read_is_not_lost(cli
 
 
 @pytest.mark.ipc
-def test_a_thread_waiting_for_chunk_fds_does_not_hold_up_the_other_threads_sends(daemon) -> None:
+def test_a_thread_waiting_for_chunk_fds_does_not_hold_up_the_other_threads_sends(daemon, monkeypatch) -> None:
     client = daemon.connect(lease=False)  # nothing comes on the socket unasked
     handles = client._core.handles
     waited: list[BaseException] = []
+    waiting = threading.Event()
+
+    def select_telling_it_waits(*args):
+        if threading.current_thread() is receiver:
+            waiting.set()
+        return select.select(*args)
+
+    monkeypatch.setattr(inbox_module, "select", types.SimpleNamespace(select=select_telling_it_waits))
 
     def wait_for_a_batch_that_never_comes() -> None:
         try:
@@ -174,7 +185,7 @@ def test_a_thread_waiting_for_chunk_fds_does_not_hold_up_the_other_threads_sends
 
     receiver = threading.Thread(target=wait_for_a_batch_that_never_comes)
     receiver.start()
-    time.sleep(0.2)  # the receiver is waiting now
+    assert waiting.wait(10)  # the receiver let go of the socket's lock and waits for the batch
     started = time.monotonic()
     handles.send(proto.LeaseReturn([10**9]))  # what the listener sends for a revoke; the daemon ignores this id
     sent_after = time.monotonic() - started

@@ -578,7 +578,7 @@ def test_heartbeats_are_answered_and_a_dealer_that_sends_them_is_served(daemon, 
             dealer.send_multipart(proto.encode_frames(proto.Status(), request_id, client._core.control.token))
             assert dealer.poll(5000)
             assert isinstance(proto.decode_frames(dealer.recv_multipart()).body, proto.StatusReply)
-            time.sleep(0.3)
+            time.sleep(0.3)  # idle between requests, the heartbeats alone going: the thing under test
     finally:
         dealer.close(linger=0)
     assert "closed a control connection" not in daemon.log()

@@ -25,6 +25,8 @@ CONTRACTS = [
     ("daemon/server", ("hbmd.driver", "torch", "hbmd.client"),
      "the server routes requests; only a backend calls the driver"),
     ("daemon", ("torch", "hbmd.client", "hbmd.integrations"), "the daemon makes no CUDA context and serves no engine"),
+    ("integrations", ("hbmd.daemon",),
+     "an engine's process runs its integrations (the kept index's records included) without the daemon's code"),
 ]
 
 

@@ -275,7 +275,7 @@ def test_a_lease_its_session_does_not_give_back_is_not_promised_to_a_retry(daemo
         big = engine.create_buffer(256 * MiB, 1)
         with pytest.raises(OutOfBudget, match=r"leased \(being asked back: retry\)"):
             engine.commit(big.buffer_id, 256 * MiB - 2 * MiB)
-        time.sleep(LEASE_RETURN_PATIENCE_S + 0.5)
+        time.sleep(LEASE_RETURN_PATIENCE_S + 0.5)  # the daemon's patience runs out: the thing under test
         with pytest.raises(OutOfBudget) as refused:
             engine.commit(big.buffer_id, 256 * MiB - 2 * MiB)
         assert "retry" not in refused.value.message

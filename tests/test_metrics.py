@@ -404,7 +404,7 @@ def test_connections_trickling_a_request_hold_neither_every_slot_nor_one_for_lon
     began = time.monotonic()
     socks = trickle("127.0.0.2", port, stop, closed)
     try:
-        time.sleep(2)
+        time.sleep(2)  # the connections trickle on meanwhile, holding what they hold: the thing under test
         answered = 0
         for _ in range(30):
             for path in ("/metrics", "/healthz"):

@@ -64,7 +64,7 @@ def test_an_attach_before_the_deadline_keeps_the_orphan_and_a_detach_starts_it_o
     kv = ExtensibleTensor.attach("kv", "cpu", client=daemon.connect(client_name="engine-b"))
     (held,) = listed(daemon)
     assert (held["expires_at"], held["orphaned_at"]) == (None, None)
-    time.sleep(1.5)
+    time.sleep(1.5)  # past the 1 s grace period it had as an orphan: the thing under test is that nothing frees it
     assert filled(kv.full_view()[: 4 * MiB], 3) and "orphan 'kv' of uid" not in daemon.log()
     kv.detach()
     (again,) = listed(daemon)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import os
 import threading
-import time
 
 import pytest
 from hbmd.client import ExtensibleTensor, connect
+from hbmd.client import recovery as recovery_module
 from hbmd.daemon.rundir import RESUME_KEY
 from hbmd.daemon.state.credentials import LINE_HEX, Credentials
 from hbmd.proto import ChunkInfo, Hello, Redeclare
@@ -428,16 +428,19 @@ def test_a_gpu_kv_cache_goes_on_after_a_cold_restart_and_its_memory_is_freed_at_
 
 
 @pytest.mark.system
-def test_a_call_that_waits_for_the_daemon_says_so_once_and_again_when_it_goes_on(start_daemon, caplog):
+def test_a_call_that_waits_for_the_daemon_says_so_once_and_again_when_it_goes_on(start_daemon, caplog, monkeypatch):
     daemon = start_daemon("--budget", "64MiB")
     client = daemon.connect(lease=False)
+    polls = []
+    opened = recovery_module.HandleChannel
+    monkeypatch.setattr(recovery_module, "HandleChannel", lambda *args: polls.append(args) or opened(*args))
     kv = ExtensibleTensor(8 * MiB, "cpu", client=client)
     kv.resize_(2 * MiB)
     caplog.clear()
     assert daemon.stop() == 0
     waiter = threading.Thread(target=lambda: kv.resize_(4 * MiB))  # waits, as does the listener: one says so
     waiter.start()
-    time.sleep(1.5)  # several polls of the socket that is not there
+    wait_until(lambda: len(polls) >= 20)  # several polls of the socket that is not there
     daemon = start_daemon("--budget", "64MiB")
     waiter.join(30)
     assert not waiter.is_alive() and kv.num_bytes == 4 * MiB

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import msgpack
 import pytest
@@ -223,7 +222,7 @@ def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_
     names = {chunk_name(c.chunk_id) for c in buffer.chunks}
     wait_until(lambda: systemd.names() == names)
     state.release(session, buffer.buffer_id)
-    time.sleep(0.2)  # what the stand-in would have received by now
+    systemd.barrier()
     assert systemd.names() == names  # the journal still lists them
     persistence.sync()
     assert Journal(tmp_path / "journal").read()["buffers"][buffer.buffer_id]["chunks"] == []
@@ -285,7 +284,7 @@ def test_a_daemon_that_took_over_parks_each_chunk_once_beside_what_its_predecess
     wait_until(lambda: len(systemd.names()) == 4)
     # The successor holds the same chunks (handed over) and parks them with the same service.
     Persistence(state, notifier, tmp_path / "journal").start_afresh({})
-    time.sleep(0.2)  # what the stand-in would have received by now
+    systemd.barrier()
     with systemd.lock:
         assert sorted(len(fds) for fds in systemd.store.values()) == [1, 1, 1, 1]
     state.close_session(session)

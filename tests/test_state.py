@@ -463,7 +463,7 @@ def test_the_host_pool_fills_within_the_room_the_host_tier_leaves_on_its_own_thr
     backend = HostBackend(host_pool_bytes=16 * MiB, host_piece=4 * MiB)
     assert backend.idle(10 * MiB, moving=False) is False  # nothing for the daemon's loop: the pool's thread does it
     wait_until(lambda: backend.host_pool_bytes() == 8 * MiB)  # two pieces fit in 10 MiB, a third would not
-    time.sleep(0.2)
+    wait_until(lambda: backend._host_pool.settled)
     assert backend.host_pool_bytes() == 8 * MiB
     backend.idle(4 * MiB, moving=False)
     wait_until(lambda: backend.host_pool_bytes() == 4 * MiB)  # trimmed to the room left
@@ -487,7 +487,7 @@ def test_the_host_pool_waits_while_a_move_is_in_flight_and_releases_what_it_is_g
     pool.give_back(given, 4096)  # no thread yet: released at once
     assert released == [given]
     pool.idle(4096, moving=True)
-    time.sleep(0.3)
+    wait_until(lambda: pool.settled)
     assert pool.bytes == 0 and made == []  # a move is in flight: nothing is pinned beside it
     pool.idle(4096, moving=False)
     wait_until(lambda: pool.bytes == 2048)  # quiet_s after the move, and a pause after the failure
@@ -496,12 +496,12 @@ def test_the_host_pool_waits_while_a_move_is_in_flight_and_releases_what_it_is_g
     pool.idle(4096, moving=True)
     later, over = bytearray(2048), bytearray(1024)
     pool.give_back(later, 2048)  # waits for the move: up to the pool's 2048 bytes may wait
-    time.sleep(0.3)
+    wait_until(lambda: pool.settled)
     assert len(released) == 1
     pool.give_back(over, 1024)  # past that: the thread releases at once, move or not, until no more than that waits
     wait_until(lambda: len(released) == 2)
     assert released[1] is over
-    time.sleep(0.3)
+    wait_until(lambda: pool.settled)
     assert len(released) == 2
     pool.idle(4096, moving=False)
     wait_until(lambda: len(released) == 3)

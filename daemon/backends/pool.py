@@ -71,6 +71,8 @@ class HostPool(Generic[C]):
         self._moved_at = -quiet_s
         """When the thread was last told of a move in flight (``time.monotonic``)."""
         self._closing = False
+        self._settled = False
+        """The thread waits for a change with nothing to do: :attr:`settled`."""
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -78,6 +80,13 @@ class HostPool(Generic[C]):
     def bytes(self) -> int:
         with self._changed:
             return len(self._pieces) * self.piece
+
+    @property
+    def settled(self) -> bool:
+        """Whether the thread has done all it was told and waits for the next :meth:`idle` or :meth:`give_back`:
+        what the pool holds stays as it is until then (a move in flight holds it so, however long)."""
+        with self._changed:
+            return self._settled
 
     def take(self, size: int) -> C:
         """A chunk of ``size`` host-tier bytes: a pooled piece where it is one, else made now."""
@@ -94,6 +103,7 @@ class HostPool(Generic[C]):
             if self._thread is not None and not self._closing:
                 self._unwanted.append((chunk, size))
                 self._unwanted_bytes += size
+                self._settled = False
                 self._changed.notify()
                 return
         self._release(chunk)
@@ -113,6 +123,7 @@ class HostPool(Generic[C]):
                 self._moved_at = time.monotonic()
             if (room, moving) != (self._room, self._moving):
                 self._room, self._moving = room, moving
+                self._settled = False
                 self._changed.notify()
 
     def _next(self) -> C | None:
@@ -121,10 +132,12 @@ class HostPool(Generic[C]):
         would otherwise keep ever more memory pinned past the host budget."""
         with self._changed:
             while not self._closing:
+                self._settled = False
                 if self._unwanted_bytes > self.target:
                     return self._pop_unwanted()
                 quiet_in = self._moved_at + self.quiet_s - time.monotonic()
                 if quiet_in > 0 or self._moving:
+                    self._settled = quiet_in <= 0  # a move in flight: nothing until the next idle()
                     self._changed.wait(quiet_in if quiet_in > 0 else None)
                     continue
                 if self._unwanted:
@@ -134,6 +147,7 @@ class HostPool(Generic[C]):
                     return self._pieces.pop()
                 if held + self.piece <= min(self.target, self._room):
                     return None
+                self._settled = True
                 self._changed.wait()
             raise _Closing
 

@@ -28,11 +28,11 @@ import json
 import logging
 import os
 import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
 import msgpack
+from hbmd.proto.records import CHECK, checked, checksum, sealed, write_all
 
 log = logging.getLogger("hbmd.persist")
 
@@ -42,7 +42,6 @@ Image = dict[str, Any]
 MARK = b"\xc1HBJ"
 """Starts every frame. 0xc1 is no msgpack type, so a journal of version 6 or older never starts with it."""
 HEADER = struct.Struct("<4sBqII")
-CHECK = struct.Struct("<I")
 FOOTER = struct.Struct("<BqI")
 FRAME_BYTES = HEADER.size + CHECK.size + FOOTER.size
 KINDS = ("meta", "s", "b", "b+", "-s", "-b")
@@ -55,9 +54,9 @@ def frame(kind: str, record_id: int, value: Any) -> bytes:
     """One record as the journal holds it."""
     payload = msgpack.packb(value, use_bin_type=True)
     code = KINDS.index(kind) + 1
-    header = HEADER.pack(MARK, code, record_id, len(payload), zlib.crc32(payload))
+    header = HEADER.pack(MARK, code, record_id, len(payload), checksum(payload))
     named = FOOTER.pack(code, record_id, 0)[:-CHECK.size]
-    return b"".join((header, CHECK.pack(zlib.crc32(header)), payload, named, CHECK.pack(zlib.crc32(named))))
+    return b"".join((sealed(header), payload, sealed(named)))
 
 
 def record_id(kind: str, value: Any) -> int:
@@ -165,14 +164,14 @@ def read_frames(replay: Replay, data: bytes) -> None:
                 replay.lose(named[0], named[1], at, "its frame's header is damaged")
             at = end
             continue
-        kind, key, length, checksum = header
+        kind, key, length, payload_check = header
         start = at + HEADER.size + CHECK.size
         payload = data[start:start + length]
         if len(payload) < length:
             replay.lose(kind, key, at, "the journal ends inside it (a torn write)")
             return
         try:
-            if zlib.crc32(payload) != checksum:
+            if checksum(payload) != payload_check:
                 raise ValueError("its checksum does not match")
             value = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         except (ValueError, msgpack.UnpackException) as exc:
@@ -185,23 +184,20 @@ def read_frames(replay: Replay, data: bytes) -> None:
 
 def _header_at(data: bytes, at: int) -> tuple[str, int, int, int] | None:
     """The kind, id, payload length and checksum of the frame at ``at``; None where no sound header starts there."""
-    end = at + HEADER.size
-    if data[at:at + len(MARK)] != MARK or end + CHECK.size > len(data):
+    if data[at:at + len(MARK)] != MARK or checked(data, at, at + HEADER.size) is None:
         return None
-    if zlib.crc32(data[at:end]) != CHECK.unpack_from(data, end)[0]:
-        return None
-    _, code, key, length, checksum = HEADER.unpack_from(data, at)
+    _, code, key, length, payload_check = HEADER.unpack_from(data, at)
     if not 1 <= code <= len(KINDS):
         return None
-    return KINDS[code - 1], key, length, checksum
+    return KINDS[code - 1], key, length, payload_check
 
 
 def _footer_before(data: bytes, at: int, end: int) -> tuple[str, int] | None:
     """The kind and id a sound footer between ``at`` and ``end``, ending there, names; None where there is none."""
     if end - FOOTER.size < at:
         return None
-    code, key, checksum = FOOTER.unpack_from(data, end - FOOTER.size)
-    if zlib.crc32(data[end - FOOTER.size:end - CHECK.size]) != checksum or not 1 <= code <= len(KINDS):
+    code, key, _ = FOOTER.unpack_from(data, end - FOOTER.size)
+    if checked(data, end - FOOTER.size, end - CHECK.size) is None or not 1 <= code <= len(KINDS):
         return None
     return KINDS[code - 1], key
 
@@ -263,7 +259,7 @@ class Journal:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                _write_all(fd, data)
+                write_all(fd, data)
             finally:
                 os.close(fd)
             tmp.replace(self.path)
@@ -302,19 +298,13 @@ class Journal:
     def append(self, records: list[list[Any]]) -> None:
         """Append ``records`` (``[kind, value]``) in one write; raises ``OSError``."""
         data = b"".join(frame(kind, record_id(kind, value), value) for kind, value in records)
-        _write_all(self._fd, data)
+        write_all(self._fd, data)
         self.size += len(data)
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def _legacy_image(path: Path) -> Image | None:
