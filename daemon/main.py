@@ -32,10 +32,9 @@ from .options import (
 from .reload import ConfigReloader
 from .restart import inherit
 from .restart.inherit import Refusal, inherited_sockets, passed_sockets, take_over_from_predecessor
-from .restart.takeover import Handover
+from .restart.takeover import HANDOVER_TIMEOUT_S, Handover
 from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
 from .server.device_lock import DeviceLock
-from .server.loop import HANDOVER_TIMEOUT_S
 from .state import Limits, State
 from .state.records import Buffer
 

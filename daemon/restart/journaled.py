@@ -18,9 +18,8 @@ from hbmd.proto.buffers import MAX_NAME
 from hbmd.proto.runs import backed_runs, merge_runs, prefix_offsets
 from hbmd.proto.units import round_up
 
-from ..state import Answer, Chunk
 from ..state.invariants import check_chunk_layout
-from ..state.records import MAX_CAPACITY
+from ..state.records import MAX_CAPACITY, Answer, Chunk
 
 MAX_ID = (1 << 63) - 1
 MAX_UID = (1 << 32) - 1

@@ -57,7 +57,7 @@ from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 from ..backends import A, C
 from ..notify import SystemdNotifier
 from ..restart.persist import RESUME_WINDOW_S, Persistence, chunk_fds, image_of, pack_image
-from ..restart.takeover import TakeoverError, TakeoverListener
+from ..restart.takeover import HANDOVER_TIMEOUT_S, TakeoverError, TakeoverListener
 from ..rundir import create_file, open_instance_directory, open_lock, pass_line, resume_key
 from ..state import Answer, Session, State
 from .admin import AdminRequests
@@ -76,8 +76,6 @@ from .session import SessionNotices, SessionRequests
 if TYPE_CHECKING:  # an optional collaborator: prometheus_client loads only when metrics are asked for
     from ..metrics import Metrics
 
-HANDOVER_TIMEOUT_S = 30.0
-"""Seconds a successor has to take the state and chunks, and then to serve."""
 CONTROL_WORK_PER_TURN_S = 0.02
 """Seconds of control requests served in one turn of the loop at most; those left wait for the next turn, after the
 handle plane, new connections, hellos and signals have been seen to. A turn answers one request of each peer waiting

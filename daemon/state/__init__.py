@@ -101,7 +101,8 @@ class State(Generic[A, C]):
                                                  clock)
         self.buffer_table: Buffers[A, C] = Buffers(backend, self.chunks, self.tenant_table, limits, self.pressure,
                                                    wall_clock)
-        self.orphan_table: Orphans[A, C] = Orphans(self.buffer_table, self.tenant_table)
+        self.orphan_table: Orphans[A, C] = Orphans(self.buffer_table, self.tenant_table, backend.granularity,
+                                                   wall_clock)
         self.sealed_table: Sealed[A, C] = Sealed(self.buffer_table)
         self.clock = clock
         self.started_at = clock()
@@ -571,4 +572,4 @@ class State(Generic[A, C]):
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` naming the first count that does not agree with what it counts."""
-        check_invariants(self)
+        check_invariants(self.session_table, self.buffer_table, self.tenant_table)

@@ -29,7 +29,7 @@ from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
 from .chunks import Chunks
-from .orphans import check_keep, give_to, left_by, let_go_of_writer
+from .holders import add_read_claim, check_keep, give_to, left_by, let_go_of_writer
 from .pressure import Pressure
 from .records import (
     MAX_CAPACITY,
@@ -41,7 +41,6 @@ from .records import (
     check_int,
     check_observer,
 )
-from .sealed import add_read_claim
 from .tenants import Tenants
 from .writers import Writer
 
