@@ -362,7 +362,7 @@ def _warn_of_what_is_lost(state: State[Any, Any]) -> None:
     handle to it, so it cannot hand it to another process, and it goes with
     the last process that maps it.
     """
-    persistent = [buffer for buffer in state.buffers.values() if buffer.persistent]
+    persistent = [buffer for buffer in state.buffers.by_id.values() if buffer.persistent]
     lost = [buffer for buffer in persistent if buffer.owner is None and not buffer.readers]
     mapped = [buffer for buffer in persistent if buffer.owner is not None or buffer.readers]
     said = []
@@ -460,9 +460,9 @@ def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
         daemon.paths.handles,
         f", metrics {metrics_url}" if metrics_url else "",
     )
-    if daemon.server.state.host_budget_bytes:
+    if daemon.server.state.tenants.host_budget_bytes:
         log.info("host tier: budget %s, up to %s of it made ahead while idle (--host-pool)",
-                 format_bytes(daemon.server.state.host_budget_bytes), args.host_pool)
+                 format_bytes(daemon.server.state.tenants.host_budget_bytes), args.host_pool)
     held_back = backend.held_back_bytes()
     if held_back:
         log.info("%s of the budget held back for %d warm chunks and the export sentinel",

@@ -39,7 +39,7 @@ class ChunkDelivery(Generic[A, C]):
 
     def export(self, state: State[A, C], chunk: Chunk[C]) -> int:
         """A new FD for ``chunk`` of the buffer."""
-        return state.export(self.buffer, chunk)
+        return state.buffers.export(self.buffer, chunk)
 
     def failed(self, state: State[A, C], session: Session, error: str) -> FdBatch:
         """The header to send instead when the chunks could not be exported: no FDs, and why."""
@@ -67,11 +67,11 @@ class LeaseDelivery(Generic[C]):
 
     def export(self, state: State[Any, C], chunk: Chunk[C]) -> int:
         """A new FD for the leased granule ``chunk``."""
-        return state.export_leased(chunk)
+        return state.leases.export(chunk)
 
     def failed(self, state: State[Any, C], session: Session, error: str) -> None:
         """Never sent, so never placed: the granules go back to the state, and nothing is sent."""
-        state.return_lease(session, [c.chunk_id for c in self.chunks])
+        state.leases.given_back(session, [c.chunk_id for c in self.chunks])
 
 
 Delivery = ChunkDelivery[A, C] | LeaseDelivery[C]

@@ -208,7 +208,8 @@ class Server(Generic[A, C]):
             if isinstance(exc, DeviceTaken):
                 raise AlreadyRunning(str(exc)) from None
             raise
-        self.state.use_resume_key(resume_key(self._dir_fd), pass_line(self._dir_fd, self.state.credentials.line))
+        credentials = self.state.sessions.credentials
+        credentials.use_key(resume_key(self._dir_fd), pass_line(self._dir_fd, credentials.line))
         for stale in (self.paths.info, self._info_tmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale.name, dir_fd=self._dir_fd)
@@ -283,7 +284,7 @@ class Server(Generic[A, C]):
         idle_work = True
         while not self._stopping:
             unread = self._router is not None and self._router.pending
-            busy = idle_work or self._waiting or self._requests or unread or self.state.top_ups_due
+            busy = idle_work or self._waiting or self._requests or unread or self.state.leases.due
             timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else self._idle_ms
             events = self._ready(timeout)
             with self.lock:
@@ -415,16 +416,16 @@ class Server(Generic[A, C]):
             return
         self._plane.take_placements()
         resume_by = time.monotonic() + self.resume_window_s
-        for session in list(self.state.sessions.values()):
+        for session in list(self.state.sessions.by_id.values()):
             if session.observer:
                 self._plane.close_connection(self._plane.by_session[session.session_id], "handing over")
         image = pack_image(image_of(self.state))
         fds = list(chunk_fds(self.state))
         log.info("handing over to pid %d: %d sessions, %d buffers, %d chunks, state of %d bytes", pending.peer_pid,
-                 len(self.state.sessions), len(self.state.buffers), len(fds), len(image))
+                 len(self.state.sessions.by_id), len(self.state.buffers.by_id), len(fds), len(image))
         self._unbind(for_good=False)
-        for session in self.state.sessions.values():
-            self.state.suspend_session(session, resume_by)
+        for session in self.state.sessions.by_id.values():
+            self.state.sessions.suspend(session, resume_by)
         listening = self._listening.named_fds() if self._listening is not None else []
         try:
             pending.hand_over(image, fds + listening, HANDOVER_TIMEOUT_S)
@@ -454,12 +455,12 @@ class Server(Generic[A, C]):
         now = time.monotonic()
         if now - self._timers_at >= TIMERS_EVERY_S:
             self._timers_at = now
-            self.state.ask_back_idle_leases(now)
+            self.state.leases.ask_back_idle(self.state.sessions.by_id.values(), now)
             self._plane.expire_hellos(now)
             if self._router is not None:
                 self._router.look_after(now)
             self._plane.end_unresumed(now)
-            self.state.expire_orphans()
+            self.state.orphans.expire()
             self._notices.report_ignored_reclaims(now)
             self._notices.send_promotes(now)
         self._notices.serve_leases()
@@ -544,7 +545,7 @@ class Server(Generic[A, C]):
             handler = self._handlers[kind]  # every request has one: the table was checked before the server was built
             operation = kind.KIND
             # The token before the body: an unknown peer costs no decoding.
-            session = self.state.session_for(token)
+            session = self.state.sessions.for_token(token)
             session.declaring = session.declaring and kind is Redeclare  # declarations come first, or not at all
             self._plane.take_placements()
             conn = self._plane.by_session[session.session_id]

@@ -115,11 +115,11 @@ class Outbox(Generic[A, C]):
 
     def top_up_lease(self, conn: HandleConnection[A, C], until: float) -> None:
         """Lease the session the granules its lease lacks (those made by ``until`` at least, see
-        :meth:`State.top_up_lease`) and queue them, unless its outbox is full already; the caller flushes (once the
+        :meth:`Leases.top_up`) and queue them, unless its outbox is full already; the caller flushes (once the
         lease is journaled)."""
         if len(conn.outbox) >= MAX_QUEUED_BATCHES:
             return
-        chunks = self.state.top_up_lease(conn.opened_session, until)
+        chunks = self.state.leases.top_up(conn.opened_session, until)
         if chunks:
             conn.outbox.append(LeaseDelivery(chunks, self.state.backend.granularity))
 

@@ -187,10 +187,12 @@ class Buffers(Generic[A, C]):
 
     # making and dropping
 
-    def create(self, session: Session, capacity: int, num_segments: int, segment_capacities: list[int] | None,
-               name: str, persistent: bool, shareable: bool, keep_orphan_s: float = 0.0) -> Buffer[A, C]:
-        """A new buffer of the session (segments as :func:`layout_segments` makes them, kept ``keep_orphan_s`` as an
-        orphan); raises with nothing made."""
+    def create(self, session: Session, capacity: int, num_segments: int, name: str = "", persistent: bool = False,
+               shareable: bool = False, segment_capacities: list[int] | None = None, keep_orphan_s: float = 0.0,
+               ) -> Buffer[A, C]:
+        """A new buffer of the session: ``num_segments`` equal segments, or the uneven ``segment_capacities`` (summing
+        to ``capacity``); a persistent one is freed ``keep_orphan_s`` after it becomes an orphan (0: never). Raises
+        with nothing made."""
         check_observer(session)
         capacities = layout_segments(capacity, num_segments, segment_capacities)
         _check_name(name)
@@ -373,6 +375,10 @@ class Buffers(Generic[A, C]):
         self.account(buffer, pending=-freed, tier=tier)
         return freed
 
+    def release(self, session: Session, buffer_id: int) -> int:
+        """Drop every chunk of the session's buffer, keep the reservation. Returns the bytes freed."""
+        return self.release_all(self.changeable(session, buffer_id))
+
     def release_all(self, buffer: Buffer[A, C]) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""
         freed = self.drop_mapped(buffer) + self.drop_pending(buffer)
@@ -421,6 +427,22 @@ class Buffers(Generic[A, C]):
                 or buffer.buffer_id not in self.by_id):
             return 0
         return self.drop(buffer)
+
+    def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""
+        buffer = self.of(session, buffer_id)
+        self.check_handed_out(buffer)
+        return buffer
+
+    def export(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> int:
+        """A new FD for a buffer's chunk."""
+        assert chunk.handle is not None, "a chunk held only by its mappers is never handed out"
+        return self.backend.export(buffer.arena, chunk.handle)
+
+    @property
+    def orphans(self) -> list[Buffer[A, C]]:
+        """Persistent buffers no session holds: their memory stays committed until attached again or deleted."""
+        return [b for b in self.by_id.values() if b.owner is None]
 
     def check_handed_out(self, buffer: Buffer[A, C]) -> None:
         """Refuse to hand a buffer's chunks to a process where some exist only in the mappings of others."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic
 
 from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_GRANULES, MAX_PLACED_SEGMENTS
@@ -358,7 +358,7 @@ class Leases(Generic[A, C]):
         late = [s for s in sessions if self._asked_back(s) and now - s.revoking_since > LEASE_RETURN_PATIENCE_S]
         return sum(self.backend.granularity * len(s.revoking) + s.credit * s.credit_asked_back for s in late)
 
-    def ask_back_idle(self, sessions: list[Session], now: float) -> None:
+    def ask_back_idle(self, sessions: Iterable[Session], now: float) -> None:
         """Ask back the leases their sessions have not drawn on for :attr:`idle_s`: demand went elsewhere."""
         for session in sessions:
             if ((session.lease or session.credit) and not self._asked_back(session)

@@ -68,7 +68,7 @@ class Orphans(Generic[A, C]):
         self.granularity = granularity
         self.clock = clock
 
-    def attach(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
+    def attach(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
         """Give an orphaned persistent buffer of the session's user to the session.
 
         Names are per user: another user's buffer of the same name is not found.

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Any, Generic
 
-from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo
+from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo, ChunkInfo
 from hbmd.proto.errors import InvalidRequest, PermissionDenied
 from hbmd.proto.runs import backed_runs, prefix_offsets
 
@@ -60,6 +60,9 @@ class Chunk(Generic[C]):
     """False once released: a queued export of it must not happen."""
     tier: str = TIER_DEVICE
     """Where its memory is: the device's, or the host tier's (charged to the host budget)."""
+
+    def info(self) -> ChunkInfo:
+        return ChunkInfo(self.chunk_id, self.offset, self.size)
 
 
 @dataclasses.dataclass(frozen=True)

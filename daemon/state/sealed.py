@@ -59,7 +59,7 @@ class Sealed(Generic[A, C]):
         self.buffers.mark_changed(buffer)
         return buffer
 
-    def attach_reader(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
+    def attach_reader(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
         """Add a read claim of the session on its user's sealed buffer ``name``, beside its owner and other readers.
 
         An unsealed buffer can change under a reader: refused. The claim is

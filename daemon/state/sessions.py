@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import secrets
 import time
 from collections.abc import Callable
+from typing import Any
 
-from hbmd.proto import SessionInfo
+from hbmd.proto import BufferInfo, SessionInfo
 from hbmd.proto.buffers import MAX_NAME
 from hbmd.proto.errors import (
     Conflict,
@@ -19,7 +21,7 @@ from hbmd.proto.errors import (
 )
 
 from .credentials import KEY_BYTES, LINE_HEX, Credentials
-from .records import MAX_CAPACITY, Limits, Reclaim, Session, Tenant, check_int
+from .records import MAX_CAPACITY, Buffer, Limits, Reclaim, Session, Tenant, check_int
 
 RECLAIM_PATIENCE_S = 30.0
 """By default a reclaim request unanswered this long is reported as ignored (the session is never killed for it)."""
@@ -152,6 +154,19 @@ class Sessions:
         session.resume_by = None
         session.connected_at = self.clock()
         return session
+
+    def pids(self) -> dict[int, int]:
+        """Each session's pid, by session id: to name the sessions that hold something."""
+        return {s.session_id: s.pid for s in self.by_id.values()}
+
+    def info_for_holder(self, buffer: Buffer[Any, Any], session: Session) -> BufferInfo:
+        """``buffer``'s info as its holder ``session`` is told it: a persistent buffer's with the proof that the
+        session holds its name (:attr:`BufferInfo.name_proof`), which no one else is shown."""
+        info = buffer.info()
+        if buffer.persistent and buffer.owner is session:
+            info = dataclasses.replace(info, name_proof=self.credentials.name_proof(
+                session.uid, session.session_id, session.pid, buffer.name))
+        return info
 
     def unresumed(self, now: float, gone: Callable[[int], bool]) -> list[Session]:
         """Restored sessions whose clients did not come back in time, or whose process is ``gone`` (by pid)."""
