@@ -11,29 +11,16 @@ from hbmd.daemon.restart.journaled import JournaledBuffer
 from hbmd.daemon.restart.restore import rebuild_buffer
 from hbmd.daemon.state import State
 from hbmd.proto.errors import InvalidRequest, NotFound, OutOfBudget
-from helpers import MiB
+from helpers import ManualClock, MiB
 
 pytestmark = pytest.mark.unit
 
 BUDGET = 64 * MiB
 
 
-class WallClock:
-    """Unix time that moves only when the test advances it."""
-
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def new_state(config: str = "", clock: WallClock | None = None) -> State:
+def new_state(config: str = "", clock: ManualClock | None = None) -> State:
     return State(HostBackend(), BUDGET, parse_config(config, total_bytes=1 << 40, budget_bytes=BUDGET),
-                 lease_bytes=0, wall_clock=clock or WallClock())
+                 lease_bytes=0, clock=clock or ManualClock())
 
 
 def orphan(state: State, name: str = "kv", uid: int = 1000, tenant: str = "", keep_s: float = 0.0,
@@ -94,10 +81,10 @@ def test_a_graft_that_would_take_a_guaranteed_tenants_room_is_refused():
 
 
 def test_an_orphan_is_freed_once_its_grace_period_is_over(caplog):
-    clock = WallClock()
+    clock = ManualClock()
     state = new_state(clock=clock)
     buffer = orphan(state, keep_s=60)
-    now = clock.now
+    now = clock.unix()
     assert (buffer.orphaned_at, buffer.expires_at, buffer.last_holder) == (now, now + 60, ("engine-a", 10))
     clock.advance(59.9)
     assert state.orphans.expire() == 0 and state.tenants.committed_bytes == 8 * MiB
@@ -111,7 +98,7 @@ def test_an_orphan_is_freed_once_its_grace_period_is_over(caplog):
 
 
 def test_an_attach_or_a_graft_before_the_deadline_keeps_the_orphan():
-    clock = WallClock()
+    clock = ManualClock()
     state = new_state(clock=clock)
     attached, grafted = orphan(state, "attached", keep_s=10), orphan(state, "grafted", keep_s=10)
     session = state.open_session(pid=11, uid=1000, gid=1000, client_name="b", tenant="")
@@ -125,12 +112,12 @@ def test_an_attach_or_a_graft_before_the_deadline_keeps_the_orphan():
     assert grafted.buffer_id not in state.buffers.by_id
     state.check_invariants()
     state.orphans.detach(session, attached.buffer_id)  # an orphan again: the grace period starts over
-    assert attached.expires_at == clock.now + 10 and attached.last_holder == ("b", 11)
+    assert attached.expires_at == clock.unix() + 10 and attached.last_holder == ("b", 11)
     state.check_invariants()
 
 
 def test_a_sealed_orphan_waits_for_its_readers_then_goes():
-    clock = WallClock()
+    clock = ManualClock()
     state = new_state(clock=clock)
     owner = state.open_session(pid=10, uid=1000, gid=1000, client_name="loader", tenant="")
     weights = state.buffers.create(owner, 8 * MiB, 1, name="weights", persistent=True, keep_orphan_s=5)
@@ -166,9 +153,9 @@ def orphan_record(buffer_id: int, name: str, orphan: tuple[float, float, float, 
 
 
 def test_a_restored_orphan_keeps_its_deadline_brought_in_where_the_clock_went_back():
-    clock = WallClock()
+    clock = ManualClock()
     state = new_state(clock=clock)
-    now = clock.now
+    now = clock.unix()
     restored = rebuild_buffer(
         state, orphan_record(7, "kv", (60.0, now - 10, now + 50, ("engine-a", 10))), None, None, [], [])
     assert (restored.expires_at, restored.last_holder) == (now + 50, ("engine-a", 10))

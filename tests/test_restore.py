@@ -17,9 +17,17 @@ import msgpack
 import pytest
 from fake_systemd import FakeSystemd
 from hbmd.daemon.notify import SystemdNotifier
-from hbmd.daemon.restart.persist import MAX_NAMES_CHARS, MAX_PARKED, Journal, Persistence, buffer_record, chunk_name
+from hbmd.daemon.restart.persist import (
+    MAX_NAMES_CHARS,
+    MAX_PARKED,
+    RESUME_WINDOW_S,
+    Journal,
+    Persistence,
+    buffer_record,
+    chunk_name,
+)
 from hbmd.daemon.state import State
-from helpers import GRANULE, descriptors_where, wait_until
+from helpers import GRANULE, ManualClock, descriptors_where, wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -252,6 +260,23 @@ def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_e
     assert replayed == msgpack.unpackb(msgpack.packb(buffer_record(buffer)), strict_map_key=False)
     state.close_session(session)
     persistence.sync()
+
+
+def test_a_restored_session_waits_for_its_client_by_the_states_clock(tmp_path, store):
+    """The resume window is kept by the clock the state is built with: a test moves it instead of waiting it out."""
+    systemd, notifier = store
+    _, persistence, session = kept_state(notifier, tmp_path / "journal")
+    persistence.sync()
+    with systemd.lock:
+        passed = {name: [os.dup(fd) for fd in fds] for name, fds in systemd.store.items()}
+    clock = ManualClock()
+    restored = State(PipeBackend(), 32 * GRANULE, clock=clock)
+    assert Persistence(restored, notifier, tmp_path / "journal").restore(passed) == (1, 0)
+    waiting = restored.sessions.by_id[session.session_id]
+    clock.advance(RESUME_WINDOW_S - 1)
+    assert restored.sessions.unresumed(clock.monotonic(), lambda pid: False) == []
+    clock.advance(2)
+    assert restored.sessions.unresumed(clock.monotonic(), lambda pid: False) == [waiting]
 
 
 def test_a_restore_holds_one_descriptor_a_chunk_not_two(tmp_path, store):

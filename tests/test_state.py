@@ -23,7 +23,7 @@ from hbmd.proto.errors import (
 )
 from hbmd.proto.runs import backed_runs, merge_runs, new_runs, subtract_runs
 from hbmd.proto.units import round_up
-from helpers import GRANULE, MiB, wait_until
+from helpers import GRANULE, ManualClock, MiB, wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -343,13 +343,25 @@ def test_a_top_up_past_its_time_makes_one_granule_and_leaves_the_session_first_i
     state.check_invariants()
 
 
+def test_a_state_keeps_every_time_by_the_one_clock_it_is_built_with():
+    """Sessions are stamped by the clock the state is given, never the system's: a test moves it, and nothing
+    waits."""
+    clock = ManualClock()
+    state = State(HostBackend(), budget_bytes=256 * MiB, clock=clock)
+    session = state.open_session(1, 1000, 100, "w", "", lease=True)
+    assert state.started_at == session.connected_at == session.lease_used_at == session.grown_at == clock.monotonic()
+    clock.advance(5)
+    assert state.sessions.info(session).connected_s == 5
+
+
 def test_a_lease_left_idle_is_asked_back_and_grows_again_with_demand():
-    state = State(HostBackend(), budget_bytes=256 * MiB, lease_idle_s=30)
+    clock = ManualClock()
+    state = State(HostBackend(), budget_bytes=256 * MiB, lease_idle_s=30, clock=clock)
     session = state.open_session(1, 1000, 100, "w", "", lease=True)
     buffer = state.buffers.create(session, 64 * MiB, 1)
     state.commit(session, buffer.buffer_id, GRANULE)
     assert len(state.leases.top_up(session)) == 2
-    now = time.monotonic()
+    now = clock.monotonic()
     state.leases.ask_back_idle(state.sessions.by_id.values(), now + 10)
     assert not state.leases.revokes_due
     state.leases.ask_back_idle(state.sessions.by_id.values(), now + 31)
@@ -527,20 +539,7 @@ def test_a_demoted_buffer_is_not_sealed_for_it_would_never_move_again():
     state.check_invariants()
 
 
-class Clock:
-    """Monotonic time that moves only when the test advances it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0  # past the 0 that times never stamped hold
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def demotable_state(clock: Clock, host_budget_bytes: int, demote_idle_s: float = DEMOTE_IDLE_S) -> State:
+def demotable_state(clock: ManualClock, host_budget_bytes: int, demote_idle_s: float = DEMOTE_IDLE_S) -> State:
     """:func:`tiered_state` with a host tier of ``host_budget_bytes``, a tenant "batch" whose idle buffers are demoted
     under pressure, and ``clock`` for its time."""
     from hbmd.daemon.config import parse_config
@@ -551,7 +550,7 @@ def demotable_state(clock: Clock, host_budget_bytes: int, demote_idle_s: float =
 
 
 def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wait_for_quiet():
-    clock = Clock()
+    clock = ManualClock()
     state = demotable_state(clock, host_budget_bytes=16 * MiB)
     batch = state.open_session(1, 1000, 1000, "", "batch")
     online = state.open_session(2, 1001, 1001, "", "online")
@@ -577,11 +576,11 @@ def test_a_refused_commit_asks_idle_demotable_tenants_to_demote_and_promotes_wai
         state.commit(batch, more.buffer_id, 32 * MiB)
     assert "demoting" not in own.value.details  # nor for its own tenant's commits
     state.sessions.reclaim_answered(batch, batch.reclaim.reclaim_id, 0)
-    assert batch.demoted_under_pressure is False and state.pressure.promotes_due(clock() + 60) == []
+    assert batch.demoted_under_pressure is False and state.pressure.promotes_due(clock.monotonic() + 60) == []
 
 
 def test_a_state_that_needs_no_idle_time_asks_a_session_that_grew_just_now():
-    state = demotable_state(Clock(), host_budget_bytes=16 * MiB, demote_idle_s=0)
+    state = demotable_state(ManualClock(), host_budget_bytes=16 * MiB, demote_idle_s=0)
     batch = state.open_session(1, 1000, 1000, "", "batch")
     online = state.open_session(2, 1001, 1001, "", "online")
     busy = state.buffers.create(batch, 48 * MiB, 1)
@@ -595,7 +594,7 @@ def test_a_state_that_needs_no_idle_time_asks_a_session_that_grew_just_now():
 def test_a_demote_done_while_the_daemon_asks_for_one_is_marked_with_the_move_not_with_the_answer():
     """The room a demote makes can be given away before its client's answer comes; a daemon killed in between
     journaled the move, so its successor still knows to promote the buffer back."""
-    clock = Clock()
+    clock = ManualClock()
     state = demotable_state(clock, host_budget_bytes=32 * MiB)
     batch = state.open_session(1, 1000, 1000, "", "batch")
     online = state.open_session(2, 1001, 1001, "", "online")

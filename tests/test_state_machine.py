@@ -20,6 +20,7 @@ from hbmd.daemon.config import Config, ConfigError, TenantLimits
 from hbmd.daemon.state import Chunk, State
 from hbmd.proto.errors import HbmdError, InternalError, OutOfDeviceMemory
 from hbmd.proto.runs import backed_runs, new_runs, prefix_offsets
+from helpers import ManualClock
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -127,9 +128,9 @@ class StateMachine(RuleBasedStateMachine):
         super().__init__()
         self.backend = FlakyBackend()
         # Leases of up to 4 granules; none granted while a tenant's room is under a 16th of the budget.
-        self.now = 1_800_000_000.0
+        self.clock = ManualClock()
         self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE, host_budget_bytes=BUDGET // 2,
-                           wall_clock=lambda: self.now)
+                           clock=self.clock)
         self.uids = itertools.cycle([1000, 1001])
         self.names = itertools.count()
         self.frozen: dict[int, tuple[list[int], list[int]]] = {}
@@ -289,7 +290,7 @@ class StateMachine(RuleBasedStateMachine):
 
     @rule(seconds=st.sampled_from([0.5, 1.0, 5.0]))
     def time_passes(self, seconds):
-        self.now += seconds
+        self.clock.advance(seconds)
         self.state.orphans.expire()
 
     @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))

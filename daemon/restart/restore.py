@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 from hbmd.proto.undo import Undo
@@ -74,7 +73,7 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
         state.sessions.credentials.lost(session_id)  # lost with its record: its client starts over
     state.sessions.continue_from(_next_session(image))
     buffers, refused = _buffers_that_come_back(state, _table(image, "buffers"), fds, version)
-    resume_by = time.monotonic() + resume_window_s
+    resume_by = state.clock.monotonic() + resume_window_s
     taken = {c.chunk_id for b in buffers.values() for c in (*b.chunks, *b.pending)}
     sessions = 0
     for key, record in _table(image, "sessions").items():
@@ -227,7 +226,7 @@ def _restore_session(state: State[Any, Any], record: JournaledSession, fds: dict
             demoted_under_pressure=record.demoted, answer=record.answer,
         )
         state.sessions.restore(session, resume_by)
-        session.grown_at = state.clock()
+        session.grown_at = state.clock.monotonic()
         state.tenants.hold(session.tenant)
         state.leases.adopt(session, lease, record.credit)
     _claimed(fds, claimed)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import heapq
 import logging
 import os
-import time
 
 from hbmd.proto import (
     MAX_LISTED,
@@ -61,7 +60,7 @@ class AdminRequests(RequestHandlers[A, C]):
             num_sessions=state.sessions.num_workers,
             num_buffers=len(state.buffers.by_id),
             num_chunks=state.buffers.num_chunks,
-            uptime_s=time.monotonic() - state.started_at,
+            uptime_s=state.clock.monotonic() - state.started_at,
             device_free_bytes=backend.free_bytes(),
             tenants=tenants,
             tenants_left_out=tenants_left_out,

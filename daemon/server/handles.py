@@ -190,7 +190,7 @@ class HandlePlane(Generic[A, C]):
         (its socket's events read them, within each turn's share), :data:`EXITED_READ_S` at most."""
         if not self.behind(conn):
             return False
-        now = time.monotonic()
+        now = self.state.clock.monotonic()
         if conn.exited_at is None:
             conn.exited_at = now
         return now - conn.exited_at < EXITED_READ_S
@@ -310,7 +310,8 @@ class HandlePlane(Generic[A, C]):
         except ProcessLookupError:
             sock.close()  # the peer is gone already
             return
-        conn: HandleConnection[A, C] = HandleConnection(sock, pid, uid, gid, groups, time.monotonic(), pidfd)
+        accepted_at = self.state.clock.monotonic()
+        conn: HandleConnection[A, C] = HandleConnection(sock, pid, uid, gid, groups, accepted_at, pidfd)
         self._connections[sock.fileno()] = conn
         self.descriptors.register(sock.fileno(), select.EPOLLIN)
         if pidfd >= 0:

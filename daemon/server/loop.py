@@ -152,7 +152,7 @@ class Server(Generic[A, C]):
         often (with ``WatchdogSec=1`` an idle loop fed it every second, at its limit)."""
         self._stopping = False
         self._timers_at = 0.0
-        """When the loop last looked for what time makes due (``time.monotonic``; :data:`TIMERS_EVERY_S`)."""
+        """When the loop last looked for what time makes due (the state's monotonic clock; :data:`TIMERS_EVERY_S`)."""
         self.handed_over = False
         """A successor serves in this daemon's place: it stopped for that."""
         self._lock_fd = -1
@@ -415,7 +415,7 @@ class Server(Generic[A, C]):
         if pending is None:
             return
         self._plane.take_placements()
-        resume_by = time.monotonic() + self.resume_window_s
+        resume_by = self.state.clock.monotonic() + self.resume_window_s
         for session in list(self.state.sessions.by_id.values()):
             if session.observer:
                 self._plane.close_connection(self._plane.by_session[session.session_id], "handing over")
@@ -452,7 +452,7 @@ class Server(Generic[A, C]):
         reclaims reported and buffers demoted under pressure promoted where there is room, every
         :data:`TIMERS_EVERY_S`."""
         self._plane.outbox.retry_draining()
-        now = time.monotonic()
+        now = self.state.clock.monotonic()
         if now - self._timers_at >= TIMERS_EVERY_S:
             self._timers_at = now
             self.state.leases.ask_back_idle(self.state.sessions.by_id.values(), now)

@@ -6,8 +6,8 @@ for what it alone does: ``tenants`` (the budget: the only place that admits,
 charges and says what is left), ``sessions``, ``buffers``, ``holders`` (who
 holds a buffer), ``sealed``, ``orphans``, ``leases``, ``pressure`` and
 ``chunks``, over the data in ``records``, checked by ``invariants``.
-:class:`State` builds the parts, gives each what it needs of the others, and
-does what spans them.
+:class:`State` builds the parts, gives each what it needs of the others and
+the one clock, and does what spans them.
 
 Every request either completes or raises with the state unchanged, with one
 exception the caller asks for: a discarding defragment that cannot make its
@@ -16,8 +16,6 @@ new chunks leaves the buffer released (its data was already given up).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Generic
 
 from hbmd.proto import TIER_DEVICE, TIER_HOST, TenantInfo
@@ -25,6 +23,7 @@ from hbmd.proto.errors import PermissionDenied
 from hbmd.proto.undo import Undo
 
 from ..backends import A, Backend, C
+from ..clock import Clock
 from ..config import Config
 from .buffers import Buffers
 from .chunks import Chunks
@@ -59,15 +58,13 @@ class State(Generic[A, C]):
         host_budget_bytes: int = 0,
         credit_bytes: int = DEFAULT_CREDIT_BYTES,
         demote_idle_s: float = DEMOTE_IDLE_S,
-        clock: Callable[[], float] = time.monotonic,
-        wall_clock: Callable[[], float] = time.time,
+        clock: Clock | None = None,
     ) -> None:
         """``lease_bytes``: the most one session is leased (0: no leases); ``lease_idle_s``: see :data:`LEASE_IDLE_S`;
         ``host_budget_bytes``: the most the host tier holds (0: no host tier); ``credit_bytes``: the most credit one
-        session holds (0: none); ``demote_idle_s``: see :data:`DEMOTE_IDLE_S`; ``clock``: the monotonic time that
-        growth, refused commits and reclaim requests are stamped with and demotes are decided by (a test's own clock
-        advances without waiting); ``wall_clock``: the Unix time orphans' grace periods are kept by (likewise)."""
-        self.clock = clock
+        session holds (0: none); ``demote_idle_s``: see :data:`DEMOTE_IDLE_S`; ``clock``: the time every part
+        keeps its deadlines by (the system's where None; a test's moves without waiting)."""
+        self.clock = clock = clock or Clock()
         self.backend = backend
         self.limits = limits
         self.tenants = Tenants(budget_bytes, config or Config(), host_budget_bytes)
@@ -76,11 +73,10 @@ class State(Generic[A, C]):
         self.leases: Leases[A, C] = Leases(backend, self.chunks, self.tenants, lease_bytes, lease_idle_s, credit_bytes,
                                            clock)
         self.pressure: Pressure[A, C] = Pressure(self.sessions, self.tenants, self.leases, demote_idle_s, clock)
-        self.buffers: Buffers[A, C] = Buffers(backend, self.chunks, self.tenants, limits, self.pressure,
-                                              wall_clock)
-        self.orphans: Orphans[A, C] = Orphans(self.buffers, self.tenants, backend.granularity, wall_clock)
+        self.buffers: Buffers[A, C] = Buffers(backend, self.chunks, self.tenants, limits, self.pressure, clock)
+        self.orphans: Orphans[A, C] = Orphans(self.buffers, self.tenants, backend.granularity, clock)
         self.sealed: Sealed[A, C] = Sealed(self.buffers)
-        self.started_at = clock()
+        self.started_at = clock.monotonic()
         self.config_load = ConfigLoad()
         """The ``--config`` file and its reloads (the daemon's command line and SIGHUP set it)."""
 
@@ -99,7 +95,7 @@ class State(Generic[A, C]):
             session = self.sessions.open(
                 pid, uid, gid, client_name, charged, admin, observer, wants_lease, starting_over
             )
-        session.grown_at = self.clock()
+        session.grown_at = self.clock.monotonic()
         session.wants_credit = credit and not observer and self.leases.credit_max > 0
         return session
 
@@ -144,7 +140,7 @@ class State(Generic[A, C]):
         """
         created = self.buffers.commit(session, buffer_id, sizes)
         self.leases.note_demand(session, created)
-        session.grown_at = self.clock()
+        session.grown_at = self.clock.monotonic()
         return created
 
     def move(self, session: Session, buffer_id: int, tier: str) -> list[Chunk[C]]:
@@ -175,7 +171,7 @@ class State(Generic[A, C]):
         """Give every chunk of the orphan ``name`` to the session's empty buffer ``buffer_id``; see
         :meth:`Orphans.graft`. The buffer grew: its session is busy, not to be asked to demote it at once."""
         buffer = self.orphans.graft(session, buffer_id, name)
-        session.grown_at = self.clock()
+        session.grown_at = self.clock.monotonic()
         return buffer
 
     def delete(self, session: Session, name: str, owner_uid: int = -1) -> tuple[int, int]:
@@ -203,7 +199,7 @@ class State(Generic[A, C]):
         self.leases.check_placement(session, buffer, sizes, chunk_ids, offsets)
         runs = self.buffers.growth(buffer, sizes)
         self.buffers.grow(buffer, sizes, self.leases.take(session, buffer, runs, chunk_ids, offsets))
-        session.grown_at = self.clock()
+        session.grown_at = self.clock.monotonic()
         return buffer
 
     def bind(self, session: Session, buffer_id: int, sizes: list[int], offsets: list[int], chunk_sizes: list[int],
@@ -221,7 +217,7 @@ class State(Generic[A, C]):
             return buffer
         runs = self.buffers.growth(buffer, sizes)
         self.buffers.grow(buffer, sizes, self.leases.bind(session, buffer, runs, offsets, chunk_sizes, fds))
-        session.grown_at = self.clock()
+        session.grown_at = self.clock.monotonic()
         return buffer
 
     def reconfigure(self, config: Config) -> None:

@@ -11,8 +11,6 @@ memory back.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Callable
 from typing import Any, Generic
 
 from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, TIERS
@@ -28,6 +26,7 @@ from hbmd.proto.runs import merge_runs, new_runs
 from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
+from ..clock import Clock
 from .chunks import Chunks
 from .holders import add_read_claim, check_keep, give_to, left_by, let_go_of_writer
 from .pressure import Pressure
@@ -68,9 +67,8 @@ class Buffers(Generic[A, C]):
     """Every buffer of the instance, by id and (persistent ones) by owner uid and name."""
 
     def __init__(self, backend: Backend[A, C], chunks: Chunks[A, C], tenants: Tenants, limits: Limits,
-                 pressure: Pressure[A, C], clock: Callable[[], float] = time.time) -> None:
-        """``clock``: the Unix time orphans are stamped with and freed by (a test's own clock advances without
-        waiting)."""
+                 pressure: Pressure[A, C], clock: Clock) -> None:
+        """``clock``: the state's, whose Unix time orphans are stamped with."""
         self.backend = backend
         self.chunks = chunks
         self.tenants = tenants
@@ -413,7 +411,7 @@ class Buffers(Generic[A, C]):
         freed = self.drop_pending(buffer)
         if buffer.owner is not None:
             buffer.owner.buffers.pop(buffer.buffer_id, None)
-            left_by(buffer, buffer.owner, self.clock())
+            left_by(buffer, buffer.owner, self.clock.unix())
             if buffer.expires_at:
                 self.deadlines[buffer.buffer_id] = buffer.expires_at
         buffer.owner = None

@@ -21,13 +21,13 @@ import bisect
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any, Generic, Protocol
 
 from hbmd.proto.errors import Conflict, InvalidRequest
 from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
+from ..clock import Clock
 from .holders import check_no_other_writer, check_readable_layout, give_to
 from .records import Buffer, Session, Tenant, check_observer
 from .tenants import Tenants
@@ -60,9 +60,9 @@ class Orphans(Generic[A, C]):
     """Attaches, detaches, grafts and grace periods, over the instance's buffers and the budget."""
 
     def __init__(self, buffers: OrphanBuffers[A, C], tenants: Tenants, granularity: int,
-                 clock: Callable[[], float]) -> None:
-        """``granularity``: the backend's, which a grafted chunk moves by; ``clock``: the Unix time grace periods are
-        kept by (the buffers' own, which stamps an orphan)."""
+                 clock: Clock) -> None:
+        """``granularity``: the backend's, which a grafted chunk moves by; ``clock``: the state's, whose Unix time
+        grace periods are kept by."""
         self.buffers = buffers
         self.tenants = tenants
         self.granularity = granularity
@@ -155,7 +155,7 @@ class Orphans(Generic[A, C]):
         deadlines = self.buffers.deadlines
         if not deadlines:
             return 0
-        now = self.clock()
+        now = self.clock.unix()
         if now < min(deadlines.values()):
             return 0
         expired = 0
@@ -191,7 +191,7 @@ class Orphans(Generic[A, C]):
         buffer.keep_orphan_s, buffer.last_holder = keep_orphan_s, last_holder
         if buffer.owner is not None:
             return
-        now = self.clock()
+        now = self.clock.unix()
         buffer.orphaned_at = orphaned_at or now
         if keep_orphan_s:
             buffer.expires_at = min(expires_at or math.inf, now + keep_orphan_s)
