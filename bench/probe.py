@@ -150,6 +150,7 @@ def daemon_probe() -> Probe:
     from hbmd.daemon.server.outbox import Outbox
     from hbmd.daemon.server.session import SessionNotices
     from hbmd.daemon.state import State
+    from hbmd.daemon.state.buffers import Buffers
     from hbmd.daemon.state.chunks import Chunks
     from hbmd.driver import nvml
 
@@ -170,7 +171,7 @@ def daemon_probe() -> Probe:
     probe.wrap(loop, "encode_frames", "daemon.encode_reply")
     probe.wrap(State, "commit", "daemon.state_commit")
     probe.wrap(State, "move", "daemon.state_move")
-    probe.wrap(State, "finish_defragment", "daemon.state_finish")
+    probe.wrap(Buffers, "finish_defragment", "daemon.state_finish")
     probe.wrap(HostPool, "take", "daemon.pool_take")
     probe.wrap(driver, "create_host", "daemon.create_host")
     probe.wrap(Outbox, "deliver", "daemon.queue_fds")

@@ -21,6 +21,7 @@ from . import logs
 from .backends import A, Backend, C
 from .backends.host import GRANULE, HostBackend, host_memory_bytes
 from .backends.pool import HOST_PIECE
+from .clock import Clock
 from .config import Config, ConfigError, load_config
 from .notify import SystemdNotifier, listen_fds
 from .options import (
@@ -32,10 +33,9 @@ from .options import (
 from .reload import ConfigReloader
 from .restart import inherit
 from .restart.inherit import Refusal, inherited_sockets, passed_sockets, take_over_from_predecessor
-from .restart.takeover import Handover
+from .restart.takeover import HANDOVER_TIMEOUT_S, Handover
 from .server import AlreadyRunning, HandlerTableError, InvariantViolated, Server
 from .server.device_lock import DeviceLock
-from .server.loop import HANDOVER_TIMEOUT_S
 from .state import Limits, State
 from .state.records import Buffer
 
@@ -47,7 +47,7 @@ class BackendUnavailable(RuntimeError):
 
 def select_backend(
     kind: str, device: int, warm_chunks: int = 0, export_sentinel: bool = True, host_pool_bytes: int = 0,
-    host_piece: int = HOST_PIECE,
+    host_piece: int = HOST_PIECE, clock: Clock | None = None,
 ) -> tuple[Backend[Any, Any], str]:
     """The backend named by ``--backend`` and a note on why it was chosen.
 
@@ -56,7 +56,7 @@ def select_backend(
     a fault to mend where one is.
     """
     if kind == "host":
-        return HostBackend(host_pool_bytes, host_piece), "as asked"
+        return HostBackend(host_pool_bytes, host_piece, clock), "as asked"
     from hbmd.driver import CudaUnavailable, driver_loaded
     from hbmd.proto.errors import HbmdError
 
@@ -64,12 +64,12 @@ def select_backend(
 
     try:
         why = "as asked" if kind == "cuda" else "auto: CUDA driver and device found"
-        return CudaBackend(device, warm_chunks, export_sentinel, host_pool_bytes, host_piece), why
+        return CudaBackend(device, warm_chunks, export_sentinel, host_pool_bytes, host_piece, clock), why
     except (CudaUnavailable, HbmdError) as exc:
         if kind == "cuda":
             raise BackendUnavailable(f"CUDA backend unusable for GPU {device}: {exc}") from None
         why = f"auto: CUDA unusable: {exc}" if driver_loaded() else "auto: no NVIDIA driver is loaded here"
-        return HostBackend(host_pool_bytes, host_piece), why
+        return HostBackend(host_pool_bytes, host_piece, clock), why
 
 
 def raise_fd_limit() -> None:
@@ -102,9 +102,10 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
     """
     kind, device = _backend_asked(args)
     host_budget, host_pool, host_piece = _host_tier(args)
+    clock = Clock()
     try:
         backend, why = select_backend(kind, device, _warm_chunks(args), not args.no_export_sentinel, host_pool,
-                                      host_piece)
+                                      host_piece, clock)
     except BackendUnavailable as exc:
         named = f"--device {args.device} names a GPU, so host memory is not served instead; " if kind != args.backend \
             else ""
@@ -112,7 +113,7 @@ def build(args: argparse.Namespace) -> Daemon[Any, Any]:
     try:
         if host_budget:
             _check_host_tier(backend)
-        return _wire(args, backend, why, host_budget)
+        return _wire(args, backend, why, clock, host_budget)
     except BaseException:
         backend.close()
         raise
@@ -213,7 +214,8 @@ def check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budget: int = 0) -> Daemon[A, C]:
+def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, clock: Clock, host_budget: int = 0
+          ) -> Daemon[A, C]:
     if args.instance_name:
         backend.instance = args.instance_name
     settings = _settings(args, backend)
@@ -221,7 +223,8 @@ def _wire(args: argparse.Namespace, backend: Backend[A, C], why: str, host_budge
     paths = InstancePaths.of(args.run_dir, backend.instance)
     notifier = SystemdNotifier.from_environment()
     state = State(backend, budget, settings.config, args.reclaim_timeout, settings.limits, settings.lease,
-                  host_budget_bytes=host_budget, credit_bytes=settings.credit, demote_idle_s=args.demote_idle)
+                  host_budget_bytes=host_budget, credit_bytes=settings.credit, demote_idle_s=args.demote_idle,
+                  clock=clock)
     if args.config:
         state.config_load.path = os.path.abspath(args.config)
         state.config_load.loaded()
@@ -363,7 +366,7 @@ def _warn_of_what_is_lost(state: State[Any, Any]) -> None:
     handle to it, so it cannot hand it to another process, and it goes with
     the last process that maps it.
     """
-    persistent = [buffer for buffer in state.buffers.values() if buffer.persistent]
+    persistent = [buffer for buffer in state.buffers.by_id.values() if buffer.persistent]
     lost = [buffer for buffer in persistent if buffer.owner is None and not buffer.readers]
     mapped = [buffer for buffer in persistent if buffer.owner is not None or buffer.readers]
     said = []
@@ -461,9 +464,9 @@ def _announce(daemon: Daemon[Any, Any], metrics_url: str) -> None:
         daemon.paths.handles,
         f", metrics {metrics_url}" if metrics_url else "",
     )
-    if daemon.server.state.host_budget_bytes:
+    if daemon.server.state.tenants.host_budget_bytes:
         log.info("host tier: budget %s, up to %s of it made ahead while idle (--host-pool)",
-                 format_bytes(daemon.server.state.host_budget_bytes), args.host_pool)
+                 format_bytes(daemon.server.state.tenants.host_budget_bytes), args.host_pool)
     held_back = backend.held_back_bytes()
     if held_back:
         log.info("%s of the budget held back for %d warm chunks and the export sentinel",

@@ -109,8 +109,9 @@ class StateCollector(Collector):
         with self.lock:
             families = list(self._families())
             # Each tenant in use with its committed bytes: what it holds on the device.
-            in_use = [(info, self.state.tenants[info.name].committed_bytes) for info in self.state.tenant_infos()]
-            config = self.state.config
+            tenants = self.state.tenants.by_name
+            in_use = [(info, tenants[info.name].committed_bytes) for info in self.state.tenant_infos()]
+            config = self.state.tenants.config
         yield from families
         yield from self._tenants(in_use, config)
 
@@ -120,19 +121,19 @@ class StateCollector(Collector):
                             ["version", "backend", "python_version"])
         yield self._add(info, 1, self.version, backend.name, platform.python_version())
         for name, doc, value in (
-            ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.budget_bytes),
-            ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.committed_bytes),
+            ("hbmd_budget_bytes", "Most bytes the daemon commits at once.", state.tenants.budget_bytes),
+            ("hbmd_committed_bytes", "Bytes backed by chunks now.", state.tenants.committed_bytes),
             ("hbmd_leased_bytes",
              "Granules and credit leased to sessions, not placed or spent yet; charged to their tenants.",
-             state.leased_bytes),
-            ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.reserved_bytes),
+             state.tenants.leased_bytes),
+            ("hbmd_reserved_bytes", "Address space reserved by buffers.", state.buffers.reserved_bytes),
             ("hbmd_device_total_bytes", "Memory of the device (or host).", backend.total_bytes),
-            ("hbmd_sessions", "Connected worker sessions.", state.num_workers),
-            ("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers)),
-            ("hbmd_chunks", "Physical chunks.", state.num_chunks),
+            ("hbmd_sessions", "Connected worker sessions.", state.sessions.num_workers),
+            ("hbmd_buffers", "Buffers, orphaned persistent ones included.", len(state.buffers.by_id)),
+            ("hbmd_chunks", "Physical chunks.", state.buffers.num_chunks),
             ("hbmd_host_budget_bytes", "Most bytes the host tier holds (demoted buffers); 0: no host tier.",
-             state.host_budget_bytes),
-            ("hbmd_host_bytes", "Bytes of buffers demoted to the host tier.", state.host_bytes),
+             state.tenants.host_budget_bytes),
+            ("hbmd_host_bytes", "Bytes of buffers demoted to the host tier.", state.tenants.host_bytes),
             ("hbmd_host_pool_bytes", "Host-tier memory made ahead of demotes.", backend.host_pool_bytes()),
         ):
             yield self._add(self._family(name, doc), value)
@@ -140,7 +141,7 @@ class StateCollector(Collector):
         if free >= 0:
             family = self._family("hbmd_device_free_bytes", "Free device memory as the driver reports it.")
             yield self._add(family, free)
-        orphans = state.orphans
+        orphans = state.buffers.orphans
         yield self._add(self._family(
             "hbmd_orphaned_bytes",
             "Bytes committed to persistent buffers no session holds: kept until attached again, grafted, deleted or "
@@ -207,8 +208,8 @@ class StateCollector(Collector):
         committed = self._family("hbmd_session_committed_bytes", "Bytes committed per session.", labels)
         reserved = self._family("hbmd_session_reserved_bytes", "Address space reserved per session.", labels)
         chunks = self._family("hbmd_session_chunks", "Chunks held per session.", labels)
-        for session in self.state.workers:
-            info = self.state.session_info(session)
+        for session in self.state.sessions.workers:
+            info = self.state.sessions.info(session)
             values = (str(info.session_id), str(info.pid), info.client_name, info.tenant)
             self._add(committed, info.committed_bytes, *values)
             self._add(reserved, info.reserved_bytes, *values)

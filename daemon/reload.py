@@ -42,7 +42,7 @@ class ConfigReloader:
             return False
         self.notifier.reloading()
         try:
-            config = load_config(self.path, self.state.backend.total_bytes, self.state.budget_bytes)
+            config = load_config(self.path, self.state.backend.total_bytes, self.state.tenants.budget_bytes)
             with self.lock:
                 self.state.reconfigure(config)
                 self.state.config_load.loaded()

@@ -8,10 +8,30 @@ import sys
 import time
 from collections.abc import Callable
 
+from hbmd.daemon.clock import Clock
 from hbmd.proto.errors import Conflict
 from hbmd.testing.spawn import wait_until  # the tests' one polling helper
 
 MiB = 1 << 20
+
+
+class ManualClock(Clock):
+    """The daemon's clock as a test drives it: it moves only by :meth:`advance`, both its times at once. Both start
+    far from the system's, so that a part that read the system's clock instead of this one is caught out."""
+
+    def __init__(self) -> None:
+        self.monotonic_now = 1_000_000.0
+        self.unix_now = 1_800_000_000.0
+
+    def monotonic(self) -> float:
+        return self.monotonic_now
+
+    def unix(self) -> float:
+        return self.unix_now
+
+    def advance(self, seconds: float) -> None:
+        self.monotonic_now += seconds
+        self.unix_now += seconds
 
 
 def filled(view, value: int) -> bool:

@@ -104,7 +104,7 @@ def state():
 
 
 def commit(state, session, size):
-    buf = state.create_buffer(session, size, 1)
+    buf = state.buffers.create(session, size, 1)
     return state.commit(session, buf.buffer_id, size)
 
 
@@ -114,7 +114,7 @@ def test_a_tenant_cannot_burst_past_its_max(state):
     with pytest.raises(OutOfBudget, match="tenant 'a'") as info:
         commit(state, a, 8 * MiB)
     assert info.value.details["budget"] == 64 * MiB and info.value.details["used"] == 60 * MiB
-    assert state.tenants["a"].used_bytes == 60 * MiB
+    assert state.tenants.by_name["a"].used_bytes == 60 * MiB
 
 
 def test_others_cannot_eat_into_a_guaranteed_minimum(state):
@@ -128,7 +128,7 @@ def test_others_cannot_eat_into_a_guaranteed_minimum(state):
     commit(state, b, 64 * MiB)  # its guarantee is there
     a = state.open_session(4, 1000, 1000, "", "a")
     commit(state, a, 32 * MiB)
-    assert state.committed_bytes == 256 * MiB
+    assert state.tenants.committed_bytes == 256 * MiB
 
 
 def test_a_restricted_tenant_name_is_refused_to_other_uids(state):
@@ -150,11 +150,11 @@ def test_a_guaranteed_tenant_hitting_driver_oom_asks_borrowers_to_reclaim(state,
     monkeypatch.setattr(state.backend, "create", out_of_memory)
     with pytest.raises(OutOfDeviceMemory):
         commit(state, b, 48 * MiB)
-    ((asked, reclaim),) = state.reclaims_due
+    ((asked, reclaim),) = state.sessions.reclaims_due
     assert asked is borrower and reclaim.requested_bytes == 48 * MiB and "'b'" in reclaim.reason
-    assert state.session_info(borrower).reclaim_state == "pending"
-    state.reclaim_answered(borrower, reclaim.reclaim_id, 50 * MiB)
-    assert state.session_info(borrower).reclaim_released_bytes == 50 * MiB
+    assert state.sessions.info(borrower).reclaim_state == "pending"
+    state.sessions.reclaim_answered(borrower, reclaim.reclaim_id, 50 * MiB)
+    assert state.sessions.info(borrower).reclaim_released_bytes == 50 * MiB
 
 
 LIMITED = """
@@ -176,10 +176,11 @@ max = "16MiB"
 def test_a_declared_tenant_name_never_lifts_a_uids_limit():
     backend = HostBackend()
     state = State(backend, 1 << 30, parse_config(LIMITED, total_bytes=1 << 30, budget_bytes=1 << 30))
-    assert state.tenant_for(1001, "anything-else").name == "uid:1001"  # an unknown name is charged to the uid's entry
-    assert state.tenant_for(1001, "").name == "uid:1001"
+    # An unknown name is charged to the uid's entry.
+    assert state.tenants.resolve(1001, "anything-else").name == "uid:1001"
+    assert state.tenants.resolve(1001, "").name == "uid:1001"
     with pytest.raises(PermissionDenied, match="held to its own tenant"):
-        state.tenant_for(1001, "open")
-    assert state.tenant_for(1001, "shared").name == "shared"  # a tenant that names the uid, on purpose
-    assert state.tenant_for(1002, "anything-else").name == "anything-else"  # a uid without limits: a label
-    assert state.tenant_for(1002, "open").name == "open"
+        state.tenants.resolve(1001, "open")
+    assert state.tenants.resolve(1001, "shared").name == "shared"  # a tenant that names the uid, on purpose
+    assert state.tenants.resolve(1002, "anything-else").name == "anything-else"  # a uid without limits: a label
+    assert state.tenants.resolve(1002, "open").name == "open"

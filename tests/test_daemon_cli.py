@@ -221,7 +221,7 @@ commit = state.State.commit
 
 def commit_charging_a_granule_too_many(self, session, buffer_id, sizes):
     chunks = commit(self, session, buffer_id, sizes)
-    self.tenant_table.committed_bytes += self.backend.granularity
+    self.tenants.committed_bytes += self.backend.granularity
     return chunks
 
 state.State.commit = commit_charging_a_granule_too_many

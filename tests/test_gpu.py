@@ -317,11 +317,11 @@ def test_a_failing_create_in_the_cuda_backend_leaks_no_device_memory():
     backend = FailingCuda(0)
     state = State(backend, budget_bytes=64 << 30)
     session = state.open_session(os.getpid(), 0, 0, "", "")
-    buf = state.create_buffer(session, 8 * (1 << 30), 4)
+    buf = state.buffers.create(session, 8 * (1 << 30), 4)
     free_before = torch.cuda.mem_get_info()[0]
     with pytest.raises(OutOfDeviceMemory):
         state.commit(session, buf.buffer_id, 1 << 30)  # four separate 1 GiB runs; the third create fails
-    assert state.committed_bytes == 0 and buf.chunks == []
+    assert state.tenants.committed_bytes == 0 and buf.chunks == []
     assert torch.cuda.mem_get_info()[0] >= free_before - 64 * MiB  # the two created GiB were released
     state.close_session(session)
 

@@ -2,8 +2,8 @@
 
 Read from the source (every ``import`` statement, relative ones resolved, those inside functions and under
 ``if TYPE_CHECKING:`` included), so a layer crossed by a lazy import inside a function fails here as surely as one at
-the top of a module. The client's modules import one another without a cycle: each part gets what it uses, it does
-not reach back into what composes it.
+the top of a module. The client's and the daemon's modules import one another without a cycle: each part gets what
+it uses, it does not reach back into what composes it.
 """
 
 from __future__ import annotations
@@ -109,9 +109,18 @@ def test_the_check_sees_relative_and_nested_imports(tmp_path, monkeypatch):
         "client/late.py imports hbmd.daemon.state", "client/late.py imports hbmd.daemon.state.State"]
 
 
+WITHOUT_CYCLES = [
+    # (a package directory, why none of its modules imports one that imports it back)
+    ("client", "a client part gets the core and the parts it uses; it never imports its composer"),
+    ("daemon", "a part of the daemon is given what it needs by what builds it (the state its modules, the server "
+               "the state), and never imports its composer back"),
+]
+
+
 @pytest.mark.unit
-def test_no_client_module_imports_one_that_imports_it_back():
-    assert cycles("client") == [], "a client part gets the core and the parts it uses; it never imports its composer"
+@pytest.mark.parametrize(("folder", "why"), WITHOUT_CYCLES, ids=[c[0] for c in WITHOUT_CYCLES])
+def test_no_module_imports_one_that_imports_it_back(folder, why):
+    assert cycles(folder) == [], why
 
 
 @pytest.mark.unit

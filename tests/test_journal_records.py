@@ -25,7 +25,7 @@ pytestmark = pytest.mark.unit
 def state():
     state = State(HostBackend(), 16 * GRANULE)
     yield state
-    for session in list(state.sessions.values()):
+    for session in list(state.sessions.by_id.values()):
         state.close_session(session)
 
 
@@ -40,7 +40,7 @@ def test_a_sessions_record_is_what_its_hello_fixed_and_what_is_compared_each_syn
 
 def test_every_field_of_a_buffers_record_outside_its_head_goes_in_every_growth_record(state):
     session = state.open_session(pid=10, uid=1000, gid=1000, client_name="engine", tenant="")
-    buffer = state.create_buffer(session, 8 * GRANULE, 2, "kv", persistent=True)
+    buffer = state.buffers.create(session, 8 * GRANULE, 2, "kv", persistent=True)
     state.commit(session, buffer.buffer_id, GRANULE)
     head, record = persist._head(buffer), persist.buffer_record(buffer)
     assert record.items() >= head.items()
@@ -49,7 +49,7 @@ def test_every_field_of_a_buffers_record_outside_its_head_goes_in_every_growth_r
 
 def test_a_change_to_the_head_is_seen_and_a_commit_is_only_growth(state):
     session = state.open_session(pid=10, uid=1000, gid=1000, client_name="engine", tenant="")
-    buffer = state.create_buffer(session, 8 * GRANULE, 1, "kv", persistent=True)
+    buffer = state.buffers.create(session, 8 * GRANULE, 1, "kv", persistent=True)
     before = persist._shape(buffer)
     state.commit(session, buffer.buffer_id, GRANULE)
     after = persist._shape(buffer)
@@ -60,10 +60,10 @@ def test_a_change_to_the_head_is_seen_and_a_commit_is_only_growth(state):
 
 def test_each_record_reads_back_as_its_type_with_every_field_it_wrote(state):
     session = state.open_session(pid=10, uid=1000, gid=1000, client_name="engine", tenant="")
-    buffer = state.create_buffer(session, 8 * GRANULE, 2, "kv", persistent=True)
+    buffer = state.buffers.create(session, 8 * GRANULE, 2, "kv", persistent=True)
     state.commit(session, buffer.buffer_id, GRANULE)
     session.answer = Answer(3, None, buffer.buffer_id, [c.chunk_id for c in buffer.chunks])
-    read = session_of(persist.session_record(session), GRANULE, state.budget_bytes)
+    read = session_of(persist.session_record(session), GRANULE, state.tenants.budget_bytes)
     assert read == JournaledSession(
         session_id=session.session_id, pid=10, uid=1000, gid=1000, name="engine", tenant=session.tenant.name,
         admin=session.admin, wants_lease=session.wants_lease, wants_credit=session.wants_credit,

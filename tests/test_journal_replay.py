@@ -81,7 +81,7 @@ def accounts(state: State[Any, Any]) -> dict[str, Any]:
                                                         s.answer.chunk_ids),
                 sorted(s.buffers), sorted(s.reading),
             )
-            for s in state.sessions.values() if not s.observer
+            for s in state.sessions.by_id.values() if not s.observer
         },
         "buffers": {
             b.buffer_id: (
@@ -89,12 +89,13 @@ def accounts(state: State[Any, Any]) -> dict[str, Any]:
                 b.capacity, b.reserved, list(b.segment_capacities), list(b.segment_sizes), b.sealed, dict(b.readers),
                 chunk_layout(b.chunks), chunk_layout(b.pending),
             )
-            for b in state.buffers.values()
+            for b in state.buffers.by_id.values()
         },
-        "tenants": {name: (t.used_bytes, t.host_bytes) for name, t in state.tenants.items()
+        "tenants": {name: (t.used_bytes, t.host_bytes) for name, t in state.tenants.by_name.items()
                     if t.used_bytes or t.host_bytes},
-        "totals": (state.committed_bytes, state.leased_bytes, state.host_bytes, state.reserved_bytes,
-                   state.num_chunks),
+        "totals": (state.tenants.committed_bytes, state.tenants.leased_bytes, state.tenants.host_bytes,
+                   state.buffers.reserved_bytes,
+                   state.buffers.num_chunks),
     }
 
 
@@ -131,10 +132,10 @@ class JournalReplay(RuleBasedStateMachine):
     # helpers
 
     def session(self, data: st.DataObject) -> Session:
-        return data.draw(st.sampled_from(sorted(self.state.sessions.values(), key=lambda s: s.session_id)))
+        return data.draw(st.sampled_from(sorted(self.state.sessions.by_id.values(), key=lambda s: s.session_id)))
 
     def owned(self, data: st.DataObject):
-        owned = sorted((b for b in self.state.buffers.values() if b.owner is not None), key=lambda b: b.buffer_id)
+        owned = sorted((b for b in self.state.buffers.by_id.values() if b.owner is not None), key=lambda b: b.buffer_id)
         return data.draw(st.sampled_from(owned))
 
     def attempt(self, call, *args) -> Any:
@@ -148,31 +149,31 @@ class JournalReplay(RuleBasedStateMachine):
             self.persistence.sync()
 
     def has_owned(self) -> bool:
-        return any(b.owner is not None for b in self.state.buffers.values())
+        return any(b.owner is not None for b in self.state.buffers.by_id.values())
 
     # rules
 
-    @precondition(lambda self: len(self.state.sessions) < 4)
+    @precondition(lambda self: len(self.state.sessions.by_id) < 4)
     @rule(tenant=st.sampled_from(TENANTS), lease=st.booleans(), observer=st.integers(0, 4))
     def open_session(self, tenant, lease, observer):
         session = self.attempt(self.state.open_session, next(self.pids), next(self.uids), 100, "worker", tenant,
                                False, observer == 0, lease)
         if session is not None:
-            self.attempt(self.state.issue_credential, session)  # what its welcome carries
+            self.attempt(self.state.sessions.issue_credential, session)  # what its welcome carries
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), now=st.integers(0, 2))
     def close_session(self, data, now):
         if not now:  # a session lives a while: its buffers and lease have time to grow
             self.attempt(self.state.close_session, self.session(data))
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), granules=st.integers(1, 8), segments=st.integers(1, 3), persistent=st.booleans(),
           shareable=st.booleans())
     def create_buffer(self, data, granules, segments, persistent, shareable):
         name = f"b{next(self.names)}" if persistent else ""
         session = self.session(data)
-        buffer = self.attempt(self.state.create_buffer, session, granules * GRANULE * segments, segments, name,
+        buffer = self.attempt(self.state.buffers.create, session, granules * GRANULE * segments, segments, name,
                               persistent, shareable)
         if buffer is not None:  # an engine grows what it creates
             self.attempt(self.state.commit, session, buffer.buffer_id, data.draw(st.integers(0, granules)) * GRANULE)
@@ -188,77 +189,79 @@ class JournalReplay(RuleBasedStateMachine):
     @rule(data=st.data(), preserve=st.booleans(), finish=st.none() | st.booleans())
     def defragment(self, data, preserve, finish):
         buffer = self.owned(data)
-        self.attempt(self.state.defragment, buffer.owner, buffer.buffer_id, preserve)
+        self.attempt(self.state.buffers.defragment, buffer.owner, buffer.buffer_id, preserve)
         if finish is not None:
-            self.attempt(self.state.finish_defragment, buffer.owner, buffer.buffer_id, finish)
+            self.attempt(self.state.buffers.finish_defragment, buffer.owner, buffer.buffer_id, finish)
 
     @precondition(has_owned)
     @rule(data=st.data(), tier=st.sampled_from(["host", "device"]), finish=st.none() | st.booleans())
     def move(self, data, tier, finish):
         # Mostly a buffer with something committed in the other tier.
-        movable = sorted((b for b in self.state.buffers.values() if b.owner and b.chunks and b.tier != tier),
+        movable = sorted((b for b in self.state.buffers.by_id.values() if b.owner and b.chunks and b.tier != tier),
                          key=lambda b: b.buffer_id)
         buffer = data.draw(st.sampled_from(movable)) if movable and data.draw(st.integers(0, 3)) else self.owned(data)
         self.attempt(self.state.move, buffer.owner, buffer.buffer_id, tier)
         if finish is not None:
-            self.attempt(self.state.finish_defragment, buffer.owner, buffer.buffer_id, finish)
+            self.attempt(self.state.buffers.finish_defragment, buffer.owner, buffer.buffer_id, finish)
 
     @precondition(has_owned)
     @rule(data=st.data(), call=st.sampled_from(["release", "free", "detach"]))
     def change_buffer(self, data, call):
         buffer = self.owned(data)
-        self.attempt(getattr(self.state, call), buffer.owner, buffer.buffer_id)
+        change = {"release": self.state.buffers.release, "free": self.state.free, "detach": self.state.orphans.detach}
+        self.attempt(change[call], buffer.owner, buffer.buffer_id)
 
     @precondition(has_owned)
     @rule(data=st.data())
     def seal(self, data):
         # Mostly a persistent buffer: only those are sealed.
-        persistent = sorted((b for b in self.state.buffers.values() if b.owner and b.persistent),
+        persistent = sorted((b for b in self.state.buffers.by_id.values() if b.owner and b.persistent),
                             key=lambda b: b.buffer_id)
         buffer = data.draw(st.sampled_from(persistent)) if persistent and data.draw(st.integers(0, 3)) else self.owned(
             data)
-        self.attempt(self.state.seal, buffer.owner, buffer.buffer_id)
+        self.attempt(self.state.sealed.seal, buffer.owner, buffer.buffer_id)
 
-    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @precondition(lambda self: self.state.sessions.by_id and self.state.buffers.by_id)
     @rule(data=st.data(), call=st.sampled_from(["attach", "delete"]))
     def by_name(self, data, call):
         session = self.session(data)
-        buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
-        self.attempt(getattr(self.state, call), session, buffer.name)
+        buffer = data.draw(st.sampled_from(sorted(self.state.buffers.by_id.values(), key=lambda b: b.buffer_id)))
+        by_name = {"attach": self.state.orphans.attach, "delete": self.state.delete}
+        self.attempt(by_name[call], session, buffer.name)
 
-    @precondition(lambda self: self.state.sessions and any(b.sealed for b in self.state.buffers.values()))
+    @precondition(lambda self: self.state.sessions.by_id and any(b.sealed for b in self.state.buffers.by_id.values()))
     @rule(data=st.data())
     def attach_reader(self, data):
         # Mostly a session of the sealed buffer's user, so that readers pile up.
-        readable = sorted((b.buffer_id, s.session_id) for b in self.state.buffers.values() if b.sealed
-                           for s in self.state.sessions.values() if s.uid == b.owner_uid)
+        readable = sorted((b.buffer_id, s.session_id) for b in self.state.buffers.by_id.values() if b.sealed
+                           for s in self.state.sessions.by_id.values() if s.uid == b.owner_uid)
         if readable and data.draw(st.integers(0, 3)):
             buffer_id, session_id = data.draw(st.sampled_from(readable))
-            buffer, session = self.state.buffers[buffer_id], self.state.sessions[session_id]
+            buffer, session = self.state.buffers.by_id[buffer_id], self.state.sessions.by_id[session_id]
         else:
-            buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
+            buffer = data.draw(st.sampled_from(sorted(self.state.buffers.by_id.values(), key=lambda b: b.buffer_id)))
             session = self.session(data)
-        self.attempt(self.state.attach_reader, session, buffer.name)
+        self.attempt(self.state.sealed.attach_reader, session, buffer.name)
 
-    @precondition(lambda self: any(s.reading for s in self.state.sessions.values()))
+    @precondition(lambda self: any(s.reading for s in self.state.sessions.by_id.values()))
     @rule(data=st.data())
     def detach_reader(self, data):
-        readers = sorted((s for s in self.state.sessions.values() if s.reading), key=lambda s: s.session_id)
+        readers = sorted((s for s in self.state.sessions.by_id.values() if s.reading), key=lambda s: s.session_id)
         session = data.draw(st.sampled_from(readers))
-        self.attempt(self.state.detach_reader, session, data.draw(st.sampled_from(sorted(session.reading))))
+        self.attempt(self.state.sealed.detach_reader, session, data.draw(st.sampled_from(sorted(session.reading))))
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), granules=st.integers(1, 3))
     def top_up_lease(self, data, granules):
         session = self.session(data)
         self.state.leases.note_demand(session, [Chunk(0, 0, GRANULE, None)] * granules)  # a commit of that many runs
-        self.attempt(self.state.top_up_lease, session)
+        self.attempt(self.state.leases.top_up, session)
 
-    @precondition(lambda self: any(b.owner and b.owner.lease for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner and b.owner.lease for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), granules=st.integers(1, 4))
     def place_leased_granules(self, data, granules):
         """What a client sends after mapping leased granules: each segment grown by as many as its lease covers."""
-        leased = sorted((b for b in self.state.buffers.values() if b.owner and b.owner.lease),
+        leased = sorted((b for b in self.state.buffers.by_id.values() if b.owner and b.owner.lease),
                         key=lambda b: b.buffer_id)
         buffer = data.draw(st.sampled_from(leased))
         session = buffer.owner
@@ -270,22 +273,22 @@ class JournalReplay(RuleBasedStateMachine):
         self.attempt(self.state.place, session, buffer.buffer_id, sizes, sorted(session.lease)[: len(offsets)],
                      offsets)
 
-    @precondition(lambda self: any(s.lease for s in self.state.sessions.values()))
+    @precondition(lambda self: any(s.lease for s in self.state.sessions.by_id.values()))
     @rule(data=st.data())
     def return_lease(self, data):
-        leased = sorted((s for s in self.state.sessions.values() if s.lease), key=lambda s: s.session_id)
+        leased = sorted((s for s in self.state.sessions.by_id.values() if s.lease), key=lambda s: s.session_id)
         session = data.draw(st.sampled_from(leased))
-        self.attempt(self.state.return_lease, session, data.draw(st.lists(st.sampled_from(sorted(session.lease)))))
+        self.attempt(self.state.leases.given_back, session, data.draw(st.lists(st.sampled_from(sorted(session.lease)))))
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), demote=st.booleans(), released=st.none() | st.integers(0, 4 * GRANULE))
     def reclaim(self, data, demote, released):
         session = self.session(data)
-        reclaim = self.attempt(self.state.request_reclaim, session, GRANULE, "test", demote)
+        reclaim = self.attempt(self.state.pressure.request_reclaim, session, GRANULE, "test", demote)
         if reclaim is not None and released is not None:
-            self.attempt(self.state.reclaim_answered, session, reclaim.reclaim_id, released)
+            self.attempt(self.state.sessions.reclaim_answered, session, reclaim.reclaim_id, released)
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), chunks=st.booleans())
     def answered(self, data, chunks):
         """The server keeps each session's last answer, so that the request sent again after a restart is answered

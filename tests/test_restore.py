@@ -16,9 +16,17 @@ import msgpack
 import pytest
 from fake_systemd import FakeSystemd
 from hbmd.daemon.notify import SystemdNotifier
-from hbmd.daemon.restart.persist import MAX_NAMES_CHARS, MAX_PARKED, Journal, Persistence, buffer_record, chunk_name
+from hbmd.daemon.restart.persist import (
+    MAX_NAMES_CHARS,
+    MAX_PARKED,
+    RESUME_WINDOW_S,
+    Journal,
+    Persistence,
+    buffer_record,
+    chunk_name,
+)
 from hbmd.daemon.state import State
-from helpers import GRANULE, descriptors_where, wait_until
+from helpers import GRANULE, ManualClock, descriptors_where, wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -132,7 +140,7 @@ def parked(tmp_path, store):
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
     ids = {}
     for name, chunks in (("kept", 2), ("lost", 3)):
-        buffer = state.create_buffer(session, 8 * GRANULE, 1, name, persistent=True)
+        buffer = state.buffers.create(session, 8 * GRANULE, 1, name, persistent=True)
         for size in range(1, chunks + 1):
             state.commit(session, buffer.buffer_id, size * GRANULE)
         ids[name] = buffer
@@ -142,7 +150,7 @@ def parked(tmp_path, store):
     state.close_session(session)
     persistence.sync()
     yield systemd, notifier, tmp_path / "journal", ids
-    for buffer in list(state.buffers.values()):
+    for buffer in list(state.buffers.by_id.values()):
         for chunk in buffer.chunks:
             os.close(chunk.handle)
 
@@ -166,7 +174,7 @@ def test_a_buffer_missing_one_chunk_fd_is_skipped_and_unparked(parked, caplog):
     kept_before, lost_before = descriptors_on(kept.chunks), descriptors_on(lost.chunks)
     with caplog.at_level(logging.WARNING, "hbmd.persist"):
         state, restored = restart(systemd, notifier, journal, PipeBackend())
-    assert restored == (0, 1) and [b.name for b in state.buffers.values()] == ["kept"]
+    assert restored == (0, 1) and [b.name for b in state.buffers.by_id.values()] == ["kept"]
     lost_line = f"buffer {lost.buffer_id} 'lost' (6.0 MiB) is lost: 1 of its 3 parked descriptors did not come back"
     assert lost_line in caplog.text
     state.check_invariants()
@@ -175,7 +183,7 @@ def test_a_buffer_missing_one_chunk_fd_is_skipped_and_unparked(parked, caplog):
     # let go of its own two.
     assert descriptors_on(kept.chunks) == kept_before + 2
     assert descriptors_on(lost.chunks) == lost_before - 2
-    for chunk in state.buffers[kept.buffer_id].chunks:
+    for chunk in state.buffers.by_id[kept.buffer_id].chunks:
         os.close(chunk.handle)
 
 
@@ -185,14 +193,14 @@ def test_a_buffer_the_backend_cannot_adopt_is_skipped_and_what_was_adopted_relea
     kept_before, lost_before = descriptors_on(kept.chunks), descriptors_on(lost.chunks)
     with caplog.at_level(logging.WARNING, "hbmd.persist"):
         state, restored = restart(systemd, notifier, journal, PipeBackend(refuse_at=lost.chunks[2].offset))
-    assert restored == (0, 1) and [b.name for b in state.buffers.values()] == ["kept"]
+    assert restored == (0, 1) and [b.name for b in state.buffers.by_id.values()] == ["kept"]
     assert f"buffer {lost.buffer_id} 'lost' (6.0 MiB) is lost: the driver is gone" in caplog.text
     state.check_invariants()
     wait_until(lambda: systemd.names() == {chunk_name(c.chunk_id) for c in kept.chunks})
     assert descriptors_on(kept.chunks) == kept_before + 2
     # The two adopted chunks of 'lost' were released, the three passed closed, and the store let go of its own three.
     assert descriptors_on(lost.chunks) == lost_before - 3
-    for chunk in state.buffers[kept.buffer_id].chunks:
+    for chunk in state.buffers.by_id[kept.buffer_id].chunks:
         os.close(chunk.handle)
 
 
@@ -201,7 +209,7 @@ def test_no_more_chunks_are_parked_than_the_service_manager_can_pass_back(tmp_pa
     assert len(":".join(chunk_name(i) for i in range(50_000_000, 50_000_000 + MAX_PARKED))) < MAX_NAMES_CHARS
     systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal", max_parked=3)
-    buffer = state.create_buffer(session, 8 * GRANULE, 4)
+    buffer = state.buffers.create(session, 8 * GRANULE, 4)
     with caplog.at_level(logging.WARNING, "hbmd.persist"):
         state.commit(session, buffer.buffer_id, [GRANULE, 0, 0, 0])
         state.commit(session, buffer.buffer_id, [GRANULE, GRANULE, GRANULE, GRANULE])  # 3 runs: 4 chunks in all
@@ -216,12 +224,12 @@ def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_
     # A daemon that dies between the two comes back from a journal that still lists the chunk: it must find it.
     systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
-    buffer = state.create_buffer(session, 8 * GRANULE, 1)
+    buffer = state.buffers.create(session, 8 * GRANULE, 1)
     state.commit(session, buffer.buffer_id, 2 * GRANULE)
     persistence.sync()
     names = {chunk_name(c.chunk_id) for c in buffer.chunks}
     wait_until(lambda: systemd.names() == names)
-    state.release(session, buffer.buffer_id)
+    state.buffers.release(session, buffer.buffer_id)
     systemd.barrier()
     assert systemd.names() == names  # the journal still lists them
     persistence.sync()
@@ -233,8 +241,8 @@ def test_a_released_chunk_is_unparked_only_once_the_journal_says_it_is_gone(tmp_
 def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_exactly(tmp_path, store):
     _systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
-    state.tenant_table.budget_bytes = 1024 * GRANULE
-    buffer = state.create_buffer(session, 512 * GRANULE, 2)
+    state.tenants.budget_bytes = 1024 * GRANULE
+    buffer = state.buffers.create(session, 512 * GRANULE, 2)
     journal = persistence.journal
     growth = []
     for step in range(1, 201):  # granule by granule: a chunk a commit, each segment's list growing
@@ -244,7 +252,7 @@ def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_e
         growth.append(journal.size - before)
     # The record of a commit does not grow with the chunks before it (a whole record would, by ~12 bytes each).
     assert max(growth[150:]) <= max(growth[:10]) + 8
-    state.release(session, buffer.buffer_id)  # a shrink is a whole record again
+    state.buffers.release(session, buffer.buffer_id)  # a shrink is a whole record again
     state.commit(session, buffer.buffer_id, 3 * GRANULE)
     persistence.sync()
     replayed = Journal(tmp_path / "journal").read()["buffers"][buffer.buffer_id]
@@ -253,13 +261,30 @@ def test_a_buffer_that_only_grows_costs_the_journal_its_new_chunks_and_replays_e
     persistence.sync()
 
 
+def test_a_restored_session_waits_for_its_client_by_the_states_clock(tmp_path, store):
+    """The resume window is kept by the clock the state is built with: a test moves it instead of waiting it out."""
+    systemd, notifier = store
+    _, persistence, session = kept_state(notifier, tmp_path / "journal")
+    persistence.sync()
+    with systemd.lock:
+        passed = {name: [os.dup(fd) for fd in fds] for name, fds in systemd.store.items()}
+    clock = ManualClock()
+    restored = State(PipeBackend(), 32 * GRANULE, clock=clock)
+    assert Persistence(restored, notifier, tmp_path / "journal").restore(passed) == (1, 0)
+    waiting = restored.sessions.by_id[session.session_id]
+    clock.advance(RESUME_WINDOW_S - 1)
+    assert restored.sessions.unresumed(clock.monotonic(), lambda pid: False) == []
+    clock.advance(2)
+    assert restored.sessions.unresumed(clock.monotonic(), lambda pid: False) == [waiting]
+
+
 def test_a_restore_holds_one_descriptor_a_chunk_not_two(tmp_path, store):
     # Thousands of chunks come back under an FD limit that holds them once: each passed FD closes once adopted, before
     # the next chunk is.
     systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
-    state.tenant_table.budget_bytes = 1024 * GRANULE
-    buffer = state.create_buffer(session, 800 * GRANULE, 400, "many", persistent=True)
+    state.tenants.budget_bytes = 1024 * GRANULE
+    buffer = state.buffers.create(session, 800 * GRANULE, 400, "many", persistent=True)
     state.commit(session, buffer.buffer_id, GRANULE)  # a chunk per segment: 400
     persistence.sync()
     wait_until(lambda: len(systemd.names()) == 400)
@@ -268,17 +293,17 @@ def test_a_restore_holds_one_descriptor_a_chunk_not_two(tmp_path, store):
     backend = OneAtATimeBackend()
     restored = State(backend, 1024 * GRANULE)
     assert Persistence(restored, notifier, tmp_path / "journal").restore(passed) == (1, 1)
-    assert len(restored.buffers[buffer.buffer_id].chunks) == 400
+    assert len(restored.buffers.by_id[buffer.buffer_id].chunks) == 400
     assert backend.both_held == 0 and not backend.passed_still_open()
     for state_of in (state, restored):
-        for chunk in state_of.buffers[buffer.buffer_id].chunks:
+        for chunk in state_of.buffers.by_id[buffer.buffer_id].chunks:
             os.close(chunk.handle)
 
 
 def test_a_daemon_that_took_over_parks_each_chunk_once_beside_what_its_predecessor_parked(tmp_path, store):
     systemd, notifier = store
     state, persistence, session = kept_state(notifier, tmp_path / "journal")
-    buffer = state.create_buffer(session, 8 * GRANULE, 4)
+    buffer = state.buffers.create(session, 8 * GRANULE, 4)
     state.commit(session, buffer.buffer_id, GRANULE)
     persistence.sync()
     wait_until(lambda: len(systemd.names()) == 4)

@@ -20,6 +20,7 @@ from hbmd.daemon.config import Config, ConfigError, TenantLimits
 from hbmd.daemon.state import Chunk, State
 from hbmd.proto.errors import HbmdError, InternalError, OutOfDeviceMemory
 from hbmd.proto.runs import backed_runs, new_runs, prefix_offsets
+from helpers import ManualClock
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -105,20 +106,20 @@ class FlakyBackend:
 def snapshot(state: State) -> tuple:
     """What a refused request must leave as it was."""
     return (
-        state.committed_bytes,
-        {t.name: t.used_bytes for t in state.tenants.values()},
+        state.tenants.committed_bytes,
+        {t.name: t.used_bytes for t in state.tenants.by_name.values()},
         {
             b.buffer_id: (list(b.segment_sizes), b.physical_bytes, b.pending_bytes, b.owner and b.owner.session_id,
                           [dataclasses.astuple(c) for c in b.chunks], [dataclasses.astuple(c) for c in b.pending],
                           b.sealed, dict(b.readers))
-            for b in state.buffers.values()
+            for b in state.buffers.by_id.values()
         },
-        sorted(state.sessions),
-        state.leased_bytes,
-        state.host_bytes,
-        {t.name: t.host_bytes for t in state.tenants.values()},
+        sorted(state.sessions.by_id),
+        state.tenants.leased_bytes,
+        state.tenants.host_bytes,
+        {t.name: t.host_bytes for t in state.tenants.by_name.values()},
         # Which granules are leased, not which were asked back: a refusal for budget asks, by design.
-        {s.session_id: sorted(s.lease) for s in state.sessions.values()},
+        {s.session_id: sorted(s.lease) for s in state.sessions.by_id.values()},
     )
 
 
@@ -127,9 +128,9 @@ class StateMachine(RuleBasedStateMachine):
         super().__init__()
         self.backend = FlakyBackend()
         # Leases of up to 4 granules; none granted while a tenant's room is under a 16th of the budget.
-        self.now = 1_800_000_000.0
+        self.clock = ManualClock()
         self.state = State(self.backend, BUDGET, lease_bytes=4 * GRANULE, host_budget_bytes=BUDGET // 2,
-                           wall_clock=lambda: self.now)
+                           clock=self.clock)
         self.uids = itertools.cycle([1000, 1001])
         self.names = itertools.count()
         self.frozen: dict[int, tuple[list[int], list[int]]] = {}
@@ -138,10 +139,10 @@ class StateMachine(RuleBasedStateMachine):
     # helpers
 
     def session(self, data: st.DataObject):
-        return data.draw(st.sampled_from(sorted(self.state.sessions.values(), key=lambda s: s.session_id)))
+        return data.draw(st.sampled_from(sorted(self.state.sessions.by_id.values(), key=lambda s: s.session_id)))
 
     def owned(self, data: st.DataObject):
-        owned = [b for b in self.state.buffers.values() if b.owner is not None]
+        owned = [b for b in self.state.buffers.by_id.values() if b.owner is not None]
         return data.draw(st.sampled_from(sorted(owned, key=lambda b: b.buffer_id)))
 
     def attempt(self, call, *args) -> None:
@@ -152,7 +153,7 @@ class StateMachine(RuleBasedStateMachine):
             call(*args)
         except HbmdError as exc:
             assert not isinstance(exc, InternalError), exc
-            if not (call == self.state.defragment and not args[2]):
+            if not (call == self.state.buffers.defragment and not args[2]):
                 assert snapshot(self.state) == before, (
                     f"{call.__name__}{args[1:]} refused ({exc}) but changed the state"
                 )
@@ -164,26 +165,26 @@ class StateMachine(RuleBasedStateMachine):
         # A uid held to its own tenant by the config in force may be refused a declared one.
         self.attempt(self.state.open_session, 4242, next(self.uids), 100, "worker", tenant, False, False, lease)
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data())
     def close_session(self, data):
         self.state.close_session(self.session(data))
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), granules=st.integers(1, 12), segments=st.integers(1, 3), extra=st.integers(0, GRANULE - 1),
           persistent=st.booleans(), keep_s=st.sampled_from([0.0, 0.0, 1.0, 5.0]))
     def create_buffer(self, data, granules, segments, extra, persistent, keep_s):
         capacity = (granules * GRANULE + extra) // segments * segments
         name = f"b{next(self.names)}" if persistent else ""
-        self.attempt(self.state.create_buffer, self.session(data), capacity, segments, name, persistent, False, None,
+        self.attempt(self.state.buffers.create, self.session(data), capacity, segments, name, persistent, False, None,
                      keep_s)
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), capacities=st.lists(st.integers(1, 5 * GRANULE), min_size=1, max_size=4))
     def create_uneven_buffer(self, data, capacities):
-        self.attempt(self.state.create_buffer, self.session(data), sum(capacities), 1, "", False, False, capacities)
+        self.attempt(self.state.buffers.create, self.session(data), sum(capacities), 1, "", False, False, capacities)
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), fraction=st.floats(0, 1), fail_after=st.none() | st.integers(0, 2))
     def commit(self, data, fraction, fail_after):
         buffer = self.owned(data)
@@ -192,13 +193,13 @@ class StateMachine(RuleBasedStateMachine):
         self.attempt(self.state.commit, buffer.owner, buffer.buffer_id, target)
         self.backend.fail_create_in = None
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), bytes_per_segment=st.integers(-1, 64 * GRANULE))
     def commit_anything(self, data, bytes_per_segment):
         buffer = self.owned(data)
         self.attempt(self.state.commit, buffer.owner, buffer.buffer_id, bytes_per_segment)
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), fail_after=st.none() | st.integers(0, 2))
     def commit_each_segment(self, data, fail_after):
         buffer = self.owned(data)
@@ -208,26 +209,26 @@ class StateMachine(RuleBasedStateMachine):
         self.attempt(self.state.commit, buffer.owner, buffer.buffer_id, sizes)
         self.backend.fail_create_in = None
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), preserve=st.booleans(), fail_after=st.none() | st.integers(0, 2))
     def defragment(self, data, preserve, fail_after):
         buffer = self.owned(data)
         self.backend.fail_create_in = fail_after
-        self.attempt(self.state.defragment, buffer.owner, buffer.buffer_id, preserve)
+        self.attempt(self.state.buffers.defragment, buffer.owner, buffer.buffer_id, preserve)
         self.backend.fail_create_in = None
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), keep_new=st.booleans())
     def finish_defragment(self, data, keep_new):
         buffer = self.owned(data)
-        self.attempt(self.state.finish_defragment, buffer.owner, buffer.buffer_id, keep_new)
+        self.attempt(self.state.buffers.finish_defragment, buffer.owner, buffer.buffer_id, keep_new)
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), tier=st.sampled_from(["host", "device", "tape"]), fail_after=st.none() | st.integers(0, 2),
           finish=st.none() | st.booleans())
     def move(self, data, tier, fail_after, finish):
         # Mostly a buffer with something committed in the other tier, and its client mostly done with the copy at once.
-        committed = sorted((b for b in self.state.buffers.values() if b.owner and b.chunks and b.tier != tier),
+        committed = sorted((b for b in self.state.buffers.by_id.values() if b.owner and b.chunks and b.tier != tier),
                            key=lambda b: b.buffer_id)
         buffer = (data.draw(st.sampled_from(committed)) if committed and data.draw(st.integers(0, 3))
                   else self.owned(data))
@@ -235,42 +236,42 @@ class StateMachine(RuleBasedStateMachine):
         self.attempt(self.state.move, buffer.owner, buffer.buffer_id, tier)
         self.backend.fail_create_in = None
         if finish is not None:
-            self.attempt(self.state.finish_defragment, buffer.owner, buffer.buffer_id, finish)
+            self.attempt(self.state.buffers.finish_defragment, buffer.owner, buffer.buffer_id, finish)
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data())
     def release(self, data):
         buffer = self.owned(data)
-        self.attempt(self.state.release, buffer.owner, buffer.buffer_id)
+        self.attempt(self.state.buffers.release, buffer.owner, buffer.buffer_id)
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data())
     def free(self, data):
         buffer = self.owned(data)
         self.attempt(self.state.free, buffer.owner, buffer.buffer_id)
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), by_owner=st.booleans())
     def detach(self, data, by_owner):
         buffer = self.owned(data)
         session = buffer.owner if by_owner else self.session(data)
-        self.attempt(self.state.detach, session, buffer.buffer_id)
+        self.attempt(self.state.orphans.detach, session, buffer.buffer_id)
 
-    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @precondition(lambda self: self.state.sessions.by_id and self.state.buffers.by_id)
     @rule(data=st.data())
     def attach_or_delete_by_name(self, data):
         session = self.session(data)
-        buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
-        call = data.draw(st.sampled_from([self.state.attach, self.state.delete]))
+        buffer = data.draw(st.sampled_from(sorted(self.state.buffers.by_id.values(), key=lambda b: b.buffer_id)))
+        call = data.draw(st.sampled_from([self.state.orphans.attach, self.state.delete]))
         self.attempt(call, session, buffer.name)
 
-    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @precondition(lambda self: self.state.sessions.by_id and self.state.buffers.by_id)
     @rule(data=st.data(), successor=st.integers(0, 3))
     def graft(self, data, successor):
         """Mostly what a restarted engine does: a buffer of an orphan's layout made by a session of its user, then the
         orphan grafted into it; at times any buffer and name, to be refused."""
-        orphans = [(b, s) for b in self.state.buffers.values() if b.owner is None
-                   for s in self.state.sessions.values() if s.uid == b.owner_uid]
+        orphans = [(b, s) for b in self.state.buffers.by_id.values() if b.owner is None
+                   for s in self.state.sessions.by_id.values() if s.uid == b.owner_uid]
         if orphans and successor:
             orphan, session = data.draw(st.sampled_from(sorted(orphans, key=lambda p: (p[0].buffer_id,
                                                                                         p[1].session_id))))
@@ -278,59 +279,59 @@ class StateMachine(RuleBasedStateMachine):
             # memory moved): each chunk moves with its segment, or the graft is refused whole.
             grown = data.draw(st.sampled_from([0, 0, 1, -1])) * self.state.backend.granularity
             capacities = [max(capacity + grown, 1) for capacity in orphan.segment_capacities]
-            self.attempt(self.state.create_buffer, session, sum(capacities), 1, "", False, orphan.shareable,
+            self.attempt(self.state.buffers.create, session, sum(capacities), 1, "", False, orphan.shareable,
                          capacities)
             target = max(session.buffers.values(), key=lambda b: b.buffer_id, default=None)
         else:
-            target = self.owned(data) if any(b.owner for b in self.state.buffers.values()) else None
-            orphan = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
+            target = self.owned(data) if any(b.owner for b in self.state.buffers.by_id.values()) else None
+            orphan = data.draw(st.sampled_from(sorted(self.state.buffers.by_id.values(), key=lambda b: b.buffer_id)))
         if target is not None and target.owner is not None:
             self.attempt(self.state.graft, target.owner, target.buffer_id, orphan.name)
 
     @rule(seconds=st.sampled_from([0.5, 1.0, 5.0]))
     def time_passes(self, seconds):
-        self.now += seconds
-        self.state.expire_orphans()
+        self.clock.advance(seconds)
+        self.state.orphans.expire()
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), by_owner=st.booleans())
     def seal(self, data, by_owner):
         buffer = self.owned(data)
         session = buffer.owner if by_owner else self.session(data)
-        self.attempt(self.state.seal, session, buffer.buffer_id)
+        self.attempt(self.state.sealed.seal, session, buffer.buffer_id)
 
-    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @precondition(lambda self: self.state.sessions.by_id and self.state.buffers.by_id)
     @rule(data=st.data())
     def attach_read_only(self, data):
         # Mostly a sealed buffer and a session of its user, so that readers pile up; sometimes any pair, to be refused.
-        readable = [(b, s) for b in self.state.buffers.values() if b.sealed
-                    for s in self.state.sessions.values() if s.uid == b.owner_uid]
+        readable = [(b, s) for b in self.state.buffers.by_id.values() if b.sealed
+                    for s in self.state.sessions.by_id.values() if s.uid == b.owner_uid]
         if readable and data.draw(st.integers(0, 3)):
             ordered = sorted(readable, key=lambda p: (p[0].buffer_id, p[1].session_id))
             buffer, session = data.draw(st.sampled_from(ordered))
         else:
             session = self.session(data)
-            buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
-        self.attempt(self.state.attach_reader, session, buffer.name)
+            buffer = data.draw(st.sampled_from(sorted(self.state.buffers.by_id.values(), key=lambda b: b.buffer_id)))
+        self.attempt(self.state.sealed.attach_reader, session, buffer.name)
 
-    @precondition(lambda self: self.state.sessions and self.state.buffers)
+    @precondition(lambda self: self.state.sessions.by_id and self.state.buffers.by_id)
     @rule(data=st.data())
     def detach_read_only(self, data):
         session = self.session(data)
-        buffer = data.draw(st.sampled_from(sorted(self.state.buffers.values(), key=lambda b: b.buffer_id)))
-        self.attempt(self.state.detach_reader, session, buffer.buffer_id)
+        buffer = data.draw(st.sampled_from(sorted(self.state.buffers.by_id.values(), key=lambda b: b.buffer_id)))
+        self.attempt(self.state.sealed.detach_reader, session, buffer.buffer_id)
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), granules=st.integers(1, 3), fail_after=st.none() | st.integers(0, 2))
     def top_up_lease(self, data, granules, fail_after):
         session = self.session(data)
         # A commit of that many granule runs.
         self.state.leases.note_demand(session, [Chunk(0, 0, GRANULE, 0)] * granules)
         self.backend.fail_create_in = fail_after
-        self.state.top_up_lease(session)
+        self.state.leases.top_up(session)
         self.backend.fail_create_in = None
 
-    @precondition(lambda self: any(b.owner for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.owner for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), fraction=st.floats(0, 1), honest=st.integers(0, 3))
     def place_leased_granules(self, data, fraction, honest):
         """What a client sends after mapping leased granules: mostly the right ones, sometimes anything."""
@@ -348,20 +349,20 @@ class StateMachine(RuleBasedStateMachine):
                                        min_size=buffer.num_segments, max_size=buffer.num_segments))
         self.attempt(self.state.place, session, buffer.buffer_id, sizes, chunk_ids, offsets)
 
-    @precondition(lambda self: any(s.lease for s in self.state.sessions.values()))
+    @precondition(lambda self: any(s.lease for s in self.state.sessions.by_id.values()))
     @rule(data=st.data())
     def return_lease(self, data):
-        leased = sorted((s for s in self.state.sessions.values() if s.lease), key=lambda s: s.session_id)
+        leased = sorted((s for s in self.state.sessions.by_id.values() if s.lease), key=lambda s: s.session_id)
         session = data.draw(st.sampled_from(leased))
         returned = data.draw(st.lists(st.sampled_from([*sorted(session.lease), 0, 10**9]), max_size=4))
-        self.state.return_lease(session, returned)
+        self.state.leases.given_back(session, returned)
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data())
     def ask_back_lease(self, data):
-        self.state.ask_back_lease(self.session(data))
+        self.state.leases.ask_back(self.session(data))
 
-    @precondition(lambda self: self.state.sessions)
+    @precondition(lambda self: self.state.sessions.by_id)
     @rule(data=st.data(), capacities=st.lists(st.integers(1, 4 * GRANULE), min_size=1, max_size=3),
           fraction=st.floats(0, 1), split=st.booleans(), kind=st.sampled_from(["anonymous", "persistent", "reader"]),
           honest=st.integers(0, 3))
@@ -375,9 +376,9 @@ class StateMachine(RuleBasedStateMachine):
             (start, end - start) for start, end in runs]
         if not honest:
             chunks = [*chunks[1:], (sum(capacities) // GRANULE * GRANULE, GRANULE)]
-        named = sorted(b.name for b in self.state.buffers.values() if b.persistent and b.owner_uid == session.uid)
+        named = sorted(b.name for b in self.state.buffers.by_id.values() if b.persistent and b.owner_uid == session.uid)
         name = "" if kind == "anonymous" else data.draw(st.sampled_from([*named, f"b{next(self.names)}"]))
-        previous = data.draw(st.sampled_from([0, *sorted(self.state.buffers)[:3], 10_000]))
+        previous = data.draw(st.sampled_from([0, *sorted(self.state.buffers.by_id)[:3], 10_000]))
         self.attempt(self.state.redeclare, session, previous, capacities, sizes, chunks, name,
                      kind != "anonymous", False,
                      kind == "reader" or (data.draw(st.booleans()) and kind == "persistent"), kind == "reader")
@@ -386,12 +387,12 @@ class StateMachine(RuleBasedStateMachine):
     def a_sealed_buffer_stays_as_sealed(self):
         # Immutable: its chunks and committed sizes are what they were when it was sealed, until it is dropped.
         for buffer_id, frozen in list(self.frozen.items()):
-            buffer = self.state.buffers.get(buffer_id)
+            buffer = self.state.buffers.by_id.get(buffer_id)
             if buffer is None:
                 del self.frozen[buffer_id]
             else:
                 assert (list(buffer.segment_sizes), [c.chunk_id for c in buffer.chunks]) == frozen
-        for buffer in self.state.buffers.values():
+        for buffer in self.state.buffers.by_id.values():
             if buffer.sealed:
                 self.frozen.setdefault(
                     buffer.buffer_id, (list(buffer.segment_sizes), [c.chunk_id for c in buffer.chunks])
@@ -405,15 +406,15 @@ class StateMachine(RuleBasedStateMachine):
         except ConfigError:
             assert snapshot(self.state) == before
 
-    @precondition(lambda self: any(b.chunks for b in self.state.buffers.values()))
+    @precondition(lambda self: any(b.chunks for b in self.state.buffers.by_id.values()))
     @rule(data=st.data(), fail=st.booleans())
     def export(self, data, fail):
-        buffer = data.draw(st.sampled_from([b for b in self.state.buffers.values() if b.chunks]))
+        buffer = data.draw(st.sampled_from([b for b in self.state.buffers.by_id.values() if b.chunks]))
         chunk = data.draw(st.sampled_from(buffer.chunks))
         assume(chunk.handle is not None)  # one declared again is never handed out (``check_handed_out``)
         self.backend.fail_export = fail
         try:
-            self.state.export(buffer, chunk)
+            self.state.buffers.export(buffer, chunk)
         except InternalError:
             assert fail
         finally:
@@ -427,17 +428,17 @@ class StateMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_chunk_the_backend_holds_is_in_the_state(self):
-        held = {c.handle for b in self.state.buffers.values() for c in (*b.chunks, *b.pending)} - {None}
-        held |= {c.handle for s in self.state.sessions.values() for c in s.lease.values()}
+        held = {c.handle for b in self.state.buffers.by_id.values() for c in (*b.chunks, *b.pending)} - {None}
+        held |= {c.handle for s in self.state.sessions.by_id.values() for c in s.lease.values()}
         assert held == self.backend.live
         lease_arena = {self.state.leases.arena} - {None}
-        assert {b.arena for b in self.state.buffers.values()} | lease_arena == self.backend.arenas
+        assert {b.arena for b in self.state.buffers.by_id.values()} | lease_arena == self.backend.arenas
 
     @invariant()
     def the_budget_holds(self):
         # Memory declared again exists already: leases made before it give way (asked back), never buffers.
-        declared = any(b.held_elsewhere for b in self.state.buffers.values())
-        assert self.state.committed_bytes + (0 if declared else self.state.leased_bytes) <= BUDGET
+        declared = any(b.held_elsewhere for b in self.state.buffers.by_id.values())
+        assert self.state.tenants.committed_bytes + (0 if declared else self.state.tenants.leased_bytes) <= BUDGET
 
 
 StateMachine.TestCase.settings = settings(
@@ -449,7 +450,7 @@ TestStateMachine = StateMachine.TestCase
 def test_check_invariants_notices_counts_that_do_not_add_up():
     state = State(FlakyBackend(), BUDGET)
     session = state.open_session(1, 1000, 100, "w", "")
-    buffer = state.create_buffer(session, 8 * GRANULE, 2)
+    buffer = state.buffers.create(session, 8 * GRANULE, 2)
     state.commit(session, buffer.buffer_id, GRANULE)
     state.check_invariants()
     buffer.tenant.used_bytes += 1

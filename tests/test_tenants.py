@@ -29,12 +29,12 @@ def config_of(*entries: str) -> str:
 
 def unmet_sum(state: State) -> int:
     """Every configured tenant's guarantee less what it uses of it: one nobody uses is made only when charged."""
-    used = {name: t.used_bytes for name, t in state.tenants.items()}
-    return sum(max(0, t.guaranteed_bytes - used.get(t.name, 0)) for t in state.config.tenants)
+    used = {name: t.used_bytes for name, t in state.tenants.by_name.items()}
+    return sum(max(0, t.guaranteed_bytes - used.get(t.name, 0)) for t in state.tenants.config.tenants)
 
 
 def commit(state, session, size):
-    buffer = state.create_buffer(session, size, 1)
+    buffer = state.buffers.create(session, size, 1)
     state.commit(session, buffer.buffer_id, size)
     return buffer
 
@@ -44,15 +44,15 @@ def test_the_running_total_of_unmet_guarantees_follows_commits_frees_and_reloads
     config = parse_config(config_of('name = "a"\nguaranteed = "32MiB"', 'name = "b"\nguaranteed = "16MiB"'),
                           total_bytes=1 << 40, budget_bytes=BUDGET)
     state = State(HostBackend(), BUDGET, config, lease_bytes=0)
-    assert state.tenant_table.unmet_guarantees == 48 * MiB == unmet_sum(state)
+    assert state.tenants.unmet_guarantees == 48 * MiB == unmet_sum(state)
 
     a = state.open_session(1, 1000, 1000, "", "a")
     first = commit(state, a, 20 * MiB)
-    assert state.tenant_table.unmet_guarantees == 28 * MiB
+    assert state.tenants.unmet_guarantees == 28 * MiB
     commit(state, a, 20 * MiB)  # past its guarantee: nothing more held for it
-    assert state.tenant_table.unmet_guarantees == 16 * MiB
+    assert state.tenants.unmet_guarantees == 16 * MiB
     state.free(a, first.buffer_id)
-    assert state.tenant_table.unmet_guarantees == 28 * MiB  # 12 MiB short of its guarantee again
+    assert state.tenants.unmet_guarantees == 28 * MiB  # 12 MiB short of its guarantee again
     state.check_invariants()
 
     # a's guarantee raised, b's dropped, c added with one: the total is the new config's.
@@ -60,14 +60,14 @@ def test_the_running_total_of_unmet_guarantees_follows_commits_frees_and_reloads
         config_of('name = "a"\nguaranteed = "64MiB"', 'name = "c"\nguaranteed = "8MiB"'),
         total_bytes=1 << 40, budget_bytes=BUDGET,
     ))
-    assert state.tenant_table.unmet_guarantees == 44 * MiB + 8 * MiB == unmet_sum(state)
-    assert "b" not in state.tenants
+    assert state.tenants.unmet_guarantees == 44 * MiB + 8 * MiB == unmet_sum(state)
+    assert "b" not in state.tenants.by_name
     other = state.open_session(2, 1001, 1001, "", "")
     with pytest.raises(OutOfBudget) as refused:
         commit(state, other, BUDGET - 20 * MiB - 50 * MiB)
     assert refused.value.details["held"] == 52 * MiB  # what admission holds back is the running total
     state.close_session(a)
-    assert state.tenant_table.unmet_guarantees == 72 * MiB == unmet_sum(state)
+    assert state.tenants.unmet_guarantees == 72 * MiB == unmet_sum(state)
     state.check_invariants()
 
 
@@ -80,7 +80,7 @@ def test_a_refused_reload_leaves_the_running_total_as_it_was():
     with pytest.raises(ConfigError, match="guaranteed minimums need"):
         state.reconfigure(parse_config(config_of('name = "a"\nguaranteed = "64MiB"'), total_bytes=1 << 40,
                                        budget_bytes=BUDGET))
-    assert state.tenant_table.unmet_guarantees == 32 * MiB == unmet_sum(state)
+    assert state.tenants.unmet_guarantees == 32 * MiB == unmet_sum(state)
     state.check_invariants()
 
 
@@ -116,13 +116,13 @@ def test_the_running_total_stays_the_sum_over_random_commits_frees_leases_and_re
                 state.close_session(session)
                 buffers = [(s, b) for s, b in buffers if s is not session]
             elif action < 0.9:
-                state.top_up_lease(rng.choice(sessions))  # leased bytes count toward a guarantee too
+                state.leases.top_up(rng.choice(sessions))  # leased bytes count toward a guarantee too
             else:
                 session = rng.choice(sessions)
-                state.return_lease(session, list(session.lease))
+                state.leases.given_back(session, list(session.lease))
         except (OutOfBudget, ConfigError):
             pass
-        assert state.tenant_table.unmet_guarantees == unmet_sum(state), f"step {step}"
+        assert state.tenants.unmet_guarantees == unmet_sum(state), f"step {step}"
         state.check_invariants()
 
 
@@ -135,10 +135,11 @@ def test_only_the_tenants_in_use_are_made_listed_and_demoted():
     bulk = state.open_session(2, 1000, 1000, "", "bulk")
     state.open_session(3, 1000, 1000, "", "")
     assert [t.name for t in state.tenant_infos()] == ["batch", "bulk", "uid:1000"]
-    assert [t.name for t in state.tenant_table.demotable()] == ["bulk", "batch"]  # "spare" has nothing to demote
+    assert [t.name for t in state.tenants.demotable()] == ["bulk", "batch"]  # "spare" has nothing to demote
     state.close_session(batch)
     state.close_session(bulk)
-    assert list(state.tenants) == ["uid:1000"]  # forgotten with their last session: made again with their limits
+    # Forgotten with their last session: made again with their limits.
+    assert list(state.tenants.by_name) == ["uid:1000"]
     assert state.open_session(4, 1000, 1000, "", "idle-00042").tenant.max_bytes == 1 << 30
     state.check_invariants()
 

@@ -26,6 +26,7 @@ from hbmd.proto.errors import DriverError, InvalidRequest
 from hbmd.proto.instance import gpu_instance
 from hbmd.proto.undo import Undo
 
+from ..clock import Clock
 from . import ParkableBackend
 from .pool import HOST_PIECE, HostPool
 
@@ -92,8 +93,9 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
     name = "cuda"
 
     def __init__(self, index: int, warm_chunks: int = 0, export_sentinel: bool = True, host_pool_bytes: int = 0,
-                 host_piece: int = HOST_PIECE) -> None:
-        """``host_pool_bytes``: host-NUMA pieces of ``host_piece`` bytes kept made ahead of demotes (``pool.py``)."""
+                 host_piece: int = HOST_PIECE, clock: Clock | None = None) -> None:
+        """``host_pool_bytes``: host-NUMA pieces of ``host_piece`` bytes kept made ahead of demotes (``pool.py``), by
+        ``clock`` (the daemon's)."""
         self.warm_target = warm_chunks
         self._warm: list[CudaChunk] = []
         driver.pin_device_order()
@@ -125,7 +127,8 @@ class CudaBackend(ParkableBackend[CudaArena, CudaChunk]):
             probe.release()
         self.host_numa_node = driver.host_numa_node(index)
         self.host_piece = host_piece
-        self._host_pool: HostPool[CudaChunk] = HostPool(host_piece, host_pool_bytes, self._make_host, CudaChunk.release)
+        self._host_pool: HostPool[CudaChunk] = HostPool(
+            host_piece, host_pool_bytes, self._make_host, CudaChunk.release, clock=clock)
 
     def _make_host(self, size: int) -> CudaChunk:
         """A host-NUMA chunk, exported as it is made: its demote then costs no driver call."""

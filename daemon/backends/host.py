@@ -42,6 +42,7 @@ from hbmd.proto import TIER_DEVICE, TIER_HOST
 from hbmd.proto.errors import InternalError, InvalidRequest, OutOfDeviceMemory
 
 from .. import fds
+from ..clock import Clock
 from . import ParkableBackend
 from .pool import HOST_PIECE, HostPool
 
@@ -123,9 +124,9 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
     instance = "host"
     granularity = GRANULE
 
-    def __init__(self, host_pool_bytes: int = 0, host_piece: int = HOST_PIECE) -> None:
+    def __init__(self, host_pool_bytes: int = 0, host_piece: int = HOST_PIECE, clock: Clock | None = None) -> None:
         """``host_pool_bytes``: host-tier pieces of ``host_piece`` bytes kept made ahead of demotes (see
-        ``pool.py``)."""
+        ``pool.py``), by ``clock`` (the daemon's)."""
         self.total_bytes = host_memory_bytes()
         self._open_chunks = 0
         self._counting = threading.Lock()
@@ -133,7 +134,8 @@ class HostBackend(ParkableBackend[HostArena, HostChunk]):
         self._counted = (0, -RECOUNT_EVERY)
         """``(descriptors open, chunks open)`` when the process's descriptors were last counted."""
         self.host_piece = host_piece
-        self._host_pool: HostPool[HostChunk] = HostPool(host_piece, host_pool_bytes, self._make_host, self._release)
+        self._host_pool: HostPool[HostChunk] = HostPool(
+            host_piece, host_pool_bytes, self._make_host, self._release, clock=clock)
 
     def _fds_left(self) -> bool:
         """Whether one more chunk leaves the daemon its descriptor headroom.

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Generic
 
 from hbmd.proto.errors import HbmdError
 
+from ..clock import Clock
 from . import C
 
 log = logging.getLogger("hbmd.pool")
@@ -54,8 +54,10 @@ class HostPool(Generic[C]):
     a thread started at the first :meth:`idle`."""
 
     def __init__(self, piece: int, target: int, make: Callable[[int], C], release: Callable[[C], None],
-                 quiet_s: float = QUIET_S, retry_s: float = RETRY_S) -> None:
-        """``quiet_s``, ``retry_s``: see :data:`QUIET_S` and :data:`RETRY_S` (a test's are short)."""
+                 quiet_s: float = QUIET_S, retry_s: float = RETRY_S, clock: Clock | None = None) -> None:
+        """``quiet_s``, ``retry_s``: see :data:`QUIET_S` and :data:`RETRY_S` (a test's are short); ``clock``: the
+        daemon's, whose monotonic time the quiet after a move is kept by (the system's where None)."""
+        self.clock = clock or Clock()
         self.piece = piece
         self.quiet_s = quiet_s
         self.retry_s = retry_s
@@ -69,7 +71,7 @@ class HostPool(Generic[C]):
         self._room = 0
         self._moving = False
         self._moved_at = -quiet_s
-        """When the thread was last told of a move in flight (``time.monotonic``)."""
+        """When the thread was last told of a move in flight (:attr:`clock`'s monotonic time)."""
         self._closing = False
         self._settled = False
         """The thread waits for a change with nothing to do: :attr:`settled`."""
@@ -120,7 +122,7 @@ class HostPool(Generic[C]):
                 self._thread = threading.Thread(target=self._run, name="hbmd-host-pool", daemon=True)
                 self._thread.start()
             if moving:
-                self._moved_at = time.monotonic()
+                self._moved_at = self.clock.monotonic()
             if (room, moving) != (self._room, self._moving):
                 self._room, self._moving = room, moving
                 self._settled = False
@@ -135,7 +137,7 @@ class HostPool(Generic[C]):
                 self._settled = False
                 if self._unwanted_bytes > self.target:
                     return self._pop_unwanted()
-                quiet_in = self._moved_at + self.quiet_s - time.monotonic()
+                quiet_in = self._moved_at + self.quiet_s - self.clock.monotonic()
                 if quiet_in > 0 or self._moving:
                     self._settled = quiet_in <= 0  # a move in flight: nothing until the next idle()
                     self._changed.wait(quiet_in if quiet_in > 0 else None)

@@ -14,11 +14,10 @@ from hbmd.proto.instance import InstancePaths
 from ..backends import A, C
 from ..notify import SystemdNotifier
 from ..server.listening import ListeningSocketError, ListeningSockets, named
-from ..server.loop import HANDOVER_TIMEOUT_S
 from ..state import State
 from .persist import Persistence, unpack_image
 from .restore import NewerState, restore
-from .takeover import Handover, NothingToTakeOver, TakeoverError, take_over
+from .takeover import HANDOVER_TIMEOUT_S, Handover, NothingToTakeOver, TakeoverError, take_over
 
 log = logging.getLogger("hbmd.daemon")
 

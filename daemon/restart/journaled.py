@@ -18,9 +18,8 @@ from hbmd.proto.buffers import MAX_NAME
 from hbmd.proto.runs import backed_runs, merge_runs, prefix_offsets
 from hbmd.proto.units import round_up
 
-from ..state import Answer, Chunk
 from ..state.invariants import check_chunk_layout
-from ..state.records import MAX_CAPACITY
+from ..state.records import MAX_CAPACITY, Answer, Chunk
 
 MAX_ID = (1 << 63) - 1
 MAX_UID = (1 << 32) - 1
@@ -77,7 +76,7 @@ def numbers(record: dict[str, Any], key: str, high: int, default: Any = REQUIRED
 
 @dataclasses.dataclass(frozen=True)
 class JournaledSession:
-    """A session as journaled: what :meth:`State.restore_session` takes back."""
+    """A session as journaled: what the restore takes back (``_restore_session``, :mod:`.restore`)."""
 
     session_id: int
     pid: int
@@ -135,7 +134,7 @@ def _answer(answer: Any) -> Answer | None:
 
 @dataclasses.dataclass(frozen=True)
 class JournaledBuffer:
-    """A buffer as journaled: what :meth:`State.restore_buffer` takes back, its chunks not adopted yet."""
+    """A buffer as journaled: what :func:`~.restore.rebuild_buffer` takes back, its chunks not adopted yet."""
 
     buffer_id: int
     name: str

@@ -160,24 +160,24 @@ def image_of(state: State[Any, Any]) -> Image:
     """The whole state as records: what a journal is rewritten with, and what a live handover sends."""
     return {
         "meta": meta_of(state),
-        "sessions": {s.session_id: session_record(s) for s in state.sessions.values() if _kept(s)},
-        "buffers": {b.buffer_id: buffer_record(b) for b in state.buffers.values()},
+        "sessions": {s.session_id: session_record(s) for s in state.sessions.by_id.values() if _kept(s)},
+        "buffers": {b.buffer_id: buffer_record(b) for b in state.buffers.by_id.values()},
     }
 
 
 def meta_of(state: State[Any, Any]) -> dict[str, Any]:
     """The journal's header: its version, the instance, and the line of daemons its credentials belong to."""
     return {"version": JOURNAL_VERSION, "instance": state.backend.instance,
-            "next_session": state.session_table.next_id, **state.credentials.record()}
+            "next_session": state.sessions.next_id, **state.sessions.credentials.record()}
 
 
 def every_chunk(state: State[Any, Any]) -> Iterable[tuple[Chunk[Any], Any]]:
     """Every chunk the state holds, with its arena."""
-    for buffer in state.buffers.values():
+    for buffer in state.buffers.by_id.values():
         for chunk in (*buffer.chunks, *buffer.pending):
             if chunk.handle is not None:  # one held only by its mappers has nothing to keep here
                 yield chunk, buffer.arena
-    for session in state.sessions.values():
+    for session in state.sessions.by_id.values():
         for chunk in session.lease.values():
             yield chunk, state.leases.arena
 
@@ -214,7 +214,7 @@ class Persistence:
         self.journal = Journal(journal)
         self.resume_window_s = resume_window_s
         self.max_parked = min(max_parked, MAX_PARKED)
-        state.changed = set()
+        state.buffers.changed = set()
         state.chunks.fd_store = self
         self._parked: set[int] = set()
         """Ids of the chunks parked."""
@@ -273,7 +273,7 @@ class Persistence:
     def sync(self) -> None:
         """Journal what changed since the last sync, then unpark the chunks released meanwhile."""
         records = self._buffer_records() + self._session_records()
-        if self.state.credentials.changed:
+        if self.state.sessions.credentials.changed:
             # Before the sessions it opens: a start-over journaled as spent is never replayed by a later daemon.
             records.insert(0, ["meta", meta_of(self.state)])
         if records:
@@ -302,12 +302,12 @@ class Persistence:
         self._image_bytes = self.journal.size
 
     def _buffer_records(self) -> list[list[Any]]:
-        changed = self.state.changed
+        changed = self.state.buffers.changed
         if not changed:
             return []
         records: list[list[Any]] = []
         for buffer_id in sorted(changed):
-            buffer = self.state.buffers.get(buffer_id)
+            buffer = self.state.buffers.by_id.get(buffer_id)
             if buffer is None:
                 self._buffers.pop(buffer_id, None)
                 records.append(["-b", buffer_id])
@@ -323,7 +323,7 @@ class Persistence:
 
     def _session_records(self) -> list[list[Any]]:
         records: list[list[Any]] = []
-        kept = {s.session_id: s for s in self.state.sessions.values() if _kept(s)}
+        kept = {s.session_id: s for s in self.state.sessions.by_id.values() if _kept(s)}
         for session_id in sorted(self._sessions.keys() - kept.keys()):
             del self._sessions[session_id]
             records.append(["-s", session_id])
@@ -407,10 +407,10 @@ class Persistence:
 
     def _start_journal(self) -> None:
         """Take the state as it is now as journaled, and write it whole; from here on each change is a record."""
-        assert self.state.changed is not None  # tracked since __init__
-        self.state.changed.clear()
-        self._sessions = {s.session_id: _since_hello(s) for s in self.state.sessions.values() if _kept(s)}
-        self._buffers = {b.buffer_id: _shape(b) for b in self.state.buffers.values()}
+        assert self.state.buffers.changed is not None  # tracked since __init__
+        self.state.buffers.changed.clear()
+        self._sessions = {s.session_id: _since_hello(s) for s in self.state.sessions.by_id.values() if _kept(s)}
+        self._buffers = {b.buffer_id: _shape(b) for b in self.state.buffers.by_id.values()}
         try:
             self._rewrite()
         except OSError as exc:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes, round_up
 
-from ..backends import parkable
-from ..state import Chunk, Session, State, Tenant
+from ..backends import A, C, parkable
+from ..state import Buffer, Chunk, Session, State
 from .journal import Image
 from .journaled import JournaledBuffer, JournaledSession, buffer_of, session_of
 
@@ -69,30 +68,30 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
     version = _version(image)
     meta = image.get("meta")
     if isinstance(meta, dict):
-        state.credentials.restored(meta)
+        state.sessions.credentials.restored(meta)
     for session_id in image.get("lost_sessions", ()):
-        state.credentials.lost(session_id)  # lost with its record: its client starts over
-    state.session_table.continue_from(_next_session(image))
+        state.sessions.credentials.lost(session_id)  # lost with its record: its client starts over
+    state.sessions.continue_from(_next_session(image))
     buffers, refused = _buffers_that_come_back(state, _table(image, "buffers"), fds, version)
-    resume_by = time.monotonic() + resume_window_s
+    resume_by = state.clock.monotonic() + resume_window_s
     taken = {c.chunk_id for b in buffers.values() for c in (*b.chunks, *b.pending)}
     sessions = 0
     for key, record in _table(image, "sessions").items():
         try:
-            session = session_of(record, state.backend.granularity, state.budget_bytes)
-            if session.session_id != key or session.session_id in state.sessions:
+            session = session_of(record, state.backend.granularity, state.tenants.budget_bytes)
+            if session.session_id != key or session.session_id in state.sessions.by_id:
                 raise ValueError(f"its id {session.session_id} is not its own")
         except ValueError as exc:
             log.warning("session %s is lost: %s; its client starts over", key, exc)
             if type(key) is int:
-                state.credentials.lost(key)
+                state.sessions.credentials.lost(key)
             continue
         if key in refused or (session.holds is not None and not session.holds <= buffers.keys()):
             # Resumed, it would go on mapping memory the daemon no longer counts: refused its resume, its client starts
             # over and declares what it maps, as after a cold restart.
             log.warning("session %s is not restored: a buffer of it did not come back whole; its client starts over",
                         key)
-            state.credentials.lost(key)
+            state.sessions.credentials.lost(key)
             continue
         try:
             _restore_session(state, session, fds, taken, resume_by)
@@ -220,13 +219,16 @@ def _restore_session(state: State[Any, Any], record: JournaledSession, fds: dict
             taken.add(chunk_id)
         session = Session(
             session_id=record.session_id, token=os.urandom(16).hex(), pid=record.pid, uid=record.uid,
-            gid=record.gid, client_name=record.name, tenant=Tenant(record.tenant), admin=record.admin,
+            gid=record.gid, client_name=record.name, tenant=state.tenants.named(record.tenant), admin=record.admin,
             wants_lease=record.wants_lease, wants_credit=record.wants_credit, credential_hash=record.credential,
             previous_credential_hash=record.previous_credential,
             # Its client promotes what it demoted for the daemon once told there is room: the successor tells it.
             demoted_under_pressure=record.demoted, answer=record.answer,
         )
-        state.restore_session(session, lease, record.credit, resume_by)
+        state.sessions.restore(session, resume_by)
+        session.grown_at = state.clock.monotonic()
+        state.tenants.hold(session.tenant)
+        state.leases.adopt(session, lease, record.credit)
     _claimed(fds, claimed)
 
 
@@ -240,17 +242,43 @@ def _claimed(fds: dict[str, int], names: list[str]) -> None:
         os.close(fds.pop(name))
 
 
+def rebuild_buffer(
+    state: State[A, C], record: JournaledBuffer, owner: Session | None, arena: A, chunks: list[Chunk[C]],
+    pending: list[Chunk[C]],
+) -> Buffer[A, C]:
+    """Bring back a buffer journaled before a restart, as ``record`` holds it, with what its restore resolved: its
+    ``owner`` (None: an orphan), the ``arena`` its chunks were adopted into and those chunks, handles and all. Its
+    read claims come back for the sessions restored; its memory counts whatever the budget: it is there already.
+    Its grace period as an orphan is taken up as :meth:`Orphans.restored` says."""
+    buffer = Buffer(
+        buffer_id=record.buffer_id, name=record.name, persistent=record.persistent, shareable=record.shareable,
+        owner=owner, owner_uid=record.uid, tenant=state.tenants.named(record.tenant), capacity=record.capacity,
+        reserved=round_up(record.capacity, state.backend.granularity), segment_capacities=record.capacities,
+        arena=arena, segment_sizes=record.sizes, chunks=chunks, pending=pending, sealed=record.sealed,
+    )
+    state.buffers.adopt(buffer)
+    if owner is not None:
+        owner.buffers[buffer.buffer_id] = buffer
+    for session_id, claims in record.readers.items():
+        reader = state.sessions.by_id.get(session_id)
+        if reader is not None:
+            buffer.readers[session_id] = claims
+            reader.reading[buffer.buffer_id] = buffer
+    state.orphans.restored(buffer, *record.orphan)
+    return buffer
+
+
 def _restore_buffer(state: State[Any, Any], record: JournaledBuffer, fds: dict[str, int], version: int) -> None:
     """Adopt one journaled buffer, taking its FDs out of ``fds``; raises, taking none, where it cannot be adopted
     whole."""
     backend = parkable(state.backend)
-    owner = state.sessions.get(record.owner) if record.owner else None
+    owner = state.sessions.by_id.get(record.owner) if record.owner else None
     if record.owner and owner is None and not record.persistent:
         # As when a session ends: its anonymous buffers go with it, its persistent ones stay, orphans.
         raise ValueError(f"its session {record.owner} did not come back")
-    if owner is None and not record.readers.keys() & state.sessions.keys() and record.held:
+    if owner is None and not record.readers.keys() & state.sessions.by_id.keys() and record.held:
         raise ValueError("no session that maps it came back, and only they hold its memory")
-    if record.persistent and (record.uid, record.name) in state.persistent:
+    if record.persistent and (record.uid, record.name) in state.buffers.persistent:
         raise ValueError("a persistent buffer of its name is restored already")
     arena = backend.adopt_arena(round_up(record.capacity, backend.granularity), record.shareable)
     adopted: dict[str, list[Chunk[Any]]] = {"chunks": [], "pending": []}
@@ -268,6 +296,6 @@ def _restore_buffer(state: State[Any, Any], record: JournaledBuffer, fds: dict[s
                     # thousands. Should a later chunk fail, the name is unparked with those of buffers not restored.
                     os.close(fds.pop(name))
                 adopted[part].append(Chunk(chunk.chunk_id, chunk.offset, chunk.size, handle, tier=chunk.tier))
-        state.restore_buffer(record, owner, arena, adopted["chunks"], adopted["pending"])
+        rebuild_buffer(state, record, owner, arena, adopted["chunks"], adopted["pending"])
     log.info("restored buffer %d %r: %s in %d chunks", record.buffer_id, record.name, _size(record),
              len(adopted["chunks"]))

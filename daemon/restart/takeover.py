@@ -58,6 +58,8 @@ from .handshake import FdNames, Offer, Refused, Serving, TakeoverRequest, answer
 
 log = logging.getLogger("hbmd.takeover")
 
+HANDOVER_TIMEOUT_S = 30.0
+"""Seconds a successor has to take the state and chunks, and then to serve."""
 TAKEOVER_SOCKET = "takeover.sock"
 """The channel's socket, in the instance directory next to ``control.sock`` and ``handles.sock``."""
 SOCKET_MODE = 0o600

@@ -50,11 +50,11 @@ class BufferRequests(RequestHandlers[A, C]):
     @handles(CreateBuffer)
     def create_buffer(self, conn: HandleConnection[A, C], request_id: int, msg: CreateBuffer) -> BufferCreated:
         """Reserve a buffer; nothing is committed yet."""
-        buffer = self.state.create_buffer(
+        buffer = self.state.buffers.create(
             conn.opened_session, msg.capacity, msg.num_segments, msg.name, msg.persistent, msg.shareable,
             msg.segment_capacities, msg.keep_orphan_s,
         )
-        return BufferCreated(self.state.info_for_holder(buffer, conn.opened_session))
+        return BufferCreated(self.state.sessions.info_for_holder(buffer, conn.opened_session))
 
     @handles(Commit, CommitSegments)
     def commit(self, conn: HandleConnection[A, C], request_id: int, msg: Commit | CommitSegments) -> Committed:
@@ -63,13 +63,13 @@ class BufferRequests(RequestHandlers[A, C]):
         self.plane.outbox.check_reading(conn)
         sizes = msg.bytes_per_segment if isinstance(msg, Commit) else msg.sizes
         chunks = self.state.commit(conn.opened_session, msg.buffer_id, sizes)
-        return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+        return self._deliver(conn, request_id, self.state.buffers.by_id[msg.buffer_id], chunks)
 
     @handles(Remap)
     def remap(self, conn: HandleConnection[A, C], request_id: int, msg: Remap) -> Committed:
         """Send every chunk of the buffer again, for a client whose mapping failed midway."""
         self.plane.outbox.check_reading(conn)
-        buffer = self.state.remappable(conn.opened_session, msg.buffer_id)
+        buffer = self.state.buffers.remappable(conn.opened_session, msg.buffer_id)
         return self._deliver(conn, request_id, buffer, buffer.chunks)
 
     @handles(Attach)
@@ -78,14 +78,14 @@ class BufferRequests(RequestHandlers[A, C]):
         self.plane.outbox.check_reading(conn)
         uneven_ok = conn.protocol_minor >= 1
         if msg.readonly:
-            buffer = self.state.attach_reader(conn.opened_session, msg.name, uneven_ok=uneven_ok)
+            buffer = self.state.sealed.attach_reader(conn.opened_session, msg.name, uneven_ok=uneven_ok)
             log.info(
                 "session %d reads sealed buffer %r (%d readers)",
                 conn.opened_session.session_id, msg.name, len(buffer.readers),
             )
         else:
             buffer = self.plane.unless_holder_exited(
-                lambda: self.state.attach(conn.opened_session, msg.name, uneven_ok=uneven_ok)
+                lambda: self.state.orphans.attach(conn.opened_session, msg.name, uneven_ok=uneven_ok)
             )
             log.info(
                 "session %d attached persistent buffer %r (%s)",
@@ -114,27 +114,27 @@ class BufferRequests(RequestHandlers[A, C]):
         log.info("session %d declared again %s buffer %d%s: %d bytes its process still maps",
                  conn.opened_session.session_id, "a read claim on" if msg.readonly else "its",
                  buffer.buffer_id, f" {buffer.name!r}" if buffer.name else "", buffer.physical_bytes)
-        return BufferCreated(self.state.info_for_holder(buffer, conn.opened_session))
+        return BufferCreated(self.state.sessions.info_for_holder(buffer, conn.opened_session))
 
     @handles(Defragment)
     def defragment(self, conn: HandleConnection[A, C], request_id: int, msg: Defragment) -> Committed:
         """Re-back each committed run with one new chunk; the old ones go at once or, preserving, at the finish."""
         self.plane.outbox.check_reading(conn)
-        chunks = self.state.defragment(conn.opened_session, msg.buffer_id, msg.preserve)
-        return self._deliver(conn, request_id, self.state.buffers[msg.buffer_id], chunks)
+        chunks = self.state.buffers.defragment(conn.opened_session, msg.buffer_id, msg.preserve)
+        return self._deliver(conn, request_id, self.state.buffers.by_id[msg.buffer_id], chunks)
 
     @handles(FinishDefragment)
     def finish_defragment(self, conn: HandleConnection[A, C], request_id: int, msg: FinishDefragment) -> Released:
         """Drop the old chunks of a preserving defragment (or the new ones, if the client gave up)."""
-        freed = self.state.finish_defragment(conn.opened_session, msg.buffer_id, msg.keep_new)
-        return Released(self.state.buffers[msg.buffer_id].info(), freed)
+        freed = self.state.buffers.finish_defragment(conn.opened_session, msg.buffer_id, msg.keep_new)
+        return Released(self.state.buffers.by_id[msg.buffer_id].info(), freed)
 
     @handles(Move)
     def move(self, conn: HandleConnection[A, C], request_id: int, msg: Move) -> Committed:
         """Make the buffer's chunks in the other tier, beside the old ones; the finish drops the old ones."""
         self.plane.outbox.check_reading(conn)
         chunks = self.state.move(conn.opened_session, msg.buffer_id, msg.tier)
-        buffer = self.state.buffers[msg.buffer_id]
+        buffer = self.state.buffers.by_id[msg.buffer_id]
         if chunks:
             log.info("session %d moves buffer %d (%s) to the %s tier", conn.opened_session.session_id, buffer.buffer_id,
                      format_bytes(buffer.pending_bytes), msg.tier)
@@ -143,8 +143,8 @@ class BufferRequests(RequestHandlers[A, C]):
     @handles(Release)
     def release(self, conn: HandleConnection[A, C], request_id: int, msg: Release) -> Released:
         """Drop every chunk of the buffer and keep its reservation."""
-        freed = self.state.release(conn.opened_session, msg.buffer_id)
-        return Released(self.state.buffers[msg.buffer_id].info(), freed)
+        freed = self.state.buffers.release(conn.opened_session, msg.buffer_id)
+        return Released(self.state.buffers.by_id[msg.buffer_id].info(), freed)
 
     @handles(Free)
     def free(self, conn: HandleConnection[A, C], request_id: int, msg: Free) -> Freed:
@@ -155,7 +155,7 @@ class BufferRequests(RequestHandlers[A, C]):
     @handles(Seal)
     def seal(self, conn: HandleConnection[A, C], request_id: int, msg: Seal) -> Sealed:
         """Make a persistent buffer immutable, so sessions of its user may read it side by side."""
-        buffer = self.state.seal(conn.opened_session, msg.buffer_id)
+        buffer = self.state.sealed.seal(conn.opened_session, msg.buffer_id)
         log.info(
             "session %d sealed persistent buffer %r (%s)", conn.opened_session.session_id, buffer.name,
             format_bytes(buffer.physical_bytes),
@@ -166,9 +166,9 @@ class BufferRequests(RequestHandlers[A, C]):
     def detach(self, conn: HandleConnection[A, C], request_id: int, msg: Detach) -> Detached:
         """Let go of a persistent buffer, which stays as an orphan, or drop one read claim (``readonly``)."""
         if msg.readonly:
-            return Detached(self.state.detach_reader(conn.opened_session, msg.buffer_id).info(), 0)
-        buffer = self.state.buffer_of(conn.opened_session, msg.buffer_id)
-        freed = self.state.detach(conn.opened_session, msg.buffer_id)
+            return Detached(self.state.sealed.detach_reader(conn.opened_session, msg.buffer_id).info(), 0)
+        buffer = self.state.buffers.of(conn.opened_session, msg.buffer_id)
+        freed = self.state.orphans.detach(conn.opened_session, msg.buffer_id)
         log.info(
             "session %d detached persistent buffer %r (%s)",
             conn.opened_session.session_id, buffer.name, format_bytes(buffer.physical_bytes),
@@ -192,7 +192,7 @@ class BufferRequests(RequestHandlers[A, C]):
         """The chunks of the session's answered request ``request_id`` once more, its reply having been lost with the
         daemon before a restart."""
         self.plane.outbox.check_reading(conn)
-        buffer = self.state.buffer_of(conn.opened_session, answer.buffer_id)
+        buffer = self.state.buffers.of(conn.opened_session, answer.buffer_id)
         by_id = {c.chunk_id: c for c in (*buffer.chunks, *buffer.pending)}
         return self._deliver(conn, request_id, buffer, [by_id[c] for c in answer.chunk_ids if c in by_id])
 
@@ -201,5 +201,5 @@ class BufferRequests(RequestHandlers[A, C]):
     ) -> Committed:
         """Queue the chunks' FDs on the session's handle socket and describe them in the reply."""
         batches = self.plane.outbox.deliver(conn, request_id, buffer, chunks)
-        return Committed(self.state.info_for_holder(buffer, conn.opened_session),
-                         [self.state.chunk_info(c) for c in chunks], batches)
+        return Committed(self.state.sessions.info_for_holder(buffer, conn.opened_session),
+                         [c.info() for c in chunks], batches)

@@ -19,8 +19,8 @@ from ..backends import A, C
 from ..state import Session
 from .ratelimit import RateLimitedLog
 
-if TYPE_CHECKING:  # the outbox module describes what a connection queues, and sends it
-    from .outbox import Delivery
+if TYPE_CHECKING:  # the deliveries module describes what a connection queues; the outbox sends it
+    from .deliveries import Delivery
 
 log = logging.getLogger("hbmd.server.handles")
 

@@ -190,7 +190,7 @@ class HandlePlane(Generic[A, C]):
         (its socket's events read them, within each turn's share), :data:`EXITED_READ_S` at most."""
         if not self.behind(conn):
             return False
-        now = time.monotonic()
+        now = self.state.clock.monotonic()
         if conn.exited_at is None:
             conn.exited_at = now
         return now - conn.exited_at < EXITED_READ_S
@@ -310,7 +310,8 @@ class HandlePlane(Generic[A, C]):
         except ProcessLookupError:
             sock.close()  # the peer is gone already
             return
-        conn: HandleConnection[A, C] = HandleConnection(sock, pid, uid, gid, groups, time.monotonic(), pidfd)
+        accepted_at = self.state.clock.monotonic()
+        conn: HandleConnection[A, C] = HandleConnection(sock, pid, uid, gid, groups, accepted_at, pidfd)
         self._connections[sock.fileno()] = conn
         self.descriptors.register(sock.fileno(), select.EPOLLIN)
         if pidfd >= 0:
@@ -455,9 +456,9 @@ class HandlePlane(Generic[A, C]):
             elif isinstance(msg, OwnChunks):
                 self.state.bind(session, msg.buffer_id, msg.sizes, msg.offsets, msg.chunk_sizes, fds)
             elif isinstance(msg, LeaseReturn):
-                self.state.return_lease(session, msg.chunk_ids)
+                self.state.leases.given_back(session, msg.chunk_ids)
             elif isinstance(msg, CreditReturn):
-                self.state.return_credit(session)
+                self.state.leases.credit_returned(session)
             else:
                 log.debug("session %d sent an unexpected %s datagram; ignored", session.session_id, msg.KIND)
         except HbmdError as exc:
@@ -484,11 +485,11 @@ class HandlePlane(Generic[A, C]):
             resumed = hello.resume_session != 0
             if resumed:
                 try:
-                    session = self.state.resume_session(
+                    session = self.state.sessions.resume(
                         hello.resume_session, conn.uid, conn.pid, hello.resume_credential
                     )
                 except SessionLost:
-                    if not (hello.start_over and self.state.may_start_over(
+                    if not (hello.start_over and self.state.sessions.may_start_over(
                             hello.resume_session, conn.uid, conn.pid, hello.resume_credential)):
                         raise
                     resumed = False
@@ -505,7 +506,7 @@ class HandlePlane(Generic[A, C]):
         self._by_session[session.session_id] = conn
         if session.wants_lease:
             self._placing.register(conn.sock.fileno(), select.EPOLLIN)
-        note = "" if resumed else self.state.tenant_table.unconfigured(conn.uid, hello.tenant, session.tenant)
+        note = "" if resumed else self.state.tenants.unconfigured(conn.uid, hello.tenant, session.tenant)
         if note:
             # A peer can declare names at will: a line per uid per interval.
             self._warnings.warning(f"tenant-{conn.uid}", "session %d (pid %d): %s", session.session_id, conn.pid, note)
@@ -525,7 +526,7 @@ class HandlePlane(Generic[A, C]):
 
     def _new_session(self, conn: HandleConnection[A, C], hello: Hello,
                      starting_over: tuple[int, str] = (0, "")) -> Session:
-        access = self.state.config.access
+        access = self.state.tenants.config.access
         return self.state.open_session(
             conn.pid, conn.uid, conn.gid, hello.client_name, hello.tenant, admin=conn.uid in access.admin_uids,
             observer=hello.observer, lease=hello.lease and hello.version[1] >= 3,
@@ -544,7 +545,7 @@ class HandlePlane(Generic[A, C]):
                 f"client speaks protocol {'.'.join(map(str, hello.version))}, "
                 f"this daemon speaks {PROTOCOL_VERSION[0]}.x"
             )
-        if not self.state.config.access.admits(conn.uid, conn.groups):
+        if not self.state.tenants.config.access.admits(conn.uid, conn.groups):
             raise PermissionDenied(f"uid {conn.uid} is not allowed to use hbmd instance {self.state.backend.instance}")
         return hello
 
@@ -562,9 +563,9 @@ class HandlePlane(Generic[A, C]):
             daemon_version=VERSION,
             device_uuid=backend.device_uuid,
             device_index=backend.device_index,
-            lease_bytes=self.state.lease_bytes_for(session),
-            credit_bytes=self.state.credit_for(session),
-            resume_credential="" if session.observer else self.state.issue_credential(session),
+            lease_bytes=self.state.leases.bytes_for(session),
+            credit_bytes=self.state.leases.credit_for(session),
+            resume_credential="" if session.observer else self.state.sessions.issue_credential(session),
             lease_chunk_ids=list(session.lease) if resumed else [],
             tenant=session.tenant.name,
         )
@@ -589,7 +590,7 @@ class HandlePlane(Generic[A, C]):
     def end_unresumed(self, now: float) -> None:
         """End the sessions restored after a restart whose clients did not come back in time, or whose processes are
         gone, as a dead client's session ends (its anonymous buffers freed, its persistent ones orphaned)."""
-        for session in self.state.unresumed_sessions(now, self._gone):
+        for session in self.state.sessions.unresumed(now, self._gone):
             freed = self._end_session(session)
             log.info("session %d (pid %d) was not resumed after the restart: ended, freed %s",
                      session.session_id, session.pid, format_bytes(freed))

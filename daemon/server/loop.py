@@ -57,7 +57,7 @@ from hbmd.proto.instance import VERSION, InstanceInfo, InstancePaths
 from ..backends import A, C
 from ..notify import SystemdNotifier
 from ..restart.persist import RESUME_WINDOW_S, Persistence, chunk_fds, image_of, pack_image
-from ..restart.takeover import TakeoverError, TakeoverListener
+from ..restart.takeover import HANDOVER_TIMEOUT_S, TakeoverError, TakeoverListener
 from ..rundir import create_file, open_instance_directory, open_lock, pass_line, resume_key
 from ..state import Answer, Session, State
 from .admin import AdminRequests
@@ -76,8 +76,6 @@ from .session import SessionNotices, SessionRequests
 if TYPE_CHECKING:  # an optional collaborator: prometheus_client loads only when metrics are asked for
     from ..metrics import Metrics
 
-HANDOVER_TIMEOUT_S = 30.0
-"""Seconds a successor has to take the state and chunks, and then to serve."""
 CONTROL_WORK_PER_TURN_S = 0.02
 """Seconds of control requests served in one turn of the loop at most; those left wait for the next turn, after the
 handle plane, new connections, hellos and signals have been seen to. A turn answers one request of each peer waiting
@@ -154,7 +152,7 @@ class Server(Generic[A, C]):
         often (with ``WatchdogSec=1`` an idle loop fed it every second, at its limit)."""
         self._stopping = False
         self._timers_at = 0.0
-        """When the loop last looked for what time makes due (``time.monotonic``; :data:`TIMERS_EVERY_S`)."""
+        """When the loop last looked for what time makes due (the state's monotonic clock; :data:`TIMERS_EVERY_S`)."""
         self.handed_over = False
         """A successor serves in this daemon's place: it stopped for that."""
         self._lock_fd = -1
@@ -210,7 +208,8 @@ class Server(Generic[A, C]):
             if isinstance(exc, DeviceTaken):
                 raise AlreadyRunning(str(exc)) from None
             raise
-        self.state.use_resume_key(resume_key(self._dir_fd), pass_line(self._dir_fd, self.state.credentials.line))
+        credentials = self.state.sessions.credentials
+        credentials.use_key(resume_key(self._dir_fd), pass_line(self._dir_fd, credentials.line))
         for stale in (self.paths.info, self._info_tmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale.name, dir_fd=self._dir_fd)
@@ -285,7 +284,7 @@ class Server(Generic[A, C]):
         idle_work = True
         while not self._stopping:
             unread = self._router is not None and self._router.pending
-            busy = idle_work or self._waiting or self._requests or unread or self.state.top_ups_due
+            busy = idle_work or self._waiting or self._requests or unread or self.state.leases.due
             timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else self._idle_ms
             events = self._ready(timeout)
             with self.lock:
@@ -416,17 +415,17 @@ class Server(Generic[A, C]):
         if pending is None:
             return
         self._plane.take_placements()
-        resume_by = time.monotonic() + self.resume_window_s
-        for session in list(self.state.sessions.values()):
+        resume_by = self.state.clock.monotonic() + self.resume_window_s
+        for session in list(self.state.sessions.by_id.values()):
             if session.observer:
                 self._plane.close_connection(self._plane.by_session[session.session_id], "handing over")
         image = pack_image(image_of(self.state))
         fds = list(chunk_fds(self.state))
         log.info("handing over to pid %d: %d sessions, %d buffers, %d chunks, state of %d bytes", pending.peer_pid,
-                 len(self.state.sessions), len(self.state.buffers), len(fds), len(image))
+                 len(self.state.sessions.by_id), len(self.state.buffers.by_id), len(fds), len(image))
         self._unbind(for_good=False)
-        for session in self.state.sessions.values():
-            self.state.suspend_session(session, resume_by)
+        for session in self.state.sessions.by_id.values():
+            self.state.sessions.suspend(session, resume_by)
         listening = self._listening.named_fds() if self._listening is not None else []
         try:
             pending.hand_over(image, fds + listening, HANDOVER_TIMEOUT_S)
@@ -453,15 +452,15 @@ class Server(Generic[A, C]):
         reclaims reported and buffers demoted under pressure promoted where there is room, every
         :data:`TIMERS_EVERY_S`."""
         self._plane.outbox.retry_draining()
-        now = time.monotonic()
+        now = self.state.clock.monotonic()
         if now - self._timers_at >= TIMERS_EVERY_S:
             self._timers_at = now
-            self.state.ask_back_idle_leases(now)
+            self.state.leases.ask_back_idle(self.state.sessions.by_id.values(), now)
             self._plane.expire_hellos(now)
             if self._router is not None:
                 self._router.look_after(now)
             self._plane.end_unresumed(now)
-            self.state.expire_orphans()
+            self.state.orphans.expire()
             self._notices.report_ignored_reclaims(now)
             self._notices.send_promotes(now)
         self._notices.serve_leases()
@@ -546,7 +545,7 @@ class Server(Generic[A, C]):
             handler = self._handlers[kind]  # every request has one: the table was checked before the server was built
             operation = kind.KIND
             # The token before the body: an unknown peer costs no decoding.
-            session = self.state.session_for(token)
+            session = self.state.sessions.for_token(token)
             session.declaring = session.declaring and kind is Redeclare  # declarations come first, or not at all
             self._plane.take_placements()
             conn = self._plane.by_session[session.session_id]

@@ -3,8 +3,8 @@
 Every chunk FD travels on the session's handle socket with ``SCM_RIGHTS``,
 queued in its connection's outbox and sent as the socket drains, so a slow
 reader never blocks the daemon. Two kinds of delivery wait there: a
-request's batch of one buffer's chunks (:class:`ChunkDelivery`, headed by an
-``FdBatch``) and granules leased to the session (:class:`LeaseDelivery`,
+request's batch of one buffer's chunks (:class:`~.deliveries.ChunkDelivery`, headed by an
+``FdBatch``) and granules leased to the session (:class:`~.deliveries.LeaseDelivery`,
 headed by a ``LeaseGrant``). Each FD is exported just before it is sent and
 closed at once after.
 
@@ -21,7 +21,6 @@ for more FDs are refused.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import logging
@@ -31,15 +30,16 @@ import socket
 import struct
 import termios
 from collections.abc import Mapping
-from typing import Any, Generic
+from typing import Generic
 
-from hbmd.proto import MAX_FDS_PER_DATAGRAM, MAX_SEGMENTS_WITH_FDS, Committed, FdBatch, LeaseGrant, encode_datagram
+from hbmd.proto import MAX_FDS_PER_DATAGRAM, MAX_SEGMENTS_WITH_FDS, Committed, encode_datagram
 from hbmd.proto.errors import Conflict, HbmdError, InternalError
 
 from ..backends import A, C
 from ..fds import limit as fd_limit
-from ..state import Buffer, Chunk, Session, State
+from ..state import Buffer, Chunk, State
 from .connection import Descriptors, HandleConnection
+from .deliveries import ChunkDelivery, Delivery, LeaseDelivery
 from .ratelimit import RateLimitedLog
 
 log = logging.getLogger("hbmd.server.outbox")
@@ -57,71 +57,6 @@ DRAIN_CHECK_S = 0.02
 def unread_bytes(sock: socket.socket) -> int:
     """Bytes sent on ``sock`` that its peer has not read yet (``SIOCOUTQ``): 0 once it read everything."""
     return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-
-
-@dataclasses.dataclass
-class ChunkDelivery(Generic[A, C]):
-    """One batch of the chunk FDs a request asked for (commit, attach, defragment, remap), all of one buffer."""
-
-    request_id: int
-    buffer: Buffer[A, C]
-    chunks: list[Chunk[C]]
-    batch: int
-    batches: int
-    reply: Committed | None = None
-    """The request's reply, riding with the FDs (see :meth:`Outbox.reply_with_fds`)."""
-
-    @property
-    def purpose(self) -> str:
-        """What the FDs are for, in a log line."""
-        return f"request {self.request_id}"
-
-    def prune(self) -> bool:
-        """True: a request's batch goes out whole, or its header says why it could not."""
-        return True
-
-    def header(self) -> FdBatch:
-        """The datagram the FDs ride on: the i-th FD is ``chunk_ids[i]`` of batch ``batch`` of the request."""
-        return FdBatch(self.request_id, [c.chunk_id for c in self.chunks], self.batch, self.batches, reply=self.reply)
-
-    def export(self, state: State[A, C], chunk: Chunk[C]) -> int:
-        """A new FD for ``chunk`` of the buffer."""
-        return state.export(self.buffer, chunk)
-
-    def failed(self, state: State[A, C], session: Session, error: str) -> FdBatch:
-        """The header to send instead when the chunks could not be exported: no FDs, and why."""
-        return dataclasses.replace(self.header(), error=error)
-
-
-@dataclasses.dataclass
-class LeaseDelivery(Generic[C]):
-    """Granules leased to a session, sent unasked: its client places them in its buffers itself."""
-
-    chunks: list[Chunk[C]]
-    granule: int
-    purpose = "leased granules"
-    """What the FDs are for, in a log line."""
-
-    def prune(self) -> bool:
-        """Drop the granules the client gave back before they were sent (it cannot have known them); False if none
-        is left."""
-        self.chunks = [c for c in self.chunks if c.live]
-        return bool(self.chunks)
-
-    def header(self) -> LeaseGrant:
-        """The datagram the FDs ride on: one granule per FD."""
-        return LeaseGrant([c.chunk_id for c in self.chunks], self.granule)
-
-    def export(self, state: State[Any, C], chunk: Chunk[C]) -> int:
-        """A new FD for the leased granule ``chunk``."""
-        return state.export_leased(chunk)
-
-    def failed(self, state: State[Any, C], session: Session, error: str) -> None:
-        """Never sent, so never placed: the granules go back to the state, and nothing is sent."""
-        state.return_lease(session, [c.chunk_id for c in self.chunks])
-
-
-Delivery = ChunkDelivery[A, C] | LeaseDelivery[C]
 
 
 class Outbox(Generic[A, C]):
@@ -180,11 +115,11 @@ class Outbox(Generic[A, C]):
 
     def top_up_lease(self, conn: HandleConnection[A, C], until: float) -> None:
         """Lease the session the granules its lease lacks (those made by ``until`` at least, see
-        :meth:`State.top_up_lease`) and queue them, unless its outbox is full already; the caller flushes (once the
+        :meth:`Leases.top_up`) and queue them, unless its outbox is full already; the caller flushes (once the
         lease is journaled)."""
         if len(conn.outbox) >= MAX_QUEUED_BATCHES:
             return
-        chunks = self.state.top_up_lease(conn.opened_session, until)
+        chunks = self.state.leases.top_up(conn.opened_session, until)
         if chunks:
             conn.outbox.append(LeaseDelivery(chunks, self.state.backend.granularity))
 

@@ -39,7 +39,7 @@ class SessionRequests(RequestHandlers[A, C]):
     @handles(ReclaimDone)
     def reclaim_done(self, conn: HandleConnection[A, C], request_id: int, msg: ReclaimDone) -> Ack:
         """Record how much the session released for reclaim ``msg.reclaim_id``."""
-        self.state.reclaim_answered(conn.opened_session, msg.reclaim_id, msg.released_bytes)
+        self.state.sessions.reclaim_answered(conn.opened_session, msg.reclaim_id, msg.released_bytes)
         log.info(
             "session %d answered reclaim %d: released %s",
             conn.opened_session.session_id, msg.reclaim_id, format_bytes(msg.released_bytes),
@@ -58,8 +58,8 @@ class SessionNotices(Generic[A, C]):
 
     def send_reclaims(self) -> None:
         """Deliver the reclaim requests the state made, on each session's handle socket."""
-        while self.state.reclaims_due:
-            session, reclaim = self.state.reclaims_due.pop(0)
+        while self.state.sessions.reclaims_due:
+            session, reclaim = self.state.sessions.reclaims_due.pop(0)
             conn = self.plane.by_session.get(session.session_id)
             # A client of an earlier minor would read a demote as a reclaim, and drop the memory: it is not asked.
             if conn is not None and (conn.protocol_minor >= 6 or not reclaim.demote):
@@ -69,20 +69,20 @@ class SessionNotices(Generic[A, C]):
 
     def send_promotes(self, now: float) -> None:
         """Tell the clients that demoted buffers when asked that the device has room for them again."""
-        for session, demoted in self.state.promotes_due(now):
+        for session, demoted in self.state.pressure.promotes_due(now):
             conn = self.plane.by_session.get(session.session_id)
             if conn is not None:
                 conn.send_quietly(PromoteRequest(demoted))
 
     def send_revokes(self) -> None:
         """Ask sessions for the leased granules and the credit the state wants back."""
-        while self.state.revokes_due:
-            session, chunk_ids = self.state.revokes_due.pop(0)
+        while self.state.leases.revokes_due:
+            session, chunk_ids = self.state.leases.revokes_due.pop(0)
             conn = self.plane.by_session.get(session.session_id)
             if conn is not None:
                 conn.send_quietly(LeaseRevoke(chunk_ids))
-        while self.state.credit_revokes_due:
-            conn = self.plane.by_session.get(self.state.credit_revokes_due.pop(0).session_id)
+        while self.state.leases.credit_revokes_due:
+            conn = self.plane.by_session.get(self.state.leases.credit_revokes_due.pop(0).session_id)
             if conn is not None:
                 conn.send_quietly(CreditRevoke())
 
@@ -97,22 +97,22 @@ class SessionNotices(Generic[A, C]):
         self.send_revokes()
         topped_up = []
         until = time.perf_counter() + TOP_UP_WORK_PER_TURN_S
-        due = self.state.take_lease_due()
+        due = self.state.leases.take_due()
         for served, session_id in enumerate(due):
             if served and time.perf_counter() >= until:
-                self.state.lease_due_again(due[served:])
+                self.state.leases.due_again(due[served:])
                 break
             conn = self.plane.by_session.get(session_id)
             if conn is not None:
                 self.plane.outbox.top_up_lease(conn, until)
-                topped_up.append((conn, self.state.top_up_credit(conn.opened_session)))
+                topped_up.append((conn, self.state.leases.top_up_credit(conn.opened_session)))
         if not topped_up:
             return
         self.journal()
         for conn, granted in topped_up:
             self.plane.outbox.flush(conn)
             if granted and not conn.send_quietly(CreditGrant(granted)):
-                self.state.withdraw_credit(conn.opened_session, granted)
+                self.state.leases.withdraw(conn.opened_session, granted)
 
     def report_ignored_reclaims(self, now: float) -> None:
         """Log, once each, the reclaim requests that sessions left unanswered past the state's patience."""
@@ -120,7 +120,7 @@ class SessionNotices(Generic[A, C]):
             reclaim = conn.opened_session.reclaim
             if reclaim is None or reclaim.reported:
                 continue
-            if reclaim.outcome(now, self.state.reclaim_patience_s) == "ignored":
+            if reclaim.outcome(now, self.state.sessions.reclaim_patience_s) == "ignored":
                 reclaim.reported = True
                 log.warning(
                     "session %d (pid %d) has not answered reclaim request %d for %s; it keeps running",

@@ -11,8 +11,6 @@ memory back.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Callable
 from typing import Any, Generic
 
 from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, TIERS
@@ -28,8 +26,9 @@ from hbmd.proto.runs import merge_runs, new_runs
 from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
+from ..clock import Clock
 from .chunks import Chunks
-from .orphans import check_keep, give_to, left_by, let_go_of_writer
+from .holders import add_read_claim, check_keep, give_to, left_by, let_go_of_writer
 from .pressure import Pressure
 from .records import (
     MAX_CAPACITY,
@@ -41,7 +40,6 @@ from .records import (
     check_int,
     check_observer,
 )
-from .sealed import add_read_claim
 from .tenants import Tenants
 from .writers import Writer
 
@@ -69,9 +67,8 @@ class Buffers(Generic[A, C]):
     """Every buffer of the instance, by id and (persistent ones) by owner uid and name."""
 
     def __init__(self, backend: Backend[A, C], chunks: Chunks[A, C], tenants: Tenants, limits: Limits,
-                 pressure: Pressure[A, C], clock: Callable[[], float] = time.time) -> None:
-        """``clock``: the Unix time orphans are stamped with and freed by (a test's own clock advances without
-        waiting)."""
+                 pressure: Pressure[A, C], clock: Clock) -> None:
+        """``clock``: the state's, whose Unix time orphans are stamped with."""
         self.backend = backend
         self.chunks = chunks
         self.tenants = tenants
@@ -188,10 +185,12 @@ class Buffers(Generic[A, C]):
 
     # making and dropping
 
-    def create(self, session: Session, capacity: int, num_segments: int, segment_capacities: list[int] | None,
-               name: str, persistent: bool, shareable: bool, keep_orphan_s: float = 0.0) -> Buffer[A, C]:
-        """A new buffer of the session (segments as :func:`layout_segments` makes them, kept ``keep_orphan_s`` as an
-        orphan); raises with nothing made."""
+    def create(self, session: Session, capacity: int, num_segments: int, name: str = "", persistent: bool = False,
+               shareable: bool = False, segment_capacities: list[int] | None = None, keep_orphan_s: float = 0.0,
+               ) -> Buffer[A, C]:
+        """A new buffer of the session: ``num_segments`` equal segments, or the uneven ``segment_capacities`` (summing
+        to ``capacity``); a persistent one is freed ``keep_orphan_s`` after it becomes an orphan (0: never). Raises
+        with nothing made."""
         check_observer(session)
         capacities = layout_segments(capacity, num_segments, segment_capacities)
         _check_name(name)
@@ -374,6 +373,10 @@ class Buffers(Generic[A, C]):
         self.account(buffer, pending=-freed, tier=tier)
         return freed
 
+    def release(self, session: Session, buffer_id: int) -> int:
+        """Drop every chunk of the session's buffer, keep the reservation. Returns the bytes freed."""
+        return self.release_all(self.changeable(session, buffer_id))
+
     def release_all(self, buffer: Buffer[A, C]) -> int:
         """Drop every chunk, keep the reservation. Returns the bytes freed."""
         freed = self.drop_mapped(buffer) + self.drop_pending(buffer)
@@ -408,7 +411,7 @@ class Buffers(Generic[A, C]):
         freed = self.drop_pending(buffer)
         if buffer.owner is not None:
             buffer.owner.buffers.pop(buffer.buffer_id, None)
-            left_by(buffer, buffer.owner, self.clock())
+            left_by(buffer, buffer.owner, self.clock.unix())
             if buffer.expires_at:
                 self.deadlines[buffer.buffer_id] = buffer.expires_at
         buffer.owner = None
@@ -422,6 +425,22 @@ class Buffers(Generic[A, C]):
                 or buffer.buffer_id not in self.by_id):
             return 0
         return self.drop(buffer)
+
+    def remappable(self, session: Session, buffer_id: int) -> Buffer[A, C]:
+        """The session's buffer, to send all its chunks again: refused where some are held only by its mappers."""
+        buffer = self.of(session, buffer_id)
+        self.check_handed_out(buffer)
+        return buffer
+
+    def export(self, buffer: Buffer[A, C], chunk: Chunk[C]) -> int:
+        """A new FD for a buffer's chunk."""
+        assert chunk.handle is not None, "a chunk held only by its mappers is never handed out"
+        return self.backend.export(buffer.arena, chunk.handle)
+
+    @property
+    def orphans(self) -> list[Buffer[A, C]]:
+        """Persistent buffers no session holds: their memory stays committed until attached again or deleted."""
+        return [b for b in self.by_id.values() if b.owner is None]
 
     def check_handed_out(self, buffer: Buffer[A, C]) -> None:
         """Refuse to hand a buffer's chunks to a process where some exist only in the mappings of others."""

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hbmd.proto import TIER_HOST
 from hbmd.proto.runs import merge_runs
 
+from .buffers import Buffers
 from .records import Buffer, Chunk, Session
-
-if TYPE_CHECKING:
-    from . import State
+from .sessions import Sessions
+from .tenants import Tenants
 
 
 def require(condition: bool, what: str) -> None:
@@ -18,7 +18,7 @@ def require(condition: bool, what: str) -> None:
         raise AssertionError(what)
 
 
-def check_invariants(state: State[Any, Any]) -> None:
+def check_invariants(sessions: Sessions, buffers: Buffers[Any, Any], tenants: Tenants) -> None:
     """Raise ``AssertionError`` naming the first thing that does not add up.
 
     Committed bytes equal the sum of chunk sizes, leased bytes the sum of
@@ -37,54 +37,53 @@ def check_invariants(state: State[Any, Any]) -> None:
     """
     chunk_ids: set[int] = set()
     total = host = pending = 0
-    for buffer in state.buffers.values():
-        total += _check_buffer(state, buffer, chunk_ids)
+    for buffer in buffers.by_id.values():
+        total += _check_buffer(sessions, buffers, buffer, chunk_ids)
         host += buffer.host_bytes
         pending += buffer.pending_bytes
-    require(state.buffer_table.pending_bytes == pending,
-            f"pending {state.buffer_table.pending_bytes} != {pending} in buffers' pending chunks")
-    require(state.host_bytes == host, f"host tier {state.host_bytes} != {host} in buffers' host chunks")
-    require(sum(t.host_bytes for t in state.tenants.values()) == host, f"tenants' host bytes do not add up to {host}")
-    require(len(state.persistent) == sum(b.persistent for b in state.buffers.values()), "stale persistent names")
-    reserved = sum(b.reserved for b in state.buffers.values())
-    require(state.reserved_bytes == reserved, f"reserved {state.reserved_bytes} != {reserved} in buffers")
-    chunks = sum(len(b.chunks) for b in state.buffers.values())
-    require(state.num_chunks == chunks, f"{state.num_chunks} chunks counted, {chunks} in buffers")
-    for uid, held in state.buffer_table.of_uid.items():
-        require(bool(held) and all(b.owner_uid == uid and state.buffers.get(i) is b for i, b in held.items()),
+    require(buffers.pending_bytes == pending,
+            f"pending {buffers.pending_bytes} != {pending} in buffers' pending chunks")
+    require(tenants.host_bytes == host, f"host tier {tenants.host_bytes} != {host} in buffers' host chunks")
+    require(sum(t.host_bytes for t in tenants.by_name.values()) == host, f"tenants' host bytes do not add up to {host}")
+    require(len(buffers.persistent) == sum(b.persistent for b in buffers.by_id.values()), "stale persistent names")
+    reserved = sum(b.reserved for b in buffers.by_id.values())
+    require(buffers.reserved_bytes == reserved, f"reserved {buffers.reserved_bytes} != {reserved} in buffers")
+    chunks = sum(len(b.chunks) for b in buffers.by_id.values())
+    require(buffers.num_chunks == chunks, f"{buffers.num_chunks} chunks counted, {chunks} in buffers")
+    for uid, held in buffers.of_uid.items():
+        require(bool(held) and all(b.owner_uid == uid and buffers.by_id.get(i) is b for i, b in held.items()),
                 f"the buffers of uid {uid} do not match the buffers")
-    require(sum(map(len, state.buffer_table.of_uid.values())) == len(state.buffers), "a buffer missing from its uid's")
-    _check_session_counts(state)
-    for session in state.sessions.values():
+    require(sum(map(len, buffers.of_uid.values())) == len(buffers.by_id), "a buffer missing from its uid's")
+    _check_session_counts(sessions)
+    for session in sessions.by_id.values():
         for buffer in session.buffers.values():
-            require(state.buffers.get(buffer.buffer_id) is buffer,
+            require(buffers.by_id.get(buffer.buffer_id) is buffer,
                     f"session {session.session_id} holds a dropped buffer")
         for buffer in session.reading.values():
-            require(state.buffers.get(buffer.buffer_id) is buffer,
+            require(buffers.by_id.get(buffer.buffer_id) is buffer,
                     f"session {session.session_id} reads a dropped buffer")
             require(session.session_id in buffer.readers,
                     f"session {session.session_id} reads {buffer.buffer_id} unrecorded")
-    require(state.committed_bytes == total, f"committed {state.committed_bytes} != {total} in chunks")
-    leased = _check_leases(state, chunk_ids)
-    require(state.leased_bytes == leased, f"leased {state.leased_bytes} != {leased} in sessions' leases")
-    _check_tenants(state)
+    require(tenants.committed_bytes == total, f"committed {tenants.committed_bytes} != {total} in chunks")
+    leased = _check_leases(sessions, buffers.backend.granularity, chunk_ids)
+    require(tenants.leased_bytes == leased, f"leased {tenants.leased_bytes} != {leased} in sessions' leases")
+    _check_tenants(sessions, buffers, tenants)
 
 
-def _check_session_counts(state: State[Any, Any]) -> None:
-    table = state.session_table
+def _check_session_counts(table: Sessions) -> None:
     for uid, held in table.of_uid.items():
-        require(bool(held) and all(s.uid == uid and state.sessions.get(i) is s for i, s in held.items()),
+        require(bool(held) and all(s.uid == uid and table.by_id.get(i) is s for i, s in held.items()),
                 f"the sessions of uid {uid} do not match the sessions")
-    require(sum(map(len, table.of_uid.values())) == len(state.sessions), "a session missing from its uid's")
+    require(sum(map(len, table.of_uid.values())) == len(table.by_id), "a session missing from its uid's")
     workers: dict[str, int] = {}
     for session in table.workers:
         workers[session.tenant.name] = workers.get(session.tenant.name, 0) + 1
     require(table.workers_of == workers, f"workers per tenant counted {table.workers_of}, {workers} connected")
 
 
-def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: set[int]) -> int:
+def _check_buffer(sessions: Sessions, buffers: Buffers[Any, Any], buffer: Buffer[Any, Any], chunk_ids: set[int]) -> int:
     """Check one buffer's chunks and links; returns its device bytes (mapped and pending)."""
-    granule = state.backend.granularity
+    granule = buffers.backend.granularity
     wanted = buffer.backed_runs(buffer.segment_sizes, granule)
     for label, chunks, accounted in (
         ("chunks", buffer.chunks, buffer.physical_bytes),
@@ -99,15 +98,15 @@ def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: s
             require(covered == wanted, f"{where} cover {covered}, not the committed prefixes {wanted}")
     if buffer.owner is not None:
         require(buffer.owner.buffers.get(buffer.buffer_id) is buffer, f"buffer {buffer.buffer_id}: owner lost it")
-        require(state.sessions.get(buffer.owner.session_id) is buffer.owner, f"buffer {buffer.buffer_id}: owner ended")
+        require(sessions.by_id.get(buffer.owner.session_id) is buffer.owner, f"buffer {buffer.buffer_id}: owner ended")
         require(not buffer.expires_at, f"buffer {buffer.buffer_id} is held, yet due to be freed as an orphan")
     else:
         require(buffer.persistent, f"anonymous buffer {buffer.buffer_id} has no owner")
-        due = state.buffer_table.deadlines.get(buffer.buffer_id, 0.0)
+        due = buffers.deadlines.get(buffer.buffer_id, 0.0)
         require(due == buffer.expires_at,
                 f"orphan {buffer.buffer_id} is due at {buffer.expires_at}, looked for at {due}")
     if buffer.persistent:
-        named = state.persistent.get((buffer.owner_uid, buffer.name))
+        named = buffers.persistent.get((buffer.owner_uid, buffer.name))
         require(named is buffer, f"persistent buffer {buffer.buffer_id} is not found by its name")
     require(buffer.persistent or not buffer.sealed, f"anonymous buffer {buffer.buffer_id} is sealed")
     require(buffer.sealed or not buffer.readers, f"unsealed buffer {buffer.buffer_id} has readers")
@@ -118,7 +117,7 @@ def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: s
     require(buffer.owner is not None or bool(buffer.readers) or not buffer.held_elsewhere,
             f"orphan {buffer.buffer_id} is held only by processes that no longer map it")
     for session_id, claims in buffer.readers.items():
-        reader = state.sessions.get(session_id)
+        reader = sessions.by_id.get(session_id)
         require(claims > 0, f"buffer {buffer.buffer_id}: session {session_id} holds {claims} read claims")
         if reader is None:
             raise AssertionError(f"buffer {buffer.buffer_id}: reader session {session_id} ended")
@@ -143,11 +142,10 @@ def check_chunk_layout(where: str, chunks: list[Chunk[Any]], reserved: int, gran
         end = chunk.offset + chunk.size
 
 
-def _check_leases(state: State[Any, Any], chunk_ids: set[int]) -> int:
+def _check_leases(sessions: Sessions, granule: int, chunk_ids: set[int]) -> int:
     """Check every session's lease; returns the bytes leased in all."""
-    granule = state.backend.granularity
     leased = 0
-    for session in state.sessions.values():
+    for session in sessions.by_id.values():
         where = f"session {session.session_id} lease"
         for chunk_id, chunk in session.lease.items():
             require(chunk_id == chunk.chunk_id and chunk_id not in chunk_ids, f"{where}: chunk {chunk_id} used twice")
@@ -163,26 +161,26 @@ def _check_leases(state: State[Any, Any], chunk_ids: set[int]) -> int:
     return leased
 
 
-def _check_tenants(state: State[Any, Any]) -> None:
-    tenants = state.tenants
+def _check_tenants(sessions: Sessions, buffers: Buffers[Any, Any], table: Tenants) -> None:
+    tenants = table.by_name
     used = sum(t.used_bytes for t in tenants.values())
-    require(state.committed_bytes + state.leased_bytes == used,
-            f"committed {state.committed_bytes} + leased {state.leased_bytes} != {used} used by tenants")
+    require(table.committed_bytes + table.leased_bytes == used,
+            f"committed {table.committed_bytes} + leased {table.leased_bytes} != {used} used by tenants")
     holders: dict[str, int] = {}
     leased: dict[str, int] = {}
-    holding: list[Session | Buffer[Any, Any]] = [*state.sessions.values(), *state.buffers.values()]
+    holding: list[Session | Buffer[Any, Any]] = [*sessions.by_id.values(), *buffers.by_id.values()]
     for holder in holding:
         require(tenants.get(holder.tenant.name) is holder.tenant, f"tenant {holder.tenant.name!r} was forgotten")
         holders[holder.tenant.name] = holders.get(holder.tenant.name, 0) + 1
-    for session in state.sessions.values():
+    for session in sessions.by_id.values():
         leased[session.tenant.name] = leased.get(session.tenant.name, 0) + session.leased_bytes
     # A configured tenant nobody uses is owed its whole guarantee.
     unmet = sum(max(0, limits.guaranteed_bytes - (tenants[limits.name].used_bytes if limits.name in tenants else 0))
-                for limits in state.config.tenants)
-    require(state.tenant_table.unmet_guarantees == unmet,
-            f"unmet guarantees counted {state.tenant_table.unmet_guarantees}, {unmet} in the config's tenants")
+                for limits in table.config.tenants)
+    require(table.unmet_guarantees == unmet,
+            f"unmet guarantees counted {table.unmet_guarantees}, {unmet} in the config's tenants")
     for tenant in tenants.values():
-        limits = state.tenant_table.limits(tenant.name)
+        limits = table.limits(tenant.name)
         require(tenant.holders == holders.get(tenant.name, 0), f"tenant {tenant.name!r}: {tenant.holders} holders")
         require(tenant.holders > 0, f"tenant {tenant.name!r} is kept for nobody")
         require(tenant.leased_bytes == leased.get(tenant.name, 0),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 from typing import Any, Generic
 
 from hbmd.proto import MAX_OWN_CHUNKS, MAX_PLACED_GRANULES, MAX_PLACED_SEGMENTS
@@ -33,6 +33,7 @@ from hbmd.proto.undo import Undo
 from hbmd.proto.units import format_bytes
 
 from ..backends import A, Backend, C, parkable
+from ..clock import Clock
 from .chunks import Chunks
 from .records import Buffer, Chunk, Session
 from .tenants import Tenants
@@ -54,10 +55,10 @@ class Leases(Generic[A, C]):
     """Every session's leased granules; they live in one arena of their own until placed."""
 
     def __init__(self, backend: Backend[A, C], chunks: Chunks[A, C], tenants: Tenants, lease_bytes: int,
-                 idle_s: float, credit_bytes: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+                 idle_s: float, credit_bytes: int, clock: Clock) -> None:
         """``lease_bytes``: the most one session is leased (0: no leases); ``idle_s``: see :data:`LEASE_IDLE_S`;
-        ``credit_bytes``: the most credit one session holds (0: none); ``clock``: the monotonic time a lease's use
-        and a revoke are stamped with (the state's)."""
+        ``credit_bytes``: the most credit one session holds (0: none); ``clock``: the state's, whose monotonic time a
+        lease's use and a revoke are stamped with."""
         self.clock = clock
         self.backend = backend
         self.chunks = chunks
@@ -120,7 +121,7 @@ class Leases(Generic[A, C]):
             session.credit_target = min(self.credit_max, max(2 * session.credit_target, 2 * grown))
         else:
             return
-        session.lease_used_at = self.clock()
+        session.lease_used_at = self.clock.monotonic()
         self.due[session.session_id] = None
 
     def top_up(self, session: Session, until: float = math.inf) -> list[Chunk[C]]:
@@ -209,7 +210,7 @@ class Leases(Generic[A, C]):
                 taken.append(chunk)
         session.credit -= total
         self._account(session, -total)
-        session.lease_used_at = self.clock()
+        session.lease_used_at = self.clock.monotonic()
         self.due[session.session_id] = None
         return taken
 
@@ -305,7 +306,7 @@ class Leases(Generic[A, C]):
         session.revoking.difference_update(chunk_ids)
         self._account(session, -len(placed) * granule)
         if placed:
-            session.lease_used_at = self.clock()
+            session.lease_used_at = self.clock.monotonic()
             self.due[session.session_id] = None
         return placed
 
@@ -340,7 +341,7 @@ class Leases(Generic[A, C]):
         asked = [c for c in session.lease if c not in session.revoking]
         credit = session.credit > 0 and not session.credit_asked_back
         if (asked or credit) and not self._asked_back(session):
-            session.revoking_since = self.clock()
+            session.revoking_since = self.clock.monotonic()
         if asked:
             session.revoking.update(asked)
             self.revokes_due.append((session, asked))
@@ -358,7 +359,7 @@ class Leases(Generic[A, C]):
         late = [s for s in sessions if self._asked_back(s) and now - s.revoking_since > LEASE_RETURN_PATIENCE_S]
         return sum(self.backend.granularity * len(s.revoking) + s.credit * s.credit_asked_back for s in late)
 
-    def ask_back_idle(self, sessions: list[Session], now: float) -> None:
+    def ask_back_idle(self, sessions: Iterable[Session], now: float) -> None:
         """Ask back the leases their sessions have not drawn on for :attr:`idle_s`: demand went elsewhere."""
         for session in sessions:
             if ((session.lease or session.credit) and not self._asked_back(session)

@@ -21,96 +21,54 @@ import bisect
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Generic
+from typing import Any, Generic, Protocol
 
 from hbmd.proto.errors import Conflict, InvalidRequest
 from hbmd.proto.units import format_bytes
 
 from ..backends import A, C
-from .records import Buffer, Session, check_observer
-from .sealed import check_readable_layout
+from ..clock import Clock
+from .holders import check_no_other_writer, check_readable_layout, give_to
+from .records import Buffer, Session, Tenant, check_observer
 from .tenants import Tenants
 
-if TYPE_CHECKING:
-    from .buffers import Buffers
-
 log = logging.getLogger("hbmd.state")
-
-MAX_KEEP_ORPHAN_S = 366 * 86400.0
-"""The longest grace period: a year. Longer is what 0 (kept until deleted) says."""
-
-
-def check_keep(keep_orphan_s: float, persistent: bool) -> None:
-    """Refuse a grace period that is not a number of seconds in ``[0, MAX_KEEP_ORPHAN_S]``, or one given to a buffer
-    that never becomes an orphan (an anonymous one ends with its session)."""
-    if not (math.isfinite(keep_orphan_s) and 0 <= keep_orphan_s <= MAX_KEEP_ORPHAN_S):
-        raise InvalidRequest(f"keep_orphan_s {keep_orphan_s} is out of range [0, {MAX_KEEP_ORPHAN_S:.0f}]",
-                             field="keep_orphan_s")
-    if keep_orphan_s and not persistent:
-        raise InvalidRequest("keep_orphan_s is for a persistent buffer: an anonymous one ends with its session",
-                             field="keep_orphan_s")
-
-
-def left_by(buffer: Buffer[Any, Any], session: Session, now: float) -> None:
-    """``session`` let go of the buffer, an orphan from Unix time ``now``: its grace period starts."""
-    buffer.last_holder = (session.client_name, session.pid)
-    buffer.orphaned_at = now
-    buffer.expires_at = now + buffer.keep_orphan_s if buffer.keep_orphan_s else 0.0
-
-
-def taken(buffer: Buffer[Any, Any]) -> None:
-    """A session holds the buffer again: it is no orphan, and nothing is due."""
-    buffer.orphaned_at = buffer.expires_at = 0.0
-
-
-def give_to(session: Session, buffer: Buffer[Any, Any]) -> None:
-    """Make the session the owner of an orphan."""
-    taken(buffer)
-    let_go_of_writer(buffer)
-    buffer.owner = session
-    session.buffers[buffer.buffer_id] = buffer
-
-
-def let_go_of_writer(buffer: Buffer[Any, Any]) -> None:
-    """Stop watching the process that may still write the buffer (:mod:`.writers`): it is taken, or gone."""
-    if buffer.writer is not None:
-        buffer.writer.close()
-        buffer.writer = None
-
-
-def check_no_other_writer(buffer: Buffer[Any, Any], session: Session) -> None:
-    """Refuse, retryably, to hand an orphan's pages to the process of ``session`` while its last holder, another
-    process whose session ended while it lived, may still map and write them (issue #61): two processes would write
-    the same pages."""
-    writer = buffer.writer
-    if writer is None:
-        return
-    if writer.gone():
-        let_go_of_writer(buffer)
-        return
-    if writer.pid and writer.pid == session.pid:
-        return  # its own process: what it maps there is its own business
-    holder = buffer.last_holder[0] or "a client"
-    raise Conflict(
-        f"orphan {buffer.name!r}: its last holder, {holder} (pid {writer.pid}), lives on and may still map and write "
-        "it (its session ended without a detach): retry once that process has exited",
-        buffer_id=buffer.buffer_id, pid=writer.pid,
-    )
-
 
 def _when(unix_time: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix_time))
 
 
-class Orphans(Generic[A, C]):
-    """Attaches, detaches, grafts and grace periods, over the instance's :class:`~.buffers.Buffers` and the
-    budget."""
+class OrphanBuffers(Protocol[A, C]):
+    """What :class:`Orphans` needs of the instance's buffers (:class:`~.buffers.Buffers`): its lookups, its
+    accounting, and the deadlines it stamps as a buffer becomes an orphan."""
 
-    def __init__(self, buffers: Buffers[A, C], tenants: Tenants) -> None:
+    by_id: dict[int, Buffer[A, C]]
+    deadlines: dict[int, float]
+
+    def of(self, session: Session, buffer_id: int) -> Buffer[A, C]: ...
+    def changeable(self, session: Session, buffer_id: int) -> Buffer[A, C]: ...
+    def orphan(self, uid: int, name: str) -> Buffer[A, C]: ...
+    def check_handed_out(self, buffer: Buffer[A, C]) -> None: ...
+    def recharge(self, buffer: Buffer[A, C], tenant: Tenant, purpose: str) -> None: ...
+    def account(self, buffer: Buffer[A, C], mapped: int = 0) -> None: ...
+    def mark_changed(self, buffer: Buffer[A, C]) -> None: ...
+    def disown(self, buffer: Buffer[A, C]) -> int: ...
+    def drop(self, buffer: Buffer[A, C]) -> int: ...
+
+
+class Orphans(Generic[A, C]):
+    """Attaches, detaches, grafts and grace periods, over the instance's buffers and the budget."""
+
+    def __init__(self, buffers: OrphanBuffers[A, C], tenants: Tenants, granularity: int,
+                 clock: Clock) -> None:
+        """``granularity``: the backend's, which a grafted chunk moves by; ``clock``: the state's, whose Unix time
+        grace periods are kept by."""
         self.buffers = buffers
         self.tenants = tenants
+        self.granularity = granularity
+        self.clock = clock
 
-    def attach(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
+    def attach(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
         """Give an orphaned persistent buffer of the session's user to the session.
 
         Names are per user: another user's buffer of the same name is not found.
@@ -169,7 +127,7 @@ class Orphans(Generic[A, C]):
         donor = self.buffers.orphan(session.uid, name)
         _check_graftable(donor)
         self.buffers.check_handed_out(donor)
-        shifts = _segment_shifts(target, donor, self.buffers.backend.granularity)
+        shifts = _segment_shifts(target, donor, self.granularity)
         check_no_other_writer(donor, session)
         moved = donor.physical_bytes
         self.tenants.admit_transfer(donor.tenant, target.tenant, moved, f"grafting orphan {name!r}")
@@ -197,7 +155,7 @@ class Orphans(Generic[A, C]):
         deadlines = self.buffers.deadlines
         if not deadlines:
             return 0
-        now = self.buffers.clock()
+        now = self.clock.unix()
         if now < min(deadlines.values()):
             return 0
         expired = 0
@@ -233,7 +191,7 @@ class Orphans(Generic[A, C]):
         buffer.keep_orphan_s, buffer.last_holder = keep_orphan_s, last_holder
         if buffer.owner is not None:
             return
-        now = self.buffers.clock()
+        now = self.clock.unix()
         buffer.orphaned_at = orphaned_at or now
         if keep_orphan_s:
             buffer.expires_at = min(expires_at or math.inf, now + keep_orphan_s)

@@ -10,10 +10,10 @@ session's client, with the reclaim patience as its deadline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Generic
 
 from ..backends import A, C
+from ..clock import Clock
 from .leases import Leases
 from .records import Reclaim, Session, Tenant
 from .sessions import Sessions
@@ -33,7 +33,7 @@ class Pressure(Generic[A, C]):
     """Asks of sessions for memory back, over the sessions, the budget and the leases."""
 
     def __init__(self, sessions: Sessions, tenants: Tenants, leases: Leases[A, C], demote_idle_s: float,
-                 clock: Callable[[], float]) -> None:
+                 clock: Clock) -> None:
         self.sessions = sessions
         self.tenants = tenants
         self.leases = leases
@@ -62,7 +62,7 @@ class Pressure(Generic[A, C]):
 
     def withheld_bytes(self) -> int:
         """Leased bytes asked back long ago and still not given back: a retry will not find them."""
-        return self.leases.withheld_bytes(list(self.sessions.by_id.values()), self.clock())
+        return self.leases.withheld_bytes(list(self.sessions.by_id.values()), self.clock.monotonic())
 
     def demote_for(self, tenant: Tenant, needed: int) -> int:
         """Ask idle sessions of demotable tenants (the config's ``demote``, in its order; never ``tenant``'s own, never
@@ -74,7 +74,7 @@ class Pressure(Generic[A, C]):
         and not of a session that grew a buffer in the last ``demote_idle_s``
         (:data:`DEMOTE_IDLE_S`).
         """
-        now = self.refused_at = self.clock()
+        now = self.refused_at = self.clock.monotonic()
         needed = min(needed, self.tenants.host_room())
         asked = 0
         for other in self.tenants.demotable():
@@ -144,6 +144,6 @@ class Pressure(Generic[A, C]):
     def request_reclaim(self, session: Session, requested_bytes: int, reason: str, demote: bool = False) -> Reclaim:
         """Record a request that ``session`` give ``requested_bytes`` back (its lease first; ``demote``: demote them to
         the host tier); the server delivers it."""
-        reclaim = self.sessions.request_reclaim(session, requested_bytes, reason, self.clock(), demote)
+        reclaim = self.sessions.request_reclaim(session, requested_bytes, reason, self.clock.monotonic(), demote)
         self.leases.ask_back(session)
         return reclaim

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Any, Generic
 
-from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo
+from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo, ChunkInfo
 from hbmd.proto.errors import InvalidRequest, PermissionDenied
 from hbmd.proto.runs import backed_runs, prefix_offsets
 
@@ -61,6 +61,9 @@ class Chunk(Generic[C]):
     tier: str = TIER_DEVICE
     """Where its memory is: the device's, or the host tier's (charged to the host budget)."""
 
+    def info(self) -> ChunkInfo:
+        return ChunkInfo(self.chunk_id, self.offset, self.size)
+
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
@@ -108,7 +111,8 @@ class Reclaim:
     reclaim_id: int
     requested_bytes: int
     reason: str
-    asked_at: float = dataclasses.field(default_factory=time.monotonic)
+    asked_at: float
+    """When it was asked (the state's monotonic clock)."""
     released_bytes: int | None = None
     told: bool = False
     """A commit refused since its answer came was told it (a demote answered with less than asked: nothing more is
@@ -147,7 +151,9 @@ class Session:
     tenant: Tenant
     admin: bool = False
     observer: bool = False
-    connected_at: float = dataclasses.field(default_factory=time.monotonic)
+    connected_at: float = 0.0
+    """When its client connected or came back (the state's monotonic clock, as ``lease_used_at`` and
+    ``grown_at``)."""
     buffers: dict[int, Buffer[Any, Any]] = dataclasses.field(default_factory=dict)
     reading: dict[int, Buffer[Any, Any]] = dataclasses.field(default_factory=dict)
     """Sealed buffers this session holds a read claim on (it maps them read-only)."""
@@ -163,7 +169,7 @@ class Session:
     """Leased chunk ids asked back and not returned yet."""
     revoking_since: float = 0.0
     """When the session was asked for the first of ``revoking`` (monotonic)."""
-    lease_used_at: float = dataclasses.field(default_factory=time.monotonic)
+    lease_used_at: float = 0.0
     """When the session last placed leased granules or found its lease short."""
     wants_credit: bool = False
     """The client commits in chunks it makes itself, within a credit (a client of protocol 1.8 that asked for
@@ -175,7 +181,7 @@ class Session:
     """The credit the daemon keeps granted to it: twice the last commit it could have served, 0 under pressure."""
     credit_asked_back: bool = False
     """Its credit was asked back (:class:`~hbmd.proto.CreditRevoke`) and its return not read yet."""
-    grown_at: float = dataclasses.field(default_factory=time.monotonic)
+    grown_at: float = 0.0
     """When the session last grew a buffer: one that grew lately is busy, and not asked to demote."""
     demoted_under_pressure: bool = False
     """Its client demoted buffers when asked: they are promoted back once the device has room for them."""

@@ -8,21 +8,29 @@ reading session.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Generic
+from typing import Any, Generic, Protocol
 
-from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, VersionMismatch
+from hbmd.proto.errors import Conflict, InvalidRequest, NotFound
 
 from ..backends import A, C
+from .holders import add_read_claim, check_readable_layout
 from .records import Buffer, Session, check_observer
 
-if TYPE_CHECKING:
-    from .buffers import Buffers
+
+class SealedBuffers(Protocol[A, C]):
+    """What :class:`Sealed` needs of the instance's buffers (:class:`~.buffers.Buffers`)."""
+
+    def of(self, session: Session, buffer_id: int) -> Buffer[A, C]: ...
+    def named(self, uid: int, name: str) -> Buffer[A, C]: ...
+    def check_handed_out(self, buffer: Buffer[A, C]) -> None: ...
+    def mark_changed(self, buffer: Buffer[A, C]) -> None: ...
+    def forget_unheld(self, buffer: Buffer[A, C]) -> int: ...
 
 
 class Sealed(Generic[A, C]):
-    """Seals and read claims, over the instance's :class:`~.buffers.Buffers`."""
+    """Seals and read claims, over the instance's buffers."""
 
-    def __init__(self, buffers: Buffers[A, C]) -> None:
+    def __init__(self, buffers: SealedBuffers[A, C]) -> None:
         self.buffers = buffers
 
     def seal(self, session: Session, buffer_id: int) -> Buffer[A, C]:
@@ -51,7 +59,7 @@ class Sealed(Generic[A, C]):
         self.buffers.mark_changed(buffer)
         return buffer
 
-    def attach_reader(self, session: Session, name: str, uneven_ok: bool) -> Buffer[A, C]:
+    def attach_reader(self, session: Session, name: str, uneven_ok: bool = True) -> Buffer[A, C]:
         """Add a read claim of the session on its user's sealed buffer ``name``, beside its owner and other readers.
 
         An unsealed buffer can change under a reader: refused. The claim is
@@ -105,18 +113,3 @@ def check_unread(buffer: Buffer[Any, Any], pids: dict[int, int]) -> None:
         session_id=readers[0],
         readers=",".join(map(str, readers)),
     )
-
-
-def add_read_claim(session: Session, buffer: Buffer[Any, Any]) -> None:
-    buffer.readers[session.session_id] = buffer.readers.get(session.session_id, 0) + 1
-    session.reading[buffer.buffer_id] = buffer
-
-
-def check_readable_layout(buffer: Buffer[Any, Any], uneven_ok: bool) -> None:
-    """Refuse a client that cannot read uneven segments (``uneven_ok`` False) a buffer that has them, rather than
-    hand it a layout it would misread."""
-    if not (uneven_ok or buffer.uniform):
-        raise VersionMismatch(
-            f"persistent buffer {buffer.name!r} has uneven segments: attaching it needs an hbmd client of protocol "
-            "1.1 or later"
-        )

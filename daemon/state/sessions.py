@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import secrets
-import time
 from collections.abc import Callable
+from typing import Any
 
-from hbmd.proto import SessionInfo
+from hbmd.proto import BufferInfo, SessionInfo
 from hbmd.proto.buffers import MAX_NAME
 from hbmd.proto.errors import (
     Conflict,
@@ -18,8 +19,9 @@ from hbmd.proto.errors import (
     SessionLost,
 )
 
+from ..clock import Clock
 from .credentials import KEY_BYTES, LINE_HEX, Credentials
-from .records import MAX_CAPACITY, Limits, Reclaim, Session, Tenant, check_int
+from .records import MAX_CAPACITY, Buffer, Limits, Reclaim, Session, Tenant, check_int
 
 RECLAIM_PATIENCE_S = 30.0
 """By default a reclaim request unanswered this long is reported as ignored (the session is never killed for it)."""
@@ -28,9 +30,8 @@ RECLAIM_PATIENCE_S = 30.0
 class Sessions:
     """The instance's open sessions; a session's token is its only credential on the control plane."""
 
-    def __init__(self, limits: Limits, reclaim_patience_s: float = RECLAIM_PATIENCE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``clock``: the monotonic time sessions are stamped with and reclaims judged by (the state's)."""
+    def __init__(self, limits: Limits, reclaim_patience_s: float, clock: Clock) -> None:
+        """``clock``: the state's, whose monotonic time sessions are stamped with and reclaims judged by."""
         self.limits = limits
         self.clock = clock
         self.credentials = Credentials(secrets.token_bytes(KEY_BYTES))
@@ -69,9 +70,10 @@ class Sessions:
                 f"uid {uid} already has {open_sessions} sessions, the most allowed (--max-sessions-per-uid)",
                 uid=uid, limit=self.limits.sessions_per_uid,
             )
+        now = self.clock.monotonic()
         session = Session(
             self._next_id, secrets.token_hex(16), pid, uid, gid, client_name, tenant, admin, observer,
-            wants_lease=lease,
+            wants_lease=lease, connected_at=now, lease_used_at=now,
         )
         replaced, credential = starting_over
         session.declaring = bool(credential) and not observer
@@ -117,6 +119,7 @@ class Sessions:
 
     def restore(self, session: Session, resume_by: float) -> None:
         """Take back a session journaled before a restart; it waits for its client until ``resume_by``."""
+        session.connected_at = session.lease_used_at = self.clock.monotonic()
         session.resume_by = resume_by
         self._add(session)
         self._next_id = max(self._next_id, session.session_id + 1)
@@ -150,8 +153,21 @@ class Sessions:
         session.token = secrets.token_hex(16)
         self._by_token[session.token] = session
         session.resume_by = None
-        session.connected_at = self.clock()
+        session.connected_at = self.clock.monotonic()
         return session
+
+    def pids(self) -> dict[int, int]:
+        """Each session's pid, by session id: to name the sessions that hold something."""
+        return {s.session_id: s.pid for s in self.by_id.values()}
+
+    def info_for_holder(self, buffer: Buffer[Any, Any], session: Session) -> BufferInfo:
+        """``buffer``'s info as its holder ``session`` is told it: a persistent buffer's with the proof that the
+        session holds its name (:attr:`BufferInfo.name_proof`), which no one else is shown."""
+        info = buffer.info()
+        if buffer.persistent and buffer.owner is session:
+            info = dataclasses.replace(info, name_proof=self.credentials.name_proof(
+                session.uid, session.session_id, session.pid, buffer.name))
+        return info
 
     def unresumed(self, now: float, gone: Callable[[int], bool]) -> list[Session]:
         """Restored sessions whose clients did not come back in time, or whose process is ``gone`` (by pid)."""
@@ -201,10 +217,10 @@ class Sessions:
             reserved_bytes=sum(b.reserved for b in buffers),
             num_buffers=len(session.buffers),
             num_chunks=sum(len(b.chunks) for b in buffers),
-            connected_s=self.clock() - session.connected_at,
+            connected_s=self.clock.monotonic() - session.connected_at,
             reclaim_requested_bytes=reclaim.requested_bytes if reclaim else 0,
             reclaim_released_bytes=reclaim.released_bytes if reclaim and reclaim.released_bytes is not None else -1,
-            reclaim_state=reclaim.outcome(self.clock(), self.reclaim_patience_s) if reclaim else "",
+            reclaim_state=reclaim.outcome(self.clock.monotonic(), self.reclaim_patience_s) if reclaim else "",
             leased_bytes=session.leased_bytes,
             resuming=session.resume_by is not None,
         )
