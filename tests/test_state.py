@@ -6,7 +6,6 @@ import errno
 import itertools
 import os
 import random
-import time
 
 import pytest
 from hbmd.daemon.backends.host import HostBackend
