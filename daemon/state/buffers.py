@@ -41,7 +41,7 @@ from .records import (
     check_int,
     check_observer,
 )
-from .sealed import add_read_claim
+from .sealed import UnsealedNames, add_read_claim
 from .tenants import Tenants
 from .writers import Writer
 
@@ -93,6 +93,7 @@ class Buffers(Generic[A, C]):
         self.deadlines: dict[int, float] = {}
         """When each orphan with a grace period is due to be freed (Unix time), by buffer id; an entry whose buffer was
         attached, grafted or deleted since is dropped when next looked at (``Orphans.expire``)."""
+        self.unsealed_names = UnsealedNames(limits.persistent_buffers_per_uid)
         self.changed: set[int] | None = None
         """Buffers changed (chunks, owner, readers, seal; or dropped) since the persistence layer last journaled them
         (None: nobody is tracking, and nothing is recorded)."""
@@ -205,6 +206,7 @@ class Buffers(Generic[A, C]):
             owner_uid=session.uid, tenant=session.tenant, capacity=capacity, reserved=reserved,
             segment_capacities=capacities, arena=self.backend.open_arena(reserved, shareable),
             keep_orphan_s=keep_orphan_s,
+            unsealed_since=self.unsealed_names.since(session.uid, name, self.clock()) if persistent else 0.0,
         )
         self._next_id += 1
         self._add(buffer)
@@ -244,6 +246,7 @@ class Buffers(Generic[A, C]):
             buffer_id=keep or self._next_id, name=name, persistent=persistent, shareable=shareable,
             owner=None if readonly else session, owner_uid=session.uid, tenant=session.tenant, capacity=capacity,
             reserved=reserved, segment_capacities=capacities, arena=None, sealed=sealed,
+            unsealed_since=self.clock() if persistent and not sealed else 0.0,
         )
         self.check_sizes(record, sizes)
         record.segment_sizes = list(sizes)
@@ -394,6 +397,8 @@ class Buffers(Generic[A, C]):
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         if buffer.persistent:
             self.persistent.pop((buffer.owner_uid, buffer.name), None)
+            if not buffer.sealed:
+                self.unsealed_names.dropped_unsealed(buffer, self.clock())
         let_go_of_writer(buffer)
         self.tenants.let_go(buffer.tenant)
         self.mark_changed(buffer)

@@ -31,7 +31,8 @@ def check_invariants(state: State[Any, Any]) -> None:
     host-tier bytes add up to the host total and to the tenants'; every buffer and
     session points at the other, readers included, and only an orphan is
     due to be freed, looked for when it is due; only a persistent
-    buffer is sealed, and only a sealed one has readers; every tenant has
+    buffer is sealed, only a sealed one has readers, and every unsealed
+    persistent one says since when it held its name so; every tenant has
     the limits the config in force gives it and is kept while held, and the
     running total of unmet guarantees is the config's tenants' sum.
     """
@@ -110,6 +111,8 @@ def _check_buffer(state: State[Any, Any], buffer: Buffer[Any, Any], chunk_ids: s
         named = state.persistent.get((buffer.owner_uid, buffer.name))
         require(named is buffer, f"persistent buffer {buffer.buffer_id} is not found by its name")
     require(buffer.persistent or not buffer.sealed, f"anonymous buffer {buffer.buffer_id} is sealed")
+    require((buffer.unsealed_since > 0) == (buffer.persistent and not buffer.sealed),
+            f"buffer {buffer.buffer_id} says it holds its name unsealed since {buffer.unsealed_since}")
     require(buffer.sealed or not buffer.readers, f"unsealed buffer {buffer.buffer_id} has readers")
     require(not (buffer.sealed and buffer.pending), f"sealed buffer {buffer.buffer_id} is mid-defragment")
     held = [c.handle is None for c in buffer.chunks]

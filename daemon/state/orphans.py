@@ -194,10 +194,11 @@ class Orphans(Generic[A, C]):
         One that sessions still read (a sealed one) waits for them to let go:
         their mappings would keep its pages alive outside the budget.
         """
+        now = self.buffers.clock()
+        self.buffers.unsealed_names.forget_older(now)
         deadlines = self.buffers.deadlines
         if not deadlines:
             return 0
-        now = self.buffers.clock()
         if now < min(deadlines.values()):
             return 0
         expired = 0

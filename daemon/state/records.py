@@ -251,6 +251,9 @@ class Buffer(Generic[A, C]):
     """Unix time the daemon frees it, an orphan still; 0: never."""
     last_holder: tuple[str, int] = ("", 0)
     """The client name and pid of the session that last held it, once an orphan (``("", 0)``: not known)."""
+    unsealed_since: float = 0.0
+    """Unix time since which a persistent buffer has held its name unsealed, whichever sessions held it (see
+    :meth:`Buffers.create`); 0 once sealed, for an anonymous buffer, or where the daemon does not know."""
     writer: Writer | None = None
     """The process of the session that last held it, an orphan, where it may still map and write it: its session
     ended while it lived (:mod:`.writers`). Not journaled: the daemon's pidfd does not outlive it."""
@@ -336,4 +339,5 @@ class Buffer(Generic[A, C]):
             expires_at=self.expires_at,
             last_holder=self.last_holder[0],
             last_holder_pid=self.last_holder[1],
+            unsealed_since=self.unsealed_since,
         )
