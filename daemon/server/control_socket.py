@@ -42,7 +42,7 @@ from collections.abc import Iterator
 
 from .connection import Descriptors, accepted, accepting
 from .control import Peer
-from .handles import HELLO_TIMEOUT_S
+from .hellos import HELLO_TIMEOUT_S
 from .ratelimit import RateLimitedLog
 from .shares import Shares
 from .zmtp import GREETING, MAX_MESSAGE_BYTES, ZmtpPeer, ZmtpViolation, encode_message
