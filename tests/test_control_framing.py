@@ -28,7 +28,6 @@ from hbmd.daemon.server import control as control_module
 from hbmd.daemon.server import control_socket
 from hbmd.daemon.server.control import MAX_QUEUED_PER_PEER, ControlQueue, Peer
 from hbmd.daemon.server.control_socket import READ_BYTES_PER_TURN, RECEIVE_BYTES, ControlSocket
-from hbmd.daemon.server.shares import Shares
 from hbmd.daemon.server.zmtp import (
     MAX_COMMAND_BYTES,
     MAX_COMMANDS_PER_FEED,
@@ -38,6 +37,7 @@ from hbmd.daemon.server.zmtp import (
     ZmtpViolation,
     error_command,
 )
+from hbmd.daemon.shares import Shares
 from hbmd.proto.instance import InstancePaths
 from helpers import MiB, wait_until
 from zmq.utils.monitor import recv_monitor_message

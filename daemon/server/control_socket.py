@@ -42,11 +42,11 @@ import socket
 import time
 from collections.abc import Iterator
 
+from ..shares import Shares
 from .connection import Descriptors, accepted, accepting
 from .control import Peer
 from .hellos import HELLO_TIMEOUT_S
 from .ratelimit import RateLimitedLog
-from .shares import Shares
 from .zmtp import GREETING, MAX_MESSAGE_BYTES, ZmtpPeer, ZmtpViolation, encode_message, error_command
 
 log = logging.getLogger("hbmd.server")
@@ -61,7 +61,7 @@ message) leaves the rest in the kernel. A turn read a connection until it comple
 held the loop for as long as it lasted (issue #61, ``tests/test_control_streams.py``)."""
 MAX_PARTIAL_BYTES_PER_UID = 64 << 20
 """Bytes of unfinished messages the daemon keeps for all the control connections of one uid; a connection taking its
-uid past it, or past its fair share of :data:`MAX_PARTIAL_BYTES` (:class:`~.shares.Shares`), is closed. An honest
+uid past it, or past its fair share of :data:`MAX_PARTIAL_BYTES` (:class:`~..shares.Shares`), is closed. An honest
 client's request is under 1 MiB, whole within four turns."""
 MAX_PARTIAL_BYTES = 96 << 20
 """The same for all uids together, shared fairly; a uid may always hold :data:`MIN_PARTIAL_BYTES_PER_UID`."""

@@ -5,7 +5,7 @@ pidfd) and says nothing the daemon can check yet. An honest client says
 hello at once, so a connection that waits is a flood's, or a client about
 to; the bound per uid kept one uid from using them up, but uids' bounds add
 up, and every local user in the group can connect. So there is a bound in
-all too, shared between uids as the control plane's are (``shares.py``): a
+all too, shared between uids as the control plane's are (``daemon/shares.py``): a
 newcomer past its uid's share closes that uid's oldest, and one that finds
 the bound in all reached closes the oldest of the uid holding the most. A
 flood of one uid, or of several, closes only its own connections while an
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..shares import Shares
 from .connection import HandleConnection
-from .shares import Shares
 
 HELLO_TIMEOUT_S = 5.0
 """How long a connection has to say hello (and a control connection to finish its ZMTP greeting and READY)."""

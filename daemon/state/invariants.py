@@ -49,6 +49,9 @@ def check_invariants(state: State[Any, Any]) -> None:
     require(len(state.persistent) == sum(b.persistent for b in state.buffers.values()), "stale persistent names")
     reserved = sum(b.reserved for b in state.buffers.values())
     require(state.reserved_bytes == reserved, f"reserved {state.reserved_bytes} != {reserved} in buffers")
+    segments = sum(b.num_segments for b in state.buffers.values())
+    require(state.buffer_table.num_segments == segments,
+            f"{state.buffer_table.num_segments} segments counted, {segments} in buffers")
     chunks = sum(len(b.chunks) for b in state.buffers.values())
     require(state.num_chunks == chunks, f"{state.num_chunks} chunks counted, {chunks} in buffers")
     for uid, held in state.buffer_table.of_uid.items():

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Any, Generic
 
-from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo
+from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, BufferInfo
 from hbmd.proto.errors import InvalidRequest, PermissionDenied
 from hbmd.proto.runs import backed_runs, prefix_offsets
 
@@ -73,6 +73,18 @@ class Limits:
     segments_per_uid: int = 1 << 16
     """Buffers cost no budget, but each segment costs the daemon memory to describe, and every listing of the uid's
     buffers bytes to send: 16 buffers of the most segments."""
+    sessions: int = 4096
+    """Sessions of all uids together (or ``sessions_per_uid``, where more), shared fairly between them
+    (:mod:`hbmd.daemon.shares`): per-uid bounds add up with the number of uids in the group."""
+    sessions_floor: int = 16
+    """Sessions a uid may always open, whatever the others hold."""
+    buffers: int = 16384
+    """Buffers of all uids together (or ``buffers_per_uid``, where more), shared likewise."""
+    buffers_floor: int = 64
+    segments: int = 1 << 20
+    """Segments of all uids' buffers together (or ``segments_per_uid``, where more), shared likewise."""
+    segments_floor: int = MAX_SEGMENTS
+    """A buffer of the most segments."""
 
 
 @dataclasses.dataclass
