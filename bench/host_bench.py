@@ -11,12 +11,16 @@ into a reserved range, ``memset``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
+import socket
+import struct
 import sys
 import time
 from typing import Any
 
+import zmq
 from baseline import HostInProcessBuffer
 from cases import (
     Target,
@@ -29,10 +33,12 @@ from cases import (
     step_commits_without_lease,
     turns_under_load,
 )
-from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, summarize_ns, timed_ns, today_utc
+from common import RESULTS_DIR, Bench, Daemon, GiB, MiB, ratio, repeat_ns, summarize_ns, timed_ns, today_utc
+from hbmd import proto
 from hbmd.client import connect
 from hbmd.client.host import HostMapper
 from hbmd.memfd import sealed_memfd
+from hbmd.proto.instance import InstancePaths
 from hbmd.testing.spawn import wait_until
 
 bench = Bench("host", "hbmd's host backend against the in-process baseline, side by side")
@@ -145,6 +151,96 @@ def control_case(t: Target) -> dict[str, Any]:
 
 
 add_status_cases(bench)
+
+# ZMTP 3.1 with the NULL mechanism, spelled out from RFC 23 and 37 as a DEALER sends it.
+GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x00" + bytes(31)
+READY_BODY = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+
+
+def zmtp_frames(frames: list[bytes]) -> bytes:
+    return b"".join((bytes([int(i < len(frames) - 1), len(f)]) if len(f) < 256 else
+                     bytes([int(i < len(frames) - 1) | 0x02]) + struct.pack(">Q", len(f))) + f
+                    for i, f in enumerate(frames))
+
+
+class RawZmtpClient:
+    """A Unix stream socket speaking ZMTP to the control socket by hand: one request, then its reply's frames."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.buffer = bytearray()
+        self.sock.sendall(GREETING + b"\x04" + bytes([len(READY_BODY)]) + READY_BODY)
+        self._take(64)
+        assert self._frame()[1] & 0x04, "the daemon's READY"
+
+    def _take(self, count: int) -> bytes:
+        while len(self.buffer) < count:
+            self.buffer += self.sock.recv(65536)
+        taken = bytes(self.buffer[:count])
+        del self.buffer[:count]
+        return taken
+
+    def _frame(self) -> tuple[bytes, int]:
+        flags = self._take(1)[0]
+        size = struct.unpack(">Q", self._take(8))[0] if flags & 0x02 else self._take(1)[0]
+        return self._take(size), flags
+
+    def call(self, request: bytes) -> list[bytes]:
+        self.sock.sendall(request)
+        frames = []
+        while True:
+            body, flags = self._frame()
+            frames.append(body)
+            if not flags & 0x01:
+                return frames
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@bench.case("dealer_hop")
+def dealer_hop_case(t: Target) -> dict[str, Any]:
+    """What the pyzmq DEALER hop costs: the same status request's frames, under the same session token, through a
+    DEALER socket and through a Unix socket speaking ZMTP by hand, timed in turns on one daemon. The ratio is the
+    DEALER's p50 over the raw socket's; what both share is the daemon's work and the round trip."""
+    # A session of its own: the ids sent here must not pass those of the client the other cases use.
+    client = connect("cpu", run_dir=t.daemon.run_dir, client_name="dealer-hop")
+    token = client._core.control.token
+    path = os.fspath(InstancePaths.of(t.daemon.run_dir, "host").control)
+    n = t.reps(2000, 300)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"ipc://{path}")
+    raw = RawZmtpClient(path)
+    ids = itertools.count(client.requests_sent + 1)
+
+    def through_dealer() -> None:
+        dealer.send_multipart(proto.encode_frames(proto.Status(), next(ids), token))
+        assert isinstance(proto.decode_frames(dealer.recv_multipart()).body, proto.StatusReply)
+
+    def through_raw() -> None:
+        reply = raw.call(zmtp_frames(proto.encode_frames(proto.Status(), next(ids), token)))
+        assert isinstance(proto.decode_frames(reply).body, proto.StatusReply)
+
+    try:
+        for call in (through_dealer, through_raw):
+            repeat_ns(call, 0, warmup=100)
+        dealer_ns: list[int] = []
+        raw_ns: list[int] = []
+        for _ in range(10):  # in turns, so that the machine's load falls on both alike
+            dealer_ns += repeat_ns(through_dealer, n // 10)
+            raw_ns += repeat_ns(through_raw, n // 10)
+        figures = {"dealer": summarize_ns(dealer_ns), "raw_socket": summarize_ns(raw_ns)}
+        figures["dealer_over_raw_p50"] = ratio(figures["dealer"]["p50_us"], figures["raw_socket"]["p50_us"])
+        figures["dealer_over_raw_p99"] = ratio(figures["dealer"]["p99_us"], figures["raw_socket"]["p99_us"])
+        print(f"  status p50 through a DEALER {figures['dealer']['p50_us']} µs, a raw socket "
+              f"{figures['raw_socket']['p50_us']} µs: ×{figures['dealer_over_raw_p50']}")
+        return figures
+    finally:
+        dealer.close(linger=0)
+        raw.close()
+        client.close()
 
 
 @bench.case("turns")

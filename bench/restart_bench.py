@@ -84,7 +84,7 @@ class Instance:
     ``restartable``: the stand-in keeps the FDs in this process, so that it can start the next daemon on them.
     """
 
-    def __init__(self, backend: str, kept: bool, restartable: bool = False) -> None:
+    def __init__(self, backend: str, kept: bool, restartable: bool = False, args: tuple[str, ...] = ()) -> None:
         self.run_dir = Path(tempfile.mkdtemp(prefix="hbmdr-", dir="/tmp"))
         self.backend = backend
         self.kept = kept
@@ -94,6 +94,7 @@ class Instance:
         if kept:
             (self.run_dir / "state").mkdir()
             self.args += ["--state-dir", str(self.run_dir / "state")]
+        self.args += args
         self.daemon = self._start()
 
     def _start(self, *more: str, **launch) -> DaemonProcess:
@@ -109,6 +110,12 @@ class Instance:
         """SIGKILL, then a new daemon on what the store kept, as ``Restart=on-failure`` does (with no store, on
         nothing)."""
         self.daemon.kill()
+        self.daemon = self._start(**self.systemd.relaunch()) if self.systemd is not None else self._start()
+        return self.daemon
+
+    def upgrade(self) -> DaemonProcess:
+        """SIGTERM, then a new daemon on what the store kept, as a restart of the unit does."""
+        assert self.daemon.stop() == 0
         self.daemon = self._start(**self.systemd.relaunch()) if self.systemd is not None else self._start()
         return self.daemon
 

@@ -278,8 +278,9 @@ BUFFER_COLUMNS = [
 
 
 def cmd_buffers(client: Client, args: argparse.Namespace) -> Output:
-    # An orphan is held by no session: null, where the wire says 0.
-    buffers = [none_for_empty(as_dict(b), "session_id", "orphaned_at", "expires_at", "last_holder", "last_holder_pid")
+    # An orphan is held by no session, a sealed or anonymous buffer holds no name unsealed: null, where the wire says 0.
+    buffers = [none_for_empty(as_dict(b), "session_id", "orphaned_at", "expires_at", "last_holder", "last_holder_pid",
+                              "unsealed_since")
                for b in client.buffers(args.session)]
     return Output({"buffers": buffers}, "", BUFFER_COLUMNS, buffers, "no buffers")
 

@@ -219,7 +219,7 @@ class StateCollector(Collector):
 
 MAX_CONNECTIONS = 16
 """Connections the metrics port serves at once; one beyond is closed at once, so that idle peers cannot take the
-daemon's descriptors (whose end aborts the control plane's libzmq) or its threads."""
+daemon's descriptors (which its chunks and sessions need) or its threads."""
 MAX_CONNECTIONS_PER_ADDRESS = 4
 """Connections one peer address is served at once, of :data:`MAX_CONNECTIONS`; one beyond is closed at once. A
 scraper and a readiness probe each hold one at a time: 16 connections of one peer trickling requests held every slot,

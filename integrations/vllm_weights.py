@@ -32,10 +32,11 @@ starting together: the one that creates the buffer first stores, from a
 session named ``vllm-weights-store:<digest>``, and the other waits for the
 seal and maps; an unsealed buffer whose storer died is deleted by the next
 engine, which stores again; one held by any other live session (a process
-of the same user that took the name), or by a storer's session older than
-``wait_s`` (one that could be such a process under a storer's name), is not
-waited for. A storer whose
-weight files change while it reads them keeps its copy and stores nothing.
+of the same user that took the name), or unsealed for longer than ``wait_s``
+(one that could be such a process under a storer's name; the daemon counts
+the time across every session that held the name), is not waited for. A
+storer whose weight files change while it reads them keeps its copy and
+stores nothing.
 Anything that keeps the weights from coming from hbmd (no daemon, a key
 that differs, a name held by something that is not storing it, a
 quantization that cannot be rebuilt from processed tensors, a storer that
@@ -67,7 +68,7 @@ from hbmd.client import Client, Conflict, NotFound, default_client
 from hbmd.client.tensor import ExtensibleTensor
 from hbmd.client.weights import Weights, open_weights, write_weights
 from hbmd.integrations.settings import LOAD_FORMAT
-from hbmd.integrations.weights_key import checkpoint_fields, files_changes, not_a_store, storer_name
+from hbmd.integrations.weights_key import checkpoint_fields, files_changes, not_a_store, storer_name, unsealed_for
 from hbmd.proto.admin import SessionInfo
 from hbmd.proto.buffers import MAX_NAME, BufferInfo
 from hbmd.proto.units import format_bytes
@@ -263,7 +264,7 @@ class HbmdModelLoader(IpcModelLoader):
                 holder = _session(client, info.session_id)
                 # No holder: its session ended since the buffer was listed, leaving it sealed or abandoned.
                 if holder is not None:
-                    reason = not_a_store(name, holder, self.wait_s)
+                    reason = not_a_store(name, holder, self.wait_s, unsealed_for(info, time.time()))
                     if reason:
                         raise WeightsNameHeld(reason)
                     if not waited:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hbmd.proto.admin import SessionInfo
+from hbmd.proto.buffers import BufferInfo
 
 STORER_PREFIX = "vllm-weights-store"
 FILE_FIELDS = ("path", "size", "mtime_ns", "device", "inode", "ctime_ns")
@@ -73,25 +74,36 @@ def storer_name(weights_name: str) -> str:
     return f"{STORER_PREFIX}:{weights_name.rsplit(':', 1)[-1]}"
 
 
-def not_a_store(weights_name: str, holder: SessionInfo, wait_s: float) -> str:
+def not_a_store(weights_name: str, holder: SessionInfo, wait_s: float, unsealed_s: float = 0.0) -> str:
     """Why the live session ``holder``, which holds the unsealed buffer ``weights_name``, is no engine storing these
     weights whose seal is worth waiting for, so that an engine loads from disk at once; "" when it is one.
 
     A process of the same user can take the name first (by mistake, or to
     keep engines waiting), under any session name, a storer's too: nothing
     a process of that user can show tells it from an engine. What bounds it
-    is time: an engine waits ``wait_s`` at most for a store, so a holder
-    whose session is older than that has been storing longer than any
-    engine waits, and none waits for it again. Once it holds the name, a
-    squatter delays engines ``wait_s`` in all, not each engine by as much.
+    is time: an engine waits ``wait_s`` at most for a store, so a name held
+    unsealed for longer than that has been storing longer than any engine
+    waits, and none waits for it again. Once it holds the name, a squatter
+    delays engines ``wait_s`` in all, not each engine by as much. How long is
+    the longer of the holder's session's age and ``unsealed_s``, the
+    daemon's count across every session that held the name
+    (:attr:`~hbmd.proto.BufferInfo.unsealed_since`, 0 from a daemon older
+    than protocol 1.14): a squatter handing the name on to a new session of
+    its own, or deleting and making it again, does not start it over.
     """
     who = f"session {holder.session_id} (pid {holder.pid}, uid {holder.uid}, client {holder.client_name!r})"
     expected = storer_name(weights_name)
     if holder.client_name != expected:
         return (f"{weights_name} is held unsealed by {who}, not by an engine storing these weights (client "
                 f"{expected!r}); not waiting for it to be sealed")
-    if holder.connected_s > wait_s:
-        return (f"{weights_name} is held unsealed by {who} for {holder.connected_s:.0f} s, longer than an engine "
-                f"waits for a store ({wait_s:g} s, wait_s); not waiting for it to be sealed (end that process to let "
-                "an engine store them)")
+    held_s = max(holder.connected_s, unsealed_s)
+    if held_s > wait_s:
+        return (f"{weights_name} is held unsealed by {who}; it has been unsealed for {held_s:.0f} s, longer than an "
+                f"engine waits for a store ({wait_s:g} s, wait_s); not waiting for it to be sealed (end that process "
+                "to let an engine store them)")
     return ""
+
+
+def unsealed_for(buffer: BufferInfo, now: float) -> float:
+    """How long, at Unix time ``now``, the daemon has seen ``buffer``'s name held unsealed; 0 where it does not say."""
+    return max(0.0, now - buffer.unsealed_since) if buffer.unsealed_since else 0.0

@@ -96,6 +96,11 @@ class BufferInfo:
     """In a reply to the session that holds this persistent buffer, and only there (1.13): the proof that it held
     ``name``, which its process gives should it declare the buffer again after a cold restart
     (:attr:`Redeclare.name_proof`); empty elsewhere."""
+    unsealed_since: float = 0.0
+    """Unix time since which a persistent buffer of this user has held ``name`` unsealed (1.14), whichever sessions
+    held it, and across a delete and a new buffer of the name soon after; 0 once sealed, for an anonymous buffer, or
+    where the daemon does not know. What an engine waiting for a seal bounds its wait by: a holder could otherwise
+    look new through each new session it hands the name to."""
 
 
 @message("buffer.created")

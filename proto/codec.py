@@ -23,7 +23,7 @@ import msgpack
 
 from .errors import HbmdError, InvalidRequest, ProtocolError, error_from_wire
 
-PROTOCOL_VERSION = (1, 13)
+PROTOCOL_VERSION = (1, 14)
 """1.1 added uneven segments (``segment_capacities``, ``CommitSegments``), ``Detach``, ``Remap``, the
 ``session_lost`` error code and the status figures ``admissible_bytes`` and ``held_back_bytes``; 1.2 an
 admin's ``Delete.owner_uid``, ``StatusReply.tenants_left_out`` and sealed buffers (``Seal``, ``readonly`` on
@@ -45,7 +45,8 @@ session's empty buffer (``Graft``) and an orphan's grace period (``CreateBuffer.
 ``orphaned_at``, ``expires_at``, ``last_holder`` and ``last_holder_pid``); 1.12 starting a session over after a
 cold restart on the credential that resumed it (``Hello.start_over``, ``Welcome.started_over``); 1.13 the proof that a
 session held a persistent buffer's name, to declare it again under that name (``BufferInfo.name_proof``,
-``Redeclare.name_proof``). A 1.0 peer ignores what it does not know."""
+``Redeclare.name_proof``); 1.14 how long a persistent buffer's name has been held unsealed
+(``BufferInfo.unsealed_since``). A 1.0 peer ignores what it does not know."""
 MAX_FRAME_BYTES = 4 << 20
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request a daemon reads: the longest a client sends, a buffer's 65,536 segment sizes, takes under

@@ -28,7 +28,6 @@ from hbmd.daemon.server import control as control_module
 from hbmd.daemon.server import control_socket
 from hbmd.daemon.server.control import MAX_QUEUED_PER_PEER, ControlQueue, Peer
 from hbmd.daemon.server.control_socket import READ_BYTES_PER_TURN, RECEIVE_BYTES, ControlSocket
-from hbmd.daemon.server.shares import Shares
 from hbmd.daemon.server.zmtp import (
     MAX_COMMAND_BYTES,
     MAX_COMMANDS_PER_FEED,
@@ -36,9 +35,12 @@ from hbmd.daemon.server.zmtp import (
     MAX_PARTS,
     ZmtpPeer,
     ZmtpViolation,
+    error_command,
 )
+from hbmd.daemon.shares import Shares
 from hbmd.proto.instance import InstancePaths
 from helpers import MiB, wait_until
+from zmq.utils.monitor import recv_monitor_message
 
 ATTACK_BYTES = int(os.environ.get("HBMD_ENDLESS_MESSAGE_MIB", "256")) * MiB
 RSS_BOUND = 64 * MiB
@@ -146,6 +148,30 @@ def test_a_real_dealers_handshake_and_request_parse_into_the_frames_a_router_gav
     assert peer.held == 0
     assert peer.feed(command(b"PING", b"\x00\x0actx")) == ([], command(b"PONG", b"ctx"))
     assert peer.feed(frame(b"a", more=True)) == ([], b"") and peer.held == 1
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("socket_type", [b"REQ", b"ROUTER", b"PUB", None])
+def test_the_daemons_ready_answers_a_dealers_only_and_any_other_socket_type_is_refused_naming_it(socket_type):
+    """hbmd's clients are DEALERs: a REQ's requests carry a delimiter the daemon's do not (its client waited out its
+    timeout), a ROUTER's an identity. The daemon's READY waits for the peer's, so that a refusal can take its
+    place (issue #65)."""
+    peer = ZmtpPeer()
+    assert peer.feed(GREETING) == ([], b"")  # no READY before the peer's says what it is
+    ready = command(b"READY", b"" if socket_type is None else prop(b"Socket-Type", socket_type))
+    with pytest.raises(ZmtpViolation) as refused:
+        peer.feed(ready)
+    shown = "a socket of no type" if socket_type is None else f"a {socket_type.decode()} socket"
+    assert str(refused.value).startswith(f"a READY from {shown}: the hbmd control socket serves only DEALER sockets")
+    assert not peer.ready
+    assert ZmtpPeer().feed(GREETING + READY) == ([], READY_OF_A_ROUTER)
+
+
+@pytest.mark.unit
+def test_an_error_command_carries_its_reason_in_printable_ascii_within_a_byte_of_length():
+    assert error_command("a REQ socket") == command(b"ERROR", b"\x0ca REQ socket")
+    long = error_command("\u00e9\n" + "x" * 400)
+    assert long == command(b"ERROR", b"\xff??" + b"x" * 253)
 
 
 @pytest.mark.unit
@@ -552,6 +578,62 @@ def test_malformed_zmtp_is_cut_off_and_changes_nothing(daemon, client):
     closes = [line for line in daemon.log().splitlines() if "closed a control connection" in line]
     assert 1 <= len(closes) <= 3, f"{len(cases)} cut off, logged once per uid per interval: {closes}"
     assert "\n" not in closes[0] and "Traceback" not in daemon.log()
+
+
+def refusal_to(paths: InstancePaths, data: bytes) -> bytes:
+    """What the daemon sends a raw peer that sends ``data``, until it closes the connection."""
+    received = b""
+    with raw_peer(paths) as sock:
+        sock.sendall(data)
+        while chunk := sock.recv(4096):
+            received += chunk
+    return received
+
+
+def error_reason(data: bytes) -> str:
+    """The reason of the ZMTP ERROR command that ``data`` is, spelled out from RFC 37: a command frame, the name
+    ERROR, a byte of length, the reason."""
+    assert data[:1] == b"\x04" and data[2:8] == b"\x05ERROR", data
+    assert data[1] == len(data) - 2 and data[8] == len(data) - 9, data
+    return data[9:].decode("ascii")
+
+
+@pytest.mark.ipc
+def test_a_req_peer_is_refused_at_its_handshake_with_a_zmtp_error_naming_why_and_a_dealer_is_served(daemon, client):
+    """A REQ socket (a misconfigured client) is refused with ZMTP's ERROR in place of the daemon's READY, naming its
+    socket type; libzmq reads that as a protocol error and does not reconnect. A peer of another mechanism is told
+    so the same way. The engine's DEALER is served meanwhile (issue #65)."""
+    paths = InstancePaths.of(daemon.run_dir, "host")
+    req_ready = command(b"READY", prop(b"Socket-Type", b"REQ") + prop(b"Identity", b""))
+    refused = refusal_to(paths, GREETING + req_ready)
+    assert refused[:64] == GREETING
+    assert error_reason(refused[64:]) == \
+        "a READY from a REQ socket: the hbmd control socket serves only DEALER sockets (hbmd.client's)"
+    plain = GREETING[:12] + b"PLAIN".ljust(20, b"\x00") + GREETING[32:]
+    assert error_reason(refusal_to(paths, plain)[64:]).startswith("the mechanism b'PLAIN': only NULL is spoken here")
+
+    context = zmq.Context.instance()
+    req = context.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    monitor = req.get_monitor_socket()
+    try:
+        req.connect(paths.endpoint)
+        req.send_multipart(proto.encode_frames(proto.Status(), 1, client._core.control.token))
+        events = []
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            if monitor.poll(50):
+                events.append(zmq.Event(recv_monitor_message(monitor)["event"]))
+            assert isinstance(client.status(), proto.StatusReply)  # the DEALER is served all along
+        assert events[:2] == [zmq.Event.CONNECTED, zmq.Event.DISCONNECTED], events
+        assert zmq.Event.CONNECT_RETRIED not in events and zmq.Event.HANDSHAKE_SUCCEEDED not in events, events
+        assert not req.poll(0)
+    finally:
+        req.disable_monitor()
+        monitor.close(linger=0)
+        req.close(linger=0)
+    assert "a READY from a REQ socket" in daemon.log()
+    assert client.status().num_sessions == 1
 
 
 @pytest.mark.ipc

@@ -9,6 +9,7 @@ it uses, it does not reach back into what composes it.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ CONTRACTS = [
      "the state machine is pure: no sockets, no driver (a backend object is handed to it)"),
     ("daemon/server", ("hbmd.driver", "torch", "hbmd.client"),
      "the server routes requests; only a backend calls the driver"),
-    ("daemon", ("torch", "hbmd.client", "hbmd.integrations"), "the daemon makes no CUDA context and serves no engine"),
+    ("daemon", ("torch", "hbmd.client", "hbmd.integrations", "zmq"),
+     "the daemon makes no CUDA context, serves no engine, and speaks ZMTP itself: pyzmq is its clients' library"),
     ("integrations", ("hbmd.daemon",),
      "an engine's process runs its integrations (the kept index's records included) without the daemon's code"),
 ]
@@ -97,6 +99,31 @@ def crossings(folder: str, forbidden: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize(("folder", "forbidden", "why"), CONTRACTS, ids=[c[0] for c in CONTRACTS])
 def test_no_layer_imports_what_it_must_not(folder, forbidden, why):
     assert crossings(folder, forbidden) == [], why
+
+
+WITHOUT_ZMQ = """
+import runpy
+import sys
+
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "zmq":
+            raise ImportError("blocked " + name)
+
+
+sys.meta_path.insert(0, Block())
+runpy.run_module("hbmd.daemon", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.ipc
+def test_the_daemon_serves_where_pyzmq_cannot_be_imported(start_daemon):
+    """The daemon polls its descriptors with ``select`` and speaks ZMTP to its clients' DEALERs itself: started where
+    ``import zmq`` fails, it serves a client of this process, which has pyzmq."""
+    daemon = start_daemon("--budget", "64MiB", command=[sys.executable, "-c", WITHOUT_ZMQ])
+    with daemon.connect() as client:
+        assert client.status().budget_bytes == 64 << 20
 
 
 @pytest.mark.unit

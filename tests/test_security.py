@@ -28,6 +28,7 @@ from hbmd.daemon.restart.persist import Journal
 from hbmd.daemon.server import (
     HELLO_TIMEOUT_S,
     MAX_FDS_IN_FLIGHT,
+    MAX_PENDING_HELLOS,
     MAX_PENDING_HELLOS_PER_UID,
     MAX_QUEUED_BATCHES,
     MAX_TENANTS_LISTED,
@@ -503,6 +504,55 @@ def test_hello_less_connections_are_bounded_and_timed_out_without_starving_anyon
     for sock in silent:
         sock.close()
     assert_intact(daemon, client, fds_before)
+
+
+SILENT = """
+import socket
+import sys
+import time
+
+path, count = sys.argv[1], int(sys.argv[2])
+socks = []
+for _ in range(count):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(path)
+    socks.append(sock)
+print(len(socks), flush=True)
+time.sleep(600)
+"""
+SILENT_UIDS = tuple(range(65534, 65526, -1))
+
+
+@pytest.mark.system
+def test_hello_less_connections_of_many_uids_are_bounded_in_all_and_timed_out(
+    nobody_can_run_python, start_daemon, run_dir
+):
+    """Eight uids each open their bound of connections that never say hello: 512 connections, two descriptors each,
+    were all held before (issue #61). At most :data:`MAX_PENDING_HELLOS` are held in all, an honest client is
+    served meanwhile, and every one is closed within the hello's time."""
+    daemon = start_daemon("--budget", "64MiB", "--group", "nogroup")
+    client = daemon.connect()
+    fds_before = settled_fds(daemon, client)
+    path = str(InstancePaths.of(run_dir, "host").handles)
+    silent = [subprocess.Popen([*nobody_python(), "-c", SILENT, path, str(MAX_PENDING_HELLOS_PER_UID)], user=uid,
+                               group=NOBODY, extra_groups=[], stdout=subprocess.PIPE, text=True)
+              for uid in SILENT_UIDS]
+    try:
+        assert [int(p.stdout.readline()) for p in silent] == [MAX_PENDING_HELLOS_PER_UID] * len(SILENT_UIDS)
+        client.status()  # every connect above is accepted by now: the loop served them before this request
+        assert daemon.open_fds() <= fds_before + 2 * MAX_PENDING_HELLOS
+        with daemon.connect() as late:  # served at once, however many wait
+            buffer = late.create_buffer(8 * MiB, 1)
+            late.commit(buffer.buffer_id, 8 * MiB)
+            assert late.status().committed_bytes == 8 * MiB
+        wait_until(lambda: daemon.open_fds() == fds_before, timeout=HELLO_TIMEOUT_S + 5)
+        assert "connections without a hello" in daemon.log()
+    finally:
+        for process in silent:
+            process.kill()
+            process.wait(10)
+    assert_intact(daemon, client, fds_before)
+    client.close()
 
 
 @pytest.mark.system

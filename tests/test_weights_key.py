@@ -119,8 +119,17 @@ def test_a_storer_older_than_an_engine_waits_is_not_waited_for_and_the_reason_na
     it for longer than an engine waits, no engine waits for it again, each loading from disk at once."""
     reason = not_a_store(NAME, session(storer_name(NAME), connected_s=601.0), 600)
     assert reason.startswith(f"{NAME} is held unsealed by session 7 (pid 4242, uid 1000, client "
-                             "'vllm-weights-store:0123456789abcdef') for 601 s, longer than an engine waits")
+                             "'vllm-weights-store:0123456789abcdef'); it has been unsealed for 601 s, longer than an "
+                             "engine waits")
     assert not_a_store(NAME, session(storer_name(NAME), connected_s=59.0), 60) == ""
+
+
+def test_a_young_session_holding_a_name_unsealed_longer_than_an_engine_waits_is_not_waited_for():
+    """The daemon counts how long the name has been unsealed across the sessions that held it: a squatter handing
+    it to a new session of its own does not make an engine wait again."""
+    reason = not_a_store(NAME, session(storer_name(NAME), connected_s=5.0), 600, unsealed_s=900.0)
+    assert "it has been unsealed for 900 s, longer than an engine waits for a store (600 s, wait_s)" in reason
+    assert not_a_store(NAME, session(storer_name(NAME), connected_s=5.0), 600, unsealed_s=30.0) == ""
 
 
 @pytest.mark.parametrize("client_name", ["python", "vllm-weights-store:fedcba9876543210", ""])

@@ -157,6 +157,9 @@ class JournaledBuffer:
     orphan: tuple[float, float, float, tuple[str, int]] = (0.0, 0.0, 0.0, ("", 0))
     """Its grace period as an orphan, when it became one, when it is due to be freed (Unix times) and who held it
     last (``daemon/state/orphans.py``); a buffer journaled without them is kept until deleted."""
+    unsealed_since: float = 0.0
+    """Unix time since which it has held its name unsealed (:attr:`Buffer.unsealed_since`); 0 where the journal does
+    not say."""
 
 
 def buffer_of(record: Any, granule: int) -> JournaledBuffer:
@@ -183,6 +186,7 @@ def buffer_of(record: Any, granule: int) -> JournaledBuffer:
         tenant=text(record, "tenant", MAX_NAME, ""), capacity=capacity, capacities=capacities, sizes=sizes,
         sealed=flag(record, "sealed", False), readers={s: n for s, n in rows(record, "readers", (2,), [])},
         chunks=parts["chunks"], pending=parts["pending"], held=held, orphan=_orphan(record),
+        unsealed_since=_unix_time(record, "unsealed_since"),
     )
     _check_layout(buffer, granule)
     return buffer
@@ -201,6 +205,14 @@ def _orphan(record: dict[str, Any]) -> tuple[float, float, float, tuple[str, int
             and 0 <= value[4] <= MAX_UID):
         raise ValueError(f"its orphan's grace {value!r:.80} is not [keep, since, until, holder, pid]")
     return float(value[0]), float(value[1]), float(value[2]), (value[3], value[4])
+
+
+def _unix_time(record: dict[str, Any], key: str) -> float:
+    """A record's Unix time ``key``; 0.0 where the record has none."""
+    value = record.get(key, 0.0)
+    if not (type(value) in (int, float) and 0 <= value <= MAX_SECONDS):
+        raise ValueError(f"its {key} {value!r:.40} is not a Unix time")
+    return float(value)
 
 
 def _segments(record: dict[str, Any], capacity: int) -> tuple[list[int], list[int]]:

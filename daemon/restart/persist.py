@@ -128,6 +128,7 @@ def _head(buffer: Buffer[Any, Any]) -> dict[str, Any]:
         "sealed": buffer.sealed, "readers": [[s, n] for s, n in buffer.readers.items()],
         "pending": [[c.chunk_id, c.offset, c.size] for c in buffer.pending],
         "orphan": [buffer.keep_orphan_s, buffer.orphaned_at, buffer.expires_at, *buffer.last_holder],
+        "unsealed_since": buffer.unsealed_since,
     }
 
 

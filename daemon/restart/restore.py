@@ -249,12 +249,15 @@ def rebuild_buffer(
     """Bring back a buffer journaled before a restart, as ``record`` holds it, with what its restore resolved: its
     ``owner`` (None: an orphan), the ``arena`` its chunks were adopted into and those chunks, handles and all. Its
     read claims come back for the sessions restored; its memory counts whatever the budget: it is there already.
-    Its grace period as an orphan is taken up as :meth:`Orphans.restored` says."""
+    Its grace period as an orphan is taken up as :meth:`Orphans.restored` says; an unsealed persistent one holds
+    its name unsealed since the journal says, or from now where it does not."""
+    unsealed = record.persistent and not record.sealed
     buffer = Buffer(
         buffer_id=record.buffer_id, name=record.name, persistent=record.persistent, shareable=record.shareable,
         owner=owner, owner_uid=record.uid, tenant=state.tenants.named(record.tenant), capacity=record.capacity,
         reserved=round_up(record.capacity, state.backend.granularity), segment_capacities=record.capacities,
         arena=arena, segment_sizes=record.sizes, chunks=chunks, pending=pending, sealed=record.sealed,
+        unsealed_since=(record.unsealed_since or state.clock.unix()) if unsealed else 0.0,
     )
     state.buffers.adopt(buffer)
     if owner is not None:

@@ -18,13 +18,15 @@
   out, within bounds); ``control.py``: control requests between it and
   their answers: queued by the process that sent them, uids and processes
   in turn.
+- ``hellos.py``: handle-plane connections waiting for their hello, bounded
+  per uid and in all.
 - ``connection.py``: one handle-plane connection; ``ratelimit.py``: warnings
   a peer can provoke.
 """
 
 from .admin import MAX_TENANTS_LISTED
 from .control import MAX_QUEUED_PER_PEER
-from .handles import HELLO_TIMEOUT_S, MAX_PENDING_HELLOS_PER_UID
+from .hellos import HELLO_TIMEOUT_S, MAX_PENDING_HELLOS, MAX_PENDING_HELLOS_PER_UID
 from .loop import AlreadyRunning, InvariantViolated, Server
 from .outbox import MAX_FDS_IN_FLIGHT, MAX_FDS_IN_FLIGHT_PER_UID, MAX_QUEUED_BATCHES
 from .registry import HandlerTableError, RequestHandlers, handler_table, handles
@@ -33,6 +35,7 @@ __all__ = [
     "HELLO_TIMEOUT_S",
     "MAX_FDS_IN_FLIGHT",
     "MAX_FDS_IN_FLIGHT_PER_UID",
+    "MAX_PENDING_HELLOS",
     "MAX_PENDING_HELLOS_PER_UID",
     "MAX_QUEUED_BATCHES",
     "MAX_QUEUED_PER_PEER",

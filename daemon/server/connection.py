@@ -164,13 +164,11 @@ class Descriptors:
     """Descriptors watched by one epoll: the handle plane's (the listener, each connection's socket and pidfd), and
     apart the sockets of the sessions that place granules.
 
-    The loop's ZeroMQ poll watches the epoll's own descriptor, not each of
-    them: pyzmq builds its list of poll items afresh on every call and reads
-    every item's result after it, so a turn of the loop cost time in
-    proportion to the sessions connected, twice
-    (``bench/host_bench.py --cases status_by_sessions`` measures it). The epoll
-    answers with the ready descriptors only. Level-triggered, as ``poll``:
-    what a turn leaves unread is ready again at the next.
+    The loop's poll watches the epoll's own descriptor, not each of them, so
+    that a turn of the loop costs no time in proportion to the sessions
+    connected (``bench/host_bench.py --cases status_by_sessions`` measures
+    it): the epoll answers with the ready descriptors only. Level-triggered,
+    as ``poll``: what a turn leaves unread is ready again at the next.
 
     A descriptor is unregistered before it is closed: the epoll would go on
     reporting a closed number whose file another copy still holds.

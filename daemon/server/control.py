@@ -35,8 +35,8 @@ import msgpack
 from hbmd.proto import MAX_FRAME_BYTES, ErrorReply, encode_frames
 from hbmd.proto.errors import Conflict
 
+from ..shares import Shares
 from .ratelimit import RateLimitedLog
-from .shares import Shares
 
 log = logging.getLogger("hbmd.server")
 
@@ -46,7 +46,7 @@ MAX_QUEUED_PER_PEER = 32
 at once: a flood's requests are refused, and cost the daemon no more memory than this many."""
 MAX_WAITING_BYTES_PER_UID = 64 << 20
 """Bytes of the control requests of one uid read and waiting for their turn; a request that would take its uid past
-it, or past its fair share of :data:`MAX_WAITING_BYTES` (:class:`~.shares.Shares`), is refused with a retryable
+it, or past its fair share of :data:`MAX_WAITING_BYTES` (:class:`~..shares.Shares`), is refused with a retryable
 ``conflict``. Honest requests are under 1 MiB, one in flight per client."""
 MAX_WAITING_BYTES = 96 << 20
 """The same for all uids together, shared fairly; a uid may always have :data:`MIN_WAITING_BYTES_PER_UID` waiting."""

@@ -23,7 +23,8 @@ bounds; for all the connections of a uid it keeps at most
 :data:`MAX_CONNECTIONS_PER_UID` connections. A connection that breaks ZMTP
 or takes its uid past the first bound is closed, logged once per uid per
 interval; one that has not finished its greeting and READY within
-``HELLO_TIMEOUT_S`` too; a reply past the unsent bounds is dropped whole.
+``HELLO_TIMEOUT_S`` too; during the handshake, ZMTP's ERROR tells the peer
+why first. A reply past the unsent bounds is dropped whole.
 The loop sees what the ROUTER gave it: a connection's identity, the frames
 of a request and the peer the kernel names (``SO_PEERCRED``).
 """
@@ -31,6 +32,7 @@ of a request and the peer the kernel names (``SO_PEERCRED``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -40,12 +42,12 @@ import socket
 import time
 from collections.abc import Iterator
 
+from ..shares import Shares
 from .connection import Descriptors, accepted, accepting
 from .control import Peer
-from .handles import HELLO_TIMEOUT_S
+from .hellos import HELLO_TIMEOUT_S
 from .ratelimit import RateLimitedLog
-from .shares import Shares
-from .zmtp import GREETING, MAX_MESSAGE_BYTES, ZmtpPeer, ZmtpViolation, encode_message
+from .zmtp import GREETING, MAX_MESSAGE_BYTES, ZmtpPeer, ZmtpViolation, encode_message, error_command
 
 log = logging.getLogger("hbmd.server")
 
@@ -59,7 +61,7 @@ message) leaves the rest in the kernel. A turn read a connection until it comple
 held the loop for as long as it lasted (issue #61, ``tests/test_control_streams.py``)."""
 MAX_PARTIAL_BYTES_PER_UID = 64 << 20
 """Bytes of unfinished messages the daemon keeps for all the control connections of one uid; a connection taking its
-uid past it, or past its fair share of :data:`MAX_PARTIAL_BYTES` (:class:`~.shares.Shares`), is closed. An honest
+uid past it, or past its fair share of :data:`MAX_PARTIAL_BYTES` (:class:`~..shares.Shares`), is closed. An honest
 client's request is under 1 MiB, whole within four turns."""
 MAX_PARTIAL_BYTES = 96 << 20
 """The same for all uids together, shared fairly; a uid may always hold :data:`MIN_PARTIAL_BYTES_PER_UID`."""
@@ -346,10 +348,15 @@ class ControlSocket:
         self._descriptors.register(connection.sock.fileno(), select.EPOLLIN)
 
     def _cut(self, connection: _Connection, level: int, why: str) -> None:
-        """Close ``connection`` for ``why``, logged at ``level`` once per uid per interval."""
+        """Close ``connection`` for ``why``, logged at ``level`` once per uid per interval; during the handshake, say
+        ``why`` to the peer first in ZMTP's ERROR (a misconfigured client otherwise sees only a disconnect, and
+        reconnects)."""
         peer = connection.peer
         self._warnings.log(level, f"zmtp-{peer.uid}", "closed a control connection of %s (uid %d): %s", peer,
                            peer.uid, why)
+        if not connection.zmtp.ready and not connection.unsent:
+            with contextlib.suppress(OSError):
+                connection.sock.send(error_command(why))
         self._close(connection)
 
     def _close(self, connection: _Connection) -> None:

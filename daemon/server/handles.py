@@ -76,12 +76,12 @@ from ..fds import usable as usable_fds
 from ..state import Session, State
 from ..state.writers import Writer
 from .connection import Descriptors, HandleConnection, accepted, accepting, peer_pidfd, readable_now
+from .hellos import Hellos
 from .outbox import Outbox
 from .ratelimit import RateLimitedLog
 
 log = logging.getLogger("hbmd.server.handles")
 
-HELLO_TIMEOUT_S = 5.0
 MAX_DATAGRAM = 64 << 10
 MAX_FDS_IN = MAX_OWN_CHUNKS
 """FDs read with an inbound datagram: those of an ``OwnChunks`` are checked and kept, any others closed at once."""
@@ -94,9 +94,6 @@ EXITED_READ_S = 2.0
 """How long the datagrams a session's process sent before it exited are read on, a turn's share at a time, before its
 session ends: each is a commit that returned, and a persistent buffer must keep it. What a forked helper sends past
 that is cut."""
-MAX_PENDING_HELLOS_PER_UID = 64
-"""Connections of one uid that have not sent their hello yet (each holds an FD); a newer one closes the oldest."""
-
 T = TypeVar("T")
 
 
@@ -119,6 +116,8 @@ class HandlePlane(Generic[A, C]):
         self._connections: dict[int, HandleConnection[A, C]] = {}
         self._by_session: dict[int, HandleConnection[A, C]] = {}
         self._by_pidfd: dict[int, HandleConnection[A, C]] = {}
+        self._hellos = Hellos()
+        """The connections that have not said hello yet."""
         self._placing = Descriptors()
         """Handle sockets of sessions that place leased granules: read before any request is answered (an epoll: it
         answers with those that sent something, whatever the number of sessions)."""
@@ -196,10 +195,9 @@ class HandlePlane(Generic[A, C]):
         return now - conn.exited_at < EXITED_READ_S
 
     def expire_hellos(self, now: float) -> None:
-        """Close the connections that sent no hello within :data:`HELLO_TIMEOUT_S`."""
-        for conn in list(self._connections.values()):
-            if conn.session is None and now - conn.accepted_at > HELLO_TIMEOUT_S:
-                self.close_connection(conn, "no hello in time")
+        """Close the connections that sent no hello within :data:`~.hellos.HELLO_TIMEOUT_S`."""
+        for conn in self._hellos.overdue(now):
+            self.close_connection(conn, "no hello in time")
 
     def take_placements(self) -> None:
         """Apply every leased granule's placement sent so far, by any session: a request sees all commits that returned.
@@ -265,6 +263,7 @@ class HandlePlane(Generic[A, C]):
             self._drain_datagrams(conn)
             self._placing.unregister(fd)
         self._connections.pop(fd, None)
+        self._hellos.remove(conn, fd)
         self._worked.pop(fd, None)
         self.descriptors.unregister(fd)
         self.outbox.forget(conn)
@@ -292,17 +291,18 @@ class HandlePlane(Generic[A, C]):
         if credentials is None:
             return
         pid, uid, gid, groups = credentials
-        pending = [c for c in self._connections.values() if c.session is None and c.uid == uid]
-        if len(pending) >= MAX_PENDING_HELLOS_PER_UID:
+        oldest = self._hellos.to_close_for(uid)
+        if oldest is not None:
             # The oldest goes, not the newcomer: an honest client says hello at once, a flood's do not.
-            oldest = min(pending, key=lambda c: c.accepted_at)
+            waiting = self._hellos.held(oldest.uid)
             self._warnings.warning(
-                "pending", "uid %d has %d connections without a hello; closing the oldest (pid %d)",
-                uid, len(pending), oldest.pid,
+                f"pending-{oldest.uid}", "uid %d has %d connections without a hello (%d of all uids); closing the "
+                "oldest (pid %d)", oldest.uid, waiting, len(self._hellos), oldest.pid,
             )
             oldest.send_quietly(Refused(
                 DaemonUnavailable.code.wire,
-                f"closed: uid {uid} has {len(pending)} connections that sent no hello yet",
+                f"closed: uid {oldest.uid} has {waiting} connections that sent no hello yet, "
+                f"{len(self._hellos)} wait of all uids",
             ))
             self.close_connection(oldest, "too many connections without a hello")
         try:
@@ -313,6 +313,7 @@ class HandlePlane(Generic[A, C]):
         accepted_at = self.state.clock.monotonic()
         conn: HandleConnection[A, C] = HandleConnection(sock, pid, uid, gid, groups, accepted_at, pidfd)
         self._connections[sock.fileno()] = conn
+        self._hellos.add(conn)
         self.descriptors.register(sock.fileno(), select.EPOLLIN)
         if pidfd >= 0:
             self._by_pidfd[pidfd] = conn
@@ -501,6 +502,7 @@ class HandlePlane(Generic[A, C]):
             self.close_connection(conn, f"refused: {exc.message}")
             return
         conn.session = session
+        self._hellos.remove(conn, conn.sock.fileno())
         conn.protocol_minor = hello.version[1]
         conn.replies_with_fds = hello.replies_with_fds
         self._by_session[session.session_id] = conn

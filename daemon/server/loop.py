@@ -28,6 +28,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -35,7 +36,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic
 
-import zmq
 from hbmd.proto import (
     MAX_REQUEST_BYTES,
     MAX_SEGMENTS,
@@ -157,7 +157,7 @@ class Server(Generic[A, C]):
         """A successor serves in this daemon's place: it stopped for that."""
         self._lock_fd = -1
         self._dir_fd = -1
-        self._router: ControlSocket | None = None
+        self._control: ControlSocket | None = None
         self._listening = listening
         self._requests = ControlQueue()
         """Control requests read from the control socket, waiting for their peer's turn."""
@@ -168,8 +168,10 @@ class Server(Generic[A, C]):
         self._signals_installed = False
         journal = persistence.sync if persistence is not None else lambda: None
         self._plane: HandlePlane[A, C] = HandlePlane(state, journal)
-        self._poller = zmq.Poller()
-        self._poller.register(self._plane.descriptors.fileno(), zmq.POLLIN)
+        self._poller = select.poll()
+        """The loop's one poll: the handle plane's and the control socket's epolls, the takeover listener, the wake
+        pipe and the device lock, each a descriptor (the daemon speaks ZMTP itself; pyzmq is its clients')."""
+        self._poller.register(self._plane.descriptors.fileno(), select.POLLIN)
         self._notices: SessionNotices[A, C] = SessionNotices(state, self._plane, journal)
         self._refusals = RateLimitedLog(log)
         handlers = {cls: cls(state, self._plane) for cls in self.HANDLER_CLASSES}
@@ -214,17 +216,17 @@ class Server(Generic[A, C]):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale.name, dir_fd=self._dir_fd)
         self._listening = ListeningSockets.serve(self._listening, self.paths, self._dir_fd, self.group)
-        self._router = ControlSocket()
-        self._router.listen(self._listening.control)
-        self._poller.register(self._router.fileno(), zmq.POLLIN)
+        self._control = ControlSocket()
+        self._control.listen(self._listening.control)
+        self._poller.register(self._control.fileno(), select.POLLIN)
         self._plane.listen(self._listening.handles)
         self._successors = TakeoverListener(PROTOCOL_VERSION[0])
         self._successors.bind(self.paths.takeover)
-        self._poller.register(self._successors.fileno(), zmq.POLLIN)
+        self._poller.register(self._successors.fileno(), select.POLLIN)
 
         if self._wake_r < 0:
             self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-            self._poller.register(self._wake_r, zmq.POLLIN)
+            self._poller.register(self._wake_r, select.POLLIN)
 
     def _instance_held(self) -> str:
         """The refusal of a daemon that finds the instance locked, naming the daemon that holds it where it says."""
@@ -243,7 +245,7 @@ class Server(Generic[A, C]):
             log.debug("locked %s by the name %s only, seen in this network namespace (%s)",
                       self.device_lock.device_uuid or "host memory", self.device_lock.name,
                       self.device_lock.unshared)
-        self._poller.register(self.device_lock.fileno(), zmq.POLLIN)
+        self._poller.register(self.device_lock.fileno(), select.POLLIN)
 
     @property
     def _info_tmp(self) -> Path:
@@ -283,19 +285,19 @@ class Server(Generic[A, C]):
         """Serve until :meth:`stop`; raises :class:`InvariantViolated` as soon as ``check_invariants`` finds them so."""
         idle_work = True
         while not self._stopping:
-            unread = self._router is not None and self._router.pending
+            unread = self._control is not None and self._control.pending
             busy = idle_work or self._waiting or self._requests or unread or self.state.leases.due
             timeout = 0 if busy else DRAIN_CHECK_S * 1000 if self._plane.outbox.holding else self._idle_ms
             events = self._ready(timeout)
             with self.lock:
                 self._plane.new_turn()
-                for fd_or_socket, _ in events:
+                for fd, _ in events:
                     try:
-                        self._on_event(fd_or_socket)
+                        self._on_event(fd)
                     except Exception:
                         # A bug met by one peer's input must not stop the daemon for every other.
-                        log.exception("handling an event on %r failed", fd_or_socket)
-                if unread and not any(self._is_router(fd_or_socket) for fd_or_socket, _ in events):
+                        log.exception("handling an event on descriptor %d failed", fd)
+                if unread and not any(self._is_control(fd) for fd, _ in events):
                     # What the last turn left unread is read whether or not the poll found the socket ready.
                     self._read_control()
                 # Control requests last: a request sees every session the same turn of the loop ended (a worker that
@@ -342,10 +344,10 @@ class Server(Generic[A, C]):
         self._plane.close()
         self._waiting.clear()  # their clients send them again once they have resumed
         self._requests.clear()
-        if self._router is not None:
-            self._poller.unregister(self._router.fileno())
-            self._router.close()
-            self._router = None
+        if self._control is not None:
+            self._poller.unregister(self._control.fileno())
+            self._control.close()
+            self._control = None
         if self._successors is not None:
             self._poller.unregister(self._successors.fileno())
             self._successors.close()
@@ -370,36 +372,35 @@ class Server(Generic[A, C]):
 
     # the loop's steps
 
-    def _ready(self, timeout: float) -> list[tuple[zmq.Socket | int, int]]:
+    def _ready(self, timeout: float) -> list[tuple[int, int]]:
         """What the poll finds ready within ``timeout`` ms: the handle plane's descriptors one by one (the poll watches
         their epoll as one), the others as they are."""
-        ready: list[tuple[zmq.Socket | int, int]] = []
-        # pyzmq takes a float timeout (it rounds it down); its stub says int.
-        for fd_or_socket, events in self._poller.poll(timeout=timeout):  # type: ignore[arg-type]
-            if fd_or_socket == self._plane.descriptors.fileno():
+        ready: list[tuple[int, int]] = []
+        for fd, events in self._poller.poll(timeout):
+            if fd == self._plane.descriptors.fileno():
                 ready.extend(self._plane.descriptors.ready())
             else:
-                ready.append((fd_or_socket, events))
+                ready.append((fd, events))
         return ready
 
-    def _is_router(self, fd_or_socket: zmq.Socket | int) -> bool:
-        return self._router is not None and fd_or_socket == self._router.fileno()
+    def _is_control(self, fd: int) -> bool:
+        return self._control is not None and fd == self._control.fileno()
 
     def _read_control(self) -> None:
-        if self._router is not None:
-            self._requests.read(self._router)
+        if self._control is not None:
+            self._requests.read(self._control)
 
-    def _on_event(self, fd_or_socket: zmq.Socket | int) -> None:
-        if self._is_router(fd_or_socket):
+    def _on_event(self, fd: int) -> None:
+        if self._is_control(fd):
             self._read_control()
-        elif fd_or_socket == self._wake_r:
+        elif fd == self._wake_r:
             self._drain_wake()
-        elif self._successors is not None and fd_or_socket == self._successors.fileno():
+        elif self._successors is not None and fd == self._successors.fileno():
             self._hand_over(self._successors)
-        elif self.device_lock is not None and self.device_lock.held and fd_or_socket == self.device_lock.fileno():
+        elif self.device_lock is not None and self.device_lock.held and fd == self.device_lock.fileno():
             self.device_lock.answer()
-        elif isinstance(fd_or_socket, int):
-            self._plane.on_event(fd_or_socket)
+        else:
+            self._plane.on_event(fd)
 
     def _hand_over(self, successors: TakeoverListener) -> None:
         """Hand the state and every chunk to a successor daemon asking for them (``hbmd --takeover``), and stop once it
@@ -457,8 +458,8 @@ class Server(Generic[A, C]):
             self._timers_at = now
             self.state.leases.ask_back_idle(self.state.sessions.by_id.values(), now)
             self._plane.expire_hellos(now)
-            if self._router is not None:
-                self._router.look_after(now)
+            if self._control is not None:
+                self._control.look_after(now)
             self._plane.end_unresumed(now)
             self.state.orphans.expire()
             self._notices.report_ignored_reclaims(now)
@@ -498,18 +499,18 @@ class Server(Generic[A, C]):
         """
         ends = time.perf_counter() + CONTROL_WORK_PER_TURN_S
         for _ in range(self._requests.peers):
-            if self._router is None or self._stopping:
+            if self._control is None or self._stopping:
                 return
             identity, body = self._requests.take()
             try:
-                self._answer(self._router, identity, body)
+                self._answer(self._control, identity, body)
             except Exception:
                 # A bug met by one peer's request must not stop the daemon for every other.
                 log.exception("answering a control request failed")
             if time.perf_counter() >= ends:
                 return
 
-    def _answer(self, router: ControlSocket, identity: bytes, body: list[bytes]) -> None:
+    def _answer(self, control: ControlSocket, identity: bytes, body: list[bytes]) -> None:
         """Answer one request of the peer ``identity``, or keep it in :attr:`_waiting` while its session is behind."""
         try:
             reply = self._dispatch(body)
@@ -517,14 +518,14 @@ class Server(Generic[A, C]):
             self._waiting[behind.args[0]] = (identity, body)
             return
         if reply is not None:
-            router.send(identity, reply)
+            control.send(identity, reply)
 
     def _answer_waiting(self) -> None:
         """Answer the waiting requests whose sessions' datagrams have all been read since."""
         waiting, self._waiting = self._waiting, {}
         for identity, body in waiting.values():
-            if self._router is not None:
-                self._answer(self._router, identity, body)
+            if self._control is not None:
+                self._answer(self._control, identity, body)
 
     def _dispatch(self, frames: list[bytes]) -> list[bytes] | None:
         """Answer one request: the reply's frames, or None where it rides with the request's FDs on the handle socket

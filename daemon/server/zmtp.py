@@ -10,7 +10,10 @@ no option against it (its issues #1045 and #4526). Here one message has at
 most :data:`MAX_PARTS` parts and :data:`MAX_MESSAGE_BYTES` bytes in all, a
 command :data:`MAX_COMMAND_BYTES`, and each bound is checked from the
 frame's header, before its body is read. A connection breaking one, or the
-protocol, is a :class:`ZmtpViolation`: its owner closes it.
+protocol, is a :class:`ZmtpViolation`: its owner closes it. Only DEALER
+peers, hbmd's clients, are served (:data:`SOCKET_TYPE`); the daemon's READY
+answers theirs, so that any handshake refused gets ZMTP's ERROR in its
+place (:func:`error_command`).
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ MAX_COMMANDS_PER_FEED = 16
 its connection until a request was whole last as long as it sent (issue #61)."""
 
 GREETING_BYTES = 64
-SOCKET_TYPES = frozenset({b"DEALER", b"REQ", b"ROUTER"})
-"""The peers' socket types a ROUTER speaks with (RFC 28)."""
+SOCKET_TYPE = b"DEALER"
+"""The one socket type of the peers served: hbmd's clients'. A ROUTER also speaks with REQ and ROUTER peers (RFC 28),
+but a REQ's requests start with an empty delimiter the daemon's requests do not have (its client waited out its
+timeout), and a ROUTER's with the identity it routes by."""
+MAX_ERROR_REASON = 255
+"""Characters of an ERROR command's reason (RFC 37: a length of one byte)."""
 
 _MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
 _NULL_MECHANISM = b"NULL".ljust(20, b"\x00")
@@ -45,7 +52,8 @@ GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + _NULL_MECHANISM + b"\x
 
 
 class ZmtpViolation(Exception):
-    """A peer broke ZMTP or a bound: its connection is closed. The message names what it did, for the log."""
+    """A peer broke ZMTP or a bound: its connection is closed. The message names what it did, for the log and, during
+    the handshake, for the peer (:func:`error_command`)."""
 
 
 def encode_frame(data: bytes, flags: int = 0) -> bytes:
@@ -67,6 +75,17 @@ def encode_command(name: bytes, data: bytes) -> bytes:
 
 READY = encode_command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER")
 """The daemon's READY: a ROUTER, as its clients' DEALERs expect."""
+
+
+def error_command(reason: str) -> bytes:
+    """ZMTP's ERROR command with ``reason``, in printable ASCII and cut to :data:`MAX_ERROR_REASON` characters.
+
+    Sent in place of the daemon's READY, it ends the handshake: libzmq reads
+    it as a protocol error and stops reconnecting (after a plain close it
+    reconnects every 100 ms), and whoever looks at the bytes reads why.
+    """
+    text = "".join(c if " " <= c <= "~" else "?" for c in reason)[:MAX_ERROR_REASON].encode("ascii")
+    return encode_command(b"ERROR", bytes((len(text),)) + text)
 
 
 def properties(data: bytes) -> dict[bytes, bytes]:
@@ -96,7 +115,8 @@ def check_greeting(greeting: bytes | bytearray) -> None:
         raise ZmtpViolation(f"ZMTP {greeting[10]}: 3.0 or later is spoken here")
     mechanism = bytes(greeting[12:32])
     if mechanism != _NULL_MECHANISM[: len(mechanism)]:
-        raise ZmtpViolation(f"the mechanism {mechanism.rstrip(bytes(1))!r}: only NULL is spoken here")
+        raise ZmtpViolation(f"the mechanism {mechanism.rstrip(bytes(1))!r}: only NULL is spoken here (no CURVE or "
+                            "PLAIN: who may connect is the socket's file mode, and the kernel names the peer)")
 
 
 class ZmtpPeer:
@@ -118,9 +138,9 @@ class ZmtpPeer:
         """The parts of the message under way."""
         self._part_bytes = 0
         self.greeted = False
-        """The peer's greeting has come, and the daemon's READY gone back."""
+        """The peer's greeting has come."""
         self.ready = False
-        """The peer's READY has come: messages may follow."""
+        """The peer's READY has come, and the daemon's gone back: messages may follow."""
         self.stopped_short = False
         """The last :meth:`feed` stopped at its ``room`` or at :data:`MAX_COMMANDS_PER_FEED` with bytes unparsed: a
         feed of no bytes goes on with them."""
@@ -147,7 +167,6 @@ class ZmtpPeer:
                 return messages, b""
             del buffer[:GREETING_BYTES]
             self.greeted = True
-            replies.append(READY)
         commands = 0
         while buffer:
             if len(messages) >= room or commands >= MAX_COMMANDS_PER_FEED:
@@ -193,7 +212,9 @@ class ZmtpPeer:
             raise ZmtpViolation(f"a message of more than {MAX_MESSAGE_BYTES} bytes (a part of {size})")
 
     def _command(self, body: bytes) -> bytes:
-        """What a command asks of the daemon: the peer's READY once, then heartbeats; anything else is a violation."""
+        """What a command asks of the daemon: the peer's READY once, answered with the daemon's (only once the peer's
+        socket type is known to be served: a peer refused gets an ERROR in its place), then heartbeats; anything else
+        is a violation."""
         name = body[1 : 1 + body[0]] if body else b""
         data = body[1 + len(name) :]
         if not body or len(name) < body[0]:
@@ -202,10 +223,13 @@ class ZmtpPeer:
             if name != b"READY":
                 raise ZmtpViolation(f"the command {name[:32]!r} in place of READY")
             socket_type = properties(data).get(b"Socket-Type")
-            if socket_type not in SOCKET_TYPES:
-                raise ZmtpViolation(f"a READY from a socket of type {socket_type!r}, which a ROUTER does not serve")
+            if socket_type != SOCKET_TYPE:
+                kind = "a socket of no type" if socket_type is None else \
+                    f"a {socket_type[:32].decode('ascii', 'replace')} socket"
+                raise ZmtpViolation(f"a READY from {kind}: the hbmd control socket serves only DEALER sockets "
+                                    "(hbmd.client's)")
             self.ready = True
-            return b""
+            return READY
         if name == b"PING" and 2 <= len(data) <= 18:
             return encode_command(b"PONG", data[2:])
         if name == b"PONG" and len(data) <= 16:

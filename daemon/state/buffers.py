@@ -27,6 +27,7 @@ from hbmd.proto.units import exact_bytes, format_bytes, round_up
 
 from ..backends import A, Backend, C
 from ..clock import Clock
+from ..shares import fair_share, fits
 from .chunks import Chunks
 from .holders import add_read_claim, check_keep, give_to, left_by, let_go_of_writer
 from .pressure import Pressure
@@ -41,6 +42,7 @@ from .records import (
     check_observer,
 )
 from .tenants import Tenants
+from .unsealed import UnsealedNames
 from .writers import Writer
 
 
@@ -86,10 +88,13 @@ class Buffers(Generic[A, C]):
         """Every buffer's reservation, kept as buffers come and go: a status must not cost a pass over them all."""
         self.num_chunks = 0
         """Every buffer's mapped chunks, kept as they change, for the same reason."""
+        self.num_segments = 0
+        """Every buffer's segments, kept as buffers come and go: the bound in all (:attr:`Limits.segments`)."""
         self.clock = clock
         self.deadlines: dict[int, float] = {}
         """When each orphan with a grace period is due to be freed (Unix time), by buffer id; an entry whose buffer was
         attached, grafted or deleted since is dropped when next looked at (``Orphans.expire``)."""
+        self.unsealed_names = UnsealedNames(limits.persistent_buffers_per_uid)
         self.changed: set[int] | None = None
         """Buffers changed (chunks, owner, readers, seal; or dropped) since the persistence layer last journaled them
         (None: nobody is tracking, and nothing is recorded)."""
@@ -204,6 +209,7 @@ class Buffers(Generic[A, C]):
             owner_uid=session.uid, tenant=session.tenant, capacity=capacity, reserved=reserved,
             segment_capacities=capacities, arena=self.backend.open_arena(reserved, shareable),
             keep_orphan_s=keep_orphan_s,
+            unsealed_since=self.unsealed_names.since(session.uid, name, self.clock.unix()) if persistent else 0.0,
         )
         self._next_id += 1
         self._add(buffer)
@@ -243,6 +249,7 @@ class Buffers(Generic[A, C]):
             buffer_id=keep or self._next_id, name=name, persistent=persistent, shareable=shareable,
             owner=None if readonly else session, owner_uid=session.uid, tenant=session.tenant, capacity=capacity,
             reserved=reserved, segment_capacities=capacities, arena=None, sealed=sealed,
+            unsealed_since=self.clock.unix() if persistent and not sealed else 0.0,
         )
         self.check_sizes(record, sizes)
         record.segment_sizes = list(sizes)
@@ -311,15 +318,32 @@ class Buffers(Generic[A, C]):
         return buffer
 
     def _check_room_of(self, uid: int, new_segments: int) -> None:
-        """Refuse a buffer past the uid's :attr:`Limits.buffers_per_uid` or :attr:`Limits.segments_per_uid`."""
+        """Refuse a buffer past the uid's :attr:`Limits.buffers_per_uid` or :attr:`Limits.segments_per_uid`, or past
+        its fair share of :attr:`Limits.buffers` or :attr:`Limits.segments` (:mod:`hbmd.daemon.shares`)."""
+        limits = self.limits
         held = self.of_uid.get(uid, {})
         segments = sum(b.num_segments for b in held.values())
-        if len(held) >= self.limits.buffers_per_uid or segments + new_segments > self.limits.segments_per_uid:
+        if len(held) >= limits.buffers_per_uid or segments + new_segments > limits.segments_per_uid:
             raise OutOfBudget(
                 f"uid {uid} already holds {len(held)} buffers of {segments} segments; at most "
-                f"{self.limits.buffers_per_uid} buffers (--max-buffers-per-uid) of {self.limits.segments_per_uid} "
+                f"{limits.buffers_per_uid} buffers (--max-buffers-per-uid) of {limits.segments_per_uid} "
                 "segments in all: free one it no longer needs",
-                uid=uid, limit=self.limits.buffers_per_uid,
+                uid=uid, limit=limits.buffers_per_uid,
+            )
+        others = len(self.of_uid) - (uid in self.of_uid)
+        buffers = max(limits.buffers, limits.buffers_per_uid)
+        all_segments = max(limits.segments, limits.segments_per_uid)
+        if not (fits(len(held), 1, len(self.by_id), others, limits.buffers_per_uid, buffers, limits.buffers_floor)
+                and fits(segments, new_segments, self.num_segments, others, limits.segments_per_uid, all_segments,
+                         limits.segments_floor)):
+            share = fair_share(limits.buffers_per_uid, buffers, limits.buffers_floor, others)
+            segments_share = fair_share(limits.segments_per_uid, all_segments, limits.segments_floor, others)
+            raise OutOfBudget(
+                f"uid {uid} already holds {len(held)} buffers of {segments} segments, its share now of what all uids "
+                f"may hold ({buffers} buffers, {all_segments} segments; {len(self.by_id)} and {self.num_segments} "
+                f"held; {share} and {segments_share} each while {others + 1} uids hold some): free one it no longer "
+                "needs, or retry once others do",
+                uid=uid, limit=share,
             )
 
     def _check_new_name(self, uid: int, name: str) -> None:
@@ -344,6 +368,7 @@ class Buffers(Generic[A, C]):
         self.by_id[buffer.buffer_id] = buffer
         self.of_uid.setdefault(buffer.owner_uid, {})[buffer.buffer_id] = buffer
         self.reserved_bytes += buffer.reserved
+        self.num_segments += buffer.num_segments
         self.num_chunks += len(buffer.chunks)
         if buffer.persistent:
             self.persistent[(buffer.owner_uid, buffer.name)] = buffer
@@ -393,10 +418,13 @@ class Buffers(Generic[A, C]):
         if not held:
             del self.of_uid[buffer.owner_uid]
         self.reserved_bytes -= buffer.reserved
+        self.num_segments -= buffer.num_segments
         if buffer.owner is not None:
             buffer.owner.buffers.pop(buffer.buffer_id, None)
         if buffer.persistent:
             self.persistent.pop((buffer.owner_uid, buffer.name), None)
+            if not buffer.sealed:
+                self.unsealed_names.dropped_unsealed(buffer, self.clock.unix())
         let_go_of_writer(buffer)
         self.tenants.let_go(buffer.tenant)
         self.mark_changed(buffer)

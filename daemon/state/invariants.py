@@ -31,7 +31,8 @@ def check_invariants(sessions: Sessions, buffers: Buffers[Any, Any], tenants: Te
     host-tier bytes add up to the host total and to the tenants'; every buffer and
     session points at the other, readers included, and only an orphan is
     due to be freed, looked for when it is due; only a persistent
-    buffer is sealed, and only a sealed one has readers; every tenant has
+    buffer is sealed, only a sealed one has readers, and every unsealed
+    persistent one says since when it held its name so; every tenant has
     the limits the config in force gives it and is kept while held, and the
     running total of unmet guarantees is the config's tenants' sum.
     """
@@ -48,6 +49,8 @@ def check_invariants(sessions: Sessions, buffers: Buffers[Any, Any], tenants: Te
     require(len(buffers.persistent) == sum(b.persistent for b in buffers.by_id.values()), "stale persistent names")
     reserved = sum(b.reserved for b in buffers.by_id.values())
     require(buffers.reserved_bytes == reserved, f"reserved {buffers.reserved_bytes} != {reserved} in buffers")
+    segments = sum(b.num_segments for b in buffers.by_id.values())
+    require(buffers.num_segments == segments, f"{buffers.num_segments} segments counted, {segments} in buffers")
     chunks = sum(len(b.chunks) for b in buffers.by_id.values())
     require(buffers.num_chunks == chunks, f"{buffers.num_chunks} chunks counted, {chunks} in buffers")
     for uid, held in buffers.of_uid.items():
@@ -109,6 +112,8 @@ def _check_buffer(sessions: Sessions, buffers: Buffers[Any, Any], buffer: Buffer
         named = buffers.persistent.get((buffer.owner_uid, buffer.name))
         require(named is buffer, f"persistent buffer {buffer.buffer_id} is not found by its name")
     require(buffer.persistent or not buffer.sealed, f"anonymous buffer {buffer.buffer_id} is sealed")
+    require((buffer.unsealed_since > 0) == (buffer.persistent and not buffer.sealed),
+            f"buffer {buffer.buffer_id} says it holds its name unsealed since {buffer.unsealed_since}")
     require(buffer.sealed or not buffer.readers, f"unsealed buffer {buffer.buffer_id} has readers")
     require(not (buffer.sealed and buffer.pending), f"sealed buffer {buffer.buffer_id} is mid-defragment")
     held = [c.handle is None for c in buffer.chunks]

@@ -31,6 +31,7 @@ from ..clock import Clock
 from .holders import check_no_other_writer, check_readable_layout, give_to
 from .records import Buffer, Session, Tenant, check_observer
 from .tenants import Tenants
+from .unsealed import UnsealedNames
 
 log = logging.getLogger("hbmd.state")
 
@@ -44,6 +45,7 @@ class OrphanBuffers(Protocol[A, C]):
 
     by_id: dict[int, Buffer[A, C]]
     deadlines: dict[int, float]
+    unsealed_names: UnsealedNames
 
     def of(self, session: Session, buffer_id: int) -> Buffer[A, C]: ...
     def changeable(self, session: Session, buffer_id: int) -> Buffer[A, C]: ...
@@ -152,10 +154,11 @@ class Orphans(Generic[A, C]):
         One that sessions still read (a sealed one) waits for them to let go:
         their mappings would keep its pages alive outside the budget.
         """
+        now = self.clock.unix()
+        self.buffers.unsealed_names.forget_older(now)
         deadlines = self.buffers.deadlines
         if not deadlines:
             return 0
-        now = self.clock.unix()
         if now < min(deadlines.values()):
             return 0
         expired = 0

@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Any, Generic
 
-from hbmd.proto import TIER_DEVICE, TIER_HOST, BufferInfo, ChunkInfo
+from hbmd.proto import MAX_SEGMENTS, TIER_DEVICE, TIER_HOST, BufferInfo, ChunkInfo
 from hbmd.proto.errors import InvalidRequest, PermissionDenied
 from hbmd.proto.runs import backed_runs, prefix_offsets
 
@@ -76,6 +76,18 @@ class Limits:
     segments_per_uid: int = 1 << 16
     """Buffers cost no budget, but each segment costs the daemon memory to describe, and every listing of the uid's
     buffers bytes to send: 16 buffers of the most segments."""
+    sessions: int = 4096
+    """Sessions of all uids together (or ``sessions_per_uid``, where more), shared fairly between them
+    (:mod:`hbmd.daemon.shares`): per-uid bounds add up with the number of uids in the group."""
+    sessions_floor: int = 16
+    """Sessions a uid may always open, whatever the others hold."""
+    buffers: int = 16384
+    """Buffers of all uids together (or ``buffers_per_uid``, where more), shared likewise."""
+    buffers_floor: int = 64
+    segments: int = 1 << 20
+    """Segments of all uids' buffers together (or ``segments_per_uid``, where more), shared likewise."""
+    segments_floor: int = MAX_SEGMENTS
+    """A buffer of the most segments."""
 
 
 @dataclasses.dataclass
@@ -257,6 +269,9 @@ class Buffer(Generic[A, C]):
     """Unix time the daemon frees it, an orphan still; 0: never."""
     last_holder: tuple[str, int] = ("", 0)
     """The client name and pid of the session that last held it, once an orphan (``("", 0)``: not known)."""
+    unsealed_since: float = 0.0
+    """Unix time since which a persistent buffer has held its name unsealed, whichever sessions held it (see
+    :meth:`Buffers.create`); 0 once sealed, for an anonymous buffer, or where the daemon does not know."""
     writer: Writer | None = None
     """The process of the session that last held it, an orphan, where it may still map and write it: its session
     ended while it lived (:mod:`.writers`). Not journaled: the daemon's pidfd does not outlive it."""
@@ -342,4 +357,5 @@ class Buffer(Generic[A, C]):
             expires_at=self.expires_at,
             last_holder=self.last_holder[0],
             last_holder_pid=self.last_holder[1],
+            unsealed_since=self.unsealed_since,
         )

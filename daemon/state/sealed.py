@@ -56,6 +56,7 @@ class Sealed(Generic[A, C]):
             raise Conflict(f"buffer {buffer_id} is demoted to the host tier: promote it before sealing it",
                            buffer_id=buffer_id)
         buffer.sealed = True
+        buffer.unsealed_since = 0.0
         self.buffers.mark_changed(buffer)
         return buffer
 

@@ -20,6 +20,7 @@ from hbmd.proto.errors import (
 )
 
 from ..clock import Clock
+from ..shares import fair_share, fits
 from .credentials import KEY_BYTES, LINE_HEX, Credentials
 from .records import MAX_CAPACITY, Buffer, Limits, Reclaim, Session, Tenant, check_int
 
@@ -56,7 +57,8 @@ class Sessions:
         credential of a session this daemon does not keep that it replaces (:meth:`may_start_over`), spent once it
         opens, so that it may declare what its process maps.
 
-        Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`,
+        Raises ``Conflict`` (retryable) when ``uid`` already has its :attr:`Limits.sessions_per_uid`, or its fair
+        share of :attr:`Limits.sessions` (:mod:`hbmd.daemon.shares`),
         ``InvalidRequest`` for a ``client_name`` longer than ``MAX_NAME`` or not printable.
         """
         # The name reaches the daemon's log and hbmctl's terminal: a control character would forge lines there.
@@ -69,6 +71,16 @@ class Sessions:
             raise Conflict(
                 f"uid {uid} already has {open_sessions} sessions, the most allowed (--max-sessions-per-uid)",
                 uid=uid, limit=self.limits.sessions_per_uid,
+            )
+        limits = self.limits
+        total = max(limits.sessions, limits.sessions_per_uid)
+        others = len(self.of_uid) - (uid in self.of_uid)
+        if not fits(open_sessions, 1, len(self.by_id), others, limits.sessions_per_uid, total, limits.sessions_floor):
+            share = fair_share(limits.sessions_per_uid, total, limits.sessions_floor, others)
+            raise Conflict(
+                f"uid {uid} already has {open_sessions} sessions, its share now of the {total} all uids may have "
+                f"({len(self.by_id)} open, {share} each while {others + 1} uids hold some); retry once others end",
+                uid=uid, limit=share,
             )
         now = self.clock.monotonic()
         session = Session(

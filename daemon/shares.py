@@ -1,4 +1,4 @@
-"""What the uids hold of one resource of the control plane, bounded per uid, in all, and shared fairly.
+"""What the uids hold of one resource of the daemon, bounded per uid, in all, and shared fairly.
 
 Bounds per uid add up: four uids each at their bounds took the daemon to
 500 MiB, about eight past the DaemonSet's 1 GiB (issue #61). So each
@@ -12,6 +12,19 @@ all is passed only by the floors of the uids that hold no more than theirs.
 """
 
 from __future__ import annotations
+
+
+def fair_share(per_uid: int, total: int, floor: int, others: int) -> int:
+    """The most one uid may hold while ``others`` other uids hold some: its bound, or the bound in all split among the
+    uids holding some and one more, whichever is less; ``floor`` at least."""
+    return max(floor, min(per_uid, total // (others + 2)))
+
+
+def fits(held: int, more: int, in_all: int, others: int, per_uid: int, total: int, floor: int) -> bool:
+    """Whether a uid holding ``held`` may hold ``more`` besides, while every uid holds ``in_all`` and ``others`` other
+    uids hold some: up to its floor always, past it within its fair share while the bound in all has room."""
+    after = held + more
+    return after <= floor or (after <= fair_share(per_uid, total, floor, others) and in_all + more <= total)
 
 
 class Shares:
@@ -38,13 +51,14 @@ class Shares:
     def share(self, uid: int) -> int:
         """The most ``uid`` may hold now: its bound, or its fair share of the bound in all, whichever is less (the
         floor at least)."""
-        others = len(self._held) - (uid in self._held)
-        return max(self.floor, min(self.per_uid, self.total // (others + 2)))
+        return fair_share(self.per_uid, self.total, self.floor, self._others(uid))
 
     def fits(self, uid: int, more: int) -> bool:
         """Whether ``uid`` may hold ``more`` besides what it holds."""
-        after = self.held(uid) + more
-        return after <= self.floor or (after <= self.share(uid) and self._sum + more <= self.total)
+        return fits(self.held(uid), more, self._sum, self._others(uid), self.per_uid, self.total, self.floor)
+
+    def _others(self, uid: int) -> int:
+        return len(self._held) - (uid in self._held)
 
     def over(self, uid: int) -> bool:
         """Whether ``uid`` holds more than it may (what it took before finding out: a message's bytes as they came)."""
