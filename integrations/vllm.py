@@ -55,21 +55,18 @@ from hbmd.proto import TIER_HOST
 from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound, OutOfBudget, OutOfDeviceMemory
 from hbmd.proto.units import format_bytes
 
-from . import vllm_keep
+from . import vllm_compat, vllm_keep
 from .settings import LOAD_FORMAT, seconds, switch
+from .vllm_compat import UnsupportedVllm
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
 log = logging.getLogger("vllm.hbmd")
 
-OPT_IN = "HBMD_VLLM"
+OPT_IN = vllm_compat.OPT_IN
 SLEEP = "HBMD_VLLM_SLEEP"
 """``keep``: sleep demotes the KV cache to the daemon's host tier instead of dropping it; ``drop`` (the default)."""
 SUPPORTED = ((0, 34),)
 """vLLM releases whose ``extensible_kv_cache`` module this plugin was checked against (major, minor)."""
-
-
-class UnsupportedVllm(RuntimeError):
-    """The installed vLLM is not one this plugin knows: refusing beats silently allocating the wrong way."""
 
 
 def enabled() -> bool:
@@ -384,7 +381,10 @@ def register() -> None:
     """The entry point: inert unless ``HBMD_VLLM`` is on; otherwise route vLLM's extensible KV cache to hbmd.
 
     Every setting of hbmd's is read here, so that a misspelt one stops the
-    engine at start, not at its first sleep.
+    engine at start, not at its first sleep; and every part of vLLM hbmd
+    touches is checked against :data:`~hbmd.integrations.vllm_compat.TABLE`
+    before any is patched, so that a vLLM that moved one refuses the whole
+    plugin, naming it.
     """
     if not enabled():
         if asks_for_hbmd_loader(sys.argv):
@@ -398,6 +398,7 @@ def register() -> None:
     from vllm.v1.worker import extensible_kv_cache
 
     check_version(vllm.__version__)
+    vllm_compat.check(vllm.__version__)
     if hasattr(extensible_kv_cache.ExtensibleTensor, "__wrapped__"):
         return  # vLLM may load general plugins more than once in a process
     extensible_kv_cache.ExtensibleTensor = hbmd_or_own(extensible_kv_cache.ExtensibleTensor)

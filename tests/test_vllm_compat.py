@@ -1,0 +1,60 @@
+"""The table of every place hbmd touches vLLM (integrations/vllm_compat.py) against the installed vLLM.
+
+The first test is the alarm for the next vLLM: an entry that no longer matches fails here, by name. The others show
+that a moved signature refuses the whole plugin at ``register()``, naming it, with nothing of vLLM patched.
+Needs vLLM 0.34 installed (integrations/README.md); skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+vllm_cache = pytest.importorskip("vllm.v1.worker.extensible_kv_cache", reason="vLLM is not installed")
+from hbmd.integrations import vllm as plugin  # noqa: E402
+from hbmd.integrations import vllm_compat  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.unit]
+
+
+def test_every_touch_point_matches_the_installed_vllm():
+    problems = {point.name: problem for point in vllm_compat.TABLE if (problem := vllm_compat.mismatch(point))}
+    assert problems == {}
+
+
+def test_every_private_touch_point_says_why_it_must_be_private():
+    unexplained = [point.name for point in vllm_compat.TABLE
+                   if any(part.startswith("_") for part in point.symbol.split(".")) and not point.private]
+    assert unexplained == []
+
+
+def unpatched() -> dict[str, object]:
+    cache = vllm_cache.ExtensibleKVCache
+    return {"ExtensibleTensor": vllm_cache.ExtensibleTensor, "commit": cache.__dict__["commit"],
+            "recommit": cache.__dict__["recommit"], "measure": vllm_cache.measure_kv_cache_blocks}
+
+
+@pytest.mark.parametrize("where, symbol, moved", [
+    (vllm_cache.ExtensibleKVCache, "commit", lambda self, blocks, defragment=False, shrink=False: None),
+    (BlockPool, "_insert_block_hash", lambda self, block_hash, block: None),
+    (vllm_cache, "extend_kv_cache", lambda runner, num_blocks: None),
+], ids=["commit", "seeding", "final sizing"])
+def test_a_signature_moved_in_vllm_refuses_the_whole_plugin_naming_it(monkeypatch, where, symbol, moved):
+    monkeypatch.setenv("HBMD_VLLM", "1")
+    monkeypatch.delenv("HBMD_VLLM_KEEP_KV", raising=False)
+    monkeypatch.setattr(where, symbol, moved)
+    before = unpatched()
+    with pytest.raises(plugin.UnsupportedVllm, match=f"{symbol} takes .* where hbmd expects") as refusal:
+        plugin.register()
+    assert "patches nothing" in str(refusal.value) and "Unset HBMD_VLLM" in str(refusal.value)
+    assert unpatched() == before
+
+
+def test_a_symbol_gone_from_vllm_refuses_the_plugin_naming_it(monkeypatch):
+    monkeypatch.setenv("HBMD_VLLM", "1")
+    monkeypatch.delattr(vllm_cache, "registers_kv_cache_memory")
+    gone = r"no vllm\.v1\.worker\.extensible_kv_cache\.registers_kv_cache_memory"
+    with pytest.raises(plugin.UnsupportedVllm, match=gone):
+        plugin.register()
+    assert not hasattr(vllm_cache.ExtensibleTensor, "__wrapped__")
