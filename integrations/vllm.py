@@ -409,7 +409,10 @@ def register() -> None:
     cache.recommit = waking(cache.recommit)
     patch_sizing(extensible_kv_cache)
     if vllm_keep.keeps():
+        from .vllm_prefix import patch_scheduler_choice
+
         vllm_keep.patch(extensible_kv_cache)
+        patch_scheduler_choice()
     patch_worker()
     from vllm.model_executor.model_loader import register_model_loader
 

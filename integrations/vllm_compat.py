@@ -97,12 +97,16 @@ TABLE: tuple[TouchPoint, ...] = (
     TouchPoint("vllm.config", "ParallelConfig", ("data_parallel_index", "rank", "world_size"),
                "read: which replica and rank a worker is, and how many ranks share a scheduler", attributes=True),
     # The kept prefix cache's scheduler half (HBMD_VLLM_KEEP_KV).
+    TouchPoint("vllm.config", "SchedulerConfig.get_scheduler_cls", ("self",),
+               "wrapped: the engine core gets the keeping subclass of the class vLLM picks (its scheduler_cls, "
+               "or the asynchronous or plain scheduler)",
+               "the class is vLLM's scheduler_cls seam, but a general plugin never sees the engine's config to set "
+               "it: the choice is wrapped where it is made, so vLLM's and the operator's choice stand"),
     TouchPoint(SCHEDULER, "Scheduler.schedule", ("self",),
-               "wrapped on vLLM's class: the blocks a step completes are noted, the withdrawals written first",
-               "vLLM 0.34 offers no hook after a step is scheduled"),
+               "overridden in the keeping subclass: the blocks a step completes are noted, the withdrawals written "
+               "first"),
     TouchPoint(SCHEDULER, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
-               "wrapped on vLLM's class: the blocks of a finished step are published",
-               "vLLM 0.34 offers no hook once a step's output is back"),
+               "overridden in the keeping subclass: the blocks of a finished step are published"),
     TouchPoint(SCHEDULER, "Scheduler",
                ("requests", "kv_cache_manager", "block_size", "hash_block_size", "vllm_config", "kv_cache_config"),
                "read: the requests, the KV cache manager and the block size of the engine's scheduler",
