@@ -40,21 +40,29 @@ def unpatched() -> dict[str, object]:
     (BlockPool, "_insert_block_hash", lambda self, block_hash, block: None),
     (vllm_cache, "extend_kv_cache", lambda runner, num_blocks: None),
 ], ids=["commit", "seeding", "final sizing"])
-def test_a_signature_moved_in_vllm_refuses_the_whole_plugin_naming_it(monkeypatch, where, symbol, moved):
+def test_a_signature_moved_in_vllm_refuses_the_whole_plugin_naming_it(monkeypatch, caplog, where, symbol, moved):
     monkeypatch.setenv("HBMD_VLLM", "1")
     monkeypatch.delenv("HBMD_VLLM_KEEP_KV", raising=False)
+    monkeypatch.delenv("HBMD_VLLM_REQUIRED", raising=False)
     monkeypatch.setattr(where, symbol, moved)
+    monkeypatch.setattr(plugin.log, "handlers", [caplog.handler])  # vLLM's logger does not propagate
     before = unpatched()
-    with pytest.raises(plugin.UnsupportedVllm, match=f"{symbol} takes .* where hbmd expects") as refusal:
+    plugin.register()  # by default the engine runs without hbmd, saying why
+    assert f"{symbol} takes (" in caplog.text and "patches nothing" in caplog.text
+    assert "This engine runs without hbmd (HBMD_VLLM_REQUIRED=1 stops it instead)" in caplog.text
+    assert unpatched() == before
+    monkeypatch.setenv("HBMD_VLLM_REQUIRED", "1")
+    with pytest.raises(plugin.HbmdRequired, match=f"{symbol} takes .* where hbmd expects") as refusal:
         plugin.register()
-    assert "patches nothing" in str(refusal.value) and "Unset HBMD_VLLM" in str(refusal.value)
+    assert "Unset HBMD_VLLM" in str(refusal.value) and "HBMD_VLLM_REQUIRED is on" in str(refusal.value)
     assert unpatched() == before
 
 
 def test_a_symbol_gone_from_vllm_refuses_the_plugin_naming_it(monkeypatch):
     monkeypatch.setenv("HBMD_VLLM", "1")
+    monkeypatch.setenv("HBMD_VLLM_REQUIRED", "1")
     monkeypatch.delattr(vllm_cache, "registers_kv_cache_memory")
     gone = r"no vllm\.v1\.worker\.extensible_kv_cache\.registers_kv_cache_memory"
-    with pytest.raises(plugin.UnsupportedVllm, match=gone):
+    with pytest.raises(plugin.HbmdRequired, match=gone):
         plugin.register()
     assert not hasattr(vllm_cache.ExtensibleTensor, "__wrapped__")
