@@ -14,8 +14,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
+import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 OPT_IN = "HBMD_VLLM"
@@ -41,6 +44,10 @@ class TouchPoint:
     """Why hbmd must use a part vLLM does not offer to extensions; empty for one of vLLM's own seams."""
     attributes: bool = False
     """``expects`` names attributes, not parameters."""
+    read_not_imported: bool = False
+    """Checked in the module's source where the module is not loaded yet, not imported for the check: vLLM's GPU
+    worker module is loaded by its worker process alone (importing it elsewhere runs the platform's kernel set-up,
+    which a process without that platform cannot)."""
 
     @property
     def name(self) -> str:
@@ -84,13 +91,17 @@ TABLE: tuple[TouchPoint, ...] = (
     TouchPoint(KV_CACHE, "registers_kv_cache_memory", ("vllm_config",),
                "called: a cache a KV connector registers is not grafted"),
     TouchPoint(WORKER, "measure_kv_cache_blocks", ("kv_cache", "vllm_config", "device"),
-               "the GPU worker's name for vLLM's measure: wrapped as the original is", NO_KV_HOOK),
+               "the GPU worker's name for vLLM's measure: wrapped as the original is", NO_KV_HOOK,
+               read_not_imported=True),
     TouchPoint(WORKER, "extend_kv_cache", ("runner", "kv_cache_config", "num_blocks"),
-               "the GPU worker's name for vLLM's final sizing: wrapped as the original is", NO_KV_HOOK),
+               "the GPU worker's name for vLLM's final sizing: wrapped as the original is", NO_KV_HOOK,
+               read_not_imported=True),
     TouchPoint(WORKER, "Worker.sleep", ("self", "level"),
-               "wrapped: the KV cache's release inside it is the sleep's, which may keep", WORKER_SEAM),
+               "wrapped: the KV cache's release inside it is the sleep's, which may keep", WORKER_SEAM,
+               read_not_imported=True),
     *(TouchPoint(WORKER, f"Worker.{update}", ("self",),
-                 "wrapped (HBMD_VLLM_KEEP_KV): a weight update in place withdraws the kept prefix index", WORKER_SEAM)
+                 "wrapped (HBMD_VLLM_KEEP_KV): a weight update in place withdraws the kept prefix index", WORKER_SEAM,
+                 read_not_imported=True)
       for update in ("reload_weights", "start_weight_update", "start_draft_weight_update", "reset_weights")),
     TouchPoint("vllm.config", "get_current_vllm_config_or_none", (),
                "called: the worker's data-parallel replica and rank name its buffer"),
@@ -174,14 +185,44 @@ def resolve(point: TouchPoint) -> Any:
     """The object ``point`` names in the installed vLLM; ``LookupError`` naming what is missing."""
     try:
         found: Any = importlib.import_module(point.module)
-    except ImportError as exc:
-        raise LookupError(f"no module {point.module} ({exc})") from exc
+    except Exception as exc:  # whatever a module raises as it loads, the table does not match this vLLM
+        raise LookupError(f"no module {point.module} that loads here ({type(exc).__name__}: {exc})") from exc
     for part in point.symbol.split("."):
         # A name a module declares and sets later (``NONE_HASH``, at the engine's start) is there to be read.
         if not hasattr(found, part) and part not in getattr(found, "__annotations__", {}):
             raise LookupError(f"no {point.name}")
         found = getattr(found, part, None)
     return found
+
+
+def defines(node: ast.stmt, name: str) -> bool:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name == name
+    if isinstance(node, ast.ImportFrom):
+        return any((alias.asname or alias.name) == name for alias in node.names)
+    return isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+
+
+def parameters_in_source(point: TouchPoint) -> list[str]:
+    """The parameters of what ``point`` names, read from its module's source (a function or method defined there,
+    or a function the module imports by name, looked up where it comes from); ``LookupError`` where it is not
+    there."""
+    spec = importlib.util.find_spec(point.module)
+    if spec is None or spec.origin is None:
+        raise LookupError(f"no module {point.module}")
+    body = ast.parse(Path(spec.origin).read_text(), spec.origin).body
+    for part in point.symbol.split("."):
+        node = next((node for node in body if defines(node, part)), None)
+        if node is None:
+            raise LookupError(f"no {point.name}")
+        body = getattr(node, "body", [])
+    if isinstance(node, ast.ImportFrom) and node.module:
+        imported = TouchPoint(node.module, point.symbol.rpartition(".")[2], point.expects, point.use)
+        return list(inspect.signature(resolve(imported)).parameters)
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise LookupError(f"{point.name} is not a function")
+    arguments = node.args
+    return [argument.arg for argument in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
 
 
 def attribute_names(cls: type) -> set[str]:
@@ -205,6 +246,11 @@ def attribute_names(cls: type) -> set[str]:
 
 def mismatch(point: TouchPoint) -> str | None:
     """How the installed vLLM differs from what ``point`` expects, or None where it matches."""
+    if point.read_not_imported and point.module not in sys.modules:
+        try:
+            return differs(point, parameters_in_source(point))
+        except (LookupError, OSError, SyntaxError, TypeError, ValueError) as exc:
+            return str(exc)
     try:
         found = resolve(point)
     except LookupError as exc:
@@ -218,6 +264,11 @@ def mismatch(point: TouchPoint) -> str | None:
         parameters = list(inspect.signature(found).parameters)
     except (TypeError, ValueError) as exc:
         return f"{point.name} has no signature to check ({exc})"
+    return differs(point, parameters)
+
+
+def differs(point: TouchPoint, parameters: list[str]) -> str | None:
+    """How ``parameters`` differ from the leading ones ``point`` expects, or None."""
     if parameters[: len(point.expects)] != list(point.expects):
         return (f"{point.name} takes ({', '.join(parameters)}), where hbmd expects "
                 f"({', '.join(point.expects)}{', ...' if len(parameters) > len(point.expects) else ''})")

@@ -7,6 +7,9 @@ Needs vLLM 0.34 installed (integrations/README.md); skipped elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 import pytest
 
 pytest.importorskip("torch")
@@ -66,3 +69,17 @@ def test_a_symbol_gone_from_vllm_refuses_the_plugin_naming_it(monkeypatch):
     with pytest.raises(plugin.HbmdRequired, match=gone):
         plugin.register()
     assert not hasattr(vllm_cache.ExtensibleTensor, "__wrapped__")
+
+
+def test_the_gpu_workers_entries_are_read_from_its_source_where_it_is_not_loaded(monkeypatch):
+    """Only vLLM's worker process loads its GPU worker module (loading it runs the platform's kernel set-up): the
+    plugin checks it without loading it, and a moved signature is still named."""
+    monkeypatch.delitem(sys.modules, vllm_compat.WORKER, raising=False)
+    sleep = next(point for point in vllm_compat.TABLE if point.symbol == "Worker.sleep")
+    measure = next(point for point in vllm_compat.TABLE if point.module == vllm_compat.WORKER
+                   and point.symbol == "measure_kv_cache_blocks")
+    assert vllm_compat.mismatch(sleep) is None and vllm_compat.mismatch(measure) is None
+    moved = dataclasses.replace(sleep, expects=("self", "depth"))
+    assert vllm_compat.mismatch(moved) == (f"{vllm_compat.WORKER}.Worker.sleep takes (self, level), where hbmd expects "
+                                           "(self, depth)")
+    assert vllm_compat.WORKER not in sys.modules
