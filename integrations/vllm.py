@@ -55,27 +55,38 @@ from hbmd.proto import TIER_HOST
 from hbmd.proto.errors import DaemonUnavailable, HbmdError, NotFound, OutOfBudget, OutOfDeviceMemory
 from hbmd.proto.units import format_bytes
 
-from . import vllm_keep, vllm_standby
+from . import vllm_compat, vllm_keep, vllm_standby
 from .settings import LOAD_FORMAT, seconds, switch
+from .vllm_compat import UnsupportedVllm
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
 log = logging.getLogger("vllm.hbmd")
 
-OPT_IN = "HBMD_VLLM"
+OPT_IN = vllm_compat.OPT_IN
+REQUIRED = "HBMD_VLLM_REQUIRED"
+"""On: an engine that cannot have hbmd (no daemon, a vLLM the table does not match) stops instead of starting on
+vLLM's own allocation, outside the daemon's budget."""
 SLEEP = "HBMD_VLLM_SLEEP"
 """``keep``: sleep demotes the KV cache to the daemon's host tier instead of dropping it; ``drop`` (the default)."""
 SUPPORTED = ((0, 34),)
 """vLLM releases whose ``extensible_kv_cache`` module this plugin was checked against (major, minor)."""
 
 
-class UnsupportedVllm(RuntimeError):
-    """The installed vLLM is not one this plugin knows: refusing beats silently allocating the wrong way."""
-
-
 def enabled() -> bool:
     """Whether ``HBMD_VLLM`` opts in; ``ValueError`` for a value that is neither on nor off, which an operator meant
     as something: running vLLM without hbmd (or with it) against their word would go unnoticed."""
     return switch(OPT_IN)
+
+
+def required() -> bool:
+    """Whether ``HBMD_VLLM_REQUIRED`` asks an engine to stop rather than run without hbmd; ``ValueError`` for a
+    value that is neither on nor off."""
+    return switch(REQUIRED)
+
+
+class HbmdRequired(RuntimeError):
+    """``HBMD_VLLM_REQUIRED`` is on and this engine cannot have hbmd: it stops rather than allocate outside the
+    daemon's budget."""
 
 
 def check_version(version: str) -> None:
@@ -167,12 +178,17 @@ class VllmExtensibleTensor(ExtensibleTensor):
 def hbmd_or_own(own):
     """What vLLM's KV cache constructs in place of its own ``ExtensibleTensor`` (``own``): hbmd's, or where no daemon
     serves this GPU (none started, or it is down), vLLM's own, with a warning that says why: an engine that would
-    start without hbmd starts without it."""
+    start without hbmd starts without it, unless ``HBMD_VLLM_REQUIRED`` is on (:class:`HbmdRequired`)."""
 
     def kv_tensor(*args: Any, **kwargs: Any) -> Any:
         try:
             return VllmExtensibleTensor(*args, **kwargs)
         except (DaemonUnavailable, NotFound) as exc:
+            if required():
+                raise HbmdRequired(
+                    f"hbmd is not reachable ({exc}) and {REQUIRED} is on: this engine does not start outside hbmd's "
+                    f"budget. Start the GPU's daemon (hbmd --device N, or the hbmd@N unit), or unset {REQUIRED}"
+                ) from exc
             log.warning("hbmd is not reachable (%s): the KV cache is vLLM's own, allocated in this process", exc)
             return own(*args, **kwargs)
 
@@ -387,7 +403,11 @@ def register() -> None:
     """The entry point: inert unless ``HBMD_VLLM`` is on; otherwise route vLLM's extensible KV cache to hbmd.
 
     Every setting of hbmd's is read here, so that a misspelt one stops the
-    engine at start, not at its first sleep.
+    engine at start, not at its first sleep; and every part of vLLM hbmd
+    touches is checked against :data:`~hbmd.integrations.vllm_compat.TABLE`
+    before any is patched, so that a vLLM that moved one refuses the whole
+    plugin, naming it: the engine runs without hbmd, saying so, or with
+    ``HBMD_VLLM_REQUIRED`` on, does not start (:class:`HbmdRequired`).
     """
     if not enabled():
         if asks_for_hbmd_loader(sys.argv):
@@ -396,11 +416,19 @@ def register() -> None:
         return
     sleep_keeps()
     wake_wait_s()
+    must = required()
     vllm_keep.check_settings()
     import vllm
     from vllm.v1.worker import extensible_kv_cache
 
     check_version(vllm.__version__)
+    try:
+        vllm_compat.check(vllm.__version__)
+    except UnsupportedVllm as exc:
+        if must:
+            raise HbmdRequired(f"{exc}; {REQUIRED} is on, so this engine does not start without hbmd") from exc
+        log.error("%s. This engine runs without hbmd (%s=1 stops it instead)", exc, REQUIRED)
+        return
     if hasattr(extensible_kv_cache.ExtensibleTensor, "__wrapped__"):
         return  # vLLM may load general plugins more than once in a process
     if vllm_keep.standing_by():
@@ -413,7 +441,10 @@ def register() -> None:
     cache.recommit = waking(cache.recommit)
     patch_sizing(extensible_kv_cache)
     if vllm_keep.keeps():
+        from .vllm_prefix import patch_scheduler_choice
+
         vllm_keep.patch(extensible_kv_cache)
+        patch_scheduler_choice()
     patch_worker()
     from vllm.model_executor.model_loader import register_model_loader
 

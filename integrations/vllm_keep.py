@@ -523,15 +523,11 @@ def watch_weights(model: Any) -> None:
 
 
 def patch(extensible_kv_cache: Any) -> None:
-    """Route vLLM's final sizing and its scheduler through this module: where ``HBMD_VLLM_KEEP_KV`` is on."""
+    """Route vLLM's final sizing through this module: where ``HBMD_VLLM_KEEP_KV`` is on (the scheduler's half is
+    :mod:`hbmd.integrations.vllm_prefix`'s)."""
     extend = extensible_kv_cache.extend_kv_cache
     if not hasattr(extend, "__wrapped__"):
         extensible_kv_cache.extend_kv_cache = grafting(extend)
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from .vllm_prefix import keeping_scheduler
-
-    keeping_scheduler(Scheduler)
 
 
 def patch_worker(worker: Any) -> None:

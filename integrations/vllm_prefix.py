@@ -11,6 +11,7 @@ describes.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -142,8 +143,10 @@ class Keeper:
         was reused, and what that step computed is not what the block holds."""
         self.cursors: dict[str, tuple[int, int]] = {}
         """Per request, how many of its leading blocks were looked at, and the id of the last of them."""
-        self.waiting: dict[int, list[tuple[int, int, bytes, int]]] = {}
-        """Per scheduler output (by id), the blocks its step completes: (block id, epoch, hash, tokens)."""
+        self.waiting: collections.deque[tuple[Any, list[tuple[int, int, bytes, int]]]] = collections.deque()
+        """The scheduler outputs whose steps complete blocks, in the order they were scheduled (the order their
+        outputs come back in), each with those blocks: (block id, epoch, hash, tokens). The output itself is held, not
+        its id, which a later output may be given once this one is gone."""
         self.writer: IndexWriter | None = None
         self.path = Path()
         """The index, once :meth:`start` found its folder fit."""
@@ -230,20 +233,30 @@ class Keeper:
             if index > looked:
                 self.cursors[req_id] = (index, blocks[index - 1].block_id)
         if completes:
-            self.waiting[id(output)] = completes
+            self.waiting.append((output, completes))
         self.flush()
 
     def computed(self, output: Any) -> None:
         """Before ``update_from_output``: the step of ``output`` has finished; publish what it completed."""
         if self.writer is None:
             return
-        for block_id, epoch, block_hash, num_tokens in self.waiting.pop(id(output), ()):
+        for block_id, epoch, block_hash, num_tokens in self.finished(output):
             block = self.pool.blocks[block_id]
             if self.epochs[block_id] == epoch and block.block_hash == block_hash and \
                     self.writer.published(block_id) != block_hash:
                 self.writer.publish(block_id, block_hash, num_tokens)
         for req_id in [r for r in self.cursors if r not in self.scheduler.requests]:
             del self.cursors[req_id]
+
+    def finished(self, output: Any) -> list[tuple[int, int, bytes, int]]:
+        """The blocks the step of ``output`` completes, taken off :attr:`waiting` with those of any step scheduled
+        before it (their outputs come back first, or never)."""
+        if not any(waiting is output for waiting, _ in self.waiting):
+            return []
+        while True:
+            waiting, completes = self.waiting.popleft()
+            if waiting is output:
+                return completes
 
     def withdrawn(self, block: Any) -> None:
         """A block loses its hashes (evicted for reuse, or written on): it leaves the index."""
@@ -287,55 +300,81 @@ class Keeper:
             log.error("the prefix index %s could not be removed (%s): delete it before the next start", path, gone)
 
 
-def keeping_scheduler(scheduler_cls: Any) -> None:
-    """Wrap ``schedule`` and ``update_from_output`` of vLLM's scheduler class, once, so that an engine that keeps
-    its KV cache keeps its prefix index. The index starts at the first ``schedule``: vLLM sets the hash seed
-    (``NONE_HASH``) after it builds the scheduler."""
-    if hasattr(scheduler_cls.schedule, "__wrapped__"):
-        return
-    schedule, update = scheduler_cls.schedule, scheduler_cls.update_from_output
-
-    def keeper_of(self: Any) -> Keeper | None:
-        keeper = self.__dict__.get("_hbmd_keeper", False)
-        if keeper is False:
-            keeper = None
-            why = why_not_kept(self)
-            if why is None:
-                keeper = Keeper(self)
-                try:
-                    keeper.start()
-                    hook_pool(self.kv_cache_manager.block_pool, keeper)
-                except KeepingOff as exc:
-                    keeper, why = None, str(exc)
-                except Exception:  # a fault of the keeper's must not stop the engine: it serves, keeping nothing
-                    log.exception("hbmd's prefix keeper could not start: this engine serves without keeping its "
-                                  "prefix cache")
-                    keeper = None
-            if why is not None:
-                log.warning("hbmd cannot keep this engine's prefix cache: %s", why)
-            self.__dict__["_hbmd_keeper"] = keeper
+def keeper_of(scheduler: Any) -> Keeper | None:
+    """``scheduler``'s keeper, started at its first call (vLLM sets the hash seed, ``NONE_HASH``, after it builds
+    the scheduler); None where this engine cannot keep its prefix index, said once."""
+    keeper = scheduler.__dict__.get("_hbmd_keeper", False)
+    if keeper is not False:
         return keeper
+    keeper = None
+    why = why_not_kept(scheduler)
+    if why is None:
+        keeper = Keeper(scheduler)
+        try:
+            keeper.start()
+            hook_pool(scheduler.kv_cache_manager.block_pool, keeper)
+        except KeepingOff as exc:
+            keeper, why = None, str(exc)
+        except Exception:  # a fault of the keeper's must not stop the engine: it serves, keeping nothing
+            log.exception("hbmd's prefix keeper could not start: this engine serves without keeping its prefix cache")
+            keeper = None
+    if why is not None:
+        log.warning("hbmd cannot keep this engine's prefix cache: %s", why)
+    scheduler.__dict__["_hbmd_keeper"] = keeper
+    return keeper
 
-    def kept_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        keeper = keeper_of(self)
-        output = schedule(self, *args, **kwargs)
-        if keeper is not None:
-            keeper.scheduled(output)
-        return output
 
-    def kept_update(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        keeper = keeper_of(self)
-        if keeper is not None:
-            keeper.computed(scheduler_output)
-        result = update(self, scheduler_output, model_runner_output)
-        if keeper is not None:
-            keeper.flush()
-        return result
+_keeping: dict[type, type] = {}
+"""Per scheduler class vLLM picks, the keeping class made of it."""
 
-    kept_schedule.__wrapped__ = schedule  # type: ignore[attr-defined]
-    kept_update.__wrapped__ = update  # type: ignore[attr-defined]
-    scheduler_cls.schedule = kept_schedule
-    scheduler_cls.update_from_output = kept_update
+
+def keeping(base: Any) -> Any:
+    """The scheduler class that keeps a prefix index, made of ``base`` (vLLM's ``Scheduler``, its
+    ``AsyncScheduler``, or whichever class the engine's config names): ``base``'s ``schedule`` and
+    ``update_from_output``, each with the keeper's note around it. ``base`` itself is left as it is."""
+    if base in _keeping.values():
+        return base
+    if base not in _keeping:
+
+        class Keeping(base):
+            def schedule(self, *args: Any, **kwargs: Any) -> Any:
+                keeper = keeper_of(self)
+                output = super().schedule(*args, **kwargs)
+                if keeper is not None:
+                    keeper.scheduled(output)
+                return output
+
+            def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+                keeper = keeper_of(self)
+                if keeper is not None:
+                    keeper.computed(scheduler_output)
+                result = super().update_from_output(scheduler_output, model_runner_output)
+                if keeper is not None:
+                    keeper.flush()
+                return result
+
+        Keeping.__name__ = Keeping.__qualname__ = f"Keeping{base.__name__}"
+        _keeping[base] = Keeping
+    return _keeping[base]
+
+
+def choosing_keeping(original: Any) -> Any:
+    """Wrap ``SchedulerConfig.get_scheduler_cls`` (where vLLM's engine core chooses its scheduler class) so that it
+    chooses the keeping class made of the one vLLM would pick (:func:`keeping`)."""
+
+    def get_scheduler_cls(self: Any) -> Any:
+        return keeping(original(self))
+
+    get_scheduler_cls.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_scheduler_cls
+
+
+def patch_scheduler_choice() -> None:
+    """Point vLLM's choice of scheduler class at the keeping one, once: where ``HBMD_VLLM_KEEP_KV`` is on."""
+    from vllm.config import SchedulerConfig
+
+    if not hasattr(SchedulerConfig.get_scheduler_cls, "__wrapped__"):
+        SchedulerConfig.get_scheduler_cls = choosing_keeping(SchedulerConfig.get_scheduler_cls)
 
 
 def hook_pool(pool: Any, keeper: Keeper) -> None:

@@ -64,7 +64,7 @@ def test_the_sdist_carries_what_the_readme_and_the_operator_need(tmp_path):
         members = {m.name.split("/", 1)[1] for m in sdist.getmembers() if "/" in m.name}
     for path in ("SECURITY.md", "README.md", "CHANGELOG.md", "Dockerfile", ".dockerignore", "deploy/hbmd@.service",
                  "deploy/daemonset.py", "bench/README.md", "bench/restart_bench.py", "scripts/vllm-tier.sh",
-                 "__init__.py", "py.typed"):
+                 "scripts/vllm-venv.sh", "__init__.py", "py.typed"):
         assert path in members, path
     assert not any(m.startswith((".venv", ".git/")) or "__pycache__" in m for m in members)
 

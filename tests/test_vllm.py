@@ -85,6 +85,17 @@ def test_with_the_opt_in_vllms_kv_cache_resolves_to_hbmd():
     assert out.stdout.strip().splitlines()[-1] == "hbmd.integrations.vllm.hbmd_or_own.<locals>.kv_tensor"
 
 
+def test_with_hbmd_required_no_daemon_stops_the_kv_cache_instead_of_falling_back_to_vllms_own(run_dir, monkeypatch):
+    monkeypatch.setenv("HBMD_RUN_DIR", str(run_dir))  # no daemon serves there
+    kv_tensor = plugin.hbmd_or_own(vllm_cache.ExtensibleTensor)
+    with pytest.raises(ValueError, match="requires a cuda device"):  # by default: vLLM's own class, which needs CUDA
+        kv_tensor(8 * MiB, "cpu")
+    monkeypatch.setenv("HBMD_VLLM_REQUIRED", "1")
+    with pytest.raises(plugin.HbmdRequired, match=r"hbmd is not reachable .* HBMD_VLLM_REQUIRED is on") as refusal:
+        kv_tensor(8 * MiB, "cpu")
+    assert str(run_dir) in str(refusal.value)  # the daemon looked for, named
+
+
 def test_an_unknown_vllm_version_is_refused_clearly():
     plugin.check_version("0.34.0")
     for version in ("0.35.0", "1.0.0", "dev"):

@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import random
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -72,16 +74,16 @@ def kept(monkeypatch, tmp_path):
     monkeypatch.setenv("HBMD_VLLM_ENGINE", "e")
     monkeypatch.setenv(vllm_keep.INDEX_DIR, str(tmp_path / "index"))
     monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
-    if not hasattr(Scheduler.schedule, "__wrapped__"):
-        monkeypatch.setattr(Scheduler, "schedule", Scheduler.schedule)
-        monkeypatch.setattr(Scheduler, "update_from_output", Scheduler.update_from_output)
-        vllm_prefix.keeping_scheduler(Scheduler)
+    if not hasattr(SchedulerConfig.get_scheduler_cls, "__wrapped__"):
+        monkeypatch.setattr(SchedulerConfig, "get_scheduler_cls", SchedulerConfig.get_scheduler_cls)
+        vllm_prefix.patch_scheduler_choice()
     return tmp_path / "index"
 
 
 def scheduler(folder, kind: type[Scheduler] = Scheduler, tensor_parallel: int = 1, dp: int = 0,
               cache_dtype: str = "auto", hf_overrides: dict | None = None, lora: bool = False) -> Scheduler:
-    """vLLM's scheduler of an engine of the model in ``folder``, on the CPU, as the engine core builds it."""
+    """vLLM's scheduler of an engine of the model in ``folder``, on the CPU, of the class the engine core chooses
+    (``kind``: the plain or the asynchronous one) and built as it builds it."""
     model = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
                         hf_overrides=hf_overrides or {})
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, cache_dtype=cache_dtype)
@@ -93,12 +95,15 @@ def scheduler(folder, kind: type[Scheduler] = Scheduler, tensor_parallel: int = 
                         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024,
                                                          is_encoder_decoder=False))
     config.parallel_config.data_parallel_index = dp  # what vLLM sets in each engine core of `--data-parallel-size`
+    config.scheduler_config.async_scheduling = issubclass(kind, AsyncScheduler)
     size = NUM_BLOCKS * SPEC.page_size_bytes
     kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_groups=[KVCacheGroupSpec(["l0"], SPEC)],
                        kv_cache_tensors=[KVCacheTensor(size=size, layers=["l0"], layer_stride=size,
                                                        block_stride=SPEC.page_size_bytes)])
     init_none_hash(get_hash_fn_by_name("sha256"))
-    return kind(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
+    chosen = config.scheduler_config.get_scheduler_cls()
+    assert issubclass(chosen, kind)
+    return chosen(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
                 block_size=BLOCK, log_stats=False)
 
 
@@ -654,3 +659,33 @@ def test_a_fault_of_the_keeper_at_start_leaves_the_engine_serving_and_keeping_no
     monkeypatch.setattr(vllm_prefix, "compatibility", broken)
     serve_one_prompt(scheduler(model_folder))  # every step scheduled and processed
     assert not (kept / "e.index").exists() and "prefix keeper could not start" in keep_log.text
+
+
+def test_the_plugin_keeps_through_the_scheduler_class_vllm_chooses_and_leaves_vllms_classes_as_they_are(tmp_path):
+    """vLLM's engine core builds whichever class ``SchedulerConfig.get_scheduler_cls`` chooses: with the plugin on,
+    the keeping subclass of the one vLLM picks (plain, asynchronous, or the operator's ``scheduler_cls``), while
+    vLLM's own scheduler classes keep their methods."""
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.config import SchedulerConfig\n"
+        "from vllm.v1.core.sched.async_scheduler import AsyncScheduler\n"
+        "from vllm.v1.core.sched.scheduler import Scheduler\n"
+        "picked = {}\n"
+        "for name, options in [('plain', {}), ('async', {'async_scheduling': True}),\n"
+        "                      ('named', {'scheduler_cls': 'vllm.v1.core.sched.async_scheduler.AsyncScheduler'})]:\n"
+        "    chosen = SchedulerConfig.default_factory(**options).get_scheduler_cls()\n"
+        "    picked[name] = [c.__name__ for c in chosen.__mro__[:2]]\n"
+        "print(picked)\n"
+        "print([hasattr(c.__dict__[m], '__wrapped__') for c in (Scheduler, AsyncScheduler)\n"
+        "       for m in ('schedule', 'update_from_output') if m in c.__dict__])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"} | {
+        "HBMD_VLLM": "1", vllm_keep.KEEP: "1", "HBMD_VLLM_ENGINE": "e", vllm_keep.INDEX_DIR: str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    picked, wrapped = out.stdout.strip().splitlines()[-2:]
+    assert picked == str({"plain": ["KeepingScheduler", "Scheduler"],
+                          "async": ["KeepingAsyncScheduler", "AsyncScheduler"],
+                          "named": ["KeepingAsyncScheduler", "AsyncScheduler"]})
+    assert wrapped == str([False, False])

@@ -66,7 +66,7 @@ def test_a_sleep_mode_it_does_not_know_is_refused(monkeypatch):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("name, value", [("HBMD_VLLM_SLEEP", "keepit"), ("HBMD_VLLM_WAKE_WAIT_S", "soon"),
-                                         ("HBMD_VLLM_WAKE_WAIT_S", "-1")])
+                                         ("HBMD_VLLM_WAKE_WAIT_S", "-1"), ("HBMD_VLLM_REQUIRED", "always")])
 def test_a_setting_it_does_not_know_stops_the_engine_at_start_not_at_its_first_sleep(monkeypatch, name, value):
     monkeypatch.setenv("HBMD_VLLM", "1")
     monkeypatch.setenv(name, value)
