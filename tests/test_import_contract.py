@@ -141,6 +141,8 @@ WITHOUT_CYCLES = [
     ("client", "a client part gets the core and the parts it uses; it never imports its composer"),
     ("daemon", "a part of the daemon is given what it needs by what builds it (the state its modules, the server "
                "the state), and never imports its composer back"),
+    ("integrations", "the plugin composes the kept cache's worker half, its scheduler half and the standby, which "
+                     "never import it or each other back"),
 ]
 
 
@@ -160,3 +162,13 @@ def test_the_cycle_check_sees_a_cycle_through_a_type_checking_import(tmp_path, m
     (tmp_path / "client" / "whole.py").write_text("from hbmd.client.part import Part\n")
     (tmp_path / "client" / "leaf.py").write_text("from . import part\n")
     assert cycles("client") == ["hbmd.client.part -> hbmd.client.whole -> hbmd.client.part"]
+
+
+@pytest.mark.unit
+def test_the_cycle_check_sees_a_cycle_closed_by_an_import_inside_a_function(tmp_path, monkeypatch):
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    (tmp_path / "integrations").mkdir()
+    (tmp_path / "integrations" / "plugin.py").write_text("from .keeper import keep\n")
+    (tmp_path / "integrations" / "keeper.py").write_text("def keep():\n    from . import plugin\n")
+    keeper, plugin = "hbmd.integrations.keeper", "hbmd.integrations.plugin"
+    assert cycles("integrations") == [f"{keeper} -> {plugin} -> {keeper}"]
