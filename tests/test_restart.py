@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 
 import msgpack
 import pytest
@@ -289,3 +290,36 @@ def test_weights_held_by_a_reader_alone_leave_no_orphan_when_the_store_is_lost_t
     with third.connect(observer=True) as look:
         wait_until(lambda: look.status().committed_bytes == 0)
     reader.close()
+
+
+@pytest.mark.system
+def test_a_session_whose_leased_granule_did_not_come_back_starts_over_and_keeps_what_it_placed(
+        start_daemon, run_dir, systemd):
+    """A granule leased to a session may be placed in its buffer without a round trip, a placement the daemon may
+    stop before reading; where the granule did not come back (``systemctl stop``, the FD store gone), the session is
+    not resumed over a record that lacks it: its client starts over and declares what it maps."""
+    state_dir = run_dir / "state"
+    state_dir.mkdir()
+    args = ("--budget", "256MiB", "--state-dir", str(state_dir))
+    first = start_daemon(*args, env={"NOTIFY_SOCKET": str(systemd.path)})
+    client = first.connect(lease=True)
+    kv = ExtensibleTensor(64 * MiB, "cpu", client=client, name="kv", persistent=True)
+    kv.resize_(2 * MiB)  # one granule through the daemon: a lease follows it
+    kv.full_view()[: 2 * MiB] = 3
+    wait_until(lambda: client.leased_granules >= 1 and len(systemd.names() - parked_names(state_dir, "kv")) > 0)
+    os.kill(first.pid, signal.SIGSTOP)  # a daemon that does not get to read the placement before it stops
+    kv.resize_(4 * MiB)  # onto a leased granule, placed without a round trip
+    kv.full_view()[2 * MiB : 4 * MiB] = 4
+    os.kill(first.pid, signal.SIGTERM)
+    os.kill(first.pid, signal.SIGCONT)
+    assert first.proc.wait(30) == 0
+    for name in systemd.names() - parked_names(state_dir, "kv"):  # the leased granules, and only those, are gone
+        for fd in systemd.store.pop(name):
+            os.close(fd)
+    second = start_daemon(*args, **systemd.relaunch())
+    assert "is not restored: a granule leased to it did not come back" in second.log()
+
+    kv.resize_(8 * MiB)
+    assert filled(kv.full_view()[: 2 * MiB], 3) and filled(kv.full_view()[2 * MiB : 4 * MiB], 4)
+    with second.connect(observer=True) as look:
+        assert look.status().committed_bytes == kv.physical_bytes == 8 * MiB

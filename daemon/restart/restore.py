@@ -93,6 +93,13 @@ def restore(state: State[Any, Any], image: Image, fds: dict[str, int], resume_wi
                         key)
             state.sessions.credentials.lost(key)
             continue
+        if any(chunk_name(c) not in fds and c not in taken for c in session.lease):
+            # Its client may have placed the granule in a buffer without a round trip, a placement this daemon never
+            # read: resumed, it would map what no record holds, and its next commit would map fresh pages over it.
+            log.warning("session %s is not restored: a granule leased to it did not come back; its client starts over",
+                        key)
+            state.sessions.credentials.lost(key)
+            continue
         try:
             _restore_session(state, session, fds, taken, resume_by)
             sessions += 1
@@ -211,7 +218,7 @@ def _restore_session(state: State[Any, Any], record: JournaledSession, fds: dict
         for chunk_id in record.lease:
             name = chunk_name(chunk_id)
             if name not in fds or chunk_id in taken:
-                continue  # a granule that did not come back is one the client gives up at its resume
+                continue  # placed in a buffer, whose record the journal kept
             handle = parkable(state.backend).adopt(arena, 0, granule, fds[name])
             undo.push(state.backend.release, arena, handle)
             lease.append(Chunk(chunk_id, 0, granule, handle))
