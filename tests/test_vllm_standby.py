@@ -86,7 +86,10 @@ def note_names(kept) -> str | None:
 
 
 def line_is_free(kept) -> bool:
-    fd = os.open(kept / "e.standby", os.O_RDWR)
+    try:
+        fd = os.open(kept / "e.standby", os.O_RDWR)
+    except FileNotFoundError:
+        return True  # no standby has stood in the line yet
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
