@@ -480,7 +480,7 @@ def test_a_worker_knows_its_rank_and_replica_as_vllm_numbers_them_not_from_the_e
         assert plugin.buffer_name() == f"vllm-{plugin.engine()}-rank1-dp2"
 
 
-PREDECESSOR = """
+KV_WORKER = """
 import sys
 import torch
 from hbmd.integrations import vllm as plugin
@@ -492,6 +492,10 @@ vllm_cache.ExtensibleTensor = plugin.hbmd_or_own(vllm_cache.ExtensibleTensor)
 layout, config = planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 4 * PAGE * 600)
 kv = vllm_cache.ExtensibleKVCache(config, torch.device("cpu"), layout)
 kv.allocate(kv.size)
+"""
+"""A worker process's KV cache of four layers, as vLLM's makes it with the plugin on: what the scripts below run."""
+
+PREDECESSOR = KV_WORKER + """
 kv.commit(300)
 for segment in range(len(kv.segment_strides)):
     stride = kv.segment_strides[segment]

@@ -22,26 +22,17 @@ pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is not installe
 from hbmd.integrations import kv_index, vllm_keep, vllm_prefix, vllm_standby  # noqa: E402
 from hbmd.testing.spawn import LineProcess  # noqa: E402
 from helpers import filled, wait_until  # noqa: E402
-from test_vllm_keep import PREDECESSOR, four_layers_of, keeping_cache, kept, model_folder, scheduler  # noqa: E402, F401
+from test_vllm_keep import KV_WORKER, PREDECESSOR, four_layers_of, keeping_cache, kept, model_folder, scheduler  # noqa: E402, F401
 from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
 
-STANDBY = """
+STANDBY = KV_WORKER + """
 import json
-import sys
 import types
-import torch
-from hbmd.integrations import vllm as plugin, vllm_keep, vllm_standby
-from vllm.v1.worker import extensible_kv_cache as vllm_cache
-from test_vllm import FULL, PAGE, planned
+from hbmd.integrations import vllm_keep, vllm_standby
 from vllm.config import DeviceConfig, VllmConfig
-from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-vllm_cache.ExtensibleTensor = plugin.hbmd_or_own(vllm_cache.ExtensibleTensor)
-layout, config = planned("LBHNC", [KVCacheGroupSpec([f"layers.{i}.attn" for i in range(4)], FULL)], 4 * PAGE * 600)
-kv = vllm_cache.ExtensibleKVCache(config, torch.device("cpu"), layout)
-kv.allocate(kv.size)
 kv.commit(50)
 print(kv.buffer.name, flush=True)
 blocks = vllm_standby.waiting(vllm_keep.counting_kept_blocks(lambda cache: 300))(kv)
