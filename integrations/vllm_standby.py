@@ -202,7 +202,8 @@ def refuse_unlike(config: Any, scope: Scope) -> None:
 
 
 def left_donor(client: Any, rank: KeptRank) -> Donor | None:
-    """The cache the index says the active engine left, where it is there and no session holds it."""
+    """The cache the index says the active engine left, where the daemon still lists it (a session that still holds
+    it is waited for as for any successor's donor: ``vllm_keep.settle_donor``)."""
     expected, why = vllm_keep.expected_donor(rank.scope, rank.rank, rank.gpu)
     listed = client.buffers(name=expected, owner_uid=os.getuid()) if expected is not None else []
     if expected is not None and not listed:
