@@ -12,6 +12,11 @@ from hbmd.daemon.clock import Clock
 from hbmd.proto.errors import Conflict
 from hbmd.testing.spawn import wait_until  # the tests' one polling helper
 
+try:
+    import torch
+except ImportError:  # the tests that read it are marked ``torch``: they skip without it (conftest.py)
+    torch = None
+
 MiB = 1 << 20
 
 

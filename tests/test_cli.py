@@ -16,7 +16,7 @@ import time
 import pytest
 from hbmd.client import DaemonUnavailable, ExtensibleTensor, PermissionDenied, connect
 from hbmd.client.ctl import Column, Output, render
-from helpers import MiB, credited, hbmctl, wait_until
+from helpers import MiB, credited, hbmctl, torch, wait_until
 
 pytestmark = pytest.mark.cli
 
@@ -541,8 +541,8 @@ def test_buffers_add_up_to_status_while_a_preserving_defragment_holds_old_and_ne
         assert buffer["pending_bytes"] == 0 and buffer["physical_bytes"] == 4 * MiB
 
 
+@pytest.mark.torch
 def test_weights_lists_what_is_sealed_with_its_readers_and_delete_waits_for_none(daemon, client):
-    torch = pytest.importorskip("torch")
     from hbmd.client.weights import load_weights, store_weights
 
     rd = str(daemon.run_dir)

@@ -22,8 +22,6 @@ import pytest
 from hbmd.client import ExtensibleTensor, OutOfBudget
 from helpers import DEMOTABLE, MiB, filled, wait_until
 
-pytest.importorskip("torch")
-
 pytestmark = [pytest.mark.ipc, pytest.mark.system, pytest.mark.torch]
 
 SOAK_S = float(os.environ.get("HBMD_SOAK_S", "15"))

@@ -8,6 +8,7 @@ from hbmd.client.cuda import instance_for_cuda_device
 from hbmd.client.devices import parse_device
 from hbmd.proto.errors import NotFound
 from hbmd.proto.instance import InstanceInfo, InstancePaths
+from helpers import torch
 
 pytestmark = pytest.mark.unit
 
@@ -20,8 +21,8 @@ def test_parse_device(device, expected):
     assert parse_device(device) == expected
 
 
+@pytest.mark.torch
 def test_parse_torch_devices():
-    torch = pytest.importorskip("torch")
     assert parse_device(torch.device("cpu")) == ("cpu", -1)
     assert parse_device(torch.device("cuda", 2)) == ("cuda", 2)
 

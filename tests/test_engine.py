@@ -18,11 +18,9 @@ from hbmd.client import (
     kv_view,
     narrow_blocks,
 )
-from helpers import MiB, filled, hbmctl, wait_until
+from helpers import MiB, filled, hbmctl, torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 CREATOR = """
 import os, sys, torch

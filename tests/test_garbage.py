@@ -25,11 +25,9 @@ from hbmd.client import ExtensibleTensor, NotFound
 from hbmd.proto import codec
 from hbmd.proto.errors import ErrorCode, ProtocolError
 from hbmd.proto.instance import InstancePaths
-from helpers import MiB, filled, wait_until
+from helpers import MiB, filled, torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 SEED = 20261202
 REPLY_TIMEOUT_MS = 5000

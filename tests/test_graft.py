@@ -17,11 +17,9 @@ import pytest
 from hbmd.client import ExtensibleTensor
 from hbmd.daemon.restart.persist import Journal
 from hbmd.proto.errors import Conflict, InvalidRequest, NotFound, OutOfBudget
-from helpers import MiB, filled, hbmctl, wait_until
+from helpers import MiB, filled, hbmctl, torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 CAPACITIES = [16 * MiB, 24 * MiB, 8 * MiB]
 SIZES = [6 * MiB, 10 * MiB, 4 * MiB]

@@ -24,11 +24,9 @@ from hbmd.client import (
 )
 from hbmd.client.transport import ControlChannel
 from hbmd.proto.instance import InstancePaths
-from helpers import GRANULE, MiB, chunks_held, filled, wait_until
+from helpers import GRANULE, MiB, chunks_held, filled, torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 
 def test_first_log_line_names_backend_instance_and_sockets(daemon):

@@ -30,9 +30,7 @@ from fake_systemd import FakeSystemd
 from hbmd.daemon.restart.persist import Journal
 from helpers import MiB, wait_until
 
-pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 ARGS = ("--budget", "256MiB")
 

@@ -28,11 +28,9 @@ from hbmd.client import (
 )
 from hbmd.client.transport import ControlChannel
 from hbmd.proto.instance import InstancePaths
-from helpers import MiB, attach_within, filled, hbmctl, parked_names, spawn_holder, wait_until
+from helpers import MiB, attach_within, filled, hbmctl, parked_names, spawn_holder, torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 WRITER = """
 import sys

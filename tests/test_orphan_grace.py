@@ -17,9 +17,7 @@ from hbmd.client import ExtensibleTensor, VersionMismatch
 from hbmd.proto.errors import InvalidRequest
 from helpers import MiB, filled, hbmctl, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 
 def left(client, name: str = "kv", keep_s: float = 1.0) -> ExtensibleTensor:

@@ -28,12 +28,11 @@ from hbmd.proto.errors import (
     SessionLost,
     TensorUnusable,
 )
-from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, filled, hbmctl, wait_until
+from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, filled, hbmctl, torch, wait_until
 
-torch = pytest.importorskip("torch")
 GPU_OK, GPU_REASON = cuda_vmm_status()
 
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 
 def restart(start_daemon, daemon, how: str, *args: str):

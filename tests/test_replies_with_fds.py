@@ -12,9 +12,7 @@ from hbmd.client.transport import ControlChannel, HandleChannel
 from hbmd.proto.instance import InstancePaths
 from helpers import GRANULE, MiB
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 
 class RawSession:

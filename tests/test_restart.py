@@ -11,11 +11,9 @@ import pytest
 from hbmd.client import ExtensibleTensor, OutOfBudget
 from hbmd.daemon.restart.persist import JOURNAL_VERSION, Journal
 from hbmd.testing.spawn import DaemonProcess
-from helpers import MiB, filled, parked_names, wait_until
+from helpers import MiB, filled, parked_names, torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 WRITER = """
 import torch

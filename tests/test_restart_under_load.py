@@ -34,9 +34,7 @@ from hbmd.proto import PROTOCOL_VERSION, Hello
 from hbmd.proto.instance import InstancePaths
 from helpers import wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 ROUNDS = int(os.environ.get("HBMD_RESTART_ROUNDS", "16"))
 WORKERS = 4

@@ -20,12 +20,11 @@ from hbmd.daemon.restart.takeover import take_over
 from hbmd.proto import PROTOCOL_VERSION, CreateBuffer, Hello, Release
 from hbmd.proto.errors import PermissionDenied, SessionLost
 from hbmd.proto.instance import InstancePaths
-from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, filled, wait_until
+from helpers import GpuKvCache, HostEngine, MiB, cuda_vmm_status, filled, torch, wait_until
 
-torch = pytest.importorskip("torch")
 GPU_OK, GPU_REASON = cuda_vmm_status()
 
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 
 def accounts(client):

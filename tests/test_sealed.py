@@ -17,11 +17,9 @@ import signal
 import pytest
 from hbmd.client import Conflict, ExtensibleTensor, InvalidRequest, NotFound
 from hbmd.daemon.restart.persist import Journal
-from helpers import MiB, filled, hbmctl, parked_names, wait_until
+from helpers import MiB, filled, hbmctl, parked_names, torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 PATTERN_SEED = 18
 

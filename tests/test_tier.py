@@ -24,11 +24,9 @@ import pytest
 from hbmd.client import Conflict, ExtensibleKVCacheBuffers, ExtensibleTensor, InvalidRequest, OutOfBudget
 from hbmd.client.pressure import DEMOTE_WAIT_S
 from hbmd.proto import Move, PromoteRequest, ReclaimRequest
-from helpers import DEMOTABLE, MiB, filled, hbmctl, wait_until
+from helpers import DEMOTABLE, MiB, filled, hbmctl, torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 PIECE = 8 * MiB
 TIER = ("--host-budget", "96MiB", "--host-pool", "16MiB", "--host-piece", "8MiB")

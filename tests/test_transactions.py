@@ -17,9 +17,7 @@ from hbmd.client import Conflict, ExtensibleTensor, TensorUnusable
 from hbmd.client.host import HostMapper
 from helpers import GRANULE, MiB, filled, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 
 class FlakyMapper(HostMapper):

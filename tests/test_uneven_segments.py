@@ -7,9 +7,7 @@ from hbmd.client import ExtensibleKVCacheBuffers, ExtensibleTensor, VersionMisma
 from hbmd.client import session as client_session
 from helpers import GRANULE, MiB, filled
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 CAPACITIES = [3 * MiB, 8 * MiB, 5 * MiB]  # offsets 0, 3 MiB, 11 MiB: two granules straddle segments
 

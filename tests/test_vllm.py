@@ -13,9 +13,8 @@ import sys
 
 import pytest
 from hbmd.client import ExtensibleTensor
-from helpers import MiB, filled
+from helpers import MiB, filled, torch
 
-torch = pytest.importorskip("torch")
 vllm_cache = pytest.importorskip("vllm.v1.worker.extensible_kv_cache", reason="vLLM is not installed")
 from hbmd.integrations import vllm as plugin  # noqa: E402
 from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
@@ -23,7 +22,7 @@ from vllm.utils.extensible_tensor import ExtensibleTensor as VllmExtensibleTenso
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
+pytestmark = [pytest.mark.vllm, pytest.mark.ipc, pytest.mark.torch]
 
 GRANULE = 2 * MiB
 PAGE = 2 * 16 * (64 + 64) * 2  # 2 KV heads x 16 tokens x (K 64 + V 64) x fp16 = 8 KiB per layer and block

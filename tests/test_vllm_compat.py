@@ -12,13 +12,12 @@ import sys
 
 import pytest
 
-pytest.importorskip("torch")
 vllm_cache = pytest.importorskip("vllm.v1.worker.extensible_kv_cache", reason="vLLM is not installed")
 from hbmd.integrations import vllm as plugin  # noqa: E402
 from hbmd.integrations import vllm_compat  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.unit]
+pytestmark = [pytest.mark.vllm, pytest.mark.unit, pytest.mark.torch]
 
 
 def test_every_touch_point_matches_the_installed_vllm():

@@ -23,14 +23,13 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is not installed")
-from hbmd.integrations import kv_index, vllm_keep, vllm_prefix  # noqa: E402
-from hbmd.integrations import vllm as plugin  # noqa: E402
-from hbmd.integrations.kv_index import read_index  # noqa: E402
-from hbmd.testing.spawn import LineProcess  # noqa: E402
-from helpers import MiB, filled, wait_until  # noqa: E402
-from vllm.config import (  # noqa: E402
+from hbmd.integrations import kv_index, vllm_keep, vllm_prefix
+from hbmd.integrations import vllm as plugin
+from hbmd.integrations.kv_index import read_index
+from hbmd.testing.spawn import LineProcess
+from helpers import MiB, filled, torch, wait_until
+from vllm.config import (
     CacheConfig,
     DeviceConfig,
     LoadConfig,
@@ -40,18 +39,18 @@ from vllm.config import (  # noqa: E402
     SchedulerConfig,
     VllmConfig,
 )
-from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
-pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
+pytestmark = [pytest.mark.vllm, pytest.mark.ipc, pytest.mark.torch]
 
 BLOCK = 16
 NUM_BLOCKS = 48

@@ -17,15 +17,14 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="vLLM is not installed")
-from hbmd.integrations import kv_index, vllm_keep, vllm_prefix, vllm_standby  # noqa: E402
-from hbmd.testing.spawn import LineProcess  # noqa: E402
-from helpers import filled, wait_until  # noqa: E402
-from test_vllm_keep import KV_WORKER, PREDECESSOR, four_layers_of, keeping_cache, kept, model_folder, scheduler  # noqa: E402, F401
-from vllm.config import DeviceConfig, VllmConfig  # noqa: E402
+from hbmd.integrations import kv_index, vllm_keep, vllm_prefix, vllm_standby
+from hbmd.testing.spawn import LineProcess
+from helpers import filled, wait_until
+from test_vllm_keep import KV_WORKER, PREDECESSOR, four_layers_of, keeping_cache, kept, model_folder, scheduler  # noqa: F401
+from vllm.config import DeviceConfig, VllmConfig
 
-pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
+pytestmark = [pytest.mark.vllm, pytest.mark.ipc, pytest.mark.torch]
 
 STANDBY = KV_WORKER + """
 import json

@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import torch
 
-torch = pytest.importorskip("torch")
 pytest.importorskip("vllm.model_executor.model_loader.weight_cache.ipc_loader", reason="vLLM is not installed")
 safetensors = pytest.importorskip("safetensors.torch")
 from hbmd.client import ExtensibleTensor, InvalidRequest  # noqa: E402
 from hbmd.client.weights import load_weights, open_weights, store_weights  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.ipc]
+pytestmark = [pytest.mark.vllm, pytest.mark.ipc, pytest.mark.torch]
 
 ENGINE = Path(__file__).with_name("vllm_engine_load.py")
 HIDDEN, LAYERS, VOCAB = 64, 2, 256

@@ -8,11 +8,9 @@ import signal
 import pytest
 from hbmd.client import Conflict, ExtensibleTensor, InvalidRequest
 from hbmd.client.weights import ALIGNMENT, HEADER, MAGIC, load_weights, open_weights, store_weights
-from helpers import wait_until
+from helpers import torch, wait_until
 
-torch = pytest.importorskip("torch")
-
-pytestmark = pytest.mark.ipc
+pytestmark = [pytest.mark.ipc, pytest.mark.torch]
 
 
 def model(seed: int = 7) -> dict[str, torch.Tensor]:
