@@ -35,7 +35,7 @@ OPERATOR_EVERY_S = 1.5
 
 
 @pytest.mark.parametrize("flood", list(FLOODS))
-def test_a_flood_on_one_plane_delays_only_its_sender(start_daemon, run_dir, flood):
+def test_a_flood_on_one_plane_fails_no_call_of_another_peer(start_daemon, run_dir, flood):
     if not can_flood_as_nobody(flood):
         pytest.skip("needs root to flood as a second uid")
     as_nobody = FLOODS[flood][2]
