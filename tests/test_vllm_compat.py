@@ -7,15 +7,20 @@ Needs vLLM 0.34 installed (integrations/README.md); skipped elsewhere.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import sys
+import textwrap
 
 import pytest
 
 vllm_cache = pytest.importorskip("vllm.v1.worker.extensible_kv_cache", reason="vLLM is not installed")
 from hbmd.integrations import vllm as plugin  # noqa: E402
 from hbmd.integrations import vllm_compat  # noqa: E402
+from hbmd.integrations.vllm_front_end import ENGINE_CORE  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.engine.utils import CoreEngineProcManager  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.unit, pytest.mark.torch]
 
@@ -82,3 +87,14 @@ def test_the_gpu_workers_entries_are_read_from_its_source_where_it_is_not_loaded
     assert vllm_compat.mismatch(moved) == (f"{vllm_compat.WORKER}.Worker.sleep takes (self, level), where hbmd expects "
                                            "(self, depth)")
     assert vllm_compat.WORKER not in sys.modules
+
+
+def test_vllm_names_its_engine_core_processes_as_hbmd_looks_for_them():
+    """An engine core ends with its front end only where its process has the name vLLM gives it
+    (``integrations/vllm_front_end.py``): a vLLM that names it otherwise leaves it running, as vLLM does."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(CoreEngineProcManager.__init__)))
+    names = [keyword.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+             for keyword in node.keywords if keyword.arg == "name"]
+    texts = [part.value for name in names for part in ast.walk(name)
+             if isinstance(part, ast.Constant) and isinstance(part.value, str)]
+    assert texts and all(text.startswith(ENGINE_CORE) for text in texts)

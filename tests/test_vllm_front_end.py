@@ -1,0 +1,113 @@
+"""A vLLM engine core ends when its front end ends (``integrations/vllm_front_end.py``), and its hbmd session with it:
+what a restarted engine or a warm standby waits for. No vLLM needed: the front end here starts its engine core as
+vLLM's does, a multiprocessing child named ``EngineCore``."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from hbmd.testing.spawn import LineProcess
+from helpers import wait_until
+
+pytestmark = pytest.mark.ipc
+
+FRONT_END = """
+import multiprocessing
+import os
+import sys
+import time
+
+from hbmd.integrations.vllm_front_end import end_with_front_end
+
+
+def engine_core():
+    watching = end_with_front_end() is not None
+    from hbmd.client import connect
+
+    client = connect("cpu", client_name="engine-core")
+    client.create_buffer(4 << 20, 1, name="kept", persistent=True)
+    print(os.getpid(), client.session_id, watching, flush=True)
+    time.sleep(3600)
+
+
+if __name__ == "__main__":
+    method, name = sys.argv[1:]
+    multiprocessing.set_start_method(method)
+    child = multiprocessing.Process(target=engine_core, name=name)
+    child.start()
+    child.join()
+"""
+
+
+def ended(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie its new parent has not reaped yet has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")
+
+
+def start_front_end(daemon, tmp_path: Path, method: str, name: str) -> tuple[LineProcess, int, int, bool]:
+    script = tmp_path / "front_end.py"
+    script.write_text(FRONT_END)
+    front_end = LineProcess([str(script), method, name], env={"HBMD_RUN_DIR": str(daemon.run_dir)})
+    pid, session, watching = front_end.readline().split()
+    return front_end, int(pid), int(session), watching == "True"
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_an_engine_core_whose_front_end_is_killed_ends_and_its_session_with_it(daemon, client, tmp_path, method):
+    front_end, core, session, watching = start_front_end(daemon, tmp_path, method, "EngineCore_DP1")
+    assert watching
+    assert any(s.session_id == session for s in client.sessions())
+    os.kill(front_end.proc.pid, signal.SIGKILL)
+    front_end.proc.wait(10)
+    wait_until(lambda: ended(core), timeout=10)
+    wait_until(lambda: all(s.session_id != session for s in client.sessions()), timeout=10)
+    (kept,) = client.buffers()
+    assert kept.name == "kept" and kept.session_id == 0  # an orphan, for the engine that follows
+    assert f"front end (pid {front_end.proc.pid}) has ended, and this engine core (pid {core})" in \
+        front_end.stderr_tail()
+
+
+def test_no_other_child_of_a_killed_process_is_ended(daemon, client, tmp_path):
+    front_end, child, session, watching = start_front_end(daemon, tmp_path, "fork", "Worker_TP0")
+    try:
+        assert not watching
+        os.kill(front_end.proc.pid, signal.SIGKILL)
+        front_end.proc.wait(10)
+        assert not ended(child)
+        assert any(s.session_id == session for s in client.sessions())
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+def test_an_engine_core_whose_front_end_ended_before_it_looked_ends_at_once(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text("""
+import multiprocessing, os, sys, time
+from hbmd.integrations.vllm_front_end import end_with_front_end
+
+def engine_core():
+    while os.getppid() == multiprocessing.parent_process().pid:
+        time.sleep(0.01)  # until the front end has ended
+    end_with_front_end()
+    print("not ended", flush=True)
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("fork")
+    core = multiprocessing.Process(target=engine_core, name="EngineCore")
+    core.start()
+    print(core.pid, flush=True)
+    os._exit(0)
+""")
+    front_end = LineProcess([str(script)])
+    core = int(front_end.readline())
+    front_end.proc.wait(10)
+    wait_until(lambda: ended(core), timeout=10)
+    assert front_end.proc.stdout.read() == ""
+    assert "has ended, and this engine core" in front_end.stderr_tail()
