@@ -35,7 +35,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -577,41 +579,66 @@ def group_faults(tier: Tier, model: str) -> None:
     tier.stop_daemon()
 
 
+class Server:
+    """One ``vllm serve`` of the tier's, its log in the tier's folder, and OpenAI completions asked of it."""
+
+    def __init__(self, tier: Tier, label: str, model: str, port: int, env: dict[str, str], *args: str) -> None:
+        self.model, self.port, self.label = model, port, label
+        self.log_path = tier.out / f"engine-{label}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", str(port),
+                 "--load-format", "hbmd", "--dtype", "bfloat16", *args], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "HBMD_VLLM": "1", "HBMD_RUN_DIR": str(tier.run_dir), **env})
+
+    def healthy(self) -> bool:
+        with contextlib.suppress(OSError):
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200
+        return False
+
+    def until_healthy(self, timeout: float = ENGINE_TIMEOUT_S) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if self.healthy():
+                return True
+            time.sleep(0.5)
+        return False
+
+    def complete(self, prompt: str | list[int], max_tokens: int, timeout: float = 60) -> dict[str, Any]:
+        """The reply to one greedy completion request; raises ``OSError`` where the server does not give one."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=timeout).read())
+
+    def said(self, text: str) -> bool:
+        return text in self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
 def group_serve(tier: Tier, model: str) -> None:
     """``vllm serve`` on hbmd with one OpenAI completion request."""
-    import urllib.request
-
     tier.start_daemon("--budget", "40GiB")
-    port = 8123
-    log_path = tier.out / "engine-serve.log"
-    env = {**os.environ, "HBMD_VLLM": "1", "HBMD_RUN_DIR": str(tier.run_dir), "HBMD_VLLM_ENGINE": "serve"}
-    with open(log_path, "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port",
-                                   str(port), "--load-format", "hbmd", "--enforce-eager", "--max-model-len", "1024",
-                                   "--dtype", "bfloat16"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(tier, "serve", model, 8123, {"HBMD_VLLM_ENGINE": "serve"}, "--enforce-eager", "--max-model-len",
+                    "1024")
     try:
-        deadline = time.monotonic() + ENGINE_TIMEOUT_S
-        healthy = False
-        while time.monotonic() < deadline and server.poll() is None and not healthy:
-            with contextlib.suppress(OSError):
-                healthy = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
-            time.sleep(1)
-        body = json.dumps({"model": model, "prompt": " ".join(f"w{t}" for t in prompts(1)[0]), "max_tokens": 16,
-                           "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        reply = json.loads(urllib.request.urlopen(request, timeout=60).read()) if healthy else {}
+        prompt = " ".join(f"w{t}" for t in prompts(1)[0])
+        reply = server.complete(prompt, 16) if server.until_healthy() else {}
         buffers = [b["name"] for b in tier.hbmctl("buffers")["buffers"]]
         tier.check("vllm serve on hbmd answers an OpenAI completion request",
                    bool(reply.get("choices")) and reply["choices"][0].get("text") is not None
                    and any(name.startswith("vllm-serve-rank") for name in buffers),
                    text=(reply.get("choices") or [{}])[0].get("text", "")[:80], buffers=buffers)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        server.stop()
     tier.stop_daemon()
 
 
@@ -853,6 +880,94 @@ def group_standby(tier: Tier, model: str, tag: str = "standby") -> None:
     tier.stop_daemon()
 
 
+def engine_cores_of(pid: int) -> list[int]:
+    """The engine core processes ``vllm serve`` ``pid`` started (its children vLLM titled ``EngineCore``)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid and \
+                    b"EngineCore" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+    return found
+
+
+def ended(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie not reaped yet has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def group_standby_serve(tier: Tier, model: str) -> None:
+    """``HBMD_VLLM_STANDBY`` with ``vllm serve``, as a user deploys it: two servers on two ports of one GPU, the
+    standby's port closed until it takes over. The active front end is SIGKILLed with a request in flight; that
+    request fails at its client (it does not hang), the active engine core ends with its front end, and the time
+    from the kill to the first token of an 8k-prefix request at the standby's port is measured, with the tokens it
+    took from the adopted cache and its token against the active engine's."""
+    tier.start_daemon("--budget", "40GiB")
+    env = {"HBMD_VLLM_KEEP_KV": "1", "HBMD_VLLM_ENGINE": "standby-serve",
+           "HBMD_VLLM_KV_INDEX_DIR": str(tier.work / "kv-index")}
+    args = ("--max-model-len", str(KEEP_PREFIX_LEN + 256), "--enable-prompt-tokens-details")
+    long_prompt = prompts(n=1, length=KEEP_PREFIX_LEN, seed=11)[0]
+    active = Server(tier, "standby-serve-active", model, 8131, env, *args)
+    standby: Server | None = None
+    try:
+        if not tier.check("standby-serve: the active server answers", active.until_healthy()):
+            return
+        first = active.complete(long_prompt, 1)
+        standby = Server(tier, "standby-serve-standby", model, 8132, {**env, "HBMD_VLLM_STANDBY": "1"}, *args)
+        deadline = time.monotonic() + ENGINE_TIMEOUT_S
+        while time.monotonic() < deadline and standby.proc.poll() is None and not standby.said(STANDING_BY):
+            time.sleep(0.5)
+        tier.check("standby-serve: the standby waits with its port closed",
+                   standby.said(STANDING_BY) and not standby.healthy())
+        [core] = engine_cores_of(active.proc.pid) or [0]
+        tier.figures["standby_serve_footprint_while_waiting"] = {
+            "standby_gpu_bytes": sum(gpu_memory_of(pid) for pid in engine_cores_of(standby.proc.pid)),
+            "active_gpu_bytes": gpu_memory_of(core)}
+        in_flight: dict[str, Any] = {}
+
+        def ask_long() -> None:
+            began = time.monotonic()
+            try:
+                in_flight["reply"] = active.complete(long_prompt[:256], 4000, timeout=120)
+            except OSError as exc:
+                in_flight["error"] = f"{type(exc).__name__}: {exc}"
+            in_flight["seconds"] = time.monotonic() - began
+
+        asking = threading.Thread(target=ask_long)
+        asking.start()
+        time.sleep(1.0)  # the request is decoding
+        killed = time.monotonic()
+        os.kill(active.proc.pid, signal.SIGKILL)
+        reply: dict[str, Any] = {}
+        while time.monotonic() < killed + ENGINE_TIMEOUT_S and standby.proc.poll() is None:
+            try:
+                reply = standby.complete(long_prompt, 1)
+                break
+            except OSError:
+                time.sleep(0.01)
+        first_token_s = time.monotonic() - killed
+        asking.join(60)
+        core_ended = ended(core)
+        cached = ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        cacheable = (KEEP_PREFIX_LEN - 1) // 16 * 16
+        tier.figures["standby_serve_kill_to_first_token_s"] = round(first_token_s, 3)
+        tier.check("standby-serve: the request in flight at the kill fails at its client, in seconds",
+                   "error" in in_flight and in_flight["seconds"] < 60, **in_flight)
+        tier.check("standby-serve: the active engine core ended with its front end", core_ended, core=core)
+        tier.check("standby-serve: the standby's port serves the 8k prefix from the killed engine's cache, its token "
+                   "the active engine's", cached == cacheable and bool(reply.get("choices"))
+                   and reply["choices"][0]["text"] == first["choices"][0]["text"],
+                   cached=cached, cacheable=cacheable, kill_to_first_token_s=round(first_token_s, 3))
+    finally:
+        active.stop()
+        if standby is not None:
+            standby.stop()
+    tier.stop_daemon()
+
+
 def group_standby_big(tier: Tier, model: str) -> None:
     """The standby group with the big model."""
     group_standby(tier, model, tag="standby-big")
@@ -861,7 +976,7 @@ def group_standby_big(tier: Tier, model: str) -> None:
 GROUPS = {"core": group_core, "sleep": group_sleep, "budget": group_budget, "faults": group_faults,
           "serve": group_serve, "big": group_big, "keep": group_keep,
           "keep-big": group_keep_big, "keep-changes": group_keep_changes, "standby": group_standby,
-          "standby-big": group_standby_big}
+          "standby-big": group_standby_big, "standby-serve": group_standby_serve}
 BIG_MODEL_GROUPS = {"big", "keep-big", "standby-big"}
 
 
