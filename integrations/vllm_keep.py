@@ -315,13 +315,18 @@ def kept_tensor_options(client: Any, scope: Scope, rank: int) -> dict[str, Any]:
             log.info("hbmd freed %s (%s), a kept KV buffer of engine %s that no prefix index describes (a start that "
                      "failed, or an older generation)", info.name, format_bytes(info.physical_bytes), scope.engine)
     if expected is not None and donor is None:
-        why = f"the buffer its prefix index describes, {expected}, is gone (freed at its grace period's end?)"
+        why = donor_gone(expected)
     name = f"{buffer_base(scope.engine, scope.dp, rank)}.{secrets.token_hex(GENERATION_HEX // 2)}"
     _rank = KeptRank(scope, rank, name, gpu, donor, why, standing_by=standby)
     if donor is not None and not standby:
         log.info("hbmd keeps this engine's KV cache: the predecessor's (%s, %s) is adopted at the final sizing",
                  donor.name, format_bytes(donor.physical_bytes))
     return {"name": name, "persistent": True, "keep_orphan_s": seconds(GRACE, DEFAULT_GRACE_S, MOST_S)}
+
+
+def donor_gone(expected: str) -> str:
+    """Why a rank adopts nothing where the buffer its prefix index describes is not listed."""
+    return f"the buffer its prefix index describes, {expected}, is gone (freed at its grace period's end?)"
 
 
 def note_created() -> None:

@@ -207,7 +207,7 @@ def left_donor(client: Any, rank: KeptRank) -> Donor | None:
     expected, why = vllm_keep.expected_donor(rank.scope, rank.rank, rank.gpu)
     listed = client.buffers(name=expected, owner_uid=os.getuid()) if expected is not None else []
     if expected is not None and not listed:
-        why = f"the buffer its prefix index describes, {expected}, is gone"
+        why = vllm_keep.donor_gone(expected)
     if not listed:
         rank.why_cold = why
         log.warning("hbmd: taking over without the active engine's KV cache: %s", why)
