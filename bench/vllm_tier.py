@@ -908,7 +908,8 @@ def group_standby_serve(tier: Tier, model: str) -> None:
     tier.start_daemon("--budget", "40GiB")
     env = {"HBMD_VLLM_KEEP_KV": "1", "HBMD_VLLM_ENGINE": "standby-serve",
            "HBMD_VLLM_KV_INDEX_DIR": str(tier.work / "kv-index")}
-    args = ("--max-model-len", str(KEEP_PREFIX_LEN + 256), "--enable-prompt-tokens-details")
+    block = 16
+    args = ("--max-model-len", str(KEEP_PREFIX_LEN + 256), "--enable-prompt-tokens-details", "--block-size", str(block))
     long_prompt = prompts(n=1, length=KEEP_PREFIX_LEN, seed=11)[0]
     active = Server(tier, "standby-serve-active", model, 8131, env, *args)
     standby: Server | None = None
@@ -952,7 +953,7 @@ def group_standby_serve(tier: Tier, model: str) -> None:
         asking.join(60)
         core_ended = ended(core)
         cached = ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-        cacheable = (KEEP_PREFIX_LEN - 1) // 16 * 16
+        cacheable = (KEEP_PREFIX_LEN - 1) // block * block
         tier.figures["standby_serve_kill_to_first_token_s"] = round(first_token_s, 3)
         tier.check("standby-serve: the request in flight at the kill fails at its client, in seconds",
                    "error" in in_flight and in_flight["seconds"] < 60, **in_flight)
