@@ -966,7 +966,7 @@ def group_standby_serve(tier: Tier, model: str) -> None:
         active.stop()
         if standby is not None:
             standby.stop()
-    tier.stop_daemon()
+        tier.stop_daemon()
 
 
 def group_standby_big(tier: Tier, model: str) -> None:
