@@ -48,9 +48,10 @@ from .vllm_prefix import shared_fields
 log = logging.getLogger("vllm.hbmd")
 
 READY_TIMEOUT = "VLLM_ENGINE_READY_TIMEOUT_S"
-STANDBY_READY_TIMEOUT_S = 10 * 365 * 86400
-"""How long vLLM's front end waits for a standby's engine core to be ready: a standby is not ready until it took
-over, which may be never."""
+NO_LIMIT_S = -1
+"""How long vLLM's front end waits for a standby's engine core to be ready, which is not until it took over, and
+may be never: vLLM polls for it with pyzmq for this many seconds times 1,000, and pyzmq reads a negative wait as no
+limit (a long one overflows the C int it is passed as: 24.8 days at most)."""
 SETTLE_S = (0.002, 0.25)
 """A session whose process ended is ended by the daemon as soon as it reads the hang-up: looked at again after the
 first, up to the second, doubling (a forked child may hold the session's socket on)."""
@@ -67,13 +68,13 @@ class StandbyRefused(RuntimeError):
 
 def patch_front_end() -> None:
     """vLLM's front end waits ``VLLM_ENGINE_READY_TIMEOUT_S`` for its engine core, and a standby's is not ready
-    until it takes over: unless the operator set that wait, it is made as long as a standby may wait. The module's
-    name is changed, not the environment, which vLLM's compile factors (and so the kept index's key) include."""
+    until it takes over: unless the operator set that wait, it has no limit. The module's name is changed, not the
+    environment, which vLLM's compile factors (and so the kept index's key) include."""
     if os.environ.get(READY_TIMEOUT):
         return
     from vllm.v1.engine import core_client
 
-    core_client.VLLM_ENGINE_READY_TIMEOUT_S = STANDBY_READY_TIMEOUT_S
+    core_client.VLLM_ENGINE_READY_TIMEOUT_S = NO_LIMIT_S
 
 
 def waiting(measure: Any) -> Any:

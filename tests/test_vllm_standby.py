@@ -10,6 +10,8 @@ import fcntl
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -218,3 +220,40 @@ def test_a_standby_setting_needs_the_kept_cache(monkeypatch):
     monkeypatch.delenv(vllm_keep.KEEP, raising=False)
     with pytest.raises(ValueError, match="HBMD_VLLM_STANDBY needs HBMD_VLLM_KEEP_KV=1"):
         vllm_keep.check_settings()
+
+
+FRONT_END = """
+import threading, time, zmq
+from hbmd.integrations import vllm as plugin
+
+plugin.register()
+from vllm.v1.engine import core_client
+
+context = zmq.Context()
+waiting = context.socket(zmq.PAIR)
+waiting.bind("inproc://ready")
+ready = context.socket(zmq.PAIR)
+ready.connect("inproc://ready")
+threading.Timer(0.5, ready.send, (b"ready",)).start()
+began = time.monotonic()
+# What vLLM's front end does while its engine core starts (vllm/v1/engine/core_client.py).
+answered = waiting.poll(timeout=core_client.VLLM_ENGINE_READY_TIMEOUT_S * 1000)
+print(core_client.VLLM_ENGINE_READY_TIMEOUT_S, answered, time.monotonic() - began >= 0.5, flush=True)
+"""
+"""A front end with hbmd's plugin: how long it waits for its engine core, and whether that wait works with pyzmq."""
+
+
+@pytest.mark.parametrize("set_by_operator", [None, "30"])
+def test_a_standbys_front_end_waits_for_its_engine_core_without_limit_unless_told(kept, set_by_operator):
+    """A standby's engine core is ready only at its takeover. A long wait in seconds overflows the C int of
+    milliseconds pyzmq hands libzmq (the front end then failed at its start): the wait has no limit instead."""
+    env = {"HBMD_VLLM": "1", vllm_keep.KEEP: "1", vllm_keep.STANDBY: "1", vllm_keep.ENGINE: "e",
+           vllm_keep.INDEX_DIR: str(kept)}
+    environment = {key: value for key, value in os.environ.items() if key != vllm_standby.READY_TIMEOUT}
+    if set_by_operator is not None:
+        environment[vllm_standby.READY_TIMEOUT] = set_by_operator
+    front_end = subprocess.run([sys.executable, "-c", FRONT_END], env={**environment, **env}, capture_output=True,
+                               text=True, timeout=300)
+    assert front_end.returncode == 0, front_end.stderr[-3000:]
+    wait, answered, waited = front_end.stdout.split()
+    assert (wait, answered, waited) == (set_by_operator or str(vllm_standby.NO_LIMIT_S), "1", "True")
