@@ -795,6 +795,8 @@ STANDBY_ROUNDS = 3
 new standby starts beside it."""
 STANDING_BY = "standing by for"
 """What a standby's log says once it waits, holding little."""
+TAKING_OVER = "taking over its KV cache"
+"""What a standby's log says once the active engine's session ended."""
 
 
 def gpu_memory_of(pid: int) -> int:
@@ -943,13 +945,17 @@ def group_standby_serve(tier: Tier, model: str) -> None:
         killed = time.monotonic()
         os.kill(active.proc.pid, signal.SIGKILL)
         reply: dict[str, Any] = {}
+        took_over_s = None  # where the time goes: the engine core's takeover, then the front end's own start
         while time.monotonic() < killed + ENGINE_TIMEOUT_S and standby.proc.poll() is None:
+            if took_over_s is None and standby.said(TAKING_OVER):
+                took_over_s = round(time.monotonic() - killed, 3)
             try:
                 reply = standby.complete(long_prompt, 1)
                 break
             except OSError:
                 time.sleep(0.01)
         first_token_s = time.monotonic() - killed
+        tier.figures["standby_serve_kill_to_takeover_logged_s"] = took_over_s
         asking.join(60)
         core_ended = ended(core)
         cached = ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
