@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import select
 import threading
+from pathlib import Path
 from typing import NoReturn
 
 log = logging.getLogger("vllm.hbmd")
@@ -36,13 +37,21 @@ def end_with_front_end() -> threading.Thread | None:
         return None
     try:
         pidfd = os.pidfd_open(front_end.pid)
-    except ProcessLookupError:
+        # Not its parent where a fork server started it. A front end that ended before the pidfd was opened may have
+        # left its pid to a process started since, after this one.
+        gone = started(front_end.pid) > started(os.getpid())
+    except (ProcessLookupError, FileNotFoundError):
+        gone = True
+    if gone:
         end(front_end.pid)
-    if os.getppid() != front_end.pid:
-        end(front_end.pid)  # it ended before the pidfd was opened, which may then be another process's
     watch = threading.Thread(target=wait_and_end, args=(pidfd, front_end.pid), name="hbmd-front-end", daemon=True)
     watch.start()
     return watch
+
+
+def started(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since the boot."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
 
 
 def wait_and_end(pidfd: int, pid: int) -> None:

@@ -59,7 +59,7 @@ def start_front_end(daemon, tmp_path: Path, method: str, name: str) -> tuple[Lin
     return front_end, int(pid), int(session), watching == "True"
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_an_engine_core_whose_front_end_is_killed_ends_and_its_session_with_it(daemon, client, tmp_path, method):
     front_end, core, session, watching = start_front_end(daemon, tmp_path, method, "EngineCore_DP1")
     assert watching
