@@ -58,7 +58,7 @@ from hbmd.proto.units import format_bytes
 from . import vllm_compat, vllm_keep, vllm_standby
 from .settings import LOAD_FORMAT, seconds, switch
 from .vllm_compat import UnsupportedVllm
-from .vllm_front_end import end_with_front_end
+from .vllm_front_end import end_with_front_end, patch_engine_core
 
 # Under vLLM's logger, so that what hbmd does shows in vLLM's own log, in its format.
 log = logging.getLogger("vllm.hbmd")
@@ -433,6 +433,7 @@ def register() -> None:
     if hasattr(extensible_kv_cache.ExtensibleTensor, "__wrapped__"):
         return  # vLLM may load general plugins more than once in a process
     end_with_front_end()
+    patch_engine_core()
     if vllm_keep.standing_by():
         vllm_standby.patch_front_end()
     extensible_kv_cache.ExtensibleTensor = hbmd_or_own(extensible_kv_cache.ExtensibleTensor)

@@ -162,6 +162,11 @@ TABLE: tuple[TouchPoint, ...] = (
                "set in a standby's front end: it waits for its engine core for as long as the standby waits",
                "vLLM reads the wait from its environment once, at import, and the environment is one of the "
                "compile factors a kept cache is bound to", attributes=True),
+    # An engine core ends with its front end.
+    TouchPoint("vllm.v1.engine.core", "EngineCoreProc.run_engine_core", ("args", "dp_rank", "local_dp_rank"),
+               "wrapped: a forked engine core watches its front end from its start and ends when it ends",
+               "vLLM offers no hook in the engine core's process before its engine starts, and a forked engine core "
+               "loads no plugin (its front end's are loaded already)"),
     # The weight loader: --load-format hbmd.
     TouchPoint("vllm.model_executor.model_loader", "register_model_loader", ("load_format",),
                "called: registers --load-format hbmd"),

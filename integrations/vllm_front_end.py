@@ -14,13 +14,15 @@ exactly that), the moment the kernel says its front end ended.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
 import select
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 log = logging.getLogger("vllm.hbmd")
 
@@ -29,9 +31,35 @@ ENGINE_CORE = "EngineCore"
 engine): the children this module ends with their front end, and no other process."""
 
 
+_watch: threading.Thread | None = None
+"""This process's watch of its front end, once started."""
+
+
+def patch_engine_core() -> None:
+    """Start the watch as an engine core's process starts: a forked one runs vLLM's ``run_engine_core`` as patched
+    here (it loads no plugin: the front end's are loaded already), a spawned one loads the plugin, which calls
+    :func:`end_with_front_end` itself."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    if not hasattr(EngineCoreProc.run_engine_core, "__wrapped__"):
+        EngineCoreProc.run_engine_core = staticmethod(ending_with_front_end(EngineCoreProc.run_engine_core))
+
+
+def ending_with_front_end(run_engine_core: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(run_engine_core)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        end_with_front_end()
+        return run_engine_core(*args, **kwargs)
+
+    return run
+
+
 def end_with_front_end() -> threading.Thread | None:
     """In a vLLM engine core's process, a thread that ends the process once the front end that started it ends
-    (at once where it has ended already); None in any other process."""
+    (at once where it has ended already), started once; None in any other process."""
+    global _watch
+    if _watch is not None:
+        return _watch
     front_end = multiprocessing.parent_process()
     if front_end is None or front_end.pid is None or not multiprocessing.current_process().name.startswith(ENGINE_CORE):
         return None
@@ -44,9 +72,9 @@ def end_with_front_end() -> threading.Thread | None:
         gone = True
     if gone:
         end(front_end.pid)
-    watch = threading.Thread(target=wait_and_end, args=(pidfd, front_end.pid), name="hbmd-front-end", daemon=True)
-    watch.start()
-    return watch
+    _watch = threading.Thread(target=wait_and_end, args=(pidfd, front_end.pid), name="hbmd-front-end", daemon=True)
+    _watch.start()
+    return _watch
 
 
 def started(pid: int) -> int:

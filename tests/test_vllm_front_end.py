@@ -111,3 +111,42 @@ if __name__ == "__main__":
     wait_until(lambda: ended(core), timeout=10)
     assert front_end.proc.stdout.read() == ""
     assert "has ended, and this engine core" in front_end.stderr_tail()
+
+
+VLLM_FRONT_END = """
+import multiprocessing, os
+from hbmd.integrations import vllm as plugin
+
+plugin.register()
+from vllm.config import DeviceConfig, VllmConfig
+from vllm.v1.engine.core import EngineCoreProc
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("fork")  # vLLM's default: the engine core loads no plugin of its own
+    # vLLM's engine core, which waits for its front end's handshake (minutes) before it starts its engine.
+    core = multiprocessing.Process(target=EngineCoreProc.run_engine_core, name="EngineCore", kwargs={
+        "vllm_config": VllmConfig(device_config=DeviceConfig("cpu")), "local_client": True,
+        "handshake_address": "ipc://" + os.path.join(os.environ["HANDSHAKE_DIR"], "handshake"),
+        "executor_class": None, "log_stats": False})
+    core.start()
+    print(core.pid, flush=True)
+    core.join()
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.torch
+def test_vllms_own_forked_engine_core_ends_with_its_front_end(tmp_path):
+    pytest.importorskip("vllm.v1.engine.core", reason="vLLM is not installed")
+    script = tmp_path / "front_end.py"
+    script.write_text(VLLM_FRONT_END)
+    front_end = LineProcess([str(script)], env={"HBMD_VLLM": "1", "HANDSHAKE_DIR": str(tmp_path)})
+    core = int(front_end.readline(timeout=300))
+    try:
+        os.kill(front_end.proc.pid, signal.SIGKILL)  # before or after its engine core began to watch it: either way
+        front_end.proc.wait(10)
+        wait_until(lambda: ended(core), timeout=10)
+    finally:
+        if not ended(core):
+            os.kill(core, signal.SIGKILL)
+
