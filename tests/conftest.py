@@ -28,11 +28,11 @@ def in_system_lane(item: pytest.Item) -> bool:
 
 def pytest_addoption(parser):
     parser.addoption("--lane", choices=("fast", "system"),
-                     help="run one lane: fast (unit and quick ipc tests, about two minutes) or system (the rest)")
+                     help="run one lane: fast (unit and quick ipc tests, about four minutes) or system (the rest)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The fast lane first (unit tests and quick ipc tests, about two minutes), then the system lane (``--lane``
+    """The fast lane first (unit tests and quick ipc tests, about four minutes), then the system lane (``--lane``
     picks one); without torch, the tests that go through tensor views skip, saying so."""
     lane = config.getoption("--lane")
     if lane is not None:
@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 class Lanes:
-    """Says when the fast lane has run, and stops there where it failed: the system lane takes ten minutes more, and
+    """Says when the fast lane has run, and stops there where it failed: the system lane takes fifteen minutes more, and
     a broken fast test seldom leaves it worth waiting for (``--lane system`` runs it alone)."""
 
     def __init__(self, session: pytest.Session, fast: int) -> None:
