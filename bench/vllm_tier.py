@@ -893,14 +893,6 @@ def engine_cores_of(pid: int) -> list[int]:
     return found
 
 
-def ended(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie not reaped yet has)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 def cached_tokens(reply: dict[str, Any]) -> int | None:
     """The prompt's tokens an OpenAI completion's reply says came from the prefix cache."""
     return ((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -963,6 +955,8 @@ def group_standby_serve(tier: Tier, model: str) -> None:
         first_token_s = time.monotonic() - killed
         tier.figures["standby_serve_kill_to_takeover_logged_s"] = took_over_s
         asking.join(60)
+        from hbmd.testing.spawn import ended
+
         core_ended = ended(core)
         cached = cached_tokens(reply)
         tier.figures["standby_serve_kill_to_first_token_s"] = round(first_token_s, 3)

@@ -25,6 +25,14 @@ STOP_TIMEOUT_S = 10.0
 LINE_TIMEOUT_S = 60.0
 
 
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie its parent has not reaped yet has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
 def wait_until(predicate: Callable[[], T], timeout: float = 10.0, interval: float = 0.02) -> T:
     """Poll ``predicate`` until it returns a truthy value, and return it; ``TimeoutError`` after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from hbmd.testing.spawn import LineProcess
+from hbmd.testing.spawn import LineProcess, ended
 from helpers import wait_until
 
 pytestmark = pytest.mark.ipc
@@ -40,15 +40,6 @@ if __name__ == "__main__":
     child.start()
     child.join()
 """
-
-
-def ended(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie its new parent has not reaped yet has)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return True
-    return state in ("Z", "X")
 
 
 def start_front_end(daemon, tmp_path: Path, method: str, name: str) -> tuple[LineProcess, int, int, bool]:
