@@ -65,9 +65,10 @@ def end_with_front_end() -> threading.Thread | None:
         return None
     try:
         pidfd = os.pidfd_open(front_end.pid)
-        # Not its parent where a fork server started it. A front end that ended before the pidfd was opened may have
-        # left its pid to a process started since, after this one.
-        gone = started(front_end.pid) > started(os.getpid())
+        # It has exited where the pidfd is readable now (its parent may not have reaped it yet). One that ended before
+        # the pidfd was opened may have left its pid to a process started since, after this one. (Not its parent where
+        # a fork server started it.)
+        gone = bool(select.select([pidfd], [], [], 0)[0]) or started(front_end.pid) > started(os.getpid())
     except (ProcessLookupError, FileNotFoundError):
         gone = True
     if gone:
