@@ -904,6 +904,8 @@ def group_standby_serve(tier: Tier, model: str) -> None:
     request fails at its client (it does not hang), the active engine core ends with its front end, and the time
     from the kill to the first token of an 8k-prefix request at the standby's port is measured, with the tokens it
     took from the adopted cache and its token against the active engine's."""
+    from hbmd.testing.spawn import ended
+
     tier.start_daemon("--budget", "40GiB")
     env = {"HBMD_VLLM_KEEP_KV": "1", "HBMD_VLLM_ENGINE": "standby-serve",
            "HBMD_VLLM_KV_INDEX_DIR": str(tier.work / "kv-index")}
@@ -955,8 +957,6 @@ def group_standby_serve(tier: Tier, model: str) -> None:
         first_token_s = time.monotonic() - killed
         tier.figures["standby_serve_kill_to_takeover_logged_s"] = took_over_s
         asking.join(60)
-        from hbmd.testing.spawn import ended
-
         core_ended = ended(core)
         cached = cached_tokens(reply)
         tier.figures["standby_serve_kill_to_first_token_s"] = round(first_token_s, 3)
