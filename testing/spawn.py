@@ -6,11 +6,12 @@ Also the helper processes they drive line by line (:class:`LineProcess`).
 from __future__ import annotations
 
 import os
-import selectors
+import queue
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -172,20 +173,44 @@ class LineProcess:
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"stdout of pid {self.proc.pid}", daemon=True).start()
 
     def readline(self, timeout: float = LINE_TIMEOUT_S) -> str:
         """The next line it prints, stripped. ``TimeoutError`` (and the process killed) when none comes in time,
         ``RuntimeError`` when it exited instead; both with the end of its stderr."""
-        assert self.proc.stdout is not None  # stdout=PIPE
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.proc.stdout, selectors.EVENT_READ)
-            if not selector.select(timeout):
-                self.kill()
-                raise TimeoutError(f"pid {self.proc.pid} printed nothing in {timeout:.0f}s: {self.stderr_tail()}")
-        line = self.proc.stdout.readline()
-        if not line:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            self.kill()
+            raise TimeoutError(f"pid {self.proc.pid} printed nothing in {timeout:.0f}s: {self.stderr_tail()}") from None
+        if line is None:
+            self._lines.put(None)  # for the next call too
             raise RuntimeError(f"pid {self.proc.pid} exited with {self.proc.wait(5)}: {self.stderr_tail()}")
         return line.strip()
+
+    def rest(self, timeout: float = LINE_TIMEOUT_S) -> list[str]:
+        """Every line it prints from here to the end of its output (its exit, and that of any child of it that
+        holds its stdout), stripped; ``TimeoutError`` where that end does not come in time."""
+        deadline = time.monotonic() + timeout
+        lines: list[str] = []
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"pid {self.proc.pid}'s output did not end in {timeout:.0f}s") from None
+            if line is None:
+                self._lines.put(None)
+                return lines
+            lines.append(line.strip())
+
+    def _read(self) -> None:
+        """Its stdout, line by line, onto a queue (None at its end): a line already read into a buffer is one
+        waiting, where a ``select`` on the pipe would not see it."""
+        assert self.proc.stdout is not None  # stdout=PIPE
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None  # stdin=PIPE
