@@ -30,17 +30,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.ipc, pytest.mark.torch]
 
 STANDBY = KV_WORKER + """
 import json
-import types
-from hbmd.integrations import vllm_keep, vllm_standby
-from vllm.config import DeviceConfig, VllmConfig
+from hbmd.integrations import vllm_keep
+from test_vllm_standby import take_over
 
 kv.commit(50)
 print(kv.buffer.name, flush=True)
-blocks = vllm_standby.waiting(vllm_keep.counting_kept_blocks(lambda cache: 300))(kv)
-runner = types.SimpleNamespace(extensible_kv_cache=kv, vllm_config=VllmConfig(device_config=DeviceConfig("cpu")),
-                               get_model=lambda: types.SimpleNamespace())
-vllm_keep.grafting(lambda runner, config, blocks: runner.extensible_kv_cache.commit(blocks, shrink=True))(
-    runner, config, blocks)
+take_over(kv, config)
 held = all(bool((kv.buffer.segment_view(s)[b * kv.segment_strides[s] : (b + 1) * kv.segment_strides[s]]
                  == b % 250 + 1).all()) for s in range(len(kv.segment_strides)) for b in range(1, 300))
 print(json.dumps({"took_over": kv.buffer.name, "adopted_from": vllm_keep._rank.adopted_from, "held": held}),
@@ -50,6 +45,16 @@ sys.stdin.readline()
 """A standby's worker: its KV cache made and warmed up, then vLLM's measure (which waits for the takeover) and the
 final sizing (which grafts); it prints its buffer's name, then what it took over and whether the blocks hold the
 active engine's bytes."""
+
+
+def take_over(kv, kv_cache_config) -> None:
+    """What a standby's worker does at vLLM's measure after warm-up (waits there for its takeover; vLLM measured 300
+    blocks free) and at the final sizing (grafts the active engine's pages)."""
+    blocks = vllm_standby.waiting(vllm_keep.counting_kept_blocks(lambda cache: 300))(kv)
+    runner = types.SimpleNamespace(extensible_kv_cache=kv, vllm_config=VllmConfig(device_config=DeviceConfig("cpu")),
+                                   get_model=lambda: types.SimpleNamespace())
+    vllm_keep.grafting(lambda runner, config, blocks: runner.extensible_kv_cache.commit(blocks, shrink=True))(
+        runner, kv_cache_config, blocks)
 
 
 def engine_env(daemon, kept, standby: bool) -> dict[str, str]:
