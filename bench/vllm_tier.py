@@ -279,16 +279,10 @@ class Engine:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "engine", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=environment)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        from hbmd.testing.spawn import lines_of
 
-    def _read(self) -> None:
-        """The engine's output, line by line, onto :attr:`lines` (None at its end), so that every wait has a deadline
-        however silent the engine is."""
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
+        self.lines = lines_of(self.proc.stdout, f"output of {label}")
 
     def _next(self, deadline: float) -> str | None:
         """The engine's next line, written to its log; None at its end; TimeoutError past ``deadline``."""

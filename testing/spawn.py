@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import IO, TypeVar
 
 from hbmd.proto.instance import instance_published_by
 
@@ -160,6 +160,21 @@ class DaemonProcess:
         self.stop()
 
 
+def lines_of(stream: IO[str], name: str) -> queue.Queue[str | None]:
+    """A text stream's lines, read by a thread (``name``) onto a queue, None at the stream's end: a wait for a line
+    can have a deadline however silent the writer, and a line already read into Python's buffer is waiting there,
+    where a ``select`` on the pipe would not see it."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, name=name, daemon=True).start()
+    return lines
+
+
 class LineProcess:
     """A Python helper process driven by lines: commands on its stdin, one line of stdout per step."""
 
@@ -173,8 +188,8 @@ class LineProcess:
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, name=f"stdout of pid {self.proc.pid}", daemon=True).start()
+        assert self.proc.stdout is not None  # stdout=PIPE
+        self._lines = lines_of(self.proc.stdout, f"stdout of pid {self.proc.pid}")
 
     def readline(self, timeout: float = LINE_TIMEOUT_S) -> str:
         """The next line it prints, stripped. ``TimeoutError`` (and the process killed) when none comes in time,
@@ -203,14 +218,6 @@ class LineProcess:
                 self._lines.put(None)
                 return lines
             lines.append(line.strip())
-
-    def _read(self) -> None:
-        """Its stdout, line by line, onto a queue (None at its end): a line already read into a buffer is one
-        waiting, where a ``select`` on the pipe would not see it."""
-        assert self.proc.stdout is not None  # stdout=PIPE
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None  # stdin=PIPE
