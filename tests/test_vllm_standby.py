@@ -49,8 +49,12 @@ active engine's bytes."""
 
 def take_over(kv, kv_cache_config) -> None:
     """What a standby's worker does at vLLM's measure after warm-up (waits there for its takeover; vLLM measured 300
-    blocks free) and at the final sizing (grafts the active engine's pages)."""
-    blocks = vllm_standby.waiting(vllm_keep.counting_kept_blocks(lambda cache: 300))(kv)
+    blocks free) and at the final sizing (:func:`graft`)."""
+    graft(kv, kv_cache_config, vllm_standby.waiting(vllm_keep.counting_kept_blocks(lambda cache: 300))(kv))
+
+
+def graft(kv, kv_cache_config, blocks: int) -> None:
+    """vLLM's final sizing of ``kv`` to ``blocks``, through the plugin's: the active engine's pages grafted first."""
     runner = types.SimpleNamespace(extensible_kv_cache=kv, vllm_config=VllmConfig(device_config=DeviceConfig("cpu")),
                                    get_model=lambda: types.SimpleNamespace())
     vllm_keep.grafting(lambda runner, config, blocks: runner.extensible_kv_cache.commit(blocks, shrink=True))(
@@ -136,10 +140,7 @@ def test_a_standby_holds_nothing_while_its_active_engine_lives_hung_or_not_and_t
     assert not waiter.is_alive() and result["blocks"] >= 300
     print(f"the standby measured {result['at'] - killed:.3f} s after the active engine's {end}")
 
-    runner = types.SimpleNamespace(extensible_kv_cache=kv, vllm_config=VllmConfig(device_config=DeviceConfig("cpu")),
-                                   get_model=lambda: types.SimpleNamespace())
-    vllm_keep.grafting(lambda runner, config, blocks: runner.extensible_kv_cache.commit(blocks, shrink=True))(
-        runner, config, int(result["blocks"]))
+    graft(kv, config, int(result["blocks"]))
     assert kv.buffer.base_ptr == base and kv.num_committed_blocks == result["blocks"]
     for segment in range(len(kv.segment_strides)):
         stride, view = kv.segment_strides[segment], kv.buffer.segment_view(segment)
